@@ -1,0 +1,942 @@
+#include "engine.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+
+namespace kvpool {
+
+namespace {
+
+constexpr size_t kMaxGroup = 256;          // slices per pipelined group
+constexpr uint64_t kGroupBytes = 8 << 20;  // bytes per pipelined group
+constexpr int kIovMax = 1024;
+
+void set_timeouts(int fd, int ms) {
+  timeval tv{};
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+void tune_socket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Error status for a failed syscall on a connected socket.
+int32_t sock_err(ssize_t rc) {
+  if (rc == 0) return ST_PEER_CLOSED;
+  if (errno == EAGAIN || errno == EWOULDBLOCK) return ST_TIMEOUT;
+  return ST_PEER_CLOSED;
+}
+
+// Reads exactly n bytes. Returns ST_OK or an error status.
+int32_t recv_all(int fd, void* buf, size_t n) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    return sock_err(r);
+  }
+  return ST_OK;
+}
+
+// Writes every iovec fully, handling partial writes. Modifies iov.
+int32_t writev_all(int fd, iovec* iov, int cnt) {
+  while (cnt > 0) {
+    int n = std::min(cnt, kIovMax);
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(n);
+    ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return sock_err(w);
+    }
+    size_t left = static_cast<size_t>(w);
+    while (cnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --cnt;
+    }
+    if (cnt > 0 && left > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return ST_OK;
+}
+
+int32_t send_all(int fd, const void* buf, size_t n) {
+  iovec v{const_cast<void*>(buf), n};
+  return writev_all(fd, &v, 1);
+}
+
+// Drains n bytes from the socket without touching registered memory.
+int32_t drain(int fd, uint64_t n) {
+  char scratch[65536];
+  while (n > 0) {
+    size_t k = static_cast<size_t>(std::min<uint64_t>(n, sizeof(scratch)));
+    int32_t st = recv_all(fd, scratch, k);
+    if (st != ST_OK) return st;
+    n -= k;
+  }
+  return ST_OK;
+}
+
+// Connects with a timeout. Returns fd or -1.
+int dial(const std::string& host, uint16_t port, int timeout_ms) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  std::string ps = std::to_string(port);
+  if (getaddrinfo(host.c_str(), ps.c_str(), &hints, &res) != 0 || !res) return -1;
+  int fd = -1;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+    if (fd < 0) continue;
+    int rc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+    if (rc < 0 && errno == EINPROGRESS) {
+      pollfd pfd{fd, POLLOUT, 0};
+      rc = ::poll(&pfd, 1, timeout_ms);
+      if (rc == 1) {
+        int err = 0;
+        socklen_t el = sizeof(err);
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+        rc = err == 0 ? 0 : -1;
+      } else {
+        rc = -1;
+      }
+    }
+    if (rc == 0) {
+      int fl = fcntl(fd, F_GETFL);
+      fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+      break;
+    }
+    ::close(fd);
+    fd = -1;
+  }
+  freeaddrinfo(res);
+  if (fd >= 0) {
+    tune_socket(fd);
+    set_timeouts(fd, timeout_ms);
+  }
+  return fd;
+}
+
+// Client side of the handshake. Returns ST_OK and the server incarnation.
+int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation) {
+  std::string hello = encode_hello(secret, kProtoVersion);
+  int32_t st = send_all(fd, hello.data(), hello.size());
+  if (st != ST_OK) return st;
+  HelloOk ok{};
+  st = recv_all(fd, &ok, sizeof(ok));
+  if (st != ST_OK) return st == ST_PEER_CLOSED ? ST_AUTH : st;  // server closes on refusal
+  if (ok.magic != kHelloOkMagic) return ST_BAD_FRAME;
+  if (ok.status != ST_OK) return ok.status;
+  *incarnation = ok.incarnation;
+  return ST_OK;
+}
+
+bool ct_equal(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return d == 0;
+}
+
+int state_for(int32_t st) { return st == ST_TIMEOUT ? S_TIMEOUT : (st == ST_CANCELED ? S_CANCELED : S_FAILED); }
+
+}  // namespace
+
+// ---------------------------------------------------------------- wire helpers
+
+std::string encode_hello(const std::string& secret, uint16_t version) {
+  HelloHdr h{kHelloMagic, version, static_cast<uint16_t>(std::min<size_t>(secret.size(), kMaxSecret))};
+  std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
+  out.append(secret.data(), h.secret_len);
+  return out;
+}
+
+std::string encode_request(uint8_t op, uint32_t id, uint64_t addr, uint64_t len) {
+  ReqHdr h{kReqMagic, op, 0, 0, id, 0, addr, len};
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_frame) {
+  std::vector<ParsedFrame> out;
+  size_t pos = 0;
+  while (data.size() - pos >= sizeof(ReqHdr)) {
+    ReqHdr h;
+    std::memcpy(&h, data.data() + pos, sizeof(h));
+    pos += sizeof(h);
+    bool fatal = false;
+    int32_t st = validate_request(h, max_frame, &fatal);
+    if (fatal) throw KvError(E_PROTOCOL, std::string("fatal frame: ") + status_text(st));
+    out.push_back(ParsedFrame{h.op, h.id, h.addr, h.len, st});
+    if (h.op == OP_WRITE) {
+      if (data.size() - pos < h.len) break;  // incomplete payload: wait for more bytes
+      pos += h.len;
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- registry
+
+void Registry::add(uint64_t addr, uint64_t len, bool remote) {
+  if (len == 0) throw KvError(E_INVALID, "cannot register zero bytes");
+  if (addr + len < addr) throw KvError(E_INVALID, "address range wraps around");
+  std::unique_lock lk(mu_);
+  auto it = regions_.upper_bound(addr);
+  if (it != regions_.end() && it->first < addr + len)
+    throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
+  if (it != regions_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second.len > addr)
+      throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
+  }
+  regions_[addr] = Region{addr, len, remote};
+}
+
+void Registry::remove(uint64_t addr) {
+  std::unique_lock lk(mu_);
+  auto it = regions_.find(addr);
+  if (it == regions_.end())
+    throw KvError(E_NOT_REGISTERED, "no registration starts at this address");
+  regions_.erase(it);
+}
+
+bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote) const {
+  if (len == 0 || addr + len < addr) return false;
+  auto it = regions_.upper_bound(addr);
+  if (it == regions_.begin()) return false;
+  --it;
+  const Region& r = it->second;
+  if (need_remote && !r.remote) return false;
+  return addr >= r.addr && addr + len <= r.addr + r.len;
+}
+
+bool Registry::contains(uint64_t addr, uint64_t len, bool need_remote) const {
+  std::shared_lock lk(mu_);
+  return contains_locked(addr, len, need_remote);
+}
+
+std::vector<Region> Registry::list() const {
+  std::shared_lock lk(mu_);
+  std::vector<Region> out;
+  for (auto& kv : regions_) out.push_back(kv.second);
+  return out;
+}
+
+// ---------------------------------------------------------------- batch
+
+void Batch::finish_slice(uint32_t idx, uint64_t nbytes, int32_t status) {
+  Slot& s = slots[idx];
+  if (status != ST_OK) {
+    int zero = 0;
+    s.err.compare_exchange_strong(zero, status);
+  } else {
+    s.bytes.fetch_add(nbytes, std::memory_order_relaxed);
+  }
+  if (s.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    int err = s.err.load();
+    s.state.store(err == 0 ? S_COMPLETED : state_for(err), std::memory_order_release);
+    if (pending_slots.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard lk(mu);
+      cv.notify_all();
+    }
+  }
+}
+
+bool Peer::remote_ok(uint64_t addr, uint64_t len) {
+  if (len == 0 || addr + len < addr) return false;
+  std::lock_guard lk(regions_mu);
+  for (auto& r : regions)
+    if (addr >= r.first && addr + len <= r.first + r.second) return true;
+  return false;
+}
+
+// ---------------------------------------------------------------- engine
+
+Engine::Engine(const EngineOptions& opt) : opt_(opt) {
+  std::random_device rd;
+  incarnation_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                 static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  if (incarnation_ == 0) incarnation_ = 1;
+  signal(SIGPIPE, SIG_IGN);
+
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  std::string ps = std::to_string(opt.port);
+  if (getaddrinfo(opt.host.c_str(), ps.c_str(), &hints, &res) != 0 || !res)
+    throw KvError(E_INVALID, "cannot resolve hostname '" + opt.host + "'");
+  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (fd < 0 || ::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
+    std::string why = strerror(errno);
+    freeaddrinfo(res);
+    if (fd >= 0) ::close(fd);
+    throw KvError(E_INVALID, "cannot listen on " + opt.host + ":" + ps + ": " + why +
+                                 " (pick another port or hostname)");
+  }
+  freeaddrinfo(res);
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof(ss);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl);
+  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  listen_fd_ = fd;
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  if (stopping_.exchange(true)) return;
+  ::shutdown(listen_fd_, SHUT_RDWR);
+  if (acceptor_.joinable()) acceptor_.join();
+  ::close(listen_fd_);
+  {
+    std::unique_lock lk(conns_mu_);
+    for (auto& kv : conns_) ::shutdown(kv.first, SHUT_RDWR);
+    conns_cv_.wait(lk, [this] { return conn_threads_ == 0; });
+  }
+  std::unordered_map<uint64_t, std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard lk(peers_mu_);
+    peers.swap(peers_);
+  }
+  for (auto& kv : peers) {
+    Peer* p = kv.second.get();
+    {
+      std::lock_guard lk(p->qmu);
+      p->stopping = true;
+    }
+    p->qcv.notify_all();
+    p->qspace.notify_all();
+    for (auto& l : p->lanes) {
+      std::lock_guard lk(l->mu);
+      if (l->fd >= 0) ::shutdown(l->fd, SHUT_RDWR);
+    }
+    for (auto& t : p->workers)
+      if (t.joinable()) t.join();
+    for (auto& l : p->lanes)
+      if (l->fd >= 0) ::close(l->fd);
+  }
+}
+
+void Engine::set_descriptor(const std::string& blob) {
+  std::lock_guard lk(desc_mu_);
+  descriptor_ = blob;
+}
+
+void Engine::accept_loop() {
+  while (!stopping_) {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (stopping_) break;
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
+        if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        continue;
+      }
+      break;
+    }
+    tune_socket(fd);
+    std::lock_guard lk(conns_mu_);
+    if (stopping_) {
+      ::close(fd);
+      break;
+    }
+    conns_[fd] = true;
+    ++conn_threads_;
+    std::thread([this, fd] {
+      serve_conn(fd);
+      std::lock_guard lk2(conns_mu_);
+      conns_.erase(fd);
+      ::close(fd);
+      if (--conn_threads_ == 0) conns_cv_.notify_all();
+    }).detach();
+  }
+}
+
+void Engine::serve_conn(int fd) {
+  // Handshake: a peer that does not present the secret is refused before any memory is touched.
+  set_timeouts(fd, opt_.connect_timeout_ms);
+  HelloHdr hello{};
+  if (recv_all(fd, &hello, sizeof(hello)) != ST_OK) return;
+  if (hello.magic != kHelloMagic || hello.secret_len > kMaxSecret) return;
+  std::string secret(hello.secret_len, '\0');
+  if (hello.secret_len && recv_all(fd, secret.data(), secret.size()) != ST_OK) return;
+  HelloOk ok{kHelloOkMagic, ST_OK, incarnation_};
+  if (hello.version != kProtoVersion) ok.status = ST_VERSION;
+  else if (!opt_.secret.empty() && !ct_equal(secret, opt_.secret)) ok.status = ST_AUTH;
+  send_all(fd, &ok, sizeof(ok));
+  if (ok.status != ST_OK) return;
+
+  set_timeouts(fd, opt_.timeout_ms);
+  std::vector<RespHdr> acks;  // coalesced WRITE acks
+  auto flush = [&]() -> bool {
+    if (acks.empty()) return true;
+    int32_t st = send_all(fd, acks.data(), acks.size() * sizeof(RespHdr));
+    acks.clear();
+    return st == ST_OK;
+  };
+  while (!stopping_) {
+    ReqHdr h{};
+    // Wait for the next header; an idle connection may wait forever, a partial header may not.
+    size_t got = 0;
+    while (got < sizeof(h)) {
+      ssize_t r = ::recv(fd, reinterpret_cast<char*>(&h) + got, sizeof(h) - got, 0);
+      if (r > 0) {
+        got += static_cast<size_t>(r);
+        continue;
+      }
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && got == 0 && !stopping_) continue;
+      flush();
+      return;
+    }
+    bool fatal = false;
+    int32_t st = validate_request(h, opt_.max_frame, &fatal);
+    RespHdr resp{kRespMagic, st, h.id, 0, 0};
+    if (fatal) {
+      acks.push_back(resp);
+      flush();
+      return;
+    }
+    if (h.op == OP_WRITE) {
+      int32_t io;
+      {
+        std::shared_lock lk(reg_.mutex());
+        if (st == ST_OK && !reg_.contains_locked(h.addr, h.len, true)) st = ST_REMOTE_BOUNDS;
+        if (st == ST_OK) io = recv_all(fd, reinterpret_cast<void*>(h.addr), h.len);
+      }
+      if (st != ST_OK) io = drain(fd, h.len);
+      if (io != ST_OK) return;
+      resp.status = st;
+      acks.push_back(resp);
+    } else if (h.op == OP_READ) {
+      if (!flush()) return;
+      std::shared_lock lk(reg_.mutex());
+      if (st == ST_OK && !reg_.contains_locked(h.addr, h.len, true)) st = ST_REMOTE_BOUNDS;
+      resp.status = st;
+      resp.len = st == ST_OK ? h.len : 0;
+      iovec iov[2] = {{&resp, sizeof(resp)}, {reinterpret_cast<void*>(h.addr), resp.len}};
+      if (writev_all(fd, iov, st == ST_OK ? 2 : 1) != ST_OK) return;
+    } else if (h.op == OP_GET_DESC) {
+      if (!flush()) return;
+      std::string blob;
+      {
+        std::lock_guard lk(desc_mu_);
+        blob = descriptor_;
+      }
+      resp.len = blob.size();
+      iovec iov[2] = {{&resp, sizeof(resp)}, {blob.data(), blob.size()}};
+      if (writev_all(fd, iov, 2) != ST_OK) return;
+    } else {  // PING
+      acks.push_back(resp);
+    }
+    // Coalesce acks while more requests are already waiting in the socket.
+    int avail = 0;
+    if (acks.size() >= 64 || ioctl(fd, FIONREAD, &avail) != 0 || avail < static_cast<int>(sizeof(ReqHdr))) {
+      if (!flush()) return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- peers
+
+uint64_t Engine::add_peer(const std::string& host, uint16_t port, uint64_t incarnation, int pid,
+                          const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
+  auto p = std::make_shared<Peer>();
+  p->host = host;
+  p->port = port;
+  p->incarnation = incarnation;
+  p->pid = pid;
+  p->regions = regions;
+  for (int i = 0; i < opt_.lanes; ++i) p->lanes.emplace_back(new Lane());
+  {
+    std::lock_guard lk(peers_mu_);
+    if (stopping_) throw KvError(E_INVALID, "engine is shut down");
+    p->id = next_peer_++;
+    peers_[p->id] = p;
+  }
+  Peer* raw = p.get();
+  for (int i = 0; i < opt_.lanes; ++i) p->workers.emplace_back([this, raw, i] { worker_loop(raw, i); });
+  return p->id;
+}
+
+void Engine::update_peer(uint64_t id, uint64_t incarnation, int pid,
+                         const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
+  auto p = get_peer(id);
+  bool restarted = p->incarnation.exchange(incarnation) != incarnation;
+  p->pid = pid;
+  {
+    std::lock_guard lk(p->regions_mu);
+    p->regions = regions;
+  }
+  if (restarted) {
+    // Old connections point at the previous process: drop them (idle lanes only; busy lanes
+    // discover it themselves).
+    for (auto& l : p->lanes) {
+      std::unique_lock lk(l->mu, std::try_to_lock);
+      if (lk.owns_lock() && l->fd >= 0) {
+        ::close(l->fd);
+        l->fd = -1;
+      }
+    }
+  }
+  p->stale = false;
+}
+
+bool Engine::peer_stale(uint64_t id) { return get_peer(id)->stale.load(); }
+bool Engine::peer_same_host(uint64_t id) { return get_peer(id)->pid.load() != 0; }
+
+void Engine::remove_peer(uint64_t id) {
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard lk(peers_mu_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle");
+    p = it->second;
+    peers_.erase(it);
+  }
+  {
+    std::lock_guard lk(p->qmu);
+    p->stopping = true;
+  }
+  p->qcv.notify_all();
+  p->qspace.notify_all();
+  for (auto& t : p->workers)
+    if (t.joinable()) t.join();
+  for (auto& l : p->lanes)
+    if (l->fd >= 0) ::close(l->fd);
+}
+
+std::shared_ptr<Peer> Engine::get_peer(uint64_t id) {
+  std::lock_guard lk(peers_mu_);
+  auto it = peers_.find(id);
+  if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle; call open_segment first");
+  return it->second;
+}
+
+std::shared_ptr<Batch> Engine::get_batch(uint64_t id) {
+  std::lock_guard lk(batches_mu_);
+  auto it = batches_.find(id);
+  if (it == batches_.end()) throw KvError(E_INVALID, "unknown batch id (already freed?)");
+  return it->second;
+}
+
+// ---------------------------------------------------------------- batches
+
+uint64_t Engine::alloc_batch(uint32_t n) {
+  if (n == 0) throw KvError(E_INVALID, "batch_size must be at least 1");
+  auto b = std::make_shared<Batch>(n);
+  std::lock_guard lk(batches_mu_);
+  uint64_t id = next_batch_++;
+  batches_[id] = std::move(b);
+  return id;
+}
+
+void Engine::free_batch(uint64_t id) {
+  std::lock_guard lk(batches_mu_);
+  auto it = batches_.find(id);
+  if (it == batches_.end()) throw KvError(E_INVALID, "unknown batch id (already freed?)");
+  if (it->second->pending_slots.load() != 0)
+    throw KvError(E_BATCH_IN_FLIGHT, "batch has transfers in flight; wait for them before freeing it");
+  batches_.erase(it);
+}
+
+void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
+                      const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
+                      const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved) {
+  size_t n = ops.size();
+  if (locals.size() != n || peers.size() != n || remotes.size() != n || lens.size() != n)
+    throw KvError(E_INVALID, "request arrays differ in length");
+  std::unordered_map<uint64_t, std::shared_ptr<Peer>> cache;
+  resolved->resize(n);
+  std::shared_lock lk(reg_.mutex());
+  for (size_t i = 0; i < n; ++i) {
+    std::string at = " (request " + std::to_string(i) + ")";
+    if (ops[i] != OP_WRITE && ops[i] != OP_READ) throw KvError(E_INVALID, "opcode must be READ or WRITE" + at);
+    if (lens[i] == 0) throw KvError(E_INVALID, "length must be positive" + at);
+    if (!reg_.contains_locked(locals[i], lens[i], false))
+      throw KvError(E_NOT_REGISTERED,
+                    "local range is not inside registered memory; call register_local_memory first" + at);
+    auto& p = cache[peers[i]];
+    if (!p) {
+      std::lock_guard pk(peers_mu_);
+      auto it = peers_.find(peers[i]);
+      if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle" + at);
+      p = it->second;
+    }
+    if (!p->remote_ok(remotes[i], lens[i]))
+      throw KvError(E_REMOTE_ACCESS,
+                    "remote range is outside the segment's remote-accessible buffers" + at);
+    (*resolved)[i] = p;
+  }
+}
+
+void Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
+                    const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
+                    const std::vector<uint64_t>& lens) {
+  auto b = get_batch(batch_id);
+  std::vector<std::shared_ptr<Peer>> resolved;
+  validate(ops, locals, peers, remotes, lens, &resolved);
+  size_t n = ops.size();
+  uint32_t base;
+  {
+    std::lock_guard lk(batches_mu_);
+    if (b->used + n > b->capacity)
+      throw KvError(E_INVALID, "batch is full: " + std::to_string(b->used) + " of " +
+                                   std::to_string(b->capacity) + " slots used; allocate a bigger batch");
+    base = b->used;
+    b->used += static_cast<uint32_t>(n);
+  }
+  const uint64_t ss = opt_.slice_size;
+  for (size_t i = 0; i < n; ++i) {
+    Slot& s = b->slots[base + i];
+    s.length = lens[i];
+    s.bytes = 0;
+    s.err = 0;
+    s.remaining = static_cast<uint32_t>((lens[i] + ss - 1) / ss);
+    s.state = S_PENDING;
+  }
+  b->pending_slots.fetch_add(static_cast<uint32_t>(n));
+  for (size_t i = 0; i < n; ++i) {
+    Peer* p = resolved[i].get();
+    uint64_t inc = p->incarnation.load();
+    std::unique_lock lk(p->qmu);
+    for (uint64_t off = 0; off < lens[i]; off += ss) {
+      // Back-pressure: wait for room rather than reject a big batch.
+      p->qspace.wait(lk, [&] { return p->queue.size() < opt_.max_queue || p->stopping; });
+      if (p->stopping) {
+        lk.unlock();
+        b->finish_slice(base + i, 0, ST_CANCELED);
+        lk.lock();
+        continue;
+      }
+      p->queue.push_back(Slice{b, static_cast<uint32_t>(base + i), ops[i], locals[i] + off, remotes[i] + off,
+                               std::min(ss, lens[i] - off), inc});
+      if (p->queue.size() == 1 || (p->queue.size() & 63) == 0) p->qcv.notify_one();
+    }
+    lk.unlock();
+    p->qcv.notify_all();
+  }
+}
+
+std::pair<int, uint64_t> Engine::status(uint64_t batch, uint32_t idx) {
+  auto b = get_batch(batch);
+  if (idx >= b->capacity) throw KvError(E_INVALID, "index out of range of the batch");
+  Slot& s = b->slots[idx];
+  return {s.state.load(std::memory_order_acquire), s.bytes.load()};
+}
+
+int Engine::slot_error(uint64_t batch, uint32_t idx) {
+  auto b = get_batch(batch);
+  if (idx >= b->capacity) throw KvError(E_INVALID, "index out of range of the batch");
+  return b->slots[idx].err.load();
+}
+
+std::pair<int, uint64_t> Engine::batch_status(uint64_t batch) {
+  auto b = get_batch(batch);
+  uint32_t used;
+  {
+    std::lock_guard lk(batches_mu_);
+    used = b->used;
+  }
+  uint64_t bytes = 0;
+  int worst = S_COMPLETED;
+  bool pending = false;
+  for (uint32_t i = 0; i < used; ++i) {
+    int st = b->slots[i].state.load(std::memory_order_acquire);
+    bytes += b->slots[i].bytes.load();
+    if (st == S_PENDING) pending = true;
+    else if (st != S_COMPLETED && worst == S_COMPLETED) worst = st;
+  }
+  if (used == 0) return {S_WAITING, 0};
+  return {pending ? S_PENDING : worst, bytes};
+}
+
+int Engine::wait(uint64_t batch, int timeout_ms) {
+  auto b = get_batch(batch);
+  std::unique_lock lk(b->mu);
+  auto done = [&] { return b->pending_slots.load() == 0; };
+  if (timeout_ms < 0) b->cv.wait(lk, done);
+  else b->cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), done);
+  lk.unlock();
+  return batch_status(batch).first;
+}
+
+int Engine::transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len) {
+  std::vector<std::shared_ptr<Peer>> resolved;
+  validate({op}, {local}, {peer}, {remote}, {len}, &resolved);
+  Peer* p = resolved[0].get();
+  if (len <= opt_.slice_size) {
+    // Inline: do the I/O in this thread on an idle lane (no thread hand-off).
+    auto b = std::make_shared<Batch>(1);
+    b->slots[0].remaining = 1;
+    b->slots[0].state = S_PENDING;
+    b->pending_slots = 1;
+    std::vector<Slice> group{Slice{b, 0, op, local, remote, len, p->incarnation.load()}};
+    bool done = p->pid.load() != 0 && execute_same_host(p, group) == 1;
+    for (size_t i = 0; !done && i < p->lanes.size(); ++i) {
+      Lane* lane = p->lanes[i].get();
+      std::unique_lock lk(lane->mu, std::try_to_lock);
+      if (!lk.owns_lock()) continue;
+      lk.unlock();
+      execute(p, lane, group);
+      done = true;
+    }
+    if (done) {
+      int err = b->slots[0].err.load();
+      return err;
+    }
+  }
+  uint64_t id = alloc_batch(1);
+  try {
+    submit(id, {op}, {local}, {peer}, {remote}, {len});
+    wait(id, -1);
+  } catch (...) {
+    free_batch(id);
+    throw;
+  }
+  int err = slot_error(id, 0);
+  free_batch(id);
+  return err;
+}
+
+// ---------------------------------------------------------------- data path
+
+void Engine::worker_loop(Peer* p, int lane_idx) {
+  Lane* lane = p->lanes[lane_idx].get();
+  std::vector<Slice> group;
+  group.reserve(kMaxGroup);
+  for (;;) {
+    group.clear();
+    {
+      std::unique_lock lk(p->qmu);
+      p->qcv.wait(lk, [&] { return !p->queue.empty() || p->stopping; });
+      if (p->queue.empty()) return;  // stopping
+      if (p->stopping) {
+        // Engine shutting down: cancel what is queued.
+        while (!p->queue.empty()) {
+          Slice s = std::move(p->queue.front());
+          p->queue.pop_front();
+          s.batch->finish_slice(s.slot, 0, ST_CANCELED);
+        }
+        p->qspace.notify_all();
+        return;
+      }
+      uint8_t op = p->queue.front().op;
+      uint64_t bytes = 0;
+      while (!p->queue.empty() && group.size() < kMaxGroup && p->queue.front().op == op &&
+             (group.empty() || bytes + p->queue.front().len <= kGroupBytes)) {
+        bytes += p->queue.front().len;
+        group.push_back(std::move(p->queue.front()));
+        p->queue.pop_front();
+      }
+      if (!p->queue.empty()) p->qcv.notify_one();
+    }
+    p->qspace.notify_all();
+    if (p->pid.load() != 0) {
+      size_t handled = execute_same_host(p, group);
+      if (handled == group.size()) continue;
+      group.erase(group.begin(), group.begin() + static_cast<long>(handled));
+    }
+    execute(p, lane, group);
+  }
+}
+
+// Same-host path: one kernel copy between the two address spaces. Returns how many slices from the
+// front of the group it finished; the caller sends the rest over TCP. When the kernel refuses
+// (EPERM/ENOSYS, e.g. ptrace restrictions) the peer stays on TCP from then on.
+size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
+  const int pid = p->pid.load();
+  if (pid == 0) return 0;
+  for (size_t i = 0; i < group.size(); ++i) {
+    Slice& s = group[i];
+    if (s.incarnation != p->incarnation.load()) {
+      s.batch->finish_slice(s.slot, 0, ST_PEER_RESTARTED);
+      continue;
+    }
+    uint64_t done = 0;
+    while (done < s.len) {
+      iovec l{reinterpret_cast<void*>(s.local + done), s.len - done};
+      iovec r{reinterpret_cast<void*>(s.remote + done), s.len - done};
+      ssize_t n = s.op == OP_WRITE ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                                   : process_vm_readv(pid, &l, 1, &r, 1, 0);
+      if (n > 0) {
+        done += static_cast<uint64_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == ESRCH) {  // the process is gone
+        p->stale = true;
+        s.batch->finish_slice(s.slot, 0, ST_PEER_CLOSED);
+        break;
+      }
+      if (n < 0 && (errno == EPERM || errno == ENOSYS || errno == EACCES)) p->pid = 0;
+      return i;  // let TCP (and the target's own checks) handle this slice and the rest
+    }
+    if (done == s.len) s.batch->finish_slice(s.slot, s.len, ST_OK);
+  }
+  return group.size();
+}
+
+int Engine::connect_lane(Peer* p, Lane* lane) {
+  int fd = dial(p->host, p->port, opt_.connect_timeout_ms);
+  if (fd < 0) return ST_CONNECT;
+  uint64_t inc = 0;
+  int32_t st = client_hello(fd, opt_.secret, &inc);
+  if (st != ST_OK) {
+    ::close(fd);
+    return st;
+  }
+  set_timeouts(fd, opt_.timeout_ms);
+  lane->fd = fd;
+  lane->incarnation = inc;
+  return ST_OK;
+}
+
+void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
+  std::lock_guard lk(lane->mu);
+  size_t done = 0;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    bool fresh = false;
+    if (lane->fd < 0) {
+      int32_t st = connect_lane(p, lane);
+      if (st != ST_OK) {
+        p->stale = true;
+        for (size_t i = done; i < group.size(); ++i) group[i].batch->finish_slice(group[i].slot, 0, st);
+        return;
+      }
+      fresh = true;
+    }
+    if (lane->incarnation != p->incarnation.load() || lane->incarnation != group[done].incarnation) {
+      // The process behind the address is not the one the descriptor described.
+      p->stale = true;
+      for (size_t i = done; i < group.size(); ++i)
+        group[i].batch->finish_slice(group[i].slot, 0, ST_PEER_RESTARTED);
+      return;
+    }
+    size_t before = done;
+    int32_t st = tcp_io(lane, group, &done);
+    if (st == ST_OK) return;
+    ::close(lane->fd);
+    lane->fd = -1;
+    // A pooled connection that broke before any reply may just be stale: retry once on a new one.
+    if (!fresh && done == before && st == ST_PEER_CLOSED && attempt == 0) continue;
+    p->stale = true;
+    for (size_t i = done; i < group.size(); ++i) group[i].batch->finish_slice(group[i].slot, 0, st);
+    return;
+  }
+}
+
+// Pipelines a group of same-op slices over one connection. `done` counts slices finished.
+int Engine::tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done) {
+  const int fd = lane->fd;
+  const size_t start = *done;
+  const size_t n = group.size() - start;
+  const bool is_write = group[start].op == OP_WRITE;
+  std::vector<ReqHdr> hdrs(n);
+  std::vector<iovec> iov;
+  iov.reserve(is_write ? 2 * n : n);
+  for (size_t i = 0; i < n; ++i) {
+    const Slice& s = group[start + i];
+    hdrs[i] = ReqHdr{kReqMagic, s.op, 0, 0, static_cast<uint32_t>(i), 0, s.remote, s.len};
+    iov.push_back({&hdrs[i], sizeof(ReqHdr)});
+    if (is_write) iov.push_back({reinterpret_cast<void*>(s.local), s.len});
+  }
+  // Requests go out in one gather write; for READ the headers are tiny, for WRITE the replies are,
+  // so neither side can block the other.
+  int32_t st = writev_all(fd, iov.data(), static_cast<int>(iov.size()));
+  if (st != ST_OK) return st;
+  if (is_write) {
+    std::vector<RespHdr> resp(n);
+    st = recv_all(fd, resp.data(), n * sizeof(RespHdr));
+    if (st != ST_OK) return st;
+    for (size_t i = 0; i < n; ++i) {
+      if (resp[i].magic != kRespMagic || resp[i].id != i) return ST_BAD_FRAME;
+      Slice& s = group[start + i];
+      s.batch->finish_slice(s.slot, resp[i].status == ST_OK ? s.len : 0, resp[i].status);
+      ++*done;
+    }
+    return ST_OK;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    RespHdr r{};
+    st = recv_all(fd, &r, sizeof(r));
+    if (st != ST_OK) return st;
+    Slice& s = group[start + i];
+    if (r.magic != kRespMagic || r.id != i) return ST_BAD_FRAME;
+    if (r.status == ST_OK) {
+      if (r.len != s.len) return ST_BAD_FRAME;
+      st = recv_all(fd, reinterpret_cast<void*>(s.local), s.len);
+      if (st != ST_OK) return st;
+    }
+    s.batch->finish_slice(s.slot, r.status == ST_OK ? s.len : 0, r.status);
+    ++*done;
+  }
+  return ST_OK;
+}
+
+std::pair<uint64_t, std::string> Engine::fetch_descriptor(const std::string& host, uint16_t port,
+                                                          const std::string& secret, int timeout_ms) {
+  int fd = dial(host, port, timeout_ms);
+  if (fd < 0)
+    throw KvError(E_SEGMENT_NOT_FOUND, "cannot connect to segment " + host + ":" + std::to_string(port) +
+                                           " (is its engine running and listening there?)");
+  uint64_t inc = 0;
+  int32_t st = client_hello(fd, secret, &inc);
+  if (st != ST_OK) {
+    ::close(fd);
+    if (st == ST_AUTH) throw KvError(E_AUTH, status_text(st));
+    throw KvError(E_SEGMENT_NOT_FOUND, std::string("handshake with ") + host + ":" + std::to_string(port) +
+                                           " failed: " + status_text(st));
+  }
+  ReqHdr h{kReqMagic, OP_GET_DESC, 0, 0, 0, 0, 0, 0};
+  RespHdr r{};
+  st = send_all(fd, &h, sizeof(h));
+  if (st == ST_OK) st = recv_all(fd, &r, sizeof(r));
+  std::string blob;
+  if (st == ST_OK && (r.magic != kRespMagic || r.status != ST_OK || r.len > (64u << 20))) st = ST_BAD_FRAME;
+  if (st == ST_OK) {
+    blob.resize(r.len);
+    st = recv_all(fd, blob.data(), r.len);
+  }
+  ::close(fd);
+  if (st != ST_OK)
+    throw KvError(E_SEGMENT_NOT_FOUND, std::string("cannot read descriptor of ") + host + ":" +
+                                           std::to_string(port) + ": " + status_text(st));
+  return {inc, blob};
+}
+
+}  // namespace kvpool

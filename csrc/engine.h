@@ -1,0 +1,221 @@
+// Native data path of the kvpool transfer engine: memory registry, TCP server, per-peer lanes,
+// same-host copies, batches. No Python here; bindings live in module.cpp.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "wire.h"
+
+namespace kvpool {
+
+// Error kinds mapped to kvpool.errors classes by the bindings.
+enum ErrKind {
+  E_INVALID = 1,
+  E_NOT_REGISTERED,
+  E_REGISTRATION,
+  E_REMOTE_ACCESS,
+  E_SEGMENT_NOT_FOUND,
+  E_AUTH,
+  E_TRANSFER,
+  E_TIMEOUT,
+  E_BATCH_IN_FLIGHT,
+  E_PROTOCOL,
+};
+
+struct KvError : std::runtime_error {
+  int kind;
+  KvError(int k, const std::string& m) : std::runtime_error(m), kind(k) {}
+};
+
+enum State : int { S_WAITING = 0, S_PENDING, S_COMPLETED, S_FAILED, S_TIMEOUT, S_CANCELED, S_INVALID };
+
+struct Region {
+  uint64_t addr;
+  uint64_t len;
+  bool remote;
+};
+
+// Registered memory. contains() is what both the server (remote access) and submit (local
+// access) check against.
+class Registry {
+ public:
+  void add(uint64_t addr, uint64_t len, bool remote);
+  void remove(uint64_t addr);
+  bool contains(uint64_t addr, uint64_t len, bool need_remote) const;
+  std::shared_mutex& mutex() const { return mu_; }
+  bool contains_locked(uint64_t addr, uint64_t len, bool need_remote) const;
+  std::vector<Region> list() const;
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::map<uint64_t, Region> regions_;
+};
+
+struct Slot {
+  std::atomic<int> state{S_WAITING};
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<uint32_t> remaining{0};
+  std::atomic<int> err{0};  // first error status
+  uint64_t length = 0;
+};
+
+struct Batch {
+  explicit Batch(uint32_t n) : capacity(n), slots(new Slot[n]) {}
+  uint32_t capacity;
+  uint32_t used = 0;  // guarded by Engine::batches_mu_ during submit
+  std::unique_ptr<Slot[]> slots;
+  std::atomic<uint32_t> pending_slots{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  void finish_slice(uint32_t idx, uint64_t nbytes, int32_t status);
+};
+
+struct Slice {
+  std::shared_ptr<Batch> batch;
+  uint32_t slot;
+  uint8_t op;
+  uint64_t local;
+  uint64_t remote;
+  uint64_t len;
+  uint64_t incarnation;
+};
+
+struct Lane {
+  std::mutex mu;
+  int fd = -1;
+  uint64_t incarnation = 0;
+};
+
+class Engine;
+
+struct Peer {
+  uint64_t id;
+  std::string host;
+  uint16_t port;
+  std::atomic<uint64_t> incarnation{0};
+  std::atomic<int> pid{0};  // same-host target pid, 0 = not same host / disabled
+  std::atomic<bool> stale{false};
+  std::mutex regions_mu;
+  std::vector<std::pair<uint64_t, uint64_t>> regions;  // remote-accessible buffers
+  std::mutex qmu;
+  std::condition_variable qcv;
+  std::condition_variable qspace;
+  std::deque<Slice> queue;
+  bool stopping = false;
+  std::vector<std::unique_ptr<Lane>> lanes;
+  std::vector<std::thread> workers;
+  bool remote_ok(uint64_t addr, uint64_t len);
+};
+
+struct EngineOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  std::string secret;
+  int lanes = 2;
+  uint64_t slice_size = 1 << 20;
+  int timeout_ms = 30000;
+  int connect_timeout_ms = 5000;
+  uint64_t max_frame = 256ull << 20;
+  size_t max_queue = 16384;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& opt);
+  ~Engine();
+  void shutdown();
+
+  uint16_t port() const { return port_; }
+  uint64_t incarnation() const { return incarnation_; }
+  Registry& registry() { return reg_; }
+  void set_descriptor(const std::string& blob);
+
+  uint64_t add_peer(const std::string& host, uint16_t port, uint64_t incarnation, int pid,
+                    const std::vector<std::pair<uint64_t, uint64_t>>& regions);
+  void update_peer(uint64_t id, uint64_t incarnation, int pid,
+                   const std::vector<std::pair<uint64_t, uint64_t>>& regions);
+  bool peer_stale(uint64_t id);
+  bool peer_same_host(uint64_t id);
+  void remove_peer(uint64_t id);
+
+  uint64_t alloc_batch(uint32_t n);
+  void free_batch(uint64_t id);
+  void submit(uint64_t batch, const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
+              const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
+              const std::vector<uint64_t>& lens);
+  std::pair<int, uint64_t> status(uint64_t batch, uint32_t idx);
+  int slot_error(uint64_t batch, uint32_t idx);
+  std::pair<int, uint64_t> batch_status(uint64_t batch);
+  int wait(uint64_t batch, int timeout_ms);
+  // One request, done in the calling thread when a lane is free. Returns a Status.
+  int transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len);
+
+  // Fetches a peer's descriptor over its handshake port. Returns (incarnation, blob).
+  static std::pair<uint64_t, std::string> fetch_descriptor(const std::string& host, uint16_t port,
+                                                           const std::string& secret, int timeout_ms);
+
+ private:
+  friend struct Worker;
+  void accept_loop();
+  void serve_conn(int fd);
+  void worker_loop(Peer* p, int lane_idx);
+  void execute(Peer* p, Lane* lane, std::vector<Slice>& group);
+  size_t execute_same_host(Peer* p, std::vector<Slice>& group);
+  int tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done);
+  int connect_lane(Peer* p, Lane* lane);
+  std::shared_ptr<Batch> get_batch(uint64_t id);
+  std::shared_ptr<Peer> get_peer(uint64_t id);
+  void validate(const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
+                const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
+                const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved);
+
+  EngineOptions opt_;
+  uint64_t incarnation_;
+  uint16_t port_ = 0;
+  int listen_fd_ = -1;
+  Registry reg_;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+  std::mutex conns_mu_;
+  std::condition_variable conns_cv_;
+  std::unordered_map<int, bool> conns_;  // open server connections
+  int conn_threads_ = 0;
+
+  std::mutex desc_mu_;
+  std::string descriptor_;
+
+  std::mutex batches_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Batch>> batches_;
+  uint64_t next_batch_ = 1;
+
+  std::mutex peers_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Peer>> peers_;
+  uint64_t next_peer_ = 1;
+};
+
+// Parses a byte string as the server would parse a request stream (used by fuzz tests).
+// Returns the number of complete frames; throws KvError(E_PROTOCOL) on a fatal frame.
+struct ParsedFrame {
+  uint8_t op;
+  uint32_t id;
+  uint64_t addr;
+  uint64_t len;
+  int32_t status;
+};
+std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_frame);
+std::string encode_request(uint8_t op, uint32_t id, uint64_t addr, uint64_t len);
+std::string encode_hello(const std::string& secret, uint16_t version);
+
+}  // namespace kvpool

@@ -1,0 +1,148 @@
+// Python bindings of the native data path (kvpool._native). Every call that waits or moves
+// bytes releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "engine.h"
+
+namespace py = pybind11;
+using namespace kvpool;
+
+namespace {
+
+PyObject* g_errors[16] = {nullptr};
+
+PyObject* error_class(int kind) {
+  if (kind > 0 && kind < 16 && g_errors[kind]) return g_errors[kind];
+  return PyExc_RuntimeError;
+}
+
+void load_error_classes() {
+  py::module_ errors = py::module_::import("kvpool.errors");
+  const std::pair<int, const char*> names[] = {
+      {E_INVALID, "InvalidArgument"},         {E_NOT_REGISTERED, "AddressNotRegistered"},
+      {E_REGISTRATION, "RegistrationError"},  {E_REMOTE_ACCESS, "RemoteAccessError"},
+      {E_SEGMENT_NOT_FOUND, "SegmentNotFound"}, {E_AUTH, "AuthenticationError"},
+      {E_TRANSFER, "TransferError"},          {E_TIMEOUT, "TransferTimeout"},
+      {E_BATCH_IN_FLIGHT, "BatchInFlight"},   {E_PROTOCOL, "ProtocolError"},
+  };
+  for (auto& [k, n] : names) g_errors[k] = py::object(errors.attr(n)).release().ptr();  // kept for the process
+}
+
+// Address and length of a writable, contiguous Python buffer.
+py::tuple buffer_address(py::handle obj) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS) != 0) {
+    PyErr_Clear();
+    throw KvError(E_INVALID, "expected a writable contiguous buffer (bytearray, memoryview, numpy array, tensor)");
+  }
+  auto addr = reinterpret_cast<uintptr_t>(view.buf);
+  auto len = static_cast<uint64_t>(view.len);
+  PyBuffer_Release(&view);
+  return py::make_tuple(addr, len);
+}
+
+// Deterministic fast fill (xorshift64*), for demos and tests.
+void fill_pattern(uint64_t addr, uint64_t len, uint64_t seed) {
+  auto* p = reinterpret_cast<unsigned char*>(addr);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  uint64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    uint64_t v = x * 0x2545F4914F6CDD1Dull;
+    std::memcpy(p + i, &v, 8);
+  }
+  for (; i < len; ++i) p[i] = static_cast<unsigned char>(x >> (8 * (i & 7)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvpool native data path (TCP and same-host transports, batches, registry)";
+  load_error_classes();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const KvError& e) {
+      PyErr_SetString(error_class(e.kind), e.what());
+    }
+  });
+
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<Engine>(m, "NativeEngine")
+      .def(py::init([](const std::string& host, int port, const std::string& secret, int lanes,
+                       uint64_t slice_size, int timeout_ms, int connect_timeout_ms, uint64_t max_frame) {
+             EngineOptions o;
+             o.host = host;
+             o.port = static_cast<uint16_t>(port);
+             o.secret = secret;
+             o.lanes = lanes;
+             o.slice_size = slice_size;
+             o.timeout_ms = timeout_ms;
+             o.connect_timeout_ms = connect_timeout_ms;
+             o.max_frame = max_frame;
+             return new Engine(o);
+           }),
+           py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("lanes"), py::arg("slice_size"),
+           py::arg("timeout_ms"), py::arg("connect_timeout_ms"), py::arg("max_frame"), G())
+      .def_property_readonly("port", &Engine::port)
+      .def_property_readonly("incarnation", &Engine::incarnation)
+      .def("shutdown", &Engine::shutdown, G())
+      .def("set_descriptor", [](Engine& e, py::bytes b) { e.set_descriptor(std::string(b)); })
+      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r) { e.registry().add(a, l, r); }, G())
+      .def("unregister_memory", [](Engine& e, uint64_t a) { e.registry().remove(a); }, G())
+      .def("registered", [](Engine& e) {
+        py::list out;
+        for (auto& r : e.registry().list()) out.append(py::make_tuple(r.addr, r.len, r.remote));
+        return out;
+      })
+      .def("is_registered", [](Engine& e, uint64_t a, uint64_t l) { return e.registry().contains(a, l, false); })
+      .def("add_peer", &Engine::add_peer, G())
+      .def("update_peer", &Engine::update_peer, G())
+      .def("peer_stale", &Engine::peer_stale)
+      .def("peer_same_host", &Engine::peer_same_host)
+      .def("remove_peer", &Engine::remove_peer, G())
+      .def("alloc_batch", &Engine::alloc_batch)
+      .def("free_batch", &Engine::free_batch)
+      .def("submit", &Engine::submit, G())
+      .def("status", &Engine::status)
+      .def("slot_error", &Engine::slot_error)
+      .def("batch_status", &Engine::batch_status)
+      .def("wait", &Engine::wait, G())
+      .def("transfer_sync", &Engine::transfer_sync, G());
+
+  m.def("fetch_descriptor", [](const std::string& host, int port, const std::string& secret, int timeout_ms) {
+    std::pair<uint64_t, std::string> r;
+    {
+      py::gil_scoped_release rel;
+      r = Engine::fetch_descriptor(host, static_cast<uint16_t>(port), secret, timeout_ms);
+    }
+    return py::make_tuple(r.first, py::bytes(r.second));
+  });
+  m.def("buffer_address", &buffer_address, "(address, length) of a writable contiguous buffer");
+  m.def("fill_pattern", &fill_pattern, G(), "Fill memory with a deterministic pseudo-random pattern");
+  m.def("status_text", [](int st) { return std::string(status_text(st)); });
+  m.def("encode_request", [](int op, uint32_t id, uint64_t addr, uint64_t len) {
+    return py::bytes(encode_request(static_cast<uint8_t>(op), id, addr, len));
+  });
+  m.def("encode_hello", [](const std::string& secret, int version) {
+    return py::bytes(encode_hello(secret, static_cast<uint16_t>(version)));
+  }, py::arg("secret"), py::arg("version") = kProtoVersion);
+  m.def("decode_frames", [](py::bytes data, uint64_t max_frame) {
+    py::list out;
+    for (auto& f : decode_frames(std::string(data), max_frame))
+      out.append(py::make_tuple(f.op, f.id, f.addr, f.len, f.status));
+    return out;
+  });
+  m.attr("PROTO_VERSION") = kProtoVersion;
+  m.attr("REQ_HEADER_SIZE") = sizeof(ReqHdr);
+  m.attr("RESP_HEADER_SIZE") = sizeof(RespHdr);
+  m.attr("OP_WRITE") = static_cast<int>(OP_WRITE);
+  m.attr("OP_READ") = static_cast<int>(OP_READ);
+  m.attr("OP_GET_DESC") = static_cast<int>(OP_GET_DESC);
+  m.attr("OP_PING") = static_cast<int>(OP_PING);
+}

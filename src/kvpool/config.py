@@ -1,0 +1,118 @@
+"""One typed configuration object per layer.
+
+Each config accepts keyword arguments, and can be loaded from a JSON file
+(:meth:`TransferConfig.from_json`) or from ``KVPOOL_*`` environment variables
+(:meth:`TransferConfig.from_env`). Invalid values raise :class:`kvpool.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvpool.errors import ConfigError
+
+_C = TypeVar("_C", bound="_ConfigBase")
+
+
+class _ConfigBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid {type(self).__name__}: {exc}") from None
+
+    @classmethod
+    def from_json(cls: type[_C], path: str | os.PathLike[str], **overrides: Any) -> _C:
+        """Load from a JSON object in ``path``; keyword ``overrides`` win over the file."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a JSON object")
+        data.update(overrides)
+        return cls(**data)
+
+    @classmethod
+    def from_env(
+        cls: type[_C], prefix: str = "KVPOOL_", environ: dict[str, str] | None = None, **overrides: Any
+    ) -> _C:
+        """Load from ``{prefix}{FIELD}`` variables (e.g. ``KVPOOL_TIMEOUT_S=5``).
+
+        ``KVPOOL_CONFIG=/path.json`` loads a JSON file first; variables then override it,
+        and keyword ``overrides`` override both. List fields take JSON or comma-separated values.
+        """
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        cfg_file = env.get(f"{prefix}CONFIG")
+        if cfg_file:
+            try:
+                data.update(json.loads(Path(cfg_file).read_text()))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"cannot read {prefix}CONFIG={cfg_file}: {exc}") from None
+        for field_name, field in cls.model_fields.items():
+            raw = env.get(prefix + field_name.upper())
+            if raw is None:
+                continue
+            if "list" in str(field.annotation) and not raw.startswith("["):
+                data[field_name] = [x for x in raw.split(",") if x]
+            else:
+                data[field_name] = raw
+        data.update(overrides)
+        return cls(**data)
+
+    def replace(self: _C, **changes: Any) -> _C:
+        """Return a copy with ``changes`` applied (validated)."""
+        data = self.model_dump()
+        data.update(changes)
+        return type(self)(**data)
+
+
+class TransferConfig(_ConfigBase):
+    """Configuration of a :class:`kvpool.TransferEngine`.
+
+    Attributes:
+        hostname: address the engine listens on and publishes (only this address is bound).
+        port: TCP port to listen on; 0 picks a free one.
+        metadata: ``"p2p"`` (default, no server), ``http://host:port/metadata``,
+            ``etcd://host:2379`` or ``redis://host:6379``.
+        protocol: ``"auto"`` (same-host path when the peer is on this host, else TCP),
+            ``"tcp"`` or ``"rdma"``.
+        devices: RDMA device allow-list (unused by TCP).
+        name: segment name published through a metadata server (default ``host:port``).
+        secret: shared secret a peer must present before any memory is touched.
+        lanes: TCP connections per peer; one request's slices spread over them.
+        slice_size: bytes per slice; bigger requests are cut into slices of this size.
+        timeout_s: seconds a transfer may wait on a peer before it becomes TIMEOUT.
+        connect_timeout_s: seconds to connect and handshake with a peer.
+        max_frame: biggest single frame (bytes) the server accepts.
+        same_host: allow the same-host single-copy path under ``protocol="auto"``.
+    """
+
+    hostname: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    metadata: str = "p2p"
+    protocol: Literal["auto", "tcp", "rdma"] = "auto"
+    devices: list[str] | None = None
+    name: str | None = None
+    secret: str | None = None
+    lanes: int = Field(default=2, ge=1, le=64)
+    slice_size: int = Field(default=1 << 20, ge=4096, le=1 << 30)
+    timeout_s: float = Field(default=30.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    max_frame: int = Field(default=256 << 20, ge=1 << 16)
+    same_host: bool = True
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, v: str) -> str:
+        if v != "p2p" and not v.startswith(("http://", "https://", "etcd://", "redis://")):
+            raise ValueError("metadata must be 'p2p' or an http://, etcd:// or redis:// URL")
+        return v

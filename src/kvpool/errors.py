@@ -1,0 +1,80 @@
+"""Typed errors raised by kvpool.
+
+Every error derives from :class:`KvpoolError` and its message says what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class KvpoolError(Exception):
+    """Base class of every error kvpool raises."""
+
+
+class InvalidArgument(KvpoolError, ValueError):
+    """An argument is malformed or out of range (zero length, bad opcode, wrong type...)."""
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is invalid; fix the keyword, JSON file or KVPOOL_* variable named."""
+
+
+class AddressNotRegistered(KvpoolError):
+    """A local address range is not inside memory registered with ``register_local_memory``."""
+
+
+class RegistrationError(KvpoolError):
+    """Memory could not be registered (overlap with an existing registration, bad buffer)."""
+
+
+class RemoteAccessError(KvpoolError):
+    """A remote range is outside the buffers the target registered as remote-accessible."""
+
+
+class SegmentNotFound(KvpoolError):
+    """No segment with that name is published, or its owner cannot be reached."""
+
+
+class MetadataError(KvpoolError):
+    """The metadata backend (http, etcd, redis) failed or returned bad data."""
+
+
+class AuthenticationError(KvpoolError):
+    """A peer refused our shared secret, or presented a wrong one."""
+
+
+class TransferError(KvpoolError):
+    """A transfer failed; the message carries the per-request reason."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer did not complete within the configured timeout (peer gone or stalled)."""
+
+
+class BatchInFlight(KvpoolError):
+    """A batch still has transfers in flight; wait for it before freeing it."""
+
+
+class ProtocolError(KvpoolError):
+    """A peer sent bytes that are not a valid kvpool frame."""
+
+
+class ProtocolUnavailable(KvpoolError):
+    """The requested transport cannot be used here (e.g. RDMA without pyverbs or a device)."""
+
+
+__all__ = [
+    "KvpoolError",
+    "InvalidArgument",
+    "ConfigError",
+    "AddressNotRegistered",
+    "RegistrationError",
+    "RemoteAccessError",
+    "SegmentNotFound",
+    "MetadataError",
+    "AuthenticationError",
+    "TransferError",
+    "TransferTimeout",
+    "BatchInFlight",
+    "ProtocolError",
+    "ProtocolUnavailable",
+]

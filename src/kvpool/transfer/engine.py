@@ -1,0 +1,438 @@
+"""The transfer engine: register memory, open segments, submit batches of READ/WRITE, poll, free.
+
+Bytes move in the native extension (``kvpool._native``) on its own threads with the GIL released:
+TCP lanes with scatter/gather straight from and into registered memory, or a single kernel copy
+(``process_vm_readv/writev``) when the target lives on the same host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool import _native
+from kvpool.config import TransferConfig
+from kvpool.errors import (
+    InvalidArgument,
+    KvpoolError,
+    ProtocolUnavailable,
+    SegmentNotFound,
+    TransferError,
+    TransferTimeout,
+)
+from kvpool.transfer.metadata import MetadataBackend, open_metadata
+from kvpool.transfer.types import (
+    BufferDescriptor,
+    OpCode,
+    SegmentDescriptor,
+    SegmentHandle,
+    TransferRequest,
+    TransferState,
+    TransferStatus,
+    host_id,
+)
+
+log = logging.getLogger("kvpool.transfer")
+
+_NATIVE_OP = {OpCode.READ: _native.OP_READ, OpCode.WRITE: _native.OP_WRITE}
+_ST_TIMEOUT = 101
+
+
+def split_host_port(name: str) -> tuple[str, int]:
+    """Parse ``host:port`` or ``[v6]:port``; raise :class:`InvalidArgument` otherwise."""
+    host, sep, port = name.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"segment name {name!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def buffer_range(obj: Any, length: int | None = None) -> tuple[int, int, Any]:
+    """Return (address, length, keepalive) for an int address, a writable buffer or a torch tensor."""
+    if isinstance(obj, bool):
+        raise InvalidArgument("expected an address or a buffer, got a bool")
+    if isinstance(obj, int):
+        if obj <= 0:
+            raise InvalidArgument("address must be a positive integer")
+        if length is None or length <= 0:
+            raise InvalidArgument("length must be a positive integer when passing a raw address")
+        return obj, int(length), None
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor, no torch import
+        if not obj.is_contiguous():
+            raise InvalidArgument("tensor must be contiguous")
+        if obj.device.type != "cpu":
+            raise ProtocolUnavailable(
+                f"tensor on {obj.device}: GPU memory is not supported by the TCP/same-host transports yet"
+            )
+        n = obj.numel() * obj.element_size()
+        return obj.data_ptr(), n if length is None else int(length), obj
+    view = memoryview(obj)  # pins resizable buffers (bytearray) while registered
+    addr, n = _native.buffer_address(view)
+    if length is not None:
+        if not 0 < length <= n:
+            raise InvalidArgument(f"length {length} outside the buffer's {n} bytes")
+        n = int(length)
+    if n <= 0:
+        raise InvalidArgument("cannot register an empty buffer")
+    return addr, n, view
+
+
+class TransferEngine:
+    """Batch transfer API over TCP and the same-host path (RDMA arrives behind the same interface).
+
+    The engine starts serving at once on ``hostname`` (only that address is bound).
+    ``segment_name`` is the name peers pass to :meth:`open_segment`: for p2p metadata always
+    ``"host:port"``; with a metadata server ``name`` or, by default, ``"host:port"``.
+
+    Args:
+        hostname: address to listen on and publish.
+        metadata: ``"p2p"``, ``http://host:port/metadata``, ``etcd://host:2379`` or ``redis://host:6379``.
+        protocol: ``"auto"``, ``"tcp"`` or ``"rdma"``.
+        devices: RDMA device allow-list.
+        name: segment name to publish through a metadata server.
+        config: a full :class:`TransferConfig`; keyword arguments override its fields.
+        **kwargs: any other :class:`TransferConfig` field (``secret``, ``timeout_s``, ``lanes`` ...).
+    """
+
+    def __init__(
+        self,
+        hostname: str | None = None,
+        metadata: str | None = None,
+        protocol: str | None = None,
+        devices: list[str] | None = None,
+        name: str | None = None,
+        *,
+        config: TransferConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        overrides = {
+            k: v
+            for k, v in dict(hostname=hostname, metadata=metadata, protocol=protocol, devices=devices, name=name)
+            .items()
+            if v is not None
+        }
+        overrides.update(kwargs)
+        cfg = config.replace(**overrides) if config is not None else TransferConfig(**overrides)
+        if cfg.protocol == "rdma":
+            raise ProtocolUnavailable(
+                "protocol='rdma' needs the RDMA transport (pyverbs and an RDMA device); "
+                "it is not available in this build - use protocol='tcp' or 'auto'"
+            )
+        self.config = cfg
+        self._lock = threading.RLock()
+        self._meta: MetadataBackend | None = open_metadata(cfg.metadata, timeout_s=cfg.connect_timeout_s)
+        self._native = _native.NativeEngine(
+            host=cfg.hostname,
+            port=cfg.port,
+            secret=cfg.secret or "",
+            lanes=cfg.lanes,
+            slice_size=cfg.slice_size,
+            timeout_ms=int(cfg.timeout_s * 1000),
+            connect_timeout_ms=int(cfg.connect_timeout_s * 1000),
+            max_frame=cfg.max_frame,
+        )
+        self.port: int = self._native.port
+        host = f"[{cfg.hostname}]" if ":" in cfg.hostname else cfg.hostname
+        self.endpoint = f"{host}:{self.port}"
+        self.segment_name: str = self.endpoint if self._meta is None else (cfg.name or self.endpoint)
+        self._buffers: dict[int, tuple[BufferDescriptor, Any]] = {}
+        self._segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]] = {}
+        self._handles: dict[int, str] = {}
+        self._closed = False
+        self._publish()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop serving, cancel queued transfers and withdraw the descriptor."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._native.shutdown()
+        if self._meta is not None:
+            try:
+                self._meta.delete(self.segment_name)
+            except KvpoolError as exc:
+                log.warning("could not withdraw descriptor of %s: %s", self.segment_name, exc)
+            self._meta.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self._native.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    @property
+    def incarnation(self) -> int:
+        """Random id of this engine instance; peers use it to notice restarts."""
+        return self._native.incarnation
+
+    # ------------------------------------------------------------------ memory
+    def register_local_memory(
+        self,
+        addr_or_buffer: Any,
+        length: int | None = None,
+        location: str = "cpu:0",
+        remote_accessible: bool = True,
+    ) -> int:
+        """Register memory for transfers; returns its address.
+
+        Accepts an int address (with ``length``), any writable Python buffer (bytearray,
+        memoryview, numpy array) or a CPU torch tensor. Only ``remote_accessible`` memory may be
+        touched by peers. Overlapping registrations raise :class:`RegistrationError`.
+        """
+        if not isinstance(location, str) or not (location == "cpu" or location.startswith("cpu:")):
+            if isinstance(location, str) and location.startswith("cuda"):
+                raise ProtocolUnavailable(f"location {location!r}: GPU memory is not supported in this build")
+            raise InvalidArgument(f"location must be 'cpu' or 'cpu:N', got {location!r}")
+        addr, n, keep = buffer_range(addr_or_buffer, length)
+        self._native.register_memory(addr, n, bool(remote_accessible))
+        with self._lock:
+            self._buffers[addr] = (BufferDescriptor(addr, n, location, bool(remote_accessible)), keep)
+        self._publish()
+        return addr
+
+    def unregister_local_memory(self, addr_or_buffer: Any) -> None:
+        """Unregister memory previously registered at this address (or buffer)."""
+        addr = addr_or_buffer if isinstance(addr_or_buffer, int) else buffer_range(addr_or_buffer)[0]
+        self._native.unregister_memory(addr)
+        with self._lock:
+            self._buffers.pop(addr, None)
+        self._publish()
+
+    def local_descriptor(self) -> SegmentDescriptor:
+        """The descriptor this engine publishes."""
+        with self._lock:
+            bufs = [b for b, _ in self._buffers.values()]
+        return SegmentDescriptor(
+            name=self.segment_name,
+            hostname=self.config.hostname,
+            port=self.port,
+            host_id=host_id(),
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            buffers=bufs,
+            protocols=["tcp", "same_host"],
+        )
+
+    def _publish(self) -> None:
+        blob = self.local_descriptor().to_bytes()
+        self._native.set_descriptor(blob)
+        if self._meta is not None:
+            self._meta.put(self.segment_name, blob)
+
+    # ------------------------------------------------------------------ segments
+    def _fetch(self, name: str) -> SegmentDescriptor:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("segment name must be a non-empty string")
+        timeout_ms = int(self.config.connect_timeout_s * 1000)
+        if self._meta is None:
+            host, port = split_host_port(name)
+            _, blob = _native.fetch_descriptor(host, port, self.config.secret or "", timeout_ms)
+            return SegmentDescriptor.from_bytes(blob)
+        blob = self._meta.get(name)
+        if blob is None:
+            raise SegmentNotFound(f"segment {name!r} is not published in {self.config.metadata}")
+        return SegmentDescriptor.from_bytes(blob)
+
+    def _same_host_pid(self, desc: SegmentDescriptor) -> int:
+        ok = self.config.protocol == "auto" and self.config.same_host and desc.host_id == host_id()
+        return desc.pid if ok and "same_host" in desc.protocols else 0
+
+    def open_segment(self, name: str) -> SegmentHandle:
+        """Open (or return the cached handle of) the segment ``name``; re-fetches after a peer restart."""
+        with self._lock:
+            cached = self._segments.get(name)
+        if cached is not None and not self._native.peer_stale(cached[0].id):
+            return cached[0]
+        desc = self._fetch(name)
+        with self._lock:
+            cached = self._segments.get(name)
+            if cached is not None:
+                self._native.update_peer(
+                    cached[0].id, desc.incarnation, self._same_host_pid(desc), desc.remote_regions()
+                )
+                self._segments[name] = (cached[0], desc)
+                return cached[0]
+            pid = self._same_host_pid(desc)
+            hid = self._native.add_peer(desc.hostname, desc.port, desc.incarnation, pid, desc.remote_regions())
+            handle = SegmentHandle(hid, name)
+            self._segments[name] = (handle, desc)
+            self._handles[hid] = name
+            return handle
+
+    def get_segment_descriptor(self, name_or_handle: str | SegmentHandle) -> SegmentDescriptor:
+        """The (cached, refreshed when stale) descriptor of an opened segment."""
+        name = name_or_handle.name if isinstance(name_or_handle, SegmentHandle) else name_or_handle
+        self.open_segment(name)
+        with self._lock:
+            return self._segments[name][1]
+
+    def close_segment(self, handle: SegmentHandle | int) -> None:
+        """Forget a segment: its connections are closed and its queued transfers canceled."""
+        hid = int(handle)
+        with self._lock:
+            name = self._handles.pop(hid, None)
+            if name is None:
+                raise SegmentNotFound("unknown segment handle (already closed?)")
+            self._segments.pop(name, None)
+        self._native.remove_peer(hid)
+
+    def uses_same_host_path(self, handle: SegmentHandle | int) -> bool:
+        """True when transfers to this segment take the same-host single-copy path."""
+        return bool(self._native.peer_same_host(int(handle)))
+
+    # ------------------------------------------------------------------ batches
+    def allocate_batch_id(self, batch_size: int) -> int:
+        """Allocate a batch with ``batch_size`` request slots."""
+        if not isinstance(batch_size, int) or batch_size <= 0 or batch_size >= 1 << 32:
+            raise InvalidArgument("batch_size must be a positive integer")
+        return self._native.alloc_batch(batch_size)
+
+    def free_batch_id(self, batch_id: int) -> None:
+        """Free a batch; raises :class:`BatchInFlight` while any of its transfers is pending."""
+        self._native.free_batch(batch_id)
+
+    def _refresh_stale(self, handles: set[int]) -> None:
+        for hid in handles:
+            try:
+                stale = self._native.peer_stale(hid)
+            except SegmentNotFound:
+                continue  # native raises its own typed error in submit
+            if stale:
+                name = self._handles.get(hid)
+                if name is not None:
+                    try:
+                        self.open_segment(name)
+                    except SegmentNotFound:
+                        pass  # the peer is down: submit fails its requests with the reason
+
+    def submit_transfer(self, batch_id: int, requests: Sequence[TransferRequest]) -> None:
+        """Queue requests into the next free slots of a batch (all-or-nothing validation).
+
+        Raises :class:`AddressNotRegistered`, :class:`RemoteAccessError`, :class:`SegmentNotFound`
+        or :class:`InvalidArgument` before anything is sent.
+        """
+        n = len(requests)
+        ops = [0] * n
+        locs = [0] * n
+        peers = [0] * n
+        rems = [0] * n
+        lens = [0] * n
+        try:
+            for i, r in enumerate(requests):
+                ops[i] = _NATIVE_OP[OpCode(r.opcode)]
+                locs[i] = r.source
+                peers[i] = int(r.target_id)
+                rems[i] = r.target_offset
+                lens[i] = r.length
+                if r.length <= 0 or r.source < 0 or r.target_offset < 0:
+                    raise ValueError(f"request {i}: length must be positive and addresses non-negative")
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+            raise InvalidArgument(f"bad transfer request: {exc}") from None
+        self._refresh_stale(set(peers))
+        self._native.submit(batch_id, ops, locs, peers, rems, lens)
+
+    def _status(self, state: int, nbytes: int, err: int) -> TransferStatus:
+        return TransferStatus(TransferState(state), nbytes, _native.status_text(err) if err else None)
+
+    def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
+        """Status of request ``index`` of a batch."""
+        state, nbytes = self._native.status(batch_id, index)
+        err = self._native.slot_error(batch_id, index) if state > TransferState.COMPLETED else 0
+        return self._status(state, nbytes, err)
+
+    def get_batch_status(self, batch_id: int) -> TransferStatus:
+        """Whole-batch status: PENDING while any request is, else COMPLETED or the first failure."""
+        state, nbytes = self._native.batch_status(batch_id)
+        return TransferStatus(TransferState(state), nbytes)
+
+    def wait_batch(self, batch_id: int, timeout_s: float | None = None) -> TransferStatus:
+        """Block (GIL released) until every submitted request of the batch finished, or timeout."""
+        ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
+        state = self._native.wait(batch_id, ms)
+        return TransferStatus(TransferState(state), self._native.batch_status(batch_id)[1])
+
+    async def wait_batch_async(self, batch_id: int, timeout_s: float | None = None) -> TransferStatus:
+        """Awaitable :meth:`wait_batch` for asyncio users (waits in a worker thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.wait_batch, batch_id, timeout_s)
+
+    def _raise_failures(self, batch_id: int, n: int) -> None:
+        failed = []
+        for i in range(n):
+            st = self.get_transfer_status(batch_id, i)
+            if not st.ok:
+                failed.append((i, st))
+        if failed:
+            i, st = failed[0]
+            msg = f"{len(failed)} of {n} requests failed; request {i}: {st.state.name}: {st.error}"
+            if all(s.state == TransferState.TIMEOUT for _, s in failed):
+                raise TransferTimeout(msg)
+            raise TransferError(msg)
+
+    # ------------------------------------------------------------------ convenience
+    def transfer_sync(
+        self, target_name: str, local_addr: int, remote_addr: int, length: int, opcode: OpCode = OpCode.WRITE
+    ) -> int:
+        """Move one range and wait; returns the byte count or raises a typed error."""
+        if not isinstance(length, int) or length <= 0:
+            raise InvalidArgument("length must be a positive integer")
+        handle = self.open_segment(target_name)
+        err = self._native.transfer_sync(_NATIVE_OP[OpCode(opcode)], local_addr, handle.id, remote_addr, length)
+        if err:
+            cls = TransferTimeout if err == _ST_TIMEOUT else TransferError
+            raise cls(f"{OpCode(opcode).name} of {length} bytes to {target_name}: {_native.status_text(err)}")
+        return length
+
+    def batch_transfer_sync(
+        self,
+        target_name: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+        opcode: OpCode = OpCode.WRITE,
+    ) -> int:
+        """Move many ranges to/from one segment and wait; returns total bytes or raises."""
+        n = len(local_addrs)
+        if len(remote_addrs) != n or len(lengths) != n:
+            raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
+        if n == 0:
+            return 0
+        handle = self.open_segment(target_name)
+        bid = self.allocate_batch_id(n)
+        try:
+            self.submit_transfer(
+                bid,
+                [TransferRequest(opcode, la, handle, ra, ln) for la, ra, ln in zip(local_addrs, remote_addrs, lengths)],
+            )
+            self.wait_batch(bid)
+            self._raise_failures(bid, n)
+            return self.get_batch_status(bid).transferred_bytes
+        finally:
+            try:
+                self.free_batch_id(bid)
+            except KvpoolError:
+                pass
+
+    # ------------------------------------------------------------------ Mooncake-style aliases
+    registerLocalMemory = register_local_memory  # noqa: N815
+    unregisterLocalMemory = unregister_local_memory  # noqa: N815
+    openSegment = open_segment  # noqa: N815
+    closeSegment = close_segment  # noqa: N815
+    allocateBatchID = allocate_batch_id  # noqa: N815
+    submitTransfer = submit_transfer  # noqa: N815
+    getTransferStatus = get_transfer_status  # noqa: N815
+    freeBatchID = free_batch_id  # noqa: N815
+    transferSync = transfer_sync  # noqa: N815
+    batchTransferSync = batch_transfer_sync  # noqa: N815

@@ -1,0 +1,498 @@
+"""Pluggable stores for segment descriptors, selected by URL.
+
+A *segment descriptor* is an opaque blob (serialized by the transfer engine) that tells peers how to
+reach the memory a process registered.  The engine publishes it under the segment name and peers look
+it up by that name.  This module only moves those bytes; it never interprets them.
+
+Supported URLs (see :func:`open_metadata`):
+
+``p2p``
+    No central store: the engine exchanges descriptors directly with its peers.
+``http://host:port/path`` (or ``https://``)
+    Mooncake's HTTP metadata protocol, served e.g. by ``kvpool metadata-server``.
+``etcd://host:port``
+    The etcd v3 HTTP/JSON gateway (etcd >= 3.4 serves it on the client port).
+``redis://host:port[/db]`` (or ``rediss://``)
+    A Redis server, through redis-py.
+
+Every backend bounds each call by the ``timeout_s`` given to :func:`open_metadata` and reports any
+network failure, timeout or malformed answer as :class:`~kvpool.errors.MetadataError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import binascii
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from types import TracebackType
+from typing import Any, Self
+
+from kvpool.errors import InvalidArgument, MetadataError
+
+__all__ = [
+    "KEY_PREFIX",
+    "MAX_VALUE_BYTES",
+    "EtcdMetadata",
+    "HttpMetadata",
+    "MetadataBackend",
+    "RedisMetadata",
+    "open_metadata",
+]
+
+#: Prefix of the keys the etcd and redis backends store descriptors under.
+KEY_PREFIX = "kvpool/segments/"
+
+#: Largest descriptor a backend will read back; anything bigger is treated as a bad answer.
+MAX_VALUE_BYTES = 64 * 1024 * 1024
+
+_READ_CHUNK = 256 * 1024
+_DEFAULT_ETCD_PORT = 2379
+
+
+def _check_name(name: object) -> str:
+    """Return ``name`` if it is a usable segment name, else raise :class:`InvalidArgument`."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"segment name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidArgument("segment name must not be empty")
+    return name
+
+
+def _check_value(value: object) -> bytes:
+    """Return ``value`` as :class:`bytes`, raising :class:`InvalidArgument` for non-bytes-like values."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidArgument(f"descriptor value must be bytes, got {type(value).__name__}")
+
+
+def _redact(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` so it can go into error messages."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _reason(exc: BaseException) -> str:
+    """Describe a network exception in a few words, unwrapping :class:`urllib.error.URLError`."""
+    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
+        inner = exc.reason
+        if isinstance(inner, BaseException):
+            return _reason(inner)
+        return str(inner)
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class MetadataBackend(abc.ABC):
+    """get/put/delete of opaque descriptor bytes by segment name.
+
+    Implementations are safe to share between threads.  They can be used as context managers, which
+    calls :meth:`close` on exit.
+    """
+
+    @abc.abstractmethod
+    def get(self, name: str) -> bytes | None:
+        """Return the descriptor published under ``name``, or ``None`` when there is none."""
+
+    @abc.abstractmethod
+    def put(self, name: str, value: bytes) -> None:
+        """Publish ``value`` under ``name``, replacing any previous descriptor."""
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove the descriptor published under ``name``; removing an absent one is not an error."""
+
+    def close(self) -> None:
+        """Release network resources held by the backend.  Calling it twice is harmless."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _Response:
+    """Status and body of an HTTP exchange, whatever the status code."""
+
+    __slots__ = ("body", "status")
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.body = body
+
+
+class _UrllibClient:
+    """Tiny urllib wrapper with an overall deadline, no environment proxies and bounded reads.
+
+    Each blocking socket operation is limited by the time left before the deadline, and the body is
+    read in chunks with the deadline checked in between, so a call gives up about ``timeout_s`` after
+    it started even when the server trickles its answer.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        # Metadata servers live on the cluster network: an http_proxy meant for the internet would only
+        # get in the way, so environment proxies are deliberately ignored.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def request(self, method: str, url: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None, timeout_s: float | None = None) -> _Response:
+        """Perform one request, whatever its status; raise ``OSError``/``HTTPException`` on trouble.
+
+        ``timeout_s`` overrides the client's budget for this call (callers sharing one budget over
+        several attempts pass what is left of it).
+        """
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        all_headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        all_headers.update(headers or {})
+        req = urllib.request.Request(url, data=body, method=method, headers=all_headers)
+        try:
+            resp: Any = self._opener.open(req, timeout=budget)
+        except urllib.error.HTTPError as err:
+            resp = err  # an HTTPError is also a readable response
+        try:
+            status = int(getattr(resp, "status", None) or resp.code)
+            return _Response(status, self._read_body(resp, deadline))
+        finally:
+            resp.close()
+
+    def _read_body(self, resp: Any, deadline: float) -> bytes:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out while reading the answer")
+            _set_read_timeout(resp, remaining)
+            chunk = resp.read(_READ_CHUNK)
+            if not chunk:
+                return b"".join(chunks)
+            total += len(chunk)
+            if total > MAX_VALUE_BYTES:
+                raise http.client.HTTPException(f"answer larger than {MAX_VALUE_BYTES} bytes")
+            chunks.append(chunk)
+
+
+def _set_read_timeout(resp: Any, remaining: float) -> None:
+    """Shrink the socket timeout of a urllib response to ``remaining`` seconds when reachable."""
+    inner = getattr(resp, "fp", None)
+    if isinstance(inner, http.client.HTTPResponse):  # an HTTPError wraps the real response
+        resp = inner
+    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+    if isinstance(sock, socket.socket):
+        try:
+            sock.settimeout(max(remaining, 0.001))
+        except OSError:
+            pass
+
+
+class HttpMetadata(MetadataBackend):
+    """Mooncake's HTTP metadata protocol.
+
+    ``GET {url}?key=<name>`` answers 200 with the descriptor or 404 when absent, ``PUT {url}?key=<name>``
+    stores the request body and ``DELETE {url}?key=<name>`` removes it.  ``kvpool metadata-server``
+    (and Mooncake's own metadata servers) speak it.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidArgument(f"HTTP metadata URL must look like http://host:port/path, got {url!r}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client = _UrllibClient(timeout_s)
+
+    def _key_url(self, name: str) -> str:
+        sep = "&" if urllib.parse.urlsplit(self.url).query else "?"
+        return f"{self.url}{sep}key={urllib.parse.quote(name, safe='')}"
+
+    def _request(self, method: str, name: str, body: bytes | None = None) -> _Response:
+        try:
+            return self._client.request(method, self._key_url(name), body)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise MetadataError(
+                f"HTTP metadata server {_redact(self.url)} failed on {method} {name!r}: {_reason(exc)} "
+                f"(timeout {self.timeout_s:g} s); check that the server is running (e.g. "
+                f"`kvpool metadata-server --port PORT`) and that the metadata URL is right"
+            ) from exc
+
+    def _unexpected(self, method: str, name: str, resp: _Response) -> MetadataError:
+        snippet = resp.body[:200].decode("utf-8", "replace").strip()
+        hint = "check the metadata URL (host, port and path such as /metadata)"
+        if resp.status == 413:
+            hint = "the descriptor is larger than the server accepts; raise its body-size limit"
+        return MetadataError(
+            f"HTTP metadata server {_redact(self.url)} answered {resp.status} to {method} {name!r}"
+            f"{': ' + snippet if snippet else ''}; {hint}"
+        )
+
+    def get(self, name: str) -> bytes | None:
+        """Return the descriptor stored under ``name``, or ``None`` on 404."""
+        _check_name(name)
+        resp = self._request("GET", name)
+        if resp.status == 200:
+            return resp.body
+        if resp.status == 404:
+            return None
+        raise self._unexpected("GET", name, resp)
+
+    def put(self, name: str, value: bytes) -> None:
+        """Store ``value`` under ``name`` with ``PUT``."""
+        _check_name(name)
+        resp = self._request("PUT", name, _check_value(value))
+        if not 200 <= resp.status < 300:
+            raise self._unexpected("PUT", name, resp)
+
+    def delete(self, name: str) -> None:
+        """Remove ``name`` with ``DELETE``; a 404 (already absent) is fine."""
+        _check_name(name)
+        resp = self._request("DELETE", name)
+        if not (200 <= resp.status < 300 or resp.status == 404):
+            raise self._unexpected("DELETE", name, resp)
+
+    def __repr__(self) -> str:
+        return f"HttpMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+class EtcdMetadata(MetadataBackend):
+    """etcd v3 through its HTTP/JSON gateway (``/v3/kv/put``, ``/v3/kv/range``, ``/v3/kv/deleterange``).
+
+    Descriptors live under ``kvpool/segments/<name>``.  Several endpoints may be given comma-separated
+    (``etcd://h1:2379,h2:2379``); they are tried in order while the time budget lasts.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "etcd" or not parts.netloc:
+            raise InvalidArgument(f"etcd metadata URL must look like etcd://host:port, got {url!r}")
+        endpoints = []
+        for hostport in parts.netloc.split(","):
+            hostport = hostport.strip()
+            probe = urllib.parse.urlsplit(f"//{hostport}")
+            try:
+                port = probe.port
+            except ValueError as exc:
+                raise InvalidArgument(f"bad port in etcd metadata URL {url!r}: {exc}") from exc
+            if not probe.hostname or probe.username is not None:
+                raise InvalidArgument(f"etcd metadata URL must look like etcd://host:port, got {url!r}")
+            host = f"[{probe.hostname}]" if ":" in probe.hostname else probe.hostname
+            endpoints.append(f"http://{host}:{port or _DEFAULT_ETCD_PORT}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self._endpoints = endpoints
+        self._client = _UrllibClient(timeout_s)
+
+    @staticmethod
+    def _key(name: str) -> str:
+        return _b64((KEY_PREFIX + name).encode("utf-8"))
+
+    def _call(self, op: str, payload: dict[str, Any], name: str) -> dict[str, Any]:
+        """POST ``payload`` to ``/v3/kv/<op>`` and return the decoded JSON answer."""
+        body = json.dumps(payload).encode("ascii")
+        deadline = time.monotonic() + self.timeout_s
+        failure: BaseException | None = None
+        resp: _Response | None = None
+        for endpoint in self._endpoints:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                resp = self._client.request("POST", f"{endpoint}/v3/kv/{op}", body,
+                                            {"Content-Type": "application/json"}, remaining)
+                break
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                failure = exc
+        if resp is None:
+            reason = _reason(failure) if failure is not None else "timed out"
+            raise MetadataError(
+                f"etcd metadata {_redact(self.url)} failed on {op} {name!r}: {reason} "
+                f"(timeout {self.timeout_s:g} s); check that etcd is running and that its client URL "
+                f"(--advertise-client-urls) matches the metadata URL"
+            ) from failure
+        try:
+            answer = json.loads(resp.body) if resp.body else {}
+        except ValueError:
+            answer = None
+        if resp.status != 200 or not isinstance(answer, dict) or "error" in answer:
+            detail = resp.body[:200].decode("utf-8", "replace").strip()
+            raise MetadataError(
+                f"etcd metadata {_redact(self.url)} answered {resp.status} to {op} {name!r}: {detail}; "
+                f"check that the URL points at an etcd >= 3.4 client port (v3 JSON gateway)"
+            )
+        return answer
+
+    def get(self, name: str) -> bytes | None:
+        """Return the descriptor stored under ``kvpool/segments/<name>``, or ``None``."""
+        _check_name(name)
+        answer = self._call("range", {"key": self._key(name)}, name)
+        kvs = answer.get("kvs") or []
+        if not kvs:
+            return None
+        try:
+            # etcd's gateway omits empty fields, so an empty value comes back without "value".
+            return base64.b64decode(kvs[0].get("value", ""), validate=True)
+        except (AttributeError, TypeError, binascii.Error) as exc:
+            raise MetadataError(
+                f"etcd metadata {_redact(self.url)} returned a malformed range answer for {name!r}; "
+                f"check that the URL points at an etcd server"
+            ) from exc
+
+    def put(self, name: str, value: bytes) -> None:
+        """Store ``value`` under ``kvpool/segments/<name>``."""
+        _check_name(name)
+        self._call("put", {"key": self._key(name), "value": _b64(_check_value(value))}, name)
+
+    def delete(self, name: str) -> None:
+        """Delete ``kvpool/segments/<name>``; deleting an absent key is fine."""
+        _check_name(name)
+        self._call("deleterange", {"key": self._key(name)}, name)
+
+    def __repr__(self) -> str:
+        return f"EtcdMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
+
+
+class RedisMetadata(MetadataBackend):
+    """Redis through redis-py; descriptors are plain string keys ``kvpool/segments/<name>``.
+
+    redis-py is imported when the backend is created; connections are opened lazily on first use.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise MetadataError(
+                f"redis metadata {_redact(url)} needs the redis-py client: `pip install redis`"
+            ) from exc
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise InvalidArgument(f"redis metadata URL must look like redis://host:port[/db], got {url!r}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        try:
+            self._client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
+        except (ValueError, redis.RedisError) as exc:
+            raise InvalidArgument(f"bad redis metadata URL {_redact(url)!r}: {exc}") from exc
+
+    @staticmethod
+    def _key(name: str) -> str:
+        return KEY_PREFIX + name
+
+    def _fail(self, op: str, name: str, exc: BaseException) -> MetadataError:
+        return MetadataError(
+            f"redis metadata {_redact(self.url)} failed on {op} {name!r}: {_reason(exc)} "
+            f"(timeout {self.timeout_s:g} s); check that redis-server is running there and that "
+            f"the URL (host, port, db, password) is right"
+        )
+
+    def get(self, name: str) -> bytes | None:
+        """Return the descriptor stored under ``kvpool/segments/<name>``, or ``None``."""
+        _check_name(name)
+        try:
+            value = self._client.get(self._key(name))
+        except self._errors as exc:
+            raise self._fail("GET", name, exc) from exc
+        if value is None or isinstance(value, bytes):
+            return value
+        raise MetadataError(
+            f"redis metadata {_redact(self.url)} returned {type(value).__name__} for {name!r}; "
+            f"do not enable decode_responses on this URL"
+        )
+
+    def put(self, name: str, value: bytes) -> None:
+        """Store ``value`` under ``kvpool/segments/<name>``."""
+        _check_name(name)
+        data = _check_value(value)
+        try:
+            self._client.set(self._key(name), data)
+        except self._errors as exc:
+            raise self._fail("SET", name, exc) from exc
+
+    def delete(self, name: str) -> None:
+        """Delete ``kvpool/segments/<name>``; deleting an absent key is fine."""
+        _check_name(name)
+        try:
+            self._client.delete(self._key(name))
+        except self._errors as exc:
+            raise self._fail("DEL", name, exc) from exc
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        try:
+            self._client.close()
+        except self._errors:
+            pass
+
+    def __repr__(self) -> str:
+        return f"RedisMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
+
+
+def open_metadata(url: str, timeout_s: float = 5.0) -> MetadataBackend | None:
+    """Open the descriptor store named by ``url``.
+
+    ``"p2p"`` returns ``None`` (the engine exchanges descriptors with peers itself);
+    ``http(s)://host:port/path`` gives :class:`HttpMetadata`, ``etcd://host:port`` gives
+    :class:`EtcdMetadata` and ``redis://host:port[/db]`` (or ``rediss://``) gives :class:`RedisMetadata`.
+    Nothing is contacted until the first call.  Anything else raises :class:`InvalidArgument`.
+    """
+    if not isinstance(url, str):
+        raise InvalidArgument(f"metadata URL must be a str, got {type(url).__name__}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidArgument(f"metadata timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    timeout_s = float(timeout_s)
+    text = url.strip()
+    if text.lower() == "p2p":
+        return None
+    try:
+        scheme = urllib.parse.urlsplit(text).scheme.lower()
+    except ValueError as exc:
+        raise InvalidArgument(f"malformed metadata URL {url!r}: {exc}") from exc
+    if scheme in ("http", "https"):
+        return HttpMetadata(text, timeout_s)
+    if scheme == "etcd":
+        return EtcdMetadata(text, timeout_s)
+    if scheme in ("redis", "rediss"):
+        return RedisMetadata(text, timeout_s)
+    raise InvalidArgument(
+        f"unsupported metadata URL {_redact(url)!r}; use 'p2p', http://host:port/metadata, "
+        f"etcd://host:port or redis://host:port[/db]"
+    )
