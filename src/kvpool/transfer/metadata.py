@@ -121,7 +121,7 @@ class MetadataBackend(abc.ABC):
     def delete(self, name: str) -> None:
         """Remove the descriptor published under ``name``; removing an absent one is not an error."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op for stateless backends
         """Release network resources held by the backend.  Calling it twice is harmless."""
 
     def __enter__(self) -> Self:
@@ -183,6 +183,11 @@ class _UrllibClient:
             resp.close()
 
     def _read_body(self, resp: Any, deadline: float) -> bytes:
+        inner = getattr(resp, "fp", None)
+        if isinstance(inner, http.client.HTTPResponse):  # an HTTPError wraps the real response
+            resp = inner
+        if not isinstance(resp, http.client.HTTPResponse):
+            return resp.read(MAX_VALUE_BYTES + 1)
         chunks: list[bytes] = []
         total = 0
         while True:
@@ -190,7 +195,7 @@ class _UrllibClient:
             if remaining <= 0:
                 raise TimeoutError("timed out while reading the answer")
             _set_read_timeout(resp, remaining)
-            chunk = resp.read(_READ_CHUNK)
+            chunk = resp.read1(_READ_CHUNK)  # at most one recv, so the deadline is checked often
             if not chunk:
                 return b"".join(chunks)
             total += len(chunk)
@@ -199,12 +204,9 @@ class _UrllibClient:
             chunks.append(chunk)
 
 
-def _set_read_timeout(resp: Any, remaining: float) -> None:
-    """Shrink the socket timeout of a urllib response to ``remaining`` seconds when reachable."""
-    inner = getattr(resp, "fp", None)
-    if isinstance(inner, http.client.HTTPResponse):  # an HTTPError wraps the real response
-        resp = inner
-    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+def _set_read_timeout(resp: http.client.HTTPResponse, remaining: float) -> None:
+    """Shrink the socket timeout under ``resp`` to ``remaining`` seconds when it can be reached."""
+    sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
     if isinstance(sock, socket.socket):
         try:
             sock.settimeout(max(remaining, 0.001))

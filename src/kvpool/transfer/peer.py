@@ -1,0 +1,145 @@
+"""A target process for demos, benchmarks and tests: one engine, one registered buffer.
+
+Run ``python -m kvpool.transfer.peer --size BYTES [--protocol P] [--secret S] [--metadata URL]``.
+It prints one JSON line ``{"segment", "addr", "size", "pid", "port"}`` and then answers commands
+on stdin, one per line, each with one JSON line on stdout:
+
+- ``checksum OFFSET LENGTH`` → ``{"xxh3": "<hex>"}`` of that range of its buffer
+- ``fill SEED`` → fills the buffer with the deterministic pattern of ``SEED``
+- ``exit`` (or EOF) → closes the engine and exits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+import xxhash
+
+from kvpool import _native
+from kvpool.transfer.engine import TransferEngine
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve one buffer until stdin closes."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--hostname", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--protocol", default="auto")
+    ap.add_argument("--metadata", default="p2p")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--secret", default=None)
+    ap.add_argument("--timeout-s", type=float, default=30.0)
+    args = ap.parse_args(argv)
+    buf = bytearray(args.size)
+    eng = TransferEngine(
+        hostname=args.hostname,
+        port=args.port,
+        protocol=args.protocol,
+        metadata=args.metadata,
+        name=args.name,
+        secret=args.secret,
+        timeout_s=args.timeout_s,
+    )
+    addr = eng.register_local_memory(buf)
+    view = memoryview(buf)
+    print(
+        json.dumps({"segment": eng.segment_name, "addr": addr, "size": args.size, "port": eng.port, "pid": _pid()}),
+        flush=True,
+    )
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "exit":
+            break
+        if cmd[0] == "checksum":
+            off, n = int(cmd[1]), int(cmd[2])
+            print(json.dumps({"xxh3": xxhash.xxh3_64_hexdigest(view[off : off + n])}), flush=True)
+        elif cmd[0] == "fill":
+            _native.fill_pattern(addr, args.size, int(cmd[1]))
+            print(json.dumps({"ok": True}), flush=True)
+        else:
+            print(json.dumps({"error": f"unknown command {cmd[0]}"}), flush=True)
+    eng.close()
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+class PeerProcess:
+    """Starts :func:`main` in a child process and talks to it (used by demo, bench and tests)."""
+
+    def __init__(self, size: int, **options: Any) -> None:
+        cmd = [sys.executable, "-m", "kvpool.transfer.peer", "--size", str(size)]
+        for k, v in options.items():
+            if v is not None:
+                cmd += [f"--{k.replace('_', '-')}", str(v)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        while True:  # skip anything that is not our JSON line (e.g. build tool chatter)
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait(timeout=10)
+                raise RuntimeError(f"peer process exited with {self.proc.returncode} before it was ready")
+            if line.startswith("{"):
+                break
+        info = json.loads(line)
+        self.segment: str = info["segment"]
+        self.addr: int = info["addr"]
+        self.size: int = info["size"]
+        self.port: int = info["port"]
+        self.pid: int = info["pid"]
+
+    def _ask(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def checksum(self, offset: int, length: int) -> str:
+        """xxh3-64 hex digest of a range of the peer's buffer."""
+        return self._ask(f"checksum {offset} {length}")["xxh3"]
+
+    def fill(self, seed: int) -> None:
+        """Fill the peer's buffer with the pattern of ``seed``."""
+        self._ask(f"fill {seed}")
+
+    def close(self) -> None:
+        """Ask the peer to exit; kill it if it does not within 10 s."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stdin):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    def kill(self) -> None:
+        """SIGKILL the peer."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
