@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--secret", default=None)
     ap.add_argument("--timeout-s", type=float, default=30.0)
+    ap.add_argument("--no-dumpable", action="store_true", help="prctl(PR_SET_DUMPABLE, 0): refuse ptrace-like access")
     args = ap.parse_args(argv)
+    if args.no_dumpable:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
     buf = bytearray(args.size)
     eng = TransferEngine(
         hostname=args.hostname,
@@ -76,10 +81,12 @@ def _pid() -> int:
 class PeerProcess:
     """Starts :func:`main` in a child process and talks to it (used by demo, bench and tests)."""
 
-    def __init__(self, size: int, **options: Any) -> None:
-        cmd = [sys.executable, "-m", "kvpool.transfer.peer", "--size", str(size)]
+    def __init__(self, size: int, prefix: list[str] | None = None, **options: Any) -> None:
+        cmd = list(prefix or []) + [sys.executable, "-m", "kvpool.transfer.peer", "--size", str(size)]
         for k, v in options.items():
-            if v is not None:
+            if v is True:
+                cmd.append(f"--{k.replace('_', '-')}")
+            elif v is not None and v is not False:
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None

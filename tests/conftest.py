@@ -1,0 +1,40 @@
+"""Shared fixtures: engines, target processes and the real metadata servers (tests/servers.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool import TransferEngine
+from kvpool.transfer.peer import PeerProcess
+from tests.servers import etcd_url, http_metadata_url, redis_url  # noqa: F401  (fixtures)
+
+
+def view_at(addr: int, n: int) -> memoryview:
+    """A writable memoryview over ``n`` bytes at ``addr`` (memory the test registered)."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+
+
+@pytest.fixture
+def engine() -> Iterator[TransferEngine]:
+    """An initiator engine with a short timeout."""
+    eng = TransferEngine(timeout_s=5.0, connect_timeout_s=2.0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def tcp_engine() -> Iterator[TransferEngine]:
+    """An initiator engine restricted to TCP."""
+    eng = TransferEngine(protocol="tcp", timeout_s=5.0, connect_timeout_s=2.0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[PeerProcess]:
+    """A target engine in another process with a 72 MiB registered buffer."""
+    with PeerProcess(72 << 20, timeout_s=5.0) as p:
+        yield p

@@ -1,0 +1,135 @@
+"""Peers that restart, die or stall: typed errors within the configured timeout, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import xxhash
+
+from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
+from kvpool.errors import BatchInFlight, SegmentNotFound, TransferError
+from kvpool.transfer.peer import PeerProcess
+from tests.servers import free_port
+
+
+def test_peer_restart_is_noticed_and_descriptor_refetched(tcp_engine: TransferEngine) -> None:
+    eng = tcp_engine
+    port = free_port()
+    src = bytearray(1 << 20)
+    saddr = eng.register_local_memory(src)
+    _native.fill_pattern(saddr, len(src), 1)
+    p1 = PeerProcess(2 << 20, port=port)
+    name = p1.segment
+    eng.transfer_sync(name, saddr, p1.addr, len(src), OpCode.WRITE)
+    old = eng.get_segment_descriptor(name)
+    p1.kill()
+    p2 = PeerProcess(2 << 20, port=port)
+    try:
+        assert p2.segment == name
+        # The old addresses belong to a process that is gone: refused, never written into the new one.
+        with pytest.raises(TransferError, match="restarted|closed"):
+            eng.transfer_sync(name, saddr, p1.addr, len(src), OpCode.WRITE)
+        new = eng.get_segment_descriptor(name)
+        assert new.incarnation != old.incarnation and new.pid == p2.pid
+        assert new.buffers[0].addr == p2.addr
+        eng.transfer_sync(name, saddr, p2.addr, len(src), OpCode.WRITE)
+        assert p2.checksum(0, len(src)) == xxhash.xxh3_64_hexdigest(src)
+    finally:
+        p2.close()
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_peer_killed_mid_batch_fails_within_timeout(protocol: str) -> None:
+    timeout_s = 2.0
+    with TransferEngine(protocol=protocol, timeout_s=timeout_s, connect_timeout_s=1.0) as eng:
+        bs, n = 4 << 20, 64
+        src = bytearray(bs * 4)
+        saddr = eng.register_local_memory(src)
+        p = PeerProcess(bs * 4)
+        h = eng.open_segment(p.segment)
+        bid = eng.allocate_batch_id(n)
+        reqs = [TransferRequest(OpCode.WRITE, saddr + (i % 4) * bs, h, p.addr + (i % 4) * bs, bs) for i in range(n)]
+        eng.submit_transfer(bid, reqs)
+        p.kill()
+        t0 = time.monotonic()
+        st = eng.wait_batch(bid, timeout_s=timeout_s + 10)
+        assert time.monotonic() - t0 < timeout_s + 5
+        # Some requests may have landed before the kill; the rest must be FAILED/TIMEOUT, none PENDING.
+        states = {eng.get_transfer_status(bid, i).state for i in range(n)}
+        assert TransferState.PENDING not in states
+        assert states - {TransferState.COMPLETED} <= {TransferState.FAILED, TransferState.TIMEOUT}
+        if st.state == TransferState.COMPLETED:  # the whole batch made it before the kill
+            assert states == {TransferState.COMPLETED}
+        else:
+            assert st.state in (TransferState.FAILED, TransferState.TIMEOUT)
+        eng.free_batch_id(bid)
+        p.close()
+
+
+def test_stalled_peer_times_out_and_in_flight_batch_cannot_be_freed() -> None:
+    timeout_s = 1.0
+    with TransferEngine(protocol="tcp", timeout_s=timeout_s, connect_timeout_s=1.0) as eng:
+        bs = 16 << 20
+        src = bytearray(bs)
+        saddr = eng.register_local_memory(src)
+        p = PeerProcess(bs)
+        try:
+            h = eng.open_segment(p.segment)
+            os.kill(p.pid, signal.SIGSTOP)
+            bid = eng.allocate_batch_id(4)
+            eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, saddr, h, p.addr, bs)] * 4)
+            with pytest.raises(BatchInFlight):
+                eng.free_batch_id(bid)
+            t0 = time.monotonic()
+            st = eng.wait_batch(bid, timeout_s=30)
+            waited = time.monotonic() - t0
+            assert st.state == TransferState.TIMEOUT, st
+            assert waited < timeout_s * 4 + 2, waited  # one stalled send per lane, then every slice fails
+            err = eng.get_transfer_status(bid, 0)
+            assert err.state in (TransferState.TIMEOUT, TransferState.FAILED) and err.error
+            eng.free_batch_id(bid)
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+            p.close()
+
+
+def test_unreachable_segment_is_segment_not_found(engine: TransferEngine) -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(SegmentNotFound):
+        engine.open_segment(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 3
+
+
+def test_same_host_path_falls_back_to_tcp_when_kernel_refuses(tmp_path) -> None:
+    """Target not dumpable + initiator without CAP_SYS_PTRACE: process_vm_writev gets EPERM."""
+    with PeerProcess(1 << 20, no_dumpable=True) as p:
+        script = textwrap.dedent(
+            f"""
+            import json
+            from kvpool import TransferEngine, OpCode, _native
+            with TransferEngine(protocol="auto", timeout_s=5) as eng:
+                buf = bytearray(65536)
+                a = eng.register_local_memory(buf)
+                _native.fill_pattern(a, len(buf), 77)
+                h = eng.open_segment({p.segment!r})
+                before = eng.uses_same_host_path(h)
+                eng.transfer_sync({p.segment!r}, a, {p.addr}, len(buf), OpCode.WRITE)
+                after = eng.uses_same_host_path(h)
+                print(json.dumps({{"before": before, "after": after}}))
+            """
+        )
+        cmd = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace", sys.executable, "-c", script]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+        assert line == '{"before": true, "after": false}'
+        expect = bytearray(65536)
+        _native.fill_pattern(_native.buffer_address(expect)[0], len(expect), 77)
+        assert p.checksum(0, 65536) == xxhash.xxh3_64_hexdigest(expect)

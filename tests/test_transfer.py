@@ -1,0 +1,201 @@
+"""Transfer engine against real target processes over loopback: integrity, batches, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+import xxhash
+
+from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
+from kvpool.errors import TransferError
+from kvpool.transfer.peer import PeerProcess
+
+SIZES = [1, 7, 4096, 65537, 1 << 20, (4 << 20) + 3, 64 << 20]
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"{n}B")
+def test_write_then_read_integrity(peer: PeerProcess, protocol: str, size: int) -> None:
+    with TransferEngine(protocol=protocol, timeout_s=5.0) as eng:
+        src = bytearray(size)
+        back = bytearray(size)
+        saddr = eng.register_local_memory(src)
+        baddr = eng.register_local_memory(back)
+        _native.fill_pattern(saddr, size, size + len(protocol))
+        h = eng.open_segment(peer.segment)
+        assert eng.uses_same_host_path(h) == (protocol == "auto")
+        offset = 3 if size < (64 << 20) else 0  # unaligned remote address where it fits
+        assert eng.transfer_sync(peer.segment, saddr, peer.addr + offset, size, OpCode.WRITE) == size
+        assert peer.checksum(offset, size) == xxhash.xxh3_64_hexdigest(src)
+        assert eng.transfer_sync(peer.segment, baddr, peer.addr + offset, size, OpCode.READ) == size
+        assert back == src
+
+
+def test_batch_api_statuses(peer: PeerProcess, tcp_engine: TransferEngine) -> None:
+    eng = tcp_engine
+    n, bs = 16, 64 << 10
+    src = bytearray(n * bs)
+    saddr = eng.register_local_memory(src)
+    _native.fill_pattern(saddr, len(src), 42)
+    h = eng.open_segment(peer.segment)
+    bid = eng.allocate_batch_id(n + 4)
+    assert eng.get_transfer_status(bid, n).state == TransferState.WAITING
+    eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, saddr + i * bs, h, peer.addr + i * bs, bs) for i in range(n)])
+    st = eng.wait_batch(bid, timeout_s=10)
+    assert st.state == TransferState.COMPLETED and st.transferred_bytes == n * bs
+    for i in range(n):
+        s = eng.get_transfer_status(bid, i)
+        assert s.state == TransferState.COMPLETED and s.transferred_bytes == bs and s.error is None
+    # Slots beyond the submitted ones stay WAITING; submitting past capacity is refused.
+    assert eng.get_transfer_status(bid, n).state == TransferState.WAITING
+    with pytest.raises(Exception, match="batch is full"):
+        eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, saddr, h, peer.addr, 1)] * 5)
+    eng.free_batch_id(bid)
+    assert peer.checksum(0, n * bs) == xxhash.xxh3_64_hexdigest(src)
+
+
+def test_camelcase_aliases(peer: PeerProcess) -> None:
+    with TransferEngine(protocol="tcp") as eng:
+        buf = bytearray(b"x" * 4096)
+        addr = eng.registerLocalMemory(buf)
+        h = eng.openSegment(peer.segment)
+        bid = eng.allocateBatchID(1)
+        eng.submitTransfer(bid, [TransferRequest(OpCode.WRITE, addr, h, peer.addr, 4096)])
+        assert eng.wait_batch(bid).state == TransferState.COMPLETED
+        assert eng.getTransferStatus(bid, 0).state == TransferState.COMPLETED
+        eng.freeBatchID(bid)
+        eng.unregisterLocalMemory(addr)
+        assert peer.checksum(0, 4096) == xxhash.xxh3_64_hexdigest(b"x" * 4096)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_concurrent_batches_from_threads(peer: PeerProcess, protocol: str) -> None:
+    threads, rounds, n, bs = 6, 20, 8, 32 << 10
+    with TransferEngine(protocol=protocol, timeout_s=10) as eng:
+        h = eng.open_segment(peer.segment)
+        bufs = [bytearray(n * bs) for _ in range(threads)]
+        backs = [bytearray(n * bs) for _ in range(threads)]
+        errors: list[BaseException] = []
+
+        def worker(t: int) -> None:
+            try:
+                la = eng.register_local_memory(bufs[t])
+                lb = eng.register_local_memory(backs[t])
+                region = peer.addr + t * n * bs
+                for r in range(rounds):
+                    _native.fill_pattern(la, n * bs, t * 1000 + r)
+                    for op, local in ((OpCode.WRITE, la), (OpCode.READ, lb)):
+                        bid = eng.allocate_batch_id(n)
+                        eng.submit_transfer(
+                            bid, [TransferRequest(op, local + i * bs, h, region + i * bs, bs) for i in range(n)]
+                        )
+                        assert eng.wait_batch(bid, timeout_s=20).state == TransferState.COMPLETED
+                        eng.free_batch_id(bid)
+                    assert backs[t] == bufs[t], f"thread {t} round {r} read back other bytes"
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join(60)
+        assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_twenty_thousand_scattered_requests_in_one_batch(peer: PeerProcess, protocol: str) -> None:
+    n, bs = 20_000, 512
+    rng = random.Random(5)
+    slots = rng.sample(range((64 << 20) // bs), n)  # scattered remote blocks
+    with TransferEngine(protocol=protocol, timeout_s=10) as eng:
+        src = bytearray(n * bs)
+        back = bytearray(n * bs)
+        saddr = eng.register_local_memory(src)
+        baddr = eng.register_local_memory(back)
+        _native.fill_pattern(saddr, len(src), 99)
+        h = eng.open_segment(peer.segment)
+        for op, local in ((OpCode.WRITE, saddr), (OpCode.READ, baddr)):
+            bid = eng.allocate_batch_id(n)
+            eng.submit_transfer(bid, [TransferRequest(op, local + i * bs, h, peer.addr + s * bs, bs) for i, s in enumerate(slots)])
+            st = eng.wait_batch(bid, timeout_s=60)
+            assert st.state == TransferState.COMPLETED, st
+            assert st.transferred_bytes == n * bs
+            eng.free_batch_id(bid)
+        assert back == src
+
+
+def test_batch_transfer_sync_and_async_wait(peer: PeerProcess, tcp_engine: TransferEngine) -> None:
+    eng = tcp_engine
+    bs, n = 8192, 10
+    src = bytearray(n * bs)
+    saddr = eng.register_local_memory(src)
+    _native.fill_pattern(saddr, len(src), 3)
+    total = eng.batch_transfer_sync(
+        peer.segment, [saddr + i * bs for i in range(n)], [peer.addr + i * bs for i in range(n)], [bs] * n
+    )
+    assert total == n * bs
+    assert peer.checksum(0, n * bs) == xxhash.xxh3_64_hexdigest(src)
+
+    async def go() -> TransferState:
+        h = eng.open_segment(peer.segment)
+        bid = eng.allocate_batch_id(1)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.READ, saddr, h, peer.addr, bs)])
+        st = await eng.wait_batch_async(bid, timeout_s=10)
+        eng.free_batch_id(bid)
+        return st.state
+
+    assert asyncio.run(go()) == TransferState.COMPLETED
+
+
+def test_requests_to_several_segments_in_one_batch(tcp_engine: TransferEngine) -> None:
+    eng = tcp_engine
+    with PeerProcess(1 << 20) as p1, PeerProcess(1 << 20) as p2:
+        src = bytearray(8192)
+        saddr = eng.register_local_memory(src)
+        _native.fill_pattern(saddr, 8192, 11)
+        h1, h2 = eng.open_segment(p1.segment), eng.open_segment(p2.segment)
+        bid = eng.allocate_batch_id(2)
+        eng.submit_transfer(
+            bid,
+            [
+                TransferRequest(OpCode.WRITE, saddr, h1, p1.addr, 4096),
+                TransferRequest(OpCode.WRITE, saddr + 4096, h2, p2.addr + 100, 4096),
+            ],
+        )
+        assert eng.wait_batch(bid, 10).state == TransferState.COMPLETED
+        eng.free_batch_id(bid)
+        assert p1.checksum(0, 4096) == xxhash.xxh3_64_hexdigest(src[:4096])
+        assert p2.checksum(100, 4096) == xxhash.xxh3_64_hexdigest(src[4096:])
+
+
+def test_numpy_buffer_registration(peer: PeerProcess, tcp_engine: TransferEngine) -> None:
+    np = pytest.importorskip("numpy")
+    arr = np.arange(1024, dtype=np.uint32)
+    addr = tcp_engine.register_local_memory(arr)
+    assert addr == arr.ctypes.data
+    tcp_engine.transfer_sync(peer.segment, addr, peer.addr, arr.nbytes, OpCode.WRITE)
+    assert peer.checksum(0, arr.nbytes) == xxhash.xxh3_64_hexdigest(arr.tobytes())
+
+
+def test_self_transfer_between_own_buffers() -> None:
+    with TransferEngine(protocol="tcp") as eng:
+        a, b = bytearray(b"hello kvpool" * 100), bytearray(1200)
+        la = eng.register_local_memory(a)
+        lb = eng.register_local_memory(b)
+        eng.transfer_sync(eng.segment_name, la, lb, 1200, OpCode.WRITE)
+        assert a == b
+
+
+def test_failed_transfer_raises_typed_error(tcp_engine: TransferEngine) -> None:
+    p = PeerProcess(1 << 20)
+    buf = bytearray(4096)
+    addr = tcp_engine.register_local_memory(buf)
+    tcp_engine.open_segment(p.segment)
+    p.kill()
+    with pytest.raises(TransferError):
+        tcp_engine.transfer_sync(p.segment, addr, p.addr, 4096, OpCode.WRITE)
+    p.close()
