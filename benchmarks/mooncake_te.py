@@ -47,7 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1 librdmacm1 libnuma1"
+INSTALL_HINT = (
+    "pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1 librdmacm1 libnuma1"
+)
 BINARY_NAME = "transfer_engine_bench"
 LOOPBACK = "127.0.0.1"
 DEFAULT_BUFFER_SIZE = 1 << 30  # 1 GiB per process (Mooncake's default, made explicit)
@@ -59,9 +61,15 @@ _RESULT_RE = re.compile(
 )
 # Bytes per second represented by one unit, as Mooncake defines them.
 _UNIT_BYTES: dict[str, float] = {
-    "GB": 1e9, "GiB": float(1 << 30), "Gb": 1e9 / 8,
-    "MB": 1e6, "MiB": float(1 << 20), "Mb": 1e6 / 8,
-    "KB": 1e3, "KiB": float(1 << 10), "Kb": 1e3 / 8,
+    "GB": 1e9,
+    "GiB": float(1 << 30),
+    "Gb": 1e9 / 8,
+    "MB": 1e6,
+    "MiB": float(1 << 20),
+    "Mb": 1e6 / 8,
+    "KB": 1e3,
+    "KiB": float(1 << 10),
+    "Kb": 1e3 / 8,
 }
 
 
@@ -212,8 +220,12 @@ def run_mooncake_te(
             with open(t_log, "wb") as t_out:
                 target = subprocess.Popen(
                     [binary, "--mode=target", *common],
-                    stdin=subprocess.DEVNULL, stdout=t_out, stderr=subprocess.STDOUT,
-                    env=env, cwd=tmp, start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=t_out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=tmp,
+                    start_new_session=True,
                 )
             port: int | None = None
             deadline = time.monotonic() + startup_timeout_s
@@ -236,16 +248,27 @@ def run_mooncake_te(
                 raise RuntimeError(f"Mooncake target exited with {target.returncode}:\n{_read(t_log)}")
 
             cmd = [
-                binary, "--mode=initiator", *common,
+                binary,
+                "--mode=initiator",
+                *common,
                 f"--segment_id={LOOPBACK}:{port}",
-                f"--block_size={block_size}", f"--threads={threads}", f"--batch_size={batch_size}",
-                f"--operation={operation}", f"--duration={duration_s}",
-                "--report_unit=GB", "--report_precision=4",
+                f"--block_size={block_size}",
+                f"--threads={threads}",
+                f"--batch_size={batch_size}",
+                f"--operation={operation}",
+                f"--duration={duration_s}",
+                "--report_unit=GB",
+                "--report_precision=4",
             ]
             with open(i_log, "wb") as i_out:
                 initiator = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=i_out, stderr=subprocess.STDOUT,
-                    env=env, cwd=tmp, start_new_session=True,
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=i_out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=tmp,
+                    start_new_session=True,
                 )
             try:
                 rc = initiator.wait(timeout=duration_s + 60)

@@ -110,9 +110,18 @@ def run_socket_stream(block_size: int, duration_s: float = 5) -> dict[str, Any]:
     proc: subprocess.Popen[bytes] | None = None
     try:
         proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--receiver", "--block-size", str(block_size),
-             "--io-timeout", str(io_timeout)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--receiver",
+                "--block-size",
+                str(block_size),
+                "--io-timeout",
+                str(io_timeout),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         line = _readline(proc, 30.0)
         if not line.startswith("PORT "):
@@ -131,7 +140,7 @@ def run_socket_stream(block_size: int, duration_s: float = 5) -> dict[str, Any]:
             line = _readline(proc, io_timeout)
         if not line.startswith("RESULT "):
             raise RuntimeError(f"unexpected receiver output: {line!r}")
-        res = json.loads(line[len("RESULT "):])
+        res = json.loads(line[len("RESULT ") :])
         proc.wait(timeout=10)
         return {
             "system": "socket-stream",
@@ -146,8 +155,9 @@ def run_socket_stream(block_size: int, duration_s: float = 5) -> dict[str, Any]:
             _stop(proc)
             if proc.stderr is not None:
                 err = proc.stderr.read() or b""
-        raise RuntimeError(f"socket stream benchmark failed: {exc}\n--- receiver stderr ---\n"
-                           f"{err.decode(errors='replace')}") from exc
+        raise RuntimeError(
+            f"socket stream benchmark failed: {exc}\n--- receiver stderr ---\n{err.decode(errors='replace')}"
+        ) from exc
     finally:
         _stop(proc)
         if proc is not None:

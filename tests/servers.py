@@ -97,11 +97,18 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: IO[bytes], what: str, ready:
 
 
 @contextlib.contextmanager
-def _running(cmd: list[str], what: str, ready: Callable[[], bool], *, cwd: Path | None = None,
-             env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def _running(
+    cmd: list[str],
+    what: str,
+    ready: Callable[[], bool],
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=cwd, env=env)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env
+        )
         try:
             _wait_ready(proc, log, what, ready)
             yield proc
@@ -126,16 +133,26 @@ def etcd_server(tmp_path: Path) -> Iterator[str]:
     data_dir = Path(tmp_path) / f"etcd-{client_port}"
     cmd = [
         shutil.which("etcd") or "etcd",
-        "--name", "kvpool-test",
-        "--data-dir", str(data_dir),
-        "--listen-client-urls", client,
-        "--advertise-client-urls", client,
-        "--listen-peer-urls", peer,
-        "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"kvpool-test={peer}",
-        "--initial-cluster-state", "new",
-        "--logger", "zap",
-        "--log-level", "error",
+        "--name",
+        "kvpool-test",
+        "--data-dir",
+        str(data_dir),
+        "--listen-client-urls",
+        client,
+        "--advertise-client-urls",
+        client,
+        "--listen-peer-urls",
+        peer,
+        "--initial-advertise-peer-urls",
+        peer,
+        "--initial-cluster",
+        f"kvpool-test={peer}",
+        "--initial-cluster-state",
+        "new",
+        "--logger",
+        "zap",
+        "--log-level",
+        "error",
     ]
     with _running(cmd, "etcd", lambda: _http_ok(f"{client}/health"), cwd=Path(tmp_path)):
         yield f"etcd://127.0.0.1:{client_port}"
@@ -153,11 +170,16 @@ def redis_server() -> Iterator[str]:
     port = free_port()
     cmd = [
         shutil.which("redis-server") or "redis-server",
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        "--loglevel", "warning",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--loglevel",
+        "warning",
     ]
     with tempfile.TemporaryDirectory(prefix="kvpool-redis-") as work_dir:
         with _running(cmd, "redis-server", lambda: _redis_ping(port), cwd=Path(work_dir)):
@@ -171,15 +193,23 @@ def http_metadata_server() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}/metadata"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC_DIR), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "kvpool.transfer.metadata_server",
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpool.transfer.metadata_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with _running(cmd, "kvpool metadata-server", lambda: _http_ok(f"{url}?key=__ready__", 404), env=env):
         yield url
 
 
 def _require(binary: str, debian_package: str) -> None:
     if shutil.which(binary) is None:
-        pytest.skip(f"{binary} is not installed (e.g. apt-get install {debian_package})")
+        # A core test never skips silently: fail with the install hint (.ci/run installs both).
+        pytest.fail(f"{binary} is not installed (apt-get install {debian_package})")
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,10 @@ def test_peer_killed_mid_batch_fails_within_timeout(protocol: str) -> None:
         p = PeerProcess(bs * 4)
         h = eng.open_segment(p.segment)
         bid = eng.allocate_batch_id(n)
-        reqs = [TransferRequest(OpCode.WRITE, saddr + (i % 4) * bs, h, p.addr + (i % 4) * bs, bs) for i in range(n)]
+        reqs = [
+            TransferRequest(OpCode.WRITE, saddr + (i % 4) * bs, h, p.addr + (i % 4) * bs, bs)
+            for i in range(n)
+        ]
         eng.submit_transfer(bid, reqs)
         p.kill()
         t0 = time.monotonic()
@@ -125,7 +128,14 @@ def test_same_host_path_falls_back_to_tcp_when_kernel_refuses(tmp_path) -> None:
                 print(json.dumps({{"before": before, "after": after}}))
             """
         )
-        cmd = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace", sys.executable, "-c", script]
+        cmd = [
+            "setpriv",
+            "--bounding-set=-sys_ptrace",
+            "--inh-caps=-sys_ptrace",
+            sys.executable,
+            "-c",
+            script,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]

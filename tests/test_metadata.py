@@ -35,8 +35,11 @@ def _unique(prefix: str = "seg") -> str:
 
 
 def _dead_url(kind: str, port: int) -> str:
-    return {"http": f"http://127.0.0.1:{port}/metadata", "etcd": f"etcd://127.0.0.1:{port}",
-            "redis": f"redis://127.0.0.1:{port}"}[kind]
+    return {
+        "http": f"http://127.0.0.1:{port}/metadata",
+        "etcd": f"etcd://127.0.0.1:{port}",
+        "redis": f"redis://127.0.0.1:{port}",
+    }[kind]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -153,8 +156,9 @@ def test_etcd_keys_use_prefix(etcd_url: str, http_metadata_url: str) -> None:  #
     meta.put(name, b"v")
     endpoint = etcd_url.replace("etcd://", "http://")
     key = base64.b64encode(f"kvpool/segments/{name}".encode()).decode()
-    req = urllib.request.Request(f"{endpoint}/v3/kv/range", data=json.dumps({"key": key}).encode(),
-                                 method="POST")
+    req = urllib.request.Request(
+        f"{endpoint}/v3/kv/range", data=json.dumps({"key": key}).encode(), method="POST"
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=5) as resp:
         kvs = json.loads(resp.read())["kvs"]
@@ -317,8 +321,9 @@ def test_password_is_not_in_errors() -> None:
 # -- the HTTP metadata server ---------------------------------------------------------------------------
 
 
-def _raw(url: str, method: str, key: str | None, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def _raw(
+    url: str, method: str, key: str | None, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     parts = urllib.parse.urlsplit(url)
     path = parts.path + (f"?key={urllib.parse.quote(key, safe='')}" if key is not None else "")
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
@@ -347,8 +352,7 @@ def test_server_accepts_chunked_put(http_metadata_url: str) -> None:  # noqa: F8
     parts = urllib.parse.urlsplit(http_metadata_url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     try:
-        conn.request("PUT", f"{parts.path}?key={key}", body=iter([b"ab", b"", b"cd"]),
-                     encode_chunked=True)
+        conn.request("PUT", f"{parts.path}?key={key}", body=iter([b"ab", b"", b"cd"]), encode_chunked=True)
         assert conn.getresponse().status == 200
     finally:
         conn.close()
@@ -385,8 +389,9 @@ def test_server_in_process_lifecycle() -> None:
         with pytest.raises(MetadataError, match="413"):
             meta.put("k", b"v" * 1025)
         assert meta.get("k") == b"v" * 1024
-        status, _ = _raw(server.url, "PUT", "k", b"x", headers={"Expect": "100-continue",
-                                                                 "Content-Length": "4096"})
+        status, _ = _raw(
+            server.url, "PUT", "k", b"x", headers={"Expect": "100-continue", "Content-Length": "4096"}
+        )
         assert status == 413
     server.stop()  # idempotent
     with pytest.raises(MetadataError):

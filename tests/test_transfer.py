@@ -43,7 +43,9 @@ def test_batch_api_statuses(peer: PeerProcess, tcp_engine: TransferEngine) -> No
     h = eng.open_segment(peer.segment)
     bid = eng.allocate_batch_id(n + 4)
     assert eng.get_transfer_status(bid, n).state == TransferState.WAITING
-    eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, saddr + i * bs, h, peer.addr + i * bs, bs) for i in range(n)])
+    eng.submit_transfer(
+        bid, [TransferRequest(OpCode.WRITE, saddr + i * bs, h, peer.addr + i * bs, bs) for i in range(n)]
+    )
     st = eng.wait_batch(bid, timeout_s=10)
     assert st.state == TransferState.COMPLETED and st.transferred_bytes == n * bs
     for i in range(n):
@@ -90,7 +92,8 @@ def test_concurrent_batches_from_threads(peer: PeerProcess, protocol: str) -> No
                     for op, local in ((OpCode.WRITE, la), (OpCode.READ, lb)):
                         bid = eng.allocate_batch_id(n)
                         eng.submit_transfer(
-                            bid, [TransferRequest(op, local + i * bs, h, region + i * bs, bs) for i in range(n)]
+                            bid,
+                            [TransferRequest(op, local + i * bs, h, region + i * bs, bs) for i in range(n)],
                         )
                         assert eng.wait_batch(bid, timeout_s=20).state == TransferState.COMPLETED
                         eng.free_batch_id(bid)
@@ -120,7 +123,10 @@ def test_twenty_thousand_scattered_requests_in_one_batch(peer: PeerProcess, prot
         h = eng.open_segment(peer.segment)
         for op, local in ((OpCode.WRITE, saddr), (OpCode.READ, baddr)):
             bid = eng.allocate_batch_id(n)
-            eng.submit_transfer(bid, [TransferRequest(op, local + i * bs, h, peer.addr + s * bs, bs) for i, s in enumerate(slots)])
+            eng.submit_transfer(
+                bid,
+                [TransferRequest(op, local + i * bs, h, peer.addr + s * bs, bs) for i, s in enumerate(slots)],
+            )
             st = eng.wait_batch(bid, timeout_s=60)
             assert st.state == TransferState.COMPLETED, st
             assert st.transferred_bytes == n * bs

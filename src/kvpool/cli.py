@@ -36,7 +36,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col not in ("path", "direction") else "left")
 
     def on_row(r: object) -> None:
-        console.print(f"  {r.path:9} {_human(r.block_size):>8} {r.direction:5} {r.gbps:6.2f} GB/s", highlight=False)
+        console.print(
+            f"  {r.path:9} {_human(r.block_size):>8} {r.direction:5} {r.gbps:6.2f} GB/s", highlight=False
+        )
 
     rows = run_demo(total_bytes=total, protocols=protocols, on_row=on_row)
     for r in rows:
@@ -108,7 +110,9 @@ def cmd_metadata_server(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser."""
-    ap = argparse.ArgumentParser(prog="kvpool", description="KV cache pooling: transfer engine, store, connectors")
+    ap = argparse.ArgumentParser(
+        prog="kvpool", description="KV cache pooling: transfer engine, store, connectors"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="move >=1 GiB between two processes, verify, print a table")

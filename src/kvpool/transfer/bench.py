@@ -86,9 +86,10 @@ def run_transfer_bench(
     op = OpCode.WRITE if operation == "write" else OpCode.READ
     region = block_size * batch_size
     size = region * threads
-    with PeerProcess(size, protocol=protocol, **engine_options) as peer, TransferEngine(
-        protocol=protocol, **engine_options
-    ) as eng:
+    with (
+        PeerProcess(size, protocol=protocol, **engine_options) as peer,
+        TransferEngine(protocol=protocol, **engine_options) as eng,
+    ):
         local = bytearray(size)
         laddr = eng.register_local_memory(local)
         _native.fill_pattern(laddr, size, 1)
@@ -204,7 +205,9 @@ def run_demo(
                         for first in range(0, nblocks, batch_size):
                             n = min(batch_size, nblocks - first)
                             reqs = [
-                                TransferRequest(op, local + (first + i) * bs, handle, peer.addr + (first + i) * bs, bs)
+                                TransferRequest(
+                                    op, local + (first + i) * bs, handle, peer.addr + (first + i) * bs, bs
+                                )
                                 for i in range(n)
                             ]
                             b0 = time.perf_counter()
@@ -234,5 +237,7 @@ def run_demo(
                     if on_row is not None:
                         on_row(row)
                     if not row.verified:
-                        raise RuntimeError(f"checksum mismatch after {direction} of {bs}-byte blocks over {path}")
+                        raise RuntimeError(
+                            f"checksum mismatch after {direction} of {bs}-byte blocks over {path}"
+                        )
     return rows

@@ -110,8 +110,9 @@ class TransferEngine:
     ) -> None:
         overrides = {
             k: v
-            for k, v in dict(hostname=hostname, metadata=metadata, protocol=protocol, devices=devices, name=name)
-            .items()
+            for k, v in dict(
+                hostname=hostname, metadata=metadata, protocol=protocol, devices=devices, name=name
+            ).items()
             if v is not None
         }
         overrides.update(kwargs)
@@ -265,7 +266,9 @@ class TransferEngine:
                 self._segments[name] = (cached[0], desc)
                 return cached[0]
             pid = self._same_host_pid(desc)
-            hid = self._native.add_peer(desc.hostname, desc.port, desc.incarnation, pid, desc.remote_regions())
+            hid = self._native.add_peer(
+                desc.hostname, desc.port, desc.incarnation, pid, desc.remote_regions()
+            )
             handle = SegmentHandle(hid, name)
             self._segments[name] = (handle, desc)
             self._handles[hid] = name
@@ -389,7 +392,9 @@ class TransferEngine:
         if not isinstance(length, int) or length <= 0:
             raise InvalidArgument("length must be a positive integer")
         handle = self.open_segment(target_name)
-        err = self._native.transfer_sync(_NATIVE_OP[OpCode(opcode)], local_addr, handle.id, remote_addr, length)
+        err = self._native.transfer_sync(
+            _NATIVE_OP[OpCode(opcode)], local_addr, handle.id, remote_addr, length
+        )
         if err:
             cls = TransferTimeout if err == _ST_TIMEOUT else TransferError
             raise cls(f"{OpCode(opcode).name} of {length} bytes to {target_name}: {_native.status_text(err)}")
@@ -414,7 +419,10 @@ class TransferEngine:
         try:
             self.submit_transfer(
                 bid,
-                [TransferRequest(opcode, la, handle, ra, ln) for la, ra, ln in zip(local_addrs, remote_addrs, lengths)],
+                [
+                    TransferRequest(opcode, la, handle, ra, ln)
+                    for la, ra, ln in zip(local_addrs, remote_addrs, lengths, strict=True)
+                ],
             )
             self.wait_batch(bid)
             self._raise_failures(bid, n)

@@ -160,8 +160,14 @@ class _UrllibClient:
         # get in the way, so environment proxies are deliberately ignored.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def request(self, method: str, url: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None, timeout_s: float | None = None) -> _Response:
+    def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> _Response:
         """Perform one request, whatever its status; raise ``OSError``/``HTTPException`` on trouble.
 
         ``timeout_s`` overrides the client's budget for this call (callers sharing one budget over
@@ -329,8 +335,9 @@ class EtcdMetadata(MetadataBackend):
             if remaining <= 0:
                 break
             try:
-                resp = self._client.request("POST", f"{endpoint}/v3/kv/{op}", body,
-                                            {"Content-Type": "application/json"}, remaining)
+                resp = self._client.request(
+                    "POST", f"{endpoint}/v3/kv/{op}", body, {"Content-Type": "application/json"}, remaining
+                )
                 break
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 failure = exc

@@ -62,8 +62,13 @@ class _Handler(BaseHTTPRequestHandler):
         """Send the per-request access log to ``logging`` at debug level instead of stderr."""
         _log.debug("%s - %s", self.address_string(), format % args)
 
-    def _reply(self, status: int, body: bytes = b"", content_type: str = "text/plain; charset=utf-8",
-               close: bool = False) -> None:
+    def _reply(
+        self,
+        status: int,
+        body: bytes = b"",
+        content_type: str = "text/plain; charset=utf-8",
+        close: bool = False,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -245,8 +250,9 @@ class MetadataServer:
     context manager), or :meth:`serve_forever` to run it on the calling thread.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
         self.host = host
         if max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
@@ -321,19 +327,30 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvpool metadata-server",
         description="In-memory HTTP metadata server (Mooncake protocol) for kvpool segment descriptors.",
     )
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default 127.0.0.1; use 0.0.0.0 to serve other hosts)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; use 0.0.0.0 to serve other hosts)",
+    )
     parser.add_argument("--port", type=int, default=8080, help="TCP port to bind (default 8080; 0 = any)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help=f"largest descriptor accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest descriptor accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES})",
+    )
     args = parser.parse_args(argv)
     if args.max_body_bytes < 0:
         parser.error("--max-body-bytes must be >= 0")
     try:
         server = MetadataServer(args.host, args.port, args.max_body_bytes)
     except OSError as exc:
-        print(f"kvpool metadata-server: cannot bind {args.host}:{args.port}: {exc.strerror or exc}; "
-              f"pick another --port or stop what is using it", file=sys.stderr, flush=True)
+        print(
+            f"kvpool metadata-server: cannot bind {args.host}:{args.port}: {exc.strerror or exc}; "
+            f"pick another --port or stop what is using it",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     print(f"kvpool metadata server listening on {server.url}", flush=True)
     try:

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--secret", default=None)
     ap.add_argument("--timeout-s", type=float, default=30.0)
-    ap.add_argument("--no-dumpable", action="store_true", help="prctl(PR_SET_DUMPABLE, 0): refuse ptrace-like access")
+    ap.add_argument(
+        "--no-dumpable", action="store_true", help="prctl(PR_SET_DUMPABLE, 0): refuse ptrace-like access"
+    )
     args = ap.parse_args(argv)
     if args.no_dumpable:
         import ctypes
@@ -53,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     addr = eng.register_local_memory(buf)
     view = memoryview(buf)
     print(
-        json.dumps({"segment": eng.segment_name, "addr": addr, "size": args.size, "port": eng.port, "pid": _pid()}),
+        json.dumps(
+            {"segment": eng.segment_name, "addr": addr, "size": args.size, "port": eng.port, "pid": _pid()}
+        ),
         flush=True,
     )
     for line in sys.stdin:

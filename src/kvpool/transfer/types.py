@@ -122,7 +122,9 @@ class SegmentDescriptor:
                 raise TypeError("bad field types")
             return desc
         except Exception as exc:  # noqa: BLE001 - any decode problem is bad metadata
-            raise MetadataError(f"malformed segment descriptor ({exc}); is the peer a kvpool engine?") from None
+            raise MetadataError(
+                f"malformed segment descriptor ({exc}); is the peer a kvpool engine?"
+            ) from None
 
     def remote_regions(self) -> list[tuple[int, int]]:
         """(address, length) of the buffers peers may access."""
