@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs (Debian servers + the package with its test extras),
+# then runs the whole suite. Used by the README and by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need[@]}"
+fi
+
+python -m pip install -q ".[test]"
+ruff check src tests benchmarks
+# Run from the repository root: tests import the installed kvpool (with its compiled core).
+python -m pytest -q "$@"
