@@ -35,7 +35,6 @@ __all__ = [
     "redis_url",
 ]
 
-SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 START_TIMEOUT_S = 20.0
 
 _no_proxy_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -192,11 +191,11 @@ def http_metadata_server() -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/metadata"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC_DIR), env.get("PYTHONPATH", "")) if p)
-    cmd = [
+    cmd = [  # the installed package's `kvpool metadata-server`
         sys.executable,
         "-m",
-        "kvpool.transfer.metadata_server",
+        "kvpool.cli",
+        "metadata-server",
         "--host",
         "127.0.0.1",
         "--port",

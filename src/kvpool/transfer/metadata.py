@@ -32,7 +32,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from kvpool.errors import InvalidArgument, MetadataError
 
@@ -124,7 +124,7 @@ class MetadataBackend(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op for stateless backends
         """Release network resources held by the backend.  Calling it twice is harmless."""
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> MetadataBackend:
         return self
 
     def __exit__(

@@ -22,7 +22,6 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Self
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "METADATA_PATH", "MetadataServer", "main"]
 
@@ -276,7 +275,7 @@ class MetadataServer:
             host = f"[{host}]"
         return f"http://{host}:{self.port}{METADATA_PATH}"
 
-    def start(self) -> Self:
+    def start(self) -> MetadataServer:
         """Serve on a daemon thread and return ``self``; starting a running or stopped server fails."""
         if self._thread is not None or self._serving.is_set() or self._closed:
             raise RuntimeError("metadata server already started or stopped; create a new one")
@@ -312,7 +311,7 @@ class MetadataServer:
             self._closed = True
             self._server.server_close()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> MetadataServer:
         if self._thread is None:
             self.start()
         return self
