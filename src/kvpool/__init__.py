@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvpool import errors
-from kvpool.config import TransferConfig
+from kvpool.config import MasterConfig, StoreConfig, TransferConfig
+from kvpool.store import Master, ReplicateConfig, Store
 from kvpool.transfer import (
     BatchID,
     OpCode,
@@ -19,6 +20,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchID",
+    "Master",
+    "MasterConfig",
+    "ReplicateConfig",
+    "Store",
+    "StoreConfig",
     "OpCode",
     "SegmentDescriptor",
     "SegmentHandle",

@@ -116,3 +116,66 @@ class TransferConfig(_ConfigBase):
         if v != "p2p" and not v.startswith(("http://", "https://", "etcd://", "redis://")):
             raise ValueError("metadata must be 'p2p' or an http://, etcd:// or redis:// URL")
         return v
+
+
+class MasterConfig(_ConfigBase):
+    """Configuration of the store master (``kvpool master``).
+
+    Attributes:
+        host, port: RPC address (zmq ROUTER); port 0 picks a free one.
+        metrics_port: Prometheus text metrics over HTTP on ``host``; None disables, 0 picks a free port.
+        eviction_high_watermark: fraction of pool capacity above which eviction starts.
+        eviction_ratio: fraction of pool capacity each eviction round frees.
+        lease_ttl_ms: how long a read lease protects an object from eviction and removal.
+        client_ttl_s: a client silent for this long is dead: its segments are unmounted.
+        put_timeout_s: an uncommitted put older than this is revoked and its space freed.
+        secret: shared secret every RPC must carry (same as the transfer engines').
+        hot_key_replication: raise the replica count of the hottest keys automatically.
+        hot_window_s, hot_interval_s: access-count window and how often the policy runs.
+        hot_max_replicas: replica count given to hot keys (capped by the number of segments).
+        alignment: allocation alignment in bytes inside segments.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=50051, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    eviction_high_watermark: float = Field(default=0.95, gt=0, le=1)
+    eviction_ratio: float = Field(default=0.05, gt=0, le=1)
+    lease_ttl_ms: int = Field(default=5000, ge=1)
+    client_ttl_s: float = Field(default=10.0, gt=0)
+    put_timeout_s: float = Field(default=30.0, gt=0)
+    secret: str | None = None
+    hot_key_replication: bool = False
+    hot_window_s: float = Field(default=10.0, gt=0)
+    hot_interval_s: float = Field(default=1.0, gt=0)
+    hot_max_replicas: int = Field(default=3, ge=1)
+    alignment: int = Field(default=64, ge=1)
+
+
+class StoreConfig(_ConfigBase):
+    """Configuration of a store client (:class:`kvpool.Store`).
+
+    Attributes:
+        master: ``host:port`` of the master; None starts an embedded in-process master.
+        hostname: address of this client's transfer engine.
+        segment_size: bytes of DRAM this client contributes to the pool (0 = use the pool only).
+        buffer_size: registered staging buffer for put/get of Python bytes.
+        protocol, metadata, secret: passed to the transfer engine (secret also guards master RPC).
+        ssd_dir: directory this client contributes as the SSD tier (None = none).
+        promote_on_hit: copy an object read from the SSD tier back into memory.
+        rpc_timeout_s: master RPC timeout; heartbeat_s: heartbeat period.
+        transfer_timeout_s: transfer engine timeout.
+    """
+
+    master: str | None = None
+    hostname: str = "127.0.0.1"
+    segment_size: int = Field(default=64 << 20, ge=0)
+    buffer_size: int = Field(default=64 << 20, ge=1 << 16)
+    protocol: Literal["auto", "tcp", "rdma"] = "auto"
+    metadata: str = "p2p"
+    secret: str | None = None
+    ssd_dir: str | None = None
+    promote_on_hit: bool = True
+    rpc_timeout_s: float = Field(default=5.0, gt=0)
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    transfer_timeout_s: float = Field(default=30.0, gt=0)

@@ -62,6 +62,33 @@ class ProtocolUnavailable(KvpoolError):
     """The requested transport cannot be used here (e.g. RDMA without pyverbs or a device)."""
 
 
+class StoreError(KvpoolError):
+    """Base class of errors from the distributed store."""
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """No committed object under that key (never put, removed, evicted, or its replicas were lost)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class ObjectExists(StoreError):
+    """The key is already committed or being put; objects are immutable - remove it first."""
+
+
+class ObjectBusy(StoreError):
+    """The object is leased by a reader or not yet committed; retry after the lease expires."""
+
+
+class StoreFull(StoreError):
+    """No mounted segment has room for the object, even after eviction; add segments or free space."""
+
+
+class MasterUnavailable(StoreError):
+    """The store master did not answer within rpc_timeout_s; check that `kvpool master` is running."""
+
+
 __all__ = [
     "KvpoolError",
     "InvalidArgument",
@@ -77,4 +104,10 @@ __all__ = [
     "BatchInFlight",
     "ProtocolError",
     "ProtocolUnavailable",
+    "StoreError",
+    "ObjectNotFound",
+    "ObjectExists",
+    "ObjectBusy",
+    "StoreFull",
+    "MasterUnavailable",
 ]

@@ -200,7 +200,8 @@ class TransferEngine:
         self._native.register_memory(addr, n, bool(remote_accessible))
         with self._lock:
             self._buffers[addr] = (BufferDescriptor(addr, n, location, bool(remote_accessible)), keep)
-        self._publish()
+        if remote_accessible:  # local-only memory is not published: registering it is cheap
+            self._publish()
         return addr
 
     def unregister_local_memory(self, addr_or_buffer: Any) -> None:
@@ -208,13 +209,14 @@ class TransferEngine:
         addr = addr_or_buffer if isinstance(addr_or_buffer, int) else buffer_range(addr_or_buffer)[0]
         self._native.unregister_memory(addr)
         with self._lock:
-            self._buffers.pop(addr, None)
-        self._publish()
+            entry = self._buffers.pop(addr, None)
+        if entry is None or entry[0].remote_accessible:
+            self._publish()
 
     def local_descriptor(self) -> SegmentDescriptor:
         """The descriptor this engine publishes."""
         with self._lock:
-            bufs = [b for b, _ in self._buffers.values()]
+            bufs = [b for b, _ in self._buffers.values() if b.remote_accessible]
         return SegmentDescriptor(
             name=self.segment_name,
             hostname=self.config.hostname,

@@ -1,0 +1,772 @@
+"""Store master: object metadata, allocation, leases, eviction, replicas, liveness, metrics.
+
+The master never touches object bytes. Put is two-phase (``put_start`` allocates replicas inside
+mounted segments, the client writes through the transfer engine, ``put_end`` commits); get takes a
+lease that keeps the object from being evicted or removed while the client reads it. Work that
+moves bytes on the master's behalf (hot-key replication, SSD spills) is handed to storage clients
+as tasks in their heartbeat replies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvpool.config import MasterConfig
+from kvpool.errors import InvalidArgument
+from kvpool.store.allocator import RangeAllocator
+from kvpool.store.rpc import pack, unpack
+
+log = logging.getLogger("kvpool.master")
+
+CACHE_CLASSES = ("default", "ephemeral", "persistent")
+
+
+class _Err(Exception):
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Replica:
+    """One copy of an object inside a mounted segment."""
+
+    segment: str
+    offset: int
+    committed: bool
+
+
+@dataclass(slots=True)
+class SsdCopy:
+    """An object's copy in a client's SSD directory."""
+
+    client: str
+    path: str
+    checksum: str
+    host_id: str
+
+
+@dataclass(slots=True)
+class Obj:
+    """Metadata of one object."""
+
+    size: int
+    replicas: list[Replica]
+    committed: bool
+    deadline: float
+    soft_pin: bool = False
+    pin_until: float = 0.0
+    cache_class: str = "default"
+    base_replicas: int = 1
+    lease_until: float = 0.0
+    busy: int = 0  # master tasks (replicate/spill) in flight
+    hot: bool = False
+    ssd: SsdCopy | None = None
+    drop_memory: bool = False  # spilled: free memory replicas once no lease holds them
+
+
+@dataclass
+class Segment:
+    """A client's mounted DRAM segment."""
+
+    name: str
+    client: str
+    base: int
+    size: int
+    host_id: str
+    alloc: RangeAllocator
+    keys: set[str] = field(default_factory=set)
+    reads: float = 0.0
+
+
+@dataclass
+class Client:
+    """A connected store client."""
+
+    id: str
+    host_id: str
+    last_seen: float
+    ssd_dir: str | None = None
+    segments: set[str] = field(default_factory=set)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Master:
+    """The store master. ``start()`` serves in a background thread; ``serve_forever()`` in this one."""
+
+    def __init__(self, config: MasterConfig | None = None, **kwargs: Any) -> None:
+        self.config = config.replace(**kwargs) if config is not None else MasterConfig(**kwargs)
+        self.incarnation = random.getrandbits(63)
+        self.objects: dict[str, Obj] = {}
+        self.segments: dict[str, Segment] = {}
+        self.clients: dict[str, Client] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # committed keys, least recent first
+        self._access: Counter[str] = Counter()
+        self._access_prev: Counter[str] = Counter()
+        self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
+        self._task_ids = 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats: Counter[str] = Counter()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        c = self.config
+        try:
+            if c.port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{c.host}")
+            else:
+                self._sock.bind(f"tcp://{c.host}:{c.port}")
+                self.port = c.port
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            raise InvalidArgument(f"master cannot listen on {c.host}:{c.port}: {exc}") from None
+        self.address = f"{c.host}:{self.port}"
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+        if c.metrics_port is not None:
+            from kvpool.store.metrics import start_metrics_server
+
+            self._metrics_server, self.metrics_port = start_metrics_server(self, c.host, c.metrics_port)
+        self._handlers = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_op_")}
+        self._rpc_time: Counter[str] = Counter()
+        self._rpc_count: Counter[str] = Counter()
+        self._last_tick = time.monotonic()
+        self._last_hot = time.monotonic()
+
+    # ------------------------------------------------------------------ serving
+    def start(self) -> Master:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self.serve_forever, name="kvpool-master", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Answer RPCs and run periodic work until :meth:`stop`."""
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(50):
+                for _ in range(256):  # drain a burst before ticking
+                    try:
+                        ident, payload = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        continue  # malformed multipart
+                    sock.send_multipart([ident, pack(self.handle_bytes(payload))])
+            now = time.monotonic()
+            if now - self._last_tick >= 0.1:
+                self._last_tick = now
+                with self._lock:
+                    self._tick(now)
+        sock.close(0)
+
+    def stop(self) -> None:
+        """Stop serving (the socket closes) and the metrics server."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        else:
+            self._sock.close(0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+
+    def handle_bytes(self, payload: bytes) -> dict[str, Any]:
+        """Decode, authenticate, dispatch one request; never raises."""
+        try:
+            req = unpack(payload)
+            if not isinstance(req, dict):
+                raise ValueError("request is not a map")
+        except Exception as exc:  # noqa: BLE001 - garbage in, typed error out
+            return {"id": None, "ok": False, "err": "INVALID", "msg": f"malformed request: {exc}"}
+        rid = req.get("id")
+        secret = self.config.secret
+        if secret and not hmac.compare_digest(str(req.get("auth") or ""), secret):
+            return {
+                "id": rid,
+                "ok": False,
+                "err": "AUTH",
+                "msg": "wrong or missing secret for the store master",
+            }
+        op = req.get("op")
+        fn = self._handlers.get(op) if isinstance(op, str) else None
+        if fn is None:
+            return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                out = fn(req)
+            out["id"] = rid
+            out["ok"] = True
+        except _Err as exc:
+            out = {"id": rid, "ok": False, "err": exc.code, "msg": str(exc)}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            out = {"id": rid, "ok": False, "err": "INVALID", "msg": f"bad {op} request: {exc!r}"}
+        self._rpc_time[op] += time.perf_counter() - t0
+        self._rpc_count[op] += 1
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def capacity(self) -> int:
+        """Bytes of all mounted segments."""
+        return sum(s.size for s in self.segments.values())
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated in all mounted segments."""
+        return sum(s.alloc.used_bytes for s in self.segments.values())
+
+    def _client(self, req: dict[str, Any]) -> Client:
+        cid = req["client"]
+        c = self.clients.get(cid)
+        if c is None:
+            raise _Err("INVALID", f"unknown client {cid!r}: register (again) first")
+        c.last_seen = time.monotonic()
+        return c
+
+    def _addr(self, r: Replica) -> int:
+        return self.segments[r.segment].base + r.offset
+
+    def _free_replica(self, key: str, r: Replica) -> None:
+        seg = self.segments.get(r.segment)
+        if seg is not None:
+            seg.alloc.free(r.offset)
+            seg.keys.discard(key)
+
+    def _drop(self, key: str) -> None:
+        """Forget an object and free all its space (memory and SSD)."""
+        obj = self.objects.pop(key, None)
+        if obj is None:
+            return
+        for r in obj.replicas:
+            self._free_replica(key, r)
+        self._lru.pop(key, None)
+        if obj.ssd is not None:
+            self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
+
+    def _leased(self, obj: Obj, now: float) -> bool:
+        return obj.lease_until > now
+
+    def _give_task(self, client: str, task: dict[str, Any]) -> int | None:
+        c = self.clients.get(client)
+        if c is None:
+            return None
+        self._task_ids += 1
+        task["task"] = self._task_ids
+        c.tasks.append(task)
+        self._tasks[self._task_ids] = (client, task)
+        return self._task_ids
+
+    def _place(self, size: int, n: int, preferred: str | None, exclude: set[str]) -> list[Replica]:
+        """Allocate up to ``n`` replicas on distinct segments; most free space first."""
+        segs = [s for s in self.segments.values() if s.name not in exclude]
+        if preferred is not None:
+            segs.sort(key=lambda s: (s.name != preferred, -s.alloc.free_bytes))
+        else:
+            segs.sort(key=lambda s: -s.alloc.free_bytes)
+        out: list[Replica] = []
+        for s in segs:
+            if len(out) == n:
+                break
+            if s.alloc.largest_free < size:
+                continue
+            off = s.alloc.allocate(size)
+            if off is not None:
+                out.append(Replica(s.name, off, False))
+        return out
+
+    def _allocate(
+        self, key: str, size: int, n: int, preferred: str | None, exclude: set[str]
+    ) -> list[Replica]:
+        reps = self._place(size, n, preferred, exclude)
+        if len(reps) < min(n, len(self.segments) - len(exclude)):
+            # Not enough room: evict, then try again for the missing replicas.
+            self._evict(need=size * (n - len(reps)))
+            reps += self._place(size, n - len(reps), preferred, exclude | {r.segment for r in reps})
+        for r in reps:
+            self.segments[r.segment].keys.add(key)
+        return reps
+
+    # ------------------------------------------------------------------ eviction
+    def _evict(self, need: int = 0) -> int:
+        """Approximate LRU: free ``eviction_ratio`` of capacity (or ``need`` bytes) above the watermark."""
+        cap = self.capacity
+        if cap == 0:
+            return 0
+        used = self.used
+        c = self.config
+        if need == 0 and used <= c.eviction_high_watermark * cap:
+            return 0
+        target = max(need, int(c.eviction_ratio * cap), used - int(c.eviction_high_watermark * cap))
+        now = time.monotonic()
+        freed = 0
+        ssd_clients = [cl for cl in self.clients.values() if cl.ssd_dir]
+        # Pass order: ephemeral, default, then soft-pinned; persistent only spill.
+        for phase in ("ephemeral", "default", "pinned", "persistent"):
+            if freed >= target:
+                break
+            for key in list(self._lru):
+                if freed >= target:
+                    break
+                obj = self.objects.get(key)
+                if obj is None or not obj.committed or obj.busy or obj.drop_memory or self._leased(obj, now):
+                    continue
+                if not obj.replicas:
+                    continue
+                pinned = obj.soft_pin and obj.pin_until > now
+                if obj.cache_class == "persistent":
+                    cls = "persistent"
+                elif obj.cache_class == "ephemeral":
+                    cls = "ephemeral"
+                else:
+                    cls = "pinned" if pinned else "default"
+                if cls != phase:
+                    continue
+                bytes_held = obj.size * len(obj.replicas)
+                if (obj.soft_pin or obj.cache_class == "persistent") and ssd_clients and obj.ssd is None:
+                    self._spill(key, obj, random.choice(ssd_clients))
+                    freed += bytes_held  # freed once the spill lands
+                    continue
+                if obj.cache_class == "persistent":
+                    continue  # never dropped from the pool without an SSD tier
+                if obj.ssd is not None:
+                    self._free_memory(key, obj)
+                else:
+                    self._drop(key)
+                self.stats["evictions"] += 1
+                freed += bytes_held
+        return freed
+
+    def _free_memory(self, key: str, obj: Obj) -> None:
+        for r in obj.replicas:
+            self._free_replica(key, r)
+        obj.replicas = []
+        obj.drop_memory = False
+
+    def _spill(self, key: str, obj: Obj, client: Client) -> None:
+        r = next(x for x in obj.replicas if x.committed)
+        digest = hashlib.sha1(key.encode()).hexdigest()
+        path = os.path.join(client.ssd_dir or "", digest[:2], digest + ".kvp")
+        obj.busy += 1
+        self._give_task(
+            client.id,
+            {"type": "spill", "key": key, "size": obj.size, "src": [r.segment, self._addr(r)], "path": path},
+        )
+        self.stats["spills"] += 1
+
+    # ------------------------------------------------------------------ periodic work
+    def _tick(self, now: float) -> None:
+        c = self.config
+        # Abandoned puts.
+        for key in [k for k, o in self.objects.items() if not o.committed and o.deadline < now]:
+            self._drop(key)
+            self.stats["put_revoked_timeout"] += 1
+        # Dead clients.
+        for cid in [cid for cid, cl in self.clients.items() if now - cl.last_seen > c.client_ttl_s]:
+            log.warning("client %s missed heartbeats for %.1fs: unmounting its segments", cid, c.client_ttl_s)
+            self._remove_client(cid)
+        # Spilled objects whose readers are gone.
+        for key, obj in list(self.objects.items()):
+            if obj.drop_memory and not self._leased(obj, now):
+                self._free_memory(key, obj)
+        if c.hot_key_replication and now - self._last_hot >= c.hot_interval_s:
+            self._last_hot = now
+            self._hot_keys(now)
+
+    def _remove_client(self, cid: str) -> None:
+        cl = self.clients.pop(cid, None)
+        if cl is None:
+            return
+        for name in list(cl.segments):
+            self._unmount(name)
+        for tid in [t for t, (owner, _) in self._tasks.items() if owner == cid]:
+            self._finish_task(tid, ok=False, result={})
+
+    def _unmount(self, name: str) -> None:
+        seg = self.segments.pop(name, None)
+        if seg is None:
+            return
+        cl = self.clients.get(seg.client)
+        if cl is not None:
+            cl.segments.discard(name)
+        for key in list(seg.keys):
+            obj = self.objects.get(key)
+            if obj is None:
+                continue
+            obj.replicas = [r for r in obj.replicas if r.segment != name]
+            if not obj.committed:
+                self._drop(key)  # a put that lost a target cannot commit
+            elif not any(r.committed for r in obj.replicas) and obj.ssd is None:
+                self._drop(key)
+                self.stats["objects_lost"] += 1
+
+    def _hot_keys(self, now: float) -> None:
+        window = self._access + self._access_prev
+        self._access_prev, self._access = self._access, Counter()
+        n = len(self.segments)
+        if n < 2:
+            return
+        k = max(1, math.ceil(n * math.log2(n)))
+        hot = {key for key, cnt in window.most_common(k) if cnt >= 2}
+        want = min(self.config.hot_max_replicas, n)
+        for key in hot:
+            obj = self.objects.get(key)
+            if obj is None or not obj.committed or obj.busy or obj.drop_memory:
+                continue
+            committed = [r for r in obj.replicas if r.committed]
+            if not committed or len(obj.replicas) >= want:
+                continue
+            obj.hot = True
+            self._replicate(key, obj, want - len(obj.replicas))
+        for key, obj in self.objects.items():
+            if obj.hot and key not in hot and not obj.busy and not self._leased(obj, now):
+                obj.hot = False
+                self._shrink(key, obj, obj.base_replicas)
+
+    def _replicate(self, key: str, obj: Obj, extra: int) -> None:
+        src = next(r for r in obj.replicas if r.committed)
+        new = self._place(obj.size, extra, None, {r.segment for r in obj.replicas})
+        for r in new:
+            seg = self.segments[r.segment]
+            seg.keys.add(key)
+            obj.replicas.append(r)
+            obj.busy += 1
+            self._give_task(
+                seg.client,
+                {
+                    "type": "replicate",
+                    "key": key,
+                    "size": obj.size,
+                    "src": [src.segment, self._addr(src)],
+                    "dst": [r.segment, self._addr(r)],
+                },
+            )
+            self.stats["hot_replications"] += 1
+
+    def _shrink(self, key: str, obj: Obj, n: int) -> int:
+        """Drop committed replicas beyond ``n`` (most loaded segments first); returns how many."""
+        extra = [r for r in obj.replicas if r.committed]
+        if len(extra) <= n:
+            return 0
+        extra.sort(key=lambda r: -self.segments[r.segment].reads if r.segment in self.segments else 0)
+        drop = extra[: len(extra) - n]
+        for r in drop:
+            self._free_replica(key, r)
+        obj.replicas = [r for r in obj.replicas if r not in drop]
+        return len(drop)
+
+    def _finish_task(self, tid: int, ok: bool, result: dict[str, Any]) -> None:
+        entry = self._tasks.pop(tid, None)
+        if entry is None:
+            return
+        _, task = entry
+        key = task.get("key")
+        obj = self.objects.get(key) if key is not None else None
+        if task["type"] == "replicate" and obj is not None:
+            obj.busy -= 1
+            seg_name = task["dst"][0]
+            for r in obj.replicas:
+                if r.segment == seg_name and not r.committed:
+                    if ok:
+                        r.committed = True
+                    else:
+                        self._free_replica(key, r)
+                        obj.replicas.remove(r)
+                    break
+        elif task["type"] == "spill" and obj is not None:
+            obj.busy -= 1
+            if ok:
+                cl = self.clients.get(entry[0])
+                obj.ssd = SsdCopy(entry[0], task["path"], result["checksum"], cl.host_id if cl else "")
+                obj.drop_memory = True
+                if not self._leased(obj, time.monotonic()):
+                    self._free_memory(key, obj)
+
+    # ------------------------------------------------------------------ RPC ops
+    def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"master": self.incarnation}
+
+    def _op_register(self, req: dict[str, Any]) -> dict[str, Any]:
+        cid = req["client"]
+        if cid in self.clients:
+            self._remove_client(cid)  # a restarted client: its old segments are gone
+        self.clients[cid] = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"))
+        return {
+            "master": self.incarnation,
+            "lease_ttl_ms": self.config.lease_ttl_ms,
+            "client_ttl_s": self.config.client_ttl_s,
+        }
+
+    def _op_unregister(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._remove_client(req["client"])
+        return {}
+
+    def _op_heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
+        cid = req["client"]
+        c = self.clients.get(cid)
+        if c is None:
+            return {"master": self.incarnation, "reregister": True, "tasks": []}
+        c.last_seen = time.monotonic()
+        tasks, c.tasks = c.tasks, []
+        return {"master": self.incarnation, "tasks": tasks}
+
+    def _op_mount(self, req: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req)
+        name, base, size = req["segment"], int(req["base"]), int(req["size"])
+        if size <= 0 or base <= 0:
+            raise _Err("INVALID", "segment base and size must be positive")
+        if name in self.segments:
+            raise _Err("EXISTS", f"segment {name!r} is already mounted")
+        self.segments[name] = Segment(
+            name, c.id, base, size, c.host_id, RangeAllocator(size, self.config.alignment)
+        )
+        c.segments.add(name)
+        return {}
+
+    def _op_unmount(self, req: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req)
+        name = req["segment"]
+        if name not in c.segments:
+            raise _Err("NOT_FOUND", f"segment {name!r} is not mounted by this client")
+        self._unmount(name)
+        return {}
+
+    def _op_task_done(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._client(req)
+        self._finish_task(int(req["task"]), bool(req["ok"]), req.get("result") or {})
+        return {}
+
+    def _op_put_start(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._client(req)
+        keys, sizes = req["keys"], req["sizes"]
+        cfg = req.get("config") or {}
+        n = int(cfg.get("replicas", 1))
+        cache_class = cfg.get("cache_class", "default")
+        if n < 1 or cache_class not in CACHE_CLASSES or len(keys) != len(sizes):
+            raise _Err("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
+        preferred = cfg.get("preferred_segment")
+        soft_pin = bool(cfg.get("soft_pin", False))
+        pin_ttl = float(cfg.get("soft_pin_ttl_s", 3600.0))
+        now = time.monotonic()
+        out: list[list[Any]] = []
+        for key, size in zip(keys, sizes, strict=True):
+            if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
+                out.append(["INVALID", "key must be a non-empty string and size a positive int"])
+                continue
+            if key in self.objects:
+                o = self.objects[key]
+                out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
+                continue
+            if not self.segments:
+                out.append(["FULL", "no segment is mounted: start a client with segment_size > 0"])
+                continue
+            reps = self._allocate(key, size, n, preferred, set())
+            if not reps:
+                out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
+                continue
+            self.objects[key] = Obj(
+                size, reps, False, now + self.config.put_timeout_s, soft_pin, now + pin_ttl, cache_class, n
+            )
+            out.append([None, [[r.segment, self._addr(r)] for r in reps]])
+        self._evict()
+        return {"results": out}
+
+    def _op_put_end(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._client(req)
+        out: list[list[Any]] = []
+        for key in req["keys"]:
+            obj = self.objects.get(key)
+            if obj is None or obj.committed:
+                out.append(["NOT_FOUND", f"no pending put of {key!r} (revoked after put_timeout_s?)"])
+                continue
+            obj.committed = True
+            for r in obj.replicas:
+                r.committed = True
+            self._lru[key] = None
+            self.stats["puts"] += 1
+            out.append([None, None])
+        return {"results": out}
+
+    def _op_put_revoke(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._client(req)
+        for key in req["keys"]:
+            obj = self.objects.get(key)
+            if obj is not None and not obj.committed:
+                self._drop(key)
+        return {}
+
+    def _op_get(self, req: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        ttl = self.config.lease_ttl_ms / 1000.0
+        out: list[list[Any]] = []
+        for key in req["keys"]:
+            obj = self.objects.get(key)
+            if obj is None or not obj.committed:
+                self.stats["misses"] += 1
+                out.append(["NOT_FOUND", f"no object under key {key!r}"])
+                continue
+            reps = [r for r in obj.replicas if r.committed]
+            if not reps and obj.ssd is None:
+                self.stats["misses"] += 1
+                out.append(["NOT_FOUND", f"object {key!r} has no readable replica"])
+                continue
+            obj.lease_until = now + ttl
+            self._lru.move_to_end(key)
+            self._access[key] += 1
+            self.stats["hits"] += 1
+            replicas = []
+            for r in reps:
+                seg = self.segments[r.segment]
+                seg.reads += 1
+                replicas.append([r.segment, self._addr(r), seg.host_id, seg.reads])
+            ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
+            out.append([None, {"size": obj.size, "replicas": replicas, "ssd": ssd}])
+        return {"results": out}
+
+    def _op_exists(self, req: dict[str, Any]) -> dict[str, Any]:
+        objs = self.objects
+        return {"results": [(o := objs.get(k)) is not None and o.committed for k in req["keys"]]}
+
+    def _op_remove(self, req: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        force = bool(req.get("force", False))
+        out: list[list[Any]] = []
+        for key in req["keys"]:
+            obj = self.objects.get(key)
+            if obj is None or not obj.committed:
+                out.append(["NOT_FOUND", f"no object under key {key!r}"])
+            elif not force and (self._leased(obj, now) or obj.busy):
+                out.append(["BUSY", f"object {key!r} is leased by a reader; retry after the lease"])
+            else:
+                self._drop(key)
+                out.append([None, None])
+        return {"results": out}
+
+    def _op_remove_all(self, req: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        keys = [k for k, o in self.objects.items() if o.committed and not o.busy and not self._leased(o, now)]
+        for k in keys:
+            self._drop(k)
+        return {"removed": len(keys)}
+
+    def _op_replica_start(self, req: dict[str, Any]) -> dict[str, Any]:
+        """change_replica: lower at once, or allocate new replicas for the caller to fill."""
+        self._client(req)
+        key, n = req["key"], int(req["replicas"])
+        if n < 1:
+            raise _Err("INVALID", "replicas must be >= 1")
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed:
+            raise _Err("NOT_FOUND", f"no object under key {key!r}")
+        committed = [r for r in obj.replicas if r.committed]
+        if not committed:
+            raise _Err("NOT_FOUND", f"object {key!r} has no memory replica")
+        obj.base_replicas = n
+        if n <= len(obj.replicas):
+            if self._leased(obj, time.monotonic()) or obj.busy:
+                raise _Err("BUSY", f"object {key!r} is leased or being copied; retry later")
+            self._shrink(key, obj, n)
+            return {"src": None, "dst": []}
+        new = self._place(obj.size, n - len(obj.replicas), None, {r.segment for r in obj.replicas})
+        for r in new:
+            self.segments[r.segment].keys.add(key)
+            obj.replicas.append(r)
+        obj.busy += 1
+        src = committed[0]
+        return {
+            "src": [src.segment, self._addr(src)],
+            "dst": [[r.segment, self._addr(r)] for r in new],
+            "size": obj.size,
+        }
+
+    def _op_promote_start(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Allocate a memory replica for an object that lives only on the SSD tier."""
+        self._client(req)
+        key = req["key"]
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed or obj.ssd is None:
+            raise _Err("NOT_FOUND", f"no SSD-tier object under key {key!r}")
+        if obj.replicas or obj.busy:
+            return {"dst": []}
+        new = self._place(obj.size, 1, None, set())
+        if not new:
+            return {"dst": []}
+        for r in new:
+            self.segments[r.segment].keys.add(key)
+            obj.replicas.append(r)
+        obj.busy += 1
+        return {"dst": [[r.segment, self._addr(r)] for r in new]}
+
+    def _op_replica_end(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._client(req)
+        key, ok = req["key"], bool(req["ok"])
+        obj = self.objects.get(key)
+        if obj is None:
+            raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
+        obj.busy = max(0, obj.busy - 1)
+        done = set(req.get("segments") or [])
+        for r in list(obj.replicas):
+            if not r.committed and r.segment in done:
+                if ok:
+                    r.committed = True
+                else:
+                    self._free_replica(key, r)
+                    obj.replicas.remove(r)
+        return {"replicas": sum(r.committed for r in obj.replicas)}
+
+    def _op_info(self, req: dict[str, Any]) -> dict[str, Any]:
+        key = req["key"]
+        obj = self.objects.get(key)
+        if obj is None:
+            raise _Err("NOT_FOUND", f"no object under key {key!r}")
+        return {
+            "size": obj.size,
+            "committed": obj.committed,
+            "replicas": [[r.segment, self._addr(r), r.committed] for r in obj.replicas],
+            "ssd": None if obj.ssd is None else obj.ssd.path,
+            "cache_class": obj.cache_class,
+            "soft_pin": obj.soft_pin,
+        }
+
+    def _op_stats(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"stats": self.snapshot()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and gauges (also used by the metrics endpoint)."""
+        with self._lock:
+            return {
+                "objects": sum(o.committed for o in self.objects.values()),
+                "pending": sum(not o.committed for o in self.objects.values()),
+                "bytes": sum(o.size * len(o.replicas) for o in self.objects.values()),
+                "capacity": self.capacity,
+                "used": self.used,
+                "clients": len(self.clients),
+                "segments": {
+                    s.name: {
+                        "size": s.size,
+                        "used": s.alloc.used_bytes,
+                        "fragmentation": s.alloc.fragmentation(),
+                        "objects": len(s.keys),
+                    }
+                    for s in self.segments.values()
+                },
+                "counters": dict(self.stats),
+                "rpc": {op: [self._rpc_count[op], self._rpc_time[op]] for op in self._rpc_count},
+            }
