@@ -108,6 +108,50 @@ def cmd_metadata_server(args: argparse.Namespace) -> int:
     return metadata_server.main(["--host", args.host, "--port", str(args.port)])
 
 
+def cmd_master(args: argparse.Namespace) -> int:
+    """Run the store master until SIGTERM/SIGINT."""
+    import signal
+    import threading
+
+    from kvpool.config import MasterConfig
+    from kvpool.store.master import Master
+
+    fields = {k: v for k, v in vars(args).items() if k in MasterConfig.model_fields and v is not None}
+    master = Master(MasterConfig(**fields))
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    master.start()
+    print(json.dumps({"address": master.address, "metrics_port": master.metrics_port}), flush=True)
+    done.wait()
+    master.stop()
+    return 0
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    """Benchmark the store across three processes."""
+    from kvpool.store.bench import run_store_bench
+    from kvpool.transfer.bench import parse_size
+
+    results = []
+    for vs in args.value_size:
+        res = run_store_bench(parse_size(vs), args.duration, args.protocol)
+        results.append(res)
+        if not args.json:
+            r = res
+            print(
+                f"value={_human(r['value_size']):>8}  put {r['put_gbps']:6.3f} GB/s {r['put_ops_s']:8.0f} ops/s "
+                f"P50 {r['put_p50_us']:7.1f} P99 {r['put_p99_us']:7.1f} µs | get {r['get_gbps']:6.3f} GB/s "
+                f"{r['get_ops_s']:8.0f} ops/s P50 {r['get_p50_us']:7.1f} P99 {r['get_p99_us']:7.1f} µs | "
+                f"batch put {r['batch_put_gbps']:.3f} get {r['batch_get_gbps']:.3f} GB/s | "
+                f"exists {r['batch_exists_keys_s']:.0f} keys/s",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser."""
     ap = argparse.ArgumentParser(
@@ -134,6 +178,32 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", action="store_true", help="machine-readable output")
     bt.set_defaults(func=cmd_bench_transfer)
 
+    bs = bsub.add_parser("store", help="store benchmark: master, storage client and this process")
+    bs.add_argument("--value-size", nargs="+", default=["4K", "1M"])
+    bs.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
+    bs.add_argument("--protocol", choices=["tcp", "auto"], default="auto")
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=cmd_bench_store)
+
+    ma = sub.add_parser("master", help="run the store master")
+    ma.add_argument("--host", default="127.0.0.1")
+    ma.add_argument("--port", type=int, default=50051)
+    ma.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = any)")
+    ma.add_argument("--eviction-high-watermark", type=float, default=None)
+    ma.add_argument("--eviction-ratio", type=float, default=None)
+    ma.add_argument("--lease-ttl-ms", type=int, default=None)
+    ma.add_argument("--client-ttl-s", type=float, default=None)
+    ma.add_argument("--put-timeout-s", type=float, default=None)
+    ma.add_argument("--secret", default=None)
+    ma.add_argument("--hot-key-replication", action="store_true", default=None)
+    ma.add_argument("--hot-interval-s", type=float, default=None)
+    ma.add_argument("--hot-window-s", type=float, default=None)
+    ma.add_argument("--hot-max-replicas", type=int, default=None)
+    ma.set_defaults(func=cmd_master)
+
+    # Parsed by kvpool.store.server itself (see main()); listed here for --help.
+    sub.add_parser("store-server", help="contribute memory (and SSD) to the pool (see store-server --help)")
+
     ms = sub.add_parser("metadata-server", help="HTTP metadata server for segment descriptors")
     ms.add_argument("--host", default="127.0.0.1")
     ms.add_argument("--port", type=int, default=8080)
@@ -143,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvpool`` command."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["store-server"]:
+        from kvpool.store import server
+
+        return server.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

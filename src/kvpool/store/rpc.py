@@ -60,6 +60,7 @@ class RpcClient:
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
             s.connect(f"tcp://{self.address}")
             self._sock = s
         return self._sock
@@ -74,13 +75,14 @@ class RpcClient:
             sock = self._socket()
             sock.send(pack(args))  # queued until connected; the poll below bounds the wait
             while True:
-                if not sock.poll(self.timeout_ms, zmq.POLLIN):
+                try:
+                    reply = unpack(sock.recv())  # RCVTIMEO bounds the wait
+                except zmq.Again:
                     self._reset()
                     raise errors.MasterUnavailable(
                         f"store master at {self.address} did not answer {op!r} within "
                         f"{self.timeout_ms / 1000:.1f}s (is `kvpool master` running?)"
-                    )
-                reply = unpack(sock.recv())
+                    ) from None
                 if reply.get("id") == rid:
                     break  # stale replies of timed-out calls are dropped
         if not reply.get("ok"):
