@@ -31,7 +31,7 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.store.allocator import RangeAllocator
-from kvpool.store.rpc import ERRORS, RpcClient
+from kvpool.store.rpc import ERRORS, RpcClient, UnknownClient
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, TransferRequest, TransferState, host_id
 
@@ -125,10 +125,8 @@ class _Staging:
             with self.lock:
                 self.alloc.free(token)
             return
-        tmp, view = token
-        self.engine.unregister_local_memory(_addr_of(view))
-        view.release()
-        tmp.close()
+        _tmp, view = token
+        self.engine.unregister_local_memory(_addr_of(view))  # the mapping goes with its last view
 
     def close(self) -> None:
         self.view.release()
@@ -183,6 +181,7 @@ class Store:
         if config.ssd_dir:
             os.makedirs(config.ssd_dir, exist_ok=True)
         self._closed = threading.Event()
+        self._register_lock = threading.Lock()
         self.master_incarnation: int | None = None
         try:
             self._register()
@@ -216,7 +215,20 @@ class Store:
         return cls(cfg)
 
     # ------------------------------------------------------------------ lifecycle
+    def _call(self, op: str, **args: Any) -> dict[str, Any]:
+        """Master RPC; registers again (and retries once) when the master forgot this client."""
+        try:
+            return self._rpc.call(op, **args)
+        except UnknownClient:
+            log.warning("store master does not know us (restarted?): registering again")
+            self._register()
+            return self._rpc.call(op, **args)
+
     def _register(self) -> None:
+        with self._register_lock:
+            self._register_locked()
+
+    def _register_locked(self) -> None:
         reply = self._rpc.call(
             "register", client=self.client_id, host_id=self.host_id, ssd_dir=self.config.ssd_dir
         )
@@ -312,7 +324,7 @@ class Store:
         sizes = [s[1] if isinstance(s, tuple) else s.nbytes for s in sources]
         if any(n <= 0 for n in sizes):
             raise InvalidArgument("values must not be empty")
-        results = self._rpc.call(
+        results = self._call(
             "put_start", client=self.client_id, keys=list(keys), sizes=sizes, config=cfg
         )["results"]
         out: list[KvpoolError | None] = [None] * len(keys)
@@ -353,9 +365,9 @@ class Store:
         commit = [k for i, k in enumerate(keys) if results[i][0] is None and out[i] is None]
         revoke = [k for i, k in enumerate(keys) if results[i][0] is None and out[i] is not None]
         if revoke:
-            self._rpc.call("put_revoke", client=self.client_id, keys=revoke)
+            self._call("put_revoke", client=self.client_id, keys=revoke)
         if commit:
-            ends = self._rpc.call("put_end", client=self.client_id, keys=commit)["results"]
+            ends = self._call("put_end", client=self.client_id, keys=commit)["results"]
             idx = {k: i for i, k in enumerate(keys)}
             for k, (code, msg) in zip(commit, ends, strict=True):
                 if code is not None:
@@ -406,7 +418,7 @@ class Store:
 
     # ------------------------------------------------------------------ get
     def _lookup(self, keys: Sequence[str]) -> list[list[Any]]:
-        return self._rpc.call("get", client=self.client_id, keys=list(keys))["results"]
+        return self._call("get", client=self.client_id, keys=list(keys))["results"]
 
     def _get(
         self, keys: Sequence[str], dests: list[tuple[int, int] | None]
@@ -544,29 +556,29 @@ class Store:
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Existence of each key (one master round trip)."""
-        return list(self._rpc.call("exists", keys=list(keys))["results"])
+        return list(self._call("exists", keys=list(keys))["results"])
 
     def size(self, key: str) -> int:
         """Size in bytes of the object."""
-        return int(self._rpc.call("info", key=key)["size"])
+        return int(self._call("info", key=key)["size"])
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove an object; a leased one raises ObjectBusy unless ``force``."""
-        code, msg = self._rpc.call("remove", keys=[key], force=force)["results"][0]
+        code, msg = self._call("remove", keys=[key], force=force)["results"][0]
         if code is not None:
             raise _err(code, msg)
 
     def remove_all(self) -> int:
         """Remove every committed object not currently leased; returns how many."""
-        return int(self._rpc.call("remove_all")["removed"])
+        return int(self._call("remove_all")["removed"])
 
     def stats(self) -> dict[str, Any]:
         """The master's counters and gauges."""
-        return self._rpc.call("stats")["stats"]
+        return self._call("stats")["stats"]
 
     def info(self, key: str) -> dict[str, Any]:
         """Placement of an object: size, replicas (segment, address, committed), SSD path."""
-        return self._rpc.call("info", key=key)
+        return self._call("info", key=key)
 
     def register_buffer(self, buffer_or_addr: Any, size: int | None = None) -> int:
         """Register memory for put_from/get_into without per-call registration; returns its address."""
@@ -593,14 +605,14 @@ class Store:
         New copies move client to client through the transfer engine (via this client's staging
         buffer), never through the master. Raising is capped by the number of segments.
         """
-        r = self._rpc.call("replica_start", client=self.client_id, key=key, replicas=replicas)
+        r = self._call("replica_start", client=self.client_id, key=key, replicas=replicas)
         if not r["dst"]:
             return len([x for x in self.info(key)["replicas"] if x[2]])
         ok = False
         try:
             ok = all(self._copy(r["size"], r["src"], r["dst"]))
         finally:
-            done = self._rpc.call(
+            done = self._call(
                 "replica_end", client=self.client_id, key=key, ok=ok, segments=[d[0] for d in r["dst"]]
             )
         if not ok:
@@ -608,7 +620,7 @@ class Store:
         return int(done["replicas"])
 
     def _promote(self, key: str, data: bytes) -> None:
-        r = self._rpc.call("promote_start", client=self.client_id, key=key)
+        r = self._call("promote_start", client=self.client_id, key=key)
         if not r["dst"]:
             return
         addr, view, token = self._staging.take(len(data))
@@ -618,7 +630,7 @@ class Store:
             ok = all(self._run([self._req(OpCode.WRITE, addr, d[0], d[1], len(data)) for d in r["dst"]]))
         finally:
             self._staging.give(token)
-            self._rpc.call(
+            self._call(
                 "replica_end", client=self.client_id, key=key, ok=ok, segments=[d[0] for d in r["dst"]]
             )
 

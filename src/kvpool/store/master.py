@@ -237,7 +237,7 @@ class Master:
         cid = req["client"]
         c = self.clients.get(cid)
         if c is None:
-            raise _Err("INVALID", f"unknown client {cid!r}: register (again) first")
+            raise _Err("UNKNOWN_CLIENT", f"unknown client {cid!r}: register (again) first")
         c.last_seen = time.monotonic()
         return c
 

@@ -16,6 +16,10 @@ import zmq
 
 from kvpool import errors
 
+class UnknownClient(errors.MasterUnavailable):
+    """The master does not know this client (it restarted, or declared us dead): register again."""
+
+
 # Error codes carried on the wire -> typed errors.
 ERRORS: dict[str, type[errors.KvpoolError]] = {
     "NOT_FOUND": errors.ObjectNotFound,
@@ -25,6 +29,7 @@ ERRORS: dict[str, type[errors.KvpoolError]] = {
     "AUTH": errors.AuthenticationError,
     "INVALID": errors.InvalidArgument,
     "UNAVAILABLE": errors.MasterUnavailable,
+    "UNKNOWN_CLIENT": UnknownClient,
     "ERROR": errors.StoreError,
 }
 

@@ -1,0 +1,381 @@
+"""The distributed store with real processes: master, storage clients and pure clients."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool import ReplicateConfig, Store, _native
+from kvpool.errors import (
+    AuthenticationError,
+    InvalidArgument,
+    MasterUnavailable,
+    ObjectBusy,
+    ObjectExists,
+    ObjectNotFound,
+    StoreFull,
+)
+from kvpool.store.procs import MasterProcess, StorageProcess, free_port
+
+
+def pattern(n: int, seed: int) -> bytes:
+    buf = bytearray(n)
+    if n:
+        _native.fill_pattern(_native.buffer_address(buf)[0], n, seed)
+    return bytes(buf)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[MasterProcess, StorageProcess]]:
+    """A master and one storage client (160 MiB) in their own processes."""
+    with MasterProcess() as m, StorageProcess(m.address, 160 << 20) as s:
+        yield m, s
+
+
+@pytest.fixture
+def client(cluster: tuple[MasterProcess, StorageProcess]) -> Iterator[Store]:
+    """A pure client (contributes nothing)."""
+    st = Store.connect(master=cluster[0].address, segment_size=0, buffer_size=8 << 20)
+    yield st
+    st.remove_all()
+    st.close()
+
+
+@pytest.mark.parametrize("size", [1, 100, 4096, 65537, 1 << 20, (8 << 20) + 5, 64 << 20], ids=lambda n: f"{n}B")
+def test_put_get_integrity(client: Store, size: int) -> None:
+    value = pattern(size, size)
+    key = f"integrity-{size}"
+    client.put(key, value)
+    assert client.exists(key) and client.size(key) == size
+    assert client.get(key) == value
+    buf = bytearray(size + 10)
+    assert client.get_into(key, buf) == size
+    assert bytes(buf[:size]) == value
+    with pytest.raises(ObjectBusy):  # our own read lease protects it for lease_ttl_ms
+        client.remove(key)
+    client.remove(key, force=True)
+    assert not client.exists(key)
+
+
+def test_missing_keys_and_typed_errors(client: Store) -> None:
+    with pytest.raises(ObjectNotFound):
+        client.get("never-put")
+    assert client.exists("never-put") is False
+    with pytest.raises(ObjectNotFound):
+        client.remove("never-put")
+    client.put("once", b"v1")
+    with pytest.raises(ObjectExists):
+        client.put("once", b"v2")
+    assert client.get("once") == b"v1"  # immutable: the second put changed nothing
+    with pytest.raises(InvalidArgument):
+        client.put("empty", b"")
+    with pytest.raises(InvalidArgument):
+        client.put("", b"x")
+    with pytest.raises(InvalidArgument):
+        client.get_into("once", bytearray(1))  # buffer too small
+    with pytest.raises(InvalidArgument):
+        client.put("cfg", b"x", ReplicateConfig(cache_class="bogus"))
+
+
+def test_batch_operations_return_per_key_results(client: Store) -> None:
+    keys = [f"b{i}" for i in range(50)]
+    values = [pattern(1000 + i, i) for i in range(50)]
+    assert client.batch_put(keys, values) == [None] * 50
+    res = client.batch_put(["b0", "fresh"], [b"dup", b"new"])
+    assert isinstance(res[0], ObjectExists) and res[1] is None
+    got = client.batch_get([*keys, "nope"])
+    assert got[:50] == values and got[50] is None
+    assert client.batch_exists(["b1", "nope", "fresh"]) == [True, False, True]
+    bufs = [bytearray(2000) for _ in range(3)]
+    out = client.batch_get_into(["b1", "nope", "b2"], bufs, [2000] * 3)
+    assert out[0] == 1001 and isinstance(out[1], ObjectNotFound) and out[2] == 1002
+    assert bytes(bufs[2][:1002]) == values[2]
+    # put_from / get_into from registered memory, no staging copy.
+    src = bytearray(pattern(4096, 9))
+    addr = client.register_buffer(src)
+    assert client.batch_put_from(["pf1", "pf2"], [addr, addr + 1024], [1024, 2048]) == [None, None]
+    assert client.get("pf2") == bytes(src[1024:3072])
+    client.unregister_buffer(addr)
+
+
+def test_concurrent_puts_of_one_key_have_exactly_one_outcome(cluster: tuple[MasterProcess, StorageProcess]) -> None:
+    clients = [Store.connect(master=cluster[0].address, segment_size=0) for _ in range(4)]
+    try:
+        for rnd in range(5):
+            key = f"race-{rnd}"
+            values = [pattern(256 << 10, 100 * rnd + i) for i in range(8)]
+            outcome: list[object] = [None] * 8
+            barrier = threading.Barrier(8)
+
+            def worker(i: int, key: str = key, values: list[bytes] = values, outcome: list[object] = outcome) -> None:
+                barrier.wait()
+                try:
+                    clients[i % 4].put(key, values[i])
+                    outcome[i] = "ok"
+                except ObjectExists:
+                    outcome[i] = "exists"
+
+            ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(30)
+            assert outcome.count("ok") == 1 and outcome.count("exists") == 7, outcome
+            assert clients[0].get(key) == values[outcome.index("ok")]  # never a torn mix
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_leased_and_uncommitted_objects_survive_eviction() -> None:
+    with MasterProcess(eviction_high_watermark=0.7, eviction_ratio=0.3, lease_ttl_ms=30000) as m:
+        with StorageProcess(m.address, 16 << 20), Store.connect(master=m.address, segment_size=0) as st:
+            leased = pattern(1 << 20, 1)
+            st.put("leased", leased)
+            assert st.get("leased") == leased  # takes a 30 s lease
+            # An uncommitted put: allocated, never committed (we drive the two-phase RPC by hand).
+            r = st._rpc.call("put_start", client=st.client_id, keys=["pending"], sizes=[1 << 20], config={})
+            pending_addr = r["results"][0][1][0][1]
+            for i in range(60):  # 60 MiB through a 16 MiB pool: eviction must run many times
+                st.put(f"filler-{i}", pattern(1 << 20, 10 + i))
+            stats = st.stats()
+            assert stats["counters"]["evictions"] > 0
+            assert st.get("leased") == leased
+            info = st.info("pending")
+            assert info["committed"] is False and info["replicas"][0][1] == pending_addr
+            # Nothing else was placed over the pending object's range.
+            for key in [f"filler-{i}" for i in range(60)]:
+                if st.exists(key):
+                    a = st.info(key)["replicas"][0][1]
+                    assert a + (1 << 20) <= pending_addr or a >= pending_addr + (1 << 20)
+            with pytest.raises(ObjectBusy):
+                st.remove("leased")
+            st.remove("leased", force=True)
+
+
+def test_pool_full_with_pinned_objects_is_store_full() -> None:
+    with Store.connect(segment_size=4 << 20, buffer_size=1 << 20) as st:
+        cfg = ReplicateConfig(cache_class="persistent")
+        for i in range(3):
+            st.put(f"p{i}", pattern(1 << 20, i), cfg)
+        with pytest.raises(StoreFull):
+            for i in range(3, 10):
+                st.put(f"p{i}", pattern(1 << 20, i), cfg)
+        assert st.get("p0") == pattern(1 << 20, 0)  # persistent objects were never dropped
+
+
+def test_change_replica_up_and_down_and_survive_sigkill() -> None:
+    with MasterProcess(client_ttl_s=1.5) as m, StorageProcess(m.address, 64 << 20) as s1:
+        s2 = StorageProcess(m.address, 64 << 20)
+        with StorageProcess(m.address, 64 << 20) as s3, Store.connect(master=m.address, segment_size=0) as st:
+            values = {f"r{i}": pattern(300_000, i) for i in range(20)}
+            for k, v in values.items():
+                st.put(k, v, ReplicateConfig(replicas=2))
+            for k in values:
+                segs = {r[0] for r in st.info(k)["replicas"]}
+                assert len(segs) == 2  # replicas on distinct segments
+            assert st.change_replica("r0", 3) == 3
+            assert {r[0] for r in st.info("r0")["replicas"]} == {s1.segment, s2.segment, s3.segment}
+            assert st.change_replica("r1", 1) == 1
+            values.pop("r1")
+            st.remove("r1", force=True)
+            s2.kill()  # SIGKILL a storage client holding replicas
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(
+                s2.segment in {r[0] for r in st.info(k)["replicas"]} for k in values
+            ):
+                time.sleep(0.2)
+            for k, v in values.items():  # every object still readable from its other replica
+                assert st.get(k) == v, k
+                assert s2.segment not in {r[0] for r in st.info(k)["replicas"]}
+        s2.close()
+
+
+def test_master_killed_mid_put_then_clients_recover() -> None:
+    port = free_port()
+    m = MasterProcess(port=port)
+    with StorageProcess(m.address, 32 << 20, heartbeat_s=0.2) as sp:
+        st = Store.connect(master=m.address, segment_size=0, rpc_timeout_s=1.0, heartbeat_s=0.2)
+        try:
+            st.put("before", b"x" * 1000)
+            stop = threading.Event()
+            errors: list[BaseException] = []
+
+            def putter() -> None:
+                i = 0
+                while not stop.is_set():
+                    try:
+                        st.put(f"during-{i}", pattern(64 << 10, i))
+                    except MasterUnavailable as exc:
+                        errors.append(exc)
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(exc)
+                    i += 1
+
+            t = threading.Thread(target=putter)
+            t.start()
+            time.sleep(0.3)
+            m.kill()
+            time.sleep(1.5)
+            stop.set()
+            t.join(10)
+            assert errors and all(isinstance(e, MasterUnavailable) for e in errors), errors[:3]
+            with pytest.raises(MasterUnavailable):
+                st.get("before")
+            m = MasterProcess(port=port)  # a new master on the same address
+            deadline = time.monotonic() + 10
+            while True:  # the storage client re-registers and re-mounts by itself
+                try:
+                    st.put("after", b"y" * 1000)
+                    break
+                except (MasterUnavailable, StoreFull):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert st.get("after") == b"y" * 1000
+            assert sp.segment in st.stats()["segments"]
+            with pytest.raises(ObjectNotFound):
+                st.get("before")  # metadata died with the old master
+        finally:
+            st.close()
+            m.close()
+
+
+def test_abandoned_put_is_revoked_and_space_freed() -> None:
+    with Store.connect(segment_size=8 << 20) as st:
+        st._master.config = st._master.config.replace(put_timeout_s=0.3)
+        st._rpc.call("put_start", client=st.client_id, keys=["ghost"], sizes=[4 << 20], config={})
+        assert st.stats()["pending"] == 1
+        time.sleep(0.8)
+        s = st.stats()
+        assert s["pending"] == 0 and s["used"] == 0
+        st.put("ghost", b"now it works")
+        assert st.get("ghost") == b"now it works"
+
+
+def test_dead_client_segments_are_unmounted() -> None:
+    with MasterProcess(client_ttl_s=1.0) as m, Store.connect(master=m.address, segment_size=0) as st:
+        sp = StorageProcess(m.address, 8 << 20)
+        st.put("on-dead", b"z" * 100)
+        sp.kill()
+        deadline = time.monotonic() + 8
+        while sp.segment in st.stats()["segments"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sp.segment not in st.stats()["segments"]
+        with pytest.raises(ObjectNotFound):
+            st.get("on-dead")
+        sp.close()
+
+
+def test_secret_guards_master_rpc() -> None:
+    with MasterProcess(secret="pw") as m:
+        with pytest.raises(AuthenticationError):
+            Store.connect(master=m.address, segment_size=0, secret="wrong")
+        with Store.connect(master=m.address, segment_size=1 << 20, secret="pw") as st:
+            st.put("k", b"v")
+            assert st.get("k") == b"v"
+
+
+def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
+    ssd = tmp_path / "ssd"
+    with Store.connect(segment_size=4 << 20, ssd_dir=str(ssd), heartbeat_s=0.1, buffer_size=1 << 20) as st:
+        st._master.config = st._master.config.replace(eviction_high_watermark=0.5, eviction_ratio=0.5)
+        keep = {f"p{i}": pattern(512 << 10, i) for i in range(4)}
+        for k, v in keep.items():
+            st.put(k, v, ReplicateConfig(cache_class="persistent"))
+        for i in range(8):
+            st.put(f"e{i}", pattern(256 << 10, 50 + i), ReplicateConfig(cache_class="ephemeral"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(st.info(k)["ssd"] for k in keep):
+            time.sleep(0.1)
+        spilled = [k for k in keep if st.info(k)["ssd"]]
+        assert spilled, "no persistent object was spilled to the SSD tier"
+        files = list(ssd.rglob("*.kvp"))
+        assert files
+        k = spilled[0]
+        deadline = time.monotonic() + 5
+        while st.info(k)["replicas"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert st.info(k)["replicas"] == []  # memory freed after the spill
+        assert st.get(k) == keep[k]  # served from SSD, then promoted back to memory
+        assert st.info(k)["replicas"], "promotion on hit did not create a memory replica"
+        # A corrupt file is a miss, not bad data.
+        if len(spilled) > 1:
+            k2 = spilled[1]
+            deadline = time.monotonic() + 5
+            while st.info(k2)["replicas"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            path = st.info(k2)["ssd"]
+            with open(path, "r+b") as f:
+                f.seek(-10, os.SEEK_END)
+                f.write(b"XXXXXXXXXX")
+            with pytest.raises(ObjectNotFound):
+                st.get(k2)
+
+
+def test_hot_keys_gain_replicas_and_lose_them_when_cool() -> None:
+    with MasterProcess(hot_key_replication=True, hot_interval_s=0.3, hot_window_s=0.3, hot_max_replicas=3) as m:
+        procs = [StorageProcess(m.address, 16 << 20, heartbeat_s=0.1) for _ in range(3)]
+        try:
+            with Store.connect(master=m.address, segment_size=0) as st:
+                st.put("hot", pattern(100_000, 1))
+                st.put("cold", pattern(100_000, 2))
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and sum(r[2] for r in st.info("hot")["replicas"]) < 3:
+                    for _ in range(20):
+                        assert st.get("hot") == pattern(100_000, 1)
+                    time.sleep(0.05)
+                reps = [r for r in st.info("hot")["replicas"] if r[2]]
+                assert len(reps) == 3 and len({r[0] for r in reps}) == 3
+                assert len(st.info("cold")["replicas"]) == 1
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and len(st.info("hot")["replicas"]) > 1:
+                    time.sleep(0.2)
+                assert len(st.info("hot")["replicas"]) == 1
+                assert st.get("hot") == pattern(100_000, 1)
+        finally:
+            for p in procs:
+                p.close()
+
+
+def test_metrics_endpoint() -> None:
+    with MasterProcess(metrics_port=0) as m, Store.connect(master=m.address, segment_size=2 << 20) as st:
+        st.put("m1", b"a" * 1000)
+        st.get("m1")
+        with pytest.raises(ObjectNotFound):
+            st.get("m2")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{m.info['metrics_port']}/metrics", timeout=5).read()
+        text = body.decode()
+        assert "kvpool_objects 1.0" in text
+        assert "kvpool_hits_total 1.0" in text and "kvpool_misses_total 1.0" in text
+        assert "kvpool_segment_used_bytes{segment=" in text
+        assert 'kvpool_rpc_calls_total{op="put_start"}' in text
+
+
+def test_malformed_rpc_gets_typed_error(cluster: tuple[MasterProcess, StorageProcess]) -> None:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 3000)
+    s.connect(f"tcp://{cluster[0].address}")
+    from kvpool.store.rpc import pack, unpack
+
+    for payload in (b"\xc1garbage", pack([1, 2]), pack({"op": "nope", "id": 1}), pack({"op": "get", "id": 2})):
+        s.send(payload)
+        reply = unpack(s.recv())
+        assert reply["ok"] is False and reply["err"] == "INVALID"
+    s.close()
+
+
+def test_embedded_default_master() -> None:
+    with Store.connect() as st:
+        st.put("e", b"mbedded")
+        assert st.get("e") == b"mbedded"
+        assert st.segment_name in st.stats()["segments"]
