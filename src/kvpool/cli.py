@@ -55,7 +55,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(table)
     ok = all(r.verified for r in rows)
     console.print("[green]all checksums match[/]" if ok else "[red]checksum mismatch[/]")
-    return 0 if ok else 1
+    if not ok or args.no_store:
+        return 0 if ok else 1
+
+    from kvpool.store.bench import run_store_demo
+
+    console.print(
+        "\n[bold]kvpool store[/]: embedded master; this process and a second one contribute "
+        "256 MiB each; 192 objects of 1 MiB with 2 replicas"
+    )
+    srows = run_store_demo()
+    st = Table(title="kvpool store")
+    for col in ("op", "objects", "bytes", "GB/s", "P50 µs", "P99 µs"):
+        st.add_column(col, justify="left" if col == "op" else "right")
+    for r in srows[:-1]:
+        cells = [
+            str(r["objects"]),
+            _human(r["bytes"]),
+            f"{r['gbps']:.2f}",
+            f"{r['p50_us']:.0f}",
+            f"{r['p99_us']:.0f}",
+        ]
+        st.add_row(r["op"], *cells)
+    console.print(st)
+    v = srows[-1]
+    console.print(
+        f"[green]all {v['objects']} objects verified[/]; replicas on {v['replica_segments_of_demo_0']} "
+        f"distinct segments; pool {_human(v['pool_used'])} used of {_human(v['pool_capacity'])} "
+        f"in {v['segments']} segments"
+    )
+    return 0
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
@@ -140,7 +169,8 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
         if not args.json:
             r = res
             print(
-                f"value={_human(r['value_size']):>8}  put {r['put_gbps']:6.3f} GB/s {r['put_ops_s']:8.0f} ops/s "
+                f"value={_human(r['value_size']):>8}  "
+                f"put {r['put_gbps']:6.3f} GB/s {r['put_ops_s']:8.0f} ops/s "
                 f"P50 {r['put_p50_us']:7.1f} P99 {r['put_p99_us']:7.1f} µs | get {r['get_gbps']:6.3f} GB/s "
                 f"{r['get_ops_s']:8.0f} ops/s P50 {r['get_p50_us']:7.1f} P99 {r['get_p99_us']:7.1f} µs | "
                 f"batch put {r['batch_put_gbps']:.3f} get {r['batch_get_gbps']:.3f} GB/s | "
@@ -162,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="move >=1 GiB between two processes, verify, print a table")
     demo.add_argument("--bytes", default="1G", help="bytes per direction per path (default 1G)")
     demo.add_argument("--protocols", default="tcp,auto", help="comma-separated protocols (default tcp,auto)")
+    demo.add_argument("--no-store", action="store_true", help="skip the store part")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")

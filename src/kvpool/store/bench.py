@@ -73,3 +73,55 @@ def run_store_bench(
             if progress:
                 progress(1.0)
     return res
+
+
+def run_store_demo(n_objects: int = 192, value_size: int = 1 << 20) -> list[dict[str, Any]]:
+    """The store part of ``kvpool demo``: an embedded master, this process and one more storage
+    process each contribute 256 MiB; objects are put with 2 replicas (one per process), read
+    back and verified, one replica set is changed, and the pool statistics are returned."""
+    import xxhash
+
+    from kvpool import _native
+    from kvpool.store.client import ReplicateConfig
+
+    rows: list[dict[str, Any]] = []
+    with Store.connect(segment_size=256 << 20) as st, StorageProcess(st.master_address, 256 << 20):
+        values = []
+        for i in range(n_objects):
+            buf = bytearray(value_size)
+            _native.fill_pattern(_native.buffer_address(buf)[0], value_size, i)
+            values.append(bytes(buf))
+        cfg = ReplicateConfig(replicas=2)
+        for name, fn in (
+            ("put (2 replicas)", lambda i: st.put(f"demo-{i}", values[i], cfg)),
+            ("get", lambda i: st.get(f"demo-{i}")),
+        ):
+            n, el, lat = _loop(fn, n_objects, 60.0)
+            rows.append(
+                {
+                    "op": name,
+                    "objects": n,
+                    "bytes": n * value_size,
+                    "gbps": n * value_size / el / 1e9,
+                    "p50_us": percentile(lat, 50) * 1e6,
+                    "p99_us": percentile(lat, 99) * 1e6,
+                }
+            )
+        bad = [i for i in range(n_objects) if xxhash.xxh3_64(st.get(f"demo-{i}")).intdigest()
+               != xxhash.xxh3_64(values[i]).intdigest()]  # fmt: skip
+        if bad:
+            raise RuntimeError(f"{len(bad)} objects read back wrong")
+        segs = {r[0] for r in st.info("demo-0")["replicas"]}
+        stats = st.stats()
+        rows.append(
+            {
+                "op": "verify",
+                "objects": n_objects,
+                "bytes": n_objects * value_size,
+                "segments": len(stats["segments"]),
+                "replica_segments_of_demo_0": len(segs),
+                "pool_used": stats["used"],
+                "pool_capacity": stats["capacity"],
+            }
+        )
+    return rows

@@ -324,9 +324,9 @@ class Store:
         sizes = [s[1] if isinstance(s, tuple) else s.nbytes for s in sources]
         if any(n <= 0 for n in sizes):
             raise InvalidArgument("values must not be empty")
-        results = self._call(
-            "put_start", client=self.client_id, keys=list(keys), sizes=sizes, config=cfg
-        )["results"]
+        results = self._call("put_start", client=self.client_id, keys=list(keys), sizes=sizes, config=cfg)[
+            "results"
+        ]
         out: list[KvpoolError | None] = [None] * len(keys)
         reqs: list[TransferRequest] = []
         owner: list[int] = []

@@ -16,6 +16,7 @@ import zmq
 
 from kvpool import errors
 
+
 class UnknownClient(errors.MasterUnavailable):
     """The master does not know this client (it restarted, or declared us dead): register again."""
 
