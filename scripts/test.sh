@@ -16,6 +16,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 python -m pip install -q ".[test]"
+# CPU torch for the tensor tests (and, later, the engine connectors).
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 ruff check src tests benchmarks
 # Run from the repository root: tests import the installed kvpool (with its compiled core).
 python -m pytest -q "$@"

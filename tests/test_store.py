@@ -46,7 +46,10 @@ def client(cluster: tuple[MasterProcess, StorageProcess]) -> Iterator[Store]:
     st.close()
 
 
-@pytest.mark.parametrize("size", [1, 100, 4096, 65537, 1 << 20, (8 << 20) + 5, 64 << 20], ids=lambda n: f"{n}B")
+SIZES = [1, 100, 4096, 65537, 1 << 20, (8 << 20) + 5, 64 << 20]
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda n: f"{n}B")
 def test_put_get_integrity(client: Store, size: int) -> None:
     value = pattern(size, size)
     key = f"integrity-{size}"
@@ -103,7 +106,9 @@ def test_batch_operations_return_per_key_results(client: Store) -> None:
     client.unregister_buffer(addr)
 
 
-def test_concurrent_puts_of_one_key_have_exactly_one_outcome(cluster: tuple[MasterProcess, StorageProcess]) -> None:
+def test_concurrent_puts_of_one_key_have_exactly_one_outcome(
+    cluster: tuple[MasterProcess, StorageProcess],
+) -> None:
     clients = [Store.connect(master=cluster[0].address, segment_size=0) for _ in range(4)]
     try:
         for rnd in range(5):
@@ -112,7 +117,13 @@ def test_concurrent_puts_of_one_key_have_exactly_one_outcome(cluster: tuple[Mast
             outcome: list[object] = [None] * 8
             barrier = threading.Barrier(8)
 
-            def worker(i: int, key: str = key, values: list[bytes] = values, outcome: list[object] = outcome) -> None:
+            def worker(
+                i: int,
+                key: str = key,
+                values: list[bytes] = values,
+                outcome: list[object] = outcome,
+                barrier: threading.Barrier = barrier,
+            ) -> None:
                 barrier.wait()
                 try:
                     clients[i % 4].put(key, values[i])
@@ -319,14 +330,15 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
 
 
 def test_hot_keys_gain_replicas_and_lose_them_when_cool() -> None:
-    with MasterProcess(hot_key_replication=True, hot_interval_s=0.3, hot_window_s=0.3, hot_max_replicas=3) as m:
+    opts = {"hot_key_replication": True, "hot_interval_s": 0.3, "hot_window_s": 0.3, "hot_max_replicas": 3}
+    with MasterProcess(**opts) as m:
         procs = [StorageProcess(m.address, 16 << 20, heartbeat_s=0.1) for _ in range(3)]
         try:
             with Store.connect(master=m.address, segment_size=0) as st:
                 st.put("hot", pattern(100_000, 1))
                 st.put("cold", pattern(100_000, 2))
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and sum(r[2] for r in st.info("hot")["replicas"]) < 3:
+                while time.monotonic() < deadline and sum(r[2] for r in st.info("hot")["replicas"]) < 3:  # noqa: E501
                     for _ in range(20):
                         assert st.get("hot") == pattern(100_000, 1)
                     time.sleep(0.05)
@@ -367,7 +379,12 @@ def test_malformed_rpc_gets_typed_error(cluster: tuple[MasterProcess, StoragePro
     s.connect(f"tcp://{cluster[0].address}")
     from kvpool.store.rpc import pack, unpack
 
-    for payload in (b"\xc1garbage", pack([1, 2]), pack({"op": "nope", "id": 1}), pack({"op": "get", "id": 2})):
+    for payload in (
+        b"\xc1garbage",
+        pack([1, 2]),
+        pack({"op": "nope", "id": 1}),
+        pack({"op": "get", "id": 2}),
+    ):
         s.send(payload)
         reply = unpack(s.recv())
         assert reply["ok"] is False and reply["err"] == "INVALID"
