@@ -113,6 +113,9 @@ class Master:
         self.segments: dict[str, Segment] = {}
         self.clients: dict[str, Client] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # committed keys, least recent first
+        self._pending: set[str] = set()  # uncommitted puts
+        self._spilled: set[str] = set()  # spilled objects whose memory waits for leases to end
+        self._hot: set[str] = set()
         self._access: Counter[str] = Counter()
         self._access_prev: Counter[str] = Counter()
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
@@ -258,6 +261,9 @@ class Master:
         for r in obj.replicas:
             self._free_replica(key, r)
         self._lru.pop(key, None)
+        self._pending.discard(key)
+        self._spilled.discard(key)
+        self._hot.discard(key)
         if obj.ssd is not None:
             self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
 
@@ -359,6 +365,7 @@ class Master:
             self._free_replica(key, r)
         obj.replicas = []
         obj.drop_memory = False
+        self._spilled.discard(key)
 
     def _spill(self, key: str, obj: Obj, client: Client) -> None:
         r = next(x for x in obj.replicas if x.committed)
@@ -375,7 +382,7 @@ class Master:
     def _tick(self, now: float) -> None:
         c = self.config
         # Abandoned puts.
-        for key in [k for k, o in self.objects.items() if not o.committed and o.deadline < now]:
+        for key in [k for k in self._pending if self.objects[k].deadline < now]:
             self._drop(key)
             self.stats["put_revoked_timeout"] += 1
         # Dead clients.
@@ -383,9 +390,8 @@ class Master:
             log.warning("client %s missed heartbeats for %.1fs: unmounting its segments", cid, c.client_ttl_s)
             self._remove_client(cid)
         # Spilled objects whose readers are gone.
-        for key, obj in list(self.objects.items()):
-            if obj.drop_memory and not self._leased(obj, now):
-                self._free_memory(key, obj)
+        for key in [k for k in self._spilled if not self._leased(self.objects[k], now)]:
+            self._free_memory(key, self.objects[key])
         if c.hot_key_replication and now - self._last_hot >= c.hot_interval_s:
             self._last_hot = now
             self._hot_keys(now)
@@ -434,10 +440,13 @@ class Master:
             if not committed or len(obj.replicas) >= want:
                 continue
             obj.hot = True
+            self._hot.add(key)
             self._replicate(key, obj, want - len(obj.replicas))
-        for key, obj in self.objects.items():
-            if obj.hot and key not in hot and not obj.busy and not self._leased(obj, now):
+        for key in list(self._hot - hot):
+            obj = self.objects[key]
+            if not obj.busy and not self._leased(obj, now):
                 obj.hot = False
+                self._hot.discard(key)
                 self._shrink(key, obj, obj.base_replicas)
 
     def _replicate(self, key: str, obj: Obj, extra: int) -> None:
@@ -496,6 +505,7 @@ class Master:
                 cl = self.clients.get(entry[0])
                 obj.ssd = SsdCopy(entry[0], task["path"], result["checksum"], cl.host_id if cl else "")
                 obj.drop_memory = True
+                self._spilled.add(key)
                 if not self._leased(obj, time.monotonic()):
                     self._free_memory(key, obj)
 
@@ -584,6 +594,7 @@ class Master:
             self.objects[key] = Obj(
                 size, reps, False, now + self.config.put_timeout_s, soft_pin, now + pin_ttl, cache_class, n
             )
+            self._pending.add(key)
             out.append([None, [[r.segment, self._addr(r)] for r in reps]])
         self._evict()
         return {"results": out}
@@ -599,6 +610,7 @@ class Master:
             obj.committed = True
             for r in obj.replicas:
                 r.committed = True
+            self._pending.discard(key)
             self._lru[key] = None
             self.stats["puts"] += 1
             out.append([None, None])
@@ -752,8 +764,8 @@ class Master:
         """Counters and gauges (also used by the metrics endpoint)."""
         with self._lock:
             return {
-                "objects": sum(o.committed for o in self.objects.values()),
-                "pending": sum(not o.committed for o in self.objects.values()),
+                "objects": len(self.objects) - len(self._pending),
+                "pending": len(self._pending),
                 "bytes": sum(o.size * len(o.replicas) for o in self.objects.values()),
                 "capacity": self.capacity,
                 "used": self.used,
