@@ -59,9 +59,7 @@ def test_put_get_integrity(client: Store, size: int) -> None:
     buf = bytearray(size + 10)
     assert client.get_into(key, buf) == size
     assert bytes(buf[:size]) == value
-    with pytest.raises(ObjectBusy):  # our own read lease protects it for lease_ttl_ms
-        client.remove(key)
-    client.remove(key, force=True)
+    client.remove(key)  # our read leases ended with the reads
     assert not client.exists(key)
 
 
@@ -148,7 +146,8 @@ def test_leased_and_uncommitted_objects_survive_eviction() -> None:
         with StorageProcess(m.address, 16 << 20), Store.connect(master=m.address, segment_size=0) as st:
             leased = pattern(1 << 20, 1)
             st.put("leased", leased)
-            assert st.get("leased") == leased  # takes a 30 s lease
+            # A reader in the middle of its read: lease taken, not yet released (raw RPC).
+            st._call("get", client=st.client_id, keys=["leased"])
             # An uncommitted put: allocated, never committed (we drive the two-phase RPC by hand).
             r = st._rpc.call("put_start", client=st.client_id, keys=["pending"], sizes=[1 << 20], config={})
             pending_addr = r["results"][0][1][0][1]
@@ -167,6 +166,17 @@ def test_leased_and_uncommitted_objects_survive_eviction() -> None:
             with pytest.raises(ObjectBusy):
                 st.remove("leased")
             st.remove("leased", force=True)
+
+
+def test_finished_reads_release_their_leases() -> None:
+    with MasterProcess(eviction_high_watermark=0.9, eviction_ratio=0.1) as m:
+        with StorageProcess(m.address, 1000 * 4096), Store.connect(master=m.address, segment_size=0) as st:
+            keys = [f"a{i}" for i in range(900)]
+            assert st.batch_put(keys, [b"x" * 4096] * 900) == [None] * 900
+            assert st.batch_get(keys) == [b"x" * 4096] * 900
+            errs = st.batch_put([f"b{i}" for i in range(200)], [b"y" * 4096] * 200)
+            assert errs == [None] * 200  # the read objects were evictable at once
+            assert st.stats()["counters"]["evictions"] >= 100
 
 
 def test_pool_full_with_pinned_objects_is_store_full() -> None:

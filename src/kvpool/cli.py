@@ -182,6 +182,29 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    """Replay a conversation trace through the store at several pool sizes; print hit rates."""
+    from kvpool.store.trace import find_shared_trace, load_trace, run_hit_rate_study, synthetic_trace
+
+    path = args.trace or find_shared_trace()
+    trace = load_trace(path) if path else synthetic_trace()
+    if args.max_requests:
+        trace = trace[: args.max_requests]
+    print(f"trace: {path or 'synthetic'} ({len(trace)} requests)", file=sys.stderr, flush=True)
+    rows = run_hit_rate_study(trace, tuple(args.pool_blocks), block_bytes=args.block_bytes)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| pool blocks | pool bytes | hit rate | ideal (infinite pool) | evictions | seconds |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['pool_blocks']} | {_human(r['pool_bytes'])} | {r['hit_rate']:.4f} "
+            f"| {r['ideal_hit_rate']:.4f} | {r['evictions']} | {r['seconds']:.1f} |"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser."""
     ap = argparse.ArgumentParser(
@@ -215,6 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--protocol", choices=["tcp", "auto"], default="auto")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=cmd_bench_store)
+
+    bt2 = bsub.add_parser(
+        "trace", help="replay a conversation trace through the store; hit rate per pool size"
+    )
+    bt2.add_argument("--trace", default=None, help="JSONL trace (default: ../shared/traces/... or synthetic)")
+    bt2.add_argument("--pool-blocks", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    bt2.add_argument("--block-bytes", type=int, default=4096)
+    bt2.add_argument("--max-requests", type=int, default=None)
+    bt2.add_argument("--json", action="store_true")
+    bt2.set_defaults(func=cmd_bench_trace)
 
     ma = sub.add_parser("master", help="run the store master")
     ma.add_argument("--host", default="127.0.0.1")

@@ -472,6 +472,9 @@ class Store:
                 self._staging.give(token)
         for i in ssd:
             out[i] = self._get_from_ssd(keys[i], infos[i][1], dests[i])
+        leases = [[k, info["oid"]] for k, (code, info) in zip(keys, infos, strict=True) if code is None]
+        if leases:  # reads are done: let eviction have these objects again (one-way message)
+            self._rpc.send("release", leases=leases)
         return out
 
     def _get_from_ssd(

@@ -70,7 +70,9 @@ class Obj:
     pin_until: float = 0.0
     cache_class: str = "default"
     base_replicas: int = 1
-    lease_until: float = 0.0
+    lease_until: float = 0.0  # latest lease deadline (bounds leases of readers that vanished)
+    readers: int = 0  # reads in flight (leases not yet released)
+    oid: int = 0  # object id: a release for an older object of the same key is ignored
     busy: int = 0  # master tasks (replicate/spill) in flight
     hot: bool = False
     ssd: SsdCopy | None = None
@@ -116,6 +118,8 @@ class Master:
         self._pending: set[str] = set()  # uncommitted puts
         self._spilled: set[str] = set()  # spilled objects whose memory waits for leases to end
         self._hot: set[str] = set()
+        self._evict_futile = False
+        self._next_oid = 0
         self._access: Counter[str] = Counter()
         self._access_prev: Counter[str] = Counter()
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
@@ -268,7 +272,10 @@ class Master:
             self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
 
     def _leased(self, obj: Obj, now: float) -> bool:
-        return obj.lease_until > now
+        """A lease holds until its reader releases it, or at the latest until ``lease_ttl_ms``."""
+        if obj.readers > 0 and obj.lease_until <= now:
+            obj.readers = 0  # readers that never released (crashed): their leases expired
+        return obj.readers > 0
 
     def _give_task(self, client: str, task: dict[str, Any]) -> int | None:
         c = self.clients.get(client)
@@ -302,9 +309,11 @@ class Master:
         self, key: str, size: int, n: int, preferred: str | None, exclude: set[str]
     ) -> list[Replica]:
         reps = self._place(size, n, preferred, exclude)
-        if len(reps) < min(n, len(self.segments) - len(exclude)):
-            # Not enough room: evict, then try again for the missing replicas.
-            self._evict(need=size * (n - len(reps)))
+        if len(reps) < min(n, len(self.segments) - len(exclude)) and not self._evict_futile:
+            # Not enough room: evict, then try again for the missing replicas. An eviction round
+            # that frees nothing is not repeated for the rest of this request.
+            if self._evict(need=size * (n - len(reps))) == 0:
+                self._evict_futile = True
             reps += self._place(size, n - len(reps), preferred, exclude | {r.segment for r in reps})
         for r in reps:
             self.segments[r.segment].keys.add(key)
@@ -324,27 +333,22 @@ class Master:
         now = time.monotonic()
         freed = 0
         ssd_clients = [cl for cl in self.clients.values() if cl.ssd_dir]
-        # Pass order: ephemeral, default, then soft-pinned; persistent only spill.
+        # One pass over the LRU order sorts candidates into classes, evicted in this order:
+        # ephemeral, default, soft-pinned; persistent objects are only ever spilled.
+        phases: dict[str, list[str]] = {"ephemeral": [], "default": [], "pinned": [], "persistent": []}
+        for key in self._lru:
+            obj = self.objects[key]
+            if obj.busy or obj.drop_memory or not obj.replicas or self._leased(obj, now):
+                continue
+            if obj.cache_class in ("ephemeral", "persistent"):
+                phases[obj.cache_class].append(key)
+            else:
+                phases["pinned" if obj.soft_pin and obj.pin_until > now else "default"].append(key)
         for phase in ("ephemeral", "default", "pinned", "persistent"):
-            if freed >= target:
-                break
-            for key in list(self._lru):
+            for key in phases[phase]:
                 if freed >= target:
-                    break
-                obj = self.objects.get(key)
-                if obj is None or not obj.committed or obj.busy or obj.drop_memory or self._leased(obj, now):
-                    continue
-                if not obj.replicas:
-                    continue
-                pinned = obj.soft_pin and obj.pin_until > now
-                if obj.cache_class == "persistent":
-                    cls = "persistent"
-                elif obj.cache_class == "ephemeral":
-                    cls = "ephemeral"
-                else:
-                    cls = "pinned" if pinned else "default"
-                if cls != phase:
-                    continue
+                    return freed
+                obj = self.objects[key]
                 bytes_held = obj.size * len(obj.replicas)
                 if (obj.soft_pin or obj.cache_class == "persistent") and ssd_clients and obj.ssd is None:
                     self._spill(key, obj, random.choice(ssd_clients))
@@ -575,6 +579,7 @@ class Master:
         soft_pin = bool(cfg.get("soft_pin", False))
         pin_ttl = float(cfg.get("soft_pin_ttl_s", 3600.0))
         now = time.monotonic()
+        self._evict_futile = False
         out: list[list[Any]] = []
         for key, size in zip(keys, sizes, strict=True):
             if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
@@ -594,6 +599,8 @@ class Master:
             self.objects[key] = Obj(
                 size, reps, False, now + self.config.put_timeout_s, soft_pin, now + pin_ttl, cache_class, n
             )
+            self._next_oid += 1
+            self.objects[key].oid = self._next_oid
             self._pending.add(key)
             out.append([None, [[r.segment, self._addr(r)] for r in reps]])
         self._evict()
@@ -640,6 +647,7 @@ class Master:
                 out.append(["NOT_FOUND", f"object {key!r} has no readable replica"])
                 continue
             obj.lease_until = now + ttl
+            obj.readers += 1
             self._lru.move_to_end(key)
             self._access[key] += 1
             self.stats["hits"] += 1
@@ -649,8 +657,16 @@ class Master:
                 seg.reads += 1
                 replicas.append([r.segment, self._addr(r), seg.host_id, seg.reads])
             ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
-            out.append([None, {"size": obj.size, "replicas": replicas, "ssd": ssd}])
+            out.append([None, {"size": obj.size, "replicas": replicas, "ssd": ssd, "oid": obj.oid}])
         return {"results": out}
+
+    def _op_release(self, req: dict[str, Any]) -> dict[str, Any]:
+        """End read leases: ``leases`` is a list of [key, oid] from get replies."""
+        for key, oid in req["leases"]:
+            obj = self.objects.get(key)
+            if obj is not None and obj.oid == oid and obj.readers > 0:
+                obj.readers -= 1
+        return {}
 
     def _op_exists(self, req: dict[str, Any]) -> dict[str, Any]:
         objs = self.objects

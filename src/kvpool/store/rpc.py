@@ -95,6 +95,14 @@ class RpcClient:
             raise_for(reply.get("err", "ERROR"), reply.get("msg", "store error"))
         return reply
 
+    def send(self, op: str, **args: Any) -> None:
+        """Fire-and-forget request: its reply is dropped by the next :meth:`call`."""
+        args["op"] = op
+        args["auth"] = self.secret
+        with self._lock:
+            args["id"] = next(self._ids)
+            self._socket().send(pack(args))
+
     def _reset(self) -> None:
         if self._sock is not None:
             self._sock.close(0)
