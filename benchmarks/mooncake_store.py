@@ -4,8 +4,8 @@ Uses the PyPI wheel ``mooncake-transfer-engine-non-cuda`` (``mooncake_master`` b
 ``mooncake.store.MooncakeDistributedStore`` Python binding) with three processes on this host:
 
 * ``mooncake_master`` with its embedded HTTP metadata server
-  (``--enable_http_metadata_server=true``); the RPC port, the HTTP metadata port and the metrics
-  port are all bound to ``127.0.0.1`` on free ports;
+  (``--enable_http_metadata_server=true``); its RPC, HTTP metadata and metrics ports are free
+  ports and are all given ``127.0.0.1`` as their address (see "Loopback" below);
 * a *segment holder* (Python subprocess) that calls ``setup(...)`` with a 1 GiB
   ``global_segment_size``, i.e. contributes 1 GiB of DRAM to the pool, and then waits;
 * a *client* (Python subprocess) with ``global_segment_size=0`` that runs the measured loop: one
@@ -38,9 +38,13 @@ completed ops per second of loop wall time (a single client, one op at a time, n
 ``*_p50_us``/``*_p99_us`` are per-call latencies in microseconds (nearest-rank percentiles).
 
 Loopback: every address we pass is 127.0.0.1 and ``MC_TCP_BIND_ADDRESS=127.0.0.1`` is set
-(other ``MC_*`` variables are removed from the children's environment).  Some Mooncake
-listeners (e.g. the client's transfer-engine handshake port) may still bind the wildcard
-address; there is no option for that, but all traffic goes 127.0.0.1 -> 127.0.0.1.
+(other ``MC_*`` variables are removed from the children's environment).  Checked with ``ss``:
+the master's RPC and metrics ports do bind 127.0.0.1, but its HTTP metadata server still listens
+on ``0.0.0.0`` despite ``--http_metadata_server_host=127.0.0.1``, and each store client's
+transfer-engine handshake port (``0.0.0.0``) and TCP data port (``*``) bind the wildcard address;
+no flag or variable changes that in this version.  All traffic goes 127.0.0.1 -> 127.0.0.1 (the
+client logs loopback bytes per payload byte for each phase, ~1.0, as a check that values cross
+TCP rather than a same-host memcpy shortcut).
 
 CLI::
 
@@ -425,7 +429,9 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: str) -> subproce
 
 
 def _logs(logs: dict[str, Path]) -> str:
-    return "".join(f"\n--- {name} log ---\n{_tail(_read(path))}" for name, path in logs.items())
+    return "".join(
+        f"\n--- {name} log ---\n{_tail(_read(path))}" for name, path in logs.items() if path.exists()
+    )
 
 
 def _check_loader_error(logs: dict[str, Path]) -> None:

@@ -206,7 +206,7 @@ std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_fra
 
 // ---------------------------------------------------------------- registry
 
-void Registry::add(uint64_t addr, uint64_t len, bool remote) {
+void Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only) {
   if (len == 0) throw KvError(E_INVALID, "cannot register zero bytes");
   if (addr + len < addr) throw KvError(E_INVALID, "address range wraps around");
   std::unique_lock lk(mu_);
@@ -218,7 +218,8 @@ void Registry::add(uint64_t addr, uint64_t len, bool remote) {
     if (prev->first + prev->second.len > addr)
       throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   }
-  regions_[addr] = Region{addr, len, remote};
+  if (remote && read_only) throw KvError(E_INVALID, "read-only memory cannot be remote-accessible");
+  regions_[addr] = Region{addr, len, remote, read_only};
 }
 
 void Registry::remove(uint64_t addr) {
@@ -229,13 +230,14 @@ void Registry::remove(uint64_t addr) {
   regions_.erase(it);
 }
 
-bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote) const {
+bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable) const {
   if (len == 0 || addr + len < addr) return false;
   auto it = regions_.upper_bound(addr);
   if (it == regions_.begin()) return false;
   --it;
   const Region& r = it->second;
   if (need_remote && !r.remote) return false;
+  if (need_writable && r.read_only) return false;
   return addr >= r.addr && addr + len <= r.addr + r.len;
 }
 
@@ -587,9 +589,11 @@ void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_
     std::string at = " (request " + std::to_string(i) + ")";
     if (ops[i] != OP_WRITE && ops[i] != OP_READ) throw KvError(E_INVALID, "opcode must be READ or WRITE" + at);
     if (lens[i] == 0) throw KvError(E_INVALID, "length must be positive" + at);
-    if (!reg_.contains_locked(locals[i], lens[i], false))
+    if (!reg_.contains_locked(locals[i], lens[i], false, ops[i] == OP_READ))
       throw KvError(E_NOT_REGISTERED,
-                    "local range is not inside registered memory; call register_local_memory first" + at);
+                    reg_.contains_locked(locals[i], lens[i], false)
+                        ? "local range is registered read-only: it cannot receive a READ" + at
+                        : "local range is not inside registered memory; call register_local_memory first" + at);
     auto& p = cache[peers[i]];
     if (!p) {
       std::lock_guard pk(peers_mu_);

@@ -45,17 +45,18 @@ struct Region {
   uint64_t addr;
   uint64_t len;
   bool remote;
+  bool read_only;  // local source only: never the destination of a READ
 };
 
 // Registered memory. contains() is what both the server (remote access) and submit (local
 // access) check against.
 class Registry {
  public:
-  void add(uint64_t addr, uint64_t len, bool remote);
+  void add(uint64_t addr, uint64_t len, bool remote, bool read_only = false);
   void remove(uint64_t addr);
   bool contains(uint64_t addr, uint64_t len, bool need_remote) const;
   std::shared_mutex& mutex() const { return mu_; }
-  bool contains_locked(uint64_t addr, uint64_t len, bool need_remote) const;
+  bool contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable = false) const;
   std::vector<Region> list() const;
 
  private:

@@ -31,10 +31,11 @@ void load_error_classes() {
   for (auto& [k, n] : names) g_errors[k] = py::object(errors.attr(n)).release().ptr();  // kept for the process
 }
 
-// Address and length of a writable, contiguous Python buffer.
-py::tuple buffer_address(py::handle obj) {
+// Address and length of a contiguous Python buffer (writable unless allow_read_only).
+py::tuple buffer_address(py::handle obj, bool allow_read_only) {
   Py_buffer view;
-  if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS) != 0) {
+  int flags = (allow_read_only ? PyBUF_SIMPLE : PyBUF_WRITABLE) | PyBUF_ANY_CONTIGUOUS;
+  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) {
     PyErr_Clear();
     throw KvError(E_INVALID, "expected a writable contiguous buffer (bytearray, memoryview, numpy array, tensor)");
   }
@@ -93,7 +94,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("incarnation", &Engine::incarnation)
       .def("shutdown", &Engine::shutdown, G())
       .def("set_descriptor", [](Engine& e, py::bytes b) { e.set_descriptor(std::string(b)); })
-      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r) { e.registry().add(a, l, r); }, G())
+      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r, bool ro) { e.registry().add(a, l, r, ro); },
+           py::arg("addr"), py::arg("length"), py::arg("remote"), py::arg("read_only") = false, G())
       .def("unregister_memory", [](Engine& e, uint64_t a) { e.registry().remove(a); }, G())
       .def("registered", [](Engine& e) {
         py::list out;
@@ -123,7 +125,15 @@ PYBIND11_MODULE(_native, m) {
     }
     return py::make_tuple(r.first, py::bytes(r.second));
   });
-  m.def("buffer_address", &buffer_address, "(address, length) of a writable contiguous buffer");
+  m.def("buffer_address", &buffer_address, py::arg("buffer"), py::arg("allow_read_only") = false,
+        "(address, length) of a contiguous buffer");
+  m.def("new_bytes", [](size_t n) {
+    // A fresh bytes object and the address of its storage, to be filled before anyone sees it.
+    PyObject* o = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+    if (!o) throw py::error_already_set();
+    auto addr = reinterpret_cast<uintptr_t>(PyBytes_AS_STRING(o));
+    return py::make_tuple(py::reinterpret_steal<py::object>(o), addr);
+  });
   m.def("fill_pattern", &fill_pattern, G(), "Fill memory with a deterministic pseudo-random pattern");
   m.def("status_text", [](int st) { return std::string(status_text(st)); });
   m.def("encode_request", [](int op, uint32_t id, uint64_t addr, uint64_t len) {

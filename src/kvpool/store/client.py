@@ -21,6 +21,7 @@ from typing import Any
 
 import xxhash
 
+from kvpool import _native
 from kvpool.config import StoreConfig
 from kvpool.errors import (
     InvalidArgument,
@@ -38,6 +39,7 @@ from kvpool.transfer.types import OpCode, TransferRequest, TransferState, host_i
 log = logging.getLogger("kvpool.store")
 
 _SSD_MAGIC = b"KVPSSD01"
+DIRECT_MIN = 64 << 10  # values this big move without a staging copy
 _SSD_HDR = struct.Struct("<8sQQI")  # magic, size, xxh3_64, key length
 
 
@@ -119,11 +121,38 @@ class _Staging:
         addr = self.engine.register_local_memory(view, remote_accessible=False)
         return addr, view[:size], (tmp, view)
 
+    def source(self, value: memoryview) -> tuple[int, Any]:
+        """(address, token) to WRITE ``value`` from: big values are registered in place for the
+        call (read-only, local: no copy); small ones are copied into the staging buffer."""
+        n = value.nbytes
+        if n >= DIRECT_MIN:
+            try:
+                addr = self.engine.register_local_memory(value, remote_accessible=False)
+                return addr, ("registered", addr)
+            except KvpoolError:
+                pass  # e.g. the same object is being put by another thread: copy it
+        addr, view, token = self.take(n)
+        view[:] = value
+        return addr, token
+
+    def sink(self, size: int) -> tuple[int, Any, Any]:
+        """(address, result, token) to READ ``size`` bytes into: a fresh ``bytes`` object filled
+        in place for big values, a staging region (copied out afterwards) for small ones."""
+        if size >= DIRECT_MIN:
+            obj, addr = _native.new_bytes(size)
+            self.engine.register_local_memory(addr, size, remote_accessible=False)
+            return addr, obj, ("registered", addr)
+        addr, view, token = self.take(size)
+        return addr, view, token
+
     def give(self, token: Any) -> None:
-        """Return a region taken with :meth:`take`."""
+        """Return a region taken with :meth:`take`, :meth:`source` or :meth:`sink`."""
         if isinstance(token, int):
             with self.lock:
                 self.alloc.free(token)
+            return
+        if token[0] == "registered":
+            self.engine.unregister_local_memory(token[1])
             return
         _tmp, view = token
         self.engine.unregister_local_memory(_addr_of(view))  # the mapping goes with its last view
@@ -134,8 +163,6 @@ class _Staging:
 
 
 def _addr_of(view: memoryview) -> int:
-    from kvpool import _native
-
     return _native.buffer_address(view)[0]
 
 
@@ -340,9 +367,8 @@ class Store:
                 if isinstance(src, tuple):
                     addr = src[0]
                 else:
-                    addr, view, token = self._staging.take(sizes[i])
+                    addr, token = self._staging.source(src)
                     tokens.append(token)
-                    view[:] = src
                 for seg, raddr in val:
                     try:
                         reqs.append(self._req(OpCode.WRITE, addr, seg, raddr, sizes[i]))
@@ -445,7 +471,7 @@ class Store:
                 continue
             seg, raddr, _host, _load = self._choose(info["replicas"])
             if dest is None:
-                addr, view, token = self._staging.take(size)
+                addr, view, token = self._staging.sink(size)
             else:
                 addr, view, token = dest[0], None, None
             try:
@@ -465,7 +491,10 @@ class Store:
         for (i, token, view), good in zip(owner, ok, strict=True):
             size = infos[i][1]["size"]
             if good:
-                out[i] = bytes(view) if view is not None else size
+                if view is None:
+                    out[i] = size
+                else:
+                    out[i] = view if isinstance(view, bytes) else bytes(view)
             elif not isinstance(out[i], KvpoolError) or isinstance(out[i], ObjectNotFound):
                 out[i] = TransferError(f"reading {keys[i]!r} from its replica failed")
             if token is not None:

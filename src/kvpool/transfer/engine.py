@@ -50,8 +50,11 @@ def split_host_port(name: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def buffer_range(obj: Any, length: int | None = None) -> tuple[int, int, Any]:
-    """Return (address, length, keepalive) for an int address, a writable buffer or a torch tensor."""
+def buffer_range(obj: Any, length: int | None = None, allow_read_only: bool = False) -> tuple[int, int, Any]:
+    """Return (address, length, keepalive) for an int address, a buffer or a torch tensor.
+
+    Buffers must be writable unless ``allow_read_only``.
+    """
     if isinstance(obj, bool):
         raise InvalidArgument("expected an address or a buffer, got a bool")
     if isinstance(obj, int):
@@ -70,7 +73,7 @@ def buffer_range(obj: Any, length: int | None = None) -> tuple[int, int, Any]:
         n = obj.numel() * obj.element_size()
         return obj.data_ptr(), n if length is None else int(length), obj
     view = memoryview(obj)  # pins resizable buffers (bytearray) while registered
-    addr, n = _native.buffer_address(view)
+    addr, n = _native.buffer_address(view, allow_read_only)
     if length is not None:
         if not 0 < length <= n:
             raise InvalidArgument(f"length {length} outside the buffer's {n} bytes")
@@ -190,14 +193,17 @@ class TransferEngine:
 
         Accepts an int address (with ``length``), any writable Python buffer (bytearray,
         memoryview, numpy array) or a CPU torch tensor. Only ``remote_accessible`` memory may be
-        touched by peers. Overlapping registrations raise :class:`RegistrationError`.
+        touched by peers. Overlapping registrations raise :class:`RegistrationError`. A read-only
+        buffer (e.g. ``bytes``) may be registered with ``remote_accessible=False``: it can then be
+        the source of WRITEs but never the destination of a READ.
         """
         if not isinstance(location, str) or not (location == "cpu" or location.startswith("cpu:")):
             if isinstance(location, str) and location.startswith("cuda"):
                 raise ProtocolUnavailable(f"location {location!r}: GPU memory is not supported in this build")
             raise InvalidArgument(f"location must be 'cpu' or 'cpu:N', got {location!r}")
-        addr, n, keep = buffer_range(addr_or_buffer, length)
-        self._native.register_memory(addr, n, bool(remote_accessible))
+        addr, n, keep = buffer_range(addr_or_buffer, length, allow_read_only=not remote_accessible)
+        read_only = isinstance(keep, memoryview) and keep.readonly
+        self._native.register_memory(addr, n, bool(remote_accessible), read_only)
         with self._lock:
             self._buffers[addr] = (BufferDescriptor(addr, n, location, bool(remote_accessible)), keep)
         if remote_accessible:  # local-only memory is not published: registering it is cheap
@@ -206,7 +212,11 @@ class TransferEngine:
 
     def unregister_local_memory(self, addr_or_buffer: Any) -> None:
         """Unregister memory previously registered at this address (or buffer)."""
-        addr = addr_or_buffer if isinstance(addr_or_buffer, int) else buffer_range(addr_or_buffer)[0]
+        addr = (
+            addr_or_buffer
+            if isinstance(addr_or_buffer, int)
+            else buffer_range(addr_or_buffer, allow_read_only=True)[0]
+        )
         self._native.unregister_memory(addr)
         with self._lock:
             entry = self._buffers.pop(addr, None)
