@@ -48,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
                 samples.setdefault((name, vs), []).append(res)
                 print(json.dumps({"system": name, **{k: res[k] for k in KEYS}}), file=sys.stderr, flush=True)
     med = {key: {k: statistics.median(r[k] for r in rs) for k in KEYS} for key, rs in samples.items()}
-    extra = {vs: {k: statistics.median(r[k] for r in samples[("kvpool", vs)]) for k in
-                  ("batch_put_gbps", "batch_get_gbps", "batch_exists_keys_s")} for vs in (4096, 1 << 20)}  # fmt: skip
+    batch_keys = ("batch_put_gbps", "batch_get_gbps", "batch_exists_keys_s")
+    extra = {
+        vs: {k: statistics.median(r[k] for r in samples[("kvpool", vs)]) for k in batch_keys}
+        for vs in (4096, 1 << 20)
+    }
     if args.json:
         print(json.dumps({"median": {f"{k[0]}@{k[1]}": v for k, v in med.items()}, "kvpool_batch": extra}))
         return 0
@@ -59,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     for vs in (4096, 1 << 20):
         for name in runners:
             m = med[(name, vs)]
+            size = "4 KiB" if vs == 4096 else "1 MiB"
             print(
-                f"| {'4 KiB' if vs == 4096 else '1 MiB'} | {name} | {m['put_ops_s']:,.0f} | {m['put_gbps']:.2f} | "
-                f"{m['put_p50_us']:.0f} | {m['get_ops_s']:,.0f} | {m['get_gbps']:.2f} | {m['get_p50_us']:.0f} |"
+                f"| {size} | {name} | {m['put_ops_s']:,.0f} | {m['put_gbps']:.2f} | {m['put_p50_us']:.0f} | "
+                f"{m['get_ops_s']:,.0f} | {m['get_gbps']:.2f} | {m['get_p50_us']:.0f} |"
             )
     print("\n| value | kvpool / Mooncake put | get | kvpool / redis put | get |\n|---|---|---|---|---|")
     for vs in (4096, 1 << 20):
