@@ -267,6 +267,27 @@ def test_master_killed_mid_put_then_clients_recover() -> None:
             m.close()
 
 
+def test_small_puts_use_reservations_which_close_returns(
+    cluster: tuple[MasterProcess, StorageProcess],
+) -> None:
+    with Store.connect(master=cluster[0].address, segment_size=0) as st:
+        before = st.stats()["counters"].get("puts", 0)
+        for i in range(40):
+            st.put(f"resv-{i}", pattern(4096, i))
+        stats = st.stats()
+        assert stats["counters"]["puts"] - before == 40
+        assert stats["pending"] > 0  # unused reservations of this client
+        with pytest.raises(ObjectExists):
+            st.put("resv-3", b"x" * 4096)  # a commit on a taken key is refused, the reservation kept
+        assert st.get("resv-3") == pattern(4096, 3)
+        assert [st.get(f"resv-{i}") for i in range(40)] == [pattern(4096, i) for i in range(40)]
+        other = Store.connect(master=cluster[0].address, segment_size=0)
+        other.close()
+    with Store.connect(master=cluster[0].address, segment_size=0) as st:
+        assert st.stats()["pending"] == 0  # closing returned them
+        st.remove_all()
+
+
 def test_abandoned_put_is_revoked_and_space_freed() -> None:
     with Store.connect(segment_size=8 << 20) as st:
         st._master.config = st._master.config.replace(put_timeout_s=0.3)
@@ -380,25 +401,32 @@ def test_metrics_endpoint() -> None:
 
 
 def test_malformed_rpc_gets_typed_error(cluster: tuple[MasterProcess, StorageProcess]) -> None:
-    import zmq
+    import socket
 
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 3000)
-    s.connect(f"tcp://{cluster[0].address}")
-    from kvpool.store.rpc import pack, unpack
+    import msgpack
 
-    for payload in (
-        b"\xc1garbage",
-        pack([1, 2]),
-        pack({"op": "nope", "id": 1}),
-        pack({"op": "get", "id": 2}),
+    from kvpool.store.rpc import pack
+
+    host, port = cluster[0].address.rsplit(":", 1)
+    for payloads, fatal in (
+        ([pack([1, 2]), pack({"op": "nope", "id": 1}), pack({"op": "get", "id": 2})], False),
+        ([b"\xc1garbage"], True),
     ):
-        s.send(payload)
-        reply = unpack(s.recv())
-        assert reply["ok"] is False and reply["err"] == "INVALID"
-    s.close()
+        with socket.create_connection((host, int(port)), timeout=3) as s:
+            up = msgpack.Unpacker(raw=False)
+            for p in payloads:
+                s.sendall(p)
+                while True:
+                    reply = next(up, None)
+                    if reply is not None:
+                        break
+                    up.feed(s.recv(4096))
+                assert reply["ok"] is False and reply["err"] == "INVALID"
+            if fatal:
+                assert s.recv(10) == b""  # the master hung up on the garbage
+    # The master still serves well-behaved clients.
+    with Store.connect(master=cluster[0].address, segment_size=0) as st:
+        assert st.batch_exists(["x"]) == [False]
 
 
 def test_embedded_default_master() -> None:

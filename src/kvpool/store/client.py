@@ -14,9 +14,10 @@ import os
 import random
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -40,6 +41,8 @@ log = logging.getLogger("kvpool.store")
 
 _SSD_MAGIC = b"KVPSSD01"
 DIRECT_MIN = 64 << 10  # values this big move without a staging copy
+RESERVE_MAX = 256 << 10  # single puts up to this size use reservations (one round trip)
+RESERVE_COUNT = 16  # reservations asked for at a time, per (size, config)
 _SSD_HDR = struct.Struct("<8sQQI")  # magic, size, xxh3_64, key length
 
 
@@ -61,6 +64,16 @@ class ReplicateConfig:
     soft_pin_ttl_s: float = 3600.0
     preferred_segment: str | None = None
     cache_class: str = "default"
+
+    def wire(self) -> dict[str, Any]:
+        """The map sent to the master."""
+        return {
+            "replicas": self.replicas,
+            "soft_pin": self.soft_pin,
+            "soft_pin_ttl_s": self.soft_pin_ttl_s,
+            "preferred_segment": self.preferred_segment,
+            "cache_class": self.cache_class,
+        }
 
 
 def _err(code: str, msg: str) -> KvpoolError:
@@ -209,6 +222,8 @@ class Store:
             os.makedirs(config.ssd_dir, exist_ok=True)
         self._closed = threading.Event()
         self._register_lock = threading.Lock()
+        self._resv: dict[tuple[Any, ...], list[tuple[float, str, list[list[Any]]]]] = {}
+        self._resv_lock = threading.Lock()
         self.master_incarnation: int | None = None
         try:
             self._register()
@@ -290,6 +305,14 @@ class Store:
             return
         self._closed.set()
         self._hb.join(5)
+        with self._resv_lock:
+            unused = [rkey for pool in self._resv.values() for _, rkey, _ in pool]
+            self._resv.clear()
+        if unused:
+            try:
+                self._call("put_revoke", client=self.client_id, keys=unused)
+            except KvpoolError:
+                pass
         try:
             self._rpc.call("unregister", client=self.client_id)
         except KvpoolError:
@@ -345,15 +368,26 @@ class Store:
 
     # ------------------------------------------------------------------ put
     def _put(
-        self, keys: Sequence[str], sources: list[tuple[int, int] | memoryview], config: ReplicateConfig | None
+        self,
+        keys: Sequence[str],
+        sources: list[tuple[int, int] | memoryview],
+        config: ReplicateConfig | None,
+        reserve: int = 0,
     ) -> list[KvpoolError | None]:
-        cfg = asdict(config or ReplicateConfig())
+        cfg = None if config is None else config.wire()
         sizes = [s[1] if isinstance(s, tuple) else s.nbytes for s in sources]
         if any(n <= 0 for n in sizes):
             raise InvalidArgument("values must not be empty")
-        results = self._call("put_start", client=self.client_id, keys=list(keys), sizes=sizes, config=cfg)[
-            "results"
-        ]
+        reply = self._call(
+            "put_start", client=self.client_id, keys=list(keys), sizes=sizes, config=cfg, reserve=reserve
+        )
+        results = reply["results"]
+        if reply.get("reserved"):
+            # Keep them until well before the master revokes them.
+            deadline = time.monotonic() + reply["reserve_ttl_s"] / 2
+            with self._resv_lock:
+                pool = self._resv.setdefault(self._resv_key(sizes[0], config), [])
+                pool[:0] = [(deadline, rkey, reps) for rkey, reps in reply["reserved"]]
         out: list[KvpoolError | None] = [None] * len(keys)
         reqs: list[TransferRequest] = []
         owner: list[int] = []
@@ -412,9 +446,47 @@ class Store:
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like) under ``key``; raises ObjectExists if the key is taken."""
-        err = self._put([key], [self._view(value)], config)[0]
+        view = self._view(value)
+        if 0 < view.nbytes <= RESERVE_MAX and self._put_reserved(key, view, config):
+            return
+        err = self._put([key], [view], config, reserve=RESERVE_COUNT if view.nbytes <= RESERVE_MAX else 0)[0]
         if err is not None:
             raise err
+
+    def _resv_key(self, size: int, config: ReplicateConfig | None) -> tuple[Any, ...]:
+        return (size, None if config is None else tuple(config.wire().values()))
+
+    def _put_reserved(self, key: str, view: memoryview, config: ReplicateConfig | None) -> bool:
+        """Put through a reservation: write, then one `commit`. False when none is usable."""
+        ck = self._resv_key(view.nbytes, config)
+        now = time.monotonic()
+        with self._resv_lock:
+            pool = self._resv.get(ck)
+            while pool and pool[-1][0] < now:
+                pool.pop()  # expired at the master (it revokes them after put_timeout_s)
+            if not pool:
+                return False
+            entry = pool.pop()
+        _, rkey, replicas = entry
+        addr, token = self._staging.source(view)
+        try:
+            reqs = [self._req(OpCode.WRITE, addr, seg, raddr, view.nbytes) for seg, raddr in replicas]
+            ok = all(self._run(reqs))
+        except KvpoolError:
+            ok = False
+        finally:
+            self._staging.give(token)
+        if not ok:
+            self._call("put_revoke", client=self.client_id, keys=[rkey])
+            raise TransferError(f"writing {key!r} to a replica failed")
+        code, msg = self._call("commit", client=self.client_id, items=[[key, rkey]])["results"][0]
+        if code == "NOT_FOUND":
+            return False  # the reservation expired meanwhile: put the normal way
+        if code is not None:
+            with self._resv_lock:
+                self._resv.setdefault(ck, []).append(entry)  # unused: keep it for the next put
+            raise _err(code, msg)
+        return True
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
         """Store ``size`` bytes at ``addr`` (memory registered with :meth:`register_buffer`)."""

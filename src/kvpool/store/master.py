@@ -21,12 +21,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 from kvpool.config import MasterConfig
-from kvpool.errors import InvalidArgument
 from kvpool.store.allocator import RangeAllocator
-from kvpool.store.rpc import pack, unpack
+from kvpool.store.rpc import RpcServer
 
 log = logging.getLogger("kvpool.master")
 
@@ -120,27 +117,17 @@ class Master:
         self._hot: set[str] = set()
         self._evict_futile = False
         self._next_oid = 0
+        self._next_rid = 0
         self._access: Counter[str] = Counter()
         self._access_prev: Counter[str] = Counter()
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
         self._task_ids = 0
         self._lock = threading.RLock()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats: Counter[str] = Counter()
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
         c = self.config
-        try:
-            if c.port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{c.host}")
-            else:
-                self._sock.bind(f"tcp://{c.host}:{c.port}")
-                self.port = c.port
-        except zmq.ZMQError as exc:
-            self._sock.close(0)
-            raise InvalidArgument(f"master cannot listen on {c.host}:{c.port}: {exc}") from None
+        self._server = RpcServer(c.host, c.port, self.handle, self._on_tick)
+        self.port = self._server.port
         self.address = f"{c.host}:{self.port}"
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
@@ -151,7 +138,6 @@ class Master:
         self._handlers = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_op_")}
         self._rpc_time: Counter[str] = Counter()
         self._rpc_count: Counter[str] = Counter()
-        self._last_tick = time.monotonic()
         self._last_hot = time.monotonic()
 
     # ------------------------------------------------------------------ serving
@@ -163,45 +149,25 @@ class Master:
 
     def serve_forever(self) -> None:
         """Answer RPCs and run periodic work until :meth:`stop`."""
-        sock = self._sock
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(50):
-                for _ in range(256):  # drain a burst before ticking
-                    try:
-                        ident, payload = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except ValueError:
-                        continue  # malformed multipart
-                    sock.send_multipart([ident, pack(self.handle_bytes(payload))])
-            now = time.monotonic()
-            if now - self._last_tick >= 0.1:
-                self._last_tick = now
-                with self._lock:
-                    self._tick(now)
-        sock.close(0)
+        self._server.serve_forever()
+
+    def _on_tick(self) -> None:
+        with self._lock:
+            self._tick(time.monotonic())
 
     def stop(self) -> None:
         """Stop serving (the socket closes) and the metrics server."""
-        self._stop.set()
+        self._server.stop()
         if self._thread is not None:
             self._thread.join(5)
-        else:
-            self._sock.close(0)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
 
-    def handle_bytes(self, payload: bytes) -> dict[str, Any]:
-        """Decode, authenticate, dispatch one request; never raises."""
-        try:
-            req = unpack(payload)
-            if not isinstance(req, dict):
-                raise ValueError("request is not a map")
-        except Exception as exc:  # noqa: BLE001 - garbage in, typed error out
-            return {"id": None, "ok": False, "err": "INVALID", "msg": f"malformed request: {exc}"}
+    def handle(self, req: Any) -> dict[str, Any]:
+        """Authenticate and dispatch one decoded request; never raises."""
+        if not isinstance(req, dict):
+            return {"id": None, "ok": False, "err": "INVALID", "msg": "malformed request: not a map"}
         rid = req.get("id")
         secret = self.config.secret
         if secret and not hmac.compare_digest(str(req.get("auth") or ""), secret):
@@ -582,8 +548,14 @@ class Master:
         self._evict_futile = False
         out: list[list[Any]] = []
         for key, size in zip(keys, sizes, strict=True):
-            if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
-                out.append(["INVALID", "key must be a non-empty string and size a positive int"])
+            if (
+                not isinstance(key, str)
+                or not key
+                or key[0] == "\0"
+                or not isinstance(size, int)
+                or size <= 0
+            ):
+                out.append(["INVALID", "key must be a non-empty string (not starting with NUL), size > 0"])
                 continue
             if key in self.objects:
                 o = self.objects[key]
@@ -596,14 +568,69 @@ class Master:
             if not reps:
                 out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
                 continue
-            self.objects[key] = Obj(
-                size, reps, False, now + self.config.put_timeout_s, soft_pin, now + pin_ttl, cache_class, n
-            )
-            self._next_oid += 1
-            self.objects[key].oid = self._next_oid
-            self._pending.add(key)
+            self._new_pending(key, Obj(size, reps, False, now + self.config.put_timeout_s, soft_pin,
+                                       now + pin_ttl, cache_class, n))  # fmt: skip
             out.append([None, [[r.segment, self._addr(r)] for r in reps]])
+        reply: dict[str, Any] = {"results": out}
+        # Reservations: space for future puts of the same size and config, so that each of them
+        # needs one round trip (write, then `commit`) instead of two. They are pending puts: never
+        # evicted, revoked after put_timeout_s when unused.
+        reserve = min(int(req.get("reserve") or 0), 64)
+        if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
+            cid = req["client"]
+            reserved = []
+            for _ in range(reserve):
+                self._next_rid += 1
+                rkey = f"\0r:{cid}:{self._next_rid}"
+                reps = self._place(sizes[0], n, preferred, set())
+                if len(reps) < min(n, len(self.segments)):
+                    for r in reps:
+                        self._free_replica(rkey, r)
+                    break
+                for r in reps:
+                    self.segments[r.segment].keys.add(rkey)
+                self._new_pending(rkey, Obj(sizes[0], reps, False, now + self.config.put_timeout_s, soft_pin,
+                                            now + pin_ttl, cache_class, n))  # fmt: skip
+                reserved.append([rkey, [[r.segment, self._addr(r)] for r in reps]])
+            reply["reserved"] = reserved
+            reply["reserve_ttl_s"] = self.config.put_timeout_s
         self._evict()
+        return reply
+
+    def _new_pending(self, key: str, obj: Obj) -> None:
+        self._next_oid += 1
+        obj.oid = self._next_oid
+        self.objects[key] = obj
+        self._pending.add(key)
+
+    def _op_commit(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Commit reservations (written by the client) under their keys: ``items`` = [[key, rkey]]."""
+        self._client(req)
+        out: list[list[Any]] = []
+        for key, rkey in req["items"]:
+            robj = self.objects.get(rkey)
+            if not isinstance(key, str) or not key or key[0] == "\0":
+                out.append(["INVALID", "key must be a non-empty string (not starting with NUL)"])
+            elif robj is None or robj.committed or not rkey.startswith(f"\0r:{req['client']}:"):
+                out.append(["NOT_FOUND", "reservation expired (older than put_timeout_s)"])
+            elif key in self.objects:
+                o = self.objects[key]
+                out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
+            else:
+                del self.objects[rkey]
+                self._pending.discard(rkey)
+                for r in robj.replicas:
+                    seg = self.segments[r.segment]
+                    seg.keys.discard(rkey)
+                    seg.keys.add(key)
+                    r.committed = True
+                robj.committed = True
+                self._next_oid += 1
+                robj.oid = self._next_oid
+                self.objects[key] = robj
+                self._lru[key] = None
+                self.stats["puts"] += 1
+                out.append([None, None])
         return {"results": out}
 
     def _op_put_end(self, req: dict[str, Any]) -> dict[str, Any]:
