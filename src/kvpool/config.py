@@ -122,7 +122,7 @@ class MasterConfig(_ConfigBase):
     """Configuration of the store master (``kvpool master``).
 
     Attributes:
-        host, port: RPC address (zmq ROUTER); port 0 picks a free one.
+        host, port: RPC address (msgpack over TCP); port 0 picks a free one.
         metrics_port: Prometheus text metrics over HTTP on ``host``; None disables, 0 picks a free port.
         eviction_high_watermark: fraction of pool capacity above which eviction starts.
         eviction_ratio: fraction of pool capacity each eviction round frees.
