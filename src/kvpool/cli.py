@@ -162,9 +162,23 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     from kvpool.store.bench import run_store_bench
     from kvpool.transfer.bench import parse_size
 
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
     results = []
     for vs in args.value_size:
-        res = run_store_bench(parse_size(vs), args.duration, args.protocol)
+        if args.json or not console.is_terminal:
+            res = run_store_bench(parse_size(vs), args.duration, args.protocol)
+        else:
+            with Progress(console=console, transient=True) as prog:
+                task = prog.add_task(f"store {vs}", total=1.0)
+                res = run_store_bench(
+                    parse_size(vs),
+                    args.duration,
+                    args.protocol,
+                    progress=lambda f: prog.update(task, completed=f),
+                )
         results.append(res)
         if not args.json:
             r = res
