@@ -159,11 +159,11 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
     """Benchmark the store across three processes."""
-    from kvpool.store.bench import run_store_bench
-    from kvpool.transfer.bench import parse_size
-
     from rich.console import Console
     from rich.progress import Progress
+
+    from kvpool.store.bench import run_store_bench
+    from kvpool.transfer.bench import parse_size
 
     console = Console(stderr=True)
     results = []
@@ -177,7 +177,7 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
                     parse_size(vs),
                     args.duration,
                     args.protocol,
-                    progress=lambda f: prog.update(task, completed=f),
+                    progress=lambda f, t=task: prog.update(t, completed=f),
                 )
         results.append(res)
         if not args.json:
