@@ -41,8 +41,16 @@ log = logging.getLogger("kvpool.store")
 
 _SSD_MAGIC = b"KVPSSD01"
 DIRECT_MIN = 64 << 10  # values this big move without a staging copy
-RESERVE_MAX = 256 << 10  # single puts up to this size use reservations (one round trip)
-RESERVE_COUNT = 16  # reservations asked for at a time, per (size, config)
+SMALL_SLOT = 64 << 10  # staging slot kept for one small value at a time
+RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
+RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size, config)
+
+
+def _reserve_count(size: int) -> int:
+    """How many reservations to ask for with a put of ``size`` bytes (2 to 16)."""
+    return max(2, min(16, RESERVE_BYTES // size)) if size <= RESERVE_MAX else 0
+
+
 _SSD_HDR = struct.Struct("<8sQQI")  # magic, size, xxh3_64, key length
 
 
@@ -122,9 +130,15 @@ class _Staging:
         self.base = engine.register_local_memory(self.view, remote_accessible=False)
         self.alloc = RangeAllocator(size, 64)
         self.lock = threading.Lock()
+        # A fixed region for one small value at a time: no allocator on the common small path.
+        self.small_off = self.alloc.allocate(SMALL_SLOT)
+        self.small_lock = threading.Lock()
 
     def take(self, size: int) -> tuple[int, memoryview, Any]:
         """(address, view, token) of ``size`` bytes; a temporary registration when it does not fit."""
+        if size <= SMALL_SLOT and self.small_off is not None and self.small_lock.acquire(blocking=False):
+            off = self.small_off
+            return self.base + off, self.view[off : off + size], "small"
         with self.lock:
             off = self.alloc.allocate(size)
         if off is not None:
@@ -160,6 +174,9 @@ class _Staging:
 
     def give(self, token: Any) -> None:
         """Return a region taken with :meth:`take`, :meth:`source` or :meth:`sink`."""
+        if token == "small":
+            self.small_lock.release()
+            return
         if isinstance(token, int):
             with self.lock:
                 self.alloc.free(token)
@@ -224,6 +241,8 @@ class Store:
         self._register_lock = threading.Lock()
         self._resv: dict[tuple[Any, ...], list[tuple[float, str, list[list[Any]]]]] = {}
         self._resv_lock = threading.Lock()
+        self._releases: list[list[Any]] = []  # ended read leases not yet reported to the master
+        self._release_lock = threading.Lock()
         self.master_incarnation: int | None = None
         try:
             self._register()
@@ -259,6 +278,9 @@ class Store:
     # ------------------------------------------------------------------ lifecycle
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
         """Master RPC; registers again (and retries once) when the master forgot this client."""
+        if self._releases:
+            with self._release_lock:
+                args["release"], self._releases = self._releases, []
         try:
             return self._rpc.call(op, **args)
         except UnknownClient:
@@ -287,6 +309,7 @@ class Store:
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.config.heartbeat_s):
             try:
+                self._flush_releases(self._hb_rpc)
                 reply = self._hb_rpc.call("heartbeat", client=self.client_id)
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
@@ -449,7 +472,7 @@ class Store:
         view = self._view(value)
         if 0 < view.nbytes <= RESERVE_MAX and self._put_reserved(key, view, config):
             return
-        err = self._put([key], [view], config, reserve=RESERVE_COUNT if view.nbytes <= RESERVE_MAX else 0)[0]
+        err = self._put([key], [view], config, reserve=_reserve_count(view.nbytes))[0]
         if err is not None:
             raise err
 
@@ -574,9 +597,20 @@ class Store:
         for i in ssd:
             out[i] = self._get_from_ssd(keys[i], infos[i][1], dests[i])
         leases = [[k, info["oid"]] for k, (code, info) in zip(keys, infos, strict=True) if code is None]
-        if leases:  # reads are done: let eviction have these objects again (one-way message)
-            self._rpc.send("release", leases=leases)
+        if leases:
+            # Reads are done: the leases end with this client's next request (or heartbeat).
+            with self._release_lock:
+                self._releases += leases
+                flush = len(self._releases) >= 1024
+            if flush:
+                self._flush_releases(self._rpc)
         return out
+
+    def _flush_releases(self, rpc: RpcClient) -> None:
+        with self._release_lock:
+            leases, self._releases = self._releases, []
+        if leases:
+            rpc.send("release", leases=leases)
 
     def _get_from_ssd(
         self, key: str, info: dict[str, Any], dest: tuple[int, int] | None

@@ -184,6 +184,8 @@ class Master:
         t0 = time.perf_counter()
         try:
             with self._lock:
+                if req.get("release"):  # read leases a client ended, piggy-backed on this request
+                    self._op_release({"leases": req["release"]})
                 out = fn(req)
             out["id"] = rid
             out["ok"] = True
