@@ -48,7 +48,7 @@ RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size
 
 def _reserve_count(size: int) -> int:
     """How many reservations to ask for with a put of ``size`` bytes (2 to 16)."""
-    return max(2, min(16, RESERVE_BYTES // size)) if size <= RESERVE_MAX else 0
+    return max(2, min(16, RESERVE_BYTES // size)) if 0 < size <= RESERVE_MAX else 0
 
 
 _SSD_HDR = struct.Struct("<8sQQI")  # magic, size, xxh3_64, key length
