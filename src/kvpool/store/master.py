@@ -581,6 +581,10 @@ class Master:
         if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
             cid = req["client"]
             reserved = []
+            # Reservations never push usage over the watermark, and take at most 1/64 of the pool.
+            cap = self.capacity
+            budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.used)
+            reserve = min(reserve, max(0, budget // (sizes[0] * n)))
             for _ in range(reserve):
                 self._next_rid += 1
                 rkey = f"\0r:{cid}:{self._next_rid}"
