@@ -11,7 +11,6 @@ import ctypes
 import logging
 import mmap
 import os
-import random
 import struct
 import threading
 import time
@@ -356,13 +355,6 @@ class Store:
         self.close()
 
     # ------------------------------------------------------------------ transfers
-    def _choose(self, replicas: list[list[Any]]) -> list[Any]:
-        local = [r for r in replicas if r[2] == self.host_id]
-        pool = local or replicas
-        if len(pool) == 1:
-            return pool[0]
-        a, b = random.sample(pool, 2)
-        return a if a[3] <= b[3] else b
 
     def _run(self, reqs: list[TransferRequest]) -> list[bool]:
         """Submit one batch and wait; per-request success."""
@@ -564,7 +556,7 @@ class Store:
             if not info["replicas"]:
                 ssd.append(i)
                 continue
-            seg, raddr, _host, _load = self._choose(info["replicas"])
+            seg, raddr, _host = info["replicas"][0]  # the master's choice (same host, else less loaded)
             if dest is None:
                 addr, view, token = self._staging.sink(size)
             else:

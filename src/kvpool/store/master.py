@@ -665,6 +665,8 @@ class Master:
         return {}
 
     def _op_get(self, req: dict[str, Any]) -> dict[str, Any]:
+        reader = self.clients.get(req.get("client", ""))
+        host = reader.host_id if reader is not None else None
         now = time.monotonic()
         ttl = self.config.lease_ttl_ms / 1000.0
         out: list[list[Any]] = []
@@ -682,13 +684,23 @@ class Master:
             obj.lease_until = now + ttl
             obj.readers += 1
             self._lru.move_to_end(key)
-            self._access[key] += 1
+            if self.config.hot_key_replication:
+                self._access[key] += 1
             self.stats["hits"] += 1
-            replicas = []
-            for r in reps:
-                seg = self.segments[r.segment]
-                seg.reads += 1
-                replicas.append([r.segment, self._addr(r), seg.host_id, seg.reads])
+            replicas = [[r.segment, self._addr(r), self.segments[r.segment].host_id] for r in reps]
+            if len(replicas) > 1:
+                # Replica choice: same host as the reader first, else the less loaded of two random
+                # replicas (reads served per segment). The chosen one goes first.
+                local = [x for x in replicas if x[2] == host]
+                if local:
+                    pick = local[0]
+                else:
+                    a, b = random.sample(replicas, 2)
+                    pick = a if self.segments[a[0]].reads <= self.segments[b[0]].reads else b
+                replicas.remove(pick)
+                replicas.insert(0, pick)
+            if replicas:
+                self.segments[replicas[0][0]].reads += 1
             ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
             out.append([None, {"size": obj.size, "replicas": replicas, "ssd": ssd, "oid": obj.oid}])
         return {"results": out}
