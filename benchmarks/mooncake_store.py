@@ -54,15 +54,12 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
-import math
 import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -74,28 +71,33 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-INSTALL_HINT = (
-    "pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1 librdmacm1 libnuma1"
+from _common import (
+    LOOPBACK,
+    add_store_args,
+    check_run_length,
+    expected_value,
+    find_mooncake_binary,
+    format_store_result,
+    free_ports,
+    mooncake_env,
+    read_text,
+    spawn_logged,
+    stamp_index,
+    stop_process_group,
+    store_result,
+    tail,
+    tail_file,
 )
+from _common import MOONCAKE_INSTALL_HINT as INSTALL_HINT
+from _common import STORE_RESULT_KEYS as RESULT_KEYS
+
 SYSTEM = "mooncake-store-tcp"
-LOOPBACK = "127.0.0.1"
 MASTER_BINARY = "mooncake_master"
 SEGMENT_SIZE = 1 << 30  # what the segment holder contributes
 DEFAULT_LIVE_BYTES = 512 << 20  # max bytes of the client's objects alive at once
 WARMUP_OPS = 16
 VERIFY_SAMPLES = 64
-RESULT_KEYS = (
-    "system",
-    "value_size",
-    "put_ops_s",
-    "get_ops_s",
-    "put_gbps",
-    "get_gbps",
-    "put_p50_us",
-    "put_p99_us",
-    "get_p50_us",
-    "get_p99_us",
-)
+LOG_TAIL_LINES = 40
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,86 +115,14 @@ def find_master_binary() -> str:
     Raises:
         FileNotFoundError: if no binary can be found (message contains the install hint).
     """
-    env = os.environ.get("MOONCAKE_MASTER")
-    if env:
-        if os.path.isfile(env):
-            return env
-        raise FileNotFoundError(f"MOONCAKE_MASTER={env!r} does not exist. {INSTALL_HINT}")
-    try:
-        spec = importlib.util.find_spec("mooncake")  # does not execute the package
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            cand = Path(loc) / MASTER_BINARY
-            if cand.is_file():
-                if not os.access(cand, os.X_OK):
-                    with contextlib.suppress(OSError):
-                        cand.chmod(cand.stat().st_mode | 0o111)
-                return str(cand)
-    which = shutil.which(MASTER_BINARY)
-    if which:
-        return which
-    raise FileNotFoundError(f"{MASTER_BINARY} not found. {INSTALL_HINT}")
-
-
-def _free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct currently-free TCP ports on 127.0.0.1 (racy, but good enough)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _percentile(sorted_vals: list[float], p: float) -> float:
-    """Nearest-rank percentile of an ascending list (0.0 if empty)."""
-    if not sorted_vals:
-        return 0.0
-    k = max(0, min(len(sorted_vals) - 1, math.ceil(p / 100.0 * len(sorted_vals)) - 1))
-    return sorted_vals[k]
+    return find_mooncake_binary(MASTER_BINARY, "MOONCAKE_MASTER")
 
 
 def _env() -> dict[str, str]:
-    """Child environment: inherited, minus stray Mooncake tuning vars, plus loopback binding."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
-    env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    """Child environment: ``mooncake_env()`` (loopback binding, no stray ``MC_*``), unbuffered."""
+    env = mooncake_env()
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def _tail(text: str, n: int = 40) -> str:
-    return "\n".join(text.strip().splitlines()[-n:])
-
-
-def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
-    """Terminate then kill ``proc`` and the process group it leads (started with a new session)."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        except OSError:
-            (proc.terminate if sig == signal.SIGTERM else proc.kill)()
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _port_open(port: int) -> bool:
@@ -269,12 +199,6 @@ def _lo_bytes() -> int | None:
     return None
 
 
-def _header(buf: bytearray, i: int) -> None:
-    """Stamp key index ``i`` into the first (up to) 8 bytes of ``buf``."""
-    n = min(8, len(buf))
-    buf[:n] = struct.pack("<Q", i)[:n]
-
-
 def _worker_client(cfg: dict[str, Any]) -> int:
     """Run the measured put then get loops and write the result dict to ``cfg['out_file']``."""
     value_size: int = cfg["value_size"]
@@ -286,21 +210,16 @@ def _worker_client(cfg: dict[str, Any]) -> int:
     value = bytearray(os.urandom(value_size))
     base = bytes(value)
 
-    def expected(i: int) -> bytes:
-        buf = bytearray(base)
-        _header(buf, i)
-        return bytes(buf)
-
     try:
         # Warm-up (connections, allocator, page faults), not measured.
         for w in range(WARMUP_OPS):
             key = f"{prefix}warm-{w}"
-            _header(value, w)
+            stamp_index(value, w)
             rc = store.put(key, value)
             if rc != 0:
                 raise RuntimeError(f"warm-up put({key!r}) returned {rc}")
             got = store.get(key)
-            if got != expected(w):
+            if got != expected_value(base, w):
                 raise RuntimeError(f"warm-up get({key!r}) returned {len(got)} wrong/missing bytes")
             rc = store.remove(key, force=True)  # force: the get() above took a lease
             if rc != 0:
@@ -326,7 +245,7 @@ def _worker_client(cfg: dict[str, Any]) -> int:
                 if rc != 0:
                     raise RuntimeError(f"remove({prefix}{old}) returned {rc}")
             key = f"{prefix}{i}"
-            _header(value, i)
+            stamp_index(value, i)
             t0 = pc()
             rc = store.put(key, value)
             put_lat.append(pc() - t0)
@@ -359,7 +278,7 @@ def _worker_client(cfg: dict[str, Any]) -> int:
                 raise RuntimeError(f"get({key!r}) #{j} returned {len(got)} bytes, expected {value_size}")
             if j % check_every == 0:  # content check, excluded from the timing below
                 c0 = pc()
-                if got != expected(idx):
+                if got != expected_value(base, idx):
                     raise RuntimeError(f"get({key!r}) returned different bytes than were put")
                 checked += 1
                 t_start += pc() - c0
@@ -370,20 +289,7 @@ def _worker_client(cfg: dict[str, Any]) -> int:
         if checked == 0:
             raise RuntimeError("no get result was verified")
 
-        put_lat.sort()
-        get_lat.sort()
-        result = {
-            "system": SYSTEM,
-            "value_size": value_size,
-            "put_ops_s": n_put / put_wall,
-            "get_ops_s": n_get / get_wall,
-            "put_gbps": n_put * value_size / put_wall / 1e9,
-            "get_gbps": n_get * value_size / get_wall / 1e9,
-            "put_p50_us": _percentile(put_lat, 50) * 1e6,
-            "put_p99_us": _percentile(put_lat, 99) * 1e6,
-            "get_p50_us": _percentile(get_lat, 50) * 1e6,
-            "get_p99_us": _percentile(get_lat, 99) * 1e6,
-        }
+        result = store_result(SYSTEM, value_size, n_put, put_wall, n_get, get_wall, put_lat, get_lat)
         print(
             f"MOONCAKE_BENCH n_put={n_put} put_wall_s={put_wall:.3f} removes={removes} "
             f"remove_s={remove_s:.3f} n_get={n_get} get_wall_s={get_wall:.3f} distinct_get_keys="
@@ -415,30 +321,21 @@ def _worker_client(cfg: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-        )
-
-
 def _logs(logs: dict[str, Path]) -> str:
     return "".join(
-        f"\n--- {name} log ---\n{_tail(_read(path))}" for name, path in logs.items() if path.exists()
+        f"\n--- {name} log ---\n{tail_file(path, LOG_TAIL_LINES)}"
+        for name, path in logs.items()
+        if path.exists()
     )
 
 
 def _check_loader_error(logs: dict[str, Path]) -> None:
     for name, path in logs.items():
-        text = _read(path)
+        text = read_text(path)
         if "error while loading shared libraries" in text or "No module named 'mooncake" in text:
-            raise FileNotFoundError(f"Mooncake {name} cannot start. {INSTALL_HINT}\n{_tail(text)}")
+            raise FileNotFoundError(
+                f"Mooncake {name} cannot start. {INSTALL_HINT}\n{tail(text, LOG_TAIL_LINES)}"
+            )
 
 
 def run_mooncake_store(
@@ -476,10 +373,7 @@ def run_mooncake_store(
     """
     if value_size <= 0:
         raise ValueError("value_size must be positive")
-    if n_ops is not None and n_ops <= 0:
-        raise ValueError("n_ops must be positive (or None for a timed run)")
-    if n_ops is None and duration_s <= 0:
-        raise ValueError("duration_s must be positive")
+    check_run_length(n_ops, duration_s)
     if value_size > live_bytes or live_bytes > segment_size * 0.8:
         raise ValueError("need value_size <= live_bytes <= 0.8 * segment_size")
     if importlib.util.find_spec("mooncake") is None:
@@ -492,8 +386,8 @@ def run_mooncake_store(
         logs = {"master": tdir / "master.log", "segment": tdir / "segment.log", "client": tdir / "client.log"}
         env = _env()
         try:
-            rpc_port, http_port, metrics_port = _free_ports(3)
-            master = _spawn(
+            rpc_port, http_port, metrics_port = free_ports(3)
+            master = spawn_logged(
                 [
                     master_bin,
                     f"--rpc_address={LOOPBACK}",
@@ -507,8 +401,8 @@ def run_mooncake_store(
                     f"--log_dir={tmp}",
                 ],
                 logs["master"],
-                env,
                 tmp,
+                env,
             )
             procs.append(master)
             meta_url = f"http://{LOOPBACK}:{http_port}/metadata?key=kvpool_bench_probe"
@@ -539,8 +433,8 @@ def run_mooncake_store(
             cfg_file.write_text(json.dumps(cfg))
             me = str(Path(__file__).resolve())
 
-            segment = _spawn(
-                [sys.executable, me, "--worker", "segment", "--cfg", str(cfg_file)], logs["segment"], env, tmp
+            segment = spawn_logged(
+                [sys.executable, me, "--worker", "segment", "--cfg", str(cfg_file)], logs["segment"], tmp, env
             )
             procs.append(segment)
             deadline = time.monotonic() + startup_timeout_s
@@ -555,8 +449,8 @@ def run_mooncake_store(
                     )
                 time.sleep(0.05)
 
-            client = _spawn(
-                [sys.executable, me, "--worker", "client", "--cfg", str(cfg_file)], logs["client"], env, tmp
+            client = spawn_logged(
+                [sys.executable, me, "--worker", "client", "--cfg", str(cfg_file)], logs["client"], tmp, env
             )
             procs.append(client)
             # setup + warm-up + two phases + cleanup; n_ops runs get a generous fixed budget.
@@ -580,7 +474,7 @@ def run_mooncake_store(
             return {k: res[k] for k in RESULT_KEYS}
         finally:
             for p in reversed(procs):
-                _stop(p)
+                stop_process_group(p)
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
                 for path in logs.values():
@@ -591,10 +485,7 @@ def run_mooncake_store(
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a one-line summary or, with ``--json``, the result dict."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--value-size", type=int, default=1 << 20, help="bytes per value")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per phase (put, then get)")
-    p.add_argument("--n-ops", type=int, default=None, help="fixed op count per phase instead of --duration")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_store_args(p)
     p.add_argument("--log-dir", help="copy the master/segment/client logs into this directory")
     p.add_argument("--worker", choices=("segment", "client"), help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
@@ -603,16 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads(Path(a.cfg).read_text())
         return _worker_segment(cfg) if a.worker == "segment" else _worker_client(cfg)
     res = run_mooncake_store(a.value_size, a.n_ops, a.duration, log_dir=a.log_dir)
-    if a.json:
-        print(json.dumps(res))
-    else:
-        print(
-            f"{res['system']} value={res['value_size']} "
-            f"put {res['put_ops_s']:.0f} ops/s {res['put_gbps']:.3f} GB/s "
-            f"p50 {res['put_p50_us']:.0f} us p99 {res['put_p99_us']:.0f} us | "
-            f"get {res['get_ops_s']:.0f} ops/s {res['get_gbps']:.3f} GB/s "
-            f"p50 {res['get_p50_us']:.0f} us p99 {res['get_p99_us']:.0f} us"
-        )
+    print(json.dumps(res) if a.json else format_store_result(res))
     return 0
 
 

@@ -34,12 +34,8 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,11 +43,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-INSTALL_HINT = (
-    "pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1 librdmacm1 libnuma1"
+from _common import (
+    LOOPBACK,
+    find_mooncake_binary,
+    mooncake_env,
+    read_text,
+    spawn_logged,
+    stop_process_group,
+    tail,
 )
+from _common import MOONCAKE_INSTALL_HINT as INSTALL_HINT
+
 BINARY_NAME = "transfer_engine_bench"
-LOOPBACK = "127.0.0.1"
 DEFAULT_BUFFER_SIZE = 1 << 30  # 1 GiB per process (Mooncake's default, made explicit)
 
 _PORT_RE = re.compile(r"listening on [^\s:]+:(\d+)")
@@ -83,36 +86,7 @@ def find_binary() -> str:
     Raises:
         FileNotFoundError: if no binary can be found (message contains the install hint).
     """
-    env = os.environ.get("MOONCAKE_TE_BENCH")
-    if env:
-        if os.path.isfile(env):
-            return env
-        raise FileNotFoundError(f"MOONCAKE_TE_BENCH={env!r} does not exist. {INSTALL_HINT}")
-    try:
-        spec = importlib.util.find_spec("mooncake")  # does not execute the package
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            cand = Path(loc) / BINARY_NAME
-            if cand.is_file():
-                if not os.access(cand, os.X_OK):
-                    try:
-                        cand.chmod(cand.stat().st_mode | 0o111)
-                    except OSError:
-                        pass
-                return str(cand)
-    which = shutil.which(BINARY_NAME)
-    if which:
-        return which
-    raise FileNotFoundError(f"{BINARY_NAME} not found. {INSTALL_HINT}")
-
-
-def _env() -> dict[str, str]:
-    """Child environment: inherited, minus stray Mooncake tuning vars, plus loopback binding."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
-    env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
-    return env
+    return find_mooncake_binary(BINARY_NAME, "MOONCAKE_TE_BENCH")
 
 
 def _common_flags(log_dir: str, buffer_size: int) -> list[str]:
@@ -127,38 +101,9 @@ def _common_flags(log_dir: str, buffer_size: int) -> list[str]:
     ]
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
-    """Terminate then kill ``proc`` (and the process group it leads, which we created)."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)  # proc was started with start_new_session=True
-        except ProcessLookupError:
-            pass
-        except OSError:
-            (proc.terminate if sig == signal.SIGTERM else proc.kill)()
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def _check_loader_error(log: str) -> None:
     if "error while loading shared libraries" in log:
         raise FileNotFoundError(f"{BINARY_NAME} cannot load its shared libraries. {INSTALL_HINT}\n{log}")
-
-
-def _tail(text: str, n: int = 12) -> str:
-    return "\n".join(text.strip().splitlines()[-n:])
 
 
 def run_mooncake_te(
@@ -215,22 +160,13 @@ def run_mooncake_te(
         tdir = Path(tmp)
         t_log, i_log = tdir / "target.log", tdir / "initiator.log"
         common = _common_flags(tmp, buffer_size)
-        env = _env()
+        env = mooncake_env()
         try:
-            with open(t_log, "wb") as t_out:
-                target = subprocess.Popen(
-                    [binary, "--mode=target", *common],
-                    stdin=subprocess.DEVNULL,
-                    stdout=t_out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=tmp,
-                    start_new_session=True,
-                )
+            target = spawn_logged([binary, "--mode=target", *common], t_log, tmp, env)
             port: int | None = None
             deadline = time.monotonic() + startup_timeout_s
             while time.monotonic() < deadline:
-                log = _read(t_log)
+                log = read_text(t_log)
                 if port is None and (m := _PORT_RE.search(log)):
                     port = int(m.group(1))
                 if port is not None and _READY_RE.search(log):
@@ -241,11 +177,11 @@ def run_mooncake_te(
                 time.sleep(0.05)
             else:
                 raise RuntimeError(
-                    f"Mooncake target not ready after {startup_timeout_s}s (port={port}):\n{_read(t_log)}"
+                    f"Mooncake target not ready after {startup_timeout_s}s (port={port}):\n{read_text(t_log)}"
                 )
             time.sleep(settle_s)
             if target.poll() is not None:
-                raise RuntimeError(f"Mooncake target exited with {target.returncode}:\n{_read(t_log)}")
+                raise RuntimeError(f"Mooncake target exited with {target.returncode}:\n{read_text(t_log)}")
 
             cmd = [
                 binary,
@@ -260,30 +196,21 @@ def run_mooncake_te(
                 "--report_unit=GB",
                 "--report_precision=4",
             ]
-            with open(i_log, "wb") as i_out:
-                initiator = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=i_out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=tmp,
-                    start_new_session=True,
-                )
+            initiator = spawn_logged(cmd, i_log, tmp, env)
             try:
                 rc = initiator.wait(timeout=duration_s + 60)
             except subprocess.TimeoutExpired:
                 raise RuntimeError(
-                    f"Mooncake initiator timed out.\n--- initiator ---\n{_read(i_log)}"
-                    f"\n--- target ---\n{_read(t_log)}"
+                    f"Mooncake initiator timed out.\n--- initiator ---\n{read_text(i_log)}"
+                    f"\n--- target ---\n{read_text(t_log)}"
                 ) from None
-            ilog = _read(i_log)
+            ilog = read_text(i_log)
             _check_loader_error(ilog)
             m = _RESULT_RE.search(ilog)
             if rc != 0 or m is None:
                 raise RuntimeError(
                     f"Mooncake initiator failed (rc={rc}, result line {'found' if m else 'missing'})."
-                    f"\n--- initiator ---\n{ilog}\n--- target ---\n{_read(t_log)}"
+                    f"\n--- initiator ---\n{ilog}\n--- target ---\n{read_text(t_log)}"
                 )
             dur, batches = float(m.group(1)), int(m.group(2))
             gbps = float(m.group(3)) * _UNIT_BYTES[m.group(4)] / 1e9
@@ -298,11 +225,11 @@ def run_mooncake_te(
                 "duration_s": dur,
                 "batches": batches,
                 "gbps_from_batches": from_batches,
-                "raw": _tail(ilog),
+                "raw": tail(ilog, 12),
             }
         finally:
-            _stop(initiator)
-            _stop(target)
+            stop_process_group(initiator)
+            stop_process_group(target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,10 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     a = p.parse_args(argv)
     res = run_mooncake_te(a.block_size, a.operation, a.duration, a.threads, a.batch_size)
-    if a.json:
-        print(json.dumps(res))
-    else:
-        print(f"{res['system']} {res['operation']} block={res['block_size']} {res['gbps']:.3f} GB/s")
+    summary = f"{res['system']} {res['operation']} block={res['block_size']} {res['gbps']:.3f} GB/s"
+    print(json.dumps(res) if a.json else summary)
     return 0
 
 

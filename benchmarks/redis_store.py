@@ -25,12 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -40,24 +36,27 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from _common import (
+    LOOPBACK,
+    add_store_args,
+    check_run_length,
+    expected_value,
+    format_store_result,
+    free_port,
+    spawn_logged,
+    stamp_index,
+    stop_process_group,
+    store_result,
+    tail_file,
+)
+from _common import STORE_RESULT_KEYS as RESULT_KEYS
+
 SYSTEM = "redis"
-LOOPBACK = "127.0.0.1"
 INSTALL_HINT = "apt-get install redis-server; pip install redis"
 DEFAULT_LIVE_BYTES = 512 << 20
 WARMUP_OPS = 16
 VERIFY_SAMPLES = 64
-RESULT_KEYS = (
-    "system",
-    "value_size",
-    "put_ops_s",
-    "get_ops_s",
-    "put_gbps",
-    "get_gbps",
-    "put_p50_us",
-    "put_p99_us",
-    "get_p50_us",
-    "get_p99_us",
-)
+LOG_TAIL_LINES = 30
 
 
 def find_redis_server() -> str:
@@ -72,49 +71,9 @@ def find_redis_server() -> str:
     raise FileNotFoundError(f"redis-server not found. {INSTALL_HINT}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
-
-def _percentile(sorted_vals: list[float], p: float) -> float:
-    """Nearest-rank percentile of an ascending list (0.0 if empty)."""
-    if not sorted_vals:
-        return 0.0
-    k = max(0, min(len(sorted_vals) - 1, math.ceil(p / 100.0 * len(sorted_vals)) - 1))
-    return sorted_vals[k]
-
-
-def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
-    """Terminate then kill ``proc`` and the process group it leads (started with a new session)."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        except OSError:
-            (proc.terminate if sig == signal.SIGTERM else proc.kill)()
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _header(buf: bytearray, i: int) -> None:
-    """Stamp key index ``i`` into the first (up to) 8 bytes of ``buf``."""
-    n = min(8, len(buf))
-    buf[:n] = struct.pack("<Q", i)[:n]
+def _log_tail(log: Path) -> str:
+    """The last ``LOG_TAIL_LINES`` lines of the redis-server log (``""`` if it cannot be read)."""
+    return tail_file(log, LOG_TAIL_LINES)
 
 
 def _measure(client: Any, value_size: int, n_ops: int | None, duration_s: float, live_bytes: int) -> dict:
@@ -124,17 +83,12 @@ def _measure(client: Any, value_size: int, n_ops: int | None, duration_s: float,
     value = bytearray(os.urandom(value_size))
     base = bytes(value)
 
-    def expected(i: int) -> bytes:
-        buf = bytearray(base)
-        _header(buf, i)
-        return bytes(buf)
-
     for w in range(WARMUP_OPS):  # connection, allocator warm-up; not measured
         key = f"{prefix}warm-{w}"
-        _header(value, w)
+        stamp_index(value, w)
         if client.set(key, value) is not True:
             raise RuntimeError(f"warm-up SET {key} failed")
-        if client.get(key) != expected(w):
+        if client.get(key) != expected_value(base, w):
             raise RuntimeError(f"warm-up GET {key} returned wrong/missing bytes")
         client.delete(key)
 
@@ -151,7 +105,7 @@ def _measure(client: Any, value_size: int, n_ops: int | None, duration_s: float,
             client.delete(f"{prefix}{live.popleft()}")
             remove_s += pc() - r0
         key = f"{prefix}{i}"
-        _header(value, i)
+        stamp_index(value, i)
         t0 = pc()
         ok = client.set(key, value)
         put_lat.append(pc() - t0)
@@ -179,7 +133,7 @@ def _measure(client: Any, value_size: int, n_ops: int | None, duration_s: float,
             raise RuntimeError(f"GET {key} #{j} returned {None if got is None else len(got)} bytes")
         if j % check_every == 0:  # content check, excluded from the timing
             c0 = pc()
-            if got != expected(idx):
+            if got != expected_value(base, idx):
                 raise RuntimeError(f"GET {key} returned different bytes than were SET")
             checked += 1
             t_start += pc() - c0
@@ -191,20 +145,7 @@ def _measure(client: Any, value_size: int, n_ops: int | None, duration_s: float,
     for start in range(0, len(keys), 1000):  # cleanup, not measured
         client.delete(*(f"{prefix}{k}" for k in keys[start : start + 1000]))
 
-    put_lat.sort()
-    get_lat.sort()
-    return {
-        "system": SYSTEM,
-        "value_size": value_size,
-        "put_ops_s": n_put / put_wall,
-        "get_ops_s": n_get / get_wall,
-        "put_gbps": n_put * value_size / put_wall / 1e9,
-        "get_gbps": n_get * value_size / get_wall / 1e9,
-        "put_p50_us": _percentile(put_lat, 50) * 1e6,
-        "put_p99_us": _percentile(put_lat, 99) * 1e6,
-        "get_p50_us": _percentile(get_lat, 50) * 1e6,
-        "get_p99_us": _percentile(get_lat, 99) * 1e6,
-    }
+    return store_result(SYSTEM, value_size, n_put, put_wall, n_get, get_wall, put_lat, get_lat)
 
 
 def run_redis(
@@ -238,10 +179,7 @@ def run_redis(
     """
     if value_size <= 0 or value_size > live_bytes:
         raise ValueError("need 0 < value_size <= live_bytes")
-    if n_ops is not None and n_ops <= 0:
-        raise ValueError("n_ops must be positive (or None for a timed run)")
-    if n_ops is None and duration_s <= 0:
-        raise ValueError("duration_s must be positive")
+    check_run_length(n_ops, duration_s)
     try:
         import redis
     except ImportError as e:
@@ -253,7 +191,7 @@ def run_redis(
     with tempfile.TemporaryDirectory(prefix="redis_bench_") as tmp:
         log = Path(tmp) / "redis.log"
         try:
-            port = _free_port()
+            port = free_port()
             cmd = [
                 server_bin,
                 "--port",
@@ -269,22 +207,14 @@ def run_redis(
                 "--daemonize",
                 "no",
             ]
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=tmp,
-                    start_new_session=True,
-                )
+            proc = spawn_logged(cmd, log, tmp)
             client = redis.Redis(
                 host=LOOPBACK, port=port, socket_timeout=op_timeout_s, socket_connect_timeout=2.0
             )
             deadline = time.monotonic() + startup_timeout_s
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {proc.returncode}:\n{_tail(log)}")
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}:\n{_log_tail(log)}")
                 try:
                     if client.ping():
                         break
@@ -292,41 +222,29 @@ def run_redis(
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"redis-server not answering after {startup_timeout_s}s:\n{_tail(log)}"
+                        f"redis-server not answering after {startup_timeout_s}s:\n{_log_tail(log)}"
                     )
                 time.sleep(0.05)
             try:
                 res = _measure(client, value_size, n_ops, duration_s, live_bytes)
             except (redis.RedisError, RuntimeError) as e:
-                raise RuntimeError(f"Redis benchmark failed: {e}\n--- redis log ---\n{_tail(log)}") from e
+                raise RuntimeError(f"Redis benchmark failed: {e}\n--- redis log ---\n{_log_tail(log)}") from e
             if proc.poll() is not None:
-                raise RuntimeError(f"redis-server died during the run ({proc.returncode}):\n{_tail(log)}")
+                raise RuntimeError(f"redis-server died during the run ({proc.returncode}):\n{_log_tail(log)}")
             return {k: res[k] for k in RESULT_KEYS}
         finally:
             if client is not None:
                 client.close()
-            _stop(proc)
+            stop_process_group(proc)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a one-line summary or, with ``--json``, the result dict."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--value-size", type=int, default=1 << 20, help="bytes per value")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per phase (put, then get)")
-    p.add_argument("--n-ops", type=int, default=None, help="fixed op count per phase instead of --duration")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_store_args(p)
     a = p.parse_args(argv)
     res = run_redis(a.value_size, a.duration, n_ops=a.n_ops)
-    if a.json:
-        print(json.dumps(res))
-    else:
-        print(
-            f"{res['system']} value={res['value_size']} "
-            f"put {res['put_ops_s']:.0f} ops/s {res['put_gbps']:.3f} GB/s "
-            f"p50 {res['put_p50_us']:.0f} us p99 {res['put_p99_us']:.0f} us | "
-            f"get {res['get_ops_s']:.0f} ops/s {res['get_gbps']:.3f} GB/s "
-            f"p50 {res['get_p50_us']:.0f} us p99 {res['get_p99_us']:.0f} us"
-        )
+    print(json.dumps(res) if a.json else format_store_result(res))
     return 0
 
 

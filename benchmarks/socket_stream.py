@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-LOOPBACK = "127.0.0.1"
+from _common import LOOPBACK
 
 
 def _receiver(block_size: int, accept_timeout_s: float, io_timeout_s: float) -> int:
@@ -77,7 +77,11 @@ def _readline(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
-    """Terminate then kill ``proc`` by PID."""
+    """Terminate then kill ``proc`` by PID.
+
+    Not ``_common.stop_process_group``: the receiver is not started in a new session, so it does
+    not lead a process group of its own.
+    """
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
@@ -178,10 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.receiver:
         return _receiver(a.block_size, accept_timeout_s=30.0, io_timeout_s=a.io_timeout)
     res = run_socket_stream(a.block_size, a.duration)
-    if a.json:
-        print(json.dumps(res))
-    else:
-        print(f"{res['system']} block={res['block_size']} {res['gbps']:.3f} GB/s")
+    print(json.dumps(res) if a.json else f"{res['system']} block={res['block_size']} {res['gbps']:.3f} GB/s")
     return 0
 
 

@@ -25,6 +25,8 @@ from typing import IO
 
 import pytest
 
+from kvpool.store.procs import free_port, stop_process  # free_port is re-exported (see __all__)
+
 __all__ = [
     "etcd_server",
     "etcd_url",
@@ -38,13 +40,6 @@ __all__ = [
 START_TIMEOUT_S = 20.0
 
 _no_proxy_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _free_ports(n: int) -> list[int]:
@@ -66,17 +61,6 @@ def _tail(log: IO[bytes], limit: int = 2000) -> str:
     size = os.fstat(log.fileno()).st_size
     start = max(0, size - limit)
     return os.pread(log.fileno(), size - start, start).decode("utf-8", "replace")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Terminate ``proc`` (SIGTERM to its PID), then kill it if it is still alive after 5 s."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], log: IO[bytes], what: str, ready: Callable[[], bool]) -> None:
@@ -112,7 +96,7 @@ def _running(
             _wait_ready(proc, log, what, ready)
             yield proc
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
 def _http_ok(url: str, expect: int = 200) -> bool:

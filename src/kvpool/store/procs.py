@@ -19,7 +19,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _stop(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """Stop ``proc`` by PID: SIGTERM, then SIGKILL if it is still alive after ``grace_s`` seconds.
+
+    A no-op if it has already exited; waits for it (reaps it) either way.
+    """
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -46,7 +50,7 @@ class MasterProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("{"):
-            _stop(self.proc)
+            stop_process(self.proc)
             raise MasterUnavailable(f"kvpool master did not start (exit {self.proc.poll()})")
         self.info: dict[str, Any] = json.loads(line)
         self.pid = self.proc.pid
@@ -58,7 +62,7 @@ class MasterProcess:
 
     def close(self) -> None:
         """Stop it (SIGTERM, then SIGKILL)."""
-        _stop(self.proc)
+        stop_process(self.proc)
         if self.proc.stdout:
             self.proc.stdout.close()
 
@@ -89,7 +93,7 @@ class StorageProcess:
             if not line or line.startswith("{"):
                 break
         if not line.startswith("{"):
-            _stop(self.proc)
+            stop_process(self.proc)
             raise MasterUnavailable(f"storage client did not start (exit {self.proc.poll()})")
         info = json.loads(line)
         self.segment: str = info["segment"]
@@ -109,7 +113,7 @@ class StorageProcess:
                 self.proc.wait(10)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        _stop(self.proc)
+        stop_process(self.proc)
         if self.proc.stdout:
             self.proc.stdout.close()
 
