@@ -41,6 +41,8 @@ log = logging.getLogger("kvpool.store")
 _SSD_MAGIC = b"KVPSSD01"
 DIRECT_MIN = 64 << 10  # values this big move without a staging copy
 SMALL_SLOT = 64 << 10  # staging slot kept for one small value at a time
+_NATIVE_READ = _native.OP_READ
+_NATIVE_WRITE = _native.OP_WRITE
 RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
 RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size, config)
 
@@ -485,8 +487,13 @@ class Store:
         _, rkey, replicas = entry
         addr, token = self._staging.source(view)
         try:
-            reqs = [self._req(OpCode.WRITE, addr, seg, raddr, view.nbytes) for seg, raddr in replicas]
-            ok = all(self._run(reqs))
+            if len(replicas) == 1:  # one native call, in this thread
+                seg, raddr = replicas[0]
+                handle = self.engine.open_segment(seg)
+                ok = not self.engine._native.transfer_sync(_NATIVE_WRITE, addr, handle.id, raddr, view.nbytes)
+            else:
+                reqs = [self._req(OpCode.WRITE, addr, seg, raddr, view.nbytes) for seg, raddr in replicas]
+                ok = all(self._run(reqs))
         except KvpoolError:
             ok = False
         finally:
@@ -534,10 +541,11 @@ class Store:
         return self._call("get", client=self.client_id, keys=list(keys))["results"]
 
     def _get(
-        self, keys: Sequence[str], dests: list[tuple[int, int] | None]
+        self, keys: Sequence[str], dests: list[tuple[int, int] | None], infos: list[list[Any]] | None = None
     ) -> list[bytes | int | KvpoolError]:
         """Read objects into ``dests`` (addr, capacity) or, for None, into new bytes."""
-        infos = self._lookup(keys)
+        if infos is None:
+            infos = self._lookup(keys)
         out: list[bytes | int | KvpoolError] = [ObjectNotFound("")] * len(keys)
         reqs: list[TransferRequest] = []
         owner: list[tuple[int, Any, memoryview | None]] = []
@@ -625,7 +633,34 @@ class Store:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
-        res = self._get([key], [None])[0]
+        infos = self._lookup([key])
+        code, info = infos[0]
+        staging = self._staging
+        if (
+            code is None
+            and info["replicas"]
+            and info["size"] <= SMALL_SLOT
+            and staging.small_off is not None
+            and staging.small_lock.acquire(blocking=False)
+        ):
+            # Fast path for small objects: the fixed staging slot, one native call, one copy out.
+            size = info["size"]
+            seg, raddr, _host = info["replicas"][0]
+            try:
+                handle = self.engine.open_segment(seg)
+                off = staging.small_off
+                err = self.engine._native.transfer_sync(
+                    _NATIVE_READ, staging.base + off, handle.id, raddr, size
+                )
+                data = None if err else bytes(staging.view[off : off + size])
+            finally:
+                staging.small_lock.release()
+            with self._release_lock:
+                self._releases.append([key, info["oid"]])
+            if data is None:
+                raise TransferError(f"reading {key!r} from its replica failed")
+            return data
+        res = self._get([key], [None], infos)[0]
         if isinstance(res, KvpoolError):
             raise res
         assert isinstance(res, bytes)

@@ -42,6 +42,7 @@ ERRORS: dict[str, type[errors.KvpoolError]] = {
 
 
 MAX_MESSAGE = 64 << 20
+RECV_CHUNK = 64 << 10  # small: recv(n) allocates n bytes up front
 
 
 def raise_for(code: str, msg: str) -> None:
@@ -120,7 +121,7 @@ class RpcClient:
                             reply = msg
                             break  # replies to earlier one-way sends are skipped
                     else:
-                        data = sock.recv(1 << 20)
+                        data = sock.recv(RECV_CHUNK)
                         if not data:
                             raise ConnectionResetError("connection closed by the master")
                         self._unpacker.feed(data)
@@ -231,7 +232,7 @@ class RpcServer:
 
     def _read(self, sock: socket.socket) -> None:
         try:
-            data = sock.recv(1 << 20)
+            data = sock.recv(RECV_CHUNK)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
