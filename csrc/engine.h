@@ -101,6 +101,13 @@ struct Lane {
 
 class Engine;
 
+// A remote shared-memory buffer mapped into this process (same-host peers only).
+struct ShmMap {
+  uint64_t remote;  // the buffer's address in the peer
+  uint64_t len;
+  char* local;      // where it is mapped here
+};
+
 struct Peer {
   uint64_t id;
   std::string host;
@@ -117,7 +124,10 @@ struct Peer {
   bool stopping = false;
   std::vector<std::unique_ptr<Lane>> lanes;
   std::vector<std::thread> workers;
+  std::shared_mutex maps_mu;  // held shared while copying through a mapping
+  std::vector<ShmMap> maps;
   bool remote_ok(uint64_t addr, uint64_t len);
+  void unmap_all();
 };
 
 struct EngineOptions {
@@ -147,6 +157,10 @@ class Engine {
                     const std::vector<std::pair<uint64_t, uint64_t>>& regions);
   void update_peer(uint64_t id, uint64_t incarnation, int pid,
                    const std::vector<std::pair<uint64_t, uint64_t>>& regions);
+  // Maps the peer's shared-memory buffers (remote addr, len, fd in the peer) through /proc/<pid>/fd.
+  // Returns how many could be mapped; the others keep using process_vm_readv/writev or TCP.
+  int set_peer_shm(uint64_t id, int pid, const std::vector<std::tuple<uint64_t, uint64_t, int>>& bufs);
+  int peer_shm_count(uint64_t id);
   bool peer_stale(uint64_t id);
   bool peer_same_host(uint64_t id);
   void remove_peer(uint64_t id);

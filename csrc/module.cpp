@@ -105,6 +105,8 @@ PYBIND11_MODULE(_native, m) {
       .def("is_registered", [](Engine& e, uint64_t a, uint64_t l) { return e.registry().contains(a, l, false); })
       .def("add_peer", &Engine::add_peer, G())
       .def("update_peer", &Engine::update_peer, G())
+      .def("set_peer_shm", &Engine::set_peer_shm, G())
+      .def("peer_shm_count", [](Engine& e, uint64_t id) { return e.peer_shm_count(id); })
       .def("peer_stale", &Engine::peer_stale)
       .def("peer_same_host", &Engine::peer_same_host)
       .def("remove_peer", &Engine::remove_peer, G())

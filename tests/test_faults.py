@@ -112,7 +112,7 @@ def test_unreachable_segment_is_segment_not_found(engine: TransferEngine) -> Non
 
 def test_same_host_path_falls_back_to_tcp_when_kernel_refuses(tmp_path) -> None:
     """Target not dumpable + initiator without CAP_SYS_PTRACE: process_vm_writev gets EPERM."""
-    with PeerProcess(1 << 20, no_dumpable=True) as p:
+    with PeerProcess(1 << 20, no_dumpable=True, shm=True) as p:
         script = textwrap.dedent(
             f"""
             import json
@@ -123,6 +123,7 @@ def test_same_host_path_falls_back_to_tcp_when_kernel_refuses(tmp_path) -> None:
                 _native.fill_pattern(a, len(buf), 77)
                 h = eng.open_segment({p.segment!r})
                 before = eng.uses_same_host_path(h)
+                assert eng.shared_buffers_mapped(h) == 0  # /proc/<pid>/fd refused too
                 eng.transfer_sync({p.segment!r}, a, {p.addr}, len(buf), OpCode.WRITE)
                 after = eng.uses_same_host_path(h)
                 print(json.dumps({{"before": before, "after": after}}))

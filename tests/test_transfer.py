@@ -205,3 +205,26 @@ def test_failed_transfer_raises_typed_error(tcp_engine: TransferEngine) -> None:
     with pytest.raises(TransferError):
         tcp_engine.transfer_sync(p.segment, addr, p.addr, 4096, OpCode.WRITE)
     p.close()
+
+
+@pytest.mark.parametrize("size", [1, 4097, (256 << 10) + 3, (3 << 20) + 5], ids=lambda n: f"{n}B")
+def test_shared_memory_segment_is_mapped_and_copied_into(size: int) -> None:
+    """Same host + memfd buffer: the initiator maps it and copies directly (non-temporal when big)."""
+    with PeerProcess(8 << 20, shm=True) as p:
+        with TransferEngine(protocol="auto") as eng, TransferEngine(protocol="tcp") as tcp:
+            src = bytearray(size + 1)
+            back = bytearray(size + 1)
+            sa = eng.register_local_memory(src)
+            ba = eng.register_local_memory(back)
+            _native.fill_pattern(sa, len(src), size)
+            h = eng.open_segment(p.segment)
+            assert eng.shared_buffers_mapped(h) == 1
+            assert tcp.shared_buffers_mapped(tcp.open_segment(p.segment)) == 0  # tcp never maps
+            off = 13  # unaligned on both sides
+            eng.transfer_sync(p.segment, sa + 1, p.addr + off, size, OpCode.WRITE)
+            assert p.checksum(off, size) == xxhash.xxh3_64_hexdigest(src[1 : size + 1])
+            eng.transfer_sync(p.segment, ba + 1, p.addr + off, size, OpCode.READ)
+            assert back[1 : size + 1] == src[1 : size + 1]
+            # Out-of-bounds ranges are refused before any copy, mapping or not.
+            with pytest.raises(Exception, match="outside"):
+                eng.transfer_sync(p.segment, sa, p.addr + (8 << 20) - 1, 2, OpCode.WRITE)

@@ -227,14 +227,12 @@ class Store:
         self._rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret)
         self._hb_rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret)
         self._staging = _Staging(self.engine, config.buffer_size)
-        self._segment_mem: mmap.mmap | None = None
         self.segment_name: str | None = None
         if config.segment_size > 0:
-            # Pre-fault the pool memory (as RDMA registration would pin it): no page faults on puts.
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            self._segment_mem = mmap.mmap(-1, config.segment_size, flags=flags)
-            self._segment_view = memoryview(self._segment_mem)
-            self._segment_base = self.engine.register_local_memory(self._segment_view)
+            # Shared memory, pre-faulted (as RDMA registration would pin it): same-host clients map
+            # it and copy straight in; remote ones go through the engine's TCP path.
+            self._segment_view = self.engine.alloc_shared_buffer(config.segment_size, "kvpool-segment")
+            self._segment_base = _addr_of(self._segment_view)
             self.segment_name = self.engine.segment_name
         if config.ssd_dir:
             os.makedirs(config.ssd_dir, exist_ok=True)

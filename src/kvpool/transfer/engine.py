@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -210,6 +211,29 @@ class TransferEngine:
             self._publish()
         return addr
 
+    def alloc_shared_buffer(self, size: int, name: str = "kvpool") -> memoryview:
+        """Allocate ``size`` bytes of shared memory (memfd), pre-faulted and registered as
+        remote-accessible. Same-host peers map it and copy with plain (non-temporal) stores instead
+        of ``process_vm_writev``; everyone else reaches it like any registered buffer.
+        Unregister with :meth:`unregister_local_memory`."""
+        if not isinstance(size, int) or size <= 0:
+            raise InvalidArgument("size must be a positive integer")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mem = mmap.mmap(fd, size, flags=flags)
+        except OSError as exc:
+            os.close(fd)
+            raise InvalidArgument(f"cannot allocate {size} bytes of shared memory: {exc}") from None
+        view = memoryview(mem)
+        addr = _native.buffer_address(view)[0]
+        self._native.register_memory(addr, size, True, False)
+        with self._lock:
+            self._buffers[addr] = (BufferDescriptor(addr, size, "cpu:0", True, fd), (mem, view, fd))
+        self._publish()
+        return view
+
     def unregister_local_memory(self, addr_or_buffer: Any) -> None:
         """Unregister memory previously registered at this address (or buffer)."""
         addr = (
@@ -222,6 +246,8 @@ class TransferEngine:
             entry = self._buffers.pop(addr, None)
         if entry is None or entry[0].remote_accessible:
             self._publish()
+        if entry is not None and entry[0].shm_fd >= 0:
+            os.close(entry[0].shm_fd)  # peers' mappings keep the pages alive; ours goes with the view
 
     def local_descriptor(self) -> SegmentDescriptor:
         """The descriptor this engine publishes."""
@@ -269,22 +295,24 @@ class TransferEngine:
         if cached is not None and not self._native.peer_stale(cached[0].id):
             return cached[0]
         desc = self._fetch(name)
+        pid = self._same_host_pid(desc)
         with self._lock:
             cached = self._segments.get(name)
             if cached is not None:
-                self._native.update_peer(
-                    cached[0].id, desc.incarnation, self._same_host_pid(desc), desc.remote_regions()
+                handle = cached[0]
+                self._native.update_peer(handle.id, desc.incarnation, pid, desc.remote_regions())
+            else:
+                hid = self._native.add_peer(
+                    desc.hostname, desc.port, desc.incarnation, pid, desc.remote_regions()
                 )
-                self._segments[name] = (cached[0], desc)
-                return cached[0]
-            pid = self._same_host_pid(desc)
-            hid = self._native.add_peer(
-                desc.hostname, desc.port, desc.incarnation, pid, desc.remote_regions()
-            )
-            handle = SegmentHandle(hid, name)
+                handle = SegmentHandle(hid, name)
+                self._handles[hid] = name
             self._segments[name] = (handle, desc)
-            self._handles[hid] = name
-            return handle
+            shm = [
+                (b.addr, b.length, b.shm_fd) for b in desc.buffers if b.shm_fd >= 0 and b.remote_accessible
+            ]
+            self._native.set_peer_shm(handle.id, pid, shm if pid else [])
+        return handle
 
     def get_segment_descriptor(self, name_or_handle: str | SegmentHandle) -> SegmentDescriptor:
         """The (cached, refreshed when stale) descriptor of an opened segment."""
@@ -306,6 +334,10 @@ class TransferEngine:
     def uses_same_host_path(self, handle: SegmentHandle | int) -> bool:
         """True when transfers to this segment take the same-host single-copy path."""
         return bool(self._native.peer_same_host(int(handle)))
+
+    def shared_buffers_mapped(self, handle: SegmentHandle | int) -> int:
+        """How many of the segment's shared-memory buffers are mapped here (same host only)."""
+        return int(self._native.peer_shm_count(int(handle)))
 
     # ------------------------------------------------------------------ batches
     def allocate_batch_id(self, batch_size: int) -> int:

@@ -37,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-dumpable", action="store_true", help="prctl(PR_SET_DUMPABLE, 0): refuse ptrace-like access"
     )
+    ap.add_argument("--shm", action="store_true", help="serve a shared-memory (memfd) buffer")
     args = ap.parse_args(argv)
     if args.no_dumpable:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-    buf = bytearray(args.size)
+    buf = bytearray(0 if args.shm else args.size)
     eng = TransferEngine(
         hostname=args.hostname,
         port=args.port,
@@ -52,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         secret=args.secret,
         timeout_s=args.timeout_s,
     )
-    addr = eng.register_local_memory(buf)
-    view = memoryview(buf)
+    if args.shm:
+        view = eng.alloc_shared_buffer(args.size)
+        addr = _native.buffer_address(view)[0]
+    else:
+        addr = eng.register_local_memory(buf)
+        view = memoryview(buf)
     print(
         json.dumps(
             {"segment": eng.segment_name, "addr": addr, "size": args.size, "port": eng.port, "pid": _pid()}

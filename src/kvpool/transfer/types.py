@@ -91,6 +91,7 @@ class BufferDescriptor:
     length: int
     location: str = "cpu:0"
     remote_accessible: bool = True
+    shm_fd: int = -1  # memfd in the owner process: same-host peers may map it (see alloc_shared_buffer)
 
 
 @dataclass
