@@ -1,8 +1,9 @@
 """Store client: contributes memory (and optionally an SSD directory) to the pool; put/get objects.
 
-Bytes never pass through the master: a put allocates replicas at the master, writes them through
-the transfer engine (one batch for all replicas and keys), then commits; a get takes a lease,
-reads one replica (same host first, else the less loaded of two random ones), and returns.
+Bytes never pass through the master: a put allocates replicas at the master (or uses a
+reservation), writes them through the transfer engine (one batch for all replicas and keys), then
+commits; a get takes a lease, reads the replica the master chose (same host first, else the less
+loaded of two random ones), and ends the lease with its next request.
 """
 
 from __future__ import annotations
@@ -187,10 +188,6 @@ class _Staging:
             return
         _tmp, view = token
         self.engine.unregister_local_memory(_addr_of(view))  # the mapping goes with its last view
-
-    def close(self) -> None:
-        self.view.release()
-        self.mem.close()
 
 
 def _addr_of(view: memoryview) -> int:
