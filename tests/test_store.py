@@ -277,6 +277,11 @@ def test_small_puts_use_reservations_which_close_returns(
         stats = st.stats()
         assert stats["counters"]["puts"] - before == 40
         assert stats["pending"] > 0  # unused reservations of this client
+        # Pools running low are refilled in the background (`reserve`), not on the put path.
+        deadline = time.monotonic() + 5
+        while "reserve" not in st.stats()["rpc"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st.stats()["rpc"]["reserve"][0] >= 1
         with pytest.raises(ObjectExists):
             st.put("resv-3", b"x" * 4096)  # a commit on a taken key is refused, the reservation kept
         assert st.get("resv-3") == pattern(4096, 3)

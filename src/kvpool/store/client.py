@@ -46,6 +46,7 @@ _NATIVE_READ = _native.OP_READ
 _NATIVE_WRITE = _native.OP_WRITE
 RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
 RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size, config)
+RESERVE_LOW = 6  # below this many left, a pool is refilled in the background
 
 
 def _reserve_count(size: int) -> int:
@@ -237,6 +238,8 @@ class Store:
         self._register_lock = threading.Lock()
         self._resv: dict[tuple[Any, ...], list[tuple[float, str, list[list[Any]]]]] = {}
         self._resv_lock = threading.Lock()
+        self._refilling: dict[tuple[Any, ...], tuple[int, ReplicateConfig | None]] = {}
+        self._refill_wanted = threading.Event()
         self._releases: list[list[Any]] = []  # ended read leases not yet reported to the master
         self._release_lock = threading.Lock()
         self.master_incarnation: int | None = None
@@ -302,8 +305,34 @@ class Store:
                 size=self.config.segment_size,
             )
 
+    def _refill(self) -> None:
+        """Top up reservation pools that ran low (off the put path, on the heartbeat connection)."""
+        with self._resv_lock:
+            wanted, self._refilling = self._refilling, {}
+            self._refill_wanted.clear()
+        for ck, (size, config) in wanted.items():
+            cfg = None if config is None else config.wire()
+            reply = self._hb_rpc.call(
+                "reserve", client=self.client_id, size=size, config=cfg, count=_reserve_count(size)
+            )
+            deadline = time.monotonic() + reply["reserve_ttl_s"] / 2
+            with self._resv_lock:
+                self._resv.setdefault(ck, [])[:0] = [(deadline, r, reps) for r, reps in reply["reserved"]]
+
     def _heartbeat_loop(self) -> None:
-        while not self._closed.wait(self.config.heartbeat_s):
+        next_beat = time.monotonic() + self.config.heartbeat_s
+        while not self._closed.is_set():
+            self._refill_wanted.wait(max(0.0, next_beat - time.monotonic()))
+            if self._closed.is_set():
+                return
+            if self._refill_wanted.is_set():
+                try:
+                    self._refill()
+                except KvpoolError as exc:
+                    log.debug("reservation refill failed: %s", exc)
+                if time.monotonic() < next_beat:
+                    continue
+            next_beat = time.monotonic() + self.config.heartbeat_s
             try:
                 self._flush_releases(self._hb_rpc)
                 reply = self._hb_rpc.call("heartbeat", client=self.client_id)
@@ -323,6 +352,7 @@ class Store:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._refill_wanted.set()
         self._hb.join(5)
         with self._resv_lock:
             unused = [rkey for pool in self._resv.values() for _, rkey, _ in pool]
@@ -479,6 +509,9 @@ class Store:
             if not pool:
                 return False
             entry = pool.pop()
+            if len(pool) < RESERVE_LOW and ck not in self._refilling:
+                self._refilling[ck] = (view.nbytes, config)  # the heartbeat thread refills it
+                self._refill_wanted.set()
         _, rkey, replicas = entry
         addr, token = self._staging.source(view)
         try:

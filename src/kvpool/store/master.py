@@ -574,34 +574,50 @@ class Master:
                                        now + pin_ttl, cache_class, n))  # fmt: skip
             out.append([None, [[r.segment, self._addr(r)] for r in reps]])
         reply: dict[str, Any] = {"results": out}
-        # Reservations: space for future puts of the same size and config, so that each of them
-        # needs one round trip (write, then `commit`) instead of two. They are pending puts: never
-        # evicted, revoked after put_timeout_s when unused.
-        reserve = min(int(req.get("reserve") or 0), 64)
+        reserve = int(req.get("reserve") or 0)
         if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
-            cid = req["client"]
-            reserved = []
-            # Reservations never push usage over the watermark, and take at most 1/64 of the pool.
-            cap = self.capacity
-            budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.used)
-            reserve = min(reserve, max(0, budget // (sizes[0] * n)))
-            for _ in range(reserve):
-                self._next_rid += 1
-                rkey = f"\0r:{cid}:{self._next_rid}"
-                reps = self._place(sizes[0], n, preferred, set())
-                if len(reps) < min(n, len(self.segments)):
-                    for r in reps:
-                        self._free_replica(rkey, r)
-                    break
-                for r in reps:
-                    self.segments[r.segment].keys.add(rkey)
-                self._new_pending(rkey, Obj(sizes[0], reps, False, now + self.config.put_timeout_s, soft_pin,
-                                            now + pin_ttl, cache_class, n))  # fmt: skip
-                reserved.append([rkey, [[r.segment, self._addr(r)] for r in reps]])
-            reply["reserved"] = reserved
+            reply["reserved"] = self._reserve(req["client"], sizes[0], cfg, reserve)
             reply["reserve_ttl_s"] = self.config.put_timeout_s
         self._evict()
         return reply
+
+    def _reserve(self, cid: str, size: int, cfg: dict[str, Any], count: int) -> list[list[Any]]:
+        """Reservations: space for future puts of one size and config, so that each of them needs
+        one round trip (write, then `commit`) instead of two. They are pending puts: never evicted,
+        revoked after put_timeout_s when unused. They never push usage over the watermark and take
+        at most 1/64 of the pool per request."""
+        n = int(cfg.get("replicas", 1))
+        cache_class = cfg.get("cache_class", "default")
+        if size <= 0 or n < 1 or cache_class not in CACHE_CLASSES:
+            raise _Err("INVALID", "size must be > 0, replicas >= 1, cache_class known")
+        preferred = cfg.get("preferred_segment")
+        soft_pin = bool(cfg.get("soft_pin", False))
+        now = time.monotonic()
+        pin_until = now + float(cfg.get("soft_pin_ttl_s", 3600.0))
+        cap = self.capacity
+        budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.used)
+        count = min(count, 64, max(0, budget // (size * n)))
+        reserved: list[list[Any]] = []
+        for _ in range(count):
+            self._next_rid += 1
+            rkey = f"\0r:{cid}:{self._next_rid}"
+            reps = self._place(size, n, preferred, set())
+            if len(reps) < min(n, len(self.segments)):
+                for r in reps:
+                    self._free_replica(rkey, r)
+                break
+            for r in reps:
+                self.segments[r.segment].keys.add(rkey)
+            deadline = now + self.config.put_timeout_s
+            self._new_pending(rkey, Obj(size, reps, False, deadline, soft_pin, pin_until, cache_class, n))
+            reserved.append([rkey, [[r.segment, self._addr(r)] for r in reps]])
+        return reserved
+
+    def _op_reserve(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Reservations ahead of time (a client's pool of one shape runs low)."""
+        self._client(req)
+        reserved = self._reserve(req["client"], int(req["size"]), req.get("config") or {}, int(req["count"]))
+        return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s}
 
     def _new_pending(self, key: str, obj: Obj) -> None:
         self._next_oid += 1
