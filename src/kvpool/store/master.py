@@ -71,9 +71,37 @@ class Obj:
     readers: int = 0  # reads in flight (leases not yet released)
     oid: int = 0  # object id: a release for an older object of the same key is ignored
     busy: int = 0  # master tasks (replicate/spill) in flight
-    hot: bool = False
     ssd: SsdCopy | None = None
-    drop_memory: bool = False  # spilled: free memory replicas once no lease holds them
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement part of a put's config (``ReplicateConfig.wire()``), validated."""
+
+    replicas: int
+    cache_class: str
+    preferred: str | None
+    soft_pin: bool
+    pin_ttl_s: float
+
+    @classmethod
+    def parse(cls, cfg: dict[str, Any]) -> Placement:
+        """Validate a config map; bad values are an INVALID error."""
+        pl = cls(
+            int(cfg.get("replicas", 1)),
+            cfg.get("cache_class", "default"),
+            cfg.get("preferred_segment"),
+            bool(cfg.get("soft_pin", False)),
+            float(cfg.get("soft_pin_ttl_s", 3600.0)),
+        )
+        if pl.replicas < 1 or pl.cache_class not in CACHE_CLASSES:
+            raise _Err("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
+        return pl
+
+    def new_obj(self, size: int, reps: list[Replica], now: float, put_timeout_s: float) -> Obj:
+        """A pending object placed on ``reps``."""
+        return Obj(size, reps, False, now + put_timeout_s, self.soft_pin, now + self.pin_ttl_s,
+                   self.cache_class, self.replicas)  # fmt: skip
 
 
 @dataclass
@@ -306,7 +334,7 @@ class Master:
         phases: dict[str, list[str]] = {"ephemeral": [], "default": [], "pinned": [], "persistent": []}
         for key in self._lru:
             obj = self.objects[key]
-            if obj.busy or obj.drop_memory or not obj.replicas or self._leased(obj, now):
+            if obj.busy or key in self._spilled or not obj.replicas or self._leased(obj, now):
                 continue
             if obj.cache_class in ("ephemeral", "persistent"):
                 phases[obj.cache_class].append(key)
@@ -336,7 +364,6 @@ class Master:
         for r in obj.replicas:
             self._free_replica(key, r)
         obj.replicas = []
-        obj.drop_memory = False
         self._spilled.discard(key)
 
     def _spill(self, key: str, obj: Obj, client: Client) -> None:
@@ -406,18 +433,16 @@ class Master:
         want = min(self.config.hot_max_replicas, n)
         for key in hot:
             obj = self.objects.get(key)
-            if obj is None or not obj.committed or obj.busy or obj.drop_memory:
+            if obj is None or not obj.committed or obj.busy or key in self._spilled:
                 continue
             committed = [r for r in obj.replicas if r.committed]
             if not committed or len(obj.replicas) >= want:
                 continue
-            obj.hot = True
             self._hot.add(key)
             self._replicate(key, obj, want - len(obj.replicas))
         for key in list(self._hot - hot):
             obj = self.objects[key]
             if not obj.busy and not self._leased(obj, now):
-                obj.hot = False
                 self._hot.discard(key)
                 self._shrink(key, obj, obj.base_replicas)
 
@@ -476,8 +501,7 @@ class Master:
             if ok:
                 cl = self.clients.get(entry[0])
                 obj.ssd = SsdCopy(entry[0], task["path"], result["checksum"], cl.host_id if cl else "")
-                obj.drop_memory = True
-                self._spilled.add(key)
+                self._spilled.add(key)  # memory freed once no lease holds it
                 if not self._leased(obj, time.monotonic()):
                     self._free_memory(key, obj)
 
@@ -538,14 +562,9 @@ class Master:
     def _op_put_start(self, req: dict[str, Any]) -> dict[str, Any]:
         self._client(req)
         keys, sizes = req["keys"], req["sizes"]
-        cfg = req.get("config") or {}
-        n = int(cfg.get("replicas", 1))
-        cache_class = cfg.get("cache_class", "default")
-        if n < 1 or cache_class not in CACHE_CLASSES or len(keys) != len(sizes):
-            raise _Err("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
-        preferred = cfg.get("preferred_segment")
-        soft_pin = bool(cfg.get("soft_pin", False))
-        pin_ttl = float(cfg.get("soft_pin_ttl_s", 3600.0))
+        if len(keys) != len(sizes):
+            raise _Err("INVALID", "keys and sizes differ in length")
+        pl = Placement.parse(req.get("config") or {})
         now = time.monotonic()
         self._evict_futile = False
         out: list[list[Any]] = []
@@ -566,34 +585,29 @@ class Master:
             if not self.segments:
                 out.append(["FULL", "no segment is mounted: start a client with segment_size > 0"])
                 continue
-            reps = self._allocate(key, size, n, preferred, set())
+            reps = self._allocate(key, size, pl.replicas, pl.preferred, set())
             if not reps:
                 out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
                 continue
-            self._new_pending(key, Obj(size, reps, False, now + self.config.put_timeout_s, soft_pin,
-                                       now + pin_ttl, cache_class, n))  # fmt: skip
+            self._new_pending(key, pl.new_obj(size, reps, now, self.config.put_timeout_s))
             out.append([None, [[r.segment, self._addr(r)] for r in reps]])
         reply: dict[str, Any] = {"results": out}
         reserve = int(req.get("reserve") or 0)
         if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
-            reply["reserved"] = self._reserve(req["client"], sizes[0], cfg, reserve)
+            reply["reserved"] = self._reserve(req["client"], sizes[0], pl, reserve)
             reply["reserve_ttl_s"] = self.config.put_timeout_s
         self._evict()
         return reply
 
-    def _reserve(self, cid: str, size: int, cfg: dict[str, Any], count: int) -> list[list[Any]]:
+    def _reserve(self, cid: str, size: int, pl: Placement, count: int) -> list[list[Any]]:
         """Reservations: space for future puts of one size and config, so that each of them needs
         one round trip (write, then `commit`) instead of two. They are pending puts: never evicted,
         revoked after put_timeout_s when unused. They never push usage over the watermark and take
         at most 1/64 of the pool per request."""
-        n = int(cfg.get("replicas", 1))
-        cache_class = cfg.get("cache_class", "default")
-        if size <= 0 or n < 1 or cache_class not in CACHE_CLASSES:
-            raise _Err("INVALID", "size must be > 0, replicas >= 1, cache_class known")
-        preferred = cfg.get("preferred_segment")
-        soft_pin = bool(cfg.get("soft_pin", False))
+        if size <= 0:
+            raise _Err("INVALID", "size must be > 0")
+        n = pl.replicas
         now = time.monotonic()
-        pin_until = now + float(cfg.get("soft_pin_ttl_s", 3600.0))
         cap = self.capacity
         budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.used)
         count = min(count, 64, max(0, budget // (size * n)))
@@ -601,22 +615,22 @@ class Master:
         for _ in range(count):
             self._next_rid += 1
             rkey = f"\0r:{cid}:{self._next_rid}"
-            reps = self._place(size, n, preferred, set())
+            reps = self._place(size, n, pl.preferred, set())
             if len(reps) < min(n, len(self.segments)):
                 for r in reps:
                     self._free_replica(rkey, r)
                 break
             for r in reps:
                 self.segments[r.segment].keys.add(rkey)
-            deadline = now + self.config.put_timeout_s
-            self._new_pending(rkey, Obj(size, reps, False, deadline, soft_pin, pin_until, cache_class, n))
+            self._new_pending(rkey, pl.new_obj(size, reps, now, self.config.put_timeout_s))
             reserved.append([rkey, [[r.segment, self._addr(r)] for r in reps]])
         return reserved
 
     def _op_reserve(self, req: dict[str, Any]) -> dict[str, Any]:
         """Reservations ahead of time (a client's pool of one shape runs low)."""
         self._client(req)
-        reserved = self._reserve(req["client"], int(req["size"]), req.get("config") or {}, int(req["count"]))
+        pl = Placement.parse(req.get("config") or {})
+        reserved = self._reserve(req["client"], int(req["size"]), pl, int(req["count"]))
         return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s}
 
     def _new_pending(self, key: str, obj: Obj) -> None:
