@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from kvpool.errors import KvpoolError
 
@@ -15,6 +17,20 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}".replace(".0 ", " ")
         n /= 1024
     return f"{n} B"
+
+
+def _with_progress(label: str, quiet: bool, run: Callable[[Any], Any]) -> Any:
+    """Call ``run(progress)`` under a transient progress bar on a terminal (stderr), plainly
+    otherwise; ``progress`` takes the fraction done (0..1) or is None."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        return run(None)
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task(label, total=1.0)
+        return run(lambda f: prog.update(task, completed=f))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -89,8 +105,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     """Benchmark the transfer engine between two processes."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from kvpool.transfer.bench import parse_size, run_transfer_bench
 
@@ -98,7 +112,6 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     if args.secret:
         opts["secret"] = args.secret
     results = []
-    console = Console(stderr=True)
     for bs in args.block_size:
         for op in args.op:
             kw = dict(
@@ -111,12 +124,9 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
                 sync=args.sync,
                 **opts,
             )
-            if args.json or not console.is_terminal:
-                res = run_transfer_bench(**kw)
-            else:
-                with Progress(console=console, transient=True) as prog:
-                    task = prog.add_task(f"{op} {bs}", total=1.0)
-                    res = run_transfer_bench(**kw, progress=lambda f, t=task: prog.update(t, completed=f))
+            res = _with_progress(
+                f"{op} {bs}", args.json, lambda p, kw=kw: run_transfer_bench(**kw, progress=p)
+            )
             results.append(res.as_dict())
             if not args.json:
                 print(
@@ -159,26 +169,17 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
     """Benchmark the store across three processes."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from kvpool.store.bench import run_store_bench
     from kvpool.transfer.bench import parse_size
 
-    console = Console(stderr=True)
     results = []
     for vs in args.value_size:
-        if args.json or not console.is_terminal:
-            res = run_store_bench(parse_size(vs), args.duration, args.protocol)
-        else:
-            with Progress(console=console, transient=True) as prog:
-                task = prog.add_task(f"store {vs}", total=1.0)
-                res = run_store_bench(
-                    parse_size(vs),
-                    args.duration,
-                    args.protocol,
-                    progress=lambda f, t=task: prog.update(t, completed=f),
-                )
+        res = _with_progress(
+            f"store {vs}",
+            args.json,
+            lambda p, vs=vs: run_store_bench(parse_size(vs), args.duration, args.protocol, progress=p),
+        )
         results.append(res)
         if not args.json:
             r = res
