@@ -387,14 +387,10 @@ class Store:
         """Submit one batch and wait; per-request success."""
         if not reqs:
             return []
-        if len(reqs) == 1:  # done in this thread when a lane is idle: no hand-off to a worker
+        if len(reqs) == 1:
             r = reqs[0]
-            seg = r.target_id.name if hasattr(r.target_id, "name") else str(r.target_id)
-            try:
-                self.engine.transfer_sync(seg, r.source, r.target_offset, r.length, r.opcode)
-                return [True]
-            except TransferError:
-                return [False]
+            op = _NATIVE_WRITE if r.opcode == OpCode.WRITE else _NATIVE_READ
+            return [self._sync(op, r.source, int(r.target_id), r.target_offset, r.length)]
         bid = self.engine.allocate_batch_id(len(reqs))
         try:
             self.engine.submit_transfer(bid, reqs)
@@ -404,6 +400,10 @@ class Store:
             return [self.engine.get_transfer_status(bid, i).ok for i in range(len(reqs))]
         finally:
             self.engine.free_batch_id(bid)
+
+    def _sync(self, op: int, local: int, handle_id: int, remote: int, length: int) -> bool:
+        """One request done in this thread when a lane is idle (no hand-off to a worker)."""
+        return not self.engine._native.transfer_sync(op, local, handle_id, remote, length)
 
     def _req(self, op: OpCode, local: int, segment: str, remote: int, size: int) -> TransferRequest:
         return TransferRequest(op, local, self.engine.open_segment(segment), remote, size)
@@ -515,13 +515,8 @@ class Store:
         _, rkey, replicas = entry
         addr, token = self._staging.source(view)
         try:
-            if len(replicas) == 1:  # one native call, in this thread
-                seg, raddr = replicas[0]
-                handle = self.engine.open_segment(seg)
-                ok = not self.engine._native.transfer_sync(_NATIVE_WRITE, addr, handle.id, raddr, view.nbytes)
-            else:
-                reqs = [self._req(OpCode.WRITE, addr, seg, raddr, view.nbytes) for seg, raddr in replicas]
-                ok = all(self._run(reqs))
+            reqs = [self._req(OpCode.WRITE, addr, seg, raddr, view.nbytes) for seg, raddr in replicas]
+            ok = all(self._run(reqs))
         except KvpoolError:
             ok = False
         finally:
@@ -675,12 +670,11 @@ class Store:
             size = info["size"]
             seg, raddr, _host = info["replicas"][0]
             try:
-                handle = self.engine.open_segment(seg)
                 off = staging.small_off
-                err = self.engine._native.transfer_sync(
-                    _NATIVE_READ, staging.base + off, handle.id, raddr, size
+                ok = self._sync(
+                    _NATIVE_READ, staging.base + off, self.engine.open_segment(seg).id, raddr, size
                 )
-                data = None if err else bytes(staging.view[off : off + size])
+                data = bytes(staging.view[off : off + size]) if ok else None
             finally:
                 staging.small_lock.release()
             with self._release_lock:
