@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from typing import Any
 
 import xxhash
 
 from kvpool import _native
+from kvpool.child import ChildProcess, cli_flags
 from kvpool.transfer.engine import TransferEngine
 
 
@@ -87,31 +87,18 @@ def _pid() -> int:
     return os.getpid()
 
 
-class PeerProcess:
+class PeerProcess(ChildProcess):
     """Starts :func:`main` in a child process and talks to it (used by demo, bench and tests)."""
+
+    exit_line = "exit"
 
     def __init__(self, size: int, prefix: list[str] | None = None, **options: Any) -> None:
         cmd = list(prefix or []) + [sys.executable, "-m", "kvpool.transfer.peer", "--size", str(size)]
-        for k, v in options.items():
-            if v is True:
-                cmd.append(f"--{k.replace('_', '-')}")
-            elif v is not None and v is not False:
-                cmd += [f"--{k.replace('_', '-')}", str(v)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        while True:  # skip anything that is not our JSON line (e.g. build tool chatter)
-            line = self.proc.stdout.readline()
-            if not line:
-                self.proc.wait(timeout=10)
-                raise RuntimeError(f"peer process exited with {self.proc.returncode} before it was ready")
-            if line.startswith("{"):
-                break
-        info = json.loads(line)
-        self.segment: str = info["segment"]
-        self.addr: int = info["addr"]
-        self.size: int = info["size"]
-        self.port: int = info["port"]
-        self.pid: int = info["pid"]
+        super().__init__(cmd + cli_flags(options))
+        self.segment: str = self.info["segment"]
+        self.addr: int = self.info["addr"]
+        self.size: int = self.info["size"]
+        self.port: int = self.info["port"]
 
     def _ask(self, line: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -126,35 +113,6 @@ class PeerProcess:
     def fill(self, seed: int) -> None:
         """Fill the peer's buffer with the pattern of ``seed``."""
         self._ask(f"fill {seed}")
-
-    def close(self) -> None:
-        """Ask the peer to exit; kill it if it does not within 10 s."""
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        for f in (self.proc.stdout, self.proc.stdin):
-            if f is not None and not f.closed:
-                try:
-                    f.close()
-                except OSError:
-                    pass
-
-    def kill(self) -> None:
-        """SIGKILL the peer."""
-        self.proc.kill()
-        self.proc.wait()
-
-    def __enter__(self) -> PeerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":

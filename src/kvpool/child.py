@@ -1,0 +1,101 @@
+"""Child processes for tests, benchmarks and the demo, started with a JSON ready line and stopped
+by PID."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """Stop ``proc`` by PID: SIGTERM, then SIGKILL if it is still alive after ``grace_s`` seconds.
+
+    A no-op if it has already exited; waits for it (reaps it) either way.
+    """
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cli_flags(options: dict[str, Any]) -> list[str]:
+    """Command-line flags for keyword options: ``{"lease_ttl_ms": 5, "hot": True}`` gives
+    ``["--lease-ttl-ms", "5", "--hot"]``; None and False are left out."""
+    out: list[str] = []
+    for k, v in options.items():
+        flag = f"--{k.replace('_', '-')}"
+        if v is True:
+            out.append(flag)
+        elif v is not None and v is not False:
+            out += [flag, str(v)]
+    return out
+
+
+class ChildProcess:
+    """A child that prints one JSON line (``self.info``) when ready.
+
+    With ``stdin=True`` the child is asked to exit by closing its stdin (after writing
+    ``exit_line`` if set); :meth:`close` then terminates and kills it if it is still there.
+    """
+
+    start_error: type[Exception] = RuntimeError
+    exit_line: str | None = None
+
+    def __init__(self, cmd: list[str], stdin: bool = True) -> None:
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        while True:  # skip anything that is not our JSON line (e.g. build tool chatter)
+            line = self.proc.stdout.readline()
+            if line.startswith("{"):
+                break
+            if not line:
+                stop_process(self.proc)
+                raise self.start_error(
+                    f"{' '.join(cmd[1:4])} exited with {self.proc.returncode} before it was ready"
+                )
+        self.info: dict[str, Any] = json.loads(line)
+        self.pid: int = self.info.get("pid", self.proc.pid)
+
+    def kill(self) -> None:
+        """SIGKILL it."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        """Ask it to exit (stdin), give it 10 s, then terminate/kill; close the pipes."""
+        stdin = self.proc.stdin
+        if self.proc.poll() is None and stdin is not None:
+            try:
+                if self.exit_line is not None:
+                    stdin.write(self.exit_line + "\n")
+                stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        stop_process(self.proc)
+        for f in (self.proc.stdout, stdin):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
