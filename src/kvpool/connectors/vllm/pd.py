@@ -1,0 +1,505 @@
+"""KvpoolConnector: prefill/decode disaggregation for vLLM over the kvpool transfer engine.
+
+Decode pulls. A prefill instance computes the prompt, keeps the request's blocks alive
+(``request_finished`` returns ``delay_free=True``) and hands the proxy ``kv_transfer_params``
+naming its blocks and side channel. The decode instance allocates its own blocks, READs the
+prefill blocks into them with one transfer batch (contiguous block runs merged, every layer in
+the same batch), then tells the prefill side channel "done" so the blocks are freed there.
+
+Why pull: only the decode side knows which of its blocks receive the KV and when they exist
+(blocks are allocated when the decode scheduler admits the request). With pull the prefill never
+waits for a destination and needs no per-request state beyond a deadline; a decode that never
+comes costs blocks for ``abort_timeout_s`` only. The same choice as vLLM's NixlConnector.
+
+Side channel (one per prefill TP rank, msgpack over TCP, ``side_channel_port + rank``):
+``layout`` returns the engine's segment name and the KV block regions; ``done`` carries the
+request ids whose blocks were read (or given up on).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, block_runs, check_vllm, kv_regions
+from kvpool.errors import KvpoolError, TransferError
+from kvpool.store.rpc import RpcClient, RpcServer
+from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.types import OpCode, TransferRequest, TransferState
+
+check_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.connectors.vllm")
+
+_REMOTE_KEYS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+
+
+@dataclass
+class RecvJob:
+    """Decode side: read ``remote_block_ids`` of a prefill instance into ``local_block_ids``."""
+
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_engine_id: str | None = None
+    remote_tp_size: int = 1
+
+
+@dataclass
+class KvpoolConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: loads to start, blocks to hold for a decode."""
+
+    recv: dict[str, RecvJob] = field(default_factory=dict)
+    send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
+
+
+def _tp(vllm_config: Any) -> tuple[int, int]:
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank(), size
+    except Exception:  # noqa: BLE001 - not initialised (scheduler process, tests)
+        return 0, size
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    """vLLM KV connector (v1) for P/D disaggregation over the kvpool transfer engine.
+
+    ``--kv-transfer-config '{"kv_connector":"KvpoolConnector",
+    "kv_connector_module_path":"kvpool.connectors.vllm","kv_role":"kv_producer"|"kv_consumer"|"kv_both",
+    "kv_connector_extra_config":{...}}'`` (keys: :class:`VllmConnectorConfig`).
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = VllmConnectorConfig.from_vllm(vllm_config)
+        self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self._scheduler: _PdScheduler | None = None
+        self._worker: _PdWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _PdScheduler(self.cfg, vllm_config, self.engine_id)
+        else:
+            self._worker = _PdWorker(self.cfg, vllm_config, self.engine_id, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM 0.33 sleep mode: the KV cache memory is about to be released."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None, *a: Any, **kw: Any) -> None:
+        """vLLM 0.33 sleep mode: KV cache memory is back (possibly at new addresses)."""
+        if self._worker is not None and kv_caches is not None:
+            self._worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, *args: Any, **kwargs: Any) -> bool:
+        """vLLM 0.33: KV caches may be unregistered and restored."""
+        return True
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads finish before the request is scheduled (asynchronous mode)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # decode pulls: nothing to push
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+# ====================================================================== scheduler side
+class _PdScheduler:
+    def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = int(vllm_config.cache_config.block_size)
+        _, self.tp_size = _tp(vllm_config)
+        self._recv: dict[str, RecvJob] = {}
+        self._send: dict[str, float] = {}
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            if not all(params.get(k) is not None for k in _REMOTE_KEYS):
+                log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
+                            request.request_id, params)  # fmt: skip
+                return 0, False
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        if not all(params.get(k) is not None for k in _REMOTE_KEYS):
+            return
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        remote = list(params["remote_block_ids"])
+        if len(local) > len(remote):
+            log.warning("request %s: %d local blocks for %d remote ones; computing locally",
+                        request.request_id, len(local), len(remote))  # fmt: skip
+            local = []
+        # A local prefix-cache hit covers the leading blocks: read only the tail.
+        remote = remote[len(remote) - len(local) :] if local else []
+        self._recv[request.request_id] = RecvJob(
+            req_id=request.request_id,
+            local_block_ids=list(local),
+            remote_block_ids=remote,
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_request_id=str(params["remote_request_id"]),
+            remote_engine_id=params.get("remote_engine_id"),
+            remote_tp_size=int(params.get("tp_size") or 1),
+        )
+
+    def build_connector_meta(self) -> KvpoolConnectorMetadata:
+        meta = KvpoolConnectorMetadata(recv=self._recv, send=self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Aborted before its blocks were allocated: still tell the prefill to free its blocks.
+            params["do_remote_prefill"] = False
+            if all(params.get(k) is not None for k in _REMOTE_KEYS):
+                self._recv[request.request_id] = RecvJob(
+                    request.request_id, [], [], str(params["remote_host"]), int(params["remote_port"]),
+                    str(params["remote_request_id"]),
+                )  # fmt: skip
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: free at once, no decode will read
+        if not block_ids:
+            return False, None
+        self._send[request.request_id] = self.cfg.abort_timeout_s
+        return True, dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=list(block_ids),
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_host=self.cfg.hostname,
+            remote_port=self.cfg.side_channel_port,
+            remote_num_tokens=int(request.num_computed_tokens),
+            tp_size=self.tp_size,
+        )
+
+
+# ====================================================================== worker side
+@dataclass
+class _Remote:
+    segment: str
+    handle: Any
+    regions: dict[str, Region]
+    block_size: int
+
+
+class _PdWorker:
+    def __init__(
+        self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str, kv_cache_config: Any
+    ) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_rank, self.tp_size = _tp(vllm_config)
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        ktc = vllm_config.kv_transfer_config
+        self.serves = ktc.kv_role in ("kv_producer", "kv_both")
+        self.engine: TransferEngine | None = None
+        self.regions: list[Region] = []
+        self._lock = threading.Lock()
+        self._pending_send: dict[str, float] = {}  # req id -> deadline (monotonic)
+        self._notified: dict[str, float] = {}  # "done" seen -> when (may precede the metadata)
+        self._recv_done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._remotes: dict[tuple[str, int], _Remote] = {}
+        self._rpcs: dict[tuple[str, int], RpcClient] = {}
+        self._jobs: queue.Queue[RecvJob | None] = queue.Queue()
+        self._server: RpcServer | None = None
+        self._threads: list[threading.Thread] = []
+        self.loaded_blocks = 0
+        self.loaded_bytes = 0
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        regions, tensors = kv_regions(kv_caches, self.num_blocks)
+        if self.engine is None:
+            self.engine = TransferEngine(**self.cfg.engine_kwargs())
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise TransferError(
+                    f"KV cache on {t.device}: GPU memory needs the RDMA transport or staging, which this "
+                    "build does not have (see docs/hardware.md)"
+                )
+            self.engine.register_local_memory(t)
+        self.regions = regions
+        total = sum(r.stride * r.num_blocks for r in regions)
+        log.info("kvpool connector: registered %d KV regions (%.1f MiB) with engine %s",
+                 len(regions), total / 2**20, self.engine.segment_name)  # fmt: skip
+        if not self._threads:
+            t = threading.Thread(target=self._load_loop, name="kvpool-pd-load", daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self.serves and self._server is None:
+            port = self.cfg.side_channel_port + self.tp_rank
+            self._server = RpcServer(self.cfg.hostname, port, self._handle, lambda: None, tick_s=1.0)
+            t = threading.Thread(target=self._server.serve_forever, name="kvpool-pd-side", daemon=True)
+            t.start()
+            self._threads.append(t)
+            log.info("kvpool connector: side channel on %s:%d", self.cfg.hostname, port)
+
+    def unregister_kv_caches(self) -> None:
+        if self.engine is not None:
+            for r in {r.addr for r in self.regions}:
+                try:
+                    self.engine.unregister_local_memory(r)
+                except KvpoolError:
+                    pass
+        self.regions = []
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._jobs.put(None)
+        for rpc in self._rpcs.values():
+            rpc.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    # ------------------------------------------------------------------ side channel (prefill)
+    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        rid = req.get("id")
+        if self.cfg.secret and req.get("auth") != self.cfg.secret:
+            return {"id": rid, "ok": False, "err": "AUTH", "msg": "bad or missing secret"}
+        op = req.get("op")
+        if op == "layout":
+            assert self.engine is not None
+            return {
+                "id": rid, "ok": True, "engine_id": self.engine_id, "segment": self.engine.segment_name,
+                "block_size": self.block_size, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                "regions": [r.wire() for r in self.regions],
+            }  # fmt: skip
+        if op == "done":
+            now = time.monotonic()
+            with self._lock:
+                for r in req.get("req_ids") or ():
+                    self._notified[str(r)] = now
+            return {"id": rid, "ok": True}
+        return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+
+    # ------------------------------------------------------------------ per step
+    def start(self, meta: KvpoolConnectorMetadata) -> None:
+        now = time.monotonic()
+        if meta.send:
+            with self._lock:
+                for rid, ttl in meta.send.items():
+                    self._pending_send[rid] = now + ttl
+        for job in meta.recv.values():
+            self._jobs.put(job)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        now = time.monotonic()
+        sending: set[str] = set()
+        with self._lock:
+            recving, self._recv_done = self._recv_done, set()
+            for rid, deadline in list(self._pending_send.items()):
+                if rid in self._notified:
+                    sending.add(rid)
+                elif now > deadline:
+                    log.warning("kvpool connector: request %s was not read by a decode instance within "
+                                "%.0fs; freeing its blocks", rid, self.cfg.abort_timeout_s)  # fmt: skip
+                    sending.add(rid)
+            for rid in sending:
+                del self._pending_send[rid]
+                self._notified.pop(rid, None)
+            # "done" notices for requests this worker never held (aborted, restarted) expire.
+            for rid, t in list(self._notified.items()):
+                if now - t > self.cfg.abort_timeout_s and rid not in self._pending_send:
+                    del self._notified[rid]
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    # ------------------------------------------------------------------ loads (decode)
+    def _rpc(self, host: str, port: int) -> RpcClient:
+        key = (host, port)
+        rpc = self._rpcs.get(key)
+        if rpc is None:
+            rpc = self._rpcs[key] = RpcClient(f"{host}:{port}", self.cfg.transfer_timeout_s, self.cfg.secret)
+        return rpc
+
+    def _remote(self, host: str, port: int) -> _Remote:
+        key = (host, port)
+        rem = self._remotes.get(key)
+        if rem is None:
+            assert self.engine is not None
+            reply = self._rpc(host, port).call("layout")
+            regions = {r.name: r for r in map(Region.from_wire, reply["regions"])}
+            rem = _Remote(reply["segment"], self.engine.open_segment(reply["segment"]), regions,
+                          int(reply["block_size"]))  # fmt: skip
+            self._remotes[key] = rem
+        return rem
+
+    def _requests(self, rem: _Remote, job: RecvJob) -> list[TransferRequest]:
+        if rem.block_size != self.block_size:
+            raise TransferError(f"block size differs: prefill {rem.block_size}, decode {self.block_size}")
+        if set(rem.regions) != {r.name for r in self.regions}:
+            raise TransferError("prefill and decode KV cache layers differ (same model and layout needed)")
+        reqs: list[TransferRequest] = []
+        runs = block_runs(job.local_block_ids, job.remote_block_ids)
+        for loc in self.regions:
+            rr = rem.regions[loc.name]
+            if rr.block_bytes != loc.block_bytes:
+                raise TransferError(
+                    f"layer {loc.name}: {rr.block_bytes}-byte blocks on prefill, {loc.block_bytes} on decode "
+                    "(dtype, head count or TP size differ)"
+                )
+            for lb, rb, n in runs:
+                if lb + n > loc.num_blocks or rb + n > rr.num_blocks:
+                    raise TransferError(f"block ids out of range for layer {loc.name}")
+                if loc.stride == loc.block_bytes and rr.stride == rr.block_bytes:
+                    reqs.append(TransferRequest(OpCode.READ, loc.addr + lb * loc.stride, rem.handle,
+                                                rr.addr + rb * rr.stride, n * loc.block_bytes))  # fmt: skip
+                else:
+                    for i in range(n):
+                        src, dst = loc.addr + (lb + i) * loc.stride, rr.addr + (rb + i) * rr.stride
+                        reqs.append(TransferRequest(OpCode.READ, src, rem.handle, dst, loc.block_bytes))
+        return reqs
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._load(job)
+
+    def _load(self, job: RecvJob) -> None:
+        t0 = time.perf_counter()
+        ok = True
+        why = ""
+        nbytes = 0
+        try:
+            if job.local_block_ids:
+                if job.remote_tp_size != self.tp_size:
+                    raise TransferError(
+                        f"TP size differs: prefill {job.remote_tp_size}, decode {self.tp_size}"
+                    )
+                port = job.remote_port + self.tp_rank
+                rem = self._remote(job.remote_host, port)
+                reqs = self._requests(rem, job)
+                nbytes = sum(r.length for r in reqs)
+                assert self.engine is not None
+                bid = self.engine.allocate_batch_id(len(reqs))
+                try:
+                    self.engine.submit_transfer(bid, reqs)
+                    st = self.engine.wait_batch(bid)
+                finally:
+                    self.engine.free_batch_id(bid)
+                if st.state != TransferState.COMPLETED:
+                    raise TransferError(f"KV read from {rem.segment} ended {st.state.name}: {st.error}")
+        except KvpoolError as exc:
+            ok, why = False, str(exc)
+            self._remotes.pop((job.remote_host, job.remote_port + self.tp_rank), None)
+        except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        ms = (time.perf_counter() - t0) * 1e3
+        if ok and job.local_block_ids:
+            self.loaded_blocks += len(job.local_block_ids)
+            self.loaded_bytes += nbytes
+            log.info("kvpool connector: loaded %d blocks (%d bytes) for %s in %.2f ms",
+                     len(job.local_block_ids), nbytes, job.req_id, ms)  # fmt: skip
+        elif not ok:
+            log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); vLLM recomputes it",
+                        job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
+        # Free the prefill's blocks whether or not the read worked (best effort: it times out anyway).
+        try:
+            self._rpc(job.remote_host, job.remote_port + self.tp_rank).call(
+                "done", req_ids=[job.remote_request_id]
+            )
+        except KvpoolError as exc:
+            log.debug("done notice for %s not delivered: %s", job.remote_request_id, exc)
+        with self._lock:
+            if not ok:
+                self._load_errors.update(job.local_block_ids)
+            self._recv_done.add(job.req_id)

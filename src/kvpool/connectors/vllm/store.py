@@ -1,0 +1,379 @@
+"""KvpoolStoreConnector: cross-instance prefix reuse for vLLM through the kvpool store.
+
+Every full prompt block is stored under a prefix-chained key: the xxh3-128 of the parent block's
+digest and the block's token ids, under a namespace naming the model, dtype, block size, KV
+layout and TP rank (``kvpool/v1/<model>/<dtype>/bs<N>/tp<r>of<n>/<layout>/<digest>/<layer>``),
+one object per block and layer. Any instance pointed at the same master finds the longest stored
+prefix of a new prompt (one ``batch_exists`` round trip) and loads it into its own blocks.
+
+Saves: when a request finishes, its full prompt blocks that the store lacks are written from the
+KV cache straight into the pool (``batch_put_from``, no staging copy) by a background thread;
+the blocks stay allocated (``delay_free``) until the save is done. Loads: asynchronous by default
+(between scheduler steps, ``load_async``), or inside the forward pass. A block that cannot be
+read (evicted between lookup and load, master gone) is reported through
+``get_block_ids_with_load_errors`` and recomputed by vLLM.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions
+from kvpool.errors import ConfigError, KvpoolError, ObjectExists
+
+check_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvpool.store.client import Store
+
+log = logging.getLogger("kvpool.connectors.vllm")
+
+
+def block_keys(
+    namespace: str, token_ids: list[int], block_size: int, n_blocks: int | None = None
+) -> list[str]:
+    """Prefix-chained keys of the full blocks of ``token_ids`` (at most ``n_blocks``)."""
+    full = len(token_ids) // block_size
+    if n_blocks is not None:
+        full = min(full, n_blocks)
+    parent = xxhash.xxh3_128_digest(namespace.encode())
+    keys = []
+    for i in range(full):
+        toks = array.array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        parent = xxhash.xxh3_128_digest(parent + toks)
+        keys.append(f"{namespace}/{parent.hex()}")
+    return keys
+
+
+def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> str:
+    """Key namespace: model, dtype, block size, TP rank and size, layout."""
+    mc = vllm_config.model_config
+    model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
+    dtype = str(mc.dtype).replace("torch.", "")
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
+    return f"kvpool/v1/{model}/{dtype}/bs{vllm_config.cache_config.block_size}/tp{tp_rank}of{tp}/{device}"
+
+
+@dataclass
+class KvpoolStoreMetadata(KVConnectorMetadata):
+    """Scheduler -> worker per step: loads (block id, key) and saves (block id, key) per request."""
+
+    loads: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    saves: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+
+
+def _connect(cfg: VllmConnectorConfig, segment_size: int, buffer_size: int) -> Store:
+    from kvpool.store.client import Store
+
+    if not cfg.master:
+        raise ConfigError(
+            "KvpoolStoreConnector needs kv_connector_extra_config.master (host:port of `kvpool master`) "
+            "so that instances share one pool"
+        )
+    kw: dict[str, Any] = dict(
+        master=cfg.master, hostname=cfg.hostname, segment_size=segment_size, buffer_size=buffer_size,
+        protocol=cfg.protocol, metadata=cfg.metadata, transfer_timeout_s=cfg.transfer_timeout_s,
+    )  # fmt: skip
+    if cfg.secret:
+        kw["secret"] = cfg.secret
+    return Store.connect(**kw)
+
+
+class KvpoolStoreConnector(KVConnectorBase_V1):
+    """vLLM KV connector (v1) that saves full prompt blocks into the kvpool store and loads the
+    longest stored prefix on any instance.
+
+    ``--kv-transfer-config '{"kv_connector":"KvpoolStoreConnector",
+    "kv_connector_module_path":"kvpool.connectors.vllm","kv_role":"kv_both",
+    "kv_connector_extra_config":{"master":"host:port"}}'``.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = VllmConnectorConfig.from_vllm(vllm_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._vllm_config = vllm_config
+        self._sched: _StoreScheduler | None = None
+        self._worker: _StoreWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _StoreScheduler(self.cfg, vllm_config)
+        else:
+            self._worker = _StoreWorker(self.cfg, vllm_config, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids), None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolStoreMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # synchronous loads finish in start_load_kv, asynchronous ones before scheduling
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # saves run when a request finishes (its blocks are then complete)
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.close()
+
+
+class _StoreScheduler:
+    def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any) -> None:
+        self.cfg = cfg
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # TP rank 0's namespace decides hits (every rank saves the same blocks).
+        self.namespace = namespace_for(cfg, vllm_config, 0)
+        self.store = _connect(cfg, 0, 1 << 16)
+        self._hits: dict[str, tuple[int, list[str]]] = {}  # req -> (local computed tokens, hit keys)
+        self._loads: dict[str, list[tuple[int, str]]] = {}
+        self._saves: dict[str, list[tuple[int, str]]] = {}
+        self.lookups = 0
+        self.hit_blocks = 0
+
+    def close(self) -> None:
+        self.store.close()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or ())
+        # At least the last prompt token is computed here, so a full hit stops one block short.
+        limit = (len(tokens) - 1) // self.block_size
+        if limit * self.block_size <= num_computed_tokens or limit < self.cfg.min_hit_blocks:
+            return 0, False
+        keys = block_keys(self.namespace, tokens, self.block_size, limit)
+        try:
+            found = self.store.batch_exists(keys)
+        except KvpoolError as exc:
+            log.warning("kvpool store lookup failed (%s): computing %s locally", exc, request.request_id)
+            return 0, False
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        self.lookups += 1
+        hit = n * self.block_size - num_computed_tokens
+        if n < self.cfg.min_hit_blocks or hit <= 0:
+            return 0, False
+        self._hits[request.request_id] = (num_computed_tokens, keys[:n])
+        return hit, self.cfg.load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        entry = self._hits.pop(request.request_id, None)
+        if entry is None or num_external_tokens <= 0:
+            return
+        computed, keys = entry
+        ids = blocks.get_block_ids()[0]
+        first = computed // self.block_size
+        last = (computed + num_external_tokens) // self.block_size
+        self._loads[request.request_id] = [
+            (ids[i], keys[i]) for i in range(first, min(last, len(keys), len(ids)))
+        ]
+        self.hit_blocks += last - first
+
+    def build_meta(self) -> KvpoolStoreMetadata:
+        meta = KvpoolStoreMetadata(loads=self._loads, saves=self._saves)
+        self._loads, self._saves = {}, {}
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        self._hits.pop(request.request_id, None)
+        tokens = list(request.prompt_token_ids or ())
+        n = min(len(tokens), int(request.num_computed_tokens)) // self.block_size
+        n = min(n, len(block_ids))
+        if n <= 0:
+            return False
+        keys = block_keys(self.namespace, tokens, self.block_size, n)
+        try:
+            found = self.store.batch_exists(keys)
+        except KvpoolError as exc:
+            log.warning("kvpool store unreachable (%s): not saving %s", exc, request.request_id)
+            return False
+        todo = [(block_ids[i], keys[i]) for i in range(n) if not found[i]]
+        if not todo:
+            return False
+        self._saves[request.request_id] = todo
+        return True  # blocks stay allocated until the worker reports the save done
+
+
+class _StoreWorker:
+    def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        from kvpool.connectors.vllm.pd import _tp
+
+        self.cfg = cfg
+        self.tp_rank, _ = _tp(vllm_config)
+        self.namespace0 = namespace_for(cfg, vllm_config, 0)
+        self.namespace = namespace_for(cfg, vllm_config, self.tp_rank)
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self.store: Store | None = None
+        self.regions: list[Region] = []
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._recvd: set[str] = set()
+        self._errors: set[int] = set()
+        self._jobs: queue.Queue[tuple[str, str, list[tuple[int, str]]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.saved_blocks = 0
+        self.loaded_blocks = 0
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.regions, tensors = kv_regions(kv_caches, self.num_blocks)
+        if self.store is None:
+            self.store = _connect(self.cfg, self.cfg.store_segment_size, self.cfg.store_buffer_size)
+        for t in tensors:
+            self.store.register_buffer(t)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvpool-store-io", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.store is not None:
+            self.store.close()
+
+    def _key(self, key: str) -> str:
+        # The scheduler names blocks in TP rank 0's namespace; each rank stores its own shard.
+        return key if self.tp_rank == 0 else self.namespace + key[len(self.namespace0) :]
+
+    def _ranges(self, blocks: list[tuple[int, str]]) -> tuple[list[str], list[int], list[int], list[int]]:
+        keys, addrs, sizes, owners = [], [], [], []
+        for block_id, key in blocks:
+            base = self._key(key)
+            for r in self.regions:
+                keys.append(f"{base}/{r.name}")
+                addrs.append(r.addr + block_id * r.stride)
+                sizes.append(r.block_bytes)
+                owners.append(block_id)
+        return keys, addrs, sizes, owners
+
+    def start(self, meta: KvpoolStoreMetadata) -> None:
+        for rid, blocks in meta.saves.items():
+            self._jobs.put(("save", rid, blocks))
+        for rid, blocks in meta.loads.items():
+            if self.cfg.load_async:
+                self._jobs.put(("load", rid, blocks))
+            else:
+                self._load(blocks)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, rid, blocks = job
+            if kind == "save":
+                self._save(blocks)
+                with self._lock:
+                    self._sent.add(rid)
+            else:
+                self._load(blocks)
+                with self._lock:
+                    self._recvd.add(rid)
+
+    def _save(self, blocks: list[tuple[int, str]]) -> None:
+        assert self.store is not None
+        t0 = time.perf_counter()
+        keys, addrs, sizes, _ = self._ranges(blocks)
+        try:
+            res = self.store.batch_put_from(keys, addrs, sizes)
+        except KvpoolError as exc:
+            log.warning("kvpool store: saving %d blocks failed: %s", len(blocks), exc)
+            return
+        bad = [e for e in res if e is not None and not isinstance(e, ObjectExists)]
+        self.saved_blocks += len(blocks)
+        if bad:
+            log.warning("kvpool store: %d of %d block objects not saved (%s)", len(bad), len(keys), bad[0])
+        log.info("kvpool store: saved %d blocks (%d objects) in %.2f ms", len(blocks), len(keys),
+                 (time.perf_counter() - t0) * 1e3)  # fmt: skip
+
+    def _load(self, blocks: list[tuple[int, str]]) -> None:
+        assert self.store is not None
+        t0 = time.perf_counter()
+        keys, addrs, sizes, owners = self._ranges(blocks)
+        failed: set[int] = set()
+        try:
+            res = self.store.batch_get_into(keys, addrs, sizes)
+            failed = {owners[i] for i, r in enumerate(res) if isinstance(r, KvpoolError)}
+        except KvpoolError as exc:
+            log.warning("kvpool store: loading %d blocks failed: %s", len(blocks), exc)
+            failed = set(owners)
+        with self._lock:
+            self._errors |= failed
+        self.loaded_blocks += len(blocks) - len(failed)
+        log.info("kvpool store: loaded %d blocks (%d failed) in %.2f ms", len(blocks), len(failed),
+                 (time.perf_counter() - t0) * 1e3)  # fmt: skip
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            sent, self._sent = self._sent, set()
+            recvd, self._recvd = self._recvd, set()
+        return (sent or None), (recvd or None)
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._errors = self._errors, set()
+        return errs
