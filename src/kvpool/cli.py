@@ -1,4 +1,4 @@
-"""``kvpool`` command line: demo, bench, metadata-server."""
+"""``kvpool`` command line: demo, bench, master, store-server, metadata-server, proxy."""
 
 from __future__ import annotations
 
@@ -167,6 +167,13 @@ def cmd_master(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Run the prefill/decode disaggregation proxy until SIGTERM/SIGINT."""
+    from kvpool.connectors import proxy
+
+    return proxy.main(args)
+
+
 def cmd_bench_store(args: argparse.Namespace) -> int:
     """Benchmark the store across three processes."""
 
@@ -287,6 +294,18 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--host", default="127.0.0.1")
     ms.add_argument("--port", type=int, default=8080)
     ms.set_defaults(func=cmd_metadata_server)
+
+    px = sub.add_parser("proxy", help="OpenAI-compatible prefill/decode disaggregation proxy for vLLM")
+    px.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill vLLM base URLs")
+    px.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode vLLM base URLs")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any)")
+    px.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for a backend to send")
+    px.add_argument("--health-interval-s", type=float, default=5.0, help="backend health polls (0 = off)")
+    px.add_argument("--connect-timeout-s", type=float, default=10.0)
+    px.add_argument("--max-connections", type=int, default=1024, help="connections to backends, total")
+    px.add_argument("--log-level", default="INFO")
+    px.set_defaults(func=cmd_proxy)
     return ap
 
 

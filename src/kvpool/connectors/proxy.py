@@ -1,0 +1,721 @@
+"""OpenAI-compatible prefill/decode (P/D) disaggregation proxy for vLLM, shipped as ``kvpool proxy``.
+
+Clients talk to the proxy as if it were one vLLM OpenAI server.  For each ``/v1/completions`` or
+``/v1/chat/completions`` request the proxy
+
+1. picks a prefill and a decode backend round-robin, skipping those marked unhealthy;
+2. sends the prefill backend a copy of the request with ``max_tokens=1`` (``max_completion_tokens=1``
+   too when the client set it), ``stream=false``, no ``stream_options`` or ``min_tokens``, and
+   ``kv_transfer_params={"do_remote_decode": true, ...}`` so that vLLM's KV connector (e.g.
+   ``NixlConnector``) keeps the computed KV blocks for a remote decoder;
+3. takes the top-level ``kv_transfer_params`` of the prefill reply and sends the *original* request to
+   the decode backend with those parameters, which pulls the KV blocks and generates;
+4. returns the decode reply: SSE chunks are passed through as they arrive for ``"stream": true``,
+   the JSON body otherwise.
+
+The client's ``Authorization`` header is forwarded to both backends, and both get the same
+``X-Request-Id`` (the client's, or a fresh UUID), which is also set on the reply.
+
+Errors come back in OpenAI's shape, ``{"error": {"message", "type", "code"}}``, naming the backend
+(role and URL) and the cause: 502 when a backend cannot be reached, answers 5xx or answers garbage,
+504 when it times out, 503 when a role has no healthy backend left (then nothing is tried).  A 4xx
+from a backend (a bad request) is passed back unchanged.  A backend that refuses connections is marked
+unhealthy at once; a background task polls ``GET {url}/health`` of every backend every
+``health_interval_s`` seconds and marks each healthy or unhealthy from the answer.  A backend that could
+not be connected to is also retried on the next healthy one of its role, since the request never left.
+
+``GET /health`` answers 200 when at least one prefill and one decode backend are healthy and 503 (with
+the reason) otherwise; ``GET /v1/models`` is forwarded to a decode backend; ``GET /metrics`` serves
+Prometheus text counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["Backend", "BackendError", "PDProxy", "main", "run_proxy"]
+
+_log = logging.getLogger(__name__)
+
+#: ``kv_transfer_params`` sent with every prefill request.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+#: Largest client request body accepted (long prompts and base64 images exceed aiohttp's 1 MiB).
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+# Connection errors that prove the request never reached the backend: mark it down, try another one.
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,) + (
+    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
+)
+# Errors writing to a client that went away.
+_CLIENT_GONE: tuple[type[BaseException], ...] = (ConnectionResetError,) + (
+    (aiohttp.ClientConnectionResetError,) if hasattr(aiohttp, "ClientConnectionResetError") else ()
+)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+
+
+@dataclass
+class Backend:
+    """One vLLM server behind the proxy, with its health and counters."""
+
+    role: str
+    """``"prefill"`` or ``"decode"``."""
+    url: str
+    """Base URL without a trailing slash, e.g. ``http://127.0.0.1:8100``."""
+    healthy: bool = True
+    last_error: str | None = None
+    requests: int = 0
+    failures: int = 0
+    in_flight: int = 0
+
+    def mark_down(self, reason: str) -> None:
+        """Take the backend out of rotation until a health check succeeds."""
+        if self.healthy:
+            _log.warning("%s backend %s marked unhealthy: %s", self.role, self.url, reason)
+        self.healthy = False
+        self.last_error = reason
+
+    def mark_up(self) -> None:
+        """Put the backend back into rotation."""
+        if not self.healthy:
+            _log.info("%s backend %s is healthy again", self.role, self.url)
+        self.healthy = True
+        self.last_error = None
+
+    def describe(self) -> str:
+        """``URL`` or ``URL (last error)`` for messages."""
+        return f"{self.url} ({self.last_error})" if self.last_error else self.url
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly state, as shown by ``GET /health``."""
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "requests": self.requests,
+            "failures": self.failures,
+            "in_flight": self.in_flight,
+        }
+
+
+class _Pool:
+    """Backends of one role, handed out round-robin, skipping unhealthy ones."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"at least one {role} URL is required")
+        self.role = role
+        self.backends = [Backend(role, _normalize_url(u)) for u in urls]
+        self._next = 0
+
+    def pick(self, exclude: Sequence[Backend] = ()) -> Backend | None:
+        """The next healthy backend not in ``exclude``, or None when there is none."""
+        n = len(self.backends)
+        for i in range(n):
+            idx = (self._next + i) % n
+            b = self.backends[idx]
+            if b.healthy and b not in exclude:
+                self._next = (idx + 1) % n
+                return b
+        return None
+
+    def any_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    def unavailable_reason(self) -> str:
+        down = ", ".join(b.describe() for b in self.backends)
+        return f"no healthy {self.role} backend: {down}"
+
+
+class BackendError(Exception):
+    """A request to a backend failed in a way the client sees as a proxy error (502/503/504)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+def _error_response(status: int, message: str, request_id: str | None = None) -> web.Response:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if str(exc) else text
+
+
+def _snippet(data: bytes, limit: int = 300) -> str:
+    text = data.decode("utf-8", "replace").strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def prefill_request_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body sent to the prefill backend for the client request ``body`` (which is not modified)."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+class PDProxy:
+    """An aiohttp server that splits OpenAI completion requests into a prefill and a decode request.
+
+    Args:
+        prefill_urls: base URLs of the prefill vLLM servers (``http://host:port``).
+        decode_urls: base URLs of the decode vLLM servers.
+        timeout_s: longest wait for a backend to send anything (the prefill reply, the non-streaming
+            decode reply, or the next streamed chunk) before the client gets 504.
+        connect_timeout_s: longest wait to open a connection to a backend.
+        health_interval_s: seconds between health polls of every backend; 0 disables polling, and then
+            backends are never marked unhealthy (nothing would bring them back).
+        max_connections: total connections to backends kept by the shared client session.
+        max_request_bytes: largest client request body accepted.
+
+    Use :meth:`start` and :meth:`close` on a running event loop, or :func:`run_proxy` to block.
+    """
+
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        *,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
+        health_interval_s: float = 5.0,
+        max_connections: int = 1024,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        if health_interval_s < 0:
+            raise ValueError("health_interval_s must be >= 0")
+        self.prefill = _Pool("prefill", prefill_urls)
+        self.decode = _Pool("decode", decode_urls)
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.health_interval_s = float(health_interval_s)
+        self.max_connections = int(max_connections)
+        self.max_request_bytes = int(max_request_bytes)
+        self.host: str | None = None
+        self.port: int | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._counts: dict[str, int] = {}
+        self._started_at = time.time()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the listening proxy (after :meth:`start`)."""
+        if self.port is None:
+            raise RuntimeError("proxy not started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def backends(self) -> list[Backend]:
+        """All prefill backends, then all decode backends."""
+        return self.prefill.backends + self.decode.backends
+
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_request_bytes)
+        app.router.add_post("/v1/completions", self._handle_generate)
+        app.router.add_post("/v1/chat/completions", self._handle_generate)
+        app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/metrics", self._handle_metrics)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (0 = any free port), poll every backend's health once, start the
+        background polling; return the bound port."""
+        if self._runner is not None:
+            raise RuntimeError("proxy already started")
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s
+            ),
+            auto_decompress=True,
+        )
+        runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        try:
+            if self.health_interval_s > 0:
+                await self.check_health()  # begin with the real state (a refused connect answers at once)
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            await self._session.close()
+            self._session = None
+            raise
+        self._runner = runner
+        self.host = host
+        self.port = int(runner.addresses[0][1])
+        if self.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="kvpool-proxy-health")
+        _log.info("kvpool proxy listening on %s", self.url)
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening, stop health polling and close backend connections."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+            self._health_task = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> PDProxy:
+        if self._runner is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- health --------------------------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Poll ``GET {url}/health`` of every backend once; mark each healthy (200) or unhealthy."""
+        await asyncio.gather(*(self._check_one(b) for b in self.backends))
+
+    async def _check_one(self, backend: Backend) -> None:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, min(self.health_interval_s, 10.0)))
+        try:
+            async with self._session.get(f"{backend.url}/health", timeout=timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    backend.mark_up()
+                else:
+                    backend.mark_down(f"health check answered {resp.status}")
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            backend.mark_down(f"health check failed: {_error_text(exc)}")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the poller die
+                _log.exception("health check round failed")
+
+    # -- handlers ------------------------------------------------------------------------------------
+
+    def _count(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        reasons = [p.unavailable_reason() for p in (self.prefill, self.decode) if not p.any_healthy()]
+        body: dict[str, Any] = {
+            "status": "unavailable" if reasons else "ok",
+            "prefill": [b.as_dict() for b in self.prefill.backends],
+            "decode": [b.as_dict() for b in self.decode.backends],
+        }
+        if reasons:
+            body["reason"] = "; ".join(reasons)
+        return web.json_response(body, status=503 if reasons else 200)
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        lines = [
+            "# TYPE kvpool_proxy_requests_total counter",
+            *(f'kvpool_proxy_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self._counts.items())),
+        ]
+        for name, kind, attr in (
+            ("kvpool_proxy_backend_healthy", "gauge", "healthy"),
+            ("kvpool_proxy_backend_requests_total", "counter", "requests"),
+            ("kvpool_proxy_backend_failures_total", "counter", "failures"),
+            ("kvpool_proxy_backend_in_flight", "gauge", "in_flight"),
+        ):
+            lines.append(f"# TYPE {name} {kind}")
+            for b in self.backends:
+                lines.append(f'{name}{{role="{b.role}",url="{b.url}"}} {int(getattr(b, attr))}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    def _backend_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        auth = request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = self._backend_headers(request, request_id)
+        try:
+            resp, backend = await self._send(self.decode, "GET", "/v1/models", None, headers)
+            try:
+                data = await self._read(resp, backend)
+            finally:
+                backend.in_flight -= 1
+                resp.release()
+        except BackendError as exc:
+            return _error_response(exc.status, exc.message, request_id)
+        return web.Response(
+            body=data,
+            status=resp.status,
+            content_type=resp.content_type or "application/json",
+            headers={"X-Request-Id": request_id},
+        )
+
+    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        path = request.path
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self._count("bad_request")
+            return _error_response(400, "request body is not valid JSON", request_id)
+        if not isinstance(body, dict):
+            self._count("bad_request")
+            return _error_response(400, "request body must be a JSON object", request_id)
+        # Refuse before doing anything when either side has nobody to serve.
+        for pool in (self.prefill, self.decode):
+            if not pool.any_healthy():
+                self._count("unavailable")
+                return _error_response(503, pool.unavailable_reason(), request_id)
+
+        headers = self._backend_headers(request, request_id)
+        stream = bool(body.get("stream", False))
+        try:
+            # 1. Prefill.
+            presp, pbackend = await self._send(
+                self.prefill, "POST", path, prefill_request_body(body), headers
+            )
+            try:
+                pdata = await self._read(presp, pbackend)
+            finally:
+                pbackend.in_flight -= 1
+                presp.release()
+            if presp.status >= 400:  # 4xx: the client's fault; pass it back as is
+                self._count("prefill_rejected")
+                return web.Response(
+                    body=pdata,
+                    status=presp.status,
+                    content_type=presp.content_type or "application/json",
+                    headers={"X-Request-Id": request_id},
+                )
+            try:
+                pjson = json.loads(pdata)
+            except ValueError:
+                pbackend.failures += 1
+                raise BackendError(
+                    502,
+                    f"prefill backend {pbackend.url} answered {presp.status} with a body that is not JSON: "
+                    f"{_snippet(pdata)}",
+                ) from None
+            kv_params = pjson.get("kv_transfer_params") if isinstance(pjson, dict) else None
+            decode_body = dict(body)
+            if kv_params is None:
+                _log.warning(
+                    "prefill backend %s returned no kv_transfer_params for request %s; decode will "
+                    "recompute the prompt (is the KV connector configured with kv_role kv_producer/kv_both?)",
+                    pbackend.url,
+                    request_id,
+                )
+                decode_body.pop("kv_transfer_params", None)
+            else:
+                decode_body["kv_transfer_params"] = kv_params
+
+            # 2. Decode.
+            dresp, dbackend = await self._send(self.decode, "POST", path, decode_body, headers)
+        except BackendError as exc:
+            self._count("error")
+            return _error_response(exc.status, exc.message, request_id)
+
+        try:
+            if not stream or dresp.status != 200:
+                try:
+                    ddata = await self._read(dresp, dbackend)
+                except BackendError as exc:
+                    self._count("error")
+                    return _error_response(exc.status, exc.message, request_id)
+                self._count("ok" if dresp.status < 400 else "decode_rejected")
+                return web.Response(
+                    body=ddata,
+                    status=dresp.status,
+                    content_type=dresp.content_type or "application/json",
+                    headers={"X-Request-Id": request_id},
+                )
+            return await self._stream_back(request, dresp, dbackend, request_id)
+        finally:
+            dbackend.in_flight -= 1
+            dresp.release()
+
+    async def _stream_back(
+        self, request: web.Request, dresp: aiohttp.ClientResponse, dbackend: Backend, request_id: str
+    ) -> web.StreamResponse:
+        """Copy the decode SSE stream to the client chunk by chunk.
+
+        The first chunk is awaited before the reply headers go out, so a decode backend that fails or
+        times out before sending anything still gets the client a proper 502/504."""
+        chunks = dresp.content.iter_any().__aiter__()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            dbackend.failures += 1
+            self._count("error")
+            code = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            what = f"sent nothing within {self.timeout_s:g} s" if code == 504 else "failed"
+            return _error_response(
+                code, f"decode backend {dbackend.url} {what}: {_error_text(exc)}", request_id
+            )
+        out = web.StreamResponse(
+            status=dresp.status,
+            headers={
+                "Content-Type": dresp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+            },
+        )
+        await out.prepare(request)
+        try:
+            if first:
+                await out.write(first)
+            async for chunk in chunks:
+                await out.write(chunk)
+        except _CLIENT_GONE:
+            self._count("client_disconnected")
+            _log.info("client went away during the stream of request %s", request_id)
+            return out
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            # Headers are gone already: end the stream with an error event clients can show.
+            dbackend.failures += 1
+            self._count("error")
+            kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else "failed"
+            message = f"decode backend {dbackend.url} {kind} during the stream: {_error_text(exc)}"
+            _log.warning("%s (request %s)", message, request_id)
+            code = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            event = {"error": {"message": message, "type": _ERROR_TYPES[code], "code": code}}
+            try:
+                await out.write(f"data: {json.dumps(event)}\n\n".encode())
+            except _CLIENT_GONE:
+                return out
+        self._count("ok")
+        try:
+            await out.write_eof()
+        except _CLIENT_GONE:
+            pass
+        return out
+
+    # -- backend requests ----------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        pool: _Pool,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        headers: dict[str, str],
+    ) -> tuple[aiohttp.ClientResponse, Backend]:
+        """Send to the next healthy backend of ``pool``; on a connection failure mark it down and try the
+        next one.  Returns the response with its headers read (and ``backend.in_flight`` raised: the
+        caller lowers it and releases the response) or raises :class:`BackendError` (5xx answers
+        included)."""
+        assert self._session is not None, "proxy not started"
+        tried: list[Backend] = []
+        failures: list[str] = []
+        while True:
+            backend = pool.pick(exclude=tried)
+            if backend is None:
+                if failures:
+                    raise BackendError(502, f"cannot reach {pool.role} backend " + "; ".join(failures))
+                raise BackendError(503, pool.unavailable_reason())
+            tried.append(backend)
+            backend.requests += 1
+            try:
+                resp = await self._session.request(method, backend.url + path, json=body, headers=headers)
+            except _CONNECT_ERRORS as exc:
+                backend.failures += 1
+                reason = _error_text(exc)
+                if self.health_interval_s > 0:  # only the poller can bring it back
+                    backend.mark_down(reason)
+                failures.append(f"{backend.url}: {reason}")
+                continue
+            except asyncio.TimeoutError as exc:
+                backend.failures += 1
+                raise BackendError(
+                    504,
+                    f"{pool.role} backend {backend.url} did not answer within {self.timeout_s:g} s "
+                    f"({_error_text(exc)})",
+                ) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                backend.failures += 1
+                raise BackendError(
+                    502, f"{pool.role} backend {backend.url} failed: {_error_text(exc)}"
+                ) from exc
+            if resp.status >= 500:
+                backend.failures += 1
+                try:
+                    data = await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    data = b""
+                finally:
+                    resp.release()
+                raise BackendError(
+                    502, f"{pool.role} backend {backend.url} answered {resp.status}: {_snippet(data)}"
+                )
+            backend.in_flight += 1
+            return resp, backend
+
+    async def _read(self, resp: aiohttp.ClientResponse, backend: Backend) -> bytes:
+        """The whole body of ``resp``, or :class:`BackendError` (504 on timeout, 502 otherwise)."""
+        try:
+            return await resp.read()
+        except asyncio.TimeoutError as exc:
+            backend.failures += 1
+            raise BackendError(
+                504,
+                f"{backend.role} backend {backend.url} did not finish its answer within "
+                f"{self.timeout_s:g} s ({_error_text(exc)})",
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            backend.failures += 1
+            raise BackendError(
+                502, f"{backend.role} backend {backend.url} failed while answering: {_error_text(exc)}"
+            ) from exc
+
+
+async def _serve(proxy: PDProxy, host: str, port: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / not supported
+            pass
+    try:
+        bound = await proxy.start(host, port)
+    except OSError as exc:
+        print(
+            f"kvpool proxy: cannot bind {host}:{port}: {exc.strerror or exc}; "
+            "pick another --port or stop what is using it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "host": host,
+                "port": bound,
+                "prefill": [b.url for b in proxy.prefill.backends],
+                "decode": [b.url for b in proxy.decode.backends],
+            }
+        ),
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await proxy.close()
+    return 0
+
+
+def run_proxy(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    timeout_s: float = 300.0,
+    health_interval_s: float = 5.0,
+    connect_timeout_s: float = 10.0,
+    max_connections: int = 1024,
+) -> int:
+    """Run a :class:`PDProxy` until SIGTERM/SIGINT; return the exit status (1 when it cannot bind).
+
+    Prints one JSON line ``{"ready": true, "host": ..., "port": N, ...}`` once it is listening.
+    """
+    proxy = PDProxy(
+        prefill_urls,
+        decode_urls,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        health_interval_s=health_interval_s,
+        max_connections=max_connections,
+    )
+    return asyncio.run(_serve(proxy, host, port))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``kvpool proxy`` with the namespace parsed by ``kvpool.cli`` (prefill, decode, host, port,
+    timeout_s, health_interval_s, connect_timeout_s, max_connections, log_level)."""
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return run_proxy(
+            args.prefill,
+            args.decode,
+            host=args.host,
+            port=args.port,
+            timeout_s=args.timeout_s,
+            health_interval_s=args.health_interval_s,
+            connect_timeout_s=args.connect_timeout_s,
+            max_connections=args.max_connections,
+        )
+    except ValueError as exc:
+        print(f"kvpool proxy: {exc}", file=sys.stderr)
+        return 2

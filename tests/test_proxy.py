@@ -1,0 +1,477 @@
+"""``kvpool proxy`` (kvpool.connectors.proxy) against fake vLLM servers on loopback.
+
+``FakeVllm`` is a test double of a vLLM OpenAI server: it records every body and header it gets and
+answers canned completions; as a prefill it returns ``kv_transfer_params`` naming itself, as a decode
+it answers SSE (several ``data:`` chunks, then ``data: [DONE]``) or JSON.  Each test runs the fakes,
+the proxy and an aiohttp client on one event loop (``asyncio.run``); the CLI test starts the proxy as
+a real subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvpool.child import free_port
+from kvpool.connectors.proxy import PDProxy
+
+CHUNKS = ["Hello", ",", " world", "!"]
+
+
+class FakeVllm:
+    """Test double of one vLLM OpenAI server (role ``"prefill"`` or ``"decode"``).
+
+    ``status`` makes the generation routes answer that status with an error body; ``delay_s`` delays
+    their answer; ``chunk_delay_s`` spaces the SSE chunks; ``kv_params=False`` leaves
+    ``kv_transfer_params`` out of the prefill answer; ``healthy=False`` makes ``/health`` answer 503.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        *,
+        status: int = 200,
+        delay_s: float = 0.0,
+        chunk_delay_s: float = 0.0,
+        kv_params: bool = True,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.status = status
+        self.delay_s = delay_s
+        self.chunk_delay_s = chunk_delay_s
+        self.kv_params = kv_params
+        self.healthy = True
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[CIMultiDict[str]] = []
+        self.paths: list[str] = []
+        self.last_chunk_sent_at: float | None = None
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    def kv_transfer_params(self, n: int) -> dict[str, Any]:
+        """What this fake prefill returns for its ``n``-th request."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{self.name}",
+            "remote_block_ids": [n, n + 1, n + 2],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+        }
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path)
+        self.headers.append(request.headers.copy())
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = len(self.bodies)
+        self.bodies.append(body)
+        self.headers.append(request.headers.copy())
+        self.paths.append(request.path)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.status != 200:
+            return web.json_response(
+                {"error": {"message": f"{self.name} says no", "code": self.status}}, status=self.status
+            )
+        chat = request.path.endswith("/chat/completions")
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, text in enumerate(CHUNKS):
+                delta = {"delta": {"content": text}} if chat else {"text": text}
+                chunk = {"id": f"{self.name}-{n}", "seq": i, "choices": [{"index": 0, **delta}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.last_chunk_sent_at = time.monotonic()
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        text = "".join(CHUNKS[: body.get("max_tokens") or len(CHUNKS)])
+        choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        out: dict[str, Any] = {"id": f"{self.name}-{n}", "served_by": self.name, "choices": [choice]}
+        if self.role == "prefill" and self.kv_params:
+            out["kv_transfer_params"] = self.kv_transfer_params(n)
+        return web.json_response(out)
+
+
+@asynccontextmanager
+async def running(
+    prefills: list[FakeVllm], decodes: list[FakeVllm], down: tuple[str, ...] = (), **proxy_kw: Any
+) -> AsyncIterator[tuple[PDProxy, aiohttp.ClientSession]]:
+    """Start the fakes and a proxy in front of them (plus closed-port URLs ``down`` as decode
+    backends); yield the proxy and a client session."""
+    for f in prefills + decodes:
+        await f.start()
+    proxy_kw.setdefault("health_interval_s", 60.0)
+    proxy = PDProxy([f.url for f in prefills], [f.url for f in decodes] + list(down), **proxy_kw)
+    await proxy.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+            yield proxy, client
+    finally:
+        await proxy.close()
+        for f in prefills + decodes:
+            await f.stop()
+
+
+def run(coro_fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 15))
+
+
+def sse_events(raw: str) -> list[str]:
+    return [line[len("data: ") :] for line in raw.split("\n") if line.startswith("data: ")]
+
+
+def test_completions_non_streaming() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            req = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream_options": {"x": 1}, "min_tokens": 2}
+            hdrs = {"Authorization": "Bearer sk-test", "X-Request-Id": "req-42"}
+            async with client.post(f"{proxy.url}/v1/completions", json=req, headers=hdrs) as r:
+                assert r.status == 200
+                assert r.headers["X-Request-Id"] == "req-42"
+                out = await r.json()
+            assert out["served_by"] == "d0"
+            assert out["choices"][0]["text"] == "Hello, world"
+
+            (pb,) = p.bodies
+            assert pb["max_tokens"] == 1 and pb["stream"] is False
+            assert "stream_options" not in pb and "min_tokens" not in pb
+            assert pb["kv_transfer_params"] == {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            }
+            assert pb["prompt"] == "hi"
+            (db,) = d.bodies
+            assert db["kv_transfer_params"] == p.kv_transfer_params(0)
+            assert db["max_tokens"] == 3 and db["stream_options"] == {"x": 1} and db["min_tokens"] == 2
+            assert db["prompt"] == "hi" and "stream" not in db
+            for h in (p.headers[0], d.headers[0]):
+                assert h["Authorization"] == "Bearer sk-test"
+                assert h["X-Request-Id"] == "req-42"
+
+    run(go)
+
+
+def test_completions_streaming_chunks_flow_in_order() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode", chunk_delay_s=0.15)
+        async with running([p], [d]) as (proxy, client):
+            req = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True}
+            arrivals: list[float] = []
+            raw = b""
+            async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                rid = r.headers["X-Request-Id"]
+                async for chunk in r.content.iter_any():
+                    arrivals.append(time.monotonic())
+                    raw += chunk
+            events = sse_events(raw.decode())
+            assert events[-1] == "[DONE]"
+            parsed = [json.loads(e) for e in events[:-1]]
+            assert [e["seq"] for e in parsed] == list(range(len(CHUNKS)))
+            assert "".join(e["choices"][0]["text"] for e in parsed) == "".join(CHUNKS)
+            # Passed through as they came: the first bytes arrived before the fake sent its last chunk.
+            assert d.last_chunk_sent_at is not None and arrivals[0] < d.last_chunk_sent_at
+            assert len(arrivals) >= 2
+
+            (pb,) = p.bodies
+            assert pb["stream"] is False and pb["max_tokens"] == 1
+            (db,) = d.bodies
+            assert db["stream"] is True and db["max_tokens"] == 8
+            assert db["kv_transfer_params"] == p.kv_transfer_params(0)
+            assert p.headers[0]["X-Request-Id"] == d.headers[0]["X-Request-Id"] == rid
+            assert len(rid) >= 32  # generated
+
+    run(go)
+
+
+def test_chat_completions_streaming_and_not() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            msgs = [{"role": "user", "content": "hi"}]
+            req = {"model": "m", "messages": msgs, "max_completion_tokens": 50, "max_tokens": 50}
+            async with client.post(f"{proxy.url}/v1/chat/completions", json=req) as r:
+                assert r.status == 200
+                out = await r.json()
+            assert out["choices"][0]["message"]["content"] == "".join(CHUNKS)
+            pb = p.bodies[0]
+            assert pb["max_completion_tokens"] == 1 and pb["max_tokens"] == 1
+            assert pb["messages"] == msgs
+            assert d.bodies[0]["max_completion_tokens"] == 50
+            assert p.paths == d.paths == ["/v1/chat/completions"]
+
+            req = {"model": "m", "messages": msgs, "stream": True, "stream_options": {"include_usage": True}}
+            async with client.post(f"{proxy.url}/v1/chat/completions", json=req) as r:
+                assert r.status == 200
+                events = sse_events(await r.text())
+            assert events[-1] == "[DONE]"
+            got = "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1])
+            assert got == "".join(CHUNKS)
+            assert "max_completion_tokens" not in p.bodies[1] and p.bodies[1]["max_tokens"] == 1
+            assert "stream_options" not in p.bodies[1]
+            assert d.bodies[1]["stream_options"] == {"include_usage": True}
+            assert d.bodies[1]["kv_transfer_params"] == p.kv_transfer_params(1)
+
+    run(go)
+
+
+def test_round_robin_across_two_prefill_and_two_decode() -> None:
+    async def go() -> None:
+        ps = [FakeVllm("p0", "prefill"), FakeVllm("p1", "prefill")]
+        ds = [FakeVllm("d0", "decode"), FakeVllm("d1", "decode")]
+        async with running(ps, ds) as (proxy, client):
+            served = []
+            for i in range(4):
+                req = {"model": "m", "prompt": f"q{i}", "max_tokens": 2}
+                async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                    assert r.status == 200
+                    served.append((await r.json())["served_by"])
+            assert served == ["d0", "d1", "d0", "d1"]
+            assert [b["prompt"] for b in ps[0].bodies] == ["q0", "q2"]
+            assert [b["prompt"] for b in ps[1].bodies] == ["q1", "q3"]
+            # Each decode got the kv_transfer_params of the prefill that served the same request.
+            assert [b["kv_transfer_params"]["remote_engine_id"] for b in ds[0].bodies] == ["engine-p0"] * 2
+            assert [b["kv_transfer_params"]["remote_engine_id"] for b in ds[1].bodies] == ["engine-p1"] * 2
+            assert all(b.in_flight == 0 and b.requests == 2 for b in proxy.backends)
+
+    run(go)
+
+
+def test_decode_going_down_gives_502_naming_it_then_503_without_trying() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            await d.stop()  # its port is closed now; the proxy's next health poll is a minute away
+            t0 = time.monotonic()
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+                assert r.status == 502
+                err = (await r.json())["error"]
+            assert time.monotonic() - t0 < 5
+            assert d.url in err["message"] and "decode" in err["message"]
+            assert err["code"] == 502 and err["type"] == "bad_gateway"
+
+            async with client.get(f"{proxy.url}/health") as r:
+                assert r.status == 503
+                h = await r.json()
+            assert "decode" in h["reason"] and d.url in h["reason"]
+            assert h["decode"][0]["healthy"] is False and h["prefill"][0]["healthy"] is True
+
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "y"}) as r:
+                assert r.status == 503
+                err = (await r.json())["error"]
+            assert d.url in err["message"] and err["type"] == "service_unavailable"
+            assert len(p.bodies) == 1  # the second request was refused before prefill
+
+    run(go)
+
+
+def test_closed_port_decode_is_unhealthy_from_the_start() -> None:
+    async def go() -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        p = FakeVllm("p0", "prefill")
+        async with running([p], [], down=(dead,)) as (proxy, client):
+            async with client.get(f"{proxy.url}/health") as r:
+                assert r.status == 503
+                assert dead in (await r.json())["reason"]
+            t0 = time.monotonic()
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 503
+                assert dead in (await r.json())["error"]["message"]
+            assert time.monotonic() - t0 < 5
+            assert p.bodies == []
+
+    run(go)
+
+
+def test_connection_failure_fails_over_to_other_decode() -> None:
+    async def go() -> None:
+        p = FakeVllm("p0", "prefill")
+        d0, d1 = FakeVllm("d0", "decode"), FakeVllm("d1", "decode")
+        async with running([p], [d0, d1]) as (proxy, client):
+            await d1.stop()  # refuses connections from now on
+            for i in range(3):
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": f"q{i}"}) as r:
+                    assert r.status == 200
+                    assert (await r.json())["served_by"] == "d0"
+            assert len(d0.bodies) == 3 and len(p.bodies) == 3
+            async with client.get(f"{proxy.url}/health") as r:
+                assert r.status == 200
+                states = {b["url"]: b["healthy"] for b in (await r.json())["decode"]}
+            assert states == {d0.url: True, d1.url: False}
+
+    run(go)
+
+
+def test_health_follows_backend_health_checks() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d], health_interval_s=0.1) as (proxy, client):
+
+            async def health_status(want: int) -> dict[str, Any]:
+                deadline = time.monotonic() + 5
+                while True:
+                    async with client.get(f"{proxy.url}/health") as r:
+                        if r.status == want or time.monotonic() > deadline:
+                            assert r.status == want
+                            return await r.json()
+                    await asyncio.sleep(0.05)
+
+            assert (await health_status(200))["status"] == "ok"
+            p.healthy = False
+            h = await health_status(503)
+            assert "prefill" in h["reason"] and p.url in h["reason"]
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 503
+                assert "prefill" in (await r.json())["error"]["message"]
+            p.healthy = True
+            await health_status(200)
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200
+            async with client.get(f"{proxy.url}/metrics") as r:
+                assert r.status == 200
+                assert "kvpool_proxy_backend_healthy" in await r.text()
+
+    run(go)
+
+
+def test_prefill_4xx_is_passed_back_and_5xx_is_502() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill", status=400), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["message"] == "p0 says no"
+            p.status = 500
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 502
+                msg = (await r.json())["error"]["message"]
+            assert "prefill" in msg and p.url in msg and "500" in msg
+            assert d.bodies == []
+            async with client.post(f"{proxy.url}/v1/completions", data=b"{not json") as r:
+                assert r.status == 400
+
+    run(go)
+
+
+def test_decode_timeout_is_504_and_missing_kv_params_still_decodes() -> None:
+    async def go() -> None:
+        p = FakeVllm("p0", "prefill", kv_params=False)
+        d = FakeVllm("d0", "decode", delay_s=2.0)
+        async with running([p], [d], timeout_s=0.3) as (proxy, client):
+            t0 = time.monotonic()
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 504
+                msg = (await r.json())["error"]["message"]
+            assert time.monotonic() - t0 < 1.5
+            assert "decode" in msg and d.url in msg
+            # The prefill sent no kv_transfer_params: decode was still asked, without them.
+            assert "kv_transfer_params" not in d.bodies[0]
+            # Streaming, nothing sent yet when the time is up: still a proper 504 reply.
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                assert r.status == 504
+                assert d.url in (await r.json())["error"]["message"]
+            d.delay_s = 0.0
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                assert r.status == 200
+                assert sse_events(await r.text())[-1] == "[DONE]"
+            assert all(b.in_flight == 0 for b in proxy.backends)
+
+    run(go)
+
+
+def test_models_forwarded_to_decode() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            async with client.get(f"{proxy.url}/v1/models", headers={"Authorization": "Bearer k"}) as r:
+                assert r.status == 200
+                assert (await r.json())["data"][0]["owned_by"] == "d0"
+            assert d.headers[0]["Authorization"] == "Bearer k"
+            assert p.paths == []
+
+    run(go)
+
+
+def test_cli_subprocess_end_to_end() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        await p.start()
+        await d.start()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The console script is `kvpool`; `python -m kvpool.cli` is the same entry point.
+        cmd = [sys.executable, "-m", "kvpool.cli", "proxy", "--prefill", p.url, "--decode", d.url]
+        cmd += ["--port", "0", "--timeout-s", "10", "--health-interval-s", "0.5"]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env
+        )
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 10)
+            info = json.loads(line)
+            assert info["ready"] is True and info["port"] > 0
+            url = f"http://127.0.0.1:{info['port']}"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+                async with client.get(f"{url}/health") as r:
+                    assert r.status == 200
+                req = {"prompt": "hi", "max_tokens": 5, "stream": True}
+                async with client.post(f"{url}/v1/completions", json=req) as r:
+                    assert r.status == 200
+                    events = sse_events(await r.text())
+            assert events[-1] == "[DONE]" and len(events) == len(CHUNKS) + 1
+            assert p.bodies[0]["max_tokens"] == 1
+            assert d.bodies[0]["kv_transfer_params"] == p.kv_transfer_params(0)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await p.stop()
+            await d.stop()
+
+    run(go)
