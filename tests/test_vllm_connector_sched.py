@@ -1,0 +1,143 @@
+"""Scheduler-level lifecycle of the vLLM connectors: vLLM's real Scheduler, kvpool's real worker
+halves, transfer engine and store; the forward pass is a test double (tests/vllm_sched.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool.child import free_port
+from tests.vllm_support import tiny_llama  # noqa: F401  (fixture)
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
+
+from tests.vllm_sched import BS, Instance, expected_rows  # noqa: E402
+
+PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2.5 blocks
+
+
+@pytest.fixture
+def pd(tiny_llama: Path) -> Iterator[tuple[Instance, Instance]]:  # noqa: F811
+    port = free_port()
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer",
+                 {"side_channel_port": port, "abort_timeout_s": 30})  # fmt: skip
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    yield p, d
+    d.close()
+    p.close()
+
+
+def prefill(p: Instance, rid: str = "p1", prompt: list[int] = PROMPT) -> dict:
+    p.add(rid, prompt, 1, {"do_remote_decode": True})
+    _, outputs = p.step()
+    params = outputs[rid].kv_transfer_params
+    assert outputs[rid].finish_reason is not None
+    return params
+
+
+def test_prefill_keeps_blocks_until_decode_has_read_them(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    params = prefill(p)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert len(params["remote_block_ids"]) == 3  # ceil(80 / 32)
+    assert params["remote_port"] == p.worker.cfg.side_channel_port
+    assert p.free_blocks() == p.idle_free - 3
+    for _ in range(3):  # no decode yet: the blocks stay
+        p.step()
+    assert p.free_blocks() == p.idle_free - 3
+
+    d.add("d1", PROMPT, 4, params)
+    out, _ = d.step()
+    job = out.kv_connector_metadata.recv["d1"]
+    assert job.remote_block_ids == params["remote_block_ids"] and len(job.local_block_ids) == 3
+    assert d.scheduler.requests["d1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    outputs = d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
+    assert outputs["d1"].new_token_ids == [7]
+    # The decode's KV of the 80 prompt tokens is exactly what the prefill computed.
+    for got, want in zip(d.block_values("d1", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, want)
+    assert d.worker._worker.loaded_blocks == 3
+    assert d.scheduler.requests["d1"].num_computed_tokens >= 80
+    # The "done" notice frees the prefill's blocks.
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+
+
+def test_decode_with_local_prefix_hit_reads_only_the_tail(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    # The decode instance already computed the first 2 blocks of the prompt locally.
+    d.add("warm", PROMPT[:64] + [1, 2], 1, None)
+    d.run_until(lambda o: "warm" in o and o["warm"].finish_reason is not None)
+    params = prefill(p)
+    d.add("d2", PROMPT, 2, params)
+    out, _ = d.step()
+    job = out.kv_connector_metadata.recv["d2"]
+    assert len(job.local_block_ids) == 1 and job.remote_block_ids == params["remote_block_ids"][-1:]
+    d.run_until(lambda o: "d2" in o and o["d2"].new_token_ids)
+    for got, want in zip(d.block_values("d2", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, want)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+
+
+def test_prefill_frees_blocks_after_abort_timeout(tiny_llama: Path) -> None:  # noqa: F811
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer",
+                 {"side_channel_port": free_port(), "abort_timeout_s": 0.3})  # fmt: skip
+    try:
+        prefill(p)
+        assert p.free_blocks() == p.idle_free - 3
+        t0 = time.monotonic()
+        p.run_until(lambda o: p.free_blocks() == p.idle_free, timeout=5)
+        assert time.monotonic() - t0 >= 0.25
+    finally:
+        p.close()
+
+
+def test_load_from_dead_prefill_reports_failed_blocks(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    params = prefill(p)
+    p.close()  # the prefill instance is gone before the decode reads
+    d.add("d3", PROMPT, 2, params)
+    t0 = time.monotonic()
+    outputs = d.run_until(lambda o: "d3" in o, timeout=20)
+    assert time.monotonic() - t0 < 15
+    # vLLM's default kv_load_failure_policy is "fail": the request ends with an error, no hang.
+    assert outputs["d3"].finish_reason is not None
+    d.run_until(lambda o: d.free_blocks() == d.idle_free)
+
+
+def test_recompute_policy_recomputes_after_failed_load(tiny_llama: Path) -> None:  # noqa: F811
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port()})
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    d.vc.kv_transfer_config.kv_load_failure_policy = "recompute"
+    d.scheduler.recompute_kv_load_failures = True
+    try:
+        params = prefill(p)
+        p.close()
+        d.add("d4", PROMPT, 2, params)
+        outputs = d.run_until(lambda o: "d4" in o and o["d4"].new_token_ids, timeout=20)
+        assert outputs["d4"].finish_reason is None  # recomputed locally, still running
+        for got, want in zip(d.block_values("d4", 79), expected_rows(PROMPT, 79), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        d.close()
+
+
+def test_incomplete_params_compute_locally(pd: tuple[Instance, Instance]) -> None:
+    _, d = pd
+    d.add("d5", PROMPT, 1, {"do_remote_prefill": True, "remote_block_ids": [1]})
+    out, _ = d.step()
+    assert "d5" not in out.kv_connector_metadata.recv
+    assert out.num_scheduled_tokens["d5"] == len(PROMPT)
+
+
+def test_block_size_mismatch_fails_the_load(tiny_llama: Path, pd: tuple[Instance, Instance]) -> None:  # noqa: F811
+    p, d = pd
+    params = prefill(p)
+    d.worker._worker.block_size = BS * 2  # as if the decode ran another --block-size
+    d.add("d6", PROMPT, 2, params)
+    outputs = d.run_until(lambda o: "d6" in o, timeout=10)
+    assert outputs["d6"].finish_reason is not None
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill is still told "done"

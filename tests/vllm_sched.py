@@ -1,0 +1,170 @@
+"""Drive vLLM's real ``Scheduler`` and the connectors' worker halves in one process (no model).
+
+The "forward pass" is a test double: it writes a known pattern into the KV blocks vLLM assigned
+and returns one sampled token per request. Everything else is vLLM's own scheduler, KV cache
+manager and request objects, and kvpool's real transfer engine / store.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BS = 32
+HEADS = 2
+HEAD = 64
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+def vllm_config(model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int) -> VllmConfig:
+    """A VllmConfig for the tiny model with a kvpool connector."""
+    vc = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=4096, seed=0),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector,
+            kv_connector_module_path="kvpool.connectors.vllm",
+            kv_role=role,
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    vc.cache_config.num_gpu_blocks = blocks
+    return vc
+
+
+def kv_cache_config(blocks: int) -> KVCacheConfig:
+    """One full-attention group over the two layers."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
+    )
+
+
+class Instance:
+    """A scheduler plus the worker-side connector over real CPU KV tensors (CPU backend layout)."""
+
+    def __init__(self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64) -> None:
+        from kvpool.connectors import vllm as kc
+
+        self.vc = vllm_config(model, connector, role, extra, blocks)
+        kcc = kv_cache_config(blocks)
+        self.scheduler = Scheduler(self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True)
+        self.worker = getattr(kc, connector)(self.vc, KVConnectorRole.WORKER, kcc)
+        self.kv = {name: torch.zeros(blocks, HEADS, BS, 2 * HEAD) for name in LAYERS}
+        self.worker.register_kv_caches(self.kv)
+        self.idle_free = self.free_blocks()
+        self.pending = KVConnectorOutput()
+
+    @property
+    def connector(self) -> Any:
+        """The scheduler-side connector."""
+        return self.scheduler.connector
+
+    def free_blocks(self) -> int:
+        """Free blocks in vLLM's block pool."""
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
+        """Queue a request (greedy)."""
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        req = Request(rid, list(prompt), sp, None, block_hasher=HASHER)
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
+        """One engine step: schedule, run the worker connector, 'compute' the scheduled tokens."""
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        ids: list[str] = []
+        for new in out.scheduled_new_reqs:
+            self._compute(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
+            ids.append(new.req_id)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self._compute(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
+            ids.append(rid)
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        kco = KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
+        )
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[token] for _ in ids],
+            kv_connector_output=kco,
+        )
+        eco = self.scheduler.update_from_output(out, mro)
+        outputs = {o.request_id: o for e in eco.values() for o in e.outputs}
+        return out, outputs
+
+    def _compute(self, rid: str, start: int, n: int) -> None:
+        """The forward pass double: token t of request rid gets the value pattern(rid, t)."""
+        req = self.scheduler.requests[rid]
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        for t in range(start, start + n):
+            b, off = divmod(t, BS)
+            for li, name in enumerate(LAYERS):
+                self.kv[name][block_ids[b], :, off, :] = pattern(req.all_token_ids[: t + 1], li)
+
+    def block_values(self, rid: str, upto_tokens: int) -> list[torch.Tensor]:
+        """The KV rows of the first ``upto_tokens`` tokens of a request, per layer."""
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        out = []
+        for name in LAYERS:
+            rows = [self.kv[name][block_ids[t // BS], :, t % BS, :] for t in range(upto_tokens)]
+            out.append(torch.stack(rows))
+        return out
+
+    def run_until(self, cond: Any, timeout: float = 10.0) -> dict[str, Any]:
+        """Step until ``cond(outputs)`` is true; returns the last outputs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            _, outputs = self.step()
+            if cond(outputs):
+                return outputs
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """Shut the worker connector down."""
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+
+def pattern(tokens: list[int], layer: int) -> float:
+    """A value that depends on the token prefix (like real KV) and the layer."""
+    return float((sum((i + 1) * t for i, t in enumerate(tokens)) % 9973) + 10000 * layer)
+
+
+def expected_rows(tokens: list[int], n: int) -> list[torch.Tensor]:
+    """What :meth:`Instance._compute` writes for the first ``n`` tokens, per layer."""
+    out = []
+    for li in range(len(LAYERS)):
+        vals = torch.tensor([pattern(tokens[: t + 1], li) for t in range(n)])
+        out.append(vals.view(n, 1, 1).expand(n, HEADS, 2 * HEAD))
+    return out
