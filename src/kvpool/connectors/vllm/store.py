@@ -3,7 +3,8 @@
 Every full prompt block is stored under a prefix-chained key: the xxh3-128 of the parent block's
 digest and the block's token ids, under a namespace naming the model, dtype, block size, KV
 layout and TP rank (``kvpool/v1/<model>/<dtype>/bs<N>/tp<r>of<n>/<layout>/<digest>/<layer>``),
-one object per block and layer. Any instance pointed at the same master finds the longest stored
+one object per block and layer plus a small commit marker under the block's key, written
+after all its layers. Any instance pointed at the same master finds the longest stored
 prefix of a new prompt (one ``batch_exists`` round trip) and loads it into its own blocks.
 
 Saves: when a request finishes, its full prompt blocks that the store lacks are written from the
@@ -335,19 +336,29 @@ class _StoreWorker:
                     self._recvd.add(rid)
 
     def _save(self, blocks: list[tuple[int, str]]) -> None:
+        """Write every layer of each block, then the block's commit marker (the key the scheduler
+        looks up) only when all its layers are stored."""
         assert self.store is not None
         t0 = time.perf_counter()
-        keys, addrs, sizes, _ = self._ranges(blocks)
+        keys, addrs, sizes, owners = self._ranges(blocks)
         try:
             res = self.store.batch_put_from(keys, addrs, sizes)
         except KvpoolError as exc:
             log.warning("kvpool store: saving %d blocks failed: %s", len(blocks), exc)
             return
-        bad = [e for e in res if e is not None and not isinstance(e, ObjectExists)]
-        self.saved_blocks += len(blocks)
+        bad = {owners[i] for i, e in enumerate(res) if e is not None and not isinstance(e, ObjectExists)}
+        done = [self._key(k) for b, k in blocks if b not in bad]
+        marker = f"kvpool-block:{len(self.regions)}".encode()
+        try:
+            self.store.batch_put(done, [marker] * len(done))
+        except KvpoolError as exc:
+            log.warning("kvpool store: committing %d blocks failed: %s", len(done), exc)
+            return
+        self.saved_blocks += len(done)
         if bad:
-            log.warning("kvpool store: %d of %d block objects not saved (%s)", len(bad), len(keys), bad[0])
-        log.info("kvpool store: saved %d blocks (%d objects) in %.2f ms", len(blocks), len(keys),
+            first = next(e for e in res if e is not None and not isinstance(e, ObjectExists))
+            log.warning("kvpool store: %d of %d blocks not saved (%s)", len(bad), len(blocks), first)
+        log.info("kvpool store: saved %d blocks (%d objects) in %.2f ms", len(done), len(keys),
                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
 
     def _load(self, blocks: list[tuple[int, str]]) -> None:
