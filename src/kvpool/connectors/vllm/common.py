@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +22,19 @@ _REQUIRED = (
     "register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
     "get_finished", "get_block_ids_with_load_errors", "bind_connector_metadata", "_get_connector_metadata",
 )  # fmt: skip
+
+
+def setup_logging() -> None:
+    """Give kvpool's loggers a stderr handler inside vLLM processes (level ``KVPOOL_LOG_LEVEL``,
+    default INFO): vLLM only configures its own ``vllm`` logger."""
+    root = logging.getLogger("kvpool")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("KVPOOL_LOG_LEVEL", "INFO").upper())
+    root.propagate = False
 
 
 def check_vllm() -> str:

@@ -25,7 +25,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, block_runs, check_vllm, kv_regions
+from kvpool.connectors.vllm.common import (
+    Region,
+    VllmConnectorConfig,
+    block_runs,
+    check_vllm,
+    kv_regions,
+    setup_logging,
+)
 from kvpool.errors import KvpoolError, TransferError
 from kvpool.store.rpc import RpcClient, RpcServer
 from kvpool.transfer.engine import TransferEngine
@@ -97,6 +104,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        setup_logging()
         self.cfg = VllmConnectorConfig.from_vllm(vllm_config)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self._scheduler: _PdScheduler | None = None

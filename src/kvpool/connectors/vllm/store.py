@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions
+from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions, setup_logging
 from kvpool.errors import ConfigError, KvpoolError, ObjectExists
 
 check_vllm()
@@ -116,6 +116,7 @@ class KvpoolStoreConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        setup_logging()
         self.cfg = VllmConnectorConfig.from_vllm(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self._vllm_config = vllm_config

@@ -1,0 +1,209 @@
+"""End to end on real vLLM CPU servers (tiny random Llama): 1 prefill + 1 decode + ``kvpool proxy``
+against one ordinary server, the store connector across two servers, and a prefill killed
+before the decode reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.child import ChildProcess, free_port
+from kvpool.store.procs import MasterProcess, StorageProcess
+from tests.vllm_support import VllmServer, tiny_llama  # noqa: F401  (fixture)
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
+
+MAX_TOKENS = 12
+# Prompts as token ids (lengths 19, 100, 500 and 1500: below one block, several, many).
+PROMPTS = [[(i * k + 11) % 700 + 4 for i in range(n)] for k, n in ((3, 19), (7, 100), (13, 500), (17, 1500))]
+
+
+def kv_config(connector: str, role: str, **extra: object) -> list[str]:
+    cfg = {
+        "kv_connector": connector,
+        "kv_connector_module_path": "kvpool.connectors.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+class ProxyProcess(ChildProcess):
+    """``kvpool proxy`` in a child process (stopped by SIGTERM)."""
+
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        cmd = [sys.executable, "-m", "kvpool.cli", "proxy", "--port", "0", "--health-interval-s", "1",
+               "--prefill", *prefill, "--decode", *decode]  # fmt: skip
+        super().__init__(cmd, stdin=False)
+        self.url = f"http://127.0.0.1:{self.info['port']}"
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def completion(base: str, prompt: list[int], **kw: object) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **kw}
+    return post(base + "/v1/completions", body)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-e2e")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path, logs: Path) -> Iterator[dict[int, str]]:  # noqa: F811
+    """Greedy outputs of one ordinary server (no connector)."""
+    with VllmServer(tiny_llama, logs, name="single") as s:
+        yield {i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(PROMPTS)}
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_llama: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer, ProxyProcess]]:  # noqa: F811
+    side = free_port()
+    prefill = VllmServer(tiny_llama, logs, name="prefill", cpu=0,
+                         extra_args=kv_config("KvpoolConnector", "kv_producer", side_channel_port=side,
+                                              abort_timeout_s=30))  # fmt: skip
+    consumer = kv_config("KvpoolConnector", "kv_consumer", side_channel_port=free_port())
+    decode = VllmServer(tiny_llama, logs, name="decode", cpu=1, extra_args=consumer)
+    prefill.start()
+    decode.start()
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        with ProxyProcess([prefill.url], [decode.url]) as proxy:
+            yield prefill, decode, proxy
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_pd_outputs_match_single_server_and_kv_was_loaded(
+    reference: dict[int, str], pd: tuple[VllmServer, VllmServer, ProxyProcess]
+) -> None:
+    prefill, decode, proxy = pd
+    hits0 = decode.metric("vllm:external_prefix_cache_hits")
+    for i, p in enumerate(PROMPTS):
+        out = completion(proxy.url, p)
+        assert out["choices"][0]["text"] == reference[i], f"prompt {i} ({len(p)} tokens) differs"
+    # The decode server computed none of the loaded prompts itself: its connector supplied the KV
+    # of every prompt but the last token.
+    hits = decode.metric("vllm:external_prefix_cache_hits") - hits0
+    assert hits >= sum(len(p) - 1 for p in PROMPTS if len(p) > 1) - len(PROMPTS)
+    log = decode.log_path.read_text()
+    assert log.count("kvpool connector: loaded") >= len(PROMPTS)
+    assert "failed" not in "\n".join(x for x in log.splitlines() if "kvpool connector" in x)
+    # Every prefill request's blocks were freed after the decode read them.
+    deadline = time.monotonic() + 10
+    while prefill.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert prefill.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_pd_streaming_and_chat_through_the_proxy(
+    reference: dict[int, str], pd: tuple[VllmServer, VllmServer, ProxyProcess]
+) -> None:
+    _, decode, proxy = pd
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    body["stream"] = True
+    req = urllib.request.Request(proxy.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    text, chunks = "", 0
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+                chunks += 1
+    assert text == reference[2] and chunks > 1
+    chat = post(proxy.url + "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "the cat sat on the mat " * 20}],
+        "max_tokens": 8, "temperature": 0.0,
+    })  # fmt: skip
+    assert chat["choices"][0]["message"]["content"] is not None
+
+
+def test_idle_pd_servers_do_not_spin(pd: tuple[VllmServer, VllmServer, ProxyProcess]) -> None:
+    from tests.vllm_support import cpu_seconds
+
+    prefill, decode, _ = pd
+    time.sleep(1.0)
+    pids = prefill.pids() + decode.pids()
+    c0, t0 = cpu_seconds(pids), time.monotonic()
+    time.sleep(5.0)
+    used = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+    assert used < 0.10, f"two idle servers use {used:.0%} of a core"
+
+
+def test_prefill_killed_before_decode_reads(
+    reference: dict[int, str], pd: tuple[VllmServer, VllmServer, ProxyProcess]
+) -> None:
+    prefill, decode, _ = pd
+    idle = decode.metric("vllm:kv_cache_usage_perc")
+    params = completion(prefill.url, PROMPTS[3], max_tokens=1,
+                        kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]  # fmt: skip
+    assert params and params["remote_block_ids"]
+    os.killpg(prefill.pid, signal.SIGKILL)
+    prefill.proc.wait(timeout=10)
+    t0 = time.monotonic()
+    try:
+        out = completion(decode.url, PROMPTS[3], kv_transfer_params=params)
+        # kv_load_failure_policy="recompute" would give the right answer; the default "fail" errors.
+        assert out["choices"][0]["text"] == reference[3] or out["choices"][0]["finish_reason"] == "error"
+    except urllib.error.HTTPError as exc:
+        assert exc.code >= 500
+    assert time.monotonic() - t0 < 60
+    assert "kvpool connector: loading KV" in decode.log_path.read_text()
+    deadline = time.monotonic() + 10
+    while decode.metric("vllm:kv_cache_usage_perc") > idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert decode.metric("vllm:kv_cache_usage_perc") == idle
+    assert decode.complete(PROMPTS[1], max_tokens=MAX_TOKENS)["choices"][0]["text"] == reference[1]
+
+
+@pytest.fixture(scope="module")
+def store_pair(tiny_llama: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer]]:  # noqa: F811
+    with MasterProcess() as m, StorageProcess(m.address, 256 << 20):
+        extra = kv_config("KvpoolStoreConnector", "kv_both", master=m.address)
+        a = VllmServer(tiny_llama, logs, name="store-a", cpu=0, extra_args=extra)
+        b = VllmServer(tiny_llama, logs, name="store-b", cpu=1, extra_args=extra)
+        a.start()
+        b.start()
+        try:
+            a.wait_ready()
+            b.wait_ready()
+            yield a, b
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_store_connector_second_server_reuses_the_prefix(
+    reference: dict[int, str], store_pair: tuple[VllmServer, VllmServer]
+) -> None:
+    a, b = store_pair
+    assert completion(a.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
+    deadline = time.monotonic() + 20
+    while "kvpool store: saved" not in a.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    hits0 = b.metric("vllm:external_prefix_cache_hits")
+    assert completion(b.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
+    hits = b.metric("vllm:external_prefix_cache_hits") - hits0
+    assert hits == (len(PROMPTS[3]) - 1) // 32 * 32  # every full block but a partial last one
+    assert "kvpool store: loaded 46 blocks (0 failed)" in b.log_path.read_text()
+    # A prompt the store has not seen: no hit, same output as the reference.
+    assert completion(b.url, PROMPTS[2])["choices"][0]["text"] == reference[2]
+    assert b.metric("vllm:external_prefix_cache_hits") - hits0 == hits
