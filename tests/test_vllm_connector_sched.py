@@ -141,3 +141,35 @@ def test_block_size_mismatch_fails_the_load(tiny_llama: Path, pd: tuple[Instance
     outputs = d.run_until(lambda o: "d6" in o, timeout=10)
     assert outputs["d6"].finish_reason is not None
     p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill is still told "done"
+
+
+def test_abort_during_a_load_keeps_blocks_until_the_worker_is_done(tiny_llama: Path) -> None:  # noqa: F811
+    import socket
+
+    from vllm.v1.request import RequestStatus
+
+    # A "prefill" side channel that accepts and never answers: the load hangs until the timeout.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer",
+                 {"side_channel_port": free_port(), "transfer_timeout_s": 1.5})  # fmt: skip
+    try:
+        params = {
+            "do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
+            "remote_port": silent.getsockname()[1], "remote_request_id": "gone", "remote_engine_id": "x",
+        }  # fmt: skip
+        d.add("d7", PROMPT, 2, params)
+        d.step()
+        assert d.free_blocks() == d.idle_free - 3
+        d.scheduler.finish_requests("d7", RequestStatus.FINISHED_ABORTED)
+        d.step()
+        # The worker may still write into the blocks: they must not return to the pool yet.
+        assert d.free_blocks() == d.idle_free - 3
+        t0 = time.monotonic()
+        d.run_until(lambda o: d.free_blocks() == d.idle_free, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert "d7" not in d.scheduler.requests
+    finally:
+        d.close()
+        silent.close()

@@ -23,6 +23,7 @@ from tests.vllm_support import VllmServer, tiny_llama  # noqa: F401  (fixture)
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
 
 MAX_TOKENS = 12
+KV_BYTES = 256 << 20  # 64k tokens of the tiny model
 # Prompts as token ids (lengths 19, 100, 500 and 1500: below one block, several, many).
 PROMPTS = [[(i * k + 11) % 700 + 4 for i in range(n)] for k, n in ((3, 19), (7, 100), (13, 500), (17, 1500))]
 
@@ -65,20 +66,20 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path, logs: Path) -> Iterator[dict[int, str]]:  # noqa: F811
+def reference(tiny_llama: Path, logs: Path) -> dict[int, str]:  # noqa: F811
     """Greedy outputs of one ordinary server (no connector)."""
-    with VllmServer(tiny_llama, logs, name="single") as s:
-        yield {i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(PROMPTS)}
+    with VllmServer(tiny_llama, logs, name="single", kv_cache_bytes=KV_BYTES) as s:
+        return {i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(PROMPTS)}
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_llama: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer, ProxyProcess]]:  # noqa: F811
     side = free_port()
-    prefill = VllmServer(tiny_llama, logs, name="prefill", cpu=0,
+    prefill = VllmServer(tiny_llama, logs, name="prefill", cpu=0, kv_cache_bytes=KV_BYTES,
                          extra_args=kv_config("KvpoolConnector", "kv_producer", side_channel_port=side,
                                               abort_timeout_s=30))  # fmt: skip
     consumer = kv_config("KvpoolConnector", "kv_consumer", side_channel_port=free_port())
-    decode = VllmServer(tiny_llama, logs, name="decode", cpu=1, extra_args=consumer)
+    decode = VllmServer(tiny_llama, logs, name="decode", cpu=1, kv_cache_bytes=KV_BYTES, extra_args=consumer)
     prefill.start()
     decode.start()
     try:
@@ -178,8 +179,8 @@ def test_prefill_killed_before_decode_reads(
 def store_pair(tiny_llama: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer]]:  # noqa: F811
     with MasterProcess() as m, StorageProcess(m.address, 256 << 20):
         extra = kv_config("KvpoolStoreConnector", "kv_both", master=m.address)
-        a = VllmServer(tiny_llama, logs, name="store-a", cpu=0, extra_args=extra)
-        b = VllmServer(tiny_llama, logs, name="store-b", cpu=1, extra_args=extra)
+        a = VllmServer(tiny_llama, logs, name="store-a", cpu=0, kv_cache_bytes=KV_BYTES, extra_args=extra)
+        b = VllmServer(tiny_llama, logs, name="store-b", cpu=1, kv_cache_bytes=KV_BYTES, extra_args=extra)
         a.start()
         b.start()
         try:

@@ -62,12 +62,16 @@ def kv_cache_config(blocks: int) -> KVCacheConfig:
 class Instance:
     """A scheduler plus the worker-side connector over real CPU KV tensors (CPU backend layout)."""
 
-    def __init__(self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64) -> None:
+    def __init__(
+        self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64
+    ) -> None:
         from kvpool.connectors import vllm as kc
 
         self.vc = vllm_config(model, connector, role, extra, blocks)
         kcc = kv_cache_config(blocks)
-        self.scheduler = Scheduler(self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True)
+        self.scheduler = Scheduler(
+            self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True
+        )
         self.worker = getattr(kc, connector)(self.vc, KVConnectorRole.WORKER, kcc)
         self.kv = {name: torch.zeros(blocks, HEADS, BS, 2 * HEAD) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
