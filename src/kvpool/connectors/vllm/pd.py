@@ -133,6 +133,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.loads_done(connector_output.finished_recving or ())
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -192,6 +196,12 @@ class _PdScheduler:
         _, self.tp_size = _tp(vllm_config)
         self._recv: dict[str, RecvJob] = {}
         self._send: dict[str, float] = {}
+        # Requests whose blocks a worker may still be writing: they are never freed before the
+        # worker reports them in finished_recving (abort or failure included).
+        self._loading: set[str] = set()
+
+    def loads_done(self, req_ids: Any) -> None:
+        self._loading.difference_update(req_ids)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -220,6 +230,8 @@ class _PdScheduler:
             local = []
         # A local prefix-cache hit covers the leading blocks: read only the tail.
         remote = remote[len(remote) - len(local) :] if local else []
+        if local:
+            self._loading.add(request.request_id)
         self._recv[request.request_id] = RecvJob(
             req_id=request.request_id,
             local_block_ids=list(local),
@@ -239,6 +251,10 @@ class _PdScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        if request.request_id in self._loading:
+            # Finished (aborted, or failed by vLLM's load-failure policy) while its blocks are being
+            # written: they are freed when the worker reports the load finished.
+            return True, None
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -498,7 +514,8 @@ class _PdWorker:
             log.info("kvpool connector: loaded %d blocks (%d bytes) for %s in %.2f ms",
                      len(job.local_block_ids), nbytes, job.req_id, ms)  # fmt: skip
         elif not ok:
-            log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); vLLM recomputes it",
+            log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); blocks reported to vLLM "
+                        "(kv_load_failure_policy: recompute or fail)",
                         job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
         # Free the prefill's blocks whether or not the read worked (best effort: it times out anyway).
         try:

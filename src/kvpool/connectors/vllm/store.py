@@ -146,6 +146,10 @@ class KvpoolStoreConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids), None
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:
+            self._sched.loading.difference_update(connector_output.finished_recving or ())
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -194,6 +198,7 @@ class _StoreScheduler:
         self._hits: dict[str, tuple[int, list[str]]] = {}  # req -> (local computed tokens, hit keys)
         self._loads: dict[str, list[tuple[int, str]]] = {}
         self._saves: dict[str, list[tuple[int, str]]] = {}
+        self.loading: set[str] = set()  # asynchronous loads not yet reported finished
         self.lookups = 0
         self.hit_blocks = 0
 
@@ -230,6 +235,8 @@ class _StoreScheduler:
         ids = blocks.get_block_ids()[0]
         first = computed // self.block_size
         last = (computed + num_external_tokens) // self.block_size
+        if self.cfg.load_async:
+            self.loading.add(request.request_id)
         self._loads[request.request_id] = [
             (ids[i], keys[i]) for i in range(first, min(last, len(keys), len(ids)))
         ]
@@ -242,6 +249,8 @@ class _StoreScheduler:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         self._hits.pop(request.request_id, None)
+        if request.request_id in self.loading:
+            return True  # a load still writes into its blocks: freed once it is reported done
         tokens = list(request.prompt_token_ids or ())
         n = min(len(tokens), int(request.num_computed_tokens)) // self.block_size
         n = min(n, len(block_ids))
