@@ -173,3 +173,18 @@ def test_abort_during_a_load_keeps_blocks_until_the_worker_is_done(tiny_llama: P
     finally:
         d.close()
         silent.close()
+
+
+def test_full_local_hit_only_frees_the_prefill_blocks(pd: tuple[Instance, Instance]) -> None:
+    p, d = pd
+    params = prefill(p)
+    # A request that gets no external tokens (vLLM found nothing to load) must not be reported as
+    # finished loading, but the prefill must still be told to free its blocks.
+    req = d.add("d8", PROMPT, 2, dict(params))
+    d.connector.update_state_after_alloc(req, d.scheduler.kv_cache_manager.empty_kv_cache_blocks, 0)
+    meta = d.connector.build_connector_meta(None)
+    assert meta.recv["d8"].local_block_ids == []
+    d.worker.bind_connector_metadata(meta)
+    d.worker.start_load_kv(None)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+    assert d.worker.get_finished(set()) == (None, None)

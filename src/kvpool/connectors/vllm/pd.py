@@ -524,6 +524,8 @@ class _PdWorker:
             )
         except KvpoolError as exc:
             log.debug("done notice for %s not delivered: %s", job.remote_request_id, exc)
+        if not job.local_block_ids:
+            return  # only a notice for the prefill: vLLM is not waiting for this request
         with self._lock:
             if not ok:
                 self._load_errors.update(job.local_block_ids)
