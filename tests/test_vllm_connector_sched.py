@@ -188,3 +188,12 @@ def test_full_local_hit_only_frees_the_prefill_blocks(pd: tuple[Instance, Instan
     d.worker.start_load_kv(None)
     p.run_until(lambda o: p.free_blocks() == p.idle_free)
     assert d.worker.get_finished(set()) == (None, None)
+
+
+def test_short_names_come_from_the_plugin_entry_point() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does at start-up
+    assert KVConnectorFactory._registry["KvpoolConnector"]().__name__ == "KvpoolConnector"
+    assert KVConnectorFactory._registry["KvpoolStoreConnector"]().__name__ == "KvpoolStoreConnector"

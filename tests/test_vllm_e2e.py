@@ -28,13 +28,10 @@ KV_BYTES = 256 << 20  # 64k tokens of the tiny model
 PROMPTS = [[(i * k + 11) % 700 + 4 for i in range(n)] for k, n in ((3, 19), (7, 100), (13, 500), (17, 1500))]
 
 
-def kv_config(connector: str, role: str, **extra: object) -> list[str]:
-    cfg = {
-        "kv_connector": connector,
-        "kv_connector_module_path": "kvpool.connectors.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-    }
+def kv_config(connector: str, role: str, short_name: bool = False, **extra: object) -> list[str]:
+    cfg: dict[str, object] = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+    if not short_name:  # else the vllm.general_plugins entry point must make the name known
+        cfg["kv_connector_module_path"] = "kvpool.connectors.vllm"
     return ["--kv-transfer-config", json.dumps(cfg)]
 
 
@@ -178,7 +175,7 @@ def test_prefill_killed_before_decode_reads(
 @pytest.fixture(scope="module")
 def store_pair(tiny_llama: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer]]:  # noqa: F811
     with MasterProcess() as m, StorageProcess(m.address, 256 << 20):
-        extra = kv_config("KvpoolStoreConnector", "kv_both", master=m.address)
+        extra = kv_config("KvpoolStoreConnector", "kv_both", short_name=True, master=m.address)
         a = VllmServer(tiny_llama, logs, name="store-a", cpu=0, kv_cache_bytes=KV_BYTES, extra_args=extra)
         b = VllmServer(tiny_llama, logs, name="store-b", cpu=1, kv_cache_bytes=KV_BYTES, extra_args=extra)
         a.start()
