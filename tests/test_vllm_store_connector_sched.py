@@ -3,6 +3,7 @@ through a real master and storage process (the forward pass is a test double).""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,41 @@ def test_store_connector_needs_a_master(tiny_llama: Path) -> None:  # noqa: F811
         Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {})
     with pytest.raises(ConfigError, match="kv_connector_extra_config"):
         Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": "x:1", "no_such_key": 1})
+
+
+def test_combined_pd_and_store_through_multiconnector(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    from kvpool.child import free_port
+
+    both = {
+        "connectors": [
+            {"kv_connector": "KvpoolConnector", "kv_role": "kv_producer",
+             "kv_connector_module_path": "kvpool.connectors.vllm",
+             "kv_connector_extra_config": {"side_channel_port": free_port()}},
+            {"kv_connector": "KvpoolStoreConnector", "kv_role": "kv_both",
+             "kv_connector_module_path": "kvpool.connectors.vllm",
+             "kv_connector_extra_config": {"master": master, "model_tag": "t4"}},
+        ]
+    }  # fmt: skip
+    p = Instance(tiny_llama, "MultiConnector", "kv_both", both)
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    s = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t4"})
+    try:
+        p.add("c1", PROMPT, 1, {"do_remote_decode": True})
+        _, outputs = p.step()
+        params = outputs["c1"].kv_transfer_params
+        assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 3
+        # The store save finishes on its own; the blocks stay until the decode has read them too.
+        for _ in range(5):
+            p.step()
+            time.sleep(0.02)
+        assert p.free_blocks() == p.idle_free - 3
+        d.add("c2", PROMPT, 2, params)
+        d.run_until(lambda o: "c2" in o and o["c2"].new_token_ids)
+        for got, want in zip(d.block_values("c2", 79), expected_rows(PROMPT, 79), strict=True):
+            assert torch.equal(got, want)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)
+        # ... and the prefix is in the pool for any other instance.
+        assert s.connector.get_num_new_matched_tokens(s.add("c3", PROMPT, 1, None), 0) == (64, True)
+    finally:
+        for inst in (s, d, p):
+            inst.close()

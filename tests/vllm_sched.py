@@ -41,7 +41,7 @@ def vllm_config(model: Path, connector: str, role: str, extra: dict[str, Any], b
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
-            kv_connector_module_path="kvpool.connectors.vllm",
+            kv_connector_module_path=None if connector == "MultiConnector" else "kvpool.connectors.vllm",
             kv_role=role,
             kv_connector_extra_config=extra,
         ),
@@ -65,14 +65,14 @@ class Instance:
     def __init__(
         self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64
     ) -> None:
-        from kvpool.connectors import vllm as kc
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         self.vc = vllm_config(model, connector, role, extra, blocks)
         kcc = kv_cache_config(blocks)
         self.scheduler = Scheduler(
             self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True
         )
-        self.worker = getattr(kc, connector)(self.vc, KVConnectorRole.WORKER, kcc)
+        self.worker = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, kcc)
         self.kv = {name: torch.zeros(blocks, HEADS, BS, 2 * HEAD) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
         self.idle_free = self.free_blocks()
