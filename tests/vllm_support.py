@@ -349,6 +349,7 @@ class VllmServer:
     ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB); ``kv_cache_bytes`` instead passes
     ``--kv-cache-memory-bytes`` (finer; one token of the tiny model's KV takes 2 KiB per layer).
     ``extra_args`` are appended to the command line (e.g. ``["--kv-transfer-config", json]``);
+    ``python``: the interpreter that runs vLLM (another virtualenv, e.g. for baselines);
     ``env`` adds to / overrides the environment; the log goes to ``log_dir/<name>-<port>.log``.
 
     Use as a context manager (start, wait_ready, stop) or call :meth:`start`, :meth:`wait_ready`
@@ -372,6 +373,7 @@ class VllmServer:
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
         enforce_eager: bool = True,
+        python: str = sys.executable,
     ) -> None:
         self.model = str(model)
         self.port = port or free_port()
@@ -381,7 +383,7 @@ class VllmServer:
         self.served_model_name = served_model_name
         self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
         self.cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--served-model-name", served_model_name,
             "--dtype", "float32",

@@ -1,0 +1,262 @@
+"""P/D disaggregation on real vLLM CPU servers: TTFT, time per output token and KV transfer time.
+
+Same tiny random Llama (float32, block size 32), same prompts (distinct random token ids, so no
+prefix-cache hits) for every setup. Setups:
+
+* ``single``: one ordinary server (reference, and the greedy outputs every P/D run must match);
+* ``kvpool``: KvpoolConnector prefill + decode + ``kvpool proxy`` (``--protocol auto|tcp``);
+* ``nixl``: vLLM's NixlConnector (``UCX_TLS`` as given), same proxy (it speaks vLLM's P/D
+  convention), run with ``--python`` pointing at an interpreter that has ``nixl`` installed;
+* ``mooncake``: vLLM's built-in MooncakeConnector (records the error it fails with on CPU).
+
+Prefill and decode servers are pinned to cores 0 and 1. Transfer time is the decode side's own
+figure: kvpool logs ``loaded N blocks ... in X ms``; NIXL's is read from vLLM's periodic KV
+transfer metrics log lines when present.
+
+    python benchmarks/vllm_pd.py --setups single kvpool --lengths 128 1024 4096 --requests 5
+    python benchmarks/vllm_pd.py --setups nixl --python /tmp/vllmenv/bin/python --ucx-tls tcp,self,sm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.vllm_support import VllmServer, build_tiny_llama, cpu_seconds  # noqa: E402
+
+from kvpool.child import ChildProcess, free_port  # noqa: E402
+
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def kv_args(connector: str, role: str, module: str | None, extra: dict[str, Any]) -> list[str]:
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+    if module:
+        cfg["kv_connector_module_path"] = module
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+class Proxy(ChildProcess):
+    """``kvpool proxy`` for one prefill and one decode server."""
+
+    def __init__(self, prefill: str, decode: str) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpool.cli",
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+        ]
+        super().__init__(cmd, stdin=False)
+        self.url = f"http://127.0.0.1:{self.info['port']}"
+
+
+def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, str]:
+    """(TTFT s, time per output token s, text) of one greedy streaming completion."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    times, text = [], ""
+    with OPENER.open(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    times.append(time.perf_counter())
+                    text += chunk["choices"][0]["text"]
+    ttft = times[0] - t0
+    tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
+    return ttft, tpot, text
+
+
+def prompts(lengths: list[int], n: int, seed: int = 1) -> dict[int, list[list[int]]]:
+    rng = random.Random(seed)
+    return {length: [[rng.randrange(4, 760) for _ in range(length)] for _ in range(n)] for length in lengths}
+
+
+def transfer_ms(log: Path, since: int) -> list[float]:
+    text = log.read_text(errors="replace")[since:]
+    ms = [
+        float(x)
+        for x in re.findall(r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for \S+ in ([\d.]+) ms", text)
+    ]
+    if not ms:  # NIXL: vLLM logs periodic transfer metrics
+        ms = [float(x) for x in re.findall(r"[Aa]vg xfer time \(ms\)\W+([\d.]+)", text)]
+    return ms
+
+
+def run_setup(
+    name: str,
+    args: argparse.Namespace,
+    model: Path,
+    logs: Path,
+    work: dict[int, list[list[int]]],
+    ref: dict[tuple[int, int], str] | None,
+) -> dict[str, Any]:
+    """Start the servers of one setup, run every prompt, stop them; medians per prompt length."""
+    py = args.python if name == "nixl" else sys.executable
+    common = dict(kv_cache_bytes=1 << 30, max_model_len=8192, python=py)
+    if name == "single":
+        servers = [VllmServer(model, logs, name="single", cpu=0, **common)]
+    else:
+        if name == "kvpool":
+            side = free_port()
+            pa = kv_args(
+                "KvpoolConnector",
+                "kv_producer",
+                "kvpool.connectors.vllm",
+                {"side_channel_port": side, "protocol": args.protocol},
+            )
+            da = kv_args(
+                "KvpoolConnector", "kv_consumer", "kvpool.connectors.vllm", {"protocol": args.protocol}
+            )
+            env: dict[str, str] = {}
+        elif name == "nixl":
+            pa = kv_args("NixlConnector", "kv_producer", None, {})
+            da = kv_args("NixlConnector", "kv_consumer", None, {})
+            env = {"UCX_TLS": args.ucx_tls}
+        else:
+            pa = kv_args("MooncakeConnector", "kv_producer", None, {})
+            da = kv_args("MooncakeConnector", "kv_consumer", None, {})
+            env = {}
+        env_p = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        env_d = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        servers = [
+            VllmServer(model, logs, name=f"{name}-prefill", cpu=0, extra_args=pa, env=env_p, **common),
+            VllmServer(model, logs, name=f"{name}-decode", cpu=1, extra_args=da, env=env_d, **common),
+        ]
+    for s in servers:
+        s.start()
+    proxy = None
+    try:
+        try:
+            for s in servers:
+                s.wait_ready(timeout=300)
+        except RuntimeError as exc:
+            return {"setup": name, "error": str(exc).splitlines()[0], "log_tail": str(exc)[-3000:]}
+        if name == "single":
+            url = servers[0].url
+        else:
+            proxy = Proxy(servers[0].url, servers[1].url)
+            url = proxy.url
+        decode_log = servers[-1].log_path
+        stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
+        out: dict[str, Any] = {
+            "setup": name,
+            "protocol": args.protocol if name == "kvpool" else None,
+            "lengths": {},
+        }
+        texts: dict[tuple[int, int], str] = {}
+        mismatches = 0
+        for length, ps in work.items():
+            since = len(decode_log.read_text(errors="replace"))
+            ttfts, tpots = [], []
+            for i, p in enumerate(ps):
+                ttft, tpot, text = stream(url, p, args.max_tokens)
+                ttfts.append(ttft)
+                tpots.append(tpot)
+                texts[(length, i)] = text
+                if ref is not None and ref.get((length, i)) != text:
+                    mismatches += 1
+            time.sleep(0.5)
+            xfer = transfer_ms(decode_log, since)
+            out["lengths"][length] = {
+                "kv_mb": length * 2 * 2 * 2 * 64 * 4 / 1e6,  # layers * (K,V) * kv heads * head * fp32
+                "ttft_ms": statistics.median(ttfts) * 1e3,
+                "tpot_ms": statistics.median(tpots) * 1e3,
+                "xfer_ms": statistics.median(xfer) if xfer else None,
+            }
+        out["mismatches"] = mismatches
+        out["texts"] = texts
+        pids = [pid for s in servers for pid in s.pids()]
+        time.sleep(2)
+        c0, t0 = cpu_seconds(pids), time.monotonic()
+        time.sleep(5)
+        out["idle_cores"] = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+        return out
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for s in servers:
+            s.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--setups", nargs="+", default=["single", "kvpool"], choices=["single", "kvpool", "nixl", "mooncake"]
+    )
+    ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4096])
+    ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--protocol", default="auto", choices=["auto", "tcp"])
+    ap.add_argument(
+        "--python", default=sys.executable, help="interpreter with vLLM (+nixl) for nixl/mooncake"
+    )
+    ap.add_argument("--ucx-tls", default="tcp,self,sm")
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="kvpool-vllm-bench-"))
+    model = build_tiny_llama(args.model or tmp / "tiny-llama")
+    work = prompts(args.lengths, args.requests)
+    ref: dict[tuple[int, int], str] | None = None
+    results = []
+    for name in args.setups:
+        res = run_setup(name, args, model, tmp, work, ref)
+        if name == "single" and "texts" in res:
+            ref = res["texts"]
+        res.pop("texts", None)
+        results.append(res)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(
+        "| setup | prompt tokens | KV MB | transfer ms | TTFT ms | per-token ms | outputs differ "
+        "| idle cores |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['setup']} | – | – | – | – | – | – | failed: {r['error'][:120]} |")
+            continue
+        label = r["setup"] + (f" ({r['protocol']})" if r.get("protocol") else "")
+        for length, m in r["lengths"].items():
+            x = "–" if m["xfer_ms"] is None else f"{m['xfer_ms']:.2f}"
+            print(
+                f"| {label} | {length} | {m['kv_mb']:.2f} | {x} | {m['ttft_ms']:.1f} | {m['tpot_ms']:.2f} | "
+                f"{r['mismatches']} | {r['idle_cores']:.3f} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
