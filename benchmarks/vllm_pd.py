@@ -102,14 +102,16 @@ def prompts(lengths: list[int], n: int, seed: int = 1) -> dict[int, list[list[in
 
 
 def transfer_ms(log: Path, since: int) -> list[float]:
+    """Per-transfer times (kvpool's log lines) or, for NIXL, the mean over vLLM's periodic
+    ``KV Transfer metrics`` lines (weighted by their transfer counts)."""
     text = log.read_text(errors="replace")[since:]
-    ms = [
-        float(x)
-        for x in re.findall(r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for \S+ in ([\d.]+) ms", text)
-    ]
-    if not ms:  # NIXL: vLLM logs periodic transfer metrics
-        ms = [float(x) for x in re.findall(r"[Aa]vg xfer time \(ms\)\W+([\d.]+)", text)]
-    return ms
+    pat = r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for \S+ in ([\d.]+) ms"
+    ms = [float(x) for x in re.findall(pat, text)]
+    if ms:
+        return ms
+    stats = re.findall(r"Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)", text)
+    n = sum(int(c) for c, _ in stats)
+    return [sum(int(c) * float(t) for c, t in stats) / n] if n else []
 
 
 def run_setup(
@@ -168,6 +170,9 @@ def run_setup(
             url = proxy.url
         decode_log = servers[-1].log_path
         stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
+        # vLLM logs NIXL's transfer statistics every 10 s: keep each prompt length in its own window.
+        settle = 11.0 if name == "nixl" else 0.5
+        time.sleep(settle)
         out: dict[str, Any] = {
             "setup": name,
             "protocol": args.protocol if name == "kvpool" else None,
@@ -185,7 +190,7 @@ def run_setup(
                 texts[(length, i)] = text
                 if ref is not None and ref.get((length, i)) != text:
                     mismatches += 1
-            time.sleep(0.5)
+            time.sleep(settle)
             xfer = transfer_ms(decode_log, since)
             out["lengths"][length] = {
                 "kv_mb": length * 2 * 2 * 2 * 64 * 4 / 1e6,  # layers * (K,V) * kv heads * head * fp32

@@ -75,6 +75,8 @@ class VllmConnectorConfig(_ConfigBase):
             decode instance to read; after that they are freed (a decode that never comes must not
             leak blocks).
         lanes: TCP connections per peer (None = the engine default).
+        inline_load_bytes: P/D loads up to this size over the same-host path run inside the step
+            that starts them instead of on the load thread (0 = always on the thread).
         master: store master ``host:port`` (store connector); None starts an embedded master
             (prefix reuse within this instance only).
         store_segment_size: bytes of DRAM this instance contributes to the store (0 = none).
@@ -93,6 +95,7 @@ class VllmConnectorConfig(_ConfigBase):
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     abort_timeout_s: float = Field(default=120.0, gt=0)
     lanes: int | None = Field(default=None, ge=1, le=64)
+    inline_load_bytes: int = Field(default=16 << 20, ge=0)
     master: str | None = None
     store_segment_size: int = Field(default=0, ge=0)
     store_buffer_size: int = Field(default=16 << 20, ge=1 << 16)

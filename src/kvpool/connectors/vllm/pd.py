@@ -316,7 +316,7 @@ class _PdWorker:
         self._load_errors: set[int] = set()
         self._remotes: dict[tuple[str, int], _Remote] = {}
         self._rpcs: dict[tuple[str, int], RpcClient] = {}
-        self._jobs: queue.Queue[RecvJob | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, RecvJob] | None] = queue.Queue()
         self._server: RpcServer | None = None
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
@@ -397,7 +397,20 @@ class _PdWorker:
                 for rid, ttl in meta.send.items():
                     self._pending_send[rid] = now + ttl
         for job in meta.recv.values():
-            self._jobs.put(job)
+            if job.local_block_ids and self._inline(job):
+                # Small same-host reads finish faster here than after a hand-off to the load
+                # thread (no wake-up, no GIL ping-pong with this busy thread).
+                self._load(job)
+                self._jobs.put(("notify", job))
+            else:
+                self._jobs.put(("load", job))
+
+    def _inline(self, job: RecvJob) -> bool:
+        rem = self._remotes.get((job.remote_host, job.remote_port + self.tp_rank))
+        if rem is None or self.engine is None or not self.cfg.inline_load_bytes:
+            return False
+        nbytes = len(job.local_block_ids) * sum(r.block_bytes for r in self.regions)
+        return nbytes <= self.cfg.inline_load_bytes and self.engine.uses_same_host_path(rem.handle)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
@@ -473,10 +486,23 @@ class _PdWorker:
 
     def _load_loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
-            self._load(job)
+            kind, job = item
+            if kind == "load":
+                self._load(job)
+            self._notify(job)
+
+    def _notify(self, job: RecvJob) -> None:
+        """Tell the prefill side its blocks may go, whether or not the read worked (best effort:
+        they time out there anyway)."""
+        try:
+            self._rpc(job.remote_host, job.remote_port + self.tp_rank).call(
+                "done", req_ids=[job.remote_request_id]
+            )
+        except KvpoolError as exc:
+            log.debug("done notice for %s not delivered: %s", job.remote_request_id, exc)
 
     def _load(self, job: RecvJob) -> None:
         t0 = time.perf_counter()
@@ -517,13 +543,6 @@ class _PdWorker:
             log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); blocks reported to vLLM "
                         "(kv_load_failure_policy: recompute or fail)",
                         job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
-        # Free the prefill's blocks whether or not the read worked (best effort: it times out anyway).
-        try:
-            self._rpc(job.remote_host, job.remote_port + self.tp_rank).call(
-                "done", req_ids=[job.remote_request_id]
-            )
-        except KvpoolError as exc:
-            log.debug("done notice for %s not delivered: %s", job.remote_request_id, exc)
         if not job.local_block_ids:
             return  # only a notice for the prefill: vLLM is not waiting for this request
         with self._lock:
