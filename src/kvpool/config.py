@@ -94,6 +94,18 @@ class TransferConfig(_ConfigBase):
         connect_timeout_s: seconds to connect and handshake with a peer.
         max_frame: biggest single frame (bytes) the server accepts.
         same_host: allow the same-host single-copy path under ``protocol="auto"``.
+        rdma_verbs: ``"pyverbs"`` (real devices) or ``"double"`` (the in-repo test double,
+            :mod:`kvpool.testing.fake_verbs`; never chosen implicitly).
+        rdma_slice_size: RDMA slice size; slices of one request spread over the chosen NICs.
+        rdma_topology: NIC topology matrix (Mooncake JSON: a file path or a JSON string);
+            None discovers it from sysfs. ``devices`` filters it.
+        rdma_gid_index: GID table index to use (None: the RoCE v2 IPv4-mapped entry).
+        rdma_mtu: path MTU in bytes (None: the smaller of both ports' active MTU).
+        rdma_max_endpoints: endpoints (QPs to one remote NIC) kept; SIEVE evicts beyond it.
+        rdma_retry_limit: attempts per slice on other paths before its request fails.
+        rdma_nic_pause_s: a NIC that failed is avoided this long, then probed again.
+        rdma_chain: work requests linked into one ``post_send``.
+        rdma_sq_depth: outstanding work requests per QP.
     """
 
     hostname: str = "127.0.0.1"
@@ -109,6 +121,23 @@ class TransferConfig(_ConfigBase):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_frame: int = Field(default=256 << 20, ge=1 << 16)
     same_host: bool = True
+    rdma_verbs: Literal["pyverbs", "double"] = "pyverbs"
+    rdma_slice_size: int = Field(default=64 << 10, ge=4096, le=1 << 30)
+    rdma_topology: str | None = None
+    rdma_gid_index: int | None = Field(default=None, ge=0, le=255)
+    rdma_mtu: int | None = None
+    rdma_max_endpoints: int = Field(default=256, ge=1)
+    rdma_retry_limit: int = Field(default=4, ge=0, le=64)
+    rdma_nic_pause_s: float = Field(default=5.0, ge=0)
+    rdma_chain: int = Field(default=32, ge=1, le=1024)
+    rdma_sq_depth: int = Field(default=256, ge=1, le=16384)
+
+    @field_validator("rdma_mtu")
+    @classmethod
+    def _check_mtu(cls, v: int | None) -> int | None:
+        if v is not None and v not in (256, 512, 1024, 2048, 4096):
+            raise ValueError("rdma_mtu must be 256, 512, 1024, 2048 or 4096")
+        return v
 
     @field_validator("metadata")
     @classmethod

@@ -62,6 +62,10 @@ class ProtocolUnavailable(KvpoolError):
     """The requested transport cannot be used here (e.g. RDMA without pyverbs or a device)."""
 
 
+class RdmaConnectError(KvpoolError):
+    """An RDMA queue pair could not be connected (QP state transition, GID index, MTU, peer RPC)."""
+
+
 class StoreError(KvpoolError):
     """Base class of errors from the distributed store."""
 
@@ -104,6 +108,7 @@ __all__ = [
     "BatchInFlight",
     "ProtocolError",
     "ProtocolUnavailable",
+    "RdmaConnectError",
     "StoreError",
     "ObjectNotFound",
     "ObjectExists",

@@ -18,6 +18,7 @@ from typing import Any
 from kvpool import _native
 from kvpool.config import TransferConfig
 from kvpool.errors import (
+    BatchInFlight,
     InvalidArgument,
     KvpoolError,
     ProtocolUnavailable,
@@ -38,6 +39,7 @@ from kvpool.transfer.types import (
 )
 
 log = logging.getLogger("kvpool.transfer")
+_AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in this process (cached)
 
 _NATIVE_OP = {OpCode.READ: _native.OP_READ, OpCode.WRITE: _native.OP_WRITE}
 _ST_TIMEOUT = 101
@@ -49,6 +51,11 @@ def split_host_port(name: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument(f"segment name {name!r} is not host:port")
     return host.strip("[]"), int(port)
+
+
+def ops_codes(requests: Sequence[TransferRequest]) -> list[int]:
+    """OpCode values of validated requests."""
+    return [int(OpCode(r.opcode)) for r in requests]
 
 
 def buffer_range(obj: Any, length: int | None = None, allow_read_only: bool = False) -> tuple[int, int, Any]:
@@ -121,11 +128,6 @@ class TransferEngine:
         }
         overrides.update(kwargs)
         cfg = config.replace(**overrides) if config is not None else TransferConfig(**overrides)
-        if cfg.protocol == "rdma":
-            raise ProtocolUnavailable(
-                "protocol='rdma' needs the RDMA transport (pyverbs and an RDMA device); "
-                "it is not available in this build - use protocol='tcp' or 'auto'"
-            )
         self.config = cfg
         self._lock = threading.RLock()
         self._meta: MetadataBackend | None = open_metadata(cfg.metadata, timeout_s=cfg.connect_timeout_s)
@@ -147,7 +149,43 @@ class TransferEngine:
         self._segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]] = {}
         self._handles: dict[int, str] = {}
         self._closed = False
+        self._rdma: Any = None
+        self._rdma_batches: dict[int, Any] = {}
+        if cfg.protocol in ("rdma", "auto"):
+            try:
+                self._rdma = self._start_rdma(cfg)
+            except BaseException:
+                self._native.shutdown()
+                raise
         self._publish()
+
+    def _start_rdma(self, cfg: TransferConfig) -> Any:
+        """The RDMA transport, or None under "auto" when it cannot run here (logged once)."""
+        global _AUTO_RDMA_SKIP
+        auto = cfg.protocol == "auto"
+        if auto and cfg.rdma_verbs == "pyverbs":
+            if _AUTO_RDMA_SKIP is not None:
+                return None
+            if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
+                _AUTO_RDMA_SKIP = "no RDMA device in /sys/class/infiniband"
+                log.info("protocol=auto: not using RDMA (%s); TCP and same-host paths only", _AUTO_RDMA_SKIP)
+                return None
+        from kvpool.transfer.rdma.transport import RdmaTransport
+
+        try:
+            return RdmaTransport(cfg, cfg.hostname, self._native.incarnation)
+        except ProtocolUnavailable as exc:
+            if not auto:
+                raise
+            if cfg.rdma_verbs == "pyverbs":
+                _AUTO_RDMA_SKIP = str(exc)
+            log.info("protocol=auto: not using RDMA (%s); TCP and same-host paths only", exc)
+            return None
+
+    @property
+    def rdma(self) -> Any:
+        """The RDMA transport (:class:`kvpool.transfer.rdma.transport.RdmaTransport`) or None."""
+        return self._rdma
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -156,6 +194,8 @@ class TransferEngine:
             if self._closed:
                 return
             self._closed = True
+        if self._rdma is not None:
+            self._rdma.close()
         self._native.shutdown()
         if self._meta is not None:
             try:
@@ -173,6 +213,8 @@ class TransferEngine:
     def __del__(self) -> None:
         try:
             if not self._closed:
+                if self._rdma is not None:
+                    self._rdma.close()
                 self._native.shutdown()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
@@ -205,6 +247,12 @@ class TransferEngine:
         addr, n, keep = buffer_range(addr_or_buffer, length, allow_read_only=not remote_accessible)
         read_only = isinstance(keep, memoryview) and keep.readonly
         self._native.register_memory(addr, n, bool(remote_accessible), read_only)
+        if self._rdma is not None:
+            try:
+                self._rdma.register(addr, n, location, bool(remote_accessible), writable=not read_only)
+            except KvpoolError:
+                self._native.unregister_memory(addr)
+                raise
         with self._lock:
             self._buffers[addr] = (BufferDescriptor(addr, n, location, bool(remote_accessible)), keep)
         if remote_accessible:  # local-only memory is not published: registering it is cheap
@@ -229,6 +277,8 @@ class TransferEngine:
         view = memoryview(mem)
         addr = _native.buffer_address(view)[0]
         self._native.register_memory(addr, size, True, False)
+        if self._rdma is not None:
+            self._rdma.register(addr, size, "cpu:0", True)
         with self._lock:
             self._buffers[addr] = (BufferDescriptor(addr, size, "cpu:0", True, fd), (mem, view, fd))
         self._publish()
@@ -242,6 +292,8 @@ class TransferEngine:
             else buffer_range(addr_or_buffer, allow_read_only=True)[0]
         )
         self._native.unregister_memory(addr)
+        if self._rdma is not None:
+            self._rdma.unregister(addr)
         with self._lock:
             entry = self._buffers.pop(addr, None)
         if entry is None or entry[0].remote_accessible:
@@ -261,7 +313,8 @@ class TransferEngine:
             pid=os.getpid(),
             incarnation=self.incarnation,
             buffers=bufs,
-            protocols=["tcp", "same_host"],
+            protocols=["tcp", "same_host"] + (["rdma"] if self._rdma is not None else []),
+            rdma=self._rdma.descriptor_info() if self._rdma is not None else None,
         )
 
     def _publish(self) -> None:
@@ -312,6 +365,13 @@ class TransferEngine:
                 (b.addr, b.length, b.shm_fd) for b in desc.buffers if b.shm_fd >= 0 and b.remote_accessible
             ]
             self._native.set_peer_shm(handle.id, pid, shm if pid else [])
+            if self._rdma is not None:
+                if desc.rdma and not pid:
+                    self._rdma.add_peer(handle.id, name, desc.rdma, desc.buffers)
+                elif self.config.protocol == "rdma":
+                    raise ProtocolUnavailable(
+                        f"segment {name!r} does not publish RDMA (its engine runs without the RDMA transport)"
+                    )
         return handle
 
     def get_segment_descriptor(self, name_or_handle: str | SegmentHandle) -> SegmentDescriptor:
@@ -329,6 +389,8 @@ class TransferEngine:
             if name is None:
                 raise SegmentNotFound("unknown segment handle (already closed?)")
             self._segments.pop(name, None)
+        if self._rdma is not None:
+            self._rdma.remove_peer(hid)
         self._native.remove_peer(hid)
 
     def uses_same_host_path(self, handle: SegmentHandle | int) -> bool:
@@ -344,11 +406,28 @@ class TransferEngine:
         """Allocate a batch with ``batch_size`` request slots."""
         if not isinstance(batch_size, int) or batch_size <= 0 or batch_size >= 1 << 32:
             raise InvalidArgument("batch_size must be a positive integer")
-        return self._native.alloc_batch(batch_size)
+        bid = self._native.alloc_batch(batch_size)
+        if self._rdma is not None:
+            from kvpool.transfer.rdma.transport import RdmaBatch
+
+            with self._lock:
+                self._rdma_batches[bid] = RdmaBatch(batch_size)
+        return bid
+
+    def _rdma_batch(self, batch_id: int) -> Any:
+        """The batch's RDMA side when its requests went over RDMA, else None."""
+        b = self._rdma_batches.get(batch_id) if self._rdma_batches else None
+        return b if b is not None and b.mode == "rdma" else None
 
     def free_batch_id(self, batch_id: int) -> None:
         """Free a batch; raises :class:`BatchInFlight` while any of its transfers is pending."""
+        rb = self._rdma_batch(batch_id)
+        if rb is not None and rb.pending:
+            raise BatchInFlight(f"batch {batch_id} has {rb.pending} RDMA transfers in flight; wait first")
         self._native.free_batch(batch_id)
+        if self._rdma_batches:
+            with self._lock:
+                self._rdma_batches.pop(batch_id, None)
 
     def _refresh_stale(self, handles: set[int]) -> None:
         for hid in handles:
@@ -388,6 +467,21 @@ class TransferEngine:
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         self._refresh_stale(set(peers))
+        rb = self._rdma_batches.get(batch_id) if self._rdma_batches else None
+        if rb is not None and n:
+            rdma = [self._rdma.has_peer(p) for p in peers]
+            mode = "rdma" if all(rdma) else "native" if not any(rdma) else "mixed"
+            if mode == "mixed" or (rb.mode is not None and rb.mode != mode):
+                raise InvalidArgument(
+                    "a batch carries requests of one transport: RDMA segments and TCP/same-host segments "
+                    "go in separate batches"
+                )
+            if mode == "rdma":
+                self._native.batch_status(batch_id)  # unknown/freed batch -> the native typed error
+                rb.mode = "rdma"
+                self._rdma.submit(rb, list(zip(ops_codes(requests), locs, peers, rems, lens, strict=True)))
+                return
+            rb.mode = "native"
         self._native.submit(batch_id, ops, locs, peers, rems, lens)
 
     def _status(self, state: int, nbytes: int, err: int) -> TransferStatus:
@@ -395,17 +489,31 @@ class TransferEngine:
 
     def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
         """Status of request ``index`` of a batch."""
+        rb = self._rdma_batch(batch_id)
+        if rb is not None:
+            if not isinstance(index, int) or not 0 <= index < rb.size:
+                raise InvalidArgument(f"index {index} outside batch {batch_id} of {rb.size} slots")
+            return rb.status(index)
         state, nbytes = self._native.status(batch_id, index)
         err = self._native.slot_error(batch_id, index) if state > TransferState.COMPLETED else 0
         return self._status(state, nbytes, err)
 
     def get_batch_status(self, batch_id: int) -> TransferStatus:
         """Whole-batch status: PENDING while any request is, else COMPLETED or the first failure."""
+        rb = self._rdma_batch(batch_id)
+        if rb is not None:
+            st = rb.batch_status()
+            return TransferStatus(st.state, st.transferred_bytes)
         state, nbytes = self._native.batch_status(batch_id)
         return TransferStatus(TransferState(state), nbytes)
 
     def wait_batch(self, batch_id: int, timeout_s: float | None = None) -> TransferStatus:
         """Block (GIL released) until every submitted request of the batch finished, or timeout."""
+        rb = self._rdma_batch(batch_id)
+        if rb is not None:
+            rb.done.wait(timeout_s)
+            st = rb.batch_status()
+            return TransferStatus(st.state, st.transferred_bytes)
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
         state = self._native.wait(batch_id, ms)
         return TransferStatus(TransferState(state), self._native.batch_status(batch_id)[1])
@@ -436,6 +544,8 @@ class TransferEngine:
         if not isinstance(length, int) or length <= 0:
             raise InvalidArgument("length must be a positive integer")
         handle = self.open_segment(target_name)
+        if self._rdma is not None and self._rdma.has_peer(handle.id):
+            return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         err = self._native.transfer_sync(
             _NATIVE_OP[OpCode(opcode)], local_addr, handle.id, remote_addr, length
         )

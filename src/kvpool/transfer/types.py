@@ -107,6 +107,10 @@ class SegmentDescriptor:
     buffers: list[BufferDescriptor] = field(default_factory=list)
     protocols: list[str] = field(default_factory=lambda: ["tcp"])
     version: int = 1
+    # RDMA side, when the engine runs the RDMA transport: {"rpc": "host:port" of the QP-connect RPC,
+    # "instance", "nics": [{name, gid, lid, port, mtu, gid_index, ethernet}],
+    # "mrs": [[addr, length, [rkey per NIC]]], "topology": Mooncake-style matrix}
+    rdma: dict[str, Any] | None = None
 
     def to_bytes(self) -> bytes:
         """Serialize with msgpack."""
@@ -118,7 +122,8 @@ class SegmentDescriptor:
         try:
             raw: dict[str, Any] = msgpack.unpackb(data, raw=False)
             bufs = [BufferDescriptor(**b) for b in raw.pop("buffers", [])]
-            desc = cls(buffers=bufs, **raw)
+            known = cls.__dataclass_fields__  # keys a newer peer added are ignored
+            desc = cls(buffers=bufs, **{k: v for k, v in raw.items() if k in known})
             if not isinstance(desc.port, int) or not isinstance(desc.hostname, str):
                 raise TypeError("bad field types")
             return desc

@@ -1,0 +1,968 @@
+"""RDMA transport: RC queue pairs over every usable NIC, sliced requests, failover.
+
+Data path (one progress thread per engine):
+
+* ``submit`` (caller's thread) validates every request against local registrations and the peer's
+  published MRs, cuts it into ``rdma_slice_size`` slices (a tail smaller than half a slice is merged
+  into the previous one) and assigns each slice a (local NIC, remote NIC) pair: round-robin over the
+  preferred NICs of the local memory's location and of the remote buffer's location (rail-aligned:
+  slice k goes local pref[k % L] -> remote pref[k % R]); paused NICs are skipped while any preferred
+  NIC is healthy, secondary NICs are used only when none is.
+* the progress thread makes endpoints on demand (QP handshake over the peer's RPC port), chains up to
+  ``rdma_chain`` slices per ``post_send`` (linked ``SendWR`` list, only the last one signaled) and polls
+  every CQ with ``poll(64)``. RC completes in order, so a chain's one completion covers it; an error
+  completion at WR i means WRs before i succeeded.
+* failures: an error completion or a broken endpoint drops the endpoint on both sides (re-made on
+  next use), pauses both NICs for ``rdma_nic_pause_s`` and retries the unfinished slices on the next
+  pair (preferred lists first, then secondary, then paused ones as probes) up to
+  ``rdma_retry_limit`` attempts per slice. Remote-access errors are not retried. A request is FAILED
+  only when a slice exhausts its attempts; the reason is kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import errno
+import itertools
+import logging
+import os
+import random
+import resource
+import threading
+import time
+from typing import Any
+
+from kvpool.errors import (
+    AddressNotRegistered,
+    InvalidArgument,
+    ProtocolUnavailable,
+    RdmaConnectError,
+    RegistrationError,
+    RemoteAccessError,
+    SegmentNotFound,
+)
+from kvpool.transfer.rdma.endpoints import SievePool
+from kvpool.transfer.rdma.topology import load_matrix, matrix_nics, nics_for
+from kvpool.transfer.rdma.verbs import Verbs, load_verbs
+from kvpool.transfer.types import OpCode, TransferState, TransferStatus
+
+log = logging.getLogger("kvpool.transfer.rdma")
+
+_CHAIN_SHIFT = 1024  # wr_id = chain_id * 1024 + index in chain
+_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+_MTU_ENUM = {v: k for k, v in _MTU_BYTES.items()}
+_V4_PREFIX = "0000:0000:0000:0000:0000:ffff:"
+MEMLOCK_HINT = (
+    "the locked-memory limit (RLIMIT_MEMLOCK, `ulimit -l`) is too low for RDMA registration: raise it "
+    "(`ulimit -l unlimited`, `LimitMEMLOCK=infinity` in a systemd unit, `memlock unlimited` in "
+    "/etc/security/limits.conf, `docker run --ulimit memlock=-1`)"
+)
+GPU_REG_HINT = (
+    "registering GPU memory needs GPUDirect RDMA: the nvidia-peermem kernel module (`modprobe "
+    "nvidia-peermem`) or DMA-BUF support (Linux >= 5.12, rdma-core >= 34, an open NVIDIA kernel driver)"
+)
+
+
+_WARNED_MEMLOCK = False
+
+
+def memlock_limit() -> int:
+    """Soft RLIMIT_MEMLOCK in bytes (-1 = unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return -1 if soft == resource.RLIM_INFINITY else soft
+
+
+def slice_plan(length: int, slice_size: int) -> list[tuple[int, int]]:
+    """(offset, length) slices of a request; a tail shorter than half a slice joins the previous one."""
+    if length <= slice_size:
+        return [(0, length)]
+    n, tail = divmod(length, slice_size)
+    out = [(i * slice_size, slice_size) for i in range(n)]
+    if tail:
+        if tail < slice_size // 2:
+            off, ln = out[-1]
+            out[-1] = (off, ln + tail)
+        else:
+            out.append((n * slice_size, tail))
+    return out
+
+
+class Nic:
+    """One opened device port: context, PD, CQ and its address (GID/LID/MTU)."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        ctx: Any,
+        pd: Any,
+        cq: Any,
+        port: int,
+        gid_index: int,
+        gid: str,
+        lid: int,
+        mtu: int,
+        ethernet: bool,
+    ) -> None:
+        self.index = index
+        self.name = name
+        self.ctx = ctx
+        self.pd = pd
+        self.cq = cq
+        self.port = port
+        self.gid_index = gid_index
+        self.gid = gid
+        self.lid = lid
+        self.mtu = mtu
+        self.ethernet = ethernet
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "gid": self.gid,
+            "lid": self.lid,
+            "port": self.port,
+            "mtu": self.mtu,
+            "gid_index": self.gid_index,
+            "ethernet": self.ethernet,
+        }
+
+
+class _Req:
+    __slots__ = (
+        "batch",
+        "remaining",
+        "done_bytes",
+        "state",
+        "error",
+        "peer",
+        "lpref",
+        "rpref",
+        "pairs",
+        "attempts",
+    )
+
+    def __init__(self, batch: RdmaBatch, peer: _Peer) -> None:
+        self.batch = batch
+        self.peer = peer
+        self.remaining = 0
+        self.done_bytes = 0
+        self.state = TransferState.PENDING
+        self.error: str | None = None
+        self.pairs: list[tuple[int, int]] = []
+        self.attempts = 0
+
+
+class _Slice:
+    __slots__ = ("req", "op", "laddr", "raddr", "length", "lkeys", "rkeys", "lnic", "rnic", "attempts")
+
+    def __init__(
+        self,
+        req: _Req,
+        op: int,
+        laddr: int,
+        raddr: int,
+        length: int,
+        lkeys: list[int],
+        rkeys: list[int],
+        lnic: int,
+        rnic: int,
+    ) -> None:
+        self.req = req
+        self.op = op
+        self.laddr = laddr
+        self.raddr = raddr
+        self.length = length
+        self.lkeys = lkeys
+        self.rkeys = rkeys
+        self.lnic = lnic
+        self.rnic = rnic
+        self.attempts = 0
+
+
+class RdmaBatch:
+    """Python-side batch for requests that go over RDMA."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mode: str | None = None  # "rdma" once requests went over RDMA, "native" for TCP/same-host
+        self.reqs: list[_Req] = []
+        self.pending = 0
+        self.done = threading.Event()
+        self.done.set()
+
+    def status(self, index: int) -> TransferStatus:
+        if not 0 <= index < len(self.reqs):
+            return TransferStatus(TransferState.WAITING if index < self.size else TransferState.INVALID, 0)
+        r = self.reqs[index]
+        return TransferStatus(r.state, r.done_bytes, r.error)
+
+    def batch_status(self) -> TransferStatus:
+        total = sum(r.done_bytes for r in self.reqs)
+        if self.pending:
+            return TransferStatus(TransferState.PENDING, total)
+        for r in self.reqs:
+            if r.state != TransferState.COMPLETED:
+                return TransferStatus(r.state, total, r.error)
+        return TransferStatus(TransferState.COMPLETED, total)
+
+
+class _Endpoint:
+    __slots__ = ("key", "nic", "peer", "rnic", "qp", "remote_qpn", "inflight", "outstanding", "pending")
+
+    def __init__(self, key: tuple, nic: Nic, peer: _Peer, rnic: int, qp: Any, remote_qpn: int) -> None:
+        self.key = key
+        self.nic = nic
+        self.peer = peer
+        self.rnic = rnic
+        self.qp = qp
+        self.remote_qpn = remote_qpn
+        self.inflight: dict[int, list[_Slice]] = {}
+        self.outstanding = 0
+        self.pending: collections.deque[_Slice] = collections.deque()
+
+
+class _Peer:
+    """What we know of a remote engine's RDMA side (from its segment descriptor)."""
+
+    def __init__(self, hid: int, name: str, info: dict[str, Any], buffers: list[Any]) -> None:
+        self.hid = hid
+        self.name = name
+        self.paused: dict[int, float] = {}
+        self.rpc: Any = None
+        self.update(info, buffers)
+
+    def update(self, info: dict[str, Any], buffers: list[Any]) -> None:
+        self.instance = info.get("instance")
+        self.rpc_addr: str = info["rpc"]
+        self.nics: list[dict[str, Any]] = info["nics"]
+        self.nic_names = [n["name"] for n in self.nics]
+        self.topology: dict[str, list[list[str]]] = info.get("topology") or {}
+        loc = {b.addr: b.location for b in buffers}
+        regs = sorted((int(a), int(a) + int(n), list(k), loc.get(int(a), "cpu:0")) for a, n, k in info["mrs"])
+        self.starts = [r[0] for r in regs]
+        self.regs = regs
+
+    def region(self, addr: int, length: int) -> tuple[int, int, list[int], str] | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0:
+            r = self.regs[i]
+            if addr + length <= r[1]:
+                return r
+        return None
+
+
+class RdmaTransport:
+    """RDMA data path of a :class:`~kvpool.transfer.engine.TransferEngine` (see the module docstring)."""
+
+    def __init__(self, cfg: Any, hostname: str, instance: int) -> None:
+        self.cfg = cfg
+        self.V: Verbs = load_verbs(cfg.rdma_verbs)
+        self.E = self.V.enums
+        self.instance = instance
+        self.slice_size = cfg.rdma_slice_size
+        self.chain_max = min(cfg.rdma_chain, _CHAIN_SHIFT)
+        self.sq_depth = cfg.rdma_sq_depth
+        self.nics = self._open_nics(cfg)
+        self.nic_names = [n.name for n in self.nics]
+        self.topology = self._topology(cfg)
+        lim = memlock_limit()
+        global _WARNED_MEMLOCK
+        if self.V.kind == "pyverbs" and lim != -1 and lim < (64 << 20) and not _WARNED_MEMLOCK:
+            _WARNED_MEMLOCK = True
+            log.warning("RLIMIT_MEMLOCK is %d bytes: large registrations will fail; %s", lim, MEMLOCK_HINT)
+        # registrations: sorted (start, end, lkeys, rkeys, location, remote, mrs)
+        self._reg_starts: list[int] = []
+        # (start, end, lkeys per NIC, rkeys per NIC, location, remote_accessible, MRs, writable)
+        self._regs: list[tuple[int, int, list[int], list[int], str, bool, list[Any], bool]] = []
+        self._peers: dict[int, _Peer] = {}
+        self._lock = threading.Lock()
+        self._pool: SievePool[tuple, _Endpoint] = SievePool(
+            cfg.rdma_max_endpoints, self._on_evict, busy=lambda ep: ep.outstanding > 0 or bool(ep.pending)
+        )
+        self._chains: dict[int, _Endpoint] = {}
+        self._chain_ids = itertools.count(1)
+        self._incoming: collections.deque[_Slice] = collections.deque()
+        self._retry: collections.deque[_Slice] = collections.deque()
+        self._passive: dict[tuple[int, int], Any] = {}
+        self._paused: dict[int, float] = {}
+        self._rr = 0
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.nic_bytes = [0] * len(self.nics)  # bytes completed per local NIC
+        self._wake = threading.Event()
+        self._closed = False
+        self._calls: collections.deque[Any] = collections.deque()
+        self._active: list[_Endpoint] = []
+        from kvpool.store.rpc import RpcServer
+
+        self._rpc = RpcServer(hostname, 0, self._handle_rpc, lambda: None, tick_s=0.5)
+        self._rpc_thread = threading.Thread(
+            target=self._rpc.serve_forever, name="kvpool-rdma-rpc", daemon=True
+        )
+        self._rpc_thread.start()
+        host = f"[{hostname}]" if ":" in hostname else hostname
+        self.rpc_addr = f"{host}:{self._rpc.port}"
+        self._thread = threading.Thread(target=self._progress, name="kvpool-rdma", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ devices
+    def _open_nics(self, cfg: Any) -> list[Nic]:
+        V, E = self.V, self.E
+        try:
+            devs = V.device.get_device_list()
+        except Exception as exc:  # noqa: BLE001 - pyverbs raises PyverbsRDMAError when none
+            raise ProtocolUnavailable(
+                f"no RDMA device: listing devices failed ({exc}); check that an RDMA NIC and its "
+                "provider (rdma-core, ibverbs-providers) are installed: `ibv_devices` should list it"
+            ) from None
+        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+        if not names:
+            raise ProtocolUnavailable("no RDMA device found (`ibv_devices` lists none)")
+        if cfg.devices:
+            missing = [d for d in cfg.devices if d not in names]
+            if missing:
+                log.warning("RDMA devices %s in the allow-list do not exist (have %s)", missing, names)
+            names = [n for n in names if n in cfg.devices]
+            if not names:
+                raise ProtocolUnavailable(f"none of the allowed RDMA devices {cfg.devices} exists")
+        nics: list[Nic] = []
+        why: list[str] = []
+        for name in names:
+            try:
+                ctx = V.device.Context(name=name)
+                port = 1
+                pattr = ctx.query_port(port)
+                if pattr.state != E.IBV_PORT_ACTIVE:
+                    why.append(f"{name}: port {port} is not active")
+                    ctx.close()
+                    continue
+                ethernet = pattr.link_layer == E.IBV_LINK_LAYER_ETHERNET
+                gid_index = self._gid_index(ctx, port, pattr, ethernet, cfg.rdma_gid_index)
+                gid = str(ctx.query_gid(port, gid_index))
+                mtu = pattr.active_mtu
+                if cfg.rdma_mtu is not None:
+                    mtu = _MTU_ENUM[cfg.rdma_mtu]
+                pd = V.pd.PD(ctx)
+                cq = V.cq.CQ(ctx, max(1024, self.sq_depth * 16), None, None, 0)
+                nics.append(Nic(len(nics), name, ctx, pd, cq, port, gid_index, gid, pattr.lid, mtu, ethernet))
+            except ProtocolUnavailable as exc:
+                why.append(f"{name}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - pyverbs errors
+                why.append(f"{name}: {exc}")
+        if not nics:
+            raise ProtocolUnavailable("no usable RDMA device: " + "; ".join(why))
+        for w in why:
+            log.warning("RDMA device skipped: %s", w)
+        return nics
+
+    def _gid_index(self, ctx: Any, port: int, pattr: Any, ethernet: bool, override: int | None) -> int:
+        """RoCE: the RoCE v2 entry with an IPv4-mapped address, else the first RoCE v2, else 0."""
+        if override is not None:
+            try:
+                ctx.query_gid(port, override)
+            except Exception as exc:  # noqa: BLE001
+                raise ProtocolUnavailable(
+                    f"rdma_gid_index={override} is not valid on this port ({exc})"
+                ) from None
+            return override
+        if not ethernet:
+            return 0
+        first_v2 = None
+        for i in range(getattr(pattr, "gid_tbl_len", 16)):
+            try:
+                gid = str(ctx.query_gid(port, i))
+                gtype = ctx.query_gid_type(port, i)
+            except Exception:  # noqa: BLE001 - holes in the table
+                continue
+            if gid.replace("0", "").replace(":", "") == "":
+                continue
+            if gtype == self.E.IBV_GID_TYPE_ROCE_V2:
+                if gid.startswith(_V4_PREFIX):
+                    return i
+                if first_v2 is None:
+                    first_v2 = i
+        if first_v2 is not None:
+            return first_v2
+        raise ProtocolUnavailable(
+            "no RoCE v2 GID on this port: configure an IP address on the NIC's netdev, or set rdma_gid_index"
+        )
+
+    def _topology(self, cfg: Any) -> dict[str, list[list[str]]]:
+        matrix = load_matrix(cfg.rdma_topology, allowed=self.nic_names)
+        if not set(matrix_nics(matrix)) & set(self.nic_names):
+            matrix = {"cpu:0": [list(self.nic_names), []]}  # sysfs knows none of them (containers)
+        return matrix
+
+    # ------------------------------------------------------------------ descriptor
+    def descriptor_info(self) -> dict[str, Any]:
+        with self._lock:
+            mrs = [[r[0], r[1] - r[0], r[3]] for r in self._regs if r[5]]
+        return {
+            "rpc": self.rpc_addr,
+            "instance": self.instance,
+            "nics": [n.info() for n in self.nics],
+            "mrs": mrs,
+            "topology": self.topology,
+        }
+
+    # ------------------------------------------------------------------ memory
+    def register(self, addr: int, length: int, location: str, remote: bool, writable: bool = True) -> None:
+        E = self.E
+        access = E.IBV_ACCESS_LOCAL_WRITE if writable else 0
+        if remote:
+            access |= E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
+        mrs = []
+        try:
+            for nic in self.nics:
+                mrs.append(self.V.mr.MR(nic.pd, length, access, address=addr))
+        except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError
+            for m in mrs:
+                m.close()
+            code = getattr(exc, "error_code", None)
+            if location.startswith("cuda"):
+                raise RegistrationError(
+                    f"RDMA registration of {length} bytes of {location} failed ({exc}); {GPU_REG_HINT}"
+                ) from None
+            if code in (errno.ENOMEM, errno.EPERM, errno.EAGAIN) or "Cannot allocate memory" in str(exc):
+                raise RegistrationError(
+                    f"RDMA registration of {length} bytes failed ({exc}); {MEMLOCK_HINT}"
+                ) from None
+            raise RegistrationError(f"RDMA registration of {length} bytes failed: {exc}") from None
+        entry = (
+            addr,
+            addr + length,
+            [m.lkey for m in mrs],
+            [m.rkey for m in mrs],
+            location,
+            remote,
+            mrs,
+            writable,
+        )
+        with self._lock:
+            i = bisect.bisect_left(self._reg_starts, addr)
+            self._reg_starts.insert(i, addr)
+            self._regs.insert(i, entry)
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self._reg_starts, addr)
+            if i >= len(self._reg_starts) or self._reg_starts[i] != addr:
+                return
+            self._reg_starts.pop(i)
+            entry = self._regs.pop(i)
+        for m in entry[6]:
+            m.close()
+
+    def _local(self, addr: int, length: int) -> tuple:
+        i = bisect.bisect_right(self._reg_starts, addr) - 1
+        if i >= 0:
+            r = self._regs[i]
+            if addr + length <= r[1]:
+                return r
+        raise AddressNotRegistered(f"local range {addr:#x}+{length} is not inside registered memory")
+
+    # ------------------------------------------------------------------ peers
+    def add_peer(self, hid: int, name: str, info: dict[str, Any], buffers: list[Any]) -> None:
+        with self._lock:
+            peer = self._peers.get(hid)
+            if peer is None:
+                self._peers[hid] = _Peer(hid, name, info, buffers)
+                return
+            restarted = peer.instance != info.get("instance")
+            peer.update(info, buffers)
+        if restarted:
+            self._run_in_progress(lambda: self._drop_peer_endpoints(peer))
+
+    def remove_peer(self, hid: int) -> None:
+        with self._lock:
+            peer = self._peers.pop(hid, None)
+        if peer is not None:
+            self._run_in_progress(lambda: self._drop_peer_endpoints(peer))
+
+    def has_peer(self, hid: int) -> bool:
+        return hid in self._peers
+
+    def _run_in_progress(self, fn: Any) -> None:
+        self._calls.append(fn)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, batch: RdmaBatch, reqs: list[tuple[int, int, int, int, int]]) -> None:
+        """``reqs``: (opcode, local addr, peer handle id, remote addr, length); all validated first."""
+        E = self.E
+        now = time.monotonic()
+        planned = []
+        for i, (op, laddr, hid, raddr, length) in enumerate(reqs):
+            peer = self._peers.get(hid)
+            if peer is None:
+                raise SegmentNotFound(f"request {i}: segment {hid} is not open over RDMA")
+            lreg = self._local(laddr, length)
+            rreg = peer.region(raddr, length)
+            if rreg is None:
+                raise RemoteAccessError(
+                    f"request {i}: remote range {raddr:#x}+{length} is outside the remote-accessible "
+                    f"memory of {peer.name}"
+                )
+            if op == OpCode.READ and not lreg[7]:
+                raise InvalidArgument(f"request {i}: READ into read-only memory at {laddr:#x}")
+            planned.append((op, laddr, peer, raddr, length, lreg, rreg))
+        if len(batch.reqs) + len(planned) > batch.size:
+            raise InvalidArgument(
+                f"batch has {batch.size - len(batch.reqs)} free slots, {len(planned)} requests"
+            )
+        slices: list[_Slice] = []
+        new_reqs = []
+        for op, laddr, peer, raddr, length, lreg, rreg in planned:
+            req = _Req(batch, peer)
+            wop = E.IBV_WR_RDMA_READ if op == OpCode.READ else E.IBV_WR_RDMA_WRITE
+            lpref, lsec = self._local_nics(lreg[4], now)
+            rpref, rsec = self._remote_nics(peer, rreg[3], now)
+            req.pairs = [(a, b) for a in lpref + lsec for b in rpref + rsec]
+            plan = slice_plan(length, self.slice_size)
+            req.remaining = len(plan)
+            start = self._rr
+            self._rr += len(plan)
+            nl, nr = len(lpref), len(rpref)
+            lk, rk = lreg[2], rreg[2]
+            for k, (off, ln) in enumerate(plan):
+                j = start + k
+                slices.append(
+                    _Slice(req, wop, laddr + off, raddr + off, ln, lk, rk, lpref[j % nl], rpref[j % nr])
+                )
+            new_reqs.append(req)
+        with self._lock:
+            batch.reqs.extend(new_reqs)
+            if new_reqs:
+                batch.pending += len(new_reqs)
+                batch.done.clear()
+            self._incoming.extend(slices)
+        self.stats["slices"] += len(slices)
+        self._wake.set()
+
+    def _healthy_split(
+        self, names: list[str], pref: list[str], sec: list[str], paused: dict[int, float], now: float
+    ) -> tuple[list[int], list[int]]:
+        idx = {n: i for i, n in enumerate(names)}
+        p = [idx[n] for n in pref if n in idx]
+        s = [idx[n] for n in sec if n in idx]
+        hp = [i for i in p if paused.get(i, 0) <= now]
+        hs = [i for i in s if paused.get(i, 0) <= now]
+        if hp:
+            return hp, [i for i in p if i not in hp] + s
+        if hs:
+            return hs, p + [i for i in s if i not in hs]
+        return p or s, s if p else []
+
+    def _local_nics(self, location: str, now: float) -> tuple[list[int], list[int]]:
+        pref, sec = nics_for(self.topology, location, self.nic_names)
+        return self._healthy_split(self.nic_names, pref, sec, self._paused, now)
+
+    def _remote_nics(self, peer: _Peer, location: str, now: float) -> tuple[list[int], list[int]]:
+        pref, sec = nics_for(peer.topology, location, peer.nic_names)
+        return self._healthy_split(peer.nic_names, pref, sec, peer.paused, now)
+
+    # ------------------------------------------------------------------ progress thread
+    def _progress(self) -> None:
+        idle = 0
+        while not self._closed:
+            busy = False
+            while self._calls:
+                try:
+                    self._calls.popleft()()
+                except Exception:  # noqa: BLE001
+                    log.exception("rdma progress call failed")
+            if self._incoming or self._retry:
+                busy = True
+                self._dispatch()
+            for ep in list(self._active):
+                if ep.pending and ep.outstanding < self.sq_depth:
+                    self._post(ep)
+                    busy = True
+            self._active = [ep for ep in self._active if ep.pending]
+            for nic in self.nics:
+                n, wcs = nic.cq.poll(64)
+                if n:
+                    busy = True
+                    self._on_completions(wcs)
+            if busy:
+                idle = 0
+                continue
+            idle += 1
+            if self._chains:
+                time.sleep(0 if idle < 50 else 0.0001)  # completions due: poll again soon
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _dispatch(self) -> None:
+        """Give new and retried slices to their endpoints (making endpoints on demand)."""
+        for q in (self._incoming, self._retry):
+            while q:
+                s = q.popleft()
+                if s.req.state != TransferState.PENDING:
+                    self._slice_dropped(s)
+                    continue
+                ep = self._endpoint(s.lnic, s.req.peer, s.rnic)
+                if isinstance(ep, str):
+                    self._fail_slice(s, ep)
+                    continue
+                if ep not in self._active:
+                    self._active.append(ep)
+                ep.pending.append(s)
+
+    def _post(self, ep: _Endpoint) -> None:
+        SendWR, SGE = self.V.wr.SendWR, self.V.wr.SGE
+        signaled = self.E.IBV_SEND_SIGNALED
+        pending = ep.pending
+        while pending and ep.outstanding < self.sq_depth:
+            n = min(len(pending), self.chain_max, self.sq_depth - ep.outstanding)
+            chain = [pending.popleft() for _ in range(n)]
+            cid = next(self._chain_ids)
+            base = cid * _CHAIN_SHIFT
+            li, ri = ep.nic.index, ep.rnic
+            nxt = None
+            keep = []
+            for i in range(n - 1, -1, -1):
+                s = chain[i]
+                wr = SendWR(
+                    wr_id=base + i,
+                    opcode=s.op,
+                    num_sge=1,
+                    sg=[SGE(s.laddr, s.length, s.lkeys[li])],
+                    send_flags=signaled if nxt is None else 0,
+                    next_wr=nxt,
+                )
+                wr.set_wr_rdma(s.rkeys[ri], s.raddr)
+                keep.append(wr)
+                nxt = wr
+            ep.inflight[cid] = chain
+            ep.outstanding += n
+            self._chains[cid] = ep
+            try:
+                ep.qp.post_send(nxt)
+            except Exception as exc:  # noqa: BLE001 - QP in a bad state, SQ full
+                self._break(ep, f"post_send on {ep.nic.name}: {exc}")
+                return
+            self.stats["posts"] += 1
+
+    def _on_completions(self, wcs: list[Any]) -> None:
+        ok = self.E.IBV_WC_SUCCESS
+        for wc in wcs:
+            cid, idx = divmod(wc.wr_id, _CHAIN_SHIFT)
+            ep = self._chains.pop(cid, None)
+            if ep is None:
+                continue  # flush of a chain already handled
+            chain = ep.inflight.pop(cid)
+            ep.outstanding -= len(chain)
+            if wc.status == ok:
+                nb = 0
+                for s in chain:
+                    nb += s.length
+                    self._slice_ok(s)
+                self.nic_bytes[ep.nic.index] += nb
+                continue
+            for s in chain[:idx]:  # RC: everything before the failed WR was executed
+                self._slice_ok(s)
+            reason = (
+                f"{self._wc_text(wc.status)} on {ep.nic.name} -> {ep.peer.name}/{ep.peer.nic_names[ep.rnic]}"
+            )
+            self.stats["error_completions"] += 1
+            if wc.status == self.E.IBV_WC_REM_ACCESS_ERR:  # not a path problem: no retry
+                self._fail_req(chain[idx].req, f"remote access error: {reason}")
+                self._slice_dropped(chain[idx])
+                self._retry.extend(chain[idx + 1 :])
+                self._break(ep, reason, penalize=False)
+            elif wc.status == self.E.IBV_WC_WR_FLUSH_ERR:
+                for s in chain[idx:]:
+                    self._retry.append(s)  # flushed after another WR's error: not this slice's fault
+                self._break(ep, reason, penalize=False)
+            else:
+                for s in chain[idx:]:
+                    self._fail_slice(s, reason)
+                self._break(ep, reason)
+
+    def _wc_text(self, status: int) -> str:
+        E = self.E
+        names = {
+            E.IBV_WC_RETRY_EXC_ERR: "transport retry counter exceeded (link or remote NIC down?)",
+            E.IBV_WC_REM_ACCESS_ERR: "remote access error (rkey or bounds)",
+            E.IBV_WC_WR_FLUSH_ERR: "work request flushed",
+            E.IBV_WC_LOC_PROT_ERR: "local protection error",
+        }
+        return names.get(status, f"work completion status {status}")
+
+    # ------------------------------------------------------------------ slices and requests
+    def _slice_ok(self, s: _Slice) -> None:
+        req = s.req
+        req.done_bytes += s.length
+        req.remaining -= 1
+        if req.remaining == 0 and req.state == TransferState.PENDING:
+            self._finish(req, TransferState.COMPLETED, None)
+
+    def _slice_dropped(self, s: _Slice) -> None:
+        s.req.remaining -= 1
+
+    def _fail_slice(self, s: _Slice, reason: str) -> None:
+        """Retry ``s`` on the next path, or fail its request after ``rdma_retry_limit`` attempts."""
+        req = s.req
+        if req.state != TransferState.PENDING:
+            self._slice_dropped(s)
+            return
+        s.attempts += 1
+        self.stats["retries"] += 1
+        if s.attempts > self.cfg.rdma_retry_limit:
+            self._fail_req(req, f"every path failed ({s.attempts} attempts); last: {reason}")
+            self._slice_dropped(s)
+            return
+        now = time.monotonic()
+        cur = (s.lnic, s.rnic)
+        pairs = req.pairs
+        k = pairs.index(cur) + 1 if cur in pairs else 0
+        order = pairs[k:] + pairs[:k]
+        peer = req.peer
+        healthy = [p for p in order if self._paused.get(p[0], 0) <= now and peer.paused.get(p[1], 0) <= now]
+        nxt = healthy[0] if healthy else (next((p for p in order if p != cur), cur))
+        s.lnic, s.rnic = nxt
+        self._retry.append(s)
+
+    def _fail_req(self, req: _Req, reason: str) -> None:
+        if req.state == TransferState.PENDING:
+            self._finish(req, TransferState.FAILED, reason)
+
+    def _finish(self, req: _Req, state: TransferState, reason: str | None) -> None:
+        req.error = reason
+        batch = req.batch
+        with self._lock:
+            req.state = state
+            batch.pending -= 1
+            if batch.pending == 0:
+                batch.done.set()
+
+    # ------------------------------------------------------------------ endpoints
+    def _endpoint(self, lnic: int, peer: _Peer, rnic: int) -> _Endpoint | str:
+        key = (lnic, peer.hid, rnic)
+        ep = self._pool.get(key)
+        if ep is not None:
+            return ep
+        try:
+            ep = self._connect(self.nics[lnic], peer, rnic)
+        except Exception as exc:  # noqa: BLE001 - RPC or verbs failure: this path is down
+            self._pause(lnic, peer, rnic)
+            return f"connecting {self.nics[lnic].name} -> {peer.name}/{peer.nic_names[rnic]}: {exc}"
+        self._pool.put(key, ep)
+        self.stats["connects"] += 1
+        return ep
+
+    def _make_qp(self, nic: Nic) -> Any:
+        V, E = self.V, self.E
+        cap = V.qp.QPCap(max_send_wr=self.sq_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = V.qp.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=nic.cq, rcq=nic.cq, cap=cap, sq_sig_all=0)
+        qp = V.qp.QP(nic.pd, init)
+        attr = V.qp.QPAttr(qp_state=E.IBV_QPS_INIT)
+        attr.port_num = nic.port
+        attr.pkey_index = 0
+        attr.qp_access_flags = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
+        try:
+            qp.to_init(attr)
+        except Exception as exc:  # noqa: BLE001
+            qp.close()
+            raise RdmaConnectError(f"QP on {nic.name}: RESET->INIT failed ({exc})") from None
+        return qp
+
+    def _qp_connect(self, nic: Nic, qp: Any, remote: dict[str, Any], psn: int) -> None:
+        """INIT -> RTR -> RTS towards ``remote`` = {qpn, psn, gid, lid, mtu}."""
+        V, E = self.V, self.E
+        mtu = min(nic.mtu, int(remote["mtu"]))
+        attr = V.qp.QPAttr(qp_state=E.IBV_QPS_RTR)
+        attr.path_mtu = mtu
+        attr.dest_qp_num = int(remote["qpn"])
+        attr.rq_psn = int(remote["psn"])
+        attr.max_dest_rd_atomic = 16
+        attr.min_rnr_timer = 12
+        gr = V.addr.GlobalRoute(dgid=V.addr.GID(remote["gid"]), sgid_index=nic.gid_index, hop_limit=64)
+        attr.ah_attr = V.addr.AHAttr(
+            dlid=int(remote["lid"]),
+            is_global=1 if nic.ethernet or remote.get("ethernet") else 0,
+            port_num=nic.port,
+            gr=gr,
+        )
+        try:
+            qp.to_rtr(attr)
+        except Exception as exc:  # noqa: BLE001
+            mtus = (
+                f"path MTU {_MTU_BYTES.get(mtu, mtu)} (local {_MTU_BYTES.get(nic.mtu, nic.mtu)}, remote "
+                f"{_MTU_BYTES.get(int(remote['mtu']), remote['mtu'])})"
+            )
+            raise RdmaConnectError(
+                f"QP on {nic.name}: INIT->RTR failed ({exc}); check the GID index (using {nic.gid_index}, "
+                f"override with rdma_gid_index; `show_gids` lists RoCE v2 entries), the {mtus} - it must not "
+                "exceed either port's active MTU (set rdma_mtu) - and that both NICs share a network"
+            ) from None
+        attr = V.qp.QPAttr(qp_state=E.IBV_QPS_RTS)
+        attr.timeout = 14
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7
+        attr.sq_psn = psn
+        attr.max_rd_atomic = 16
+        try:
+            qp.to_rts(attr)
+        except Exception as exc:  # noqa: BLE001
+            raise RdmaConnectError(f"QP on {nic.name}: RTR->RTS failed ({exc})") from None
+
+    def _rpc_client(self, peer: _Peer) -> Any:
+        if peer.rpc is None or peer.rpc.address != peer.rpc_addr:
+            from kvpool.store.rpc import RpcClient
+
+            peer.rpc = RpcClient(peer.rpc_addr, self.cfg.connect_timeout_s, self.cfg.secret)
+        return peer.rpc
+
+    def _connect(self, nic: Nic, peer: _Peer, rnic: int) -> _Endpoint:
+        qp = self._make_qp(nic)
+        psn = random.getrandbits(24)
+        try:
+            reply = self._rpc_client(peer).call(
+                "connect",
+                nic=peer.nic_names[rnic],
+                qpn=qp.qp_num,
+                psn=psn,
+                gid=nic.gid,
+                lid=nic.lid,
+                mtu=nic.mtu,
+                ethernet=nic.ethernet,
+                initiator=self.instance,
+            )
+            if reply.get("instance") != peer.instance:
+                raise RdmaConnectError(f"{peer.name} restarted (instance changed): reopen the segment")
+            self._qp_connect(nic, qp, reply, psn)
+        except Exception:
+            qp.close()
+            raise
+        return _Endpoint((nic.index, peer.hid, rnic), nic, peer, rnic, qp, int(reply["qpn"]))
+
+    def _pause(self, lnic: int, peer: _Peer, rnic: int) -> None:
+        until = time.monotonic() + self.cfg.rdma_nic_pause_s
+        self._paused[lnic] = until
+        peer.paused[rnic] = until
+
+    def _break(self, ep: _Endpoint, reason: str, penalize: bool = True) -> None:
+        """Drop a failed endpoint on both sides; its unfinished slices go to other paths."""
+        self.stats["broken_endpoints"] += 1
+        if penalize:
+            self._pause(ep.nic.index, ep.peer, ep.rnic)
+        self._pool.pop(ep.key)
+        self._close_ep(ep)
+        for cid, chain in list(ep.inflight.items()):
+            self._chains.pop(cid, None)
+            for s in chain:
+                self._fail_slice(s, reason) if penalize else self._retry.append(s)
+        ep.inflight.clear()
+        ep.outstanding = 0
+        while ep.pending:
+            self._retry.append(ep.pending.popleft())
+        if ep in self._active:
+            self._active.remove(ep)
+
+    def _close_ep(self, ep: _Endpoint) -> None:
+        try:
+            ep.qp.close()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self._rpc_client(ep.peer).call(
+                "disconnect", initiator=self.instance, gid=ep.nic.gid, qpn=ep.qp.qp_num
+            )
+        except Exception as exc:  # noqa: BLE001 - the peer may be gone
+            log.debug("disconnect of %s failed: %s", ep.key, exc)
+
+    def _on_evict(self, key: tuple, ep: _Endpoint) -> None:
+        self.stats["evictions"] += 1
+        self._close_ep(ep)
+
+    def _drop_peer_endpoints(self, peer: _Peer) -> None:
+        for key in self._pool.keys():
+            if key[1] == peer.hid:
+                ep = self._pool.get(key)
+                if ep is not None:
+                    self._break(ep, f"{peer.name} restarted or closed", penalize=False)
+
+    def endpoint_count(self) -> int:
+        return len(self._pool)
+
+    # ------------------------------------------------------------------ passive side (RPC)
+    def _handle_rpc(self, req: dict[str, Any]) -> dict[str, Any]:
+        rid = req.get("id")
+        if self.cfg.secret and req.get("auth") != self.cfg.secret:
+            return {"id": rid, "ok": False, "err": "AUTH", "msg": "wrong or missing secret"}
+        try:
+            op = req.get("op")
+            if op == "connect":
+                return {"id": rid, "ok": True, **self._accept(req)}
+            if op == "disconnect":
+                qp = self._passive.pop((int(req["initiator"]), int(req["qpn"])), None)
+                if qp is not None:
+                    qp.close()
+                return {"id": rid, "ok": True}
+            return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+        except Exception as exc:  # noqa: BLE001
+            return {"id": rid, "ok": False, "err": "ERROR", "msg": str(exc)}
+
+    def _accept(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = req["nic"]
+        if name not in self.nic_names:
+            raise RdmaConnectError(f"no NIC {name!r} here")
+        nic = self.nics[self.nic_names.index(name)]
+        qp = self._make_qp(nic)
+        psn = random.getrandbits(24)
+        try:
+            self._qp_connect(nic, qp, req, psn)
+        except Exception:
+            qp.close()
+            raise
+        self._passive[(int(req["initiator"]), int(req["qpn"]))] = qp
+        return {
+            "qpn": qp.qp_num,
+            "psn": psn,
+            "gid": nic.gid,
+            "lid": nic.lid,
+            "mtu": nic.mtu,
+            "ethernet": nic.ethernet,
+            "instance": self.instance,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self, batch: RdmaBatch, timeout_s: float | None) -> bool:
+        return batch.done.wait(timeout_s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._rpc.stop()
+        for ep in self._pool.values():
+            try:
+                ep.qp.close()
+            except Exception:  # noqa: BLE001
+                pass
+        for qp in self._passive.values():
+            try:
+                qp.close()
+            except Exception:  # noqa: BLE001
+                pass
+        for r in self._regs:
+            for m in r[6]:
+                m.close()
+        for nic in self.nics:
+            try:
+                nic.ctx.close()
+            except Exception:  # noqa: BLE001
+                pass
+        for peer in self._peers.values():
+            if peer.rpc is not None:
+                peer.rpc.close()
+
+    def __del__(self) -> None:  # pragma: no cover
+        if os is not None and not getattr(self, "_closed", True):
+            self._closed = True

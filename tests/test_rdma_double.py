@@ -1,0 +1,304 @@
+"""RDMA transport tests. Every test here whose name contains ``double`` runs the transport over the
+fake-verbs TEST DOUBLE (kvpool.testing.fake_verbs), not over a real RDMA device: they check the
+logic above the verbs line (handshake, slicing, spreading, chained posting, completion
+aggregation, failover, endpoint pool), never the hardware."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import xxhash
+
+from kvpool import OpCode, TransferEngine, TransferRequest, TransferState
+from kvpool.errors import ProtocolUnavailable, RemoteAccessError
+from kvpool.testing import fake_verbs as fv
+from kvpool.testing.rdma_peer import RdmaPeer
+from kvpool.transfer.rdma.endpoints import SievePool
+from kvpool.transfer.rdma.transport import slice_plan
+
+NICS4 = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
+MiB = 1 << 20
+
+
+@pytest.fixture
+def double(tmp_path, monkeypatch):
+    """Configure the fake-verbs test double (4 NICs per process) for this test and its children."""
+
+    def setup(nics=NICS4, mtu=4096):
+        for k in (fv.ENV_DIR, fv.ENV_NICS, fv.ENV_MTU):
+            monkeypatch.setenv(k, "x")  # restored after the test
+        fv.configure(str(tmp_path / "verbs"), nics, mtu)
+
+    setup()
+    yield setup
+    fv._injected.clear()
+    fv._kill_after.clear()
+
+
+def _engine(**kw):
+    return TransferEngine(protocol="rdma", rdma_verbs="double", **kw)
+
+
+def _pair(**kw):
+    t = _engine()
+    i = _engine(**kw)
+    kv = bytearray(64 * MiB)
+    base = t.register_local_memory(kv)
+    return t, i, kv, base
+
+
+def _run(eng, reqs, timeout=30):
+    bid = eng.allocate_batch_id(len(reqs))
+    eng.submit_transfer(bid, reqs)
+    st = eng.wait_batch(bid, timeout)
+    per = [eng.get_transfer_status(bid, k) for k in range(len(reqs))]
+    eng.free_batch_id(bid)
+    return st, per
+
+
+def test_slice_plan_merges_small_tails():
+    assert slice_plan(100, 64) == [(0, 64), (64, 36)]  # tail 36 >= half a slice: its own slice
+    assert slice_plan(90, 64) == [(0, 90)]  # tail 26 < 32: merged
+    assert slice_plan(64 * 4, 64) == [(0, 64), (64, 64), (128, 64), (192, 64)]
+    assert slice_plan(64 * 4 + 10, 64) == [(0, 64), (64, 64), (128, 64), (192, 74)]  # merged
+    assert slice_plan(64 * 4 + 40, 64) == [(0, 64), (64, 64), (128, 64), (192, 64), (256, 40)]
+    assert sum(n for _, n in slice_plan(16 * MiB + 5, 64 << 10)) == 16 * MiB + 5
+
+
+def test_double_handshake_publishes_nics_and_connects_qps(double):
+    t, i, kv, base = _pair()
+    with t, i:
+        seg = i.open_segment(t.segment_name)
+        desc = i.get_segment_descriptor(seg)
+        assert "rdma" in desc.protocols
+        nics = desc.rdma["nics"]
+        assert [n["name"] for n in nics] == NICS4
+        v4 = "0000:0000:0000:0000:0000:ffff:"  # RoCE v2, IPv4-mapped: picked automatically (index 3)
+        assert all(n["gid_index"] == 3 and n["gid"].startswith(v4) for n in nics)
+        assert desc.rdma["mrs"][0][0] == base and len(desc.rdma["mrs"][0][2]) == 4  # one rkey per NIC
+        assert desc.rdma["topology"]["cpu:0"][0] == NICS4
+        src = bytearray(os.urandom(MiB))
+        la = i.register_local_memory(src)
+        assert i.transfer_sync(t.segment_name, la, base, MiB) == MiB
+        assert kv[:MiB] == src
+        assert i.rdma.stats["connects"] >= 1
+        assert len(t.rdma._passive) == i.rdma.endpoint_count()  # the target holds the other QP ends
+
+
+def test_double_spreads_16mib_requests_evenly_over_4_nics_across_processes(double):
+    """Test double, two processes: 8 x 16 MiB WRITEs into a peer process, then READ back."""
+    with RdmaPeer(128 * MiB) as peer, _engine() as ini:
+        src = bytearray(os.urandom(16 * MiB))
+        la = ini.register_local_memory(src)
+        seg = ini.open_segment(peer.segment)
+        st, per = _run(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr + k * 16 * MiB, 16 * MiB)
+                             for k in range(8)])  # fmt: skip
+        assert st.state == TransferState.COMPLETED and st.transferred_bytes == 128 * MiB
+        assert all(p.transferred_bytes == 16 * MiB for p in per)
+        by_nic = ini.rdma.nic_bytes
+        mean = sum(by_nic) / 4
+        spread = max(abs(b - mean) / mean for b in by_nic)
+        print(f"bytes per NIC: {by_nic}, max deviation {spread:.1%}")
+        assert spread <= 0.10
+        want = xxhash.xxh3_64_hexdigest(src)
+        assert all(peer.ask(f"checksum {k * 16 * MiB} {16 * MiB}")["xxh3"] == want for k in range(8))
+        dst = bytearray(16 * MiB)
+        lb = ini.register_local_memory(dst)
+        st, _ = _run(ini, [TransferRequest(OpCode.READ, lb, seg, peer.addr + 16 * MiB, 16 * MiB)])
+        assert st.state == TransferState.COMPLETED and dst == src
+
+
+def test_double_completion_aggregation_per_request(double):
+    t, i, kv, base = _pair(rdma_slice_size=64 << 10)
+    with t, i:
+        sizes = [1, 4096, (64 << 10) + 7, 3 * (64 << 10) + 40000, 5 * MiB + 3]
+        src = bytearray(os.urandom(sum(sizes)))
+        la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
+        reqs, off = [], 0
+        for n in sizes:
+            reqs.append(TransferRequest(OpCode.WRITE, la + off, seg, base + off, n))
+            off += n
+        bid = i.allocate_batch_id(len(sizes) + 2)
+        i.submit_transfer(bid, reqs)
+        st = i.wait_batch(bid, 30)
+        assert st.state == TransferState.COMPLETED and st.transferred_bytes == sum(sizes)
+        for k, n in enumerate(sizes):
+            s = i.get_transfer_status(bid, k)
+            assert s.state == TransferState.COMPLETED and s.transferred_bytes == n and s.error is None
+        assert i.get_transfer_status(bid, len(sizes)).state == TransferState.WAITING  # unused slot
+        i.free_batch_id(bid)
+        assert kv[: sum(sizes)] == src
+        assert i.rdma.stats["posts"] < i.rdma.stats["slices"]  # WRs were chained
+
+
+def test_double_error_completion_is_retried_on_another_nic(double):
+    t, i, kv, base = _pair()
+    with t, i:
+        src = bytearray(os.urandom(4 * MiB))
+        la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
+        fv.inject_errors("mlx5_1", 3)
+        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, 4 * MiB)])
+        assert st.state == TransferState.COMPLETED, per
+        assert kv[: 4 * MiB] == src
+        assert i.rdma.stats["error_completions"] >= 1 and i.rdma.stats["retries"] >= 1
+
+
+def test_double_nic_killed_mid_batch_all_requests_complete(double):
+    """Test double, two processes: this process's mlx5_2 dies after 20 work requests of the batch."""
+    with RdmaPeer(128 * MiB) as peer, _engine() as ini:
+        src = bytearray(os.urandom(16 * MiB))
+        la = ini.register_local_memory(src)
+        seg = ini.open_segment(peer.segment)
+        fv.kill_after("mlx5_2", 20)
+        st, per = _run(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr + k * 16 * MiB, 16 * MiB)
+                             for k in range(8)])  # fmt: skip
+        assert st.state == TransferState.COMPLETED, [p for p in per if not p.ok][:1]
+        assert ini.rdma.stats["error_completions"] >= 1
+        assert ini.rdma.nic_bytes[2] < 128 * MiB / 4  # the dead NIC carried less than its share
+        want = xxhash.xxh3_64_hexdigest(src)
+        assert all(peer.ask(f"checksum {k * 16 * MiB} {16 * MiB}")["xxh3"] == want for k in range(8))
+        # new transfers avoid the paused NIC
+        before = ini.rdma.nic_bytes[2]
+        st, _ = _run(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr, 16 * MiB)])
+        assert st.ok and ini.rdma.nic_bytes[2] == before
+
+
+def test_double_all_nics_dead_fails_with_reason(double):
+    t, i, kv, base = _pair(rdma_retry_limit=3, rdma_nic_pause_s=0.05)
+    with t, i:
+        src = bytearray(MiB)
+        la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
+        for n in NICS4:
+            fv.kill_nic(n, os.getpid())
+        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        assert st.state == TransferState.FAILED
+        assert per[0].state == TransferState.FAILED
+        assert "every path failed" in per[0].error and "retry counter exceeded" in per[0].error
+        for n in NICS4:
+            fv.revive_nic(n, os.getpid())
+        time.sleep(0.1)  # pause over: the NICs are probed again
+        st, _ = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        assert st.ok
+
+
+def test_sieve_pool_evicts_unvisited_first():
+    evicted = []
+    pool = SievePool(3, lambda k, v: evicted.append(k))
+    for k in "abc":
+        pool.put(k, k)
+    pool.get("a")  # visited: survives the next sweep
+    pool.put("d", "d")
+    assert evicted == ["b"]
+    pool.put("e", "e")  # the hand stays where it stopped (at c), unlike LRU/CLOCK restarts
+    assert evicted == ["b", "c"]
+    pool.put("f", "f")  # hand moves on towards the head: d (new, unvisited) goes before a wraps
+    assert evicted == ["b", "c", "d"]
+    pool.put("g", "g")  # and on: the once-visited a outlives every newer unvisited entry
+    assert evicted == ["b", "c", "d", "e"] and "a" in pool
+    busy = SievePool(1, lambda k, v: evicted.append(k), busy=lambda v: True)
+    busy.put(1, 1)
+    busy.put(2, 2)  # everything busy: goes over the cap rather than failing
+    assert len(busy) == 2
+
+
+def test_double_sieve_eviction_under_endpoint_cap(double):
+    t, i, kv, base = _pair(rdma_max_endpoints=2)
+    with t, i:
+        src = bytearray(os.urandom(64 << 10))
+        la = i.register_local_memory(src)
+        i.open_segment(t.segment_name)
+        for k in range(8):  # one slice each: the round-robin walks all 4 NIC pairs
+            assert i.transfer_sync(t.segment_name, la, base + k * (64 << 10), 64 << 10) == 64 << 10
+        assert i.rdma.endpoint_count() <= 2
+        assert i.rdma.stats["evictions"] >= 2
+        deadline = time.time() + 5
+        while len(t.rdma._passive) != i.rdma.endpoint_count() and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(t.rdma._passive) == i.rdma.endpoint_count()  # evicted on both sides
+        assert bytes(kv[7 * (64 << 10) : 8 * (64 << 10)]) == bytes(src)
+
+
+def test_double_dropped_endpoint_is_remade(double):
+    double(["mlx5_0"])
+    t, i, kv, base = _pair(rdma_nic_pause_s=0)
+    with t, i:
+        src = bytearray(os.urandom(MiB))
+        la = i.register_local_memory(src)
+        i.open_segment(t.segment_name)
+        i.transfer_sync(t.segment_name, la, base, MiB)
+        assert i.rdma.stats["connects"] == 1
+        assert fv.drop_qps() >= 2  # both ends lost
+        src[:] = os.urandom(MiB)
+        assert i.transfer_sync(t.segment_name, la, base, MiB) == MiB
+        assert kv[:MiB] == src
+        assert i.rdma.stats["connects"] == 2 and i.rdma.stats["broken_endpoints"] >= 1
+
+
+def test_double_bounds_are_enforced_with_remote_access_error(double):
+    t, i, kv, base = _pair()
+    with t, i:
+        src = bytearray(2 * MiB)
+        la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
+        bid = i.allocate_batch_id(1)
+        with pytest.raises(RemoteAccessError):  # initiator check against the descriptor
+            i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base + 63 * MiB, 2 * MiB)])
+        i.free_batch_id(bid)
+        # the target withdraws its buffer; our cached descriptor still lists it: the NIC (here the
+        # double) refuses the rkey and the request fails with a remote access error, not retried
+        t.unregister_local_memory(kv)
+        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        assert st.state == TransferState.FAILED
+        assert "remote access error" in per[0].error
+
+
+def test_double_mtu_and_gid_index_errors_are_explained(double):
+    double(NICS4, mtu=1024)
+    with pytest.raises(ProtocolUnavailable, match="rdma_gid_index=9"):
+        _engine(rdma_gid_index=9)
+    t = _engine(rdma_mtu=4096)
+    i = _engine(rdma_mtu=4096, rdma_retry_limit=1)
+    with t, i:
+        base = t.register_local_memory(bytearray(MiB))
+        la = i.register_local_memory(bytearray(MiB))
+        seg = i.open_segment(t.segment_name)
+        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        assert st.state == TransferState.FAILED
+        err = per[0].error
+        assert "INIT->RTR failed" in err and "MTU 4096" in err and "GID index" in err
+
+
+def test_double_topology_prefers_location_nics(double):
+    topo = '{"cpu:0": [["mlx5_0", "mlx5_1"], ["mlx5_2", "mlx5_3"]]}'
+    t, i, kv, base = _pair(rdma_topology=topo)
+    with t, i:
+        src = bytearray(os.urandom(8 * MiB))
+        la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
+        st, _ = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, 8 * MiB)])
+        assert st.ok
+        assert i.rdma.nic_bytes[2] == i.rdma.nic_bytes[3] == 0  # secondaries only on failure
+        assert i.rdma.nic_bytes[0] == i.rdma.nic_bytes[1] == 4 * MiB
+
+
+def test_double_batch_api_typed_errors(double):
+    t, i, kv, base = _pair()
+    with t, i:
+        la = i.register_local_memory(bytearray(MiB))
+        seg = i.open_segment(t.segment_name)
+        bid = i.allocate_batch_id(1)
+        i.submit_transfer(bid, [TransferRequest(OpCode.READ, la, seg, base, MiB)])
+        from kvpool.errors import BatchInFlight, InvalidArgument
+
+        try:
+            i.free_batch_id(bid)  # may be done already; if not, BatchInFlight
+        except BatchInFlight:
+            i.wait_batch(bid)
+            i.free_batch_id(bid)
+        with pytest.raises(InvalidArgument):
+            i.get_transfer_status(bid, 0)  # freed
