@@ -1,4 +1,4 @@
-"""``kvpool`` command line: demo, bench, master, store-server, metadata-server, proxy."""
+"""``kvpool`` command line: demo, bench, master, store-server, metadata-server, proxy, topology."""
 
 from __future__ import annotations
 
@@ -227,6 +227,25 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace) -> int:
+    """Print the RDMA NIC topology matrix (Mooncake JSON) discovered from sysfs or read from a file."""
+    from kvpool.transfer.rdma import topology as tp
+
+    devices = [d for d in (args.devices or "").split(",") if d] or None
+    matrix = tp.load_matrix(args.file, sysfs=args.sysfs, allowed=devices)
+    if args.json:
+        print(json.dumps(matrix))
+        return 0
+    print(json.dumps(matrix, indent=2))
+    if args.file is None:
+        nics = tp.discover_nics(args.sysfs)
+        gpus = tp.discover_gpus(args.sysfs)
+        print(f"# {len(nics)} RDMA NIC(s), {len(gpus)} NVIDIA GPU(s) under {args.sysfs}", file=sys.stderr)
+        for d in nics + gpus:
+            print(f"#   {d.name:10} numa {d.numa:>2}  {d.pci_path}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser."""
     ap = argparse.ArgumentParser(
@@ -306,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--max-connections", type=int, default=1024, help="connections to backends, total")
     px.add_argument("--log-level", default="INFO")
     px.set_defaults(func=cmd_proxy)
+
+    tp = sub.add_parser("topology", help="print the RDMA NIC topology matrix (Mooncake JSON format)")
+    tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
+    tp.add_argument("--file", default=None, help="read (and validate) this topology JSON instead")
+    tp.add_argument("--devices", default=None, help="comma-separated NIC allow-list")
+    tp.add_argument("--json", action="store_true", help="compact JSON only")
+    tp.set_defaults(func=cmd_topology)
     return ap
 
 
