@@ -157,3 +157,33 @@ def test_auto_with_double_falls_back_and_logs_why(monkeypatch, caplog):
     assert any("not using RDMA" in r.getMessage() for r in caplog.records)
     with pytest.raises(ProtocolUnavailable, match="no RDMA device"):
         TransferEngine(protocol="rdma", rdma_verbs="double")
+
+
+def test_double_enums_and_objects_match_real_pyverbs():
+    """The test double's enum values equal pyverbs' where pyverbs imports (Debian python3-pyverbs
+    here), and the pyverbs objects the transport builds accept its keyword arguments."""
+    from kvpool.testing import fake_verbs as fv
+
+    try:
+        V = verbs.load_verbs("pyverbs")
+    except ProtocolUnavailable as exc:
+        assert "pyverbs" in str(exc)
+        return
+    E = V.enums
+    assert {k: getattr(E, k) for k in vars(fv.enums)} == vars(fv.enums)
+    gr = V.addr.GlobalRoute(
+        dgid=V.addr.GID("0000:0000:0000:0000:0000:ffff:0a00:0001"), sgid_index=3, hop_limit=64
+    )
+    attr = V.qp.QPAttr(qp_state=E.IBV_QPS_RTR)
+    attr.ah_attr = V.addr.AHAttr(dlid=0, is_global=1, port_num=1, gr=gr)
+    V.qp.QPCap(max_send_wr=256, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+    nxt = V.wr.SendWR(wr_id=1, opcode=E.IBV_WR_RDMA_READ, num_sge=1, sg=[V.wr.SGE(4096, 1, 1)], send_flags=0)
+    wr = V.wr.SendWR(
+        wr_id=2,
+        opcode=E.IBV_WR_RDMA_WRITE,
+        num_sge=1,
+        sg=[V.wr.SGE(4096, 1, 1)],
+        send_flags=E.IBV_SEND_SIGNALED,
+        next_wr=nxt,
+    )
+    wr.set_wr_rdma(7, 8192)
