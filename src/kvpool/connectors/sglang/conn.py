@@ -1,0 +1,448 @@
+"""kvpool transfer backend for SGLang prefill/decode disaggregation.
+
+Built on SGLang's ``CommonKVManager``/``CommonKVSender``/``CommonKVReceiver``/
+``CommonKVBootstrapServer`` (bootstrap registration, ZMQ control sockets, status bookkeeping,
+heartbeats and aborts come from them); kvpool adds the data path:
+
+* each manager registers its KV buffers (per layer K then V), aux (metadata) buffers and state
+  buffers with a :class:`kvpool.TransferEngine` (``KVPOOL_*`` environment variables configure it);
+* the decode side registers its buffer addresses with every prefill rank once, then sends each
+  request's destination pages;
+* the prefill side pushes (RDMA-style WRITE): for every chunk one transfer batch holding every
+  layer's K and V, contiguous page runs merged into single requests (runs contiguous on both
+  sides), plus the aux rows on the last chunk; the status (with the failure reason) goes back to
+  the decode over the control socket;
+* transfers run on background worker threads; ``poll()`` only reads status.
+
+Equal attention-TP sizes are required on both sides for non-MLA models (no head slicing): a
+mismatch fails the request with a message saying so. State buffers (Mamba/SWA/DSA) are not
+transferred: requests that carry state indices fail with a clear reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_ACK_TAG,
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from kvpool.config import TransferConfig
+from kvpool.errors import KvpoolError
+from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.types import OpCode, TransferRequest, TransferState
+
+log = logging.getLogger("kvpool.connectors.sglang")
+
+REG_TAG = b"KVPOOL_REG"
+META_TAG = b"KVPOOL_META"
+
+
+@dataclass
+class PeerArgs:
+    """A decode rank's buffers, as registered with this prefill rank."""
+
+    session: str
+    kv_ptrs: list[int]
+    kv_item_lens: list[int]
+    aux_ptrs: list[int]
+    aux_item_lens: list[int]
+    engine_rank: int
+    attn_tp_size: int
+    page_size: int
+    incompatible: str | None = None
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's destination for one room (attribute names as SGLang's Common expects)."""
+
+    room: int
+    endpoint: str
+    dst_port: int
+    session: str
+    dst_kv_indices: np.ndarray
+    dst_aux_index: int | None
+    required_dst_info_num: int
+    decode_prefix_len: int
+    is_dummy: bool
+
+
+@dataclass
+class Chunk:
+    room: int
+    kv_indices: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: int | None
+    state_indices: Any = None
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+def _engine(local_ip: str) -> TransferEngine:
+    cfg = TransferConfig.from_env(hostname=local_ip)
+    return TransferEngine(config=cfg)
+
+
+class KvpoolKVManager(CommonKVManager):
+    """Registers SGLang's KV/aux/state buffers with a kvpool transfer engine and moves pages."""
+
+    kv_status_msg_carries_reason = True
+
+    def __init__(
+        self,
+        args: Any,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool = False,
+    ) -> None:
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.engine = _engine(self.local_ip)
+        self.session_id = self.engine.segment_name
+        self._registered: list[int] = []
+        self.register_buffer_to_engine()
+        self.transfer_calls = 0
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.peers: dict[str, PeerArgs] = {}
+            self._peer_lock = threading.Lock()
+            n = max(1, int(os.environ.get("KVPOOL_SGLANG_WORKERS", "2")))
+            self._queues: list[queue.Queue[Chunk | None]] = [queue.Queue() for _ in range(n)]
+            threading.Thread(target=self._prefill_control, name="kvpool-sgl-ctl", daemon=True).start()
+            for i, q in enumerate(self._queues):
+                threading.Thread(
+                    target=self._transfer_worker, args=(q,), name=f"kvpool-sgl-xfer{i}", daemon=True
+                ).start()
+        elif disaggregation_mode == DisaggregationMode.DECODE:
+            threading.Thread(target=self._decode_control, name="kvpool-sgl-ctl", daemon=True).start()
+            self._start_heartbeat_checker_thread()
+        else:
+            raise ValueError(f"unsupported disaggregation mode {disaggregation_mode}")
+
+    # ------------------------------------------------------------------ memory
+    def _buffers(self) -> list[tuple[int, int]]:
+        a = self.kv_args
+        pairs = list(zip(a.kv_data_ptrs, a.kv_data_lens, strict=False))
+        pairs += list(zip(a.aux_data_ptrs, a.aux_data_lens, strict=False))
+        for ptrs, lens in zip(
+            getattr(a, "state_data_ptrs", None) or [], getattr(a, "state_data_lens", None) or [], strict=False
+        ):
+            pairs += list(zip(ptrs, lens, strict=False))
+        seen: dict[int, int] = {}
+        for ptr, n in pairs:
+            if ptr and n:
+                seen[int(ptr)] = max(seen.get(int(ptr), 0), int(n))
+        return sorted(seen.items())
+
+    def register_buffer_to_engine(self) -> None:
+        """Register every KV, aux and state buffer (SGLang calls this again after a memory resume)."""
+        for ptr, n in self._buffers():
+            if ptr in self._registered:
+                continue
+            self.engine.register_local_memory(ptr, n)
+            self._registered.append(ptr)
+
+    def deregister_buffer_to_engine(self) -> None:
+        """Unregister (SGLang calls this before releasing memory occupation)."""
+        for ptr in self._registered:
+            try:
+                self.engine.unregister_local_memory(ptr)
+            except KvpoolError:
+                pass
+        self._registered = []
+
+    # ------------------------------------------------------------------ decode -> prefill messages
+    def build_receiver_registration_message(self) -> list[bytes]:
+        a = self.kv_args
+        body = {
+            "ip": self.local_ip,
+            "port": self.rank_port,
+            "session": self.session_id,
+            "kv_ptrs": list(map(int, a.kv_data_ptrs)),
+            "kv_item_lens": list(map(int, a.kv_item_lens)),
+            "aux_ptrs": list(map(int, a.aux_data_ptrs)),
+            "aux_item_lens": list(map(int, a.aux_item_lens)),
+            "engine_rank": int(a.engine_rank),
+            "attn_tp_size": int(self.attn_tp_size),
+            "page_size": int(getattr(a, "page_size", 0) or 0),
+        }
+        return [REG_TAG, msgpack.packb(body)]
+
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room: int,
+        required_dst_info_num: int,
+        kv_indices: Any,
+        aux_index: Any,
+        state_indices: Any,
+        decode_prefix_len: Any,
+        is_dummy: bool,
+        device_kv_indices: Any = None,
+    ) -> list[bytes]:
+        body = {
+            "room": int(bootstrap_room),
+            "ip": self.local_ip,
+            "port": self.rank_port,
+            "session": self.session_id,
+            "dummy": bool(is_dummy),
+            "kv": b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes(),
+            "aux": None if is_dummy or aux_index is None else int(aux_index),
+            "need": int(required_dst_info_num),
+            "prefix": int(decode_prefix_len or 0),
+        }
+        return [META_TAG, msgpack.packb(body)]
+
+    # ------------------------------------------------------------------ prefill: control thread
+    def _prefill_control(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while True:
+            try:
+                msg = recv()
+                if msg is None:
+                    continue
+                if msg[0] == ABORT_TAG:
+                    self._on_abort(msg)
+                elif msg[0] == REG_TAG:
+                    self._on_register(msgpack.unpackb(msg[1]))
+                elif msg[0] == META_TAG:
+                    self._on_metadata(msgpack.unpackb(msg[1]))
+                else:
+                    log.warning("kvpool prefill: unknown control message %r", msg[0][:32])
+            except Exception:  # noqa: BLE001 - a bad message must not kill the control thread
+                log.exception("kvpool prefill: control message failed")
+
+    def _on_register(self, b: dict[str, Any]) -> None:
+        peer = PeerArgs(
+            str(b["session"]),
+            list(b["kv_ptrs"]),
+            list(b["kv_item_lens"]),
+            list(b["aux_ptrs"]),
+            list(b["aux_item_lens"]),
+            int(b["engine_rank"]),
+            int(b["attn_tp_size"]),
+            int(b["page_size"]),
+        )
+        a = self.kv_args
+        if peer.attn_tp_size != self.attn_tp_size and not self.is_mla_backend:
+            peer.incompatible = (
+                "kvpool backend needs equal attention TP sizes for non-MLA models: "
+                f"prefill {self.attn_tp_size}, decode {peer.attn_tp_size}"
+            )
+        elif len(peer.kv_ptrs) != len(a.kv_data_ptrs) or list(peer.kv_item_lens) != list(
+            map(int, a.kv_item_lens)
+        ):
+            peer.incompatible = (
+                f"KV layout differs: prefill has {len(a.kv_data_ptrs)} buffers of "
+                f"{list(a.kv_item_lens)[:2]}... bytes per page, decode {len(peer.kv_ptrs)} of "
+                f"{peer.kv_item_lens[:2]}..."
+            )
+        self.check_peer_aux_buffer_count(peer.session, len(peer.aux_ptrs))
+        with self._peer_lock:
+            self.peers[peer.session] = peer
+        if peer.incompatible:
+            log.error("kvpool prefill: decode %s: %s", peer.session, peer.incompatible)
+
+    def _on_metadata(self, b: dict[str, Any]) -> None:
+        room = int(b["room"])
+        info = TransferInfo(
+            room=room,
+            endpoint=str(b["ip"]),
+            dst_port=int(b["port"]),
+            session=str(b["session"]),
+            dst_kv_indices=np.frombuffer(b["kv"], dtype=np.int32),
+            dst_aux_index=b["aux"],
+            required_dst_info_num=int(b["need"]),
+            decode_prefix_len=int(b["prefix"]),
+            is_dummy=bool(b["dummy"]),
+        )
+        with self._peer_lock:
+            peer = self.peers.get(info.session)
+        if peer is not None and peer.incompatible and not info.is_dummy:
+            self.transfer_infos.setdefault(room, {})[info.session] = info
+            self.conclude_failure(bootstrap_room=room, failure_reason=peer.incompatible)
+            return
+        infos = self.transfer_infos.setdefault(room, {})
+        infos[info.session] = info
+        if len(infos) == info.required_dst_info_num:
+            self.req_to_decode_prefix_len[room] = info.decode_prefix_len
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, msg: list[bytes]) -> None:
+        n = AbortNotification.from_zmq(msg)
+        if n is None:
+            return
+        status = self.request_status.get(n.room)
+        if status is not None and status != KVPoll.Success:
+            self.record_failure(n.room, "Aborted by the decode instance")
+            self.update_status(n.room, KVPoll.Failed)
+        if n.decode_ip is not None and n.decode_port is not None:
+            try:
+                self._send_multipart_locked(
+                    f"tcp://{n.decode_ip}:{n.decode_port}", [ABORT_ACK_TAG, str(n.room).encode("ascii")]
+                )
+            except Exception as exc:  # noqa: BLE001 - best effort, as SGLang's own backends
+                log.debug("ABORT_ACK for room %s not sent: %s", n.room, exc)
+
+    # ------------------------------------------------------------------ prefill: transfers
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        num_kv_tokens: Any = None,
+        **_: Any,
+    ) -> None:
+        """Queue one chunk (called by :class:`KvpoolKVSender.send`); the worker moves it."""
+        if bootstrap_room not in self.request_status or self.check_status(bootstrap_room) == KVPoll.Failed:
+            return
+        chunk = Chunk(
+            bootstrap_room,
+            np.asarray(kv_indices, dtype=np.int64).reshape(-1),
+            index_slice,
+            bool(is_last_chunk),
+            aux_index,
+            state_indices,
+        )
+        # One queue per room: chunks of a room stay in order.
+        self._queues[hash(bootstrap_room) % len(self._queues)].put(chunk)
+
+    def _transfer_worker(self, q: queue.Queue[Chunk | None]) -> None:
+        while True:
+            chunk = q.get()
+            if chunk is None:
+                return
+            try:
+                self._send_chunk(chunk)
+            except Exception as exc:  # noqa: BLE001 - the room fails, the worker lives on
+                log.exception("kvpool prefill: chunk of room %s failed", chunk.room)
+                self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"kvpool: {exc}")
+
+    def _send_chunk(self, chunk: Chunk) -> None:
+        room = chunk.room
+        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+            return
+        if (
+            chunk.state_indices is not None
+            and len(chunk.state_indices)
+            and any(len(s) if hasattr(s, "__len__") else 1 for s in chunk.state_indices)
+        ):
+            self.conclude_failure(
+                bootstrap_room=room,
+                failure_reason="kvpool backend does not transfer state (Mamba/SWA/DSA) buffers",
+            )
+            return
+        targets = []
+        for info in list(self.transfer_infos.get(room, {}).values()):
+            if info.is_dummy:
+                continue
+            with self._peer_lock:
+                peer = self.peers.get(info.session)
+            if peer is None:
+                raise KvpoolError(f"decode {info.session} sent metadata before registering its buffers")
+            if peer.incompatible:
+                self.conclude_failure(bootstrap_room=room, failure_reason=peer.incompatible)
+                return
+            dst = info.dst_kv_indices[chunk.index_slice]
+            src = chunk.kv_indices[: len(dst)]
+            reqs = self._page_requests(peer, src, dst)
+            if chunk.is_last and chunk.aux_index is not None and info.dst_aux_index is not None:
+                reqs += self._aux_requests(peer, chunk.aux_index, info.dst_aux_index)
+            if reqs:
+                self._run(peer.session, reqs)
+            targets.append((info.endpoint, info.dst_port))
+        if chunk.is_last:
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets or None)
+            self.transfer_infos.pop(room, None)
+
+    def _page_requests(self, peer: PeerArgs, src: np.ndarray, dst: np.ndarray) -> list[TransferRequest]:
+        """Every layer's K then V: one WRITE per run of pages contiguous on both sides."""
+        if not len(src):
+            return []
+        a = self.kv_args
+        handle = self.engine.open_segment(peer.session)
+        src_groups, dst_groups = group_concurrent_contiguous(src.astype(np.int32), dst.astype(np.int32))
+        runs = [(int(s[0]), int(d[0]), len(s)) for s, d in zip(src_groups, dst_groups, strict=True)]
+        reqs = []
+        for src_ptr, dst_ptr, item in zip(a.kv_data_ptrs, peer.kv_ptrs, a.kv_item_lens, strict=False):
+            for s0, d0, n in runs:
+                reqs.append(
+                    TransferRequest(OpCode.WRITE, src_ptr + s0 * item, handle, dst_ptr + d0 * item, n * item)
+                )
+        return reqs
+
+    def _aux_requests(self, peer: PeerArgs, src_index: int, dst_index: int) -> list[TransferRequest]:
+        a = self.kv_args
+        handle = self.engine.open_segment(peer.session)
+        n = min(len(a.aux_data_ptrs), len(peer.aux_ptrs))
+        return [
+            TransferRequest(
+                OpCode.WRITE,
+                a.aux_data_ptrs[i] + a.aux_item_lens[i] * src_index,
+                handle,
+                peer.aux_ptrs[i] + peer.aux_item_lens[i] * dst_index,
+                a.aux_item_lens[i],
+            )
+            for i in range(n)
+            if a.aux_item_lens[i]
+        ]
+
+    def _run(self, session: str, reqs: list[TransferRequest]) -> None:
+        bid = self.engine.allocate_batch_id(len(reqs))
+        try:
+            self.engine.submit_transfer(bid, reqs)
+            st = self.engine.wait_batch(bid)
+        finally:
+            self.engine.free_batch_id(bid)
+        self.transfer_calls += 1
+        if st.state != TransferState.COMPLETED:
+            raise KvpoolError(f"KV write to decode {session} ended {st.state.name}: {st.error}")
+
+    # ------------------------------------------------------------------ decode: control thread
+    def _decode_control(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while True:
+            try:
+                msg = recv()
+                if msg is None or self.handle_abort_ack_message(msg):
+                    continue
+                parsed = self.parse_kv_status_message(msg)
+                if parsed is None:
+                    continue
+                room, status, prefill_rank, reason = parsed
+                self.apply_prefill_status(
+                    bootstrap_room=room, status=status, prefill_rank=prefill_rank, failure_reason=reason
+                )
+            except Exception:  # noqa: BLE001
+                log.exception("kvpool decode: control message failed")
+
+
+class KvpoolKVSender(CommonKVSender):
+    """SGLang's common sender; chunks go to :meth:`KvpoolKVManager.add_transfer_request`."""
+
+
+class KvpoolKVReceiver(CommonKVReceiver):
+    """SGLang's common receiver (bootstrap lookup, metadata, heartbeats, abort)."""
+
+
+class KvpoolKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's common bootstrap server: ``PUT/GET /route``, ``/register_dp_rank``, ``/health``."""

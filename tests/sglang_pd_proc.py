@@ -1,0 +1,211 @@
+"""One SGLang disaggregation role in a plain process (run by the SGLang interpreter; no model,
+no scheduler): real SGLang 0.5.23 KVArgs/bootstrap server/Common* classes resolved through the
+plugin, kvpool's manager/sender/receiver, KV laid out as SGLang's MHATokenToKVPool lays it out
+(per layer one K and one V buffer of ``(pages * page_size, kv_heads, head_dim)`` bf16, one page
+per ``item_len``) plus aux rows. Prints JSON lines.
+
+    python tests/sglang_pd_proc.py prefill|decode|decode-badaddr <bootstrap_port> <scenario>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
+os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "2")
+
+LAYERS, PAGE, HEADS, HEAD_DIM = 4, 16, 2, 64
+PAGES = 96
+AUX_SLOTS, AUX_ITEMS = 8, (8, 64)  # two aux buffers, bytes per request slot
+ROOMS = {1: 40, 2: 8, 3: 8}  # room -> pages; 1: transferred in 3 chunks, 2: aborted by decode, 3: TP mismatch
+CHUNKS = (13, 17, 10)
+
+
+def out(**kw: object) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def pages(rng, n: int, run_start: int):
+    """n distinct page ids (page 0 is SGLang's padding page): a contiguous run of 10, then random."""
+    import numpy as np
+
+    run = np.arange(run_start, run_start + 10)
+    rest = rng.permutation(np.setdiff1d(np.arange(1, PAGES), run))
+    return np.concatenate([run, rest])[:n].astype(np.int32)
+
+
+def digests(bufs: list, pages, item: int) -> list[list[str]]:
+    """xxh3-64 of every page of every buffer, in page order (every byte compared)."""
+    import torch
+    import xxhash
+
+    views = [t.reshape(-1).view(torch.uint8).numpy() for t in bufs]
+    return [[xxhash.xxh3_64_hexdigest(v[p * item : (p + 1) * item]) for p in pages] for v in views]
+
+
+def setup(mode: str, port: int):
+    import numpy as np
+    import torch
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # finds kvpool's entry point (group sglang.srt.plugins)
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    backend = TransferBackend("kvpool")
+    sa = ServerArgs(
+        model_path="dummy",
+        host="127.0.0.1",
+        port=30000 if mode == "prefill" else 30001,
+        disaggregation_mode="prefill" if mode == "prefill" else "decode",
+        disaggregation_transfer_backend="kvpool",
+        disaggregation_bootstrap_port=port,
+        device="cpu",
+    )
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    get_parallel().override_permanently(pp_group=None)
+    g = torch.Generator().manual_seed(7)
+    k = [torch.zeros(PAGES * PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    v = [torch.zeros(PAGES * PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    aux = [np.zeros(AUX_SLOTS * n, np.uint8) for n in AUX_ITEMS]
+    if mode == "prefill":
+        for t in k + v:
+            t.copy_(torch.randn(t.shape, generator=g).to(torch.bfloat16))
+        for i, a in enumerate(aux):
+            a[:] = np.arange(a.size, dtype=np.uint8) + 17 * (i + 1)
+    bufs = k + v
+    item = PAGE * HEADS * HEAD_DIM * 2
+
+    def kv_args():
+        a = get_kv_class(backend, KVClassType.KVARGS)()
+        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
+        a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
+        a.kv_data_ptrs = [t.data_ptr() for t in bufs]
+        a.kv_data_lens = [t.numel() * 2 for t in bufs]
+        a.kv_item_lens = [item] * len(bufs)
+        a.kv_layer_ids, a.num_draft_entries = [], 0
+        a.kv_head_num = a.total_kv_head_num = HEADS
+        a.page_size = PAGE
+        a.prefill_start_layer, a.prefill_end_layer = 0, LAYERS
+        a.aux_data_ptrs = [x.ctypes.data for x in aux]
+        a.aux_data_lens = [x.nbytes for x in aux]
+        a.aux_item_lens = list(AUX_ITEMS)
+        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+        a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
+        a.ib_device, a.gpu_id = None, 0
+        return a
+
+    mgr_cls = get_kv_class(backend, KVClassType.MANAGER)
+    return np, backend, get_kv_class, KVClassType, DisaggregationMode, sa, kv_args, mgr_cls, bufs, aux, item
+
+
+def prefill(port: int, scenario: str) -> None:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
+    server = get_kv_class(backend, T.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    mgr = mgr_cls(kv_args(), Mode.PREFILL, sa, False)
+    out(event="ready", manager=type(mgr).__name__, sender=get_kv_class(backend, T.SENDER).__name__)
+    rooms = ROOMS if scenario == "main" else {1: ROOMS[1]}
+    senders = {
+        r: get_kv_class(backend, T.SENDER)(mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=r)
+        for r in rooms
+    }
+    rng = np.random.default_rng(3)
+    src_pages = {r: pages(rng, n, 20) for r, n in rooms.items()}
+    out(
+        event="src",
+        kv={r: digests(bufs, p.tolist(), item) for r, p in src_pages.items()},
+        aux=[bytes(a[2 * n : 3 * n]).hex() for a, n in zip(aux, AUX_ITEMS, strict=True)],
+    )
+    t0 = time.monotonic()
+    pending = set(rooms)
+    started: set[int] = set()
+    while pending and time.monotonic() - t0 < 60:
+        for r in sorted(pending):
+            s = senders[r].poll()
+            if s == KVPoll.WaitingForInput and r not in started:
+                started.add(r)
+                senders[r].init(len(src_pages[r]), 2)
+                chunks = CHUNKS if r == 1 else (len(src_pages[r]),)
+                i = 0
+                for j, n in enumerate(chunks):
+                    senders[r].send(src_pages[r][i : i + n])
+                    i += n
+                    if scenario == "kill" and j == 0:
+                        time.sleep(0.5)
+                        out(event="first-chunk-sent", room=r)
+                        time.sleep(600)  # the test kills this process now
+            elif s in (KVPoll.Success, KVPoll.Failed):
+                reason = None
+                if s == KVPoll.Failed:
+                    try:
+                        senders[r].failure_exception()
+                    except Exception as exc:  # noqa: BLE001 - KVTransferError carries the reason
+                        reason = str(exc)
+                out(event="done", room=r, status=int(s), reason=reason, calls=mgr.transfer_calls)
+                pending.discard(r)
+        time.sleep(0.01)
+    time.sleep(1.0)
+    server.close()
+
+
+def decode(port: int, scenario: str, bad: bool) -> None:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("decode", port)
+    mgr = mgr_cls(kv_args(), Mode.DECODE, sa, False)
+    addr = f"127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while not mgr.try_ensure_parallel_info(addr) and time.monotonic() - t0 < (3 if bad else 60):
+        time.sleep(0.2)
+    rooms = ROOMS if scenario == "main" else {1: ROOMS[1]}
+    if bad:
+        rooms = {9: 4}
+    rng = np.random.default_rng(5)
+    dst_pages = {r: pages(rng, n, 50) for r, n in rooms.items()}
+    out(event="dst", pages={r: p.tolist() for r, p in dst_pages.items()})
+    receivers = {}
+    for r in rooms:
+        m = mgr
+        if r == 3:  # a decode whose attention TP differs from the prefill's
+            m = mgr_cls(kv_args(), Mode.DECODE, sa, False)
+            m.attn_tp_size = 2
+            m.try_ensure_parallel_info(addr)
+        receivers[r] = get_kv_class(backend, T.RECEIVER)(mgr=m, bootstrap_addr=addr, bootstrap_room=r)
+        receivers[r].init(0)
+        if r == 2:  # aborted before its metadata: the prefill must give the room up
+            receivers[r].abort()
+        elif receivers[r].poll() != KVPoll.Failed:
+            receivers[r].send_metadata(dst_pages[r], 5, None)
+    pending = set(rooms)
+    while pending and time.monotonic() - t0 < 90:
+        for r in sorted(pending):
+            s = receivers[r].poll()
+            if s in (KVPoll.Success, KVPoll.Failed):
+                reason = None
+                if s == KVPoll.Failed:
+                    try:
+                        receivers[r].failure_exception()
+                    except Exception as exc:  # noqa: BLE001
+                        reason = str(exc)
+                res = dict(event="done", room=r, status=int(s), reason=reason, t=time.monotonic() - t0)
+                if s == KVPoll.Success:
+                    res["kv"] = digests(bufs, dst_pages[r], item)
+                    res["aux"] = [bytes(a[5 * n : 6 * n]).hex() for a, n in zip(aux, AUX_ITEMS, strict=True)]
+                out(**res)
+                pending.discard(r)
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    role, port, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if role == "prefill":
+        prefill(port, scenario)
+    else:
+        decode(port, scenario, bad=role == "decode-badaddr")
