@@ -1,0 +1,186 @@
+"""KvpoolHiCacheStorage: SGLang HiCache L3 storage backend over the kvpool store.
+
+``--enable-hierarchical-cache --hicache-storage-backend dynamic
+--hicache-storage-backend-extra-config '{"backend_name":"kvpool",
+"module_path":"kvpool.connectors.sglang.hicache","class_name":"KvpoolHiCacheStorage",
+"interface_v1":1,"master":"host:port"}'``
+
+Extra-config keys of this backend (besides SGLang's): ``master`` (required: ``host:port`` of
+``kvpool master``, or ``KVPOOL_MASTER``), ``hostname``, ``segment_size`` (DRAM this rank
+contributes, default 0), ``buffer_size``, ``protocol``, ``secret``, ``key_tag`` (extra key prefix).
+
+SGLang's page keys are SHA-256 chains without rank; objects are stored as
+``kvpool/sgl/<tag>/<model>/<key>_<tp_rank>of<tp_size>_k`` (and ``_v``), one object per page
+and K/V half, so ranks never collide. The zero-copy v1 path moves bytes straight between the
+host pool (registered once in :meth:`register_mem_pool_host`) and the pool; ``batch_exists``
+returns the leading run of pages whose objects all exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvpool.errors import ConfigError, KvpoolError, ObjectExists
+from kvpool.store.client import Store
+
+log = logging.getLogger("kvpool.connectors.sglang")
+
+_STORE_KEYS = ("hostname", "segment_size", "buffer_size", "protocol", "secret", "metadata")
+
+
+class KvpoolHiCacheStorage(HiCacheStorage):
+    """HiCache storage backend (SGLang ``dynamic`` backend, ``interface_v1``) on a kvpool store."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        master = extra.get("master") or os.environ.get("KVPOOL_MASTER")
+        if not master:
+            raise ConfigError(
+                "KvpoolHiCacheStorage needs 'master' (host:port of `kvpool master`) in "
+                "--hicache-storage-backend-extra-config or KVPOOL_MASTER"
+            )
+        opts = {k: extra[k] for k in _STORE_KEYS if k in extra}
+        opts.setdefault("segment_size", 0)
+        self.store = Store.connect(master=str(master), **opts)
+        self.config = storage_config
+        self.is_mla = bool(storage_config.is_mla_model)
+        model = (storage_config.model_name or "model").replace("/", "_")
+        tag = str(extra.get("key_tag") or "default")
+        rank = "mla" if self.is_mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
+        if getattr(storage_config, "pp_size", 1) > 1:
+            rank += f"_pp{storage_config.pp_rank}"
+        self.prefix = f"kvpool/sgl/{tag}/{model}/"
+        self.suffix = f"_{rank}"
+        self.mem_pool_host: Any = None
+        self._registered = False
+
+    # ------------------------------------------------------------------ memory
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Register the host KV pool once, so v1 gets/sets move bytes without staging copies."""
+        super().register_mem_pool_host(mem_pool_host)
+        buf = mem_pool_host.kv_buffer
+        if not self._registered:
+            self.store.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
+            self._registered = True
+
+    def _names(self, keys: list[str]) -> list[str]:
+        halves = ("_k",) if self.is_mla else ("_k", "_v")
+        return [f"{self.prefix}{k}{self.suffix}{h}" for k in keys for h in halves]
+
+    @property
+    def _per_page(self) -> int:
+        return 1 if self.is_mla else 2
+
+    # ------------------------------------------------------------------ v1 (zero copy)
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Number of leading pages whose objects all exist."""
+        if not keys:
+            return 0
+        try:
+            found = self.store.batch_exists(self._names(keys))
+        except KvpoolError as exc:
+            log.warning("kvpool HiCache: exists failed: %s", exc)
+            return 0
+        per = self._per_page
+        for i in range(len(keys)):
+            if not all(found[i * per : (i + 1) * per]):
+                return i
+        return len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Read pages into the host pool slots ``host_indices``; per page success."""
+        if not keys:
+            return []
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        try:
+            res = self.store.batch_get_into(self._names(keys), ptrs, sizes)
+        except KvpoolError as exc:
+            log.warning("kvpool HiCache: get failed: %s", exc)
+            return [False] * len(keys)
+        per = self._per_page
+        return [
+            all(not isinstance(r, KvpoolError) for r in res[i * per : (i + 1) * per])
+            for i in range(len(keys))
+        ]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Write pages from the host pool slots ``host_indices``; pages already stored count as done."""
+        if not keys:
+            return []
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        names = self._names(keys)
+        try:
+            have = self.store.batch_exists(names)
+            todo = [i for i, h in enumerate(have) if not h]
+            res: list[Any] = [None] * len(names)
+            if todo:
+                out = self.store.batch_put_from(
+                    [names[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+                )
+                for i, r in zip(todo, out, strict=True):
+                    res[i] = r
+        except KvpoolError as exc:
+            log.warning("kvpool HiCache: set failed: %s", exc)
+            return [False] * len(keys)
+        per = self._per_page
+        ok = [r is None or isinstance(r, ObjectExists) for r in res]
+        return [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
+
+    # ------------------------------------------------------------------ legacy interface
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """One page into ``target_location`` (a tensor or a host-pool index tensor)."""
+        res = self.batch_get([key], [target_location] if target_location is not None else None)
+        return res[0] if isinstance(res, list) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        """Legacy path: ``target_locations`` are flat tensors of one page each (K then V halves)."""
+        if target_locations is None:
+            return [None] * len(keys)
+        names = self._names(keys)
+        views, sizes = [], []
+        per = self._per_page
+        for t in target_locations:
+            flat = t.reshape(-1).view(torch.uint8)
+            half = flat.numel() // per
+            for h in range(per):
+                views.append(flat[h * half : (h + 1) * half])  # registered for the call
+                sizes.append(half)
+        res = self.store.batch_get_into(names, views, sizes)
+        return [
+            t if all(not isinstance(r, KvpoolError) for r in res[i * per : (i + 1) * per]) else None
+            for i, t in enumerate(target_locations)
+        ]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Legacy path: each value a tensor holding one page (K then V halves)."""
+        if values is None:
+            return False
+        names, payloads = self._names(keys), []
+        per = self._per_page
+        for t in values:
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            half = len(raw) // per
+            payloads += [raw[h * half : (h + 1) * half] for h in range(per)]
+        res = self.store.batch_put(names, payloads)
+        return all(r is None or isinstance(r, ObjectExists) for r in res)
+
+    def clear(self) -> None:
+        """No-op: the pool is shared with other instances, and the master's eviction reclaims
+        space; removing objects here would take prefixes away from everyone."""
+        return None
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,56 @@
+"""KvpoolHiCacheStorage with SGLang's real host pool and backend factory, against a kvpool master
+and storage server in other processes; writer and reader are different processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.store.procs import MasterProcess, StorageProcess
+from tests.sglang_support import ROOT, SGLANG_ENV, sglang_python
+
+PROC = str(ROOT / "tests" / "sglang_hicache_proc.py")
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[str]:
+    with MasterProcess() as m, StorageProcess(m.address, 64 << 20):
+        yield m.address
+
+
+def run(role: str, master: str, n: int) -> dict:
+    env = dict(os.environ, **SGLANG_ENV)
+    out = subprocess.run(
+        [sglang_python(), PROC, role, master, str(n)], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_hicache_pages_written_by_one_process_are_read_by_another(master: str) -> None:
+    w = run("write", master, 12)
+    assert w["backend"] == "KvpoolHiCacheStorage"
+    assert w["before"] == 0
+    assert w["set"] == [True] * 12 and w["set_again"] == [True] * 12
+    assert w["exists"] == 12 and w["exists_with_gap"] == 3  # leading-run semantics
+    assert w["legacy_set"] is True and w["legacy_get"] is True
+    r = run("read", master, 12)
+    assert r["exists"] == 12 and r["get"] == [True] * 12
+    assert r["digests"] == w["digests"]  # every byte of K and V of every page
+    assert r["missing"] == [False]
+
+
+def test_hicache_backend_needs_a_master() -> None:
+    code = (
+        "from kvpool.connectors.sglang.hicache import KvpoolHiCacheStorage\n"
+        "from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig\n"
+        "cfg = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, True, 'm', extra_config={})\n"
+        "try:\n    KvpoolHiCacheStorage(cfg, {})\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    env = {k: v for k, v in dict(os.environ, **SGLANG_ENV).items() if k != "KVPOOL_MASTER"}
+    out = subprocess.run([sglang_python(), "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert out.stdout.startswith("ConfigError") and "master" in out.stdout, out.stderr[-2000:]

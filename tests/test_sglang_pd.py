@@ -1,0 +1,156 @@
+"""SGLang 0.5.23 P/D through the kvpool backend: plugin registration, a two-process
+prefill->decode transfer with SGLang's own KVArgs/bootstrap server/Common* classes (every byte
+verified), aborts, TP mismatch, a prefill killed mid-transfer and a bad bootstrap address."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool.child import free_port
+from tests.sglang_support import ROOT, SGLANG_ENV, sglang_python
+
+PROC = str(ROOT / "tests" / "sglang_pd_proc.py")
+SUCCESS, FAILED = 4, 0
+
+
+class Role:
+    """One role process; JSON lines on stdout."""
+
+    def __init__(self, role: str, port: int, scenario: str) -> None:
+        env = dict(os.environ, **SGLANG_ENV)
+        self.proc = subprocess.Popen(
+            [sglang_python(), PROC, role, str(port), scenario],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.events: list[dict[str, Any]] = []
+
+    def wait_for(self, event: str, timeout: float = 120, **match: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        for ev in self.events:
+            if ev["event"] == event and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise AssertionError(
+                    f"{event!r} never came; process exited {self.proc.poll()}:\n{err[-3000:]}"
+                )
+            ev = json.loads(line)
+            self.events.append(ev)
+            if ev["event"] == event and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+        raise AssertionError(f"{event!r} not within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture
+def roles() -> Iterator[list[Role]]:
+    started: list[Role] = []
+    yield started
+    for r in started:
+        r.close()
+
+
+def test_plugin_registers_backend_and_cli_choice() -> None:
+    code = """
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.disaggregation import prefill, decode
+args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
+                            "--disaggregation-transfer-backend", "kvpool"])
+b = TransferBackend("kvpool")
+names = [get_kv_class(b, t).__name__ for t in KVClassType]
+print(args.disaggregation_transfer_backend, b.name, *names, prefill.get_kv_class is get_kv_class)
+"""
+    env = dict(os.environ, **SGLANG_ENV)
+    out = subprocess.run([sglang_python(), "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [
+        "kvpool",
+        "KVPOOL",
+        "KVArgs",
+        "KvpoolKVManager",
+        "KvpoolKVSender",
+        "KvpoolKVReceiver",
+        "KvpoolKVBootstrapServer",
+        "True",
+    ]
+
+
+def test_prefill_to_decode_transfer_abort_and_tp_mismatch(roles: list[Role]) -> None:
+    port = free_port()
+    p = Role("prefill", port, "main")
+    roles.append(p)
+    p.wait_for("ready")
+    d = Role("decode", port, "main")
+    roles.append(d)
+    src = p.wait_for("src")
+    got = d.wait_for("done", room=1)
+    assert got["status"] == SUCCESS, got["reason"]
+    # Every byte of every page of every layer's K and V buffer, and both aux rows, arrived.
+    assert got["kv"] == src["kv"]["1"] and len(got["kv"]) == 8 and len(got["kv"][0]) == 40
+    assert got["aux"] == src["aux"]
+    done1 = p.wait_for("done", room=1)
+    assert done1["status"] == SUCCESS and done1["calls"] == 3  # one batch per chunk, aux in the last
+    # Room 2: the decode aborted; the prefill side gives the room up with the reason.
+    assert d.wait_for("done", room=2)["status"] == FAILED
+    p2 = p.wait_for("done", room=2)
+    assert p2["status"] == FAILED and "Aborted by the decode instance" in p2["reason"]
+    # Room 3: a decode with another attention TP size is refused with a clear reason on both sides.
+    d3 = d.wait_for("done", room=3)
+    assert d3["status"] == FAILED and "equal attention TP sizes" in d3["reason"]
+    assert "equal attention TP sizes" in p.wait_for("done", room=3)["reason"]
+
+
+def test_prefill_killed_mid_transfer_fails_decode_with_reason(roles: list[Role]) -> None:
+    port = free_port()
+    p = Role("prefill", port, "kill")
+    roles.append(p)
+    p.wait_for("ready")
+    d = Role("decode", port, "kill")
+    roles.append(d)
+    p.wait_for("first-chunk-sent")
+    p.kill()
+    t0 = time.monotonic()
+    got = d.wait_for("done", room=1, timeout=60)
+    assert got["status"] == FAILED
+    assert "Lost connection with prefill instance" in got["reason"]
+    assert time.monotonic() - t0 < 20  # heartbeat every 2 s, 2 misses
+
+
+def test_bad_bootstrap_address_fails_with_reason(roles: list[Role]) -> None:
+    d = Role("decode-badaddr", free_port(), "main")
+    roles.append(d)
+    got = d.wait_for("done", room=9, timeout=120)
+    assert got["status"] == FAILED and got["reason"]
