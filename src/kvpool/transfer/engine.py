@@ -466,6 +466,20 @@ class TransferEngine:
                     raise ValueError(f"request {i}: length must be positive and addresses non-negative")
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
+        self._submit_lists(batch_id, ops, locs, peers, rems, lens, lambda: ops_codes(requests))
+
+    def _submit_lists(
+        self,
+        batch_id: int,
+        ops: list[int],
+        locs: list[int],
+        peers: list[int],
+        rems: list[int],
+        lens: list[int],
+        opcodes: Any,
+    ) -> None:
+        """Queue validated request columns (``opcodes()`` gives OpCode values for RDMA)."""
+        n = len(ops)
         self._refresh_stale(set(peers))
         rb = self._rdma_batches.get(batch_id) if self._rdma_batches else None
         if rb is not None and n:
@@ -479,7 +493,7 @@ class TransferEngine:
             if mode == "rdma":
                 self._native.batch_status(batch_id)  # unknown/freed batch -> the native typed error
                 rb.mode = "rdma"
-                self._rdma.submit(rb, list(zip(ops_codes(requests), locs, peers, rems, lens, strict=True)))
+                self._rdma.submit(rb, list(zip(opcodes(), locs, peers, rems, lens, strict=True)))
                 return
             rb.mode = "native"
         self._native.submit(batch_id, ops, locs, peers, rems, lens)
@@ -569,14 +583,22 @@ class TransferEngine:
         if n == 0:
             return 0
         handle = self.open_segment(target_name)
+        try:
+            locs, rems, lens = (
+                list(map(int, local_addrs)),
+                list(map(int, remote_addrs)),
+                list(map(int, lengths)),
+            )
+            op = OpCode(opcode)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(f"bad transfer request: {exc}") from None
+        if min(lens) <= 0 or min(locs) < 0 or min(rems) < 0:
+            raise InvalidArgument("lengths must be positive and addresses non-negative")
         bid = self.allocate_batch_id(n)
         try:
-            self.submit_transfer(
-                bid,
-                [
-                    TransferRequest(opcode, la, handle, ra, ln)
-                    for la, ra, ln in zip(local_addrs, remote_addrs, lengths, strict=True)
-                ],
+            # Columns straight to the native queue: no per-request Python objects.
+            self._submit_lists(
+                bid, [_NATIVE_OP[op]] * n, locs, [handle.id] * n, rems, lens, lambda: [int(op)] * n
             )
             self.wait_batch(bid)
             self._raise_failures(bid, n)

@@ -47,7 +47,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvpool.config import TransferConfig
 from kvpool.errors import KvpoolError
 from kvpool.transfer.engine import TransferEngine
-from kvpool.transfer.types import OpCode, TransferRequest, TransferState
+from kvpool.transfer.types import OpCode
 
 log = logging.getLogger("kvpool.connectors.sglang")
 
@@ -364,58 +364,49 @@ class KvpoolKVManager(CommonKVManager):
                 return
             dst = info.dst_kv_indices[chunk.index_slice]
             src = chunk.kv_indices[: len(dst)]
-            reqs = self._page_requests(peer, src, dst)
+            cols = self._page_columns(peer, src, dst)
             if chunk.is_last and chunk.aux_index is not None and info.dst_aux_index is not None:
-                reqs += self._aux_requests(peer, chunk.aux_index, info.dst_aux_index)
-            if reqs:
-                self._run(peer.session, reqs)
+                self._aux_columns(peer, chunk.aux_index, info.dst_aux_index, cols)
+            if cols[0]:
+                self._run(peer.session, cols)
             targets.append((info.endpoint, info.dst_port))
         if chunk.is_last:
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets or None)
             self.transfer_infos.pop(room, None)
 
-    def _page_requests(self, peer: PeerArgs, src: np.ndarray, dst: np.ndarray) -> list[TransferRequest]:
-        """Every layer's K then V: one WRITE per run of pages contiguous on both sides."""
+    def _page_columns(self, peer: PeerArgs, src: np.ndarray, dst: np.ndarray) -> tuple[list, list, list]:
+        """Every layer's K then V: one WRITE per run of pages contiguous on both sides
+        (source addresses, destination addresses, lengths)."""
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
         if not len(src):
-            return []
+            return srcs, dsts, lens
         a = self.kv_args
-        handle = self.engine.open_segment(peer.session)
         src_groups, dst_groups = group_concurrent_contiguous(src.astype(np.int32), dst.astype(np.int32))
         runs = [(int(s[0]), int(d[0]), len(s)) for s, d in zip(src_groups, dst_groups, strict=True)]
-        reqs = []
         for src_ptr, dst_ptr, item in zip(a.kv_data_ptrs, peer.kv_ptrs, a.kv_item_lens, strict=False):
             for s0, d0, n in runs:
-                reqs.append(
-                    TransferRequest(OpCode.WRITE, src_ptr + s0 * item, handle, dst_ptr + d0 * item, n * item)
-                )
-        return reqs
+                srcs.append(src_ptr + s0 * item)
+                dsts.append(dst_ptr + d0 * item)
+                lens.append(n * item)
+        return srcs, dsts, lens
 
-    def _aux_requests(self, peer: PeerArgs, src_index: int, dst_index: int) -> list[TransferRequest]:
+    def _aux_columns(
+        self, peer: PeerArgs, src_index: int, dst_index: int, cols: tuple[list, list, list]
+    ) -> None:
+        """Append the request's aux (metadata) rows to the same batch."""
         a = self.kv_args
-        handle = self.engine.open_segment(peer.session)
-        n = min(len(a.aux_data_ptrs), len(peer.aux_ptrs))
-        return [
-            TransferRequest(
-                OpCode.WRITE,
-                a.aux_data_ptrs[i] + a.aux_item_lens[i] * src_index,
-                handle,
-                peer.aux_ptrs[i] + peer.aux_item_lens[i] * dst_index,
-                a.aux_item_lens[i],
-            )
-            for i in range(n)
-            if a.aux_item_lens[i]
-        ]
+        for i in range(min(len(a.aux_data_ptrs), len(peer.aux_ptrs))):
+            if a.aux_item_lens[i]:
+                cols[0].append(a.aux_data_ptrs[i] + a.aux_item_lens[i] * src_index)
+                cols[1].append(peer.aux_ptrs[i] + peer.aux_item_lens[i] * dst_index)
+                cols[2].append(a.aux_item_lens[i])
 
-    def _run(self, session: str, reqs: list[TransferRequest]) -> None:
-        bid = self.engine.allocate_batch_id(len(reqs))
-        try:
-            self.engine.submit_transfer(bid, reqs)
-            st = self.engine.wait_batch(bid)
-        finally:
-            self.engine.free_batch_id(bid)
+    def _run(self, session: str, cols: tuple[list, list, list]) -> None:
+        """One transfer batch to a decode rank; raises a typed error when any part failed."""
+        self.engine.batch_transfer_sync(session, cols[0], cols[1], cols[2], OpCode.WRITE)
         self.transfer_calls += 1
-        if st.state != TransferState.COMPLETED:
-            raise KvpoolError(f"KV write to decode {session} ended {st.state.name}: {st.error}")
 
     # ------------------------------------------------------------------ decode: control thread
     def _decode_control(self) -> None:
