@@ -36,7 +36,7 @@ from kvpool.connectors.vllm.common import (
 from kvpool.errors import KvpoolError, TransferError
 from kvpool.store.rpc import RpcClient, RpcServer
 from kvpool.transfer.engine import TransferEngine
-from kvpool.transfer.types import OpCode, TransferRequest, TransferState
+from kvpool.transfer.types import OpCode
 
 check_vllm()
 
@@ -458,12 +458,15 @@ class _PdWorker:
             self._remotes[key] = rem
         return rem
 
-    def _requests(self, rem: _Remote, job: RecvJob) -> list[TransferRequest]:
+    def _columns(self, rem: _Remote, job: RecvJob) -> tuple[list[int], list[int], list[int]]:
+        """(local addresses, remote addresses, lengths) of the READs of one load."""
         if rem.block_size != self.block_size:
             raise TransferError(f"block size differs: prefill {rem.block_size}, decode {self.block_size}")
         if set(rem.regions) != {r.name for r in self.regions}:
             raise TransferError("prefill and decode KV cache layers differ (same model and layout needed)")
-        reqs: list[TransferRequest] = []
+        locs: list[int] = []
+        rems: list[int] = []
+        lens: list[int] = []
         runs = block_runs(job.local_block_ids, job.remote_block_ids)
         for loc in self.regions:
             rr = rem.regions[loc.name]
@@ -476,13 +479,15 @@ class _PdWorker:
                 if lb + n > loc.num_blocks or rb + n > rr.num_blocks:
                     raise TransferError(f"block ids out of range for layer {loc.name}")
                 if loc.stride == loc.block_bytes and rr.stride == rr.block_bytes:
-                    reqs.append(TransferRequest(OpCode.READ, loc.addr + lb * loc.stride, rem.handle,
-                                                rr.addr + rb * rr.stride, n * loc.block_bytes))  # fmt: skip
+                    locs.append(loc.addr + lb * loc.stride)
+                    rems.append(rr.addr + rb * rr.stride)
+                    lens.append(n * loc.block_bytes)
                 else:
                     for i in range(n):
-                        src, dst = loc.addr + (lb + i) * loc.stride, rr.addr + (rb + i) * rr.stride
-                        reqs.append(TransferRequest(OpCode.READ, src, rem.handle, dst, loc.block_bytes))
-        return reqs
+                        locs.append(loc.addr + (lb + i) * loc.stride)
+                        rems.append(rr.addr + (rb + i) * rr.stride)
+                        lens.append(loc.block_bytes)
+        return locs, rems, lens
 
     def _load_loop(self) -> None:
         while True:
@@ -517,17 +522,11 @@ class _PdWorker:
                     )
                 port = job.remote_port + self.tp_rank
                 rem = self._remote(job.remote_host, port)
-                reqs = self._requests(rem, job)
-                nbytes = sum(r.length for r in reqs)
+                locs, rems, lens = self._columns(rem, job)
+                nbytes = sum(lens)
                 assert self.engine is not None
-                bid = self.engine.allocate_batch_id(len(reqs))
-                try:
-                    self.engine.submit_transfer(bid, reqs)
-                    st = self.engine.wait_batch(bid)
-                finally:
-                    self.engine.free_batch_id(bid)
-                if st.state != TransferState.COMPLETED:
-                    raise TransferError(f"KV read from {rem.segment} ended {st.state.name}: {st.error}")
+                # One batch, submitted as columns; raises a typed error naming what failed.
+                self.engine.batch_transfer_sync(rem.segment, locs, rems, lens, OpCode.READ)
         except KvpoolError as exc:
             ok, why = False, str(exc)
             self._remotes.pop((job.remote_host, job.remote_port + self.tp_rank), None)
