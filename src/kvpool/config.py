@@ -106,6 +106,11 @@ class TransferConfig(_ConfigBase):
         rdma_nic_pause_s: a NIC that failed is avoided this long, then probed again.
         rdma_chain: work requests linked into one ``post_send``.
         rdma_sq_depth: outstanding work requests per QP.
+        device_runtime: CUDA runtime used for ``cuda:N`` memory: ``"auto"`` (torch.cuda, else cupy),
+            ``"torch"``, ``"cupy"`` or ``"fake"`` (the CPU test double
+            :mod:`kvpool.testing.fake_cuda`; never chosen implicitly).
+        staging_pool_size: pinned host bytes used to stage GPU memory through TCP/same-host
+            transfers (allocated on first use; bounds the staged bytes in flight).
     """
 
     hostname: str = "127.0.0.1"
@@ -131,6 +136,8 @@ class TransferConfig(_ConfigBase):
     rdma_nic_pause_s: float = Field(default=5.0, ge=0)
     rdma_chain: int = Field(default=32, ge=1, le=1024)
     rdma_sq_depth: int = Field(default=256, ge=1, le=16384)
+    device_runtime: Literal["auto", "torch", "cupy", "fake"] = "auto"
+    staging_pool_size: int = Field(default=64 << 20, ge=1 << 16)
 
     @field_validator("rdma_mtu")
     @classmethod
