@@ -8,6 +8,7 @@ TCP lanes with scatter/gather straight from and into registered memory, or a sin
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import mmap
 import os
@@ -18,14 +19,17 @@ from typing import Any
 from kvpool import _native
 from kvpool.config import TransferConfig
 from kvpool.errors import (
+    AddressNotRegistered,
     BatchInFlight,
     InvalidArgument,
     KvpoolError,
     ProtocolUnavailable,
+    RegistrationError,
     SegmentNotFound,
     TransferError,
     TransferTimeout,
 )
+from kvpool.transfer.device import StagingPool, device_buffer, get_runtime, parse_location
 from kvpool.transfer.metadata import MetadataBackend, open_metadata
 from kvpool.transfer.types import (
     BufferDescriptor,
@@ -43,6 +47,21 @@ _AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in t
 
 _NATIVE_OP = {OpCode.READ: _native.OP_READ, OpCode.WRITE: _native.OP_WRITE}
 _ST_TIMEOUT = 101
+
+
+class _Staged:
+    """One request whose local side is GPU memory, moved through a pinned staging range."""
+
+    __slots__ = ("index", "op", "dev", "stage", "n", "done", "error")
+
+    def __init__(self, index: int, op: int, dev: int, stage: int, n: int) -> None:
+        self.index = index
+        self.op = op
+        self.dev = dev
+        self.stage = stage
+        self.n = n
+        self.done = False
+        self.error: str | None = None
 
 
 def split_host_port(name: str) -> tuple[str, int]:
@@ -151,6 +170,14 @@ class TransferEngine:
         self._closed = False
         self._rdma: Any = None
         self._rdma_batches: dict[int, Any] = {}
+        # GPU (cuda:N) memory: registrations (sorted starts / (start, end, device)), runtime, staging
+        self._dev_starts: list[int] = []
+        self._dev_regs: list[tuple[int, int, int]] = []
+        self._device_rt: Any = None
+        self._staging: StagingPool | None = None
+        self._staged: dict[int, dict[int, _Staged]] = {}  # batch -> slot index -> staged request
+        self._fill: dict[int, int] = {}  # batch -> requests submitted to the native batch (slot base)
+        self._stage_lock = threading.Lock()
         if cfg.protocol in ("rdma", "auto"):
             try:
                 self._rdma = self._start_rdma(cfg)
@@ -235,15 +262,19 @@ class TransferEngine:
         """Register memory for transfers; returns its address.
 
         Accepts an int address (with ``length``), any writable Python buffer (bytearray,
-        memoryview, numpy array) or a CPU torch tensor. Only ``remote_accessible`` memory may be
+        memoryview, numpy array) or a CPU torch tensor. GPU memory: a CUDA torch tensor, an object
+        with ``__cuda_array_interface__`` (cupy) or an int address with ``location="cuda:N"``
+        (validated: a CUDA runtime, N < device count, the range is memory of device N); it moves
+        over RDMA directly (GPUDirect) and through pinned staging buffers over TCP/same-host, where
+        it can only be local (``remote_accessible=False``). Only ``remote_accessible`` memory may be
         touched by peers. Overlapping registrations raise :class:`RegistrationError`. A read-only
         buffer (e.g. ``bytes``) may be registered with ``remote_accessible=False``: it can then be
         the source of WRITEs but never the destination of a READ.
         """
-        if not isinstance(location, str) or not (location == "cpu" or location.startswith("cpu:")):
-            if isinstance(location, str) and location.startswith("cuda"):
-                raise ProtocolUnavailable(f"location {location!r}: GPU memory is not supported in this build")
-            raise InvalidArgument(f"location must be 'cpu' or 'cpu:N', got {location!r}")
+        kind, index = parse_location(location)
+        dev = device_buffer(addr_or_buffer, length)
+        if dev is not None or kind == "cuda":
+            return self._register_device(addr_or_buffer, length, index, dev, bool(remote_accessible))
         addr, n, keep = buffer_range(addr_or_buffer, length, allow_read_only=not remote_accessible)
         read_only = isinstance(keep, memoryview) and keep.readonly
         self._native.register_memory(addr, n, bool(remote_accessible), read_only)
@@ -258,6 +289,86 @@ class TransferEngine:
         if remote_accessible:  # local-only memory is not published: registering it is cheap
             self._publish()
         return addr
+
+    @property
+    def device_runtime(self) -> Any:
+        """The CUDA runtime (:class:`kvpool.transfer.device.DeviceRuntime`), selected on first use."""
+        if self._device_rt is None:
+            self._device_rt = get_runtime(self.config.device_runtime)
+        return self._device_rt
+
+    def _register_device(
+        self, obj: Any, length: int | None, index: int | None, dev: Any, remote: bool
+    ) -> int:
+        rt = self.device_runtime  # ProtocolUnavailable when there is no CUDA runtime
+        if dev is not None:
+            addr, n, keep, tindex = dev
+            if index is not None and tindex is not None and index != tindex:
+                raise InvalidArgument(f"tensor is on cuda:{tindex}, location says cuda:{index}")
+            index = tindex if index is None else index
+        else:
+            if not isinstance(obj, int) or isinstance(obj, bool):
+                raise InvalidArgument(
+                    "GPU memory must be a CUDA tensor, a __cuda_array_interface__ object or an int address"
+                )
+            addr, n, keep = buffer_range(obj, length)
+        count = rt.device_count()
+        actual = rt.pointer_device(addr)
+        if index is None:
+            index = actual
+        if index is None:
+            raise InvalidArgument(f"address {addr:#x} is not CUDA device memory")
+        if not 0 <= index < count:
+            raise InvalidArgument(
+                f"cuda:{index} does not exist: the {rt.name} runtime sees {count} device(s)"
+            )
+        if actual != index or rt.pointer_device(addr + n - 1) != index:
+            where = "not CUDA device memory" if actual is None else f"memory of cuda:{actual}"
+            raise InvalidArgument(f"range {addr:#x}+{n} is not all memory of cuda:{index} ({where})")
+        if remote and self._rdma is None:
+            raise ProtocolUnavailable(
+                f"cuda:{index} memory cannot be remote-accessible without RDMA: peers reach TCP/same-host "
+                "engines through a server that can only touch host memory. Use protocol='rdma' (GPUDirect: "
+                "nvidia-peermem or DMA-BUF) or register it with remote_accessible=False (it can then be "
+                "the source of WRITEs and the destination of READs, staged through pinned host memory)"
+            )
+        loc = f"cuda:{index}"
+        with self._lock:
+            i = bisect.bisect_right(self._dev_starts, addr)
+            if (i and self._dev_regs[i - 1][1] > addr) or (
+                i < len(self._dev_starts) and self._dev_starts[i] < addr + n
+            ):
+                raise RegistrationError(f"range {addr:#x}+{n} overlaps registered {loc} memory")
+        if self._rdma is not None:
+            self._rdma.register(addr, n, loc, remote, writable=True, dmabuf=lambda: rt.dmabuf_fd(addr, n))
+        with self._lock:
+            i = bisect.bisect_right(self._dev_starts, addr)
+            self._dev_starts.insert(i, addr)
+            self._dev_regs.insert(i, (addr, addr + n, index))
+            self._buffers[addr] = (BufferDescriptor(addr, n, loc, remote), keep)
+        if remote:
+            self._publish()
+        return addr
+
+    def _dev_region(self, addr: int, n: int) -> tuple[int, int, int] | None:
+        """The GPU registration holding [addr, addr+n), None when addr is not in GPU memory."""
+        i = bisect.bisect_right(self._dev_starts, addr) - 1
+        if i < 0:
+            return None
+        reg = self._dev_regs[i]
+        if addr >= reg[1]:
+            return None
+        if addr + n > reg[1]:
+            raise AddressNotRegistered(f"local range {addr:#x}+{n} runs past registered cuda:{reg[2]} memory")
+        return reg
+
+    def _staging_pool(self) -> StagingPool:
+        with self._lock:
+            if self._staging is None:
+                pool = StagingPool(self.device_runtime, self.config.staging_pool_size)
+                self._native.register_memory(pool.base, pool.size, False, False)
+                self._staging = pool
+            return self._staging
 
     def alloc_shared_buffer(self, size: int, name: str = "kvpool") -> memoryview:
         """Allocate ``size`` bytes of shared memory (memfd), pre-faulted and registered as
@@ -286,12 +397,20 @@ class TransferEngine:
 
     def unregister_local_memory(self, addr_or_buffer: Any) -> None:
         """Unregister memory previously registered at this address (or buffer)."""
+        dev = None if isinstance(addr_or_buffer, int) else device_buffer(addr_or_buffer, None)
         addr = (
             addr_or_buffer
             if isinstance(addr_or_buffer, int)
+            else dev[0]
+            if dev is not None
             else buffer_range(addr_or_buffer, allow_read_only=True)[0]
         )
-        self._native.unregister_memory(addr)
+        if self._dev_starts and addr in self._dev_starts:
+            with self._lock:
+                i = self._dev_starts.index(addr)
+                del self._dev_starts[i], self._dev_regs[i]
+        else:
+            self._native.unregister_memory(addr)
         if self._rdma is not None:
             self._rdma.unregister(addr)
         with self._lock:
@@ -424,7 +543,16 @@ class TransferEngine:
         rb = self._rdma_batch(batch_id)
         if rb is not None and rb.pending:
             raise BatchInFlight(f"batch {batch_id} has {rb.pending} RDMA transfers in flight; wait first")
+        if self._staged:
+            self._finish_staged(batch_id)
         self._native.free_batch(batch_id)
+        self._fill.pop(batch_id, None)
+        if self._staged:
+            with self._stage_lock:
+                left = self._staged.pop(batch_id, None)
+            for e in (left or {}).values():
+                if not e.done:  # cannot happen after a successful free; never leak the range
+                    self._staging_pool().release(e.stage, e.n)
         if self._rdma_batches:
             with self._lock:
                 self._rdma_batches.pop(batch_id, None)
@@ -477,8 +605,15 @@ class TransferEngine:
         rems: list[int],
         lens: list[int],
         opcodes: Any,
+        stage_wait_s: float | None = None,
     ) -> None:
-        """Queue validated request columns (``opcodes()`` gives OpCode values for RDMA)."""
+        """Queue validated request columns (``opcodes()`` gives OpCode values for RDMA).
+
+        TCP/same-host requests whose local range is GPU memory are staged: a pinned range of the
+        staging pool replaces the local address (WRITE: filled by a device-to-host copy now; READ:
+        copied to the device when the slot completes, see :meth:`_finish_staged`). Without free
+        staging, ``stage_wait_s`` None raises InvalidArgument, else waits that long (TransferTimeout).
+        """
         n = len(ops)
         self._refresh_stale(set(peers))
         rb = self._rdma_batches.get(batch_id) if self._rdma_batches else None
@@ -496,7 +631,96 @@ class TransferEngine:
                 self._rdma.submit(rb, list(zip(opcodes(), locs, peers, rems, lens, strict=True)))
                 return
             rb.mode = "native"
+        if self._dev_starts:
+            self._submit_staged(batch_id, ops, locs, peers, rems, lens, stage_wait_s)
+            return
         self._native.submit(batch_id, ops, locs, peers, rems, lens)
+        self._fill[batch_id] = self._fill.get(batch_id, 0) + n
+
+    def _submit_staged(
+        self,
+        batch_id: int,
+        ops: list[int],
+        locs: list[int],
+        peers: list[int],
+        rems: list[int],
+        lens: list[int],
+        wait_s: float | None,
+    ) -> None:
+        todo = [(i, locs[i], lens[i]) for i in range(len(ops)) if self._dev_region(locs[i], lens[i])]
+        if not todo:
+            self._native.submit(batch_id, ops, locs, peers, rems, lens)
+            self._fill[batch_id] = self._fill.get(batch_id, 0) + len(ops)
+            return
+        self._native.batch_status(batch_id)  # unknown/freed batch -> the native typed error, before copies
+        pool = self._staging_pool()
+        sizes = [n for _, _, n in todo]
+        stages = pool.try_alloc(sizes) if wait_s is None else pool.alloc(sizes, wait_s)
+        if stages is None:
+            need = sum(pool.rounded(n) for n in sizes)
+            msg = (
+                f"GPU staging: {len(todo)} requests need {need} bytes of pinned staging, the pool has "
+                f"{pool.free_bytes} of {pool.size} free"
+            )
+            if wait_s is not None:
+                raise TransferTimeout(msg + f" after waiting {wait_s:g} s")
+            raise InvalidArgument(
+                msg + "; wait for (or free) batches in flight, raise staging_pool_size, or use "
+                "batch_transfer_sync/transfer_sync (they stage in rounds)"
+            )
+        rt = self.device_runtime
+        locs = list(locs)
+        staged: list[tuple[int, int, int, int, int]] = []
+        try:
+            for (i, dev, n), st in zip(todo, stages, strict=True):
+                if ops[i] == _native.OP_WRITE:
+                    rt.copy_d2h(st, dev, n)
+                locs[i] = st
+                staged.append((i, ops[i], dev, st, n))
+            with self._stage_lock:  # slot indices: keep the native fill and our count in step
+                self._native.submit(batch_id, ops, locs, peers, rems, lens)
+                base = self._fill.get(batch_id, 0)
+                self._fill[batch_id] = base + len(ops)
+                slots = self._staged.setdefault(batch_id, {})
+                for i, op, dev, st, n in staged:
+                    slots[base + i] = _Staged(base + i, op, dev, st, n)
+        except BaseException as exc:
+            for st, n in zip(stages, sizes, strict=True):
+                pool.release(st, n)
+            if isinstance(exc, KvpoolError):
+                raise
+            raise TransferError(f"GPU staging copy (device to host) failed: {exc}") from exc
+
+    def _finish_staged(self, batch_id: int, index: int | None = None) -> None:
+        """Complete staged requests whose slot finished: READs copy staging -> device; ranges go back."""
+        slots = self._staged.get(batch_id)
+        if not slots:
+            return
+        with self._stage_lock:
+            todo = [slots[index]] if index is not None and index in slots else []
+            if index is None:
+                todo = list(slots.values())
+            for e in todo:
+                if e.done:
+                    continue
+                state = self._native.status(batch_id, e.index)[0]
+                if state <= TransferState.PENDING:
+                    continue
+                if state == TransferState.COMPLETED and e.op == _native.OP_READ:
+                    try:
+                        self.device_runtime.copy_h2d(e.dev, e.stage, e.n)
+                    except Exception as exc:  # noqa: BLE001 - runtime errors become the slot's reason
+                        e.error = f"GPU staging copy (host to device) failed: {exc}"
+                e.done = True
+                self._staging_pool().release(e.stage, e.n)
+
+    def _staged_error(self, batch_id: int) -> str | None:
+        slots = self._staged.get(batch_id)
+        if slots:
+            for e in slots.values():
+                if e.error is not None:
+                    return e.error
+        return None
 
     def _status(self, state: int, nbytes: int, err: int) -> TransferStatus:
         return TransferStatus(TransferState(state), nbytes, _native.status_text(err) if err else None)
@@ -509,6 +733,11 @@ class TransferEngine:
                 raise InvalidArgument(f"index {index} outside batch {batch_id} of {rb.size} slots")
             return rb.status(index)
         state, nbytes = self._native.status(batch_id, index)
+        if self._staged and state > TransferState.PENDING and batch_id in self._staged:
+            self._finish_staged(batch_id, index)
+            e = self._staged[batch_id].get(index)
+            if e is not None and e.error is not None:
+                return TransferStatus(TransferState.FAILED, 0, e.error)
         err = self._native.slot_error(batch_id, index) if state > TransferState.COMPLETED else 0
         return self._status(state, nbytes, err)
 
@@ -519,6 +748,10 @@ class TransferEngine:
             st = rb.batch_status()
             return TransferStatus(st.state, st.transferred_bytes)
         state, nbytes = self._native.batch_status(batch_id)
+        if self._staged and state > TransferState.PENDING and batch_id in self._staged:
+            self._finish_staged(batch_id)
+            if state == TransferState.COMPLETED and self._staged_error(batch_id) is not None:
+                state = TransferState.FAILED
         return TransferStatus(TransferState(state), nbytes)
 
     def wait_batch(self, batch_id: int, timeout_s: float | None = None) -> TransferStatus:
@@ -530,6 +763,10 @@ class TransferEngine:
             return TransferStatus(st.state, st.transferred_bytes)
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
         state = self._native.wait(batch_id, ms)
+        if self._staged and state > TransferState.PENDING and batch_id in self._staged:
+            self._finish_staged(batch_id)
+            if state == TransferState.COMPLETED and self._staged_error(batch_id) is not None:
+                state = TransferState.FAILED
         return TransferStatus(TransferState(state), self._native.batch_status(batch_id)[1])
 
     async def wait_batch_async(self, batch_id: int, timeout_s: float | None = None) -> TransferStatus:
@@ -558,7 +795,9 @@ class TransferEngine:
         if not isinstance(length, int) or length <= 0:
             raise InvalidArgument("length must be a positive integer")
         handle = self.open_segment(target_name)
-        if self._rdma is not None and self._rdma.has_peer(handle.id):
+        if (self._rdma is not None and self._rdma.has_peer(handle.id)) or (
+            self._dev_starts and self._dev_region(local_addr, length) is not None
+        ):
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         err = self._native.transfer_sync(
             _NATIVE_OP[OpCode(opcode)], local_addr, handle.id, remote_addr, length
@@ -594,6 +833,9 @@ class TransferEngine:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         if min(lens) <= 0 or min(locs) < 0 or min(rems) < 0:
             raise InvalidArgument("lengths must be positive and addresses non-negative")
+        if self._dev_starts and not (self._rdma is not None and self._rdma.has_peer(handle.id)):
+            if any(self._dev_region(a, b) is not None for a, b in zip(locs, lens, strict=True)):
+                return self._staged_sync(handle, op, locs, rems, lens)
         bid = self.allocate_batch_id(n)
         try:
             # Columns straight to the native queue: no per-request Python objects.
@@ -608,6 +850,56 @@ class TransferEngine:
                 self.free_batch_id(bid)
             except KvpoolError:
                 pass
+
+    def _staged_sync(
+        self, handle: SegmentHandle, op: OpCode, locs: list[int], rems: list[int], lens: list[int]
+    ) -> int:
+        """batch_transfer_sync with GPU-memory local ranges: rounds that fit the staging pool.
+
+        GPU ranges bigger than the pool are cut into pool-sized pieces; each round is one batch whose
+        staged bytes fit the pool (waiting up to ``timeout_s`` for staging other transfers hold).
+        """
+        pool = self._staging_pool()
+        cap = pool.size
+        pieces: list[tuple[int, int, int, int]] = []  # (local, remote, length, staged bytes)
+        for a, r, n in zip(locs, rems, lens, strict=True):
+            if self._dev_region(a, n) is None:
+                pieces.append((a, r, n, 0))
+                continue
+            for off in range(0, n, cap):
+                k = min(cap, n - off)
+                pieces.append((a + off, r + off, k, pool.rounded(k)))
+        total = 0
+        i = 0
+        while i < len(pieces):
+            j, need = i, 0
+            while j < len(pieces) and (j == i or need + pieces[j][3] <= cap):
+                need += pieces[j][3]
+                j += 1
+            wave = pieces[i:j]
+            m = len(wave)
+            bid = self.allocate_batch_id(m)
+            try:
+                self._submit_lists(
+                    bid,
+                    [_NATIVE_OP[op]] * m,
+                    [p[0] for p in wave],
+                    [handle.id] * m,
+                    [p[1] for p in wave],
+                    [p[2] for p in wave],
+                    lambda m=m: [int(op)] * m,
+                    stage_wait_s=self.config.timeout_s,
+                )
+                self.wait_batch(bid)
+                self._raise_failures(bid, m)
+                total += self.get_batch_status(bid).transferred_bytes
+            finally:
+                try:
+                    self.free_batch_id(bid)
+                except KvpoolError:
+                    pass
+            i = j
+        return total
 
     # ------------------------------------------------------------------ Mooncake-style aliases
     registerLocalMemory = register_local_memory  # noqa: N815

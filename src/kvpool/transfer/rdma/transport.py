@@ -407,20 +407,42 @@ class RdmaTransport:
         }
 
     # ------------------------------------------------------------------ memory
-    def register(self, addr: int, length: int, location: str, remote: bool, writable: bool = True) -> None:
+    def register(
+        self,
+        addr: int,
+        length: int,
+        location: str,
+        remote: bool,
+        writable: bool = True,
+        dmabuf: Any = None,
+    ) -> None:
+        """Register [addr, addr+length) on every NIC.
+
+        GPU memory (``location`` ``cuda:N``) is registered as is: a plain MR on the device pointer
+        works when GPUDirect peer memory (nvidia-peermem) is loaded; otherwise, when ``dmabuf()``
+        gives ``(fd, offset)`` of a DMA-BUF covering the range (``cuMemGetHandleForAddressRange``)
+        and the verbs layer has a ``DmaBufMR`` that takes ``iova`` (the MR must be addressed by the
+        virtual address, as the data path does), that is used. Failure: RegistrationError with
+        :data:`GPU_REG_HINT`.
+        """
         E = self.E
         access = E.IBV_ACCESS_LOCAL_WRITE if writable else 0
         if remote:
             access |= E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
         mrs = []
+        gpu = location.startswith("cuda")
+        dma: list[Any] = []  # [(fd, offset)] once exported, or [None]
         try:
             for nic in self.nics:
-                mrs.append(self.V.mr.MR(nic.pd, length, access, address=addr))
+                if gpu:
+                    mrs.append(self._gpu_mr(nic, addr, length, access, dmabuf, dma))
+                else:
+                    mrs.append(self.V.mr.MR(nic.pd, length, access, address=addr))
         except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError
             for m in mrs:
                 m.close()
             code = getattr(exc, "error_code", None)
-            if location.startswith("cuda"):
+            if gpu:
                 raise RegistrationError(
                     f"RDMA registration of {length} bytes of {location} failed ({exc}); {GPU_REG_HINT}"
                 ) from None
@@ -429,6 +451,9 @@ class RdmaTransport:
                     f"RDMA registration of {length} bytes failed ({exc}); {MEMLOCK_HINT}"
                 ) from None
             raise RegistrationError(f"RDMA registration of {length} bytes failed: {exc}") from None
+        finally:
+            if dma and dma[0] is not None:
+                os.close(dma[0][0])  # the MRs hold the dma-buf; our fd is not needed any more
         entry = (
             addr,
             addr + length,
@@ -443,6 +468,27 @@ class RdmaTransport:
             i = bisect.bisect_left(self._reg_starts, addr)
             self._reg_starts.insert(i, addr)
             self._regs.insert(i, entry)
+
+    def _gpu_mr(self, nic: Nic, addr: int, length: int, access: int, dmabuf: Any, dma: list[Any]) -> Any:
+        """MR on GPU memory: peer memory first (plain MR), then DMA-BUF (see :meth:`register`)."""
+        try:
+            return self.V.mr.MR(nic.pd, length, access, address=addr)
+        except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError
+            first = exc
+        cls = getattr(self.V.mr, "DmaBufMR", None)
+        if cls is None or dmabuf is None:
+            raise first
+        if not dma:
+            dma.append(dmabuf())
+        if dma[0] is None:
+            raise RegistrationError(f"{first}; no DMA-BUF export for this range either") from None
+        fd, offset = dma[0]
+        try:
+            return cls(nic.pd, length, access, dmabuf=fd, offset=offset, iova=addr)
+        except TypeError:  # pyverbs' DmaBufMR registers with iova = offset: not addressable by VA
+            raise RegistrationError(
+                f"{first}; DMA-BUF export worked but this verbs layer's DmaBufMR cannot set the iova"
+            ) from None
 
     def unregister(self, addr: int) -> None:
         with self._lock:
