@@ -274,6 +274,8 @@ class TransferEngine:
         kind, index = parse_location(location)
         dev = device_buffer(addr_or_buffer, length)
         if dev is not None or kind == "cuda":
+            # a CUDA tensor/array with the default "cpu:0": the location comes from the object
+            index = index if kind == "cuda" else None
             return self._register_device(addr_or_buffer, length, index, dev, bool(remote_accessible))
         addr, n, keep = buffer_range(addr_or_buffer, length, allow_read_only=not remote_accessible)
         read_only = isinstance(keep, memoryview) and keep.readonly

@@ -1,0 +1,384 @@
+"""GPU memory locations (``cuda:N``). Every test with ``double`` in its name runs on the CUDA TEST
+DOUBLE (:mod:`kvpool.testing.fake_cuda`: "device" memory is CPU memory the double tracks) and, for
+RDMA, on the fake-verbs test double: they check registration validation, staging through pinned
+host buffers, per-request status and the RDMA registration path, never a real GPU or NIC."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+from kvpool import OpCode, TransferConfig, TransferEngine, TransferRequest, TransferState
+from kvpool.errors import (
+    InvalidArgument,
+    ProtocolUnavailable,
+    RegistrationError,
+    TransferError,
+)
+from kvpool.testing import fake_cuda
+from kvpool.testing import fake_verbs as fv
+from kvpool.transfer.peer import PeerProcess
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+@pytest.fixture
+def rt() -> fake_cuda.FakeCudaRuntime:
+    r = fake_cuda.runtime()
+    r.reset_counters()
+    r.fail_next_h2d = None
+    return r
+
+
+@pytest.fixture(scope="module")
+def cpu_peer():
+    """A target engine in another process with a plain CPU buffer (no test double there)."""
+    with PeerProcess(16 * MiB, timeout_s=5.0) as p:
+        yield p
+
+
+def _gpu_engine(**kw) -> TransferEngine:
+    kw.setdefault("timeout_s", 5.0)
+    return TransferEngine(device_runtime="fake", **kw)
+
+
+def _run(eng, reqs, timeout=30):
+    bid = eng.allocate_batch_id(len(reqs))
+    eng.submit_transfer(bid, reqs)
+    st = eng.wait_batch(bid, timeout)
+    per = [eng.get_transfer_status(bid, k) for k in range(len(reqs))]
+    eng.free_batch_id(bid)
+    return st, per
+
+
+# ----------------------------------------------------------------------------- registration
+def test_no_cuda_runtime_is_protocol_unavailable():
+    """Not the test double: the real runtime selection ("auto") on a machine without CUDA."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with TransferEngine(protocol="tcp") as eng:
+        with pytest.raises(ProtocolUnavailable, match="needs a CUDA runtime"):
+            eng.register_local_memory(0x7F0000000000, 4096, location="cuda:0", remote_accessible=False)
+        with pytest.raises(ProtocolUnavailable):
+            eng.register_local_memory(bytearray(16), location="cuda:0")
+    for kind in ("torch", "cupy"):
+        with TransferEngine(protocol="tcp", device_runtime=kind) as eng:
+            with pytest.raises(ProtocolUnavailable):
+                eng.register_local_memory(0x7F0000000000, 4096, location="cuda", remote_accessible=False)
+
+
+def test_double_is_selected_only_explicitly(monkeypatch):
+    assert TransferConfig().device_runtime == "auto"
+    monkeypatch.setenv("KVPOOL_DEVICE_RUNTIME", "fake")
+    cfg = TransferConfig.from_env()
+    assert cfg.device_runtime == "fake"
+    with TransferEngine(config=cfg, protocol="tcp") as eng:
+        assert eng.device_runtime is fake_cuda.runtime()
+
+
+def test_double_registration_validation(rt):
+    d0 = rt.alloc(MiB, device=0)
+    d1 = rt.alloc(MiB, device=1)
+    with _gpu_engine(protocol="tcp") as eng:
+        # a __cuda_array_interface__ object (cupy-like): location inferred from the pointer
+        a = eng.register_local_memory(d0, remote_accessible=False)
+        assert a == d0.ptr and eng._buffers[a][0].location == "cuda:0"
+        # raw address with an explicit location
+        b = eng.register_local_memory(d1.ptr, 4096, location="cuda:1", remote_accessible=False)
+        assert eng._buffers[b][0].location == "cuda:1"
+        with pytest.raises(RegistrationError, match="overlaps"):
+            eng.register_local_memory(d1.ptr + 1024, 4096, location="cuda:1", remote_accessible=False)
+        # wrong device, device that does not exist, host memory, range past the allocation
+        with pytest.raises(InvalidArgument, match="memory of cuda:1"):
+            eng.register_local_memory(d1.ptr + 8192, 4096, location="cuda:0", remote_accessible=False)
+        with pytest.raises(InvalidArgument, match="does not exist"):
+            eng.register_local_memory(d1.ptr + 8192, 4096, location="cuda:7", remote_accessible=False)
+        host = bytearray(4096)
+        with pytest.raises(InvalidArgument):
+            eng.register_local_memory(host, location="cuda:0", remote_accessible=False)
+        from kvpool import _native
+
+        with pytest.raises(InvalidArgument, match="not CUDA device memory"):
+            haddr = _native.buffer_address(memoryview(host))[0]
+            eng.register_local_memory(haddr, 4096, location="cuda:0", remote_accessible=False)
+        with pytest.raises(InvalidArgument, match="not all memory of cuda:1"):
+            eng.register_local_memory(d1.ptr + MiB - 4096, 8192, location="cuda:1", remote_accessible=False)
+        with pytest.raises(InvalidArgument):
+            eng.register_local_memory(d1.ptr, 4096, location="cuda:x", remote_accessible=False)
+        # local-only GPU memory is not published; unregistering works by address and by object
+        assert all(bd.addr not in (a, b) for bd in eng.local_descriptor().buffers)
+        eng.unregister_local_memory(d0)
+        eng.unregister_local_memory(b)
+        assert not eng._dev_starts
+
+
+def test_double_torch_like_cuda_tensor_infers_location(rt):
+    """A CUDA torch tensor stand-in (no CUDA here): data_ptr/element_size/device like torch.Tensor."""
+    d1 = rt.alloc(64 * KiB, device=1)
+    t = types.SimpleNamespace(
+        data_ptr=lambda: d1.ptr,
+        element_size=lambda: 2,
+        numel=lambda: 32 * KiB,
+        is_contiguous=lambda: True,
+        device=types.SimpleNamespace(type="cuda", index=1),
+    )
+    with _gpu_engine(protocol="tcp") as eng:
+        with pytest.raises(InvalidArgument, match="tensor is on cuda:1"):
+            eng.register_local_memory(t, location="cuda:0", remote_accessible=False)
+        a = eng.register_local_memory(t, remote_accessible=False)  # default location: inferred
+        assert eng._buffers[a][0].location == "cuda:1" and eng._buffers[a][0].length == 64 * KiB
+
+
+def test_double_remote_accessible_gpu_memory_refused_on_tcp(rt):
+    d = rt.alloc(MiB)
+    with _gpu_engine(protocol="tcp") as eng:
+        with pytest.raises(ProtocolUnavailable, match="remote_accessible=False") as ei:
+            eng.register_local_memory(d)  # remote_accessible defaults to True
+        assert "protocol='rdma'" in str(ei.value) and "GPUDirect" in str(ei.value)
+        assert not eng._dev_starts
+
+
+# ----------------------------------------------------------------------------- staging (TCP, same host)
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_double_write_from_device_to_peer_process_and_read_back(rt, cpu_peer, protocol):
+    """Fake device memory -> CPU segment of another process (TCP or same-host) and back, bytes checked."""
+    import xxhash
+
+    src = rt.alloc(4 * MiB, device=0)
+    data = os.urandom(4 * MiB)
+    src.write(data)
+    dst = rt.alloc(4 * MiB, device=1)
+    with _gpu_engine(protocol=protocol) as eng:
+        a = eng.register_local_memory(src, remote_accessible=False)
+        b = eng.register_local_memory(dst, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        assert eng.uses_same_host_path(seg) == (protocol == "auto")
+        assert eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [4 * MiB]) == 4 * MiB
+        assert cpu_peer.checksum(0, 4 * MiB) == xxhash.xxh3_64_hexdigest(data)
+        n = eng.batch_transfer_sync(cpu_peer.segment, [b], [cpu_peer.addr], [4 * MiB], OpCode.READ)
+        assert n == 4 * MiB and dst.read() == data
+        # transfer_sync takes the staged path too
+        assert eng.transfer_sync(cpu_peer.segment, b + MiB, cpu_peer.addr + 8 * MiB, MiB, OpCode.WRITE) == MiB
+        assert cpu_peer.checksum(8 * MiB, MiB) == xxhash.xxh3_64_hexdigest(data[MiB : 2 * MiB])
+        assert rt.d2h_bytes == 5 * MiB and rt.h2d_bytes == 4 * MiB  # every byte went through staging
+        assert eng._staging is not None and eng._staging.in_use == 0
+
+
+def test_double_batch_mixed_cpu_and_device_sources(rt, cpu_peer):
+    """One batch: a CPU source, a device source (WRITE) and a READ into device memory; per-request status."""
+    dev = rt.alloc(2 * MiB)
+    ddata = os.urandom(MiB)
+    dev.write(ddata)
+    hdata = os.urandom(MiB)
+    host = bytearray(hdata)
+    with _gpu_engine(protocol="tcp") as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        h = eng.register_local_memory(host, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        base = cpu_peer.addr
+        st, per = _run(
+            eng,
+            [
+                TransferRequest(OpCode.WRITE, h, seg, base, MiB),
+                TransferRequest(OpCode.WRITE, a, seg, base + MiB, MiB),
+            ],
+        )
+        assert st.ok and [p.state for p in per] == [TransferState.COMPLETED] * 2
+        assert [p.transferred_bytes for p in per] == [MiB, MiB]
+        # READ both back: the CPU half into device memory, the device half into host memory
+        st, per = _run(
+            eng,
+            [
+                TransferRequest(OpCode.READ, a + MiB, seg, base, MiB),
+                TransferRequest(OpCode.READ, h, seg, base + MiB, MiB),
+            ],
+        )
+        assert st.ok and all(p.ok for p in per)
+        assert dev.read(MiB, MiB) == hdata and bytes(host) == ddata
+        assert eng._staging.in_use == 0
+
+
+def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
+    """Status of a staged READ slot says COMPLETED only once its bytes are in (fake) device memory."""
+    cpu_peer.fill(7)
+    import xxhash
+
+    dev = rt.alloc(MiB)
+    with _gpu_engine(protocol="tcp") as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        bid = eng.allocate_batch_id(2)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.READ, a, seg, cpu_peer.addr, MiB)])
+        while True:  # poll the slot, as Mooncake users do
+            s = eng.get_transfer_status(bid, 0)
+            if s.state != TransferState.PENDING:
+                break
+        assert s.state == TransferState.COMPLETED and s.transferred_bytes == MiB
+        assert xxhash.xxh3_64_hexdigest(dev.read()) == cpu_peer.checksum(0, MiB)
+        assert eng.get_transfer_status(bid, 1).state == TransferState.WAITING
+        assert eng.get_batch_status(bid).ok
+        eng.free_batch_id(bid)
+        assert eng._staging.in_use == 0 and rt.h2d_calls == 1
+
+
+def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer):
+    dev = rt.alloc(2 * MiB)
+    host = bytearray(MiB)
+    with _gpu_engine(protocol="tcp") as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        h = eng.register_local_memory(host, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        rt.fail_next_h2d = "injected: device lost"
+        st, per = _run(
+            eng,
+            [
+                TransferRequest(OpCode.READ, h, seg, cpu_peer.addr, MiB),
+                TransferRequest(OpCode.READ, a, seg, cpu_peer.addr, MiB),
+            ],
+        )
+        assert st.state == TransferState.FAILED
+        assert per[0].state == TransferState.COMPLETED
+        assert per[1].state == TransferState.FAILED and "injected: device lost" in per[1].error
+        assert "host to device" in per[1].error
+        rt.fail_next_h2d = "injected again"
+        with pytest.raises(TransferError, match="injected again"):
+            eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB], OpCode.READ)
+        assert eng._staging.in_use == 0
+
+
+def test_double_staging_pool_bound(rt, cpu_peer):
+    """Pool of 1 MiB: an async batch needing more raises InvalidArgument (nothing queued, nothing held);
+    batch_transfer_sync moves 6 MiB (incl. a 3 MiB request) in rounds and never holds more than the pool."""
+    import xxhash
+
+    dev = rt.alloc(8 * MiB)
+    data = os.urandom(6 * MiB)
+    dev.write(data)
+    with _gpu_engine(protocol="tcp", staging_pool_size=MiB) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        bid = eng.allocate_batch_id(4)
+        half = 512 * KiB
+        reqs = [TransferRequest(OpCode.WRITE, a + k * half, seg, cpu_peer.addr, half) for k in range(3)]
+        with pytest.raises(InvalidArgument, match="staging_pool_size"):
+            eng.submit_transfer(bid, reqs)
+        assert eng.get_transfer_status(bid, 0).state == TransferState.WAITING
+        assert eng._staging.in_use == 0 and rt.d2h_calls == 0
+        eng.submit_transfer(bid, reqs[:2])  # exactly the pool
+        with pytest.raises(InvalidArgument):
+            eng.submit_transfer(bid, reqs[2:])  # held by the batch in flight (or not yet finished)
+        assert eng.wait_batch(bid).ok
+        assert eng._staging.in_use == 0  # released when the batch finished
+        eng.submit_transfer(bid, reqs[2:])
+        assert eng.wait_batch(bid).ok
+        eng.free_batch_id(bid)
+        lens = [3 * MiB, 512 * KiB, 512 * KiB, 2 * MiB]
+        locs = [a, a + 3 * MiB, a + 3 * MiB + 512 * KiB, a + 4 * MiB]
+        rems = [cpu_peer.addr + (x - a) for x in locs]
+        assert eng.batch_transfer_sync(cpu_peer.segment, locs, rems, lens) == 6 * MiB
+        assert cpu_peer.checksum(0, 6 * MiB) == xxhash.xxh3_64_hexdigest(data)
+        assert eng._staging.peak <= MiB and eng._staging.in_use == 0
+        assert rt.pinned_bytes >= MiB
+
+
+# ----------------------------------------------------------------------------- RDMA (GPUDirect) path
+NICS4 = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
+
+
+@pytest.fixture
+def double(tmp_path, monkeypatch):
+    """The fake-verbs test double (4 NICs per process)."""
+    for k in (fv.ENV_DIR, fv.ENV_NICS, fv.ENV_MTU):
+        monkeypatch.setenv(k, "x")
+    fv.configure(str(tmp_path / "verbs"), NICS4, 4096)
+    yield
+    fv._injected.clear()
+    fv._kill_after.clear()
+
+
+def _rdma(**kw) -> TransferEngine:
+    return TransferEngine(protocol="rdma", rdma_verbs="double", device_runtime="fake", **kw)
+
+
+def test_double_rdma_registers_device_memory_directly(rt, double):
+    """RDMA: GPU memory is registered as an MR (GPUDirect through peer memory), no staging; the
+    location's cuda:0 preferred NIC carries the bytes; remote-accessible GPU memory is published."""
+    topo = '{"cpu:0": [["mlx5_0", "mlx5_1"], ["mlx5_2", "mlx5_3"]], "cuda:0": [["mlx5_2"], ["mlx5_3"]]}'
+    tgt_dev = rt.alloc(8 * MiB, device=1)
+    with _rdma() as t, _rdma(rdma_topology=topo) as i:
+        base = t.register_local_memory(tgt_dev)  # remote-accessible GPU memory: fine over RDMA
+        desc_buf = [b for b in t.local_descriptor().buffers if b.addr == base][0]
+        assert desc_buf.location == "cuda:1" and desc_buf.remote_accessible
+        src = rt.alloc(4 * MiB, device=0)
+        data = os.urandom(4 * MiB)
+        src.write(data)
+        a = i.register_local_memory(src, remote_accessible=False)
+        seg = i.open_segment(t.segment_name)
+        st, per = _run(i, [TransferRequest(OpCode.WRITE, a, seg, base, 4 * MiB)])
+        assert st.ok and per[0].transferred_bytes == 4 * MiB
+        assert tgt_dev.read(0, 4 * MiB) == data
+        assert i.rdma.nic_bytes[2] == 4 * MiB and sum(i.rdma.nic_bytes) == 4 * MiB  # cuda:0 -> mlx5_2
+        back = rt.alloc(4 * MiB, device=0)
+        b = i.register_local_memory(back, remote_accessible=False)
+        assert i.batch_transfer_sync(t.segment_name, [b], [base], [4 * MiB], OpCode.READ) == 4 * MiB
+        assert back.read() == data
+        assert rt.d2h_bytes == 0 and rt.h2d_bytes == 0 and i._staging is None  # no staging over RDMA
+
+
+def test_double_rdma_gpu_registration_failure_gives_hint(rt, double, monkeypatch):
+    """Without peer memory (plain MR on a device pointer fails) and without DMA-BUF: the hint."""
+    real_mr = fv.mr.MR
+
+    def mr(pd, length, access, address=None, **kw):
+        if rt.pointer_device(address) is not None:
+            raise fv.PyverbsRDMAError("Failed to register a MR", 14)  # EFAULT, as without nvidia-peermem
+        return real_mr(pd, length, access, address=address, **kw)
+
+    monkeypatch.setattr(fv.mr, "MR", mr)
+    d = rt.alloc(MiB)
+    with _rdma() as eng:
+        with pytest.raises(RegistrationError, match="nvidia-peermem") as ei:
+            eng.register_local_memory(d, remote_accessible=False)
+        assert "DMA-BUF" in str(ei.value) and "cuda:0" in str(ei.value)
+        assert not eng._dev_starts
+        eng.register_local_memory(bytearray(MiB))  # host memory still registers
+
+
+def test_double_rdma_gpu_registration_falls_back_to_dmabuf(rt, double, monkeypatch):
+    """Plain MR fails, a DMA-BUF export exists: DmaBufMR(fd, offset, iova=address) on every NIC, fd closed."""
+    real_mr = fv.mr.MR
+    calls = []
+
+    def mr(pd, length, access, address=None, **kw):
+        if rt.pointer_device(address) is not None:
+            raise fv.PyverbsRDMAError("Failed to register a MR", 14)
+        return real_mr(pd, length, access, address=address, **kw)
+
+    class DmaBufMR(real_mr):
+        def __init__(self, pd, length, access, dmabuf=None, offset=0, iova=None):
+            calls.append((dmabuf, offset, iova))
+            super().__init__(pd, length, access, address=iova)
+
+    r, w = os.pipe()
+    os.close(w)
+    monkeypatch.setattr(fv.mr, "MR", mr)
+    monkeypatch.setattr(fv.mr, "DmaBufMR", DmaBufMR, raising=False)
+    monkeypatch.setattr(rt, "dmabuf_fd", lambda addr, n: (r, addr % 4096))
+    d = rt.alloc(MiB)
+    with _rdma() as eng:
+        a = eng.register_local_memory(d.ptr + 64, MiB - 64, location="cuda:0", remote_accessible=False)
+        assert len(calls) == 4 and all(c == (r, 64, a) for c in calls)
+        with pytest.raises(OSError):
+            os.fstat(r)  # the engine closed the exported fd after registering
+        # a pyverbs-style DmaBufMR (no iova: it registers with iova = offset) is refused with the hint
+        monkeypatch.setattr(fv.mr, "DmaBufMR", lambda pd, length, access, dmabuf=None, offset=0: None)
+        r2, w2 = os.pipe()
+        os.close(w2)
+        monkeypatch.setattr(rt, "dmabuf_fd", lambda addr, n: (r2, 0))
+        d2 = rt.alloc(MiB)
+        with pytest.raises(RegistrationError, match="cannot set the iova"):
+            eng.register_local_memory(d2, remote_accessible=False)
