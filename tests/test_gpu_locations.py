@@ -12,6 +12,7 @@ import pytest
 
 from kvpool import OpCode, TransferConfig, TransferEngine, TransferRequest, TransferState
 from kvpool.errors import (
+    BatchInFlight,
     InvalidArgument,
     ProtocolUnavailable,
     RegistrationError,
@@ -223,6 +224,16 @@ def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
         assert eng.get_batch_status(bid).ok
         eng.free_batch_id(bid)
         assert eng._staging.in_use == 0 and rt.h2d_calls == 1
+        # unregistering GPU memory that a queued staged READ still targets is refused
+        bid = eng.allocate_batch_id(1)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.READ, a, seg, cpu_peer.addr, MiB)])
+        try:
+            eng.unregister_local_memory(a)  # completed already (copied) or BatchInFlight
+        except BatchInFlight:
+            eng.wait_batch(bid)
+            eng.unregister_local_memory(a)
+        assert rt.h2d_calls == 2 and not eng._dev_starts
+        eng.free_batch_id(bid)
 
 
 def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer):

@@ -408,6 +408,14 @@ class TransferEngine:
             else buffer_range(addr_or_buffer, allow_read_only=True)[0]
         )
         if self._dev_starts and addr in self._dev_starts:
+            end = self._dev_regs[self._dev_starts.index(addr)][1]
+            for bid, slots in list(self._staged.items()):
+                if any(not e.done and addr <= e.dev < end for e in slots.values()):
+                    self._finish_staged(bid)  # completes what finished; READs still queued stay
+                    if any(not e.done and addr <= e.dev < end for e in slots.values()):
+                        raise BatchInFlight(
+                            f"batch {bid} still stages transfers for GPU memory at {addr:#x}; wait first"
+                        )
             with self._lock:
                 i = self._dev_starts.index(addr)
                 del self._dev_starts[i], self._dev_regs[i]
