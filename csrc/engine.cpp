@@ -681,7 +681,7 @@ void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_
   }
 }
 
-void Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
+uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
                     const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
                     const std::vector<uint64_t>& lens) {
   auto b = get_batch(batch_id);
@@ -727,6 +727,7 @@ void Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, const st
     lk.unlock();
     p->qcv.notify_all();
   }
+  return base;  // slot index of the first request (callers that track slots use it)
 }
 
 std::pair<int, uint64_t> Engine::status(uint64_t batch, uint32_t idx) {

@@ -167,7 +167,7 @@ class Engine {
 
   uint64_t alloc_batch(uint32_t n);
   void free_batch(uint64_t id);
-  void submit(uint64_t batch, const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
+  uint32_t submit(uint64_t batch, const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
               const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
               const std::vector<uint64_t>& lens);
   std::pair<int, uint64_t> status(uint64_t batch, uint32_t idx);

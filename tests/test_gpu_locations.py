@@ -236,6 +236,54 @@ def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
         eng.free_batch_id(bid)
 
 
+def test_double_concurrent_staged_and_plain_submits_to_one_batch(rt, cpu_peer):
+    """Threads submitting device (staged) and CPU requests into one batch while another polls:
+    every slot maps to the right staged request, every READ lands in (fake) device memory."""
+    import threading
+
+    n = 16
+    cpu_peer.fill(3)
+    import xxhash
+
+    dev = rt.alloc(n * 64 * KiB)
+    host = bytearray(n * 64 * KiB)
+    with _gpu_engine(protocol="tcp") as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        h = eng.register_local_memory(host, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        bid = eng.allocate_batch_id(2 * n)
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                for k in range(2 * n):
+                    eng.get_transfer_status(bid, k)
+
+        def submit(base_addr: int) -> None:
+            for i in range(n):
+                off = i * 64 * KiB
+                eng.submit_transfer(
+                    bid, [TransferRequest(OpCode.READ, base_addr + off, seg, cpu_peer.addr + off, 64 * KiB)]
+                )
+
+        threads = [threading.Thread(target=poll)] + [
+            threading.Thread(target=submit, args=(x,)) for x in (a, h)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads[1:]:
+            t.join()
+        st = eng.wait_batch(bid, 30)
+        stop.set()
+        threads[0].join()
+        assert st.ok and all(eng.get_transfer_status(bid, k).ok for k in range(2 * n))
+        want = cpu_peer.checksum(0, n * 64 * KiB)
+        assert xxhash.xxh3_64_hexdigest(dev.read()) == want
+        assert xxhash.xxh3_64_hexdigest(bytes(host)) == want
+        eng.free_batch_id(bid)
+        assert eng._staging.in_use == 0 and rt.h2d_calls == n
+
+
 def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer):
     dev = rt.alloc(2 * MiB)
     host = bytearray(MiB)

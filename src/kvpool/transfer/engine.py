@@ -176,7 +176,6 @@ class TransferEngine:
         self._device_rt: Any = None
         self._staging: StagingPool | None = None
         self._staged: dict[int, dict[int, _Staged]] = {}  # batch -> slot index -> staged request
-        self._fill: dict[int, int] = {}  # batch -> requests submitted to the native batch (slot base)
         self._stage_lock = threading.Lock()
         if cfg.protocol in ("rdma", "auto"):
             try:
@@ -556,7 +555,6 @@ class TransferEngine:
         if self._staged:
             self._finish_staged(batch_id)
         self._native.free_batch(batch_id)
-        self._fill.pop(batch_id, None)
         if self._staged:
             with self._stage_lock:
                 left = self._staged.pop(batch_id, None)
@@ -645,7 +643,6 @@ class TransferEngine:
             self._submit_staged(batch_id, ops, locs, peers, rems, lens, stage_wait_s)
             return
         self._native.submit(batch_id, ops, locs, peers, rems, lens)
-        self._fill[batch_id] = self._fill.get(batch_id, 0) + n
 
     def _submit_staged(
         self,
@@ -659,8 +656,8 @@ class TransferEngine:
     ) -> None:
         todo = [(i, locs[i], lens[i]) for i in range(len(ops)) if self._dev_region(locs[i], lens[i])]
         if not todo:
-            self._native.submit(batch_id, ops, locs, peers, rems, lens)
-            self._fill[batch_id] = self._fill.get(batch_id, 0) + len(ops)
+            with self._stage_lock:  # status readers finish staged slots under this lock
+                self._native.submit(batch_id, ops, locs, peers, rems, lens)
             return
         self._native.batch_status(batch_id)  # unknown/freed batch -> the native typed error, before copies
         pool = self._staging_pool()
@@ -687,10 +684,10 @@ class TransferEngine:
                     rt.copy_d2h(st, dev, n)
                 locs[i] = st
                 staged.append((i, ops[i], dev, st, n))
-            with self._stage_lock:  # slot indices: keep the native fill and our count in step
-                self._native.submit(batch_id, ops, locs, peers, rems, lens)
-                base = self._fill.get(batch_id, 0)
-                self._fill[batch_id] = base + len(ops)
+            # Submit and record the staged slots atomically for status readers (they finish staged
+            # slots under the same lock); the native submit returns the batch slot of request 0.
+            with self._stage_lock:
+                base = self._native.submit(batch_id, ops, locs, peers, rems, lens)
                 slots = self._staged.setdefault(batch_id, {})
                 for i, op, dev, st, n in staged:
                     slots[base + i] = _Staged(base + i, op, dev, st, n)
@@ -703,10 +700,10 @@ class TransferEngine:
 
     def _finish_staged(self, batch_id: int, index: int | None = None) -> None:
         """Complete staged requests whose slot finished: READs copy staging -> device; ranges go back."""
-        slots = self._staged.get(batch_id)
-        if not slots:
-            return
         with self._stage_lock:
+            slots = self._staged.get(batch_id)
+            if not slots:
+                return
             todo = [slots[index]] if index is not None and index in slots else []
             if index is None:
                 todo = list(slots.values())
@@ -743,9 +740,9 @@ class TransferEngine:
                 raise InvalidArgument(f"index {index} outside batch {batch_id} of {rb.size} slots")
             return rb.status(index)
         state, nbytes = self._native.status(batch_id, index)
-        if self._staged and state > TransferState.PENDING and batch_id in self._staged:
+        if (self._dev_starts or self._staged) and state > TransferState.PENDING:
             self._finish_staged(batch_id, index)
-            e = self._staged[batch_id].get(index)
+            e = self._staged.get(batch_id, {}).get(index)
             if e is not None and e.error is not None:
                 return TransferStatus(TransferState.FAILED, 0, e.error)
         err = self._native.slot_error(batch_id, index) if state > TransferState.COMPLETED else 0
@@ -758,7 +755,7 @@ class TransferEngine:
             st = rb.batch_status()
             return TransferStatus(st.state, st.transferred_bytes)
         state, nbytes = self._native.batch_status(batch_id)
-        if self._staged and state > TransferState.PENDING and batch_id in self._staged:
+        if (self._dev_starts or self._staged) and state > TransferState.PENDING:
             self._finish_staged(batch_id)
             if state == TransferState.COMPLETED and self._staged_error(batch_id) is not None:
                 state = TransferState.FAILED
@@ -773,7 +770,7 @@ class TransferEngine:
             return TransferStatus(st.state, st.transferred_bytes)
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
         state = self._native.wait(batch_id, ms)
-        if self._staged and state > TransferState.PENDING and batch_id in self._staged:
+        if (self._dev_starts or self._staged) and state > TransferState.PENDING:
             self._finish_staged(batch_id)
             if state == TransferState.COMPLETED and self._staged_error(batch_id) is not None:
                 state = TransferState.FAILED
