@@ -41,8 +41,8 @@ def test_second_instance_loads_the_prefix_the_first_saved(tiny_llama: Path, mast
         # The finished request's blocks are held until its 2 full blocks are saved, then freed.
         a.run_until(lambda o: a.free_blocks() == a.idle_free)
         assert a.worker._worker.saved_blocks == 2
-        keys = block_keys(a.connector._sched.namespace, PROMPT, 32)
-        assert len(keys) == 2 and all(a.connector._sched.store.batch_exists(keys))
+        keys = block_keys(a.connector._scheduler.namespace, PROMPT, 32)
+        assert len(keys) == 2 and all(a.connector._scheduler.store.batch_exists(keys))
 
         prompt_b = PROMPT + [9, 9, 9]
         b.add("b1", prompt_b, 3, None)
@@ -52,7 +52,7 @@ def test_second_instance_loads_the_prefix_the_first_saved(tiny_llama: Path, mast
         b.run_until(lambda o: "b1" in o and o["b1"].new_token_ids)
         assert b.worker._worker.loaded_blocks == 2
         stats = b.scheduler.connector_prefix_cache_stats
-        assert b.connector._sched.hit_blocks == 2 and stats is not None
+        assert b.connector._scheduler.hit_blocks == 2 and stats is not None
         for got, want in zip(b.block_values("b1", 64), expected_rows(prompt_b, 64), strict=True):
             assert torch.equal(got, want)
         run_to_end(b, "b1")
@@ -68,7 +68,7 @@ def test_diverging_prompt_hits_only_the_common_blocks(tiny_llama: Path, master: 
         run_to_end(a, "x1")
         a.run_until(lambda o: a.free_blocks() == a.idle_free)
         other = PROMPT[:40] + [1] * 60  # same first block, different second
-        ns = a.connector._sched.namespace
+        ns = a.connector._scheduler.namespace
         assert block_keys(ns, other, 32)[0] == block_keys(ns, PROMPT, 32)[0]
         assert block_keys(ns, other, 32)[1] != block_keys(ns, PROMPT, 32)[1]
         n, is_async = a.connector.get_num_new_matched_tokens(a.add("x2", other, 1, None), 0)

@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import (
     Region,
     VllmConnectorConfig,
     block_runs,
     check_vllm,
     kv_regions,
-    setup_logging,
 )
 from kvpool.errors import KvpoolError, TransferError
 from kvpool.store.rpc import RpcClient, RpcServer
@@ -40,20 +40,10 @@ from kvpool.transfer.types import OpCode
 
 check_vllm()
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
 if TYPE_CHECKING:
-    import torch
-    from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    pass
 
 log = logging.getLogger("kvpool.connectors.vllm")
 
@@ -92,7 +82,7 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
         return 0, size
 
 
-class KvpoolConnector(KVConnectorBase_V1):
+class KvpoolConnector(KvpoolConnectorBase):
     """vLLM KV connector (v1) for P/D disaggregation over the kvpool transfer engine.
 
     ``--kv-transfer-config '{"kv_connector":"KvpoolConnector",
@@ -100,91 +90,13 @@ class KvpoolConnector(KVConnectorBase_V1):
     "kv_connector_extra_config":{...}}'`` (keys: :class:`VllmConnectorConfig`).
     """
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        setup_logging()
-        self.cfg = VllmConnectorConfig.from_vllm(vllm_config)
-        self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        self._scheduler: _PdScheduler | None = None
-        self._worker: _PdWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _PdScheduler(self.cfg, vllm_config, self.engine_id)
-        else:
-            self._worker = _PdWorker(self.cfg, vllm_config, self.engine_id, kv_cache_config)
+    def _make_scheduler(self, vllm_config: Any) -> _PdScheduler:
+        return _PdScheduler(self.cfg, vllm_config, str(vllm_config.kv_transfer_config.engine_id))
 
-    # ------------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler is not None:
-            self._scheduler.loads_done(connector_output.finished_recving or ())
-
-    # ------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
-
-    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM 0.33 sleep mode: the KV cache memory is about to be released."""
-        if self._worker is not None:
-            self._worker.unregister_kv_caches()
-
-    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None, *a: Any, **kw: Any) -> None:
-        """vLLM 0.33 sleep mode: KV cache memory is back (possibly at new addresses)."""
-        if self._worker is not None and kv_caches is not None:
-            self._worker.register_kv_caches(kv_caches)
-
-    @classmethod
-    def supports_sleep_mode(cls, *args: Any, **kwargs: Any) -> bool:
-        """vLLM 0.33: KV caches may be unregistered and restored."""
-        return True
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolConnectorMetadata)
-        self._worker.start(meta)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads finish before the request is scheduled (asynchronous mode)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None  # decode pulls: nothing to push
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
-        return self._worker.get_finished()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.take_load_errors()
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+    def _make_worker(self, vllm_config: Any, kv_cache_config: Any) -> _PdWorker:
+        return _PdWorker(
+            self.cfg, vllm_config, str(vllm_config.kv_transfer_config.engine_id), kv_cache_config
+        )
 
 
 # ====================================================================== scheduler side
@@ -243,7 +155,10 @@ class _PdScheduler:
             remote_tp_size=int(params.get("tp_size") or 1),
         )
 
-    def build_connector_meta(self) -> KvpoolConnectorMetadata:
+    def close(self) -> None:
+        return None
+
+    def build_meta(self) -> KvpoolConnectorMetadata:
         meta = KvpoolConnectorMetadata(recv=self._recv, send=self._send)
         self._recv, self._send = {}, {}
         return meta

@@ -27,26 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions, setup_logging
+from kvpool.connectors.vllm.base import KvpoolConnectorBase
+from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions
 from kvpool.errors import ConfigError, KvpoolError, ObjectExists
 
 check_vllm()
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
 if TYPE_CHECKING:
-    import torch
-    from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
-
     from kvpool.store.client import Store
 
 log = logging.getLogger("kvpool.connectors.vllm")
@@ -103,7 +92,7 @@ def _connect(cfg: VllmConnectorConfig, segment_size: int, buffer_size: int) -> S
     return Store.connect(**kw)
 
 
-class KvpoolStoreConnector(KVConnectorBase_V1):
+class KvpoolStoreConnector(KvpoolConnectorBase):
     """vLLM KV connector (v1) that saves full prompt blocks into the kvpool store and loads the
     longest stored prefix on any instance.
 
@@ -112,79 +101,11 @@ class KvpoolStoreConnector(KVConnectorBase_V1):
     "kv_connector_extra_config":{"master":"host:port"}}'``.
     """
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        setup_logging()
-        self.cfg = VllmConnectorConfig.from_vllm(vllm_config)
-        self.block_size = int(vllm_config.cache_config.block_size)
-        self._vllm_config = vllm_config
-        self._sched: _StoreScheduler | None = None
-        self._worker: _StoreWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._sched = _StoreScheduler(self.cfg, vllm_config)
-        else:
-            self._worker = _StoreWorker(self.cfg, vllm_config, kv_cache_config)
+    def _make_scheduler(self, vllm_config: Any) -> _StoreScheduler:
+        return _StoreScheduler(self.cfg, vllm_config)
 
-    # ------------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        assert self._sched is not None
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        assert self._sched is not None
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_meta()
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._sched is not None
-        return self._sched.request_finished(request, block_ids), None
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        if self._sched is not None:
-            self._sched.loading.difference_update(connector_output.finished_recving or ())
-
-    # ------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvpoolStoreMetadata)
-        self._worker.start(meta)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # synchronous loads finish in start_load_kv, asynchronous ones before scheduling
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None  # saves run when a request finishes (its blocks are then complete)
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
-        return self._worker.get_finished()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.take_load_errors()
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-        if self._sched is not None:
-            self._sched.close()
+    def _make_worker(self, vllm_config: Any, kv_cache_config: Any) -> _StoreWorker:
+        return _StoreWorker(self.cfg, vllm_config, kv_cache_config)
 
 
 class _StoreScheduler:
@@ -247,7 +168,13 @@ class _StoreScheduler:
         self._loads, self._saves = {}, {}
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def loads_done(self, req_ids: Any) -> None:
+        self.loading.difference_update(req_ids)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        return self._finished(request, block_ids), None
+
+    def _finished(self, request: Any, block_ids: list[int]) -> bool:
         self._hits.pop(request.request_id, None)
         if request.request_id in self.loading:
             return True  # a load still writes into its blocks: freed once it is reported done
@@ -298,6 +225,15 @@ class _StoreWorker:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvpool-store-io", daemon=True)
             self._thread.start()
+
+    def unregister_kv_caches(self) -> None:
+        if self.store is not None:
+            for addr in {r.addr for r in self.regions}:
+                try:
+                    self.store.unregister_buffer(addr)
+                except KvpoolError:
+                    pass
+        self.regions = []
 
     def close(self) -> None:
         self._jobs.put(None)
