@@ -70,6 +70,13 @@ class ChildProcess:
         self.info: dict[str, Any] = json.loads(line)
         self.pid: int = self.info.get("pid", self.proc.pid)
 
+    def ask(self, line: str) -> dict[str, Any]:
+        """Send one command line, read its one-line JSON answer."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
     def kill(self) -> None:
         """SIGKILL it."""
         self.proc.kill()

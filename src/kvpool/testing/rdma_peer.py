@@ -12,13 +12,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
-import xxhash
-
-from kvpool import _native
 from kvpool.child import ChildProcess
 from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.peer import serve_commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,20 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     view = memoryview(buf)
     info = {"segment": eng.segment_name, "addr": addr, "size": args.size, "pid": os.getpid()}
     print(json.dumps(info), flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd or cmd[0] == "exit":
-            break
-        if cmd[0] == "checksum":
-            off, n = int(cmd[1]), int(cmd[2])
-            print(json.dumps({"xxh3": xxhash.xxh3_64_hexdigest(view[off : off + n])}), flush=True)
-        elif cmd[0] == "fill":
-            _native.fill_pattern(addr, args.size, int(cmd[1]))
-            print(json.dumps({"ok": True}), flush=True)
-        elif cmd[0] == "stats":
-            print(json.dumps({"passive_qps": len(eng.rdma._passive)}), flush=True)
-        else:
-            print(json.dumps({"error": f"unknown command {cmd[0]}"}), flush=True)
+    serve_commands(addr, view, args.size, {"stats": lambda _: {"passive_qps": len(eng.rdma._passive)}})
     eng.close()
     return 0
 
@@ -63,12 +47,6 @@ class RdmaPeer(ChildProcess):
         self.segment: str = self.info["segment"]
         self.addr: int = self.info["addr"]
         self.pid: int = self.info["pid"]
-
-    def ask(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -65,20 +66,34 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
+    serve_commands(addr, view, args.size)
+    eng.close()
+    return 0
+
+
+def serve_commands(
+    addr: int,
+    view: memoryview,
+    size: int,
+    extra: dict[str, Callable[[list[str]], dict[str, Any]]] | None = None,
+) -> None:
+    """Answer stdin commands with one JSON line each until ``exit`` or EOF: ``checksum OFF LEN``
+    (xxh3-64 of a range of the served buffer), ``fill SEED`` (pattern), plus ``extra`` commands."""
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "exit":
             break
         if cmd[0] == "checksum":
             off, n = int(cmd[1]), int(cmd[2])
-            print(json.dumps({"xxh3": xxhash.xxh3_64_hexdigest(view[off : off + n])}), flush=True)
+            out: dict[str, Any] = {"xxh3": xxhash.xxh3_64_hexdigest(view[off : off + n])}
         elif cmd[0] == "fill":
-            _native.fill_pattern(addr, args.size, int(cmd[1]))
-            print(json.dumps({"ok": True}), flush=True)
+            _native.fill_pattern(addr, size, int(cmd[1]))
+            out = {"ok": True}
+        elif extra and cmd[0] in extra:
+            out = extra[cmd[0]](cmd[1:])
         else:
-            print(json.dumps({"error": f"unknown command {cmd[0]}"}), flush=True)
-    eng.close()
-    return 0
+            out = {"error": f"unknown command {cmd[0]}"}
+        print(json.dumps(out), flush=True)
 
 
 def _pid() -> int:
@@ -100,19 +115,13 @@ class PeerProcess(ChildProcess):
         self.size: int = self.info["size"]
         self.port: int = self.info["port"]
 
-    def _ask(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
     def checksum(self, offset: int, length: int) -> str:
         """xxh3-64 hex digest of a range of the peer's buffer."""
-        return self._ask(f"checksum {offset} {length}")["xxh3"]
+        return self.ask(f"checksum {offset} {length}")["xxh3"]
 
     def fill(self, seed: int) -> None:
         """Fill the peer's buffer with the pattern of ``seed``."""
-        self._ask(f"fill {seed}")
+        self.ask(f"fill {seed}")
 
 
 if __name__ == "__main__":
