@@ -197,3 +197,14 @@ def test_short_names_come_from_the_plugin_entry_point() -> None:
     load_general_plugins()  # what every vLLM process does at start-up
     assert KVConnectorFactory._registry["KvpoolConnector"]().__name__ == "KvpoolConnector"
     assert KVConnectorFactory._registry["KvpoolStoreConnector"]().__name__ == "KvpoolStoreConnector"
+
+
+def test_vllm_whose_connector_interface_differs_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvpool.connectors.vllm.common import check_vllm
+
+    assert check_vllm().startswith("0.32")
+    monkeypatch.delattr(KVConnectorBase_V1, "get_block_ids_with_load_errors")
+    with pytest.raises(ImportError, match="lacks get_block_ids_with_load_errors"):
+        check_vllm()
