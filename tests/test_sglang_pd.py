@@ -154,3 +154,19 @@ def test_bad_bootstrap_address_fails_with_reason(roles: list[Role]) -> None:
     roles.append(d)
     got = d.wait_for("done", room=9, timeout=120)
     assert got["status"] == FAILED and got["reason"]
+
+
+def test_sglang_whose_interface_differs_is_refused() -> None:
+    code = """
+import sglang.srt.arg_groups.choices as c
+del c.add_disagg_transfer_backend_choices
+from kvpool.connectors.sglang.plugin import check_sglang
+try:
+    check_sglang()
+except ImportError as e:
+    print("refused:", e)
+"""
+    env = dict(os.environ, **SGLANG_ENV)
+    out = subprocess.run([sglang_python(), "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert "refused:" in out.stdout, out.stderr[-2000:]
+    assert "add_disagg_transfer_backend_choices" in out.stdout
