@@ -374,7 +374,9 @@ def test_health_follows_backend_health_checks() -> None:
                 assert r.status == 200
             async with client.get(f"{proxy.url}/metrics") as r:
                 assert r.status == 200
-                assert "kvpool_proxy_backend_healthy" in await r.text()
+                text = await r.text()
+                assert 'kvpool_proxy_backend_healthy{role="prefill",url="' in text
+                assert 'kvpool_proxy_requests_total{outcome="ok"} 1' in text
 
     run(go)
 

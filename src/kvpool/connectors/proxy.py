@@ -46,6 +46,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Backend", "BackendError", "PDProxy", "main", "run_proxy"]
 
@@ -244,6 +246,8 @@ class PDProxy:
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._counts: dict[str, int] = {}
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)  # type: ignore[arg-type]  # collect() below
         self._started_at = time.time()
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -373,20 +377,41 @@ class PDProxy:
         return web.json_response(body, status=503 if reasons else 200)
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
-        lines = [
-            "# TYPE kvpool_proxy_requests_total counter",
-            *(f'kvpool_proxy_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self._counts.items())),
-        ]
-        for name, kind, attr in (
-            ("kvpool_proxy_backend_healthy", "gauge", "healthy"),
-            ("kvpool_proxy_backend_requests_total", "counter", "requests"),
-            ("kvpool_proxy_backend_failures_total", "counter", "failures"),
-            ("kvpool_proxy_backend_in_flight", "gauge", "in_flight"),
+        return web.Response(
+            body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    def collect(self) -> Any:
+        """Prometheus collector: request outcomes and per-backend health, load and failures."""
+        outcomes = CounterMetricFamily("kvpool_proxy_requests", "Requests by outcome", labels=["outcome"])
+        for k, v in sorted(self._counts.items()):
+            outcomes.add_metric([k], v)
+        yield outcomes
+        for name, doc, family, attr in (
+            (
+                "kvpool_proxy_backend_healthy",
+                "1 when the backend passes health checks",
+                GaugeMetricFamily,
+                "healthy",
+            ),
+            (
+                "kvpool_proxy_backend_requests",
+                "Requests sent to the backend",
+                CounterMetricFamily,
+                "requests",
+            ),
+            (
+                "kvpool_proxy_backend_failures",
+                "Failed requests to the backend",
+                CounterMetricFamily,
+                "failures",
+            ),
+            ("kvpool_proxy_backend_in_flight", "Requests in flight", GaugeMetricFamily, "in_flight"),
         ):
-            lines.append(f"# TYPE {name} {kind}")
+            m = family(name, doc, labels=["role", "url"])
             for b in self.backends:
-                lines.append(f'{name}{{role="{b.role}",url="{b.url}"}} {int(getattr(b, attr))}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+                m.add_metric([b.role, b.url], int(getattr(b, attr)))
+            yield m
 
     def _backend_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
