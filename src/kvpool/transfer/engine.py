@@ -849,7 +849,9 @@ class TransferEngine:
             self._submit_lists(
                 bid, [_NATIVE_OP[op]] * n, locs, [handle.id] * n, rems, lens, lambda: [int(op)] * n
             )
-            self.wait_batch(bid)
+            st = self.wait_batch(bid)
+            if st.state == TransferState.COMPLETED:  # the per-request scan only when something failed
+                return st.transferred_bytes
             self._raise_failures(bid, n)
             return self.get_batch_status(bid).transferred_bytes
         finally:
@@ -897,9 +899,10 @@ class TransferEngine:
                     lambda m=m: [int(op)] * m,
                     stage_wait_s=self.config.timeout_s,
                 )
-                self.wait_batch(bid)
-                self._raise_failures(bid, m)
-                total += self.get_batch_status(bid).transferred_bytes
+                st = self.wait_batch(bid)
+                if st.state != TransferState.COMPLETED:
+                    self._raise_failures(bid, m)
+                total += st.transferred_bytes
             finally:
                 try:
                     self.free_batch_id(bid)
