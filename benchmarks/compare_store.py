@@ -4,7 +4,7 @@ Every system runs as its own set of processes on loopback, the value stored in a
 server) owned by another process than the measuring client. Runs are interleaved (kvpool,
 Mooncake, redis, kvpool, ...) and each figure is the median over ``--repeats``.
 
-    python benchmarks/compare_store.py --duration 3 --repeats 3
+    python benchmarks/compare_store.py --duration 3 --repeats 3 [--value-sizes 4096]
 
 Needs ``pip install mooncake-transfer-engine-non-cuda redis`` and Debian's ``redis-server``,
 ``libibverbs1 librdmacm1 libnuma1``.
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--value-sizes", type=int, nargs="+", default=[4096, 1 << 20])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     runners = {
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
-        for vs in (4096, 1 << 20):
+        for vs in args.value_sizes:
             for name, fn in runners.items():
                 res = fn(vs)
                 samples.setdefault((name, vs), []).append(res)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_keys = ("batch_put_gbps", "batch_get_gbps", "batch_exists_keys_s")
     extra = {
         vs: {k: statistics.median(r[k] for r in samples[("kvpool", vs)]) for k in batch_keys}
-        for vs in (4096, 1 << 20)
+        for vs in args.value_sizes
     }
     if args.json:
         print(json.dumps({"median": {f"{k[0]}@{k[1]}": v for k, v in med.items()}, "kvpool_batch": extra}))
@@ -59,19 +60,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.duration}s per phase, median of {args.repeats} interleaved runs, GB = 1e9 bytes\n")
     print("| value | system | put ops/s | put GB/s | put P50 µs | get ops/s | get GB/s | get P50 µs |")
     print("|---|---|---|---|---|---|---|---|")
-    for vs in (4096, 1 << 20):
+
+    def label(vs: int) -> str:
+        return f"{vs >> 20} MiB" if vs >= 1 << 20 else f"{vs >> 10} KiB"
+
+    for vs in args.value_sizes:
         for name in runners:
             m = med[(name, vs)]
-            size = "4 KiB" if vs == 4096 else "1 MiB"
+            size = label(vs)
             print(
                 f"| {size} | {name} | {m['put_ops_s']:,.0f} | {m['put_gbps']:.2f} | {m['put_p50_us']:.0f} | "
                 f"{m['get_ops_s']:,.0f} | {m['get_gbps']:.2f} | {m['get_p50_us']:.0f} |"
             )
     print("\n| value | kvpool / Mooncake put | get | kvpool / redis put | get |\n|---|---|---|---|---|")
-    for vs in (4096, 1 << 20):
+    for vs in args.value_sizes:
         k, mc, rd = med[("kvpool", vs)], med[("mooncake", vs)], med[("redis", vs)]
         print(
-            f"| {'4 KiB' if vs == 4096 else '1 MiB'} | {k['put_ops_s'] / mc['put_ops_s']:.2f}x | "
+            f"| {label(vs)} | {k['put_ops_s'] / mc['put_ops_s']:.2f}x | "
             f"{k['get_ops_s'] / mc['get_ops_s']:.2f}x | {k['put_ops_s'] / rd['put_ops_s']:.2f}x | "
             f"{k['get_ops_s'] / rd['get_ops_s']:.2f}x |"
         )
