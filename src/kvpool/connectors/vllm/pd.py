@@ -33,7 +33,7 @@ from kvpool.connectors.vllm.common import (
     check_vllm,
     kv_regions,
 )
-from kvpool.errors import KvpoolError, TransferError
+from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.store.rpc import RpcClient, RpcServer
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -243,12 +243,16 @@ class _PdWorker:
         if self.engine is None:
             self.engine = TransferEngine(**self.cfg.engine_kwargs())
         for t in tensors:
-            if t.device.type != "cpu":
+            # The prefill side's blocks are read by decode instances (remote-accessible); a decode's
+            # own blocks are only written locally. CUDA tensors register as cuda:N: read remotely
+            # only over RDMA (GPUDirect); as local READ destinations they are staged on TCP.
+            try:
+                self.engine.register_local_memory(t, remote_accessible=self.serves)
+            except ProtocolUnavailable as exc:
                 raise TransferError(
-                    f"KV cache on {t.device}: GPU memory needs the RDMA transport or staging, which this "
-                    "build does not have (see docs/hardware.md)"
-                )
-            self.engine.register_local_memory(t)
+                    f"KV cache on {t.device}: {exc}. A prefill (kv_producer/kv_both) instance with a GPU KV "
+                    "cache needs protocol='rdma'; see docs/vllm.md"
+                ) from None
         self.regions = regions
         total = sum(r.stride * r.num_blocks for r in regions)
         log.info("kvpool connector: registered %d KV regions (%.1f MiB) with engine %s",

@@ -29,7 +29,7 @@ import xxhash
 
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions
-from kvpool.errors import ConfigError, KvpoolError, ObjectExists
+from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, ObjectExists
 
 check_vllm()
 
@@ -221,6 +221,11 @@ class _StoreWorker:
         if self.store is None:
             self.store = _connect(self.cfg, self.cfg.store_segment_size, self.cfg.store_buffer_size)
         for t in tensors:
+            if t.device.type != "cpu":
+                raise InvalidArgument(
+                    f"KvpoolStoreConnector: KV cache on {t.device}; this build stores CPU KV caches only "
+                    "(the store client does not stage GPU memory yet)"
+                )
             self.store.register_buffer(t)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvpool-store-io", daemon=True)
