@@ -45,7 +45,7 @@ from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvpool.config import TransferConfig
-from kvpool.errors import KvpoolError
+from kvpool.errors import KvpoolError, ProtocolUnavailable
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
 
@@ -136,26 +136,45 @@ class KvpoolKVManager(CommonKVManager):
             raise ValueError(f"unsupported disaggregation mode {disaggregation_mode}")
 
     # ------------------------------------------------------------------ memory
-    def _buffers(self) -> list[tuple[int, int]]:
+    def _buffers(self) -> list[tuple[int, int, str]]:
+        """(address, length, location) of the KV, state and aux buffers, deduplicated.
+
+        KV and state buffers live on the server's device (``cuda:<gpu_id>`` unless SGLang runs with
+        ``--device cpu``); aux (metadata) buffers are always host memory.
+        """
         a = self.kv_args
-        pairs = list(zip(a.kv_data_ptrs, a.kv_data_lens, strict=False))
-        pairs += list(zip(a.aux_data_ptrs, a.aux_data_lens, strict=False))
+        device = str(getattr(self.server_args, "device", None) or "cuda")
+        dev_loc = "cpu:0" if device == "cpu" else f"cuda:{int(getattr(a, 'gpu_id', 0) or 0)}"
+        pairs = [(p, n, dev_loc) for p, n in zip(a.kv_data_ptrs, a.kv_data_lens, strict=False)]
         for ptrs, lens in zip(
             getattr(a, "state_data_ptrs", None) or [], getattr(a, "state_data_lens", None) or [], strict=False
         ):
-            pairs += list(zip(ptrs, lens, strict=False))
-        seen: dict[int, int] = {}
-        for ptr, n in pairs:
+            pairs += [(p, n, dev_loc) for p, n in zip(ptrs, lens, strict=False)]
+        pairs += [(p, n, "cpu:0") for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=False)]
+        seen: dict[int, tuple[int, str]] = {}
+        for ptr, n, loc in pairs:
             if ptr and n:
-                seen[int(ptr)] = max(seen.get(int(ptr), 0), int(n))
-        return sorted(seen.items())
+                prev = seen.get(int(ptr))
+                seen[int(ptr)] = (max(prev[0] if prev else 0, int(n)), loc)
+        return sorted((p, n, loc) for p, (n, loc) in seen.items())
 
     def register_buffer_to_engine(self) -> None:
-        """Register every KV, aux and state buffer (SGLang calls this again after a memory resume)."""
-        for ptr, n in self._buffers():
+        """Register every KV, aux and state buffer (SGLang calls this again after a memory resume).
+
+        Decode buffers are written by prefill peers (remote-accessible); prefill buffers are only
+        sources of local WRITEs. GPU buffers that peers must write need ``KVPOOL_PROTOCOL=rdma``.
+        """
+        remote = self.disaggregation_mode == DisaggregationMode.DECODE
+        for ptr, n, loc in self._buffers():
             if ptr in self._registered:
                 continue
-            self.engine.register_local_memory(ptr, n)
+            try:
+                self.engine.register_local_memory(ptr, n, location=loc, remote_accessible=remote)
+            except ProtocolUnavailable as exc:
+                raise ProtocolUnavailable(
+                    f"kvpool SGLang backend: {exc}. A decode instance with GPU KV buffers needs "
+                    "KVPOOL_PROTOCOL=rdma (GPUDirect); see docs/sglang.md"
+                ) from None
             self._registered.append(ptr)
 
     def deregister_buffer_to_engine(self) -> None:
