@@ -25,22 +25,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import (
     Region,
     VllmConnectorConfig,
     block_runs,
-    check_vllm,
     kv_regions,
 )
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.store.rpc import RpcClient, RpcServer
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
-
-check_vllm()
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
 if TYPE_CHECKING:
     pass

@@ -26,14 +26,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
-from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, check_vllm, kv_regions
+from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, ObjectExists
-
-check_vllm()
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
 if TYPE_CHECKING:
     from kvpool.store.client import Store
