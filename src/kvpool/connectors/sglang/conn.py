@@ -25,8 +25,7 @@ import logging
 import os
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -93,7 +92,6 @@ class Chunk:
     is_last: bool
     aux_index: int | None
     state_indices: Any = None
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 def _engine(local_ip: str) -> TransferEngine:
