@@ -615,18 +615,8 @@ class PDProxy:
                     backend.mark_down(reason)
                 failures.append(f"{backend.url}: {reason}")
                 continue
-            except asyncio.TimeoutError as exc:
-                backend.failures += 1
-                raise BackendError(
-                    504,
-                    f"{pool.role} backend {backend.url} did not answer within {self.timeout_s:g} s "
-                    f"({_error_text(exc)})",
-                ) from exc
-            except (aiohttp.ClientError, OSError) as exc:
-                backend.failures += 1
-                raise BackendError(
-                    502, f"{pool.role} backend {backend.url} failed: {_error_text(exc)}"
-                ) from exc
+            except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise self._failure(backend, exc, "answer", "") from exc
             if resp.status >= 500:
                 backend.failures += 1
                 try:
@@ -645,18 +635,19 @@ class PDProxy:
         """The whole body of ``resp``, or :class:`BackendError` (504 on timeout, 502 otherwise)."""
         try:
             return await resp.read()
-        except asyncio.TimeoutError as exc:
-            backend.failures += 1
-            raise BackendError(
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise self._failure(backend, exc, "finish its answer", " while answering") from exc
+
+    def _failure(self, backend: Backend, exc: BaseException, waiting_for: str, during: str) -> BackendError:
+        """Count a failed exchange with ``backend``: 504 for a timeout, 502 for anything else."""
+        backend.failures += 1
+        if isinstance(exc, asyncio.TimeoutError):
+            return BackendError(
                 504,
-                f"{backend.role} backend {backend.url} did not finish its answer within "
-                f"{self.timeout_s:g} s ({_error_text(exc)})",
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            backend.failures += 1
-            raise BackendError(
-                502, f"{backend.role} backend {backend.url} failed while answering: {_error_text(exc)}"
-            ) from exc
+                f"{backend.role} backend {backend.url} did not {waiting_for} within {self.timeout_s:g} s "
+                f"({_error_text(exc)})",
+            )
+        return BackendError(502, f"{backend.role} backend {backend.url} failed{during}: {_error_text(exc)}")
 
 
 async def _serve(proxy: PDProxy, host: str, port: int) -> int:
