@@ -17,6 +17,16 @@ def view_at(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
+def run_batch(eng: TransferEngine, reqs: list, timeout: float = 30) -> tuple:
+    """Submit ``reqs`` as one batch, wait; (batch status, per-request statuses)."""
+    bid = eng.allocate_batch_id(len(reqs))
+    eng.submit_transfer(bid, reqs)
+    st = eng.wait_batch(bid, timeout)
+    per = [eng.get_transfer_status(bid, k) for k in range(len(reqs))]
+    eng.free_batch_id(bid)
+    return st, per
+
+
 @pytest.fixture
 def engine() -> Iterator[TransferEngine]:
     """An initiator engine with a short timeout."""

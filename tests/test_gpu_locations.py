@@ -21,6 +21,7 @@ from kvpool.errors import (
 from kvpool.testing import fake_cuda
 from kvpool.testing import fake_verbs as fv
 from kvpool.transfer.peer import PeerProcess
+from tests.conftest import run_batch
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -44,15 +45,6 @@ def cpu_peer():
 def _gpu_engine(**kw) -> TransferEngine:
     kw.setdefault("timeout_s", 5.0)
     return TransferEngine(device_runtime="fake", **kw)
-
-
-def _run(eng, reqs, timeout=30):
-    bid = eng.allocate_batch_id(len(reqs))
-    eng.submit_transfer(bid, reqs)
-    st = eng.wait_batch(bid, timeout)
-    per = [eng.get_transfer_status(bid, k) for k in range(len(reqs))]
-    eng.free_batch_id(bid)
-    return st, per
 
 
 # ----------------------------------------------------------------------------- registration
@@ -181,7 +173,7 @@ def test_double_batch_mixed_cpu_and_device_sources(rt, cpu_peer):
         h = eng.register_local_memory(host, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
         base = cpu_peer.addr
-        st, per = _run(
+        st, per = run_batch(
             eng,
             [
                 TransferRequest(OpCode.WRITE, h, seg, base, MiB),
@@ -191,7 +183,7 @@ def test_double_batch_mixed_cpu_and_device_sources(rt, cpu_peer):
         assert st.ok and [p.state for p in per] == [TransferState.COMPLETED] * 2
         assert [p.transferred_bytes for p in per] == [MiB, MiB]
         # READ both back: the CPU half into device memory, the device half into host memory
-        st, per = _run(
+        st, per = run_batch(
             eng,
             [
                 TransferRequest(OpCode.READ, a + MiB, seg, base, MiB),
@@ -292,7 +284,7 @@ def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer
         h = eng.register_local_memory(host, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
         rt.fail_next_h2d = "injected: device lost"
-        st, per = _run(
+        st, per = run_batch(
             eng,
             [
                 TransferRequest(OpCode.READ, h, seg, cpu_peer.addr, MiB),
@@ -377,7 +369,7 @@ def test_double_rdma_registers_device_memory_directly(rt, double):
         src.write(data)
         a = i.register_local_memory(src, remote_accessible=False)
         seg = i.open_segment(t.segment_name)
-        st, per = _run(i, [TransferRequest(OpCode.WRITE, a, seg, base, 4 * MiB)])
+        st, per = run_batch(i, [TransferRequest(OpCode.WRITE, a, seg, base, 4 * MiB)])
         assert st.ok and per[0].transferred_bytes == 4 * MiB
         assert tgt_dev.read(0, 4 * MiB) == data
         assert i.rdma.nic_bytes[2] == 4 * MiB and sum(i.rdma.nic_bytes) == 4 * MiB  # cuda:0 -> mlx5_2

@@ -17,6 +17,7 @@ from kvpool.testing import fake_verbs as fv
 from kvpool.testing.rdma_peer import RdmaPeer
 from kvpool.transfer.rdma.endpoints import SievePool
 from kvpool.transfer.rdma.transport import slice_plan
+from tests.conftest import run_batch
 
 NICS4 = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
 MiB = 1 << 20
@@ -47,15 +48,6 @@ def _pair(**kw):
     kv = bytearray(64 * MiB)
     base = t.register_local_memory(kv)
     return t, i, kv, base
-
-
-def _run(eng, reqs, timeout=30):
-    bid = eng.allocate_batch_id(len(reqs))
-    eng.submit_transfer(bid, reqs)
-    st = eng.wait_batch(bid, timeout)
-    per = [eng.get_transfer_status(bid, k) for k in range(len(reqs))]
-    eng.free_batch_id(bid)
-    return st, per
 
 
 def test_slice_plan_merges_small_tails():
@@ -93,7 +85,7 @@ def test_double_spreads_16mib_requests_evenly_over_4_nics_across_processes(doubl
         src = bytearray(os.urandom(16 * MiB))
         la = ini.register_local_memory(src)
         seg = ini.open_segment(peer.segment)
-        st, per = _run(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr + k * 16 * MiB, 16 * MiB)
+        st, per = run_batch(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr + k * 16 * MiB, 16 * MiB)
                              for k in range(8)])  # fmt: skip
         assert st.state == TransferState.COMPLETED and st.transferred_bytes == 128 * MiB
         assert all(p.transferred_bytes == 16 * MiB for p in per)
@@ -106,7 +98,7 @@ def test_double_spreads_16mib_requests_evenly_over_4_nics_across_processes(doubl
         assert all(peer.ask(f"checksum {k * 16 * MiB} {16 * MiB}")["xxh3"] == want for k in range(8))
         dst = bytearray(16 * MiB)
         lb = ini.register_local_memory(dst)
-        st, _ = _run(ini, [TransferRequest(OpCode.READ, lb, seg, peer.addr + 16 * MiB, 16 * MiB)])
+        st, _ = run_batch(ini, [TransferRequest(OpCode.READ, lb, seg, peer.addr + 16 * MiB, 16 * MiB)])
         assert st.state == TransferState.COMPLETED and dst == src
 
 
@@ -141,7 +133,7 @@ def test_double_error_completion_is_retried_on_another_nic(double):
         la = i.register_local_memory(src)
         seg = i.open_segment(t.segment_name)
         fv.inject_errors("mlx5_1", 3)
-        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, 4 * MiB)])
+        st, per = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, 4 * MiB)])
         assert st.state == TransferState.COMPLETED, per
         assert kv[: 4 * MiB] == src
         assert i.rdma.stats["error_completions"] >= 1 and i.rdma.stats["retries"] >= 1
@@ -154,7 +146,7 @@ def test_double_nic_killed_mid_batch_all_requests_complete(double):
         la = ini.register_local_memory(src)
         seg = ini.open_segment(peer.segment)
         fv.kill_after("mlx5_2", 20)
-        st, per = _run(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr + k * 16 * MiB, 16 * MiB)
+        st, per = run_batch(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr + k * 16 * MiB, 16 * MiB)
                              for k in range(8)])  # fmt: skip
         assert st.state == TransferState.COMPLETED, [p for p in per if not p.ok][:1]
         assert ini.rdma.stats["error_completions"] >= 1
@@ -163,7 +155,7 @@ def test_double_nic_killed_mid_batch_all_requests_complete(double):
         assert all(peer.ask(f"checksum {k * 16 * MiB} {16 * MiB}")["xxh3"] == want for k in range(8))
         # new transfers avoid the paused NIC
         before = ini.rdma.nic_bytes[2]
-        st, _ = _run(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr, 16 * MiB)])
+        st, _ = run_batch(ini, [TransferRequest(OpCode.WRITE, la, seg, peer.addr, 16 * MiB)])
         assert st.ok and ini.rdma.nic_bytes[2] == before
 
 
@@ -175,14 +167,14 @@ def test_double_all_nics_dead_fails_with_reason(double):
         seg = i.open_segment(t.segment_name)
         for n in NICS4:
             fv.kill_nic(n, os.getpid())
-        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        st, per = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
         assert st.state == TransferState.FAILED
         assert per[0].state == TransferState.FAILED
         assert "every path failed" in per[0].error and "retry counter exceeded" in per[0].error
         for n in NICS4:
             fv.revive_nic(n, os.getpid())
         time.sleep(0.1)  # pause over: the NICs are probed again
-        st, _ = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        st, _ = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
         assert st.ok
 
 
@@ -252,7 +244,7 @@ def test_double_bounds_are_enforced_with_remote_access_error(double):
         # the target withdraws its buffer; our cached descriptor still lists it: the NIC (here the
         # double) refuses the rkey and the request fails with a remote access error, not retried
         t.unregister_local_memory(kv)
-        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        st, per = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
         assert st.state == TransferState.FAILED
         assert "remote access error" in per[0].error
 
@@ -267,7 +259,7 @@ def test_double_mtu_and_gid_index_errors_are_explained(double):
         base = t.register_local_memory(bytearray(MiB))
         la = i.register_local_memory(bytearray(MiB))
         seg = i.open_segment(t.segment_name)
-        st, per = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        st, per = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
         assert st.state == TransferState.FAILED
         err = per[0].error
         assert "INIT->RTR failed" in err and "MTU 4096" in err and "GID index" in err
@@ -280,7 +272,7 @@ def test_double_topology_prefers_location_nics(double):
         src = bytearray(os.urandom(8 * MiB))
         la = i.register_local_memory(src)
         seg = i.open_segment(t.segment_name)
-        st, _ = _run(i, [TransferRequest(OpCode.WRITE, la, seg, base, 8 * MiB)])
+        st, _ = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, 8 * MiB)])
         assert st.ok
         assert i.rdma.nic_bytes[2] == i.rdma.nic_bytes[3] == 0  # secondaries only on failure
         assert i.rdma.nic_bytes[0] == i.rdma.nic_bytes[1] == 4 * MiB
