@@ -266,18 +266,26 @@ def build_tiny_llama(
 # ---------------------------------------------------------------------------------------------
 
 
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (state first), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def _all_stats() -> Iterator[tuple[int, list[bytes]]]:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat_fields(entry)) is not None:
+            yield int(entry), fields
+
+
 def _children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
+    for pid, fields in _all_stats():
+        kids.setdefault(int(fields[1]), []).append(pid)
     return kids
 
 
@@ -295,19 +303,7 @@ def process_tree(pid: int) -> list[int]:
 
 
 def _group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            out.append(int(entry))
-    return out
+    return [pid for pid, fields in _all_stats() if int(fields[2]) == pgid and fields[0] != b"Z"]
 
 
 def rss_bytes(pids: Iterable[int]) -> int:
@@ -326,17 +322,12 @@ def rss_bytes(pids: Iterable[int]) -> int:
 
 def cpu_seconds(pids: Iterable[int]) -> float:
     """Sum of user+system CPU time of ``pids`` so far, in seconds."""
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
+        fields = _stat_fields(pid)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class VllmServer:
