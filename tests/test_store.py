@@ -410,7 +410,7 @@ def test_malformed_rpc_gets_typed_error(cluster: tuple[MasterProcess, StoragePro
 
     import msgpack
 
-    from kvpool.store.rpc import pack
+    from kvpool._rpc import pack
 
     host, port = cluster[0].address.rsplit(":", 1)
     for payloads, fatal in (

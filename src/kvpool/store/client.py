@@ -23,6 +23,7 @@ from typing import Any
 import xxhash
 
 from kvpool import _native
+from kvpool._rpc import ERRORS, RpcClient, UnknownClient
 from kvpool.config import StoreConfig
 from kvpool.errors import (
     InvalidArgument,
@@ -33,7 +34,6 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.store.allocator import RangeAllocator
-from kvpool.store.rpc import ERRORS, RpcClient, UnknownClient
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, TransferRequest, TransferState, host_id
 

@@ -21,9 +21,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool._rpc import RpcServer
 from kvpool.config import MasterConfig
 from kvpool.store.allocator import RangeAllocator
-from kvpool.store.rpc import RpcServer
 
 log = logging.getLogger("kvpool.master")
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvpool._rpc import RpcClient, RpcServer
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import (
     Region,
@@ -35,7 +36,6 @@ from kvpool.connectors.vllm.common import (
     kv_regions,
 )
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
-from kvpool.store.rpc import RpcClient, RpcServer
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
 

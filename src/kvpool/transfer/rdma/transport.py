@@ -294,7 +294,7 @@ class RdmaTransport:
         self._closed = False
         self._calls: collections.deque[Any] = collections.deque()
         self._active: list[_Endpoint] = []
-        from kvpool.store.rpc import RpcServer
+        from kvpool._rpc import RpcServer
 
         self._rpc = RpcServer(hostname, 0, self._handle_rpc, lambda: None, tick_s=0.5)
         self._rpc_thread = threading.Thread(
@@ -858,7 +858,7 @@ class RdmaTransport:
 
     def _rpc_client(self, peer: _Peer) -> Any:
         if peer.rpc is None or peer.rpc.address != peer.rpc_addr:
-            from kvpool.store.rpc import RpcClient
+            from kvpool._rpc import RpcClient
 
             peer.rpc = RpcClient(peer.rpc_addr, self.cfg.connect_timeout_s, self.cfg.secret)
         return peer.rpc

@@ -1,4 +1,6 @@
-"""Master RPC: msgpack maps streamed over TCP (a selector loop on the master), with timeouts.
+"""RPC: msgpack maps streamed over TCP (a selector loop on the server), with timeouts.
+
+Shared by the store master, the connectors' side channels and RDMA handshakes.
 
 Plain sockets rather than zmq: a zmq round trip crosses two I/O threads per side (27 µs measured
 here) where a socket round trip costs 12 µs, and a put takes two round trips.
