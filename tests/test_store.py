@@ -12,7 +12,6 @@ import pytest
 
 from kvpool import ReplicateConfig, Store, _native
 from kvpool.errors import (
-    AuthenticationError,
     InvalidArgument,
     MasterUnavailable,
     ObjectBusy,
@@ -319,15 +318,6 @@ def test_dead_client_segments_are_unmounted() -> None:
         sp.close()
 
 
-def test_secret_guards_master_rpc() -> None:
-    with MasterProcess(secret="pw") as m:
-        with pytest.raises(AuthenticationError):
-            Store.connect(master=m.address, segment_size=0, secret="wrong")
-        with Store.connect(master=m.address, segment_size=1 << 20, secret="pw") as st:
-            st.put("k", b"v")
-            assert st.get("k") == b"v"
-
-
 def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
     ssd = tmp_path / "ssd"
     with Store.connect(segment_size=4 << 20, ssd_dir=str(ssd), heartbeat_s=0.1, buffer_size=1 << 20) as st:
@@ -403,35 +393,6 @@ def test_metrics_endpoint() -> None:
         assert "kvpool_hits_total 1.0" in text and "kvpool_misses_total 1.0" in text
         assert "kvpool_segment_used_bytes{segment=" in text
         assert 'kvpool_rpc_calls_total{op="put_start"}' in text
-
-
-def test_malformed_rpc_gets_typed_error(cluster: tuple[MasterProcess, StorageProcess]) -> None:
-    import socket
-
-    import msgpack
-
-    from kvpool._rpc import pack
-
-    host, port = cluster[0].address.rsplit(":", 1)
-    for payloads, fatal in (
-        ([pack([1, 2]), pack({"op": "nope", "id": 1}), pack({"op": "get", "id": 2})], False),
-        ([b"\xc1garbage"], True),
-    ):
-        with socket.create_connection((host, int(port)), timeout=3) as s:
-            up = msgpack.Unpacker(raw=False)
-            for p in payloads:
-                s.sendall(p)
-                while True:
-                    reply = next(up, None)
-                    if reply is not None:
-                        break
-                    up.feed(s.recv(4096))
-                assert reply["ok"] is False and reply["err"] == "INVALID"
-            if fatal:
-                assert s.recv(10) == b""  # the master hung up on the garbage
-    # The master still serves well-behaved clients.
-    with Store.connect(master=cluster[0].address, segment_size=0) as st:
-        assert st.batch_exists(["x"]) == [False]
 
 
 def test_embedded_default_master() -> None:

@@ -170,6 +170,9 @@ class MasterConfig(_ConfigBase):
         hot_window_s, hot_interval_s: access-count window and how often the policy runs.
         hot_max_replicas: replica count given to hot keys (capped by the number of segments).
         alignment: allocation alignment in bytes inside segments.
+        max_message: biggest RPC message accepted from an authenticated client (bytes).
+        idle_timeout_s: an RPC connection with no traffic for this long is closed (clients reconnect).
+        max_connections: open RPC connections the master keeps (beyond: unauthenticated ones first).
     """
 
     host: str = "127.0.0.1"
@@ -186,6 +189,9 @@ class MasterConfig(_ConfigBase):
     hot_interval_s: float = Field(default=1.0, gt=0)
     hot_max_replicas: int = Field(default=3, ge=1)
     alignment: int = Field(default=64, ge=1)
+    max_message: int = Field(default=16 << 20, ge=1 << 16)
+    idle_timeout_s: float = Field(default=600.0, gt=0)
+    max_connections: int = Field(default=4096, ge=16)
 
 
 class StoreConfig(_ConfigBase):

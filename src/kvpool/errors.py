@@ -93,6 +93,26 @@ class MasterUnavailable(StoreError):
     """The store master did not answer within rpc_timeout_s; check that `kvpool master` is running."""
 
 
+class BatchTooLarge(InvalidArgument):
+    """A request carries more keys than the master handles in one request (``max_batch``): split it
+    (the :class:`kvpool.Store` batch calls do this by themselves)."""
+
+
+class Fenced(StoreError):
+    """An allocation, reservation or cached location is no longer current (the master restarted, or
+    ``put_timeout_s`` passed, or it belongs to another client): start the put or get over."""
+
+
+class ObjectChanged(StoreError):
+    """The object was removed, evicted or replaced while it was being read (its header or lease no
+    longer matched after the bytes landed, on every try): get it again."""
+
+
+class ObjectCorrupt(StoreError):
+    """Every readable copy of the object failed its checksum (damaged in its segment); the copies
+    were reported to the master and dropped: put the object again."""
+
+
 __all__ = [
     "KvpoolError",
     "InvalidArgument",
@@ -115,4 +135,8 @@ __all__ = [
     "ObjectBusy",
     "StoreFull",
     "MasterUnavailable",
+    "BatchTooLarge",
+    "Fenced",
+    "ObjectChanged",
+    "ObjectCorrupt",
 ]

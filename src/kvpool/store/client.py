@@ -222,8 +222,11 @@ class Store:
         )
         self.client_id = f"{self.engine.segment_name}/{uuid.uuid4().hex[:12]}"
         self.host_id = host_id()
-        self._rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret)
-        self._hb_rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret)
+        self._token: bytes | None = None  # session token from `register` (other connections attach)
+        self.master_incarnation: int | None = None
+        rpc_args: dict[str, Any] = dict(on_connect=self._on_master, bind=self._session, what="store master")
+        self._rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
+        self._hb_rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
         self._staging = _Staging(self.engine, config.buffer_size)
         self.segment_name: str | None = None
         if config.segment_size > 0:
@@ -242,7 +245,6 @@ class Store:
         self._refill_wanted = threading.Event()
         self._releases: list[list[Any]] = []  # ended read leases not yet reported to the master
         self._release_lock = threading.Lock()
-        self.master_incarnation: int | None = None
         try:
             self._register()
         except BaseException:
@@ -287,15 +289,30 @@ class Store:
             self._register()
             return self._rpc.call(op, **args)
 
+    def _session(self) -> dict[str, Any] | None:
+        """What a new master connection attaches to (see kvpool._rpc.RpcClient ``bind``)."""
+        token = self._token
+        return None if token is None else {"client": self.client_id, "token": token}
+
+    def _on_master(self, hello: dict[str, Any]) -> None:
+        """Every new master connection: a different incarnation means the master restarted."""
+        if self.master_incarnation is not None and hello.get("instance") != self.master_incarnation:
+            log.warning("store master restarted: dropping reservations and registering again")
+            self._token = None
+            with self._resv_lock:
+                self._resv.clear()
+
     def _register(self) -> None:
         with self._register_lock:
             self._register_locked()
 
     def _register_locked(self) -> None:
+        self._token = None  # this connection registers; others attach with the new token
         reply = self._rpc.call(
             "register", client=self.client_id, host_id=self.host_id, ssd_dir=self.config.ssd_dir
         )
         self.master_incarnation = reply["master"]
+        self._token = reply["token"]
         if self.segment_name is not None:
             self._rpc.call(
                 "mount",
@@ -342,6 +359,12 @@ class Store:
                     continue
                 for task in reply.get("tasks", []):
                     self._run_task(task)
+            except UnknownClient:
+                log.warning("store master does not know us (restarted?): registering again")
+                try:
+                    self._register()
+                except KvpoolError as exc:
+                    log.debug("registering again failed: %s", exc)
             except MasterUnavailable as exc:
                 log.debug("heartbeat failed: %s", exc)
             except KvpoolError as exc:

@@ -15,13 +15,14 @@ import logging
 import math
 import os
 import random
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool._rpc import RpcServer
+from kvpool._rpc import RpcLimits, RpcServer
 from kvpool.config import MasterConfig
 from kvpool.store.allocator import RangeAllocator
 
@@ -72,6 +73,7 @@ class Obj:
     oid: int = 0  # object id: a release for an older object of the same key is ignored
     busy: int = 0  # master tasks (replicate/spill) in flight
     ssd: SsdCopy | None = None
+    owner: str = ""  # the client that put it (only it may commit or revoke the pending put)
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,10 @@ class Placement:
             raise _Err("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
         return pl
 
-    def new_obj(self, size: int, reps: list[Replica], now: float, put_timeout_s: float) -> Obj:
-        """A pending object placed on ``reps``."""
+    def new_obj(self, size: int, reps: list[Replica], now: float, put_timeout_s: float, owner: str) -> Obj:
+        """A pending object of client ``owner`` placed on ``reps``."""
         return Obj(size, reps, False, now + put_timeout_s, self.soft_pin, now + self.pin_ttl_s,
-                   self.cache_class, self.replicas)  # fmt: skip
+                   self.cache_class, self.replicas, owner=owner)  # fmt: skip
 
 
 @dataclass
@@ -126,6 +128,7 @@ class Client:
     host_id: str
     last_seen: float
     ssd_dir: str | None = None
+    token: bytes = b""
     segments: set[str] = field(default_factory=set)
     tasks: list[dict[str, Any]] = field(default_factory=list)
 
@@ -154,7 +157,13 @@ class Master:
         self._thread: threading.Thread | None = None
         self.stats: Counter[str] = Counter()
         c = self.config
-        self._server = RpcServer(c.host, c.port, self.handle, self._on_tick)
+        limits = RpcLimits(
+            max_message=c.max_message, idle_timeout_s=c.idle_timeout_s, max_connections=c.max_connections
+        )
+        self._server = RpcServer(
+            c.host, c.port, self.handle, self._on_tick,
+            secret=c.secret, instance=self.incarnation, limits=limits, with_connection=True,
+        )  # fmt: skip
         self.port = self._server.port
         self.address = f"{c.host}:{self.port}"
         self.metrics_port: int | None = None
@@ -192,29 +201,26 @@ class Master:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
 
-    def handle(self, req: Any) -> dict[str, Any]:
-        """Authenticate and dispatch one decoded request; never raises."""
+    def handle(self, req: Any, conn: Any) -> dict[str, Any] | None:
+        """Dispatch one decoded request of an authenticated connection; never raises.
+
+        ``conn.state`` holds what the connection is bound to (``"client"``: the id registered or
+        attached on it); in-process callers (tests) pass any object with a ``state`` dict.
+        """
         if not isinstance(req, dict):
             return {"id": None, "ok": False, "err": "INVALID", "msg": "malformed request: not a map"}
         rid = req.get("id")
-        secret = self.config.secret
-        if secret and not hmac.compare_digest(str(req.get("auth") or ""), secret):
-            return {
-                "id": rid,
-                "ok": False,
-                "err": "AUTH",
-                "msg": "wrong or missing secret for the store master",
-            }
         op = req.get("op")
         fn = self._handlers.get(op) if isinstance(op, str) else None
         if fn is None:
             return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+        sess: dict[str, Any] = conn.state
         t0 = time.perf_counter()
         try:
             with self._lock:
                 if req.get("release"):  # read leases a client ended, piggy-backed on this request
-                    self._op_release({"leases": req["release"]})
-                out = fn(req)
+                    self._op_release({"leases": req["release"]}, sess)
+                out = fn(req, sess)
             out["id"] = rid
             out["ok"] = True
         except _Err as exc:
@@ -236,11 +242,18 @@ class Master:
         """Bytes allocated in all mounted segments."""
         return sum(s.alloc.used_bytes for s in self.segments.values())
 
-    def _client(self, req: dict[str, Any]) -> Client:
-        cid = req["client"]
+    def _client(self, req: dict[str, Any], sess: dict[str, Any]) -> Client:
+        """The client bound to the calling connection (never the one a request names)."""
+        cid = sess.get("client")
+        if cid is None:
+            raise _Err("UNKNOWN_CLIENT", "this connection is not registered: register (or attach) first")
+        named = req.get("client")
+        if named is not None and named != cid:
+            raise _Err("INVALID", f"this connection belongs to client {cid!r}, not {named!r}")
         c = self.clients.get(cid)
         if c is None:
-            raise _Err("UNKNOWN_CLIENT", f"unknown client {cid!r}: register (again) first")
+            raise _Err("UNKNOWN_CLIENT", f"unknown client {cid!r} (declared dead, or the master restarted): "
+                       "register again")  # fmt: skip
         c.last_seen = time.monotonic()
         return c
 
@@ -506,35 +519,60 @@ class Master:
                     self._free_memory(key, obj)
 
     # ------------------------------------------------------------------ RPC ops
-    def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_ping(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         return {"master": self.incarnation}
 
-    def _op_register(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_register(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """A new client session, bound to this connection; ``token`` lets the client's other
+        connections :meth:`_op_attach` to it. An id in use by another connection is refused."""
         cid = req["client"]
+        if not isinstance(cid, str) or not cid:
+            raise _Err("INVALID", "client id must be a non-empty string")
+        bound = sess.get("client")
+        if bound is not None and bound != cid:
+            raise _Err("INVALID", f"this connection belongs to client {bound!r}")
         if cid in self.clients:
-            self._remove_client(cid)  # a restarted client: its old segments are gone
-        self.clients[cid] = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"))
+            if bound != cid:
+                raise _Err("EXISTS", f"client id {cid!r} is registered by another connection")
+            self._remove_client(cid)  # registering again on its own connection: a fresh session
+        token = secrets.token_bytes(16)
+        self.clients[cid] = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"), token)
+        sess["client"] = cid
         return {
             "master": self.incarnation,
+            "token": token,
             "lease_ttl_ms": self.config.lease_ttl_ms,
             "client_ttl_s": self.config.client_ttl_s,
         }
 
-    def _op_unregister(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._remove_client(req["client"])
+    def _op_attach(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Bind another connection of a registered client to it (proven by its session token)."""
+        cid, token = req["client"], req["token"]
+        c = self.clients.get(cid)
+        if c is None or not isinstance(token, bytes) or not hmac.compare_digest(token, c.token):
+            raise _Err("UNKNOWN_CLIENT", f"no session of client {cid!r} with this token: register again")
+        bound = sess.get("client")
+        if bound is not None and bound != cid:
+            raise _Err("INVALID", f"this connection belongs to client {bound!r}")
+        sess["client"] = cid
+        c.last_seen = time.monotonic()
+        return {"master": self.incarnation}
+
+    def _op_unregister(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        self._remove_client(self._client(req, sess).id)
         return {}
 
-    def _op_heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
-        cid = req["client"]
-        c = self.clients.get(cid)
+    def _op_heartbeat(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        cid = sess.get("client")
+        c = self.clients.get(cid) if cid is not None else None
         if c is None:
             return {"master": self.incarnation, "reregister": True, "tasks": []}
         c.last_seen = time.monotonic()
         tasks, c.tasks = c.tasks, []
         return {"master": self.incarnation, "tasks": tasks}
 
-    def _op_mount(self, req: dict[str, Any]) -> dict[str, Any]:
-        c = self._client(req)
+    def _op_mount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req, sess)
         name, base, size = req["segment"], int(req["base"]), int(req["size"])
         if size <= 0 or base <= 0:
             raise _Err("INVALID", "segment base and size must be positive")
@@ -546,21 +584,21 @@ class Master:
         c.segments.add(name)
         return {}
 
-    def _op_unmount(self, req: dict[str, Any]) -> dict[str, Any]:
-        c = self._client(req)
+    def _op_unmount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req, sess)
         name = req["segment"]
         if name not in c.segments:
             raise _Err("NOT_FOUND", f"segment {name!r} is not mounted by this client")
         self._unmount(name)
         return {}
 
-    def _op_task_done(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._client(req)
+    def _op_task_done(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        self._client(req, sess)
         self._finish_task(int(req["task"]), bool(req["ok"]), req.get("result") or {})
         return {}
 
-    def _op_put_start(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._client(req)
+    def _op_put_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        caller = self._client(req, sess)
         keys, sizes = req["keys"], req["sizes"]
         if len(keys) != len(sizes):
             raise _Err("INVALID", "keys and sizes differ in length")
@@ -589,12 +627,12 @@ class Master:
             if not reps:
                 out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
                 continue
-            self._new_pending(key, pl.new_obj(size, reps, now, self.config.put_timeout_s))
+            self._new_pending(key, pl.new_obj(size, reps, now, self.config.put_timeout_s, caller.id))
             out.append([None, [[r.segment, self._addr(r)] for r in reps]])
         reply: dict[str, Any] = {"results": out}
         reserve = int(req.get("reserve") or 0)
         if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
-            reply["reserved"] = self._reserve(req["client"], sizes[0], pl, reserve)
+            reply["reserved"] = self._reserve(sess["client"], sizes[0], pl, reserve)
             reply["reserve_ttl_s"] = self.config.put_timeout_s
         self._evict()
         return reply
@@ -622,15 +660,15 @@ class Master:
                 break
             for r in reps:
                 self.segments[r.segment].keys.add(rkey)
-            self._new_pending(rkey, pl.new_obj(size, reps, now, self.config.put_timeout_s))
+            self._new_pending(rkey, pl.new_obj(size, reps, now, self.config.put_timeout_s, cid))
             reserved.append([rkey, [[r.segment, self._addr(r)] for r in reps]])
         return reserved
 
-    def _op_reserve(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_reserve(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Reservations ahead of time (a client's pool of one shape runs low)."""
-        self._client(req)
+        self._client(req, sess)
         pl = Placement.parse(req.get("config") or {})
-        reserved = self._reserve(req["client"], int(req["size"]), pl, int(req["count"]))
+        reserved = self._reserve(sess["client"], int(req["size"]), pl, int(req["count"]))
         return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s}
 
     def _new_pending(self, key: str, obj: Obj) -> None:
@@ -639,15 +677,15 @@ class Master:
         self.objects[key] = obj
         self._pending.add(key)
 
-    def _op_commit(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_commit(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Commit reservations (written by the client) under their keys: ``items`` = [[key, rkey]]."""
-        self._client(req)
+        self._client(req, sess)
         out: list[list[Any]] = []
         for key, rkey in req["items"]:
             robj = self.objects.get(rkey)
             if not isinstance(key, str) or not key or key[0] == "\0":
                 out.append(["INVALID", "key must be a non-empty string (not starting with NUL)"])
-            elif robj is None or robj.committed or not rkey.startswith(f"\0r:{req['client']}:"):
+            elif robj is None or robj.committed or not rkey.startswith(f"\0r:{sess['client']}:"):
                 out.append(["NOT_FOUND", "reservation expired (older than put_timeout_s)"])
             elif key in self.objects:
                 o = self.objects[key]
@@ -669,12 +707,12 @@ class Master:
                 out.append([None, None])
         return {"results": out}
 
-    def _op_put_end(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._client(req)
+    def _op_put_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        caller = self._client(req, sess)
         out: list[list[Any]] = []
         for key in req["keys"]:
             obj = self.objects.get(key)
-            if obj is None or obj.committed:
+            if obj is None or obj.committed or obj.owner != caller.id:
                 out.append(["NOT_FOUND", f"no pending put of {key!r} (revoked after put_timeout_s?)"])
                 continue
             obj.committed = True
@@ -686,16 +724,16 @@ class Master:
             out.append([None, None])
         return {"results": out}
 
-    def _op_put_revoke(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._client(req)
+    def _op_put_revoke(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        caller = self._client(req, sess)
         for key in req["keys"]:
             obj = self.objects.get(key)
-            if obj is not None and not obj.committed:
+            if obj is not None and not obj.committed and obj.owner == caller.id:
                 self._drop(key)
         return {}
 
-    def _op_get(self, req: dict[str, Any]) -> dict[str, Any]:
-        reader = self.clients.get(req.get("client", ""))
+    def _op_get(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        reader = self.clients.get(sess.get("client", ""))
         host = reader.host_id if reader is not None else None
         now = time.monotonic()
         ttl = self.config.lease_ttl_ms / 1000.0
@@ -735,7 +773,7 @@ class Master:
             out.append([None, {"size": obj.size, "replicas": replicas, "ssd": ssd, "oid": obj.oid}])
         return {"results": out}
 
-    def _op_release(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_release(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """End read leases: ``leases`` is a list of [key, oid] from get replies."""
         for key, oid in req["leases"]:
             obj = self.objects.get(key)
@@ -743,11 +781,11 @@ class Master:
                 obj.readers -= 1
         return {}
 
-    def _op_exists(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_exists(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         objs = self.objects
         return {"results": [(o := objs.get(k)) is not None and o.committed for k in req["keys"]]}
 
-    def _op_remove(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_remove(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()
         force = bool(req.get("force", False))
         out: list[list[Any]] = []
@@ -762,16 +800,16 @@ class Master:
                 out.append([None, None])
         return {"results": out}
 
-    def _op_remove_all(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_remove_all(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()
         keys = [k for k, o in self.objects.items() if o.committed and not o.busy and not self._leased(o, now)]
         for k in keys:
             self._drop(k)
         return {"removed": len(keys)}
 
-    def _op_replica_start(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_replica_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """change_replica: lower at once, or allocate new replicas for the caller to fill."""
-        self._client(req)
+        self._client(req, sess)
         key, n = req["key"], int(req["replicas"])
         if n < 1:
             raise _Err("INVALID", "replicas must be >= 1")
@@ -799,9 +837,9 @@ class Master:
             "size": obj.size,
         }
 
-    def _op_promote_start(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_promote_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Allocate a memory replica for an object that lives only on the SSD tier."""
-        self._client(req)
+        self._client(req, sess)
         key = req["key"]
         obj = self.objects.get(key)
         if obj is None or not obj.committed or obj.ssd is None:
@@ -817,8 +855,8 @@ class Master:
         obj.busy += 1
         return {"dst": [[r.segment, self._addr(r)] for r in new]}
 
-    def _op_replica_end(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._client(req)
+    def _op_replica_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        self._client(req, sess)
         key, ok = req["key"], bool(req["ok"])
         obj = self.objects.get(key)
         if obj is None:
@@ -834,7 +872,7 @@ class Master:
                     obj.replicas.remove(r)
         return {"replicas": sum(r.committed for r in obj.replicas)}
 
-    def _op_info(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_info(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         key = req["key"]
         obj = self.objects.get(key)
         if obj is None:
@@ -848,7 +886,7 @@ class Master:
             "soft_pin": obj.soft_pin,
         }
 
-    def _op_stats(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_stats(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         return {"stats": self.snapshot()}
 
     def snapshot(self) -> dict[str, Any]:

@@ -260,7 +260,9 @@ class _PdWorker:
             self._threads.append(t)
         if self.serves and self._server is None:
             port = self.cfg.side_channel_port + self.tp_rank
-            self._server = RpcServer(self.cfg.hostname, port, self._handle, lambda: None, tick_s=1.0)
+            self._server = RpcServer(
+                self.cfg.hostname, port, self._handle, lambda: None, tick_s=1.0, secret=self.cfg.secret
+            )
             t = threading.Thread(target=self._server.serve_forever, name="kvpool-pd-side", daemon=True)
             t.start()
             self._threads.append(t)
@@ -286,9 +288,7 @@ class _PdWorker:
 
     # ------------------------------------------------------------------ side channel (prefill)
     def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        rid = req.get("id")
-        if self.cfg.secret and req.get("auth") != self.cfg.secret:
-            return {"id": rid, "ok": False, "err": "AUTH", "msg": "bad or missing secret"}
+        rid = req.get("id")  # the connection proved the secret (kvpool._rpc handshake)
         op = req.get("op")
         if op == "layout":
             assert self.engine is not None

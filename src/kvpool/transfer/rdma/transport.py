@@ -296,7 +296,7 @@ class RdmaTransport:
         self._active: list[_Endpoint] = []
         from kvpool._rpc import RpcServer
 
-        self._rpc = RpcServer(hostname, 0, self._handle_rpc, lambda: None, tick_s=0.5)
+        self._rpc = RpcServer(hostname, 0, self._handle_rpc, lambda: None, tick_s=0.5, secret=cfg.secret)
         self._rpc_thread = threading.Thread(
             target=self._rpc.serve_forever, name="kvpool-rdma-rpc", daemon=True
         )
@@ -937,9 +937,7 @@ class RdmaTransport:
 
     # ------------------------------------------------------------------ passive side (RPC)
     def _handle_rpc(self, req: dict[str, Any]) -> dict[str, Any]:
-        rid = req.get("id")
-        if self.cfg.secret and req.get("auth") != self.cfg.secret:
-            return {"id": rid, "ok": False, "err": "AUTH", "msg": "wrong or missing secret"}
+        rid = req.get("id")  # the connection proved the secret (kvpool._rpc handshake)
         try:
             op = req.get("op")
             if op == "connect":
