@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -49,13 +50,17 @@ def master() -> Iterator[Driver]:
     m.stop()
 
 
-def _put(m: Driver, key: str, replicas: int = 2) -> None:
-    r = m.handle(
-        {"op": "put_start", "client": "r", "keys": [key], "sizes": [4096], "config": {"replicas": replicas}}
-    )
-    assert r["results"][0][0] is None
-    assert len({x[0] for x in r["results"][0][1]}) == replicas  # distinct segments
-    assert m.handle({"op": "put_end", "client": "r", "keys": [key]})["results"] == [[None, None]]
+def _put(m: Driver, key: str, replicas: int = 2, size: int = 4096, client: str = "r") -> int:
+    """A whole put by ``client``; returns the object's generation."""
+    r = m.handle({"op": "put_start", "client": client, "keys": [key], "sizes": [size],
+                  "config": {"replicas": replicas}})  # fmt: skip
+    code, (gen, verify, reps) = r["results"][0]
+    assert code is None and verify is (size <= 64 << 10)
+    assert len({x[0] for x in reps}) == replicas  # distinct segments
+    segs = [x[0] for x in reps]
+    out = m.handle({"op": "put_end", "client": client, "items": [[key, gen, 7, segs]], "epoch": r["epoch"]})
+    assert out["results"] == [[None, None]]
+    return gen
 
 
 def test_same_host_replica_first(master: Driver) -> None:
@@ -77,11 +82,11 @@ def test_remote_reader_balances_between_replicas(master: Driver) -> None:
 
 def test_leases_end_on_release_and_expire(master: Driver) -> None:
     _put(master, "k", replicas=1)
-    oid = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]["oid"]
+    gen = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]["gen"]
     assert master.handle({"op": "remove", "keys": ["k"]})["results"][0][0] == "BUSY"
-    master.handle({"op": "release", "client": "r", "leases": [["k", oid + 1000]]})  # wrong object: ignored
+    master.handle({"op": "release", "client": "r", "leases": [["k", gen + 1000]]})  # wrong object: ignored
     assert master.handle({"op": "remove", "keys": ["k"]})["results"][0][0] == "BUSY"
-    master.handle({"op": "exists", "keys": ["k"], "release": [["k", oid]]})  # piggy-backed release
+    master.handle({"op": "exists", "keys": ["k"], "release": [["k", gen]]})  # piggy-backed release
     assert master.handle({"op": "remove", "keys": ["k"]})["results"] == [[None, None]]
 
 
@@ -92,8 +97,6 @@ def test_unknown_op_and_unknown_client(master: Driver) -> None:
         == "UNKNOWN_CLIENT"
     )
     assert master.m.handle([1, 2], Conn())["err"] == "INVALID"  # type: ignore[index]
-    r = master.handle({"op": "put_start", "client": "r", "keys": ["\0r:evil"], "sizes": [1]})
-    assert r["results"][0][0] == "INVALID"  # reservation key space is not for users
 
 
 def test_identity_is_the_connection_not_what_a_request_says(master: Driver) -> None:
@@ -101,18 +104,111 @@ def test_identity_is_the_connection_not_what_a_request_says(master: Driver) -> N
     a, r = master.conns["a"], master.conns["r"]
     start = m.handle({"op": "put_start", "keys": ["mine"], "sizes": [100]}, r)
     assert start is not None and start["results"][0][0] is None
+    gen, _, reps = start["results"][0][1]
+    item = ["mine", gen, 1, [reps[0][0]]]
     # Client a cannot commit, revoke, heartbeat or unregister as r, even when it names r.
     for op in ("put_end", "put_revoke", "heartbeat", "unregister"):
-        out = m.handle({"op": op, "client": "r", "keys": ["mine"]}, a)
+        out = m.handle({"op": op, "client": "r", "items": [item]}, a)
         assert out is not None
         if op == "heartbeat":
             assert out["ok"] and "r" in m.clients  # a's own heartbeat, r untouched
         else:
             assert out["err"] == "INVALID" and "belongs to client 'a'" in out["msg"]
-    assert m.handle({"op": "put_end", "keys": ["mine"]}, a)["results"][0][0] == "NOT_FOUND"  # type: ignore[index]
+    assert m.handle({"op": "put_end", "items": [item]}, a)["results"][0][0] == "NOT_FOUND"  # type: ignore[index]
+    assert m.handle({"op": "put_revoke", "items": [[gen, True]]}, a)["ok"]  # type: ignore[index]
+    assert m.objects["mine"].gen == gen  # a's revoke of r's put did nothing
     # A fresh connection is nobody until it registers or attaches with the session token.
     anon = Conn()
-    assert m.handle({"op": "put_end", "client": "r", "keys": ["mine"]}, anon)["err"] == "UNKNOWN_CLIENT"  # type: ignore[index]
+    out = m.handle({"op": "put_end", "client": "r", "items": [item]}, anon)
+    assert out is not None and out["err"] == "UNKNOWN_CLIENT"
     assert m.handle({"op": "register", "client": "r"}, anon)["err"] == "EXISTS"  # type: ignore[index]
-    assert m.handle({"op": "attach", "client": "r", "token": b"guess"}, anon)["err"] == "UNKNOWN_CLIENT"  # type: ignore[index]
-    assert m.handle({"op": "put_end", "keys": ["mine"]}, r)["results"] == [[None, None]]  # type: ignore[index]
+    out = m.handle({"op": "attach", "client": "r", "token": b"guess"}, anon)
+    assert out is not None and out["err"] == "UNKNOWN_CLIENT"
+    assert m.handle({"op": "put_end", "items": [item]}, r)["results"] == [[None, None]]  # type: ignore[index]
+
+
+def test_put_end_needs_the_allocations_generation_and_epoch(master: Driver) -> None:
+    m = master.m
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [100], "config": {}})
+    gen, _, reps = r["results"][0][1]
+    seg = [reps[0][0]]
+    stale = master.handle({"op": "put_end", "client": "r", "items": [["k", gen, 1, seg]], "epoch": 12345})
+    assert stale["err"] == "STALE"  # an allocation from another master life
+    wrong = master.handle({"op": "put_end", "client": "r", "items": [["k", gen + 1, 1, seg]]})
+    assert wrong["results"][0][0] == "NOT_FOUND"  # not the allocation it got
+    no_sum = master.handle({"op": "put_end", "client": "r", "items": [["k", gen, None, seg]]})
+    assert no_sum["results"][0][0] == "INVALID"  # small objects must carry a checksum
+    ok = master.handle(
+        {"op": "put_end", "client": "r", "items": [["k", gen, 5, seg]], "epoch": m.incarnation}
+    )
+    assert ok["results"] == [[None, None]]
+    late = master.handle({"op": "put_end", "client": "r", "items": [["k", gen, 5, seg]]})
+    assert late["results"][0][0] == "NOT_FOUND"  # a late second commit changes nothing
+
+
+def test_a_late_commit_never_commits_the_next_put_of_the_key(master: Driver) -> None:
+    m = master.m
+    m.config = m.config.replace(put_timeout_s=0.05)
+    r1 = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [100], "config": {}})
+    g1, _, reps1 = r1["results"][0][1]
+    time.sleep(0.1)
+    m._tick(time.monotonic())  # r's put is revoked ...
+    m.config = m.config.replace(put_timeout_s=30)
+    r2 = master.handle({"op": "put_start", "client": "ra", "keys": ["k"], "sizes": [100], "config": {}})
+    g2, _, reps2 = r2["results"][0][1]
+    assert g2 != g1
+    assert (reps2[0][0], reps2[0][1]) != (reps1[0][0], reps1[0][1])  # its space is fenced, not reused
+    late = master.handle({"op": "put_end", "client": "r", "items": [["k", g1, 1, [reps1[0][0]]]]})
+    assert late["results"][0][0] == "NOT_FOUND"  # ... and its late commit does not commit ra's put
+    assert not m.objects["k"].committed and m.objects["k"].owner == "ra"
+
+
+def test_fenced_space_is_freed_by_the_writers_floor_or_turns_suspect(master: Driver) -> None:
+    m = master.m
+    m.space.quarantine_s = 0.0
+    m.space.fence_hold_s = 3600
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [1 << 20], "config": {}})
+    gen = r["results"][0][1][0]
+    master.handle({"op": "put_revoke", "client": "r", "items": [[gen, True]]})  # written, then failed
+    assert m.space.fenced == 1
+    master.handle({"op": "heartbeat", "client": "r", "floor": gen})  # still writing gen
+    assert m.space.fenced == 1
+    master.handle({"op": "heartbeat", "client": "r", "floor": gen + 1})  # done with it
+    assert m.space.fenced == 0
+    # A writer that dies without confirming: its space comes back after the hold, as suspect space
+    # in which every object must carry a checksum.
+    r = master.handle({"op": "put_start", "client": "ra", "keys": ["big"], "sizes": [1 << 20], "config": {}})
+    gen, verify, reps = r["results"][0][1]
+    assert verify is False
+    m._remove_client("ra")
+    assert m.space.fenced == 1
+    m.space.fence_hold_s = 0.0
+    m.space.release(m._floor_of, time.monotonic())
+    assert m.space.fenced == 0
+    seg = m.space.segments[reps[0][0]]
+    assert seg.suspect
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["big2"], "sizes": [1 << 20],
+                       "config": {"preferred_segment": seg.name}})  # fmt: skip
+    gen2, verify2, reps2 = r["results"][0][1]
+    assert reps2[0][1] == reps[0][1] and verify2 is True
+
+
+def test_batches_are_bounded_and_impossible_puts_evict_nothing(master: Driver) -> None:
+    m = master.m
+    too_many = master.handle({"op": "get", "client": "r", "keys": [f"k{i}" for i in range(5000)]})
+    assert too_many["err"] == "TOO_LARGE" and "split" in too_many["msg"]
+    for i in range(20):
+        _put(master, f"small{i}", replicas=1)
+    huge = master.handle({"op": "put_start", "client": "r", "keys": ["huge"], "sizes": [1 << 30]})
+    assert huge["results"][0][0] == "FULL" and "any mounted segment" in huge["results"][0][1]
+    assert m.stats["evictions"] == 0 and m.n_committed == 20
+
+
+def test_eviction_is_incremental_and_by_class(master: Driver) -> None:
+    m = master.m
+    m.config = m.config.replace(evict_batch=8, eviction_high_watermark=0.5, eviction_ratio=0.1)
+    for i in range(40):
+        _put(master, f"e{i}", replicas=1, size=256 << 10)
+    before = m.stats["evictions"]
+    m._evict(time.monotonic(), need=1 << 40)  # asks for everything; looks at 8 objects at most
+    assert 0 < m.stats["evictions"] - before <= 8

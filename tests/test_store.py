@@ -149,7 +149,7 @@ def test_leased_and_uncommitted_objects_survive_eviction() -> None:
             st._call("get", client=st.client_id, keys=["leased"])
             # An uncommitted put: allocated, never committed (we drive the two-phase RPC by hand).
             r = st._rpc.call("put_start", client=st.client_id, keys=["pending"], sizes=[1 << 20], config={})
-            pending_addr = r["results"][0][1][0][1]
+            pending_addr = r["results"][0][1][2][0][1]  # [gen, checksum required, [[segment, addr]]]
             for i in range(60):  # 60 MiB through a 16 MiB pool: eviction must run many times
                 st.put(f"filler-{i}", pattern(1 << 20, 10 + i))
             stats = st.stats()
@@ -246,7 +246,10 @@ def test_master_killed_mid_put_then_clients_recover() -> None:
             t.join(10)
             assert errors and all(isinstance(e, MasterUnavailable) for e in errors), errors[:3]
             with pytest.raises(MasterUnavailable):
-                st.get("before")
+                st.get("never-put")
+            # A small object whose location this client knows is read without the master (checked
+            # by its header and checksum in the storage segment, which is still there).
+            assert st.get("before") == b"x" * 1000
             m = MasterProcess(port=port)  # a new master on the same address
             deadline = time.monotonic() + 10
             while True:  # the storage client re-registers and re-mounts by itself
@@ -292,14 +295,24 @@ def test_small_puts_use_reservations_which_close_returns(
         st.remove_all()
 
 
-def test_abandoned_put_is_revoked_and_space_freed() -> None:
-    with Store.connect(segment_size=8 << 20) as st:
+def test_abandoned_put_is_revoked_and_space_freed_once_the_writer_is_done() -> None:
+    with Store.connect(segment_size=8 << 20, heartbeat_s=0.1) as st:
+        assert st._master is not None
         st._master.config = st._master.config.replace(put_timeout_s=0.3)
-        st._rpc.call("put_start", client=st.client_id, keys=["ghost"], sizes=[4 << 20], config={})
+        st._master.space.quarantine_s = 0.2
+        r = st._rpc.call("put_start", keys=["ghost"], sizes=[4 << 20], config={})
+        gen = r["results"][0][1][0]
+        st._writes.begin(r["epoch"], [gen])  # as a writer does when the allocation arrives
         assert st.stats()["pending"] == 1
         time.sleep(0.8)
         s = st.stats()
-        assert s["pending"] == 0 and s["used"] == 0
+        assert s["pending"] == 0  # revoked after put_timeout_s ...
+        assert s["fenced"] == 1 and s["used"] > 4 << 20  # ... but kept while the writer may still write
+        st._writes.end(r["epoch"], [gen])  # the writer gave up: its next heartbeat says so
+        deadline = time.monotonic() + 5
+        while st.stats()["used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st.stats()["used"] == 0 and st.stats()["fenced"] == 0
         st.put("ghost", b"now it works")
         assert st.get("ghost") == b"now it works"
 
@@ -307,6 +320,7 @@ def test_abandoned_put_is_revoked_and_space_freed() -> None:
 def test_dead_client_segments_are_unmounted() -> None:
     with MasterProcess(client_ttl_s=1.0) as m, Store.connect(master=m.address, segment_size=0) as st:
         sp = StorageProcess(m.address, 8 << 20)
+        st.config = st.config.replace(location_cache=0)  # every get asks the master
         st.put("on-dead", b"z" * 100)
         sp.kill()
         deadline = time.monotonic() + 8
@@ -382,7 +396,10 @@ def test_hot_keys_gain_replicas_and_lose_them_when_cool() -> None:
 
 
 def test_metrics_endpoint() -> None:
-    with MasterProcess(metrics_port=0) as m, Store.connect(master=m.address, segment_size=2 << 20) as st:
+    with (
+        MasterProcess(metrics_port=0) as m,
+        Store.connect(master=m.address, segment_size=2 << 20, location_cache=0) as st,
+    ):
         st.put("m1", b"a" * 1000)
         st.get("m1")
         with pytest.raises(ObjectNotFound):

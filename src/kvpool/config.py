@@ -162,9 +162,18 @@ class MasterConfig(_ConfigBase):
         metrics_port: Prometheus text metrics over HTTP on ``host``; None disables, 0 picks a free port.
         eviction_high_watermark: fraction of pool capacity above which eviction starts.
         eviction_ratio: fraction of pool capacity each eviction round frees.
-        lease_ttl_ms: how long a read lease protects an object from eviction and removal.
+        lease_ttl_ms: how long a read lease protects an object's space from being freed (longer
+            than the clients' ``transfer_timeout_s``; a read that takes longer is checked again).
         client_ttl_s: a client silent for this long is dead: its segments are unmounted.
-        put_timeout_s: an uncommitted put older than this is revoked and its space freed.
+        put_timeout_s: an uncommitted put older than this is revoked (writers stop starting writes
+            into an allocation after half of it).
+        quarantine_s: space taken back from a writer that did not finish is not reused for this
+            long (at least the clients' ``transfer_timeout_s``), nor before the writer confirms it
+            no longer writes there.
+        fence_hold_s: space of a writer that never confirms is reused after this, for checksummed
+            objects only.
+        max_batch: most keys one request may carry (a bigger one is refused; clients split).
+        evict_batch: most objects one eviction step looks at (bounds the master's stalls).
         secret: shared secret every RPC must carry (same as the transfer engines').
         hot_key_replication: raise the replica count of the hottest keys automatically.
         hot_window_s, hot_interval_s: access-count window and how often the policy runs.
@@ -180,9 +189,13 @@ class MasterConfig(_ConfigBase):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     eviction_high_watermark: float = Field(default=0.95, gt=0, le=1)
     eviction_ratio: float = Field(default=0.05, gt=0, le=1)
-    lease_ttl_ms: int = Field(default=5000, ge=1)
+    lease_ttl_ms: int = Field(default=15000, ge=1)
     client_ttl_s: float = Field(default=10.0, gt=0)
     put_timeout_s: float = Field(default=30.0, gt=0)
+    quarantine_s: float = Field(default=40.0, ge=0)
+    fence_hold_s: float = Field(default=120.0, ge=0)
+    max_batch: int = Field(default=4096, ge=1)
+    evict_batch: int = Field(default=2048, ge=1)
     secret: str | None = None
     hot_key_replication: bool = False
     hot_window_s: float = Field(default=10.0, gt=0)
@@ -206,7 +219,14 @@ class StoreConfig(_ConfigBase):
         ssd_dir: directory this client contributes as the SSD tier (None = none).
         promote_on_hit: copy an object read from the SSD tier back into memory.
         rpc_timeout_s: master RPC timeout; heartbeat_s: heartbeat period.
-        transfer_timeout_s: transfer engine timeout.
+        transfer_timeout_s: transfer engine timeout (at most the master's ``quarantine_s``).
+        checksum: give every object an xxh3-64 checksum, checked on every read (objects up to
+            64 KiB, and objects the master places in suspect space, always have one).
+        location_cache: small objects (up to 64 KiB) whose location this client keeps, to read
+            them without asking the master (checked by header and checksum; 0 turns it off).
+        location_cache_ttl_s: a cached location is used for this long. Until then a get may
+            return a value that was removed (but never another key's or a torn one).
+        get_retries: times a read whose object changed under it is looked up and read again.
     """
 
     master: str | None = None
@@ -220,4 +240,8 @@ class StoreConfig(_ConfigBase):
     promote_on_hit: bool = True
     rpc_timeout_s: float = Field(default=5.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
-    transfer_timeout_s: float = Field(default=30.0, gt=0)
+    transfer_timeout_s: float = Field(default=10.0, gt=0)
+    checksum: bool = False
+    location_cache: int = Field(default=1 << 17, ge=0)
+    location_cache_ttl_s: float = Field(default=60.0, ge=0)
+    get_retries: int = Field(default=2, ge=0)

@@ -1,13 +1,22 @@
 """Store client: contributes memory (and optionally an SSD directory) to the pool; put/get objects.
 
-Bytes never pass through the master: a put allocates replicas at the master (or uses a
-reservation), writes them through the transfer engine (one batch for all replicas and keys), then
-commits; a get takes a lease, reads the replica the master chose (same host first, else the less
-loaded of two random ones), and ends the lease with its next request.
+Bytes never pass through the master. A put gets allocations (epoch + generation) from the master
+or from a reservation, writes header + value through the transfer engine
+(:mod:`kvpool.store.datapath`), and commits them itself. A get asks the master for the object's
+replicas under a lease, reads one (others on failure) and checks the object's header (and
+checksum) after the bytes landed; small objects whose location this client already knows are read
+without asking the master at all (one engine READ, checked the same way), falling back to the
+master when the check fails.
+
+Fencing, client side: allocations of a master incarnation are dropped when the master changes
+(reservations, cached locations), a write never starts later than half of ``put_timeout_s`` after
+its allocation was asked for, and every heartbeat reports the *floor* (the oldest allocation this
+client may still write), which lets the master reuse space taken back from it.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import mmap
@@ -18,32 +27,31 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-import xxhash
-
-from kvpool import _native
 from kvpool._rpc import ERRORS, RpcClient, UnknownClient
 from kvpool.config import StoreConfig
 from kvpool.errors import (
+    ConfigError,
+    Fenced,
     InvalidArgument,
     KvpoolError,
     MasterUnavailable,
+    ObjectChanged,
     ObjectNotFound,
+    RegistrationError,
     StoreError,
     TransferError,
 )
-from kvpool.store.allocator import RangeAllocator
+from kvpool.store.datapath import DataPath, ReadJob, WriteJob
+from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, header_mismatch, key_hash
+from kvpool.store.ssd import read_ssd_file, write_ssd_file
+from kvpool.store.staging import Staging, addr_of
 from kvpool.transfer.engine import TransferEngine, buffer_range
-from kvpool.transfer.types import OpCode, TransferRequest, TransferState, host_id
+from kvpool.transfer.types import OpCode, host_id
 
 log = logging.getLogger("kvpool.store")
 
-_SSD_MAGIC = b"KVPSSD01"
-DIRECT_MIN = 64 << 10  # values this big move without a staging copy
-SMALL_SLOT = 64 << 10  # staging slot kept for one small value at a time
-_NATIVE_READ = _native.OP_READ
-_NATIVE_WRITE = _native.OP_WRITE
 RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
 RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size, config)
 RESERVE_LOW = 6  # below this many left, a pool is refilled in the background
@@ -52,9 +60,6 @@ RESERVE_LOW = 6  # below this many left, a pool is refilled in the background
 def _reserve_count(size: int) -> int:
     """How many reservations to ask for with a put of ``size`` bytes (2 to 16)."""
     return max(2, min(16, RESERVE_BYTES // size)) if 0 < size <= RESERVE_MAX else 0
-
-
-_SSD_HDR = struct.Struct("<8sQQI")  # magic, size, xxh3_64, key length
 
 
 @dataclass
@@ -91,108 +96,62 @@ def _err(code: str, msg: str) -> KvpoolError:
     return ERRORS.get(code, StoreError)(msg)
 
 
-def _write_ssd_file(path: str, key: str, data: memoryview) -> str:
-    """Write an object file atomically; returns its xxh3-64 hex checksum."""
-    digest = xxhash.xxh3_64_intdigest(data)
-    kb = key.encode()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(_SSD_HDR.pack(_SSD_MAGIC, len(data), digest, len(kb)))
-        f.write(kb)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return f"{digest:016x}"
+class _Resv(NamedTuple):
+    """A reservation: an allocation granted ahead of a put of this size and config."""
+
+    deadline: float  # no write starts into it after this
+    epoch: int
+    gen: int
+    verify: bool
+    replicas: list[list[Any]]
 
 
-def read_ssd_file(path: str, key: str, size: int, checksum: str) -> bytes | None:
-    """Read and verify an SSD-tier file; None when missing, truncated or corrupt."""
-    try:
-        with open(path, "rb") as f:
-            hdr = f.read(_SSD_HDR.size)
-            magic, n, digest, klen = _SSD_HDR.unpack(hdr)
-            if magic != _SSD_MAGIC or n != size or f.read(klen) != key.encode():
-                return None
-            data = f.read(n + 1)
-    except (OSError, struct.error):
-        return None
-    if len(data) != size or xxhash.xxh3_64_intdigest(data) != digest or f"{digest:016x}" != checksum:
-        return None
-    return data
+class _Loc(NamedTuple):
+    """Where a small committed object lives (read without asking the master; checked on read)."""
+
+    epoch: int
+    gen: int
+    size: int
+    csum: int
+    replicas: list[list[Any]]
+    since: float
 
 
-class _Staging:
-    """A registered local-only buffer carved into regions for put/get of Python bytes."""
+class _Writes:
+    """Allocations this client may still write into; their oldest is the floor it reports."""
 
-    def __init__(self, engine: TransferEngine, size: int) -> None:
-        self.engine = engine
-        self.mem = mmap.mmap(-1, size)
-        self.view = memoryview(self.mem)
-        self.base = engine.register_local_memory(self.view, remote_accessible=False)
-        self.alloc = RangeAllocator(size, 64)
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        # A fixed region for one small value at a time: no allocator on the common small path.
-        self.small_off = self.alloc.allocate(SMALL_SLOT)
-        self.small_lock = threading.Lock()
+        self.epoch = 0
+        self.inflight: collections.Counter[int] = collections.Counter()
+        self.max_seen = 0
 
-    def take(self, size: int) -> tuple[int, memoryview, Any]:
-        """(address, view, token) of ``size`` bytes; a temporary registration when it does not fit."""
-        if size <= SMALL_SLOT and self.small_off is not None and self.small_lock.acquire(blocking=False):
-            off = self.small_off
-            return self.base + off, self.view[off : off + size], "small"
+    def begin(self, epoch: int, gens: Sequence[int]) -> None:
+        """Allocations received (before anything is written into them)."""
         with self.lock:
-            off = self.alloc.allocate(size)
-        if off is not None:
-            return self.base + off, self.view[off : off + size], off
-        tmp = mmap.mmap(-1, size)
-        view = memoryview(tmp)
-        addr = self.engine.register_local_memory(view, remote_accessible=False)
-        return addr, view[:size], (tmp, view)
+            if epoch != self.epoch:
+                self.epoch, self.max_seen = epoch, 0
+                self.inflight.clear()
+            for g in gens:
+                self.inflight[g] += 1
+                self.max_seen = max(self.max_seen, g)
 
-    def source(self, value: memoryview) -> tuple[int, Any]:
-        """(address, token) to WRITE ``value`` from: big values are registered in place for the
-        call (read-only, local: no copy); small ones are copied into the staging buffer."""
-        n = value.nbytes
-        if n >= DIRECT_MIN:
-            try:
-                addr = self.engine.register_local_memory(value, remote_accessible=False)
-                return addr, ("registered", addr)
-            except KvpoolError:
-                pass  # e.g. the same object is being put by another thread: copy it
-        addr, view, token = self.take(n)
-        view[:] = value
-        return addr, token
+    def end(self, epoch: int, gens: Sequence[int]) -> None:
+        """Allocations this client will not write into any more."""
+        with self.lock:
+            if epoch != self.epoch:
+                return
+            for g in gens:
+                n = self.inflight[g] - 1
+                if n > 0:
+                    self.inflight[g] = n
+                else:
+                    self.inflight.pop(g, None)
 
-    def sink(self, size: int) -> tuple[int, Any, Any]:
-        """(address, result, token) to READ ``size`` bytes into: a fresh ``bytes`` object filled
-        in place for big values, a staging region (copied out afterwards) for small ones."""
-        if size >= DIRECT_MIN:
-            obj, addr = _native.new_bytes(size)
-            self.engine.register_local_memory(addr, size, remote_accessible=False)
-            return addr, obj, ("registered", addr)
-        addr, view, token = self.take(size)
-        return addr, view, token
-
-    def give(self, token: Any) -> None:
-        """Return a region taken with :meth:`take`, :meth:`source` or :meth:`sink`."""
-        if token == "small":
-            self.small_lock.release()
-            return
-        if isinstance(token, int):
-            with self.lock:
-                self.alloc.free(token)
-            return
-        if token[0] == "registered":
-            self.engine.unregister_local_memory(token[1])
-            return
-        _tmp, view = token
-        self.engine.unregister_local_memory(_addr_of(view))  # the mapping goes with its last view
-
-
-def _addr_of(view: memoryview) -> int:
-    return _native.buffer_address(view)[0]
+    def floor(self) -> int:
+        """Every allocation older than this is done with."""
+        with self.lock:
+            return min(self.inflight) if self.inflight else self.max_seen + 1
 
 
 class Store:
@@ -224,22 +183,30 @@ class Store:
         self.host_id = host_id()
         self._token: bytes | None = None  # session token from `register` (other connections attach)
         self.master_incarnation: int | None = None
+        self._lease_s = 5.0
+        self._write_window_s = 5.0
+        self._max_batch = 4096
         rpc_args: dict[str, Any] = dict(on_connect=self._on_master, bind=self._session, what="store master")
         self._rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
         self._hb_rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
-        self._staging = _Staging(self.engine, config.buffer_size)
+        self._staging = Staging(self.engine, config.buffer_size)
+        self._data = DataPath(self.engine, self._staging, self._report, config.checksum)
+        self._writes = _Writes()
+        self._loc: collections.OrderedDict[str, _Loc] = collections.OrderedDict()
+        self._loc_lock = threading.Lock()
         self.segment_name: str | None = None
+        self._segment_view: memoryview | None = None
+        self._segment_base = 0
+        self._retired: list[memoryview] = []  # old segment mappings: address space kept, pages freed
+        self._mounted = False
         if config.segment_size > 0:
-            # Shared memory, pre-faulted (as RDMA registration would pin it): same-host clients map
-            # it and copy straight in; remote ones go through the engine's TCP path.
-            self._segment_view = self.engine.alloc_shared_buffer(config.segment_size, "kvpool-segment")
-            self._segment_base = _addr_of(self._segment_view)
+            self._new_segment()
             self.segment_name = self.engine.segment_name
         if config.ssd_dir:
             os.makedirs(config.ssd_dir, exist_ok=True)
         self._closed = threading.Event()
         self._register_lock = threading.Lock()
-        self._resv: dict[tuple[Any, ...], list[tuple[float, str, list[list[Any]]]]] = {}
+        self._resv: dict[tuple[Any, ...], list[_Resv]] = {}
         self._resv_lock = threading.Lock()
         self._refilling: dict[tuple[Any, ...], tuple[int, ReplicateConfig | None]] = {}
         self._refill_wanted = threading.Event()
@@ -276,7 +243,7 @@ class Store:
         cfg = config.replace(**fields) if config is not None else StoreConfig(**fields)
         return cls(cfg)
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ master session
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
         """Master RPC; registers again (and retries once) when the master forgot this client."""
         if self._releases:
@@ -287,6 +254,7 @@ class Store:
         except UnknownClient:
             log.warning("store master does not know us (restarted?): registering again")
             self._register()
+            args.pop("release", None)
             return self._rpc.call(op, **args)
 
     def _session(self) -> dict[str, Any] | None:
@@ -295,12 +263,20 @@ class Store:
         return None if token is None else {"client": self.client_id, "token": token}
 
     def _on_master(self, hello: dict[str, Any]) -> None:
-        """Every new master connection: a different incarnation means the master restarted."""
+        """Every new master connection: a different incarnation means the master restarted, and
+        everything it handed out (reservations, locations) is void."""
         if self.master_incarnation is not None and hello.get("instance") != self.master_incarnation:
-            log.warning("store master restarted: dropping reservations and registering again")
+            log.warning("store master restarted: dropping reservations and locations, registering again")
             self._token = None
-            with self._resv_lock:
-                self._resv.clear()
+            self._forget_master_state()
+
+    def _forget_master_state(self) -> None:
+        with self._resv_lock:
+            self._resv.clear()
+        with self._loc_lock:
+            self._loc.clear()
+        with self._release_lock:
+            self._releases = []
 
     def _register(self) -> None:
         with self._register_lock:
@@ -311,16 +287,56 @@ class Store:
         reply = self._rpc.call(
             "register", client=self.client_id, host_id=self.host_id, ssd_dir=self.config.ssd_dir
         )
+        if self.master_incarnation is not None and reply["master"] != self.master_incarnation:
+            self._forget_master_state()
         self.master_incarnation = reply["master"]
         self._token = reply["token"]
-        if self.segment_name is not None:
-            self._rpc.call(
-                "mount",
-                client=self.client_id,
-                segment=self.segment_name,
-                base=self._segment_base,
-                size=self.config.segment_size,
+        self._lease_s = reply["lease_ttl_ms"] / 1000.0
+        self._write_window_s = reply["put_timeout_s"] / 2
+        self._max_batch = int(reply["max_batch"])
+        if self.config.transfer_timeout_s > reply["quarantine_s"]:
+            raise ConfigError(
+                f"transfer_timeout_s ({self.config.transfer_timeout_s}s) is longer than the master's "
+                f"quarantine_s ({reply['quarantine_s']}s): a failed write could land in reused space. "
+                "Lower transfer_timeout_s or raise the master's quarantine_s"
             )
+        if self.segment_name is not None:
+            if self._mounted:
+                # Registering again (declared dead, or a new master): writers of the old session may
+                # still write into the old memory, so mount fresh memory instead.
+                self._new_segment()
+            self._rpc.call("mount", segment=self.segment_name, base=self._segment_base,
+                           size=self.config.segment_size)  # fmt: skip
+            self._mounted = True
+
+    def _new_segment(self) -> None:
+        """Shared memory, pre-faulted (as RDMA registration would pin it): same-host clients map
+        it and copy straight in; remote ones go through the engine's TCP path. A previous segment
+        is unregistered (late TCP writes into it are refused), its pages are freed (late writes
+        through a peer's mapping land in memory nobody reads), and its address range stays mapped
+        so it is never handed out again in this process."""
+        old = self._segment_view
+        if old is not None:
+            try:
+                self.engine.unregister_local_memory(self._segment_base)
+            except KvpoolError as exc:
+                log.debug("unregistering the old segment: %s", exc)
+            mem = old.obj
+            if isinstance(mem, mmap.mmap) and hasattr(mmap, "MADV_REMOVE"):
+                try:
+                    mem.madvise(mmap.MADV_REMOVE)
+                except OSError as exc:
+                    log.debug("freeing the old segment's pages: %s", exc)
+            self._retired.append(old)
+        self._segment_view = self.engine.alloc_shared_buffer(self.config.segment_size, "kvpool-segment")
+        self._segment_base = addr_of(self._segment_view)
+
+    def _report(self, segment: str, kind: str, key: str | None, gen: int | None) -> None:
+        """Tell the master a segment is unreachable or a replica corrupt (one-way)."""
+        try:
+            self._rpc.send("report", segment=segment, kind=kind, key=key, gen=gen)
+        except KvpoolError as exc:
+            log.debug("report to the master failed: %s", exc)
 
     def _refill(self) -> None:
         """Top up reservation pools that ran low (off the put path, on the heartbeat connection)."""
@@ -329,12 +345,21 @@ class Store:
             self._refill_wanted.clear()
         for ck, (size, config) in wanted.items():
             cfg = None if config is None else config.wire()
-            reply = self._hb_rpc.call(
-                "reserve", client=self.client_id, size=size, config=cfg, count=_reserve_count(size)
-            )
-            deadline = time.monotonic() + reply["reserve_ttl_s"] / 2
-            with self._resv_lock:
-                self._resv.setdefault(ck, [])[:0] = [(deadline, r, reps) for r, reps in reply["reserved"]]
+            t0 = time.monotonic()
+            reply = self._hb_rpc.call("reserve", size=size, config=cfg, count=_reserve_count(size))
+            self._add_reservations(ck, reply["epoch"], reply["reserved"], t0)
+
+    def _add_reservations(self, ck: tuple[Any, ...], epoch: int, granted: list[list[Any]], t0: float) -> None:
+        if not granted:
+            return
+        self._writes.begin(epoch, [g[0] for g in granted])
+        deadline = t0 + self._write_window_s
+        entries = [_Resv(deadline, epoch, gen, verify, reps) for gen, verify, reps in granted]
+        with self._resv_lock:
+            if epoch == self.master_incarnation:
+                self._resv.setdefault(ck, [])[:0] = entries
+                return
+        self._writes.end(epoch, [e.gen for e in entries])
 
     def _heartbeat_loop(self) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_s
@@ -351,8 +376,9 @@ class Store:
                     continue
             next_beat = time.monotonic() + self.config.heartbeat_s
             try:
+                self._drop_expired_reservations()
                 self._flush_releases(self._hb_rpc)
-                reply = self._hb_rpc.call("heartbeat", client=self.client_id)
+                reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
                     self._register()
@@ -370,6 +396,16 @@ class Store:
             except KvpoolError as exc:
                 log.warning("heartbeat error: %s", exc)
 
+    def _drop_expired_reservations(self) -> None:
+        now = time.monotonic()
+        dropped: list[_Resv] = []
+        with self._resv_lock:
+            for pool in self._resv.values():
+                while pool and pool[-1].deadline < now:
+                    dropped.append(pool.pop())
+        for e in dropped:
+            self._writes.end(e.epoch, [e.gen])
+
     def close(self) -> None:
         """Unmount, disconnect and stop the embedded master (if any)."""
         if self._closed.is_set():
@@ -378,15 +414,14 @@ class Store:
         self._refill_wanted.set()
         self._hb.join(5)
         with self._resv_lock:
-            unused = [rkey for pool in self._resv.values() for _, rkey, _ in pool]
+            unused = [e for pool in self._resv.values() for e in pool]
             self._resv.clear()
-        if unused:
-            try:
-                self._call("put_revoke", client=self.client_id, keys=unused)
-            except KvpoolError:
-                pass
+        mine = [[e.gen, False] for e in unused if e.epoch == self.master_incarnation]
+        self._writes.end(self._writes.epoch, [e.gen for e in unused])
         try:
-            self._rpc.call("unregister", client=self.client_id)
+            for i in range(0, len(mine), self._max_batch):
+                self._call("put_revoke", items=mine[i : i + self._max_batch], epoch=self.master_incarnation)
+            self._rpc.call("unregister", floor=self._writes.floor())
         except KvpoolError:
             pass
         self._shutdown_local()
@@ -404,34 +439,11 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ transfers
-
-    def _run(self, reqs: list[TransferRequest]) -> list[bool]:
-        """Submit one batch and wait; per-request success."""
-        if not reqs:
-            return []
-        if len(reqs) == 1:
-            r = reqs[0]
-            op = _NATIVE_WRITE if r.opcode == OpCode.WRITE else _NATIVE_READ
-            return [self._sync(op, r.source, int(r.target_id), r.target_offset, r.length)]
-        bid = self.engine.allocate_batch_id(len(reqs))
-        try:
-            self.engine.submit_transfer(bid, reqs)
-            st = self.engine.wait_batch(bid)
-            if st.state == TransferState.COMPLETED:
-                return [True] * len(reqs)
-            return [self.engine.get_transfer_status(bid, i).ok for i in range(len(reqs))]
-        finally:
-            self.engine.free_batch_id(bid)
-
-    def _sync(self, op: int, local: int, handle_id: int, remote: int, length: int) -> bool:
-        """One request done in this thread when a lane is idle (no hand-off to a worker)."""
-        return not self.engine._native.transfer_sync(op, local, handle_id, remote, length)
-
-    def _req(self, op: OpCode, local: int, segment: str, remote: int, size: int) -> TransferRequest:
-        return TransferRequest(op, local, self.engine.open_segment(segment), remote, size)
-
     # ------------------------------------------------------------------ put
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        step = self._max_batch
+        return [(i, min(n, i + step)) for i in range(0, n, step)]
+
     def _put(
         self,
         keys: Sequence[str],
@@ -439,64 +451,56 @@ class Store:
         config: ReplicateConfig | None,
         reserve: int = 0,
     ) -> list[KvpoolError | None]:
-        cfg = None if config is None else config.wire()
         sizes = [s[1] if isinstance(s, tuple) else s.nbytes for s in sources]
         if any(n <= 0 for n in sizes):
             raise InvalidArgument("values must not be empty")
-        reply = self._call(
-            "put_start", client=self.client_id, keys=list(keys), sizes=sizes, config=cfg, reserve=reserve
-        )
-        results = reply["results"]
+        out: list[KvpoolError | None] = []
+        for a, b in self._chunks(len(keys)):
+            out += self._put_chunk(list(keys[a:b]), sources[a:b], sizes[a:b], config, reserve)
+        return out
+
+    def _put_chunk(self, keys: list[str], sources: list[Any], sizes: list[int],
+                   config: ReplicateConfig | None, reserve: int) -> list[KvpoolError | None]:  # fmt: skip
+        cfg = None if config is None else config.wire()
+        t0 = time.monotonic()
+        reply = self._call("put_start", keys=keys, sizes=sizes, config=cfg, reserve=reserve)
+        epoch, results = reply["epoch"], reply["results"]
+        gens = [val[0] for code, val in results if code is None]
+        self._writes.begin(epoch, gens)
         if reply.get("reserved"):
-            # Keep them until well before the master revokes them.
-            deadline = time.monotonic() + reply["reserve_ttl_s"] / 2
-            with self._resv_lock:
-                pool = self._resv.setdefault(self._resv_key(sizes[0], config), [])
-                pool[:0] = [(deadline, rkey, reps) for rkey, reps in reply["reserved"]]
+            self._add_reservations(self._resv_key(sizes[0], config), epoch, reply["reserved"], t0)
         out: list[KvpoolError | None] = [None] * len(keys)
-        reqs: list[TransferRequest] = []
-        owner: list[int] = []
-        tokens: list[Any] = []
+        jobs: list[tuple[int, WriteJob]] = []
         try:
-            for i, (res, src) in enumerate(zip(results, sources, strict=True)):
-                code, val = res
+            for i, (code, val) in enumerate(results):
                 if code is not None:
                     out[i] = _err(code, val)
-                    continue
-                if isinstance(src, tuple):
-                    addr = src[0]
                 else:
-                    addr, token = self._staging.source(src)
-                    tokens.append(token)
-                for seg, raddr in val:
-                    try:
-                        reqs.append(self._req(OpCode.WRITE, addr, seg, raddr, sizes[i]))
-                    except KvpoolError as exc:
-                        out[i] = exc
-                        continue
-                    owner.append(i)
-            ok = self._run(reqs) if reqs else []
-        except KvpoolError as exc:
-            ok = [False] * len(reqs)
-            for i, res in enumerate(results):
-                if res[0] is None and out[i] is None:
-                    out[i] = exc
+                    jobs.append((i, WriteJob(keys[i], sizes[i], sources[i], val[0], val[1], val[2])))
+            if time.monotonic() > t0 + self._write_window_s:
+                late = [[j.gen, False] for _, j in jobs]
+                self._call("put_revoke", items=late, epoch=epoch)
+                for i, _ in jobs:
+                    out[i] = Fenced(f"put of {keys[i]!r} could not start writing within put_timeout_s / 2")
+                return out
+            self._data.write(epoch, [j for _, j in jobs])
+            items = [[j.key, j.gen, j.csum, j.written] for _, j in jobs if j.written]
+            revoke = [[j.gen, True] for _, j in jobs if not j.written]
+            for i, j in jobs:
+                if not j.written:
+                    out[i] = TransferError(f"writing {keys[i]!r} to its replicas failed")
+            if revoke:
+                self._call("put_revoke", items=revoke, epoch=epoch)
+            if items:
+                ends = self._call("put_end", items=items, epoch=epoch)["results"]
+                committed = [(i, j) for i, j in jobs if j.written]
+                for (i, j), (code, msg) in zip(committed, ends, strict=True):
+                    if code is not None:
+                        out[i] = _err(code, msg)
+                    else:
+                        self._remember(j.key, epoch, j.gen, j.size, j.csum, j.written, j.replicas)
         finally:
-            for t in tokens:
-                self._staging.give(t)
-        for i, good in zip(owner, ok, strict=True):
-            if not good and out[i] is None:
-                out[i] = TransferError(f"writing {keys[i]!r} to a replica failed")
-        commit = [k for i, k in enumerate(keys) if results[i][0] is None and out[i] is None]
-        revoke = [k for i, k in enumerate(keys) if results[i][0] is None and out[i] is not None]
-        if revoke:
-            self._call("put_revoke", client=self.client_id, keys=revoke)
-        if commit:
-            ends = self._call("put_end", client=self.client_id, keys=commit)["results"]
-            idx = {k: i for i, k in enumerate(keys)}
-            for k, (code, msg) in zip(commit, ends, strict=True):
-                if code is not None:
-                    out[idx[k]] = _err(code, msg)
+            self._writes.end(epoch, gens)
         return out
 
     @staticmethod
@@ -515,6 +519,8 @@ class Store:
         if 0 < view.nbytes <= RESERVE_MAX and self._put_reserved(key, view, config):
             return
         err = self._put([key], [view], config, reserve=_reserve_count(view.nbytes))[0]
+        if isinstance(err, Fenced):  # the master restarted or the put stalled: once more, afresh
+            err = self._put([key], [view], config)[0]
         if err is not None:
             raise err
 
@@ -523,37 +529,43 @@ class Store:
 
     def _put_reserved(self, key: str, view: memoryview, config: ReplicateConfig | None) -> bool:
         """Put through a reservation: write, then one `commit`. False when none is usable."""
+        if not isinstance(key, str) or not key:
+            return False  # the master explains what is wrong with the key
         ck = self._resv_key(view.nbytes, config)
         now = time.monotonic()
+        expired: list[_Resv] = []
         with self._resv_lock:
             pool = self._resv.get(ck)
-            while pool and pool[-1][0] < now:
-                pool.pop()  # expired at the master (it revokes them after put_timeout_s)
-            if not pool:
-                return False
-            entry = pool.pop()
-            if len(pool) < RESERVE_LOW and ck not in self._refilling:
+            while pool and pool[-1].deadline < now:
+                expired.append(pool.pop())  # no write starts into them any more
+            entry = pool.pop() if pool else None
+            if entry is not None and len(pool) < RESERVE_LOW and ck not in self._refilling:  # type: ignore[arg-type]
                 self._refilling[ck] = (view.nbytes, config)  # the heartbeat thread refills it
                 self._refill_wanted.set()
-        _, rkey, replicas = entry
-        addr, token = self._staging.source(view)
+        for e in expired:
+            self._writes.end(e.epoch, [e.gen])
+        if entry is None:
+            return False
         try:
-            reqs = [self._req(OpCode.WRITE, addr, seg, raddr, view.nbytes) for seg, raddr in replicas]
-            ok = all(self._run(reqs))
-        except KvpoolError:
-            ok = False
+            job = WriteJob(key, view.nbytes, view, entry.gen, entry.verify, entry.replicas)
+            self._data.write(entry.epoch, [job])
+            if len(job.written) < len(entry.replicas):
+                self._call("put_revoke", items=[[entry.gen, True]], epoch=entry.epoch)
+                raise TransferError(f"writing {key!r} to a replica failed")
+            res = self._call("commit", items=[[key, entry.gen, job.csum]], epoch=entry.epoch)
+            code, msg = res["results"][0]
+        except Fenced:
+            return False  # the master restarted meanwhile: put the normal way
         finally:
-            self._staging.give(token)
-        if not ok:
-            self._call("put_revoke", client=self.client_id, keys=[rkey])
-            raise TransferError(f"writing {key!r} to a replica failed")
-        code, msg = self._call("commit", client=self.client_id, items=[[key, rkey]])["results"][0]
+            self._writes.end(entry.epoch, [entry.gen])
         if code == "NOT_FOUND":
             return False  # the reservation expired meanwhile: put the normal way
         if code is not None:
-            with self._resv_lock:
-                self._resv.setdefault(ck, []).append(entry)  # unused: keep it for the next put
+            # e.g. ObjectExists. The write finished (nothing of it is still on its way): the
+            # reservation's space can be given back at once.
+            self._call("put_revoke", items=[[entry.gen, False]], epoch=entry.epoch)
             raise _err(code, msg)
+        self._remember(key, entry.epoch, entry.gen, job.size, job.csum, job.written, entry.replicas)
         return True
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
@@ -582,67 +594,118 @@ class Store:
             raise InvalidArgument("keys, addrs and sizes differ in length")
         return self._put(list(keys), list(zip(addrs, sizes, strict=True)), config)
 
+    # ------------------------------------------------------------------ locations
+    def _remember(self, key: str, epoch: int, gen: int, size: int, csum: int | None,
+                  segments: Sequence[str], replicas: list[list[Any]]) -> None:  # fmt: skip
+        """Cache where a small committed object lives (read later without asking the master)."""
+        cap = self.config.location_cache
+        if cap <= 0 or csum is None or size > CHECKSUM_ALWAYS_MAX:
+            return
+        segs = set(segments)
+        reps = [r for r in replicas if r[0] in segs]
+        if not reps:
+            return
+        with self._loc_lock:
+            self._loc[key] = _Loc(epoch, gen, size, csum, reps, time.monotonic())
+            self._loc.move_to_end(key)
+            while len(self._loc) > cap:
+                self._loc.popitem(last=False)
+
+    def _cached(self, key: str) -> _Loc | None:
+        loc = self._loc.get(key)
+        if loc is None:
+            return None
+        if (
+            loc.epoch != self.master_incarnation
+            or time.monotonic() - loc.since > self.config.location_cache_ttl_s
+        ):
+            with self._loc_lock:
+                self._loc.pop(key, None)
+            return None
+        return loc
+
+    def _forget(self, key: str) -> None:
+        if key in self._loc:
+            with self._loc_lock:
+                self._loc.pop(key, None)
+
     # ------------------------------------------------------------------ get
-    def _lookup(self, keys: Sequence[str]) -> list[list[Any]]:
-        return self._call("get", client=self.client_id, keys=list(keys))["results"]
+    def _lookup(self, keys: Sequence[str]) -> tuple[list[list[Any]], int, float]:
+        """Master lookups (leases taken): per-key [code, info], the epoch, and the local time by
+        which reads must have landed."""
+        t0 = time.monotonic()
+        results: list[list[Any]] = []
+        epoch = self.master_incarnation or 0
+        lease_s = self._lease_s
+        for a, b in self._chunks(len(keys)):
+            reply = self._call("get", keys=list(keys[a:b]))
+            results += reply["results"]
+            epoch, lease_s = reply["epoch"], reply["lease_s"]
+        return results, epoch, t0 + lease_s * 0.99
 
     def _get(
-        self, keys: Sequence[str], dests: list[tuple[int, int] | None], infos: list[list[Any]] | None = None
+        self, keys: Sequence[str], dests: list[tuple[int, int] | None]
     ) -> list[bytes | int | KvpoolError]:
         """Read objects into ``dests`` (addr, capacity) or, for None, into new bytes."""
-        if infos is None:
-            infos = self._lookup(keys)
-        out: list[bytes | int | KvpoolError] = [ObjectNotFound("")] * len(keys)
-        reqs: list[TransferRequest] = []
-        owner: list[tuple[int, Any, memoryview | None]] = []
-        ssd: list[int] = []
-        for i, (code, info) in enumerate(infos):
+        n = len(keys)
+        out: list[bytes | int | KvpoolError] = [ObjectNotFound("")] * n
+        todo = list(range(n))
+        cached: list[tuple[int, ReadJob]] = []
+        epoch = self.master_incarnation or 0
+        for i in todo:
+            loc = self._cached(keys[i])
+            if loc is not None and (dests[i] is None or dests[i][1] >= loc.size):  # type: ignore[index]
+                cached.append((i, ReadJob(keys[i], loc.size, loc.gen, loc.csum, loc.replicas, dests[i],
+                                          float("inf"))))  # fmt: skip
+        if cached:
+            self._data.read(epoch, [j for _, j in cached])
+            done = set()
+            for i, j in cached:
+                if j.error is None:
+                    out[i] = j.result  # type: ignore[assignment]
+                    done.add(i)
+                else:
+                    self._forget(keys[i])  # stale: ask the master
+            todo = [i for i in todo if i not in done]
+        for attempt in range(self.config.get_retries + 1):
+            if not todo:
+                break
+            todo = self._get_from_master(keys, dests, todo, out, last=attempt == self.config.get_retries)
+        return out
+
+    def _get_from_master(self, keys: Sequence[str], dests: list[tuple[int, int] | None], todo: list[int],
+                         out: list[Any], last: bool) -> list[int]:  # fmt: skip
+        """One lookup + read round for keys ``todo``; returns the keys to try again."""
+        infos, epoch, deadline = self._lookup([keys[i] for i in todo])
+        jobs: list[tuple[int, ReadJob, dict[str, Any]]] = []
+        for i, (code, info) in zip(todo, infos, strict=True):
             if code is not None:
                 out[i] = _err(code, info)
                 continue
-            size = info["size"]
-            dest = dests[i]
+            size, dest = info["size"], dests[i]
             if dest is not None and dest[1] < size:
                 out[i] = InvalidArgument(
                     f"buffer of {dest[1]} bytes is too small for {keys[i]!r} ({size} bytes)"
                 )
-                continue
-            if not info["replicas"]:
-                ssd.append(i)
-                continue
-            seg, raddr, _host = info["replicas"][0]  # the master's choice (same host, else less loaded)
-            if dest is None:
-                addr, view, token = self._staging.sink(size)
             else:
-                addr, view, token = dest[0], None, None
-            try:
-                reqs.append(self._req(OpCode.READ, addr, seg, raddr, size))
-            except KvpoolError as exc:
-                out[i] = exc
-                if token is not None:
-                    self._staging.give(token)
-                continue
-            owner.append((i, token, view))
-        try:
-            ok = self._run(reqs)
-        except KvpoolError as exc:
-            ok = [False] * len(reqs)
-            for i, _, _ in owner:
-                out[i] = exc
-        for (i, token, view), good in zip(owner, ok, strict=True):
-            size = infos[i][1]["size"]
-            if good:
-                if view is None:
-                    out[i] = size
-                else:
-                    out[i] = view if isinstance(view, bytes) else bytes(view)
-            elif not isinstance(out[i], KvpoolError) or isinstance(out[i], ObjectNotFound):
-                out[i] = TransferError(f"reading {keys[i]!r} from its replica failed")
-            if token is not None:
-                self._staging.give(token)
-        for i in ssd:
-            out[i] = self._get_from_ssd(keys[i], infos[i][1], dests[i])
-        leases = [[k, info["oid"]] for k, (code, info) in zip(keys, infos, strict=True) if code is None]
+                jobs.append((i, ReadJob(keys[i], size, info["gen"], info["checksum"], info["replicas"], dest,
+                                        deadline), info))  # fmt: skip
+        self._data.read(epoch, [j for _, j, _ in jobs])
+        again: list[int] = []
+        for i, j, info in jobs:
+            if j.error is None:
+                out[i] = j.result
+                if j.served_by is not None and j.csum is not None:
+                    self._remember(
+                        j.key, epoch, j.gen, j.size, j.csum, [r[0] for r in j.replicas], j.replicas
+                    )
+            elif j.retry and not last:
+                again.append(i)
+            elif info["ssd"] is not None and not j.retry:
+                out[i] = self._get_from_ssd(keys[i], info, dests[i])
+            else:
+                out[i] = j.error
+        leases = [[keys[i], info["gen"]] for i, (code, info) in zip(todo, infos, strict=True) if code is None]
         if leases:
             # Reads are done: the leases end with this client's next request (or heartbeat).
             with self._release_lock:
@@ -650,13 +713,13 @@ class Store:
                 flush = len(self._releases) >= 1024
             if flush:
                 self._flush_releases(self._rpc)
-        return out
+        return again
 
     def _flush_releases(self, rpc: RpcClient) -> None:
         with self._release_lock:
             leases, self._releases = self._releases, []
-        if leases:
-            rpc.send("release", leases=leases)
+        for a in range(0, len(leases), 4 * self._max_batch):
+            rpc.send("release", leases=leases[a : a + 4 * self._max_batch])
 
     def _get_from_ssd(
         self, key: str, info: dict[str, Any], dest: tuple[int, int] | None
@@ -679,33 +742,7 @@ class Store:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
-        infos = self._lookup([key])
-        code, info = infos[0]
-        staging = self._staging
-        if (
-            code is None
-            and info["replicas"]
-            and info["size"] <= SMALL_SLOT
-            and staging.small_off is not None
-            and staging.small_lock.acquire(blocking=False)
-        ):
-            # Fast path for small objects: the fixed staging slot, one native call, one copy out.
-            size = info["size"]
-            seg, raddr, _host = info["replicas"][0]
-            try:
-                off = staging.small_off
-                ok = self._sync(
-                    _NATIVE_READ, staging.base + off, self.engine.open_segment(seg).id, raddr, size
-                )
-                data = bytes(staging.view[off : off + size]) if ok else None
-            finally:
-                staging.small_lock.release()
-            with self._release_lock:
-                self._releases.append([key, info["oid"]])
-            if data is None:
-                raise TransferError(f"reading {key!r} from its replica failed")
-            return data
-        res = self._get([key], [None], infos)[0]
+        res = self._get([key], [None])[0]
         if isinstance(res, KvpoolError):
             raise res
         assert isinstance(res, bytes)
@@ -738,7 +775,7 @@ class Store:
                 d, k = self._dest(b, n)
                 dests.append(d)
                 keeps.append(k)
-            return self._get(list(keys), dests)  # type: ignore[return-value]
+            return self._get(list(keys), dests)  # type: ignore[return-value,arg-type]
         finally:
             for k in keeps:
                 self._release(k)
@@ -746,13 +783,14 @@ class Store:
     def _dest(self, buffer_or_addr: Any, size: int | None) -> tuple[tuple[int, int], int | None]:
         """Destination range; buffers not yet registered are registered local-only for the call."""
         addr, n, keep = buffer_range(buffer_or_addr, size)
-        if self.engine._native.is_registered(addr, n):
-            return (addr, n), None
         if isinstance(buffer_or_addr, int):
-            return (addr, n), None  # unregistered raw address: the engine reports it
-        self.engine.register_local_memory(
-            keep if keep is not None else buffer_or_addr, n, remote_accessible=False
-        )
+            return (addr, n), None  # a raw address: registered by the caller (the engine checks)
+        try:
+            self.engine.register_local_memory(
+                keep if keep is not None else buffer_or_addr, n, remote_accessible=False
+            )
+        except RegistrationError:
+            return (addr, n), None  # already registered (register_buffer)
         return (addr, n), addr
 
     def _release(self, addr: int | None) -> None:
@@ -765,8 +803,11 @@ class Store:
         return bool(self.batch_exists([key])[0])
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """Existence of each key (one master round trip)."""
-        return list(self._call("exists", keys=list(keys))["results"])
+        """Existence of each key (one master round trip per ``max_batch`` keys)."""
+        out: list[bool] = []
+        for a, b in self._chunks(len(keys)):
+            out += self._call("exists", keys=list(keys[a:b]))["results"]
+        return out
 
     def size(self, key: str) -> int:
         """Size in bytes of the object."""
@@ -774,13 +815,21 @@ class Store:
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove an object; a leased one raises ObjectBusy unless ``force``."""
+        self._forget(key)
         code, msg = self._call("remove", keys=[key], force=force)["results"][0]
         if code is not None:
             raise _err(code, msg)
 
     def remove_all(self) -> int:
         """Remove every committed object not currently leased; returns how many."""
-        return int(self._call("remove_all")["removed"])
+        with self._loc_lock:
+            self._loc.clear()
+        total = 0
+        while True:
+            r = self._call("remove_all")
+            total += int(r["removed"])
+            if not r.get("more"):
+                return total
 
     def stats(self) -> dict[str, Any]:
         """The master's counters and gauges."""
@@ -799,13 +848,16 @@ class Store:
         self.engine.unregister_local_memory(addr_or_buffer)
 
     # ------------------------------------------------------------------ replicas
-    def _copy(self, size: int, src: list[Any], dsts: list[list[Any]]) -> list[bool]:
-        """Copy one replica to others through a staging region of this client."""
-        addr, _view, token = self._staging.take(size)
+    def _copy(self, size: int, src: list[Any], dsts: list[list[Any]], check: tuple[Any, ...]) -> list[bool]:
+        """Copy one replica (header + value, ``size`` bytes) to others through staging; the
+        source is checked (``check``: epoch, gen, key hash, length, checksum) before it is copied."""
+        addr, view, token = self._staging.take(size)
         try:
-            if not self._run([self._req(OpCode.READ, addr, src[0], src[1], size)])[0]:
+            if not self._data.run([self._data.req(OpCode.READ, addr, src[0], src[1], size)])[0]:
                 return [False] * len(dsts)
-            return self._run([self._req(OpCode.WRITE, addr, d[0], d[1], size) for d in dsts])
+            if header_mismatch(view, *check) is not None:
+                return [False] * len(dsts)
+            return self._data.run([self._data.req(OpCode.WRITE, addr, d[0], d[1], size) for d in dsts])
         finally:
             self._staging.give(token)
 
@@ -815,34 +867,37 @@ class Store:
         New copies move client to client through the transfer engine (via this client's staging
         buffer), never through the master. Raising is capped by the number of segments.
         """
-        r = self._call("replica_start", client=self.client_id, key=key, replicas=replicas)
+        r = self._call("replica_start", key=key, replicas=replicas)
         if not r["dst"]:
             return len([x for x in self.info(key)["replicas"] if x[2]])
+        epoch, gen = r["epoch"], r["gen"]
+        info = self.info(key)
+        check = (epoch, gen, key_hash(key), r["size"] - HEADER_SIZE, info.get("checksum"))
         ok = False
+        self._writes.begin(epoch, [gen])
         try:
-            ok = all(self._copy(r["size"], r["src"], r["dst"]))
+            ok = all(self._copy(r["size"], r["src"], r["dst"], check))
         finally:
-            done = self._call(
-                "replica_end", client=self.client_id, key=key, ok=ok, segments=[d[0] for d in r["dst"]]
-            )
+            self._writes.end(epoch, [gen])
+            done = self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]])
         if not ok:
             raise TransferError(f"copying {key!r} to its new replicas failed")
         return int(done["replicas"])
 
     def _promote(self, key: str, data: bytes) -> None:
-        r = self._call("promote_start", client=self.client_id, key=key)
+        r = self._call("promote_start", key=key)
         if not r["dst"]:
             return
-        addr, view, token = self._staging.take(len(data))
+        epoch, gen = r["epoch"], r["gen"]
+        job = WriteJob(key, len(data), memoryview(data), gen, r["checksum"] is not None, r["dst"])
         ok = False
+        self._writes.begin(epoch, [gen])
         try:
-            view[:] = data
-            ok = all(self._run([self._req(OpCode.WRITE, addr, d[0], d[1], len(data)) for d in r["dst"]]))
+            self._data.write(epoch, [job])
+            ok = len(job.written) == len(r["dst"]) and r["checksum"] in (None, job.csum)
         finally:
-            self._staging.give(token)
-            self._call(
-                "replica_end", client=self.client_id, key=key, ok=ok, segments=[d[0] for d in r["dst"]]
-            )
+            self._writes.end(epoch, [gen])
+            self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]])
 
     # ------------------------------------------------------------------ master tasks
     def _run_task(self, task: dict[str, Any]) -> None:
@@ -850,19 +905,9 @@ class Store:
         ok, result = False, {}
         try:
             if kind == "replicate":
-                ok = self._run(
-                    [self._req(OpCode.READ, task["dst"][1], task["src"][0], task["src"][1], task["size"])]
-                )[0]
+                ok = self._replicate_task(task)
             elif kind == "spill":
-                addr, view, token = self._staging.take(task["size"])
-                try:
-                    if self._run(
-                        [self._req(OpCode.READ, addr, task["src"][0], task["src"][1], task["size"])]
-                    )[0]:
-                        result["checksum"] = _write_ssd_file(task["path"], task["key"], view)
-                        ok = True
-                finally:
-                    self._staging.give(token)
+                ok = self._spill_task(task, result)
             elif kind == "unlink":
                 try:
                     os.remove(task["path"])
@@ -872,9 +917,34 @@ class Store:
         except (KvpoolError, OSError) as exc:
             log.warning("task %s failed: %s", kind, exc)
         try:
-            self._hb_rpc.call("task_done", client=self.client_id, task=task["task"], ok=ok, result=result)
+            self._hb_rpc.call("task_done", task=task["task"], ok=ok, result=result)
         except KvpoolError as exc:
             log.warning("could not report task %s: %s", kind, exc)
+
+    def _replicate_task(self, task: dict[str, Any]) -> bool:
+        """Copy an object (header + value) straight into this client's own segment; checked there."""
+        epoch, gen = self.master_incarnation or 0, task["gen"]
+        dst = task["dst"][1]
+        self._writes.begin(epoch, [gen])
+        try:
+            req = self._data.req(OpCode.READ, dst, task["src"][0], task["src"][1], task["size"])
+            if not self._data.run([req])[0]:
+                return False
+        finally:
+            self._writes.end(epoch, [gen])
+        hdr = (ctypes.c_char * HEADER_SIZE).from_address(dst)
+        return header_mismatch(memoryview(hdr).cast("B"), epoch, gen, key_hash(task["key"]),
+                               task["size"] - HEADER_SIZE, None) is None  # fmt: skip
+
+    def _spill_task(self, task: dict[str, Any], result: dict[str, Any]) -> bool:
+        """Read an object from memory, check it, and write it to this client's SSD directory."""
+        job = ReadJob(task["key"], task["size"], task["gen"], task["checksum"], [task["src"]], None,
+                      float("inf"))  # fmt: skip
+        self._data.read(task["epoch"], [job])
+        if job.error is not None or not isinstance(job.result, bytes):
+            return False
+        result["checksum"] = write_ssd_file(task["path"], task["key"], job.result)
+        return True
 
     # ------------------------------------------------------------------ tensors
     def put_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> None:
@@ -899,3 +969,6 @@ class Store:
         if not body:
             return torch.empty(meta["shape"], dtype=dtype)
         return torch.frombuffer(body, dtype=dtype).reshape(meta["shape"])
+
+
+__all__ = ["ObjectChanged", "ReplicateConfig", "Store"]

@@ -1,14 +1,22 @@
 """Store master: object metadata, allocation, leases, eviction, replicas, liveness, metrics.
 
-The master never touches object bytes. Put is two-phase (``put_start`` allocates replicas inside
-mounted segments, the client writes through the transfer engine, ``put_end`` commits); get takes a
-lease that keeps the object from being evicted or removed while the client reads it. Work that
-moves bytes on the master's behalf (hot-key replication, SSD spills) is handed to storage clients
-as tasks in their heartbeat replies.
+The master never touches object bytes. Put is two-phase: ``put_start`` allocates replicas (each
+allocation carries the master's epoch and a fresh generation), the client writes header + value
+through the transfer engine, and the same client commits (``put_end``, or ``commit`` for a
+reservation) naming that generation. A get takes a lease that keeps the object's space from being
+freed while the client reads it; the client checks the object's header after the bytes landed.
+Work that moves bytes on the master's behalf (hot-key replication, SSD spills) is handed to
+storage clients as tasks in their heartbeat replies.
+
+Every request does bounded work (``max_batch`` keys at most, eviction a bounded number of objects
+at a time, a dead segment's objects let go of a few thousand per tick), gauges are kept as
+counters, and a master that was itself stalled (busy, or stopped) gives every client a fresh
+``client_ttl_s`` before judging it dead.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -19,118 +27,30 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool._rpc import RpcLimits, RpcServer
 from kvpool.config import MasterConfig
-from kvpool.store.allocator import RangeAllocator
+from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE
+from kvpool.store.objects import (
+    ClassLru,
+    Client,
+    MasterError,
+    Obj,
+    Placement,
+    Replica,
+    Segment,
+    SsdCopy,
+)
+from kvpool.store.space import Space
 
 log = logging.getLogger("kvpool.master")
 
-CACHE_CLASSES = ("default", "ephemeral", "persistent")
-
-
-class _Err(Exception):
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
-
-
-@dataclass(slots=True)
-class Replica:
-    """One copy of an object inside a mounted segment."""
-
-    segment: str
-    offset: int
-    committed: bool
-
-
-@dataclass(slots=True)
-class SsdCopy:
-    """An object's copy in a client's SSD directory."""
-
-    client: str
-    path: str
-    checksum: str
-    host_id: str
-
-
-@dataclass(slots=True)
-class Obj:
-    """Metadata of one object."""
-
-    size: int
-    replicas: list[Replica]
-    committed: bool
-    deadline: float
-    soft_pin: bool = False
-    pin_until: float = 0.0
-    cache_class: str = "default"
-    base_replicas: int = 1
-    lease_until: float = 0.0  # latest lease deadline (bounds leases of readers that vanished)
-    readers: int = 0  # reads in flight (leases not yet released)
-    oid: int = 0  # object id: a release for an older object of the same key is ignored
-    busy: int = 0  # master tasks (replicate/spill) in flight
-    ssd: SsdCopy | None = None
-    owner: str = ""  # the client that put it (only it may commit or revoke the pending put)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """The placement part of a put's config (``ReplicateConfig.wire()``), validated."""
-
-    replicas: int
-    cache_class: str
-    preferred: str | None
-    soft_pin: bool
-    pin_ttl_s: float
-
-    @classmethod
-    def parse(cls, cfg: dict[str, Any]) -> Placement:
-        """Validate a config map; bad values are an INVALID error."""
-        pl = cls(
-            int(cfg.get("replicas", 1)),
-            cfg.get("cache_class", "default"),
-            cfg.get("preferred_segment"),
-            bool(cfg.get("soft_pin", False)),
-            float(cfg.get("soft_pin_ttl_s", 3600.0)),
-        )
-        if pl.replicas < 1 or pl.cache_class not in CACHE_CLASSES:
-            raise _Err("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
-        return pl
-
-    def new_obj(self, size: int, reps: list[Replica], now: float, put_timeout_s: float, owner: str) -> Obj:
-        """A pending object of client ``owner`` placed on ``reps``."""
-        return Obj(size, reps, False, now + put_timeout_s, self.soft_pin, now + self.pin_ttl_s,
-                   self.cache_class, self.replicas, owner=owner)  # fmt: skip
-
-
-@dataclass
-class Segment:
-    """A client's mounted DRAM segment."""
-
-    name: str
-    client: str
-    base: int
-    size: int
-    host_id: str
-    alloc: RangeAllocator
-    keys: set[str] = field(default_factory=set)
-    reads: float = 0.0
-
-
-@dataclass
-class Client:
-    """A connected store client."""
-
-    id: str
-    host_id: str
-    last_seen: float
-    ssd_dir: str | None = None
-    token: bytes = b""
-    segments: set[str] = field(default_factory=set)
-    tasks: list[dict[str, Any]] = field(default_factory=list)
+_Err = MasterError
+HOT_KEYS_TRACKED = 1 << 16  # distinct keys counted per hot-key window
+DYING_PER_TICK = 4096  # objects of unmounted segments let go of per tick
+SLOW_EVERY_S = 1.0  # liveness, fences, spilled objects, hot keys
+STALL_S = 1.0  # a tick this late means the master itself was stalled
 
 
 class Master:
@@ -138,25 +58,35 @@ class Master:
 
     def __init__(self, config: MasterConfig | None = None, **kwargs: Any) -> None:
         self.config = config.replace(**kwargs) if config is not None else MasterConfig(**kwargs)
-        self.incarnation = random.getrandbits(63)
-        self.objects: dict[str, Obj] = {}
-        self.segments: dict[str, Segment] = {}
+        c = self.config
+        self.incarnation = random.getrandbits(63) | 1
+        self.objects: dict[str, Obj] = {}  # committed objects and pending puts, by key
+        self._resv: dict[int, Obj] = {}  # reservations (pending, no key yet), by generation
+        self._pending: OrderedDict[int, Obj] = OrderedDict()  # pending puts + reservations, oldest first
+        self.space = Space(c.alignment, c.quarantine_s, c.fence_hold_s)
         self.clients: dict[str, Client] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # committed keys, least recent first
-        self._pending: set[str] = set()  # uncommitted puts
-        self._spilled: set[str] = set()  # spilled objects whose memory waits for leases to end
+        self._departed: dict[str, int] = {}  # floors of clients that unregistered with fences left
+        self.lru = ClassLru()
+        self._spilled: set[Obj] = set()  # spilled objects whose memory waits for leases to end
         self._hot: set[str] = set()
-        self._evict_futile = False
-        self._next_oid = 0
-        self._next_rid = 0
+        self._dying: collections.deque[Segment] = collections.deque()
+        self._ssd_clients: list[Client] = []
+        self._next_gen = 0
         self._access: Counter[str] = Counter()
         self._access_prev: Counter[str] = Counter()
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
         self._task_ids = 0
+        self._evict_to: int | None = None
+        self.n_committed = 0
+        self.obj_bytes = 0
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self.stats: Counter[str] = Counter()
-        c = self.config
+        now = time.monotonic()
+        self._last_tick = now
+        self._next_slow = now + SLOW_EVERY_S
+        self._last_hot = now
+        self._live_floor = 0.0  # no client is judged dead on silence from before this
         limits = RpcLimits(
             max_message=c.max_message, idle_timeout_s=c.idle_timeout_s, max_connections=c.max_connections
         )
@@ -175,7 +105,7 @@ class Master:
         self._handlers = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_op_")}
         self._rpc_time: Counter[str] = Counter()
         self._rpc_count: Counter[str] = Counter()
-        self._last_hot = time.monotonic()
+        self.max_request_s = 0.0
 
     # ------------------------------------------------------------------ serving
     def start(self) -> Master:
@@ -225,22 +155,24 @@ class Master:
             out["ok"] = True
         except _Err as exc:
             out = {"id": rid, "ok": False, "err": exc.code, "msg": str(exc)}
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             out = {"id": rid, "ok": False, "err": "INVALID", "msg": f"bad {op} request: {exc!r}"}
-        self._rpc_time[op] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._rpc_time[op] += dt
         self._rpc_count[op] += 1
+        self.max_request_s = max(self.max_request_s, dt)
         return out
 
     # ------------------------------------------------------------------ helpers
     @property
     def capacity(self) -> int:
         """Bytes of all mounted segments."""
-        return sum(s.size for s in self.segments.values())
+        return self.space.capacity
 
     @property
     def used(self) -> int:
         """Bytes allocated in all mounted segments."""
-        return sum(s.alloc.used_bytes for s in self.segments.values())
+        return self.space.used
 
     def _client(self, req: dict[str, Any], sess: dict[str, Any]) -> Client:
         """The client bound to the calling connection (never the one a request names)."""
@@ -257,28 +189,58 @@ class Master:
         c.last_seen = time.monotonic()
         return c
 
-    def _addr(self, r: Replica) -> int:
-        return self.segments[r.segment].base + r.offset
+    def _check_epoch(self, req: dict[str, Any]) -> None:
+        epoch = req.get("epoch")
+        if epoch is not None and epoch != self.incarnation:
+            raise _Err("STALE", "the store master restarted since this allocation was made: put again")
 
-    def _free_replica(self, key: str, r: Replica) -> None:
-        seg = self.segments.get(r.segment)
-        if seg is not None:
-            seg.alloc.free(r.offset)
-            seg.keys.discard(key)
+    def _check_batch(self, n: int) -> None:
+        if n > self.config.max_batch:
+            raise _Err("TOO_LARGE", f"request carries {n} keys; the master takes at most "
+                       f"{self.config.max_batch} per request (max_batch): split it")  # fmt: skip
 
-    def _drop(self, key: str) -> None:
-        """Forget an object and free all its space (memory and SSD)."""
-        obj = self.objects.pop(key, None)
-        if obj is None:
-            return
-        for r in obj.replicas:
-            self._free_replica(key, r)
-        self._lru.pop(key, None)
-        self._pending.discard(key)
-        self._spilled.discard(key)
-        self._hot.discard(key)
+    def _floor_of(self, cid: str) -> int | None:
+        c = self.clients.get(cid)
+        return c.floor if c is not None else self._departed.get(cid)
+
+    def _add_replica(self, obj: Obj, seg: Segment, offset: int, writer: str) -> Replica:
+        r = Replica(seg, offset, False, writer)
+        obj.replicas.append(r)
+        seg.objs.add(obj)
+        self.obj_bytes += obj.size
+        return r
+
+    def _take_replica(self, obj: Obj, r: Replica, written: bool = True) -> None:
+        """Remove one replica; an unfinished one whose writer may still write into it is fenced."""
+        obj.replicas.remove(r)
+        r.seg.objs.discard(obj)
+        self.obj_bytes -= obj.size
+        if not r.committed and written and r.writer:
+            self.space.fence(r.seg, r.offset, obj.gen, r.writer, time.monotonic())
+        else:
+            self.space.free(r.seg, r.offset)
+
+    def _drop(self, obj: Obj, written: bool = True) -> None:
+        """Forget an object (or pending put) and give back all its space (memory and SSD)."""
+        for r in list(obj.replicas):
+            self._take_replica(obj, r, written)
+        if obj.key is not None and self.objects.get(obj.key) is obj:
+            del self.objects[obj.key]
+        self._resv.pop(obj.gen, None)
+        if self._pending.pop(obj.gen, None) is not None:
+            owner = self.clients.get(obj.owner)
+            if owner is not None:
+                owner.pending.discard(obj)
+        if obj.committed:
+            self.n_committed -= 1
+            obj.committed = False
+        self.lru.remove(obj)
+        self._spilled.discard(obj)
+        if obj.key is not None:
+            self._hot.discard(obj.key)
         if obj.ssd is not None:
             self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
+            obj.ssd = None
 
     def _leased(self, obj: Obj, now: float) -> bool:
         """A lease holds until its reader releases it, or at the latest until ``lease_ttl_ms``."""
@@ -293,152 +255,203 @@ class Master:
         self._task_ids += 1
         task["task"] = self._task_ids
         c.tasks.append(task)
+        c.task_ids.add(self._task_ids)
         self._tasks[self._task_ids] = (client, task)
         return self._task_ids
 
-    def _place(self, size: int, n: int, preferred: str | None, exclude: set[str]) -> list[Replica]:
-        """Allocate up to ``n`` replicas on distinct segments; most free space first."""
-        segs = [s for s in self.segments.values() if s.name not in exclude]
-        if preferred is not None:
-            segs.sort(key=lambda s: (s.name != preferred, -s.alloc.free_bytes))
-        else:
-            segs.sort(key=lambda s: -s.alloc.free_bytes)
-        out: list[Replica] = []
-        for s in segs:
-            if len(out) == n:
-                break
-            if s.alloc.largest_free < size:
-                continue
-            off = s.alloc.allocate(size)
-            if off is not None:
-                out.append(Replica(s.name, off, False))
-        return out
+    def _allocate(self, size: int, pl: Placement, futile: bool, now: float) -> tuple[list[Any], bool]:
+        """Place up to ``pl.replicas`` allocations, evicting (a bounded amount) when short."""
+        alloc = size + HEADER_SIZE
+        want = min(pl.replicas, len(self.space.segments))
+        got = self.space.place(alloc, want, pl.preferred, set(), now)
+        if len(got) < want and not futile:
+            if self._evict(now, need=alloc * (want - len(got))) == 0:
+                futile = True  # an eviction round that freed nothing is not repeated for this request
+            got += self.space.place(alloc, want - len(got), pl.preferred, {s for s, _ in got}, now)
+        return got, futile
 
-    def _allocate(
-        self, key: str, size: int, n: int, preferred: str | None, exclude: set[str]
-    ) -> list[Replica]:
-        reps = self._place(size, n, preferred, exclude)
-        if len(reps) < min(n, len(self.segments) - len(exclude)) and not self._evict_futile:
-            # Not enough room: evict, then try again for the missing replicas. An eviction round
-            # that frees nothing is not repeated for the rest of this request.
-            if self._evict(need=size * (n - len(reps))) == 0:
-                self._evict_futile = True
-            reps += self._place(size, n - len(reps), preferred, exclude | {r.segment for r in reps})
-        for r in reps:
-            self.segments[r.segment].keys.add(key)
-        return reps
+    def _new_pending(self, key: str | None, size: int, pl: Placement, placed: list[Any], owner: Client,
+                     now: float) -> Obj:  # fmt: skip
+        self._next_gen += 1
+        obj = Obj(key, size, self._next_gen, owner.id, [], deadline=now + self.config.put_timeout_s,
+                  soft_pin=pl.soft_pin, pin_until=now + pl.pin_ttl_s, cache_class=pl.cache_class,
+                  base_replicas=pl.replicas)  # fmt: skip
+        for seg, off in placed:
+            self._add_replica(obj, seg, off, owner.id)
+        obj.verify = size <= CHECKSUM_ALWAYS_MAX or any(
+            self.space.suspect(seg, off, obj.alloc_size) for seg, off in placed
+        )
+        self._pending[obj.gen] = obj
+        owner.pending.add(obj)
+        if key is not None:
+            self.objects[key] = obj
+        else:
+            self._resv[obj.gen] = obj
+        return obj
+
+    @staticmethod
+    def _grant(obj: Obj) -> list[Any]:
+        """What a writer gets for an allocation: generation, checksum required, replica addresses."""
+        return [obj.gen, obj.verify, [[r.seg.name, r.addr] for r in obj.replicas]]
+
+    def _commit(self, obj: Obj, csum: int | None, now: float) -> None:
+        obj.committed = True
+        obj.checksum = csum
+        for r in obj.replicas:
+            r.committed = True
+            r.writer = ""
+        self._pending.pop(obj.gen, None)
+        owner = self.clients.get(obj.owner)
+        if owner is not None:
+            owner.pending.discard(obj)
+        self.lru.add(obj, now)
+        self.n_committed += 1
+        self.stats["puts"] += 1
 
     # ------------------------------------------------------------------ eviction
-    def _evict(self, need: int = 0) -> int:
-        """Approximate LRU: free ``eviction_ratio`` of capacity (or ``need`` bytes) above the watermark."""
-        cap = self.capacity
+    def _evict(self, now: float, need: int = 0) -> int:
+        """Free ``need`` bytes (or, above the high watermark, down to ``eviction_ratio`` below it),
+        looking at no more than ``evict_batch`` objects: ephemeral ones first, then default, then
+        soft-pinned; persistent objects are only ever spilled."""
+        cap = self.space.capacity
         if cap == 0:
             return 0
-        used = self.used
         c = self.config
-        if need == 0 and used <= c.eviction_high_watermark * cap:
-            return 0
-        target = max(need, int(c.eviction_ratio * cap), used - int(c.eviction_high_watermark * cap))
-        now = time.monotonic()
+        if need == 0:
+            if self._evict_to is None:
+                if self.space.used <= c.eviction_high_watermark * cap:
+                    return 0
+                self._evict_to = int((c.eviction_high_watermark - c.eviction_ratio) * cap)
+            need = self.space.used - self._evict_to
+            if need <= 0:
+                self._evict_to = None
+                return 0
         freed = 0
-        ssd_clients = [cl for cl in self.clients.values() if cl.ssd_dir]
-        # One pass over the LRU order sorts candidates into classes, evicted in this order:
-        # ephemeral, default, soft-pinned; persistent objects are only ever spilled.
-        phases: dict[str, list[str]] = {"ephemeral": [], "default": [], "pinned": [], "persistent": []}
-        for key in self._lru:
-            obj = self.objects[key]
-            if obj.busy or key in self._spilled or not obj.replicas or self._leased(obj, now):
+        ssd = self._ssd_clients
+        for obj in self.lru.candidates(now, c.evict_batch):
+            if freed >= need:
+                break
+            if obj.busy or obj in self._spilled or not obj.replicas or self._leased(obj, now):
+                self.lru.skip(obj)
                 continue
-            if obj.cache_class in ("ephemeral", "persistent"):
-                phases[obj.cache_class].append(key)
+            held = obj.alloc_size * len(obj.replicas)
+            if (obj.soft_pin or obj.cache_class == "persistent") and ssd and obj.ssd is None:
+                self._spill(obj, random.choice(ssd))
+                self.lru.skip(obj)
+                freed += held  # freed once the spill lands
+                continue
+            if obj.cache_class == "persistent":
+                self.lru.skip(obj)  # never dropped from the pool without an SSD tier
+                continue
+            if obj.ssd is not None:
+                self._free_memory(obj)
             else:
-                phases["pinned" if obj.soft_pin and obj.pin_until > now else "default"].append(key)
-        for phase in ("ephemeral", "default", "pinned", "persistent"):
-            for key in phases[phase]:
-                if freed >= target:
-                    return freed
-                obj = self.objects[key]
-                bytes_held = obj.size * len(obj.replicas)
-                if (obj.soft_pin or obj.cache_class == "persistent") and ssd_clients and obj.ssd is None:
-                    self._spill(key, obj, random.choice(ssd_clients))
-                    freed += bytes_held  # freed once the spill lands
-                    continue
-                if obj.cache_class == "persistent":
-                    continue  # never dropped from the pool without an SSD tier
-                if obj.ssd is not None:
-                    self._free_memory(key, obj)
-                else:
-                    self._drop(key)
-                self.stats["evictions"] += 1
-                freed += bytes_held
+                self._drop(obj)
+            self.stats["evictions"] += 1
+            freed += held
         return freed
 
-    def _free_memory(self, key: str, obj: Obj) -> None:
-        for r in obj.replicas:
-            self._free_replica(key, r)
-        obj.replicas = []
-        self._spilled.discard(key)
+    def _free_memory(self, obj: Obj) -> None:
+        """An object on the SSD tier gives its memory replicas back (it stays, SSD only)."""
+        for r in list(obj.replicas):
+            self._take_replica(obj, r)
+        self.lru.remove(obj)
+        self._spilled.discard(obj)
 
-    def _spill(self, key: str, obj: Obj, client: Client) -> None:
+    def _spill(self, obj: Obj, client: Client) -> None:
         r = next(x for x in obj.replicas if x.committed)
-        digest = hashlib.sha1(key.encode()).hexdigest()
+        assert obj.key is not None
+        digest = hashlib.sha1(obj.key.encode()).hexdigest()
         path = os.path.join(client.ssd_dir or "", digest[:2], digest + ".kvp")
         obj.busy += 1
-        self._give_task(
-            client.id,
-            {"type": "spill", "key": key, "size": obj.size, "src": [r.segment, self._addr(r)], "path": path},
-        )
+        task = {"type": "spill", "key": obj.key, "gen": obj.gen, "epoch": self.incarnation, "size": obj.size,
+                "checksum": obj.checksum, "src": [r.seg.name, r.addr], "path": path}  # fmt: skip
+        self._give_task(client.id, task)
         self.stats["spills"] += 1
 
     # ------------------------------------------------------------------ periodic work
     def _tick(self, now: float) -> None:
         c = self.config
-        # Abandoned puts.
-        for key in [k for k in self._pending if self.objects[k].deadline < now]:
-            self._drop(key)
+        if now - self._last_tick > STALL_S:
+            # The master itself did not run (a long request, or it was stopped): clients could
+            # not be heard meanwhile, so nobody is judged on that silence.
+            log.warning("store master stalled for %.1fs: liveness restarts now", now - self._last_tick)
+            self._live_floor = now
+            self.stats["master_stalls"] += 1
+        self._last_tick = now
+        while self._pending:  # abandoned puts and reservations, oldest first
+            obj = next(iter(self._pending.values()))
+            if obj.deadline >= now:
+                break
+            self._drop(obj)
             self.stats["put_revoked_timeout"] += 1
-        # Dead clients.
-        for cid in [cid for cid, cl in self.clients.items() if now - cl.last_seen > c.client_ttl_s]:
-            log.warning("client %s missed heartbeats for %.1fs: unmounting its segments", cid, c.client_ttl_s)
+        budget = DYING_PER_TICK
+        while self._dying and budget > 0:
+            budget = self._let_go(self._dying[0], budget)
+            if not self._dying[0].objs:
+                self._dying.popleft()
+        self._evict(now)
+        if now < self._next_slow:
+            return
+        self._next_slow = now + SLOW_EVERY_S
+        ttl = c.client_ttl_s
+        floor = self._live_floor
+        for cid in [cid for cid, cl in self.clients.items() if now - max(cl.last_seen, floor) > ttl]:
+            log.warning("client %s missed heartbeats for %.1fs: unmounting its segments", cid, ttl)
             self._remove_client(cid)
-        # Spilled objects whose readers are gone.
-        for key in [k for k in self._spilled if not self._leased(self.objects[k], now)]:
-            self._free_memory(key, self.objects[key])
+            self.stats["clients_dead"] += 1
+        self.space.release(self._floor_of, now)
+        for cid in [cid for cid in self._departed if not self.space.has_fences(cid)]:
+            del self._departed[cid]
+        for obj in [o for o in self._spilled if not self._leased(o, now)]:
+            self._free_memory(obj)
         if c.hot_key_replication and now - self._last_hot >= c.hot_interval_s:
             self._last_hot = now
             self._hot_keys(now)
 
-    def _remove_client(self, cid: str) -> None:
+    def _let_go(self, seg: Segment, budget: int) -> int:
+        """Drop a dead segment's replicas from up to ``budget`` objects; returns what is left."""
+        while seg.objs and budget > 0:
+            obj = seg.objs.pop()
+            budget -= 1
+            for r in [r for r in obj.replicas if r.seg is seg]:
+                obj.replicas.remove(r)
+                self.obj_bytes -= obj.size
+            if not obj.committed:
+                self._drop(obj)  # a put that lost a target cannot commit
+            elif not any(r.committed for r in obj.replicas) and obj.ssd is None:
+                self._drop(obj)
+                self.stats["objects_lost"] += 1
+        return budget
+
+    def _remove_client(self, cid: str, floor: int | None = None) -> None:
         cl = self.clients.pop(cid, None)
         if cl is None:
             return
+        if cl.ssd_dir:
+            self._ssd_clients = [x for x in self._ssd_clients if x is not cl]
         for name in list(cl.segments):
-            self._unmount(name)
-        for tid in [t for t, (owner, _) in self._tasks.items() if owner == cid]:
+            seg = self.space.segments.get(name)
+            if seg is not None:
+                self._unmount(seg)
+        for obj in list(cl.pending):
+            self._drop(obj)  # its unfinished puts: fenced until its floor (or the hold) says so
+        for tid in list(cl.task_ids):
             self._finish_task(tid, ok=False, result={})
+        if floor is not None:
+            self._departed[cid] = floor
 
-    def _unmount(self, name: str) -> None:
-        seg = self.segments.pop(name, None)
-        if seg is None:
-            return
+    def _unmount(self, seg: Segment) -> None:
         cl = self.clients.get(seg.client)
         if cl is not None:
-            cl.segments.discard(name)
-        for key in list(seg.keys):
-            obj = self.objects.get(key)
-            if obj is None:
-                continue
-            obj.replicas = [r for r in obj.replicas if r.segment != name]
-            if not obj.committed:
-                self._drop(key)  # a put that lost a target cannot commit
-            elif not any(r.committed for r in obj.replicas) and obj.ssd is None:
-                self._drop(key)
-                self.stats["objects_lost"] += 1
+            cl.segments.discard(seg.name)
+        self.space.unmount(seg)
+        self._dying.append(seg)
 
     def _hot_keys(self, now: float) -> None:
         window = self._access + self._access_prev
         self._access_prev, self._access = self._access, Counter()
-        n = len(self.segments)
+        n = len(self.space.segments)
         if n < 2:
             return
         k = max(1, math.ceil(n * math.log2(n)))
@@ -446,79 +459,74 @@ class Master:
         want = min(self.config.hot_max_replicas, n)
         for key in hot:
             obj = self.objects.get(key)
-            if obj is None or not obj.committed or obj.busy or key in self._spilled:
+            if obj is None or not obj.committed or obj.busy or obj in self._spilled:
                 continue
-            committed = [r for r in obj.replicas if r.committed]
-            if not committed or len(obj.replicas) >= want:
+            if not any(r.committed for r in obj.replicas) or len(obj.replicas) >= want:
                 continue
             self._hot.add(key)
-            self._replicate(key, obj, want - len(obj.replicas))
+            self._replicate(obj, want - len(obj.replicas), now)
         for key in list(self._hot - hot):
-            obj = self.objects[key]
-            if not obj.busy and not self._leased(obj, now):
+            obj = self.objects.get(key)
+            if obj is None:
                 self._hot.discard(key)
-                self._shrink(key, obj, obj.base_replicas)
+            elif not obj.busy and not self._leased(obj, now):
+                self._hot.discard(key)
+                self._shrink(obj, obj.base_replicas)
 
-    def _replicate(self, key: str, obj: Obj, extra: int) -> None:
+    def _replicate(self, obj: Obj, extra: int, now: float) -> None:
         src = next(r for r in obj.replicas if r.committed)
-        new = self._place(obj.size, extra, None, {r.segment for r in obj.replicas})
-        for r in new:
-            seg = self.segments[r.segment]
-            seg.keys.add(key)
-            obj.replicas.append(r)
+        placed = self.space.place(obj.alloc_size, extra, None, {r.seg for r in obj.replicas}, now)
+        for seg, off in placed:
+            r = self._add_replica(obj, seg, off, seg.client)
             obj.busy += 1
-            self._give_task(
-                seg.client,
-                {
-                    "type": "replicate",
-                    "key": key,
-                    "size": obj.size,
-                    "src": [src.segment, self._addr(src)],
-                    "dst": [r.segment, self._addr(r)],
-                },
-            )
+            self._give_task(seg.client, {"type": "replicate", "key": obj.key, "gen": obj.gen,
+                                         "size": obj.alloc_size, "src": [src.seg.name, src.addr],
+                                         "dst": [seg.name, r.addr]})  # fmt: skip
             self.stats["hot_replications"] += 1
 
-    def _shrink(self, key: str, obj: Obj, n: int) -> int:
+    def _shrink(self, obj: Obj, n: int) -> int:
         """Drop committed replicas beyond ``n`` (most loaded segments first); returns how many."""
         extra = [r for r in obj.replicas if r.committed]
         if len(extra) <= n:
             return 0
-        extra.sort(key=lambda r: -self.segments[r.segment].reads if r.segment in self.segments else 0)
+        extra.sort(key=lambda r: -r.seg.reads)
         drop = extra[: len(extra) - n]
         for r in drop:
-            self._free_replica(key, r)
-        obj.replicas = [r for r in obj.replicas if r not in drop]
+            self._take_replica(obj, r)
         return len(drop)
 
     def _finish_task(self, tid: int, ok: bool, result: dict[str, Any]) -> None:
         entry = self._tasks.pop(tid, None)
         if entry is None:
             return
-        _, task = entry
+        cid, task = entry
+        cl = self.clients.get(cid)
+        if cl is not None:
+            cl.task_ids.discard(tid)
         key = task.get("key")
         obj = self.objects.get(key) if key is not None else None
+        if obj is not None and obj.gen != task.get("gen"):
+            obj = None  # the object was replaced meanwhile
         if task["type"] == "replicate" and obj is not None:
             obj.busy -= 1
-            seg_name = task["dst"][0]
             for r in obj.replicas:
-                if r.segment == seg_name and not r.committed:
+                if r.seg.name == task["dst"][0] and not r.committed:
                     if ok:
                         r.committed = True
+                        r.writer = ""
                     else:
-                        self._free_replica(key, r)
-                        obj.replicas.remove(r)
+                        self._take_replica(obj, r)
                     break
         elif task["type"] == "spill" and obj is not None:
             obj.busy -= 1
             if ok:
-                cl = self.clients.get(entry[0])
-                obj.ssd = SsdCopy(entry[0], task["path"], result["checksum"], cl.host_id if cl else "")
-                self._spilled.add(key)  # memory freed once no lease holds it
+                owner = self.clients.get(cid)
+                obj.ssd = SsdCopy(cid, task["path"], result["checksum"], owner.host_id if owner else "")
+                self._spilled.add(obj)  # memory freed once no lease holds it
                 if not self._leased(obj, time.monotonic()):
-                    self._free_memory(key, obj)
+                    self._free_memory(obj)
 
-    # ------------------------------------------------------------------ RPC ops
+    # ------------------------------------------------------------------ RPC ops: clients
     def _op_ping(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         return {"master": self.incarnation}
 
@@ -536,13 +544,21 @@ class Master:
                 raise _Err("EXISTS", f"client id {cid!r} is registered by another connection")
             self._remove_client(cid)  # registering again on its own connection: a fresh session
         token = secrets.token_bytes(16)
-        self.clients[cid] = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"), token)
+        cl = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"), token)
+        self.clients[cid] = cl
+        if cl.ssd_dir:
+            self._ssd_clients.append(cl)
+        self._departed.pop(cid, None)
         sess["client"] = cid
+        c = self.config
         return {
             "master": self.incarnation,
             "token": token,
-            "lease_ttl_ms": self.config.lease_ttl_ms,
-            "client_ttl_s": self.config.client_ttl_s,
+            "lease_ttl_ms": c.lease_ttl_ms,
+            "client_ttl_s": c.client_ttl_s,
+            "put_timeout_s": c.put_timeout_s,
+            "quarantine_s": c.quarantine_s,
+            "max_batch": c.max_batch,
         }
 
     def _op_attach(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
@@ -559,319 +575,380 @@ class Master:
         return {"master": self.incarnation}
 
     def _op_unregister(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        self._remove_client(self._client(req, sess).id)
+        c = self._client(req, sess)
+        self._remove_client(c.id, floor=int(req.get("floor") or 0))
         return {}
 
     def _op_heartbeat(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Liveness, the client's write floor (releases its fences), and its queued tasks."""
         cid = sess.get("client")
         c = self.clients.get(cid) if cid is not None else None
         if c is None:
             return {"master": self.incarnation, "reregister": True, "tasks": []}
-        c.last_seen = time.monotonic()
+        now = time.monotonic()
+        c.last_seen = now
+        if req.get("floor") is not None:
+            c.floor = int(req["floor"])
+            if self.space.has_fences(c.id):
+                self.space.release(self._floor_of, now, only=c.id)
         tasks, c.tasks = c.tasks, []
         return {"master": self.incarnation, "tasks": tasks}
 
     def _op_mount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         c = self._client(req, sess)
         name, base, size = req["segment"], int(req["base"]), int(req["size"])
-        if size <= 0 or base <= 0:
-            raise _Err("INVALID", "segment base and size must be positive")
-        if name in self.segments:
+        if size <= HEADER_SIZE or base <= 0:
+            raise _Err("INVALID", f"segment base must be positive and size above {HEADER_SIZE} bytes")
+        if name in self.space.segments:
             raise _Err("EXISTS", f"segment {name!r} is already mounted")
-        self.segments[name] = Segment(
-            name, c.id, base, size, c.host_id, RangeAllocator(size, self.config.alignment)
-        )
+        self.space.mount(name, c.id, base, size, c.host_id)
         c.segments.add(name)
         return {}
 
     def _op_unmount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         c = self._client(req, sess)
         name = req["segment"]
-        if name not in c.segments:
+        seg = self.space.segments.get(name)
+        if seg is None or name not in c.segments:
             raise _Err("NOT_FOUND", f"segment {name!r} is not mounted by this client")
-        self._unmount(name)
+        self._unmount(seg)
         return {}
 
     def _op_task_done(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        self._client(req, sess)
-        self._finish_task(int(req["task"]), bool(req["ok"]), req.get("result") or {})
+        c = self._client(req, sess)
+        tid = int(req["task"])
+        if tid in c.task_ids:
+            self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
         return {}
 
+    def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """A reader could not reach a segment (others skip it at once), or found a replica whose
+        bytes fail their checksum (that replica is dropped)."""
+        now = time.monotonic()
+        seg = self.space.segments.get(req["segment"])
+        if seg is None:
+            return {}
+        if req["kind"] == "unreachable":
+            if seg.reported_until <= now:
+                self.stats["segments_reported"] += 1
+            seg.reported_until = now + self.config.client_ttl_s
+        elif req["kind"] == "corrupt":
+            obj = self.objects.get(req["key"])
+            if obj is not None and obj.gen == req["gen"]:
+                for r in obj.replicas:
+                    if r.seg is seg and r.committed:
+                        r.committed, r.writer = False, "?"  # fenced: whoever wrote over it may go on
+                        self._take_replica(obj, r)
+                        self.stats["replicas_corrupt"] += 1
+                        break
+                if obj.committed and not any(x.committed for x in obj.replicas) and obj.ssd is None:
+                    self._drop(obj)
+                    self.stats["objects_lost"] += 1
+        return {}
+
+    # ------------------------------------------------------------------ RPC ops: puts
     def _op_put_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         caller = self._client(req, sess)
         keys, sizes = req["keys"], req["sizes"]
+        self._check_batch(len(keys))
         if len(keys) != len(sizes):
             raise _Err("INVALID", "keys and sizes differ in length")
         pl = Placement.parse(req.get("config") or {})
         now = time.monotonic()
-        self._evict_futile = False
+        futile = False
         out: list[list[Any]] = []
         for key, size in zip(keys, sizes, strict=True):
-            if (
-                not isinstance(key, str)
-                or not key
-                or key[0] == "\0"
-                or not isinstance(size, int)
-                or size <= 0
-            ):
-                out.append(["INVALID", "key must be a non-empty string (not starting with NUL), size > 0"])
-                continue
-            if key in self.objects:
-                o = self.objects[key]
-                out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
-                continue
-            if not self.segments:
-                out.append(["FULL", "no segment is mounted: start a client with segment_size > 0"])
-                continue
-            reps = self._allocate(key, size, pl.replicas, pl.preferred, set())
-            if not reps:
-                out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
-                continue
-            self._new_pending(key, pl.new_obj(size, reps, now, self.config.put_timeout_s, caller.id))
-            out.append([None, [[r.segment, self._addr(r)] for r in reps]])
-        reply: dict[str, Any] = {"results": out}
-        reserve = int(req.get("reserve") or 0)
-        if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
-            reply["reserved"] = self._reserve(sess["client"], sizes[0], pl, reserve)
-            reply["reserve_ttl_s"] = self.config.put_timeout_s
-        self._evict()
-        return reply
-
-    def _reserve(self, cid: str, size: int, pl: Placement, count: int) -> list[list[Any]]:
-        """Reservations: space for future puts of one size and config, so that each of them needs
-        one round trip (write, then `commit`) instead of two. They are pending puts: never evicted,
-        revoked after put_timeout_s when unused. They never push usage over the watermark and take
-        at most 1/64 of the pool per request."""
-        if size <= 0:
-            raise _Err("INVALID", "size must be > 0")
-        n = pl.replicas
-        now = time.monotonic()
-        cap = self.capacity
-        budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.used)
-        count = min(count, 64, max(0, budget // (size * n)))
-        reserved: list[list[Any]] = []
-        for _ in range(count):
-            self._next_rid += 1
-            rkey = f"\0r:{cid}:{self._next_rid}"
-            reps = self._place(size, n, pl.preferred, set())
-            if len(reps) < min(n, len(self.segments)):
-                for r in reps:
-                    self._free_replica(rkey, r)
-                break
-            for r in reps:
-                self.segments[r.segment].keys.add(rkey)
-            self._new_pending(rkey, pl.new_obj(size, reps, now, self.config.put_timeout_s, cid))
-            reserved.append([rkey, [[r.segment, self._addr(r)] for r in reps]])
-        return reserved
-
-    def _op_reserve(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """Reservations ahead of time (a client's pool of one shape runs low)."""
-        self._client(req, sess)
-        pl = Placement.parse(req.get("config") or {})
-        reserved = self._reserve(sess["client"], int(req["size"]), pl, int(req["count"]))
-        return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s}
-
-    def _new_pending(self, key: str, obj: Obj) -> None:
-        self._next_oid += 1
-        obj.oid = self._next_oid
-        self.objects[key] = obj
-        self._pending.add(key)
-
-    def _op_commit(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """Commit reservations (written by the client) under their keys: ``items`` = [[key, rkey]]."""
-        self._client(req, sess)
-        out: list[list[Any]] = []
-        for key, rkey in req["items"]:
-            robj = self.objects.get(rkey)
-            if not isinstance(key, str) or not key or key[0] == "\0":
-                out.append(["INVALID", "key must be a non-empty string (not starting with NUL)"])
-            elif robj is None or robj.committed or not rkey.startswith(f"\0r:{sess['client']}:"):
-                out.append(["NOT_FOUND", "reservation expired (older than put_timeout_s)"])
+            if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
+                out.append(["INVALID", "key must be a non-empty string, size > 0"])
             elif key in self.objects:
                 o = self.objects[key]
                 out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
+            elif not self.space.segments:
+                out.append(["FULL", "no segment is mounted: start a client with segment_size > 0"])
+            elif not self.space.fits_anywhere(size + HEADER_SIZE):
+                out.append(["FULL", f"{size} bytes do not fit into any mounted segment (nothing evicted)"])
             else:
-                del self.objects[rkey]
-                self._pending.discard(rkey)
-                for r in robj.replicas:
-                    seg = self.segments[r.segment]
-                    seg.keys.discard(rkey)
-                    seg.keys.add(key)
-                    r.committed = True
-                robj.committed = True
-                self._next_oid += 1
-                robj.oid = self._next_oid
+                placed, futile = self._allocate(size, pl, futile, now)
+                if not placed:
+                    out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
+                else:
+                    out.append([None, self._grant(self._new_pending(key, size, pl, placed, caller, now))])
+        reply: dict[str, Any] = {"results": out, "epoch": self.incarnation}
+        reserve = int(req.get("reserve") or 0)
+        if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
+            reply["reserved"] = self._reserve(caller, sizes[0], pl, reserve, now)
+            reply["reserve_ttl_s"] = self.config.put_timeout_s
+        self._evict(now)
+        return reply
+
+    def _reserve(self, caller: Client, size: int, pl: Placement, count: int, now: float) -> list[list[Any]]:
+        """Reservations: space for future puts of one size and config, so that each of them needs
+        one round trip (write, then ``commit``) instead of two. They are pending puts: never
+        evicted, revoked after put_timeout_s when unused. They never push usage over the
+        watermark and take at most 1/64 of the pool per request."""
+        if not isinstance(size, int) or size <= 0:
+            raise _Err("INVALID", "size must be > 0")
+        alloc = size + HEADER_SIZE
+        n = min(pl.replicas, len(self.space.segments))
+        cap = self.space.capacity
+        budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.space.used)
+        count = min(count, 64, max(0, budget // (alloc * max(1, n))))
+        out: list[list[Any]] = []
+        for _ in range(count):
+            placed = self.space.place(alloc, n, pl.preferred, set(), now)
+            if len(placed) < n or not placed:
+                for seg, off in placed:
+                    self.space.free(seg, off)
+                break
+            out.append(self._grant(self._new_pending(None, size, pl, placed, caller, now)))
+        return out
+
+    def _op_reserve(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Reservations ahead of time (a client's pool of one shape runs low)."""
+        caller = self._client(req, sess)
+        pl = Placement.parse(req.get("config") or {})
+        reserved = self._reserve(caller, req["size"], pl, int(req["count"]), time.monotonic())
+        return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s, "epoch": self.incarnation}
+
+    def _op_commit(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Commit reservations (written by the caller) under keys: ``items`` = [[key, gen, checksum]]."""
+        caller = self._client(req, sess)
+        self._check_epoch(req)
+        items = req["items"]
+        self._check_batch(len(items))
+        now = time.monotonic()
+        out: list[list[Any]] = []
+        for key, gen, csum in items:
+            robj = self._resv.get(gen)
+            if not isinstance(key, str) or not key:
+                out.append(["INVALID", "key must be a non-empty string"])
+            elif robj is None or robj.owner != caller.id:
+                out.append(["NOT_FOUND", "reservation expired (put_timeout_s) or not this client's"])
+            elif key in self.objects:
+                o = self.objects[key]
+                out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
+            elif robj.verify and csum is None:
+                out.append(["INVALID", "this allocation needs a checksum"])
+            else:
+                del self._resv[gen]
+                robj.key = key
                 self.objects[key] = robj
-                self._lru[key] = None
-                self.stats["puts"] += 1
+                self._commit(robj, csum, now)
                 out.append([None, None])
         return {"results": out}
 
     def _op_put_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Commit pending puts of the caller: ``items`` = [[key, gen, checksum, written segments]];
+        replicas not written are taken back (fenced)."""
         caller = self._client(req, sess)
+        self._check_epoch(req)
+        items = req["items"]
+        self._check_batch(len(items))
+        now = time.monotonic()
         out: list[list[Any]] = []
-        for key in req["keys"]:
+        for key, gen, csum, written in items:
             obj = self.objects.get(key)
-            if obj is None or obj.committed or obj.owner != caller.id:
-                out.append(["NOT_FOUND", f"no pending put of {key!r} (revoked after put_timeout_s?)"])
+            if obj is None or obj.committed or obj.gen != gen or obj.owner != caller.id:
+                out.append(["NOT_FOUND", f"no pending put of {key!r} by this client (revoked after "
+                            "put_timeout_s?)"])  # fmt: skip
                 continue
-            obj.committed = True
-            for r in obj.replicas:
-                r.committed = True
-            self._pending.discard(key)
-            self._lru[key] = None
-            self.stats["puts"] += 1
+            if obj.verify and csum is None:
+                out.append(["INVALID", "this allocation needs a checksum"])
+                continue
+            ok = set(written)
+            for r in [r for r in obj.replicas if r.seg.name not in ok or r.seg.dead]:
+                self._take_replica(obj, r)
+            if not obj.replicas:
+                self._drop(obj)
+                out.append(["ERROR", f"no replica of {key!r} was written"])
+                continue
+            self._commit(obj, csum, now)
             out.append([None, None])
         return {"results": out}
 
     def _op_put_revoke(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Give back pending puts/reservations: ``items`` = [[gen, written]] (unwritten space is
+        free at once; written space is fenced)."""
         caller = self._client(req, sess)
-        for key in req["keys"]:
-            obj = self.objects.get(key)
-            if obj is not None and not obj.committed and obj.owner == caller.id:
-                self._drop(key)
+        items = req["items"]
+        self._check_batch(len(items))
+        if req.get("epoch") not in (None, self.incarnation):
+            return {}
+        for gen, written in items:
+            obj = self._pending.get(gen)
+            if obj is not None and obj.owner == caller.id:
+                self._drop(obj, written=bool(written))
         return {}
 
+    # ------------------------------------------------------------------ RPC ops: reads
     def _op_get(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        keys = req["keys"]
+        self._check_batch(len(keys))
         reader = self.clients.get(sess.get("client", ""))
         host = reader.host_id if reader is not None else None
         now = time.monotonic()
         ttl = self.config.lease_ttl_ms / 1000.0
+        hot = self.config.hot_key_replication
         out: list[list[Any]] = []
-        for key in req["keys"]:
+        for key in keys:
             obj = self.objects.get(key)
             if obj is None or not obj.committed:
                 self.stats["misses"] += 1
                 out.append(["NOT_FOUND", f"no object under key {key!r}"])
                 continue
-            reps = [r for r in obj.replicas if r.committed]
+            reps = [r for r in obj.replicas if r.committed and not r.seg.dead]
             if not reps and obj.ssd is None:
                 self.stats["misses"] += 1
                 out.append(["NOT_FOUND", f"object {key!r} has no readable replica"])
                 continue
             obj.lease_until = now + ttl
             obj.readers += 1
-            self._lru.move_to_end(key)
-            if self.config.hot_key_replication:
+            self.lru.touch(obj)
+            if hot and (key in self._access or len(self._access) < HOT_KEYS_TRACKED):
                 self._access[key] += 1
             self.stats["hits"] += 1
-            replicas = [[r.segment, self._addr(r), self.segments[r.segment].host_id] for r in reps]
-            if len(replicas) > 1:
-                # Replica choice: same host as the reader first, else the less loaded of two random
-                # replicas (reads served per segment). The chosen one goes first.
-                local = [x for x in replicas if x[2] == host]
-                if local:
-                    pick = local[0]
-                else:
-                    a, b = random.sample(replicas, 2)
-                    pick = a if self.segments[a[0]].reads <= self.segments[b[0]].reads else b
-                replicas.remove(pick)
-                replicas.insert(0, pick)
-            if replicas:
-                self.segments[replicas[0][0]].reads += 1
+            if len(reps) > 1:
+                reps = self._order(reps, host, now)
+            if reps:
+                reps[0].seg.reads += 1
             ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
-            out.append([None, {"size": obj.size, "replicas": replicas, "ssd": ssd, "oid": obj.oid}])
-        return {"results": out}
+            out.append([None, {"size": obj.size, "gen": obj.gen, "checksum": obj.checksum, "ssd": ssd,
+                               "replicas": [[r.seg.name, r.addr, r.seg.host_id] for r in reps]}])  # fmt: skip
+        return {"results": out, "epoch": self.incarnation, "lease_s": ttl}
+
+    @staticmethod
+    def _order(reps: list[Replica], host: str | None, now: float) -> list[Replica]:
+        """Replica choice: the reader's host first, else the less loaded of two random replicas;
+        segments a reader reported unreachable last. The first one is the one to read."""
+        good = [r for r in reps if r.seg.reported_until <= now] or reps
+        local = [r for r in good if r.seg.host_id == host]
+        if local:
+            pick = local[0]
+        else:
+            a, b = random.sample(good, 2) if len(good) > 1 else (good[0], good[0])
+            pick = a if a.seg.reads <= b.seg.reads else b
+        rest = [r for r in reps if r is not pick]
+        rest.sort(key=lambda r: r.seg.reported_until > now)
+        return [pick, *rest]
 
     def _op_release(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """End read leases: ``leases`` is a list of [key, oid] from get replies."""
-        for key, oid in req["leases"]:
+        """End read leases: ``leases`` is a list of [key, gen] from get replies."""
+        leases = req["leases"]
+        self._check_batch(len(leases) // 4)
+        for key, gen in leases:
             obj = self.objects.get(key)
-            if obj is not None and obj.oid == oid and obj.readers > 0:
+            if obj is not None and obj.gen == gen and obj.readers > 0:
                 obj.readers -= 1
         return {}
 
     def _op_exists(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        keys = req["keys"]
+        self._check_batch(len(keys))
         objs = self.objects
-        return {"results": [(o := objs.get(k)) is not None and o.committed for k in req["keys"]]}
+        return {"results": [(o := objs.get(k)) is not None and o.committed for k in keys]}
 
     def _op_remove(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        keys = req["keys"]
+        self._check_batch(len(keys))
         now = time.monotonic()
         force = bool(req.get("force", False))
         out: list[list[Any]] = []
-        for key in req["keys"]:
+        for key in keys:
             obj = self.objects.get(key)
             if obj is None or not obj.committed:
                 out.append(["NOT_FOUND", f"no object under key {key!r}"])
             elif not force and (self._leased(obj, now) or obj.busy):
                 out.append(["BUSY", f"object {key!r} is leased by a reader; retry after the lease"])
             else:
-                self._drop(key)
+                self._drop(obj)
                 out.append([None, None])
         return {"results": out}
 
     def _op_remove_all(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Remove up to ``max_batch`` committed objects that are not leased; ``more`` says whether
+        to call again (the client does)."""
         now = time.monotonic()
-        keys = [k for k, o in self.objects.items() if o.committed and not o.busy and not self._leased(o, now)]
-        for k in keys:
-            self._drop(k)
-        return {"removed": len(keys)}
+        removed = 0
+        for obj in list(self.lru.candidates(now, self.config.max_batch)):
+            if obj.busy or self._leased(obj, now):
+                self.lru.skip(obj)
+            else:
+                self._drop(obj)
+                removed += 1
+        ssd_only = [o for o in list(self.objects.values())[: self.config.max_batch]
+                    if o.committed and not o.replicas and not o.busy]  # fmt: skip
+        for obj in ssd_only:
+            self._drop(obj)
+        removed += len(ssd_only)
+        return {"removed": removed, "more": removed > 0 and self.n_committed > 0}
 
+    # ------------------------------------------------------------------ RPC ops: replicas
     def _op_replica_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """change_replica: lower at once, or allocate new replicas for the caller to fill."""
-        self._client(req, sess)
+        caller = self._client(req, sess)
         key, n = req["key"], int(req["replicas"])
         if n < 1:
             raise _Err("INVALID", "replicas must be >= 1")
         obj = self.objects.get(key)
         if obj is None or not obj.committed:
             raise _Err("NOT_FOUND", f"no object under key {key!r}")
-        committed = [r for r in obj.replicas if r.committed]
+        committed = [r for r in obj.replicas if r.committed and not r.seg.dead]
         if not committed:
             raise _Err("NOT_FOUND", f"object {key!r} has no memory replica")
         obj.base_replicas = n
         if n <= len(obj.replicas):
             if self._leased(obj, time.monotonic()) or obj.busy:
                 raise _Err("BUSY", f"object {key!r} is leased or being copied; retry later")
-            self._shrink(key, obj, n)
+            self._shrink(obj, n)
             return {"src": None, "dst": []}
-        new = self._place(obj.size, n - len(obj.replicas), None, {r.segment for r in obj.replicas})
-        for r in new:
-            self.segments[r.segment].keys.add(key)
-            obj.replicas.append(r)
+        placed = self.space.place(obj.alloc_size, n - len(obj.replicas), None,
+                                  {r.seg for r in obj.replicas}, time.monotonic())  # fmt: skip
+        new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
         obj.busy += 1
         src = committed[0]
         return {
-            "src": [src.segment, self._addr(src)],
-            "dst": [[r.segment, self._addr(r)] for r in new],
-            "size": obj.size,
+            "src": [src.seg.name, src.addr],
+            "dst": [[r.seg.name, r.addr] for r in new],
+            "size": obj.alloc_size,
+            "gen": obj.gen,
+            "epoch": self.incarnation,
         }
 
     def _op_promote_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Allocate a memory replica for an object that lives only on the SSD tier."""
-        self._client(req, sess)
+        caller = self._client(req, sess)
         key = req["key"]
         obj = self.objects.get(key)
         if obj is None or not obj.committed or obj.ssd is None:
             raise _Err("NOT_FOUND", f"no SSD-tier object under key {key!r}")
         if obj.replicas or obj.busy:
             return {"dst": []}
-        new = self._place(obj.size, 1, None, set())
-        if not new:
-            return {"dst": []}
-        for r in new:
-            self.segments[r.segment].keys.add(key)
-            obj.replicas.append(r)
-        obj.busy += 1
-        return {"dst": [[r.segment, self._addr(r)] for r in new]}
+        placed = self.space.place(obj.alloc_size, 1, None, set(), time.monotonic())
+        new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
+        if new:
+            obj.busy += 1
+        return {"dst": [[r.seg.name, r.addr] for r in new], "gen": obj.gen, "epoch": self.incarnation,
+                "checksum": obj.checksum}  # fmt: skip
 
     def _op_replica_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        self._client(req, sess)
+        caller = self._client(req, sess)
         key, ok = req["key"], bool(req["ok"])
         obj = self.objects.get(key)
-        if obj is None:
+        if obj is None or obj.gen != req.get("gen", obj.gen):
             raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
         obj.busy = max(0, obj.busy - 1)
         done = set(req.get("segments") or [])
         for r in list(obj.replicas):
-            if not r.committed and r.segment in done:
-                if ok:
-                    r.committed = True
+            if not r.committed and r.writer == caller.id and r.seg.name in done:
+                if ok and not r.seg.dead:
+                    r.committed, r.writer = True, ""
                 else:
-                    self._free_replica(key, r)
-                    obj.replicas.remove(r)
+                    self._take_replica(obj, r)
+        if obj.replicas and obj.lru is None and obj.committed:
+            self.lru.add(obj, time.monotonic())  # promoted back into memory
         return {"replicas": sum(r.committed for r in obj.replicas)}
 
+    # ------------------------------------------------------------------ RPC ops: metadata
     def _op_info(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         key = req["key"]
         obj = self.objects.get(key)
@@ -879,35 +956,39 @@ class Master:
             raise _Err("NOT_FOUND", f"no object under key {key!r}")
         return {
             "size": obj.size,
+            "gen": obj.gen,
             "committed": obj.committed,
-            "replicas": [[r.segment, self._addr(r), r.committed] for r in obj.replicas],
+            "replicas": [[r.seg.name, r.addr, r.committed] for r in obj.replicas],
             "ssd": None if obj.ssd is None else obj.ssd.path,
             "cache_class": obj.cache_class,
             "soft_pin": obj.soft_pin,
+            "checksum": obj.checksum,
         }
 
     def _op_stats(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         return {"stats": self.snapshot()}
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters and gauges (also used by the metrics endpoint)."""
+        """Counters and gauges (also used by the metrics endpoint); O(segments), not O(objects)."""
         with self._lock:
             return {
-                "objects": len(self.objects) - len(self._pending),
+                "objects": self.n_committed,
                 "pending": len(self._pending),
-                "bytes": sum(o.size * len(o.replicas) for o in self.objects.values()),
-                "capacity": self.capacity,
-                "used": self.used,
+                "bytes": self.obj_bytes,
+                "capacity": self.space.capacity,
+                "used": self.space.used,
+                "fenced": self.space.fenced,
                 "clients": len(self.clients),
                 "segments": {
                     s.name: {
                         "size": s.size,
                         "used": s.alloc.used_bytes,
                         "fragmentation": s.alloc.fragmentation(),
-                        "objects": len(s.keys),
+                        "objects": len(s.objs),
                     }
-                    for s in self.segments.values()
+                    for s in self.space.segments.values()
                 },
                 "counters": dict(self.stats),
                 "rpc": {op: [self._rpc_count[op], self._rpc_time[op]] for op in self._rpc_count},
+                "max_request_s": self.max_request_s,
             }

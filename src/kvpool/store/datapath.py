@@ -1,0 +1,299 @@
+"""A store client's data plane: writes and reads of whole objects (header + value) through the
+transfer engine, with the checks that make a read return the right object or a typed error.
+
+The master is never asked here: the caller (:class:`kvpool.store.client.Store`) gets allocations
+and locations from it, describes them as :class:`WriteJob` / :class:`ReadJob`, and handles what
+comes back (commit, lease release, a fresh lookup for a read that must be retried).
+
+A read is accepted only when
+
+* its bytes landed before the read's deadline (the end of the lease the master granted, measured
+  from before the lookup was sent: until then the object's space cannot have been freed), and
+* the header names this object (epoch, generation, key hash, length; :mod:`kvpool.store.layout`),
+* and, where the object has a checksum, the value matches it.
+
+A replica that cannot be reached is reported to the master and the next one is tried; a replica
+whose bytes fail the checksum is reported as corrupt (the master drops it) and the next one is
+tried.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.errors import (
+    KvpoolError,
+    ObjectChanged,
+    ObjectCorrupt,
+    RemoteAccessError,
+    TransferError,
+)
+from kvpool.store.layout import (
+    CHECKSUM_ALWAYS_MAX,
+    HEADER_SIZE,
+    checksum,
+    header_mismatch,
+    key_hash,
+    pack_header,
+)
+from kvpool.store.staging import DIRECT_MIN, Staging
+from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.types import OpCode, TransferRequest, TransferState
+
+log = logging.getLogger("kvpool.store")
+
+# report(segment, kind, key, gen): tell the master a segment is unreachable or a replica corrupt.
+Report = Callable[[str, str, "str | None", "int | None"], None]
+
+
+@dataclass
+class WriteJob:
+    """One object to write into the allocations the master granted (``replicas``: [[seg, addr]])."""
+
+    key: str
+    size: int
+    src: memoryview | tuple[int, int]  # the value, or (address, size) of registered memory
+    gen: int
+    verify: bool
+    replicas: list[list[Any]]
+    csum: int | None = None  # filled in: the value's checksum, when computed
+    written: list[str] = field(default_factory=list)  # filled in: segments written completely
+
+
+@dataclass
+class ReadJob:
+    """One object to read from its replicas ([[seg, addr, ...]], the preferred one first)."""
+
+    key: str
+    size: int
+    gen: int
+    csum: int | None
+    replicas: list[list[Any]]
+    dest: tuple[int, int] | None  # (address, capacity) of registered memory, or None for bytes
+    deadline: float  # monotonic time the bytes must have landed by (inf: no lease, e.g. cached)
+    result: bytes | int | None = None  # filled in: the value, or its size when read into ``dest``
+    error: KvpoolError | None = None
+    retry: bool = False  # the error means: look the object up again and read again
+    served_by: str | None = None
+
+
+def _mem(addr: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
+class DataPath:
+    """Object reads and writes of one store client (thread-safe: staging regions per call)."""
+
+    def __init__(self, engine: TransferEngine, staging: Staging, report: Report, checksum_all: bool) -> None:
+        self.engine = engine
+        self.staging = staging
+        self.report = report
+        self.checksum_all = checksum_all
+
+    # ------------------------------------------------------------------ transfers
+    def req(self, op: OpCode, local: int, segment: str, remote: int, size: int) -> TransferRequest:
+        """A transfer request (SegmentNotFound when the segment cannot be opened)."""
+        return TransferRequest(op, local, self.engine.open_segment(segment), remote, size)
+
+    def run(self, reqs: list[TransferRequest]) -> list[bool]:
+        """Do requests (one batch, or in this thread for one or two); per-request success."""
+        if not reqs:
+            return []
+        if len(reqs) <= 2:
+            return [self._one(r) for r in reqs]
+        eng = self.engine
+        bid = eng.allocate_batch_id(len(reqs))
+        try:
+            try:
+                eng.submit_transfer(bid, reqs)
+            except KvpoolError:
+                return [self._one(r) for r in reqs]  # one failed validation: find which, do the rest
+            if eng.wait_batch(bid).state == TransferState.COMPLETED:
+                return [True] * len(reqs)
+            return [eng.get_transfer_status(bid, i).ok for i in range(len(reqs))]
+        finally:
+            eng.free_batch_id(bid)
+
+    def _one(self, r: TransferRequest) -> bool:
+        name = r.target_id.name  # type: ignore[union-attr]
+        for attempt in (0, 1):
+            try:
+                self.engine.transfer_sync(name, r.source, r.target_offset, r.length, r.opcode)
+                return True
+            except RemoteAccessError:
+                if attempt:
+                    return False
+                self.refresh(name)  # the owner mounted fresh memory: fetch its descriptor again
+            except KvpoolError:
+                return False
+        return False
+
+    def refresh(self, segment: str) -> None:
+        """Forget a segment's cached descriptor (it is fetched again on next use)."""
+        try:
+            self.engine.close_segment(self.engine.open_segment(segment))
+        except KvpoolError:
+            pass
+
+    # ------------------------------------------------------------------ writes
+    def write(self, epoch: int, jobs: list[WriteJob]) -> None:
+        """Write header + value of every job into all its replicas, in one batch. Fills
+        ``csum`` and ``written`` (segments whose copy landed completely); unreachable segments
+        are reported."""
+        reqs: list[TransferRequest] = []
+        owner: list[tuple[WriteJob, str]] = []
+        tokens: list[Any] = []
+        failed: dict[tuple[int, str], bool] = {}
+        try:
+            for job in jobs:
+                self._build_write(epoch, job, reqs, owner, tokens, failed)
+            ok = self.run(reqs)
+        finally:
+            for t in tokens:
+                self.staging.give(t)
+        for (job, seg), good in zip(owner, ok, strict=True):
+            k = (id(job), seg)
+            failed[k] = failed.get(k, False) or not good
+        bad_segs = set()
+        for job in jobs:
+            for seg, _addr in job.replicas:
+                if failed.get((id(job), seg), True):
+                    bad_segs.add(seg)
+                else:
+                    job.written.append(seg)
+        for seg in bad_segs:
+            self.report(seg, "unreachable", None, None)
+
+    def _build_write(self, epoch: int, job: WriteJob, reqs: list[TransferRequest],
+                     owner: list[tuple[WriteJob, str]], tokens: list[Any],
+                     failed: dict[tuple[int, str], bool]) -> None:  # fmt: skip
+        size = job.size
+        value = _mem(*job.src) if isinstance(job.src, tuple) else job.src
+        if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
+            job.csum = checksum(value)
+        hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
+        if size <= DIRECT_MIN:
+            addr, region, token = self.staging.take(HEADER_SIZE + size)
+            tokens.append(token)
+            region[:HEADER_SIZE] = hdr
+            region[HEADER_SIZE:] = value
+            parts = [(addr, 0, HEADER_SIZE + size)]
+        else:
+            if isinstance(job.src, tuple):
+                vaddr = job.src[0]
+            else:
+                vaddr, token = self.staging.source(value)
+                tokens.append(token)
+            haddr, hregion, token = self.staging.take(HEADER_SIZE)
+            tokens.append(token)
+            hregion[:] = hdr
+            parts = [(vaddr, HEADER_SIZE, size), (haddr, 0, HEADER_SIZE)]
+        for seg, raddr in job.replicas:
+            try:
+                rs = [self.req(OpCode.WRITE, local, seg, raddr + off, n) for local, off, n in parts]
+            except KvpoolError:
+                failed[(id(job), seg)] = True
+                continue
+            reqs += rs
+            owner += [(job, seg)] * len(rs)
+
+    # ------------------------------------------------------------------ reads
+    def read(self, epoch: int, jobs: list[ReadJob]) -> None:
+        """Read every job from its first replica in one batch, then fail over one by one (other
+        replicas) where that did not give the right object. Fills ``result`` or ``error``."""
+        first = [j for j in jobs if j.replicas]
+        for j in jobs:
+            if not j.replicas:
+                j.error = TransferError(f"no replica of {j.key!r} to read")
+        self._attempt(epoch, first, 0)
+        for j in first:
+            i = 1
+            while j.error is not None and not j.retry and i < len(j.replicas):
+                j.error = None
+                self._attempt(epoch, [j], i)
+                i += 1
+
+    def _attempt(self, epoch: int, jobs: list[ReadJob], idx: int) -> None:
+        reqs: list[TransferRequest] = []
+        plan: list[tuple[ReadJob, list[Any], Any, list[Any]]] = []  # job, replica, sink, tokens
+        for j in jobs:
+            seg, raddr = j.replicas[idx][0], j.replicas[idx][1]
+            tokens: list[Any] = []
+            try:
+                if j.size <= DIRECT_MIN:
+                    addr, region, token = self.staging.take(HEADER_SIZE + j.size)
+                    tokens.append(token)
+                    rs = [self.req(OpCode.READ, addr, seg, raddr, HEADER_SIZE + j.size)]
+                    sink: Any = ("small", region)
+                else:
+                    if j.dest is not None:
+                        vaddr, out = j.dest[0], None
+                    else:
+                        vaddr, out, token = self.staging.sink(j.size)
+                        tokens.append(token)
+                    haddr, hregion, token = self.staging.take(HEADER_SIZE)
+                    tokens.append(token)
+                    rs = [self.req(OpCode.READ, vaddr, seg, raddr + HEADER_SIZE, j.size),
+                          self.req(OpCode.READ, haddr, seg, raddr, HEADER_SIZE)]  # fmt: skip
+                    sink = ("big", hregion, vaddr, out)
+            except KvpoolError as exc:
+                for t in tokens:
+                    self.staging.give(t)
+                j.error = TransferError(f"reading {j.key!r} from {seg}: {exc}")
+                self.report(seg, "unreachable", None, None)
+                continue
+            plan.append((j, j.replicas[idx], sink, tokens))
+            reqs += rs
+        try:
+            ok = self.run(reqs)
+            done = time.monotonic()
+            pos = 0
+            for j, rep, sink, _ in plan:
+                n = 1 if sink[0] == "small" else 2
+                good = all(ok[pos : pos + n])
+                pos += n
+                self._check(epoch, j, rep, sink, good, done)
+        finally:
+            for _, _, _, tokens in plan:
+                for t in tokens:
+                    self.staging.give(t)
+
+    def _check(self, epoch: int, j: ReadJob, rep: list[Any], sink: Any, good: bool, done: float) -> None:
+        seg = rep[0]
+        if not good:
+            j.error = TransferError(f"reading {j.key!r} from {seg} failed")
+            self.report(seg, "unreachable", None, None)
+            return
+        if done > j.deadline:
+            j.error, j.retry = ObjectChanged(f"reading {j.key!r} outlived its lease; read again"), True
+            return
+        if sink[0] == "small":
+            region = sink[1]
+            hdr, value = region[:HEADER_SIZE], region[HEADER_SIZE:]
+        else:
+            hdr, value = sink[1], None
+        why = header_mismatch(hdr, epoch, j.gen, key_hash(j.key), j.size, j.csum)
+        if why is not None:
+            j.error, j.retry = ObjectChanged(f"{j.key!r} at {seg}: {why}"), True
+            return
+        if j.csum is not None:
+            if value is None:
+                value = _mem(sink[2], j.size)
+            if checksum(value) != j.csum:
+                j.error = ObjectCorrupt(f"{j.key!r} at {seg}: bytes do not match the object's checksum")
+                self.report(seg, "corrupt", j.key, j.gen)
+                return
+        j.served_by = seg
+        if sink[0] == "small":
+            if j.dest is not None:
+                ctypes.memmove(j.dest[0], bytes(value), j.size)  # type: ignore[arg-type]
+                j.result = j.size
+            else:
+                j.result = bytes(value)  # type: ignore[arg-type]
+        else:
+            j.result = j.size if j.dest is not None else sink[3]

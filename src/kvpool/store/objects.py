@@ -1,0 +1,196 @@
+"""The store master's records: segments, objects and their replicas, clients, and the LRU lists.
+
+Plain data; the master (:mod:`kvpool.store.master`) and its space bookkeeping
+(:mod:`kvpool.store.space`) change them under the master's lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.store.allocator import RangeAllocator
+from kvpool.store.layout import HEADER_SIZE
+
+CACHE_CLASSES = ("default", "ephemeral", "persistent")
+
+
+class MasterError(Exception):
+    """An error the master answers with (``code`` is the wire error code)."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Segment:
+    """A client's mounted DRAM segment (one mount: a segment mounted again is a new record)."""
+
+    name: str
+    client: str
+    base: int
+    size: int
+    host_id: str
+    alloc: RangeAllocator
+    objs: set[Obj] = field(default_factory=set)  # objects with a replica (or an allocation) here
+    reads: float = 0.0
+    dead: bool = False  # unmounted: its objects are being let go of (a few per tick)
+    reported_until: float = 0.0  # a reader could not reach it: served last, not placed on, until then
+    suspect: list[tuple[int, int]] = field(default_factory=list)  # ranges a lost writer may still hit
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One copy of an object: its allocation (header + value) inside a segment."""
+
+    seg: Segment
+    offset: int
+    committed: bool
+    writer: str = ""  # uncommitted: the client writing it (its range is fenced if taken back)
+
+    @property
+    def addr(self) -> int:
+        """Address of the object's header in the segment owner's memory."""
+        return self.seg.base + self.offset
+
+
+@dataclass(slots=True)
+class SsdCopy:
+    """An object's copy in a client's SSD directory."""
+
+    client: str
+    path: str
+    checksum: str
+    host_id: str
+
+
+@dataclass(slots=True, eq=False)
+class Obj:
+    """Metadata of one object (or of a pending put or a reservation, before it is committed)."""
+
+    key: str | None  # None: a reservation not yet committed under a key
+    size: int  # value bytes; the allocation is HEADER_SIZE more
+    gen: int  # allocation generation: unique per master life, in the object's header
+    owner: str  # the client that put it (only it may commit or revoke while pending)
+    replicas: list[Replica]
+    committed: bool = False
+    deadline: float = 0.0  # pending: revoked after this
+    verify: bool = False  # the value must carry a checksum (small, or placed in suspect space)
+    checksum: int | None = None  # xxh3-64 of the value, recorded at commit
+    soft_pin: bool = False
+    pin_until: float = 0.0
+    cache_class: str = "default"
+    base_replicas: int = 1
+    lease_until: float = 0.0  # latest lease deadline (bounds leases of readers that vanished)
+    readers: int = 0  # reads in flight (leases not yet released)
+    busy: int = 0  # master tasks (replicate/spill) and replica changes in flight
+    ssd: SsdCopy | None = None
+    lru: str | None = None  # the LRU list it is in (committed objects)
+
+    @property
+    def alloc_size(self) -> int:
+        """Bytes allocated per replica."""
+        return self.size + HEADER_SIZE
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement part of a put's config (``ReplicateConfig.wire()``), validated."""
+
+    replicas: int
+    cache_class: str
+    preferred: str | None
+    soft_pin: bool
+    pin_ttl_s: float
+
+    @classmethod
+    def parse(cls, cfg: dict[str, Any]) -> Placement:
+        """Validate a config map; bad values are an INVALID error."""
+        pl = cls(
+            int(cfg.get("replicas", 1)),
+            cfg.get("cache_class", "default"),
+            cfg.get("preferred_segment"),
+            bool(cfg.get("soft_pin", False)),
+            float(cfg.get("soft_pin_ttl_s", 3600.0)),
+        )
+        if pl.replicas < 1 or pl.cache_class not in CACHE_CLASSES:
+            raise MasterError("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
+        return pl
+
+
+@dataclass
+class Client:
+    """A connected store client."""
+
+    id: str
+    host_id: str
+    last_seen: float
+    ssd_dir: str | None = None
+    token: bytes = b""
+    segments: set[str] = field(default_factory=set)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    floor: int = 0  # it may still write allocations of this generation and newer (0: not reported)
+    pending: set[Obj] = field(default_factory=set)  # its puts and reservations not yet committed
+    task_ids: set[int] = field(default_factory=set)
+
+
+class ClassLru:
+    """Committed objects in LRU order, one list per eviction class, evicted in the order
+    ``ephemeral``, ``default``, ``pinned`` (soft-pinned until their pin ends), ``persistent``."""
+
+    ORDER = ("ephemeral", "default", "pinned", "persistent")
+
+    def __init__(self) -> None:
+        self.lists: dict[str, OrderedDict[str, Obj]] = {c: OrderedDict() for c in self.ORDER}
+
+    @staticmethod
+    def klass(obj: Obj, now: float) -> str:
+        """The list an object belongs in."""
+        if obj.cache_class in ("ephemeral", "persistent"):
+            return obj.cache_class
+        return "pinned" if obj.soft_pin and obj.pin_until > now else "default"
+
+    def add(self, obj: Obj, now: float) -> None:
+        """Insert a committed object as the most recent of its class."""
+        assert obj.key is not None
+        obj.lru = self.klass(obj, now)
+        self.lists[obj.lru][obj.key] = obj
+
+    def touch(self, obj: Obj) -> None:
+        """Mark an object as just used."""
+        if obj.lru is not None and obj.key is not None:
+            self.lists[obj.lru].move_to_end(obj.key)
+
+    def remove(self, obj: Obj) -> None:
+        """Take an object out of its list."""
+        if obj.lru is not None and obj.key is not None:
+            self.lists[obj.lru].pop(obj.key, None)
+        obj.lru = None
+
+    def candidates(self, now: float, budget: int) -> Iterator[Obj]:
+        """Least recently used objects, class by class, looking at most ``budget`` of them. A
+        yielded object that is not evicted must be :meth:`skip`-ped (moved to the end)."""
+        for name in self.ORDER:
+            lst = self.lists[name]
+            for _ in range(len(lst)):
+                if budget <= 0:
+                    return
+                if not lst:
+                    break
+                budget -= 1
+                obj = next(iter(lst.values()))
+                if name == "pinned" and obj.pin_until <= now:
+                    self.remove(obj)  # its soft pin ended: an ordinary object from now on
+                    self.add(obj, now)
+                    continue
+                yield obj
+
+    def skip(self, obj: Obj) -> None:
+        """An object that cannot be evicted now goes to the end of its list."""
+        self.touch(obj)
+
+    def __len__(self) -> int:
+        return sum(len(lst) for lst in self.lists.values())

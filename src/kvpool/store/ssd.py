@@ -1,0 +1,48 @@
+"""The SSD tier's object files: ``ssd_dir/xx/<sha1 of key>.kvp`` (magic, size, xxh3-64, key, value).
+
+Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none; a
+reader checks the key, size and checksum, and treats any mismatch as a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+
+import xxhash
+
+_SSD_MAGIC = b"KVPSSD01"
+_SSD_HDR = struct.Struct("<8sQQI")  # magic, size, xxh3_64, key length
+
+
+def write_ssd_file(path: str, key: str, data: memoryview | bytes) -> str:
+    """Write an object file atomically; returns its xxh3-64 hex checksum."""
+    digest = xxhash.xxh3_64_intdigest(data)
+    kb = key.encode()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(_SSD_HDR.pack(_SSD_MAGIC, len(data), digest, len(kb)))
+        f.write(kb)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return f"{digest:016x}"
+
+
+def read_ssd_file(path: str, key: str, size: int, checksum: str) -> bytes | None:
+    """Read and verify an SSD-tier file; None when missing, truncated or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            hdr = f.read(_SSD_HDR.size)
+            magic, n, digest, klen = _SSD_HDR.unpack(hdr)
+            if magic != _SSD_MAGIC or n != size or f.read(klen) != key.encode():
+                return None
+            data = f.read(n + 1)
+    except (OSError, struct.error):
+        return None
+    if len(data) != size or xxhash.xxh3_64_intdigest(data) != digest or f"{digest:016x}" != checksum:
+        return None
+    return data
