@@ -364,8 +364,8 @@ class RpcLimits:
     idle_timeout_s: float = 600.0
     out_high_water: int = 1 << 20
     out_timeout_s: float = 30.0
-    input_budget: int = 64 << 20
-    output_budget: int = 64 << 20
+    input_budget: int = 32 << 20
+    output_budget: int = 32 << 20
     max_connections: int = 4096
     frames_per_event: int = 64
 

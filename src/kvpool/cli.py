@@ -304,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     ma.add_argument("--hot-interval-s", type=float, default=None)
     ma.add_argument("--hot-window-s", type=float, default=None)
     ma.add_argument("--hot-max-replicas", type=int, default=None)
+    for flag, typ in (("--quarantine-s", float), ("--fence-hold-s", float), ("--max-batch", int),
+                      ("--evict-batch", int), ("--max-message", int), ("--idle-timeout-s", float),
+                      ("--max-connections", int)):  # fmt: skip
+        ma.add_argument(flag, type=typ, default=None, help="see MasterConfig")
     ma.set_defaults(func=cmd_master)
 
     # Parsed by kvpool.store.server itself (see main()); listed here for --help.

@@ -44,7 +44,7 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.store.datapath import DataPath, ReadJob, WriteJob
-from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, header_mismatch, key_hash
+from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, checksum, header_mismatch, key_hash
 from kvpool.store.ssd import read_ssd_file, write_ssd_file
 from kvpool.store.staging import Staging, addr_of
 from kvpool.transfer.engine import TransferEngine, buffer_range
@@ -624,6 +624,35 @@ class Store:
             return None
         return loc
 
+    def _get_cached(self, key: str, loc: _Loc) -> bytes | None:
+        """One small object through its cached location: one engine READ of header + value into
+        the staging slot, checked there (the common case of :meth:`_get`, without its lists)."""
+        st = self._staging
+        if (
+            loc.epoch != self.master_incarnation
+            or time.monotonic() - loc.since > self.config.location_cache_ttl_s
+            or st.small_off is None
+            or not st.small_lock.acquire(blocking=False)
+        ):
+            return None
+        try:
+            off, n = st.small_off, HEADER_SIZE + loc.size
+            seg, raddr = loc.replicas[0][0], loc.replicas[0][1]
+            try:
+                self.engine.transfer_sync(seg, st.base + off, raddr, n, OpCode.READ)
+            except KvpoolError:
+                self._forget(key)
+                return None
+            view = st.view[off : off + n]
+            if header_mismatch(view, loc.epoch, loc.gen, key_hash(key), loc.size, loc.csum) is not None or (
+                checksum(view[HEADER_SIZE:]) != loc.csum
+            ):
+                self._forget(key)
+                return None
+            return bytes(view[HEADER_SIZE:])
+        finally:
+            st.small_lock.release()
+
     def _forget(self, key: str) -> None:
         if key in self._loc:
             with self._loc_lock:
@@ -742,6 +771,11 @@ class Store:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
+        loc = self._loc.get(key)
+        if loc is not None:
+            data = self._get_cached(key, loc)
+            if data is not None:
+                return data
         res = self._get([key], [None])[0]
         if isinstance(res, KvpoolError):
             raise res

@@ -327,10 +327,12 @@ class Master:
                 self._evict_to = None
                 return 0
         freed = 0
+        looked = 0
         ssd = self._ssd_clients
         for obj in self.lru.candidates(now, c.evict_batch):
             if freed >= need:
                 break
+            looked += 1
             if obj.busy or obj in self._spilled or not obj.replicas or self._leased(obj, now):
                 self.lru.skip(obj)
                 continue
@@ -349,6 +351,8 @@ class Master:
                 self._drop(obj)
             self.stats["evictions"] += 1
             freed += held
+        self.stats["evict_steps"] += 1
+        self.stats["evict_looked_max"] = max(self.stats["evict_looked_max"], looked)
         return freed
 
     def _free_memory(self, obj: Obj) -> None:
@@ -582,6 +586,8 @@ class Master:
     def _op_heartbeat(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Liveness, the client's write floor (releases its fences), and its queued tasks."""
         cid = sess.get("client")
+        if req.get("client") not in (None, cid):
+            raise _Err("INVALID", f"this connection belongs to client {cid!r}, not {req['client']!r}")
         c = self.clients.get(cid) if cid is not None else None
         if c is None:
             return {"master": self.incarnation, "reregister": True, "tasks": []}

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--secret", default=None)
     ap.add_argument("--ssd-dir", default=None)
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
+    ap.add_argument("--transfer-timeout-s", type=float, default=None)
+    ap.add_argument("--rpc-timeout-s", type=float, default=None)
     ap.add_argument("--stdin", action="store_true", help="exit when stdin closes")
     args = ap.parse_args(argv)
     store = Store.connect(
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         secret=args.secret,
         ssd_dir=args.ssd_dir,
         heartbeat_s=args.heartbeat_s,
+        **{k: v for k in ("transfer_timeout_s", "rpc_timeout_s") if (v := getattr(args, k)) is not None},
     )
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

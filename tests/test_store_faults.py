@@ -1,0 +1,414 @@
+"""Store integrity under faults (issue 11): one test per failure the issue lists, each with real
+``kvpool master`` / ``kvpool store-server`` / client processes on loopback and real faults
+(SIGKILL, SIGSTOP, stalls, crafted requests). Every value read is compared with what was put."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+
+from kvpool import ReplicateConfig, Store, _native
+from kvpool._rpc import RpcClient, frame
+from kvpool.errors import KvpoolError, ObjectNotFound, StoreFull
+from kvpool.store.procs import MasterProcess, StorageProcess, free_port
+
+
+def pattern(n: int, seed: int) -> bytes:
+    buf = bytearray(n)
+    _native.fill_pattern(_native.buffer_address(buf)[0], n, seed)
+    return bytes(buf)
+
+
+def wait_for(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Child:
+    """A client process running ``script`` (which talks over stdout lines and reads stdin lines)."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(script), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def line(self, timeout: float = 30.0) -> Any:
+        assert self.p.stdout is not None
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError("child said nothing in time")
+        text = self.p.stdout.readline()
+        if not text:
+            raise AssertionError(f"child exited ({self.p.wait()})")
+        return json.loads(text)
+
+    def say(self, msg: str) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(msg + "\n")
+        self.p.stdin.flush()
+
+    def stop(self) -> None:
+        os.kill(self.p.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.p.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            os.kill(self.p.pid, signal.SIGCONT)
+            self.p.kill()
+        self.p.wait(10)
+
+
+def stats(master: str) -> dict[str, Any]:
+    return RpcClient(master, 5).call("stats")["stats"]
+
+
+# ---------------------------------------------------------------------- wrong bytes, silently
+def test_master_restart_old_reservations_never_overwrite_new_objects() -> None:
+    """After a master restart a client drops the space it had reserved from the old master; even
+    bytes written into that old space afterwards cannot reach objects the new master placed."""
+    port = free_port()
+    m = MasterProcess(port=port, client_ttl_s=2.0)
+    try:
+        with StorageProcess(m.address, 32 << 20, heartbeat_s=0.2, protocol="tcp") as sp:
+            a = Store.connect(master=m.address, segment_size=0, heartbeat_s=0.2)
+            try:
+                for i in range(8):
+                    a.put(f"a{i}", pattern(4096, i))
+                old = [e for pool in a._resv.values() for e in pool]
+                assert old, "the client holds reservations from the first master"
+                m.kill()
+                m = MasterProcess(port=port, client_ttl_s=2.0)
+                wait_for(lambda: sp.segment in stats(m.address)["segments"], what="the segment remounted")
+                with Store.connect(master=m.address, segment_size=0) as b:
+                    values = {f"b{i}": pattern(4096, 1000 + i) for i in range(300)}
+                    for k, v in values.items():
+                        b.put(k, v)
+                    # A writer that kept the old master's space writes into it now.
+                    junk = bytearray(b"\xee" * 8192)
+                    jaddr = a.engine.register_local_memory(junk, remote_accessible=False)
+                    for e in old:
+                        for seg, addr in e.replicas:
+                            try:
+                                a.engine.transfer_sync(seg, jaddr, addr, 4096 + 64)
+                            except KvpoolError:
+                                pass  # refused: that memory is not registered any more
+                    a.put("a-new", b"fresh")  # the client itself goes on with the new master
+                    assert all(e.epoch == a.master_incarnation for p in a._resv.values() for e in p)
+                    b.config = b.config.replace(location_cache=0)
+                    for k, v in values.items():
+                        assert b.get(k) == v
+                    assert a.get("a-new") == b"fresh"
+                    with pytest.raises(ObjectNotFound):
+                        a.get("a3")  # the old master's objects are gone, not half-there
+            finally:
+                a.close()
+    finally:
+        m.close()
+
+
+_STALLED_WRITER = """
+    import json, sys, time
+    from kvpool import Store
+    from kvpool.store.datapath import WriteJob
+    st = Store.connect(master=sys.argv[1], segment_size=0, heartbeat_s=0.2, location_cache=0,
+                       transfer_timeout_s=2)
+    r = st._call("put_start", keys=["w-key"], sizes=[1 << 20], config={})
+    gen, verify, reps = r["results"][0][1]
+    st._writes.begin(r["epoch"], [gen])  # what put() does when the allocation arrives
+    print(json.dumps({"gen": gen, "reps": reps}), flush=True)
+    time.sleep(1.0)  # the test stops this process here, past put_timeout_s
+    job = WriteJob("w-key", 1 << 20, memoryview(b"\\xee" * (1 << 20)), gen, verify, reps)
+    st._data.write(r["epoch"], [job])  # the late write lands in its old allocation
+    end = st._rpc.call("put_end", items=[["w-key", gen, job.csum, job.written]], epoch=r["epoch"])
+    st._writes.end(r["epoch"], [gen])
+    print(json.dumps({"written": job.written, "end": end["results"][0][0]}), flush=True)
+    sys.stdin.readline()
+    st.close()
+"""
+
+
+def test_stalled_writer_past_put_timeout_cannot_hit_reused_space() -> None:
+    opts = {"put_timeout_s": 1.0, "quarantine_s": 2.0, "client_ttl_s": 30.0}
+    with (
+        MasterProcess(**opts) as m,
+        StorageProcess(m.address, 24 << 20, heartbeat_s=0.2, transfer_timeout_s=2),
+    ):
+        w = Child(_STALLED_WRITER, m.address)
+        try:
+            alloc = w.line()
+            w.stop()
+            wait_for(lambda: stats(m.address)["pending"] == 0, what="the stalled put revoked")
+            assert stats(m.address)["fenced"] == 1  # its space is held, not reused
+            with Store.connect(master=m.address, segment_size=0, location_cache=0, transfer_timeout_s=2) as b:
+                values = {f"v{i}": pattern(1 << 20, i) for i in range(40)}
+                for k, v in values.items():  # more than the pool: eviction reuses every free range
+                    b.put(k, v)
+                for k in values:
+                    if b.exists(k):
+                        addr = b.info(k)["replicas"][0][1]
+                        assert (
+                            addr + (1 << 20) + 64 <= alloc["reps"][0][1]
+                            or addr >= alloc["reps"][0][1] + (1 << 20) + 64
+                        )
+                w.cont()
+                late = w.line()
+                assert late["end"] == "NOT_FOUND"  # its late commit is refused
+                for k, v in values.items():
+                    if b.exists(k):
+                        assert b.get(k) == v  # nobody's bytes were hit
+                assert not b.exists("w-key")
+                # Its next heartbeat reports it is done: the fence goes.
+                wait_for(lambda: stats(m.address)["fenced"] == 0, what="the fence released")
+                w.say("bye")
+        finally:
+            w.close()
+
+
+def test_late_or_foreign_put_end_never_commits_another_put() -> None:
+    with MasterProcess(put_timeout_s=0.5) as m, StorageProcess(m.address, 16 << 20):
+        a = Store.connect(master=m.address, segment_size=0)
+        b = Store.connect(master=m.address, segment_size=0)
+        c = Store.connect(master=m.address, segment_size=0)
+        try:
+            ra = a._call("put_start", keys=["k"], sizes=[4096], config={})
+            ga, _, repa = ra["results"][0][1]
+            wait_for(lambda: stats(m.address)["pending"] == 0, what="a's put revoked")
+            rb = b._call("put_start", keys=["k"], sizes=[4096], config={})
+            gb, _, repb = rb["results"][0][1]
+            seg_a, seg_b = [x[0] for x in repa], [x[0] for x in repb]
+            late = a._call("put_end", items=[["k", ga, 1, seg_a]], epoch=ra["epoch"])
+            assert late["results"][0][0] == "NOT_FOUND"  # a's late commit
+            foreign = c._call("put_end", items=[["k", gb, 1, seg_b]], epoch=rb["epoch"])
+            assert foreign["results"][0][0] == "NOT_FOUND"  # c never started this put
+            with pytest.raises(KvpoolError, match="belongs to client"):
+                c._rpc.call("put_end", client=b.client_id, items=[["k", gb, 1, seg_b]])
+            assert not b.exists("k")  # b's put is still b's to commit ...
+            ok = b._call("put_end", items=[["k", gb, 1, seg_b]], epoch=rb["epoch"])
+            assert ok["results"] == [[None, None]]  # ... and only b commits it
+        finally:
+            for st in (a, b, c):
+                st.close()
+
+
+_STALLED_READER = """
+    import json, sys, time
+    import xxhash
+    from kvpool import Store
+    st = Store.connect(master=sys.argv[1], segment_size=0, location_cache=0)
+    read = st._data.read
+    def paused(epoch, jobs):
+        print(json.dumps({"looked_up": [j.gen for j in jobs]}), flush=True)
+        time.sleep(1.0)  # the test stops this process here, past the lease
+        return read(epoch, jobs)
+    st._data.read = paused
+    try:
+        out = {"ok": xxhash.xxh3_64_hexdigest(st.get("k"))}
+    except Exception as exc:
+        out = {"err": type(exc).__name__}
+    print(json.dumps(out), flush=True)
+    st._data.read = read
+    st.close()
+"""
+
+
+def test_reader_stalled_past_its_lease_never_gets_the_next_objects_bytes() -> None:
+    with MasterProcess(lease_ttl_ms=800) as m, StorageProcess(m.address, 8 << 20):
+        with Store.connect(master=m.address, segment_size=0, location_cache=0) as w:
+            v1, v2 = pattern(1 << 20, 1), pattern(1 << 20, 2)
+            w.put("k", v1)
+            addr = w.info("k")["replicas"][0][1]
+            r = Child(_STALLED_READER, m.address)
+            try:
+                r.line()  # looked up "k", lease taken
+                r.stop()
+                time.sleep(1.2)  # past the lease
+                w.remove("k")
+                w.put("k2", v2)  # reuses k's range (same size, the most recently freed block)
+                assert w.info("k2")["replicas"][0][1] == addr
+                r.cont()
+                r.line()  # the retry looks "k" up again ...
+                out = r.line()
+                assert out == {"err": "ObjectNotFound"}, out  # ... and never returns k2's bytes
+            finally:
+                r.close()
+            assert w.get("k2") == v2
+
+
+# ---------------------------------------------------------------------- losing the whole pool
+def test_huge_request_is_refused_fast_and_nobody_is_declared_dead() -> None:
+    with MasterProcess(client_ttl_s=2.0) as m, StorageProcess(m.address, 8 << 20, heartbeat_s=0.2):
+        with Store.connect(master=m.address, segment_size=0) as st:
+            for i in range(50):
+                st.put(f"k{i}", pattern(10_000, i))
+            rpc = RpcClient(m.address, 30)
+            keys = [f"key-{i}" for i in range(1_000_000)]  # ~11 MB, under the message limit
+            with pytest.raises(KvpoolError, match="split it"):
+                rpc.call("get", keys=keys)
+            with pytest.raises(KvpoolError, match="exceeds the limit"):
+                rpc.call("get", keys=keys * 3)  # over the message limit: refused before sending
+            time.sleep(2.5)
+            s = stats(m.address)
+            assert s["counters"].get("clients_dead", 0) == 0 and s["objects"] == 50
+            assert all(st.get(f"k{i}") == pattern(10_000, i) for i in range(50))
+
+
+def test_impossible_put_evicts_nothing() -> None:
+    with MasterProcess() as m, StorageProcess(m.address, 8 << 20):
+        with Store.connect(master=m.address, segment_size=0) as st:
+            for i in range(20):
+                st.put(f"k{i}", pattern(100_000, i))
+            with pytest.raises(StoreFull, match="do not fit into any mounted segment"):
+                st.put("huge", b"x" * (9 << 20))
+            s = stats(m.address)
+            assert s["counters"].get("evictions", 0) == 0 and s["objects"] == 20
+
+
+def test_eviction_works_in_bounded_steps() -> None:
+    opts = {"evict_batch": 32, "eviction_high_watermark": 0.5, "eviction_ratio": 0.2}
+    with MasterProcess(**opts) as m, StorageProcess(m.address, 8 << 20):
+        with Store.connect(master=m.address, segment_size=0) as st:
+            keys = [f"k{i}" for i in range(3000)]
+            for a in range(0, 3000, 200):
+                assert (
+                    st.batch_put(keys[a : a + 200], [pattern(2048, i) for i in range(a, a + 200)])
+                    == [None] * 200
+                )
+            c = stats(m.address)["counters"]
+            assert c["evictions"] > 32 and c["evict_steps"] > 1 and c["evict_looked_max"] <= 32
+            got = st.batch_get(keys)
+            assert all(g is None or g == pattern(2048, i) for i, g in enumerate(got))
+
+
+def test_master_stopped_longer_than_client_ttl_keeps_its_clients() -> None:
+    with MasterProcess(client_ttl_s=1.0) as m, StorageProcess(m.address, 8 << 20, heartbeat_s=0.2) as sp:
+        with Store.connect(master=m.address, segment_size=0, location_cache=0) as st:
+            st.put("k", pattern(100_000, 7))
+            os.kill(m.pid, signal.SIGSTOP)
+            time.sleep(3.0)
+            os.kill(m.pid, signal.SIGCONT)
+            time.sleep(1.5)
+            s = stats(m.address)
+            assert s["counters"].get("clients_dead", 0) == 0 and sp.segment in s["segments"]
+            assert s["counters"]["master_stalls"] >= 1
+            assert st.get("k") == pattern(100_000, 7)
+
+
+# ---------------------------------------------------------------------- reads it could serve
+def test_reads_fail_over_to_the_other_replica_when_a_storage_server_dies() -> None:
+    with MasterProcess(client_ttl_s=5.0) as m:
+        s1 = StorageProcess(m.address, 32 << 20, protocol="tcp")
+        with StorageProcess(m.address, 32 << 20, protocol="tcp") as s2:
+            with Store.connect(master=m.address, segment_size=0, protocol="tcp") as st:
+                values = {f"r{i}": pattern(100_000, i) for i in range(200)}
+                for k, v in values.items():
+                    st.put(k, v, ReplicateConfig(replicas=2))
+                s1.kill()
+                failed = [k for k, v in values.items() if st.get(k) != v]
+                assert failed == []
+                assert stats(m.address)["counters"]["segments_reported"] >= 1
+                # Readers that never touched the dead segment are pointed at the live one first.
+                with Store.connect(master=m.address, segment_size=0, protocol="tcp", location_cache=0) as r2:
+                    for k in list(values)[:20]:
+                        assert r2._lookup([k])[0][0][1]["replicas"][0][0] == s2.segment
+                    wait_for(lambda: s1.segment not in stats(m.address)["segments"], 15, "s1 declared dead")
+                    assert [k for k, v in values.items() if r2.get(k) != v] == []
+                    assert stats(m.address)["counters"].get("objects_lost", 0) == 0
+        s1.close()
+
+
+# ---------------------------------------------------------------------- unbounded growth
+_RSS_MASTER = """
+    import sys, threading
+    from kvpool.store.master import Master
+    m = Master(port=0, secret="s").start()
+    print(m.port, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def test_hostile_connections_do_not_grow_the_master() -> None:
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_RSS_MASTER)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        assert p.stdout is not None
+        addr = f"127.0.0.1:{int(p.stdout.readline())}"
+        good = RpcClient(addr, 5, "s")
+        good.call("ping")
+        base = _rss(p.pid)
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", int(addr.rsplit(":")[1])))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            socks.append(s)
+            if i % 3 == 0:  # announces 60 MiB before authenticating
+                s.sendall(struct.pack("<I", 60 << 20) + b"\0" * 2000)
+            elif i % 3 == 1:  # authenticates, then starts a 15 MiB message and stalls
+                c = RpcClient(addr, 5, "s")
+                c.call("ping")
+                assert c._sock is not None
+                socks.append(c._sock)
+                c._sock.sendall(struct.pack("<I", 15 << 20) + b"\x81" + b"\0" * 60_000)
+            else:  # authenticates, asks for replies and never reads them
+                c = RpcClient(addr, 5, "s")
+                c.call("ping")
+                assert c._sock is not None
+                socks.append(c._sock)
+                c._sock.setblocking(False)
+                try:
+                    for _ in range(200):
+                        c._sock.send(frame({"op": "stats", "id": 1, "pad": b"p" * 2000}))
+                except BlockingIOError:
+                    pass
+        time.sleep(1.0)
+        grown = _rss(p.pid) - base
+        assert good.call("ping")["ok"]  # a well-behaved client is still served
+        assert grown < 48 << 20, f"master grew by {grown >> 20} MiB"
+    finally:
+        for s in socks:
+            s.close()
+        p.stdin.close()  # type: ignore[union-attr]
+        p.wait(10)
+
+
+# ---------------------------------------------------------------------- identity
+def test_a_client_cannot_act_as_another() -> None:
+    with MasterProcess(secret="ë") as m, StorageProcess(m.address, 8 << 20, secret="ë") as sp:
+        with Store.connect(master=m.address, segment_size=0, secret="ë") as a:
+            for op, args in (
+                ("heartbeat", {}),
+                ("unregister", {}),
+                ("unmount", {"segment": sp.segment}),
+                ("put_end", {"items": []}),
+            ):
+                with pytest.raises(KvpoolError, match="belongs to client"):
+                    a._rpc.call(op, client=sp.client, **args)
+            with pytest.raises(KvpoolError, match="not mounted by this client"):
+                a._rpc.call("unmount", segment=sp.segment)
+            s = RpcClient(m.address, 5, "ë").call("stats")["stats"]
+            assert sp.segment in s["segments"] and s["clients"] == 2
