@@ -260,7 +260,7 @@ def test_huge_request_is_refused_fast_and_nobody_is_declared_dead() -> None:
             for i in range(50):
                 st.put(f"k{i}", pattern(10_000, i))
             rpc = RpcClient(m.address, 30)
-            keys = [f"key-{i}" for i in range(1_000_000)]  # ~11 MB, under the message limit
+            keys = [f"key-{i}" for i in range(150_000)]  # ~1.5 MB, under the master's message limit
             with pytest.raises(KvpoolError, match="split it"):
                 rpc.call("get", keys=keys)
             with pytest.raises(KvpoolError, match="exceeds the limit"):
@@ -293,7 +293,8 @@ def test_eviction_works_in_bounded_steps() -> None:
                     == [None] * 200
                 )
             c = stats(m.address)["counters"]
-            assert c["evictions"] > 32 and c["evict_steps"] > 1 and c["evict_looked_max"] <= 32
+            # Every step is bounded: evict_batch, or twice the keys of the put that needed room.
+            assert c["evictions"] > 32 and c["evict_steps"] > 1 and c["evict_looked_max"] <= 400
             got = st.batch_get(keys)
             assert all(g is None or g == pattern(2048, i) for i, g in enumerate(got))
 

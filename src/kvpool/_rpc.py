@@ -452,6 +452,7 @@ class RpcServer:
         self._ready: set[socket.socket] = set()  # complete frames left over by the fairness cap
         self._stop = threading.Event()
         self.stats: collections.Counter[str] = collections.Counter()
+        self.max_frame_s = 0.0
 
     # ------------------------------------------------------------------ loop
     def serve_forever(self) -> None:
@@ -618,6 +619,7 @@ class RpcServer:
             if len(buf) < end:
                 break
             body = memoryview(buf)[pos + 4 : end]
+            t0 = time.perf_counter()
             try:
                 req = unpack(body)
             except Exception as exc:  # noqa: BLE001 - not msgpack: answer and hang up
@@ -637,6 +639,9 @@ class RpcServer:
                 limit = self.limits.max_message
                 continue
             self._dispatch(conn, req)
+            dt = time.perf_counter() - t0
+            if dt > self.max_frame_s:
+                self.max_frame_s = dt  # decode + handle + encode of the slowest message so far
             if conn.closing or conn.sock not in self._conns:
                 break
         if pos:

@@ -157,6 +157,7 @@ def cmd_master(args: argparse.Namespace) -> int:
 
     fields = {k: v for k, v in vars(args).items() if k in MasterConfig.model_fields and v is not None}
     master = Master(MasterConfig(**fields))
+    master.manage_gc()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -194,15 +194,15 @@ class MasterConfig(_ConfigBase):
     put_timeout_s: float = Field(default=30.0, gt=0)
     quarantine_s: float = Field(default=40.0, ge=0)
     fence_hold_s: float = Field(default=120.0, ge=0)
-    max_batch: int = Field(default=4096, ge=1)
-    evict_batch: int = Field(default=2048, ge=1)
+    max_batch: int = Field(default=1024, ge=1)
+    evict_batch: int = Field(default=1024, ge=1)
     secret: str | None = None
     hot_key_replication: bool = False
     hot_window_s: float = Field(default=10.0, gt=0)
     hot_interval_s: float = Field(default=1.0, gt=0)
     hot_max_replicas: int = Field(default=3, ge=1)
     alignment: int = Field(default=64, ge=1)
-    max_message: int = Field(default=16 << 20, ge=1 << 16)
+    max_message: int = Field(default=2 << 20, ge=1 << 16)
     idle_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=4096, ge=16)
 

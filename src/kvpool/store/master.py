@@ -17,8 +17,10 @@ counters, and a master that was itself stalled (busy, or stopped) gives every cl
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import hmac
+import itertools
 import logging
 import math
 import os
@@ -35,6 +37,7 @@ from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE
 from kvpool.store.objects import (
     ClassLru,
     Client,
+    KeyTable,
     MasterError,
     Obj,
     Placement,
@@ -60,7 +63,7 @@ class Master:
         self.config = config.replace(**kwargs) if config is not None else MasterConfig(**kwargs)
         c = self.config
         self.incarnation = random.getrandbits(63) | 1
-        self.objects: dict[str, Obj] = {}  # committed objects and pending puts, by key
+        self.objects = KeyTable()  # committed objects and pending puts, by key
         self._resv: dict[int, Obj] = {}  # reservations (pending, no key yet), by generation
         self._pending: OrderedDict[int, Obj] = OrderedDict()  # pending puts + reservations, oldest first
         self.space = Space(c.alignment, c.quarantine_s, c.fence_hold_s)
@@ -68,6 +71,7 @@ class Master:
         self._departed: dict[str, int] = {}  # floors of clients that unregistered with fences left
         self.lru = ClassLru()
         self._spilled: set[Obj] = set()  # spilled objects whose memory waits for leases to end
+        self._ssd_only: set[Obj] = set()  # committed objects with no memory replica (SSD tier)
         self._hot: set[str] = set()
         self._dying: collections.deque[Segment] = collections.deque()
         self._ssd_clients: list[Client] = []
@@ -106,6 +110,8 @@ class Master:
         self._rpc_time: Counter[str] = Counter()
         self._rpc_count: Counter[str] = Counter()
         self.max_request_s = 0.0
+        self._gc_managed = False
+        self.max_request_op = ""
 
     # ------------------------------------------------------------------ serving
     def start(self) -> Master:
@@ -117,6 +123,16 @@ class Master:
     def serve_forever(self) -> None:
         """Answer RPCs and run periodic work until :meth:`stop`."""
         self._server.serve_forever()
+
+    def manage_gc(self) -> None:
+        """For a process that is only a master (``kvpool master``): no automatic collections of
+        Python's cyclic garbage collector, whose full passes take time proportional to the
+        heap (hundreds of ms at a million objects, with the master stalled meanwhile). Young
+        objects are collected every second instead; the master's records break their own cycles
+        when they are dropped, so nothing is left for full passes to find."""
+        gc.disable()
+        gc.freeze()
+        self._gc_managed = True
 
     def _on_tick(self) -> None:
         with self._lock:
@@ -160,7 +176,8 @@ class Master:
         dt = time.perf_counter() - t0
         self._rpc_time[op] += dt
         self._rpc_count[op] += 1
-        self.max_request_s = max(self.max_request_s, dt)
+        if dt > self.max_request_s:
+            self.max_request_s, self.max_request_op = dt, op
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -236,6 +253,7 @@ class Master:
             obj.committed = False
         self.lru.remove(obj)
         self._spilled.discard(obj)
+        self._ssd_only.discard(obj)
         if obj.key is not None:
             self._hot.discard(obj.key)
         if obj.ssd is not None:
@@ -259,16 +277,29 @@ class Master:
         self._tasks[self._task_ids] = (client, task)
         return self._task_ids
 
-    def _allocate(self, size: int, pl: Placement, futile: bool, now: float) -> tuple[list[Any], bool]:
-        """Place up to ``pl.replicas`` allocations, evicting (a bounded amount) when short."""
+    def _make_room(self, need: int, now: float, looks: int) -> None:
+        """Before placing ``need`` bytes: evict what would push usage over the high watermark
+        (down to ``eviction_ratio`` below it), looking at no more than ``looks`` objects."""
+        c = self.config
+        cap = self.space.capacity
+        if cap and self.space.used + need > c.eviction_high_watermark * cap:
+            target = int((c.eviction_high_watermark - c.eviction_ratio) * cap)
+            self._evict(now, need=self.space.used + need - target, looks=looks)
+
+    def _allocate(self, size: int, pl: Placement, room: list[int], now: float) -> list[Any]:
+        """Place up to ``pl.replicas`` allocations. ``room`` = [full scans, evictions] this request
+        may still spend when sampled segments lack space (bounded work per request)."""
         alloc = size + HEADER_SIZE
         want = min(pl.replicas, len(self.space.segments))
-        got = self.space.place(alloc, want, pl.preferred, set(), now)
-        if len(got) < want and not futile:
-            if self._evict(now, need=alloc * (want - len(got))) == 0:
-                futile = True  # an eviction round that freed nothing is not repeated for this request
-            got += self.space.place(alloc, want - len(got), pl.preferred, {s for s, _ in got}, now)
-        return got, futile
+        got = self.space.place(alloc, want, pl.preferred, set(), now, scan=room[0] > 0)
+        if len(got) < want and room[0] > 0:
+            room[0] -= 1
+            if room[1] > 0:
+                room[1] -= 1
+                self._evict(now, need=alloc * (want - len(got)), looks=self.config.evict_batch)
+                taken = {s for s, _ in got}
+                got += self.space.place(alloc, want - len(got), pl.preferred, taken, now, scan=True)
+        return got
 
     def _new_pending(self, key: str | None, size: int, pl: Placement, placed: list[Any], owner: Client,
                      now: float) -> Obj:  # fmt: skip
@@ -309,10 +340,10 @@ class Master:
         self.stats["puts"] += 1
 
     # ------------------------------------------------------------------ eviction
-    def _evict(self, now: float, need: int = 0) -> int:
+    def _evict(self, now: float, need: int = 0, looks: int = 0) -> int:
         """Free ``need`` bytes (or, above the high watermark, down to ``eviction_ratio`` below it),
-        looking at no more than ``evict_batch`` objects: ephemeral ones first, then default, then
-        soft-pinned; persistent objects are only ever spilled."""
+        looking at no more than ``looks`` (default ``evict_batch``) objects: ephemeral ones first,
+        then default, then soft-pinned; persistent objects are only ever spilled."""
         cap = self.space.capacity
         if cap == 0:
             return 0
@@ -329,7 +360,7 @@ class Master:
         freed = 0
         looked = 0
         ssd = self._ssd_clients
-        for obj in self.lru.candidates(now, c.evict_batch):
+        for obj in self.lru.candidates(now, looks or c.evict_batch):
             if freed >= need:
                 break
             looked += 1
@@ -361,6 +392,7 @@ class Master:
             self._take_replica(obj, r)
         self.lru.remove(obj)
         self._spilled.discard(obj)
+        self._ssd_only.add(obj)
 
     def _spill(self, obj: Obj, client: Client) -> None:
         r = next(x for x in obj.replicas if x.committed)
@@ -398,6 +430,8 @@ class Master:
         if now < self._next_slow:
             return
         self._next_slow = now + SLOW_EVERY_S
+        if self._gc_managed:
+            gc.collect(1)
         ttl = c.client_ttl_s
         floor = self._live_floor
         for cid in [cid for cid, cl in self.clients.items() if now - max(cl.last_seen, floor) > ttl]:
@@ -661,7 +695,12 @@ class Master:
             raise _Err("INVALID", "keys and sizes differ in length")
         pl = Placement.parse(req.get("config") or {})
         now = time.monotonic()
-        futile = False
+        fits = self.space.fits_anywhere
+        need = sum(n + HEADER_SIZE for n in sizes if isinstance(n, int) and 0 < n and fits(n + HEADER_SIZE))
+        self._make_room(
+            need * pl.replicas, now, looks=max(self.config.evict_batch, 2 * len(keys) * pl.replicas)
+        )
+        room = [8, 2]
         out: list[list[Any]] = []
         for key, size in zip(keys, sizes, strict=True):
             if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
@@ -674,7 +713,7 @@ class Master:
             elif not self.space.fits_anywhere(size + HEADER_SIZE):
                 out.append(["FULL", f"{size} bytes do not fit into any mounted segment (nothing evicted)"])
             else:
-                placed, futile = self._allocate(size, pl, futile, now)
+                placed = self._allocate(size, pl, room, now)
                 if not placed:
                     out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
                 else:
@@ -701,7 +740,7 @@ class Master:
         count = min(count, 64, max(0, budget // (alloc * max(1, n))))
         out: list[list[Any]] = []
         for _ in range(count):
-            placed = self.space.place(alloc, n, pl.preferred, set(), now)
+            placed = self.space.place(alloc, n, pl.preferred, set(), now, scan=False)
             if len(placed) < n or not placed:
                 for seg, off in placed:
                     self.space.free(seg, off)
@@ -881,8 +920,7 @@ class Master:
             else:
                 self._drop(obj)
                 removed += 1
-        ssd_only = [o for o in list(self.objects.values())[: self.config.max_batch]
-                    if o.committed and not o.replicas and not o.busy]  # fmt: skip
+        ssd_only = [o for o in itertools.islice(self._ssd_only, self.config.max_batch) if not o.busy]
         for obj in ssd_only:
             self._drop(obj)
         removed += len(ssd_only)
@@ -952,6 +990,7 @@ class Master:
                     self._take_replica(obj, r)
         if obj.replicas and obj.lru is None and obj.committed:
             self.lru.add(obj, time.monotonic())  # promoted back into memory
+            self._ssd_only.discard(obj)
         return {"replicas": sum(r.committed for r in obj.replicas)}
 
     # ------------------------------------------------------------------ RPC ops: metadata
@@ -972,7 +1011,11 @@ class Master:
         }
 
     def _op_stats(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        return {"stats": self.snapshot()}
+        out = {"stats": self.snapshot()}
+        if req.get("reset_max"):  # benchmarks measure the longest request per phase
+            self.max_request_s, self.max_request_op = 0.0, ""
+            self._server.max_frame_s = 0.0
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges (also used by the metrics endpoint); O(segments), not O(objects)."""
@@ -997,4 +1040,7 @@ class Master:
                 "counters": dict(self.stats),
                 "rpc": {op: [self._rpc_count[op], self._rpc_time[op]] for op in self._rpc_count},
                 "max_request_s": self.max_request_s,
+                "max_request_op": self.max_request_op,
+                "max_message_s": self._server.max_frame_s,
+                "connections": self._server.connections,
             }

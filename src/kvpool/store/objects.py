@@ -6,7 +6,6 @@ Plain data; the master (:mod:`kvpool.store.master`) and its space bookkeeping
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +88,8 @@ class Obj:
     busy: int = 0  # master tasks (replicate/spill) and replica changes in flight
     ssd: SsdCopy | None = None
     lru: str | None = None  # the LRU list it is in (committed objects)
+    lru_prev: Obj | None = None  # neighbours in that list (see ClassLru)
+    lru_next: Obj | None = None
 
     @property
     def alloc_size(self) -> int:
@@ -137,14 +138,85 @@ class Client:
     task_ids: set[int] = field(default_factory=set)
 
 
+class KeyTable:
+    """key -> object, in 64 dicts. A dict that grows copies all its entries at once — about 100 ms
+    at a million keys, with the master stalled meanwhile; shards keep every copy small."""
+
+    SHARDS = 64
+
+    def __init__(self) -> None:
+        self._d: list[dict[str, Obj]] = [{} for _ in range(self.SHARDS)]
+        self._n = 0
+
+    def _shard(self, key: str) -> dict[str, Obj]:
+        return self._d[hash(key) & (self.SHARDS - 1)]
+
+    def get(self, key: str, default: Obj | None = None) -> Obj | None:
+        """The object under ``key``, or ``default``."""
+        return self._shard(key).get(key, default)
+
+    def __getitem__(self, key: str) -> Obj:
+        return self._shard(key)[key]
+
+    def __setitem__(self, key: str, obj: Obj) -> None:
+        d = self._shard(key)
+        if key not in d:
+            self._n += 1
+        d[key] = obj
+
+    def __delitem__(self, key: str) -> None:
+        del self._shard(key)[key]
+        self._n -= 1
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self._shard(key)
+
+    def __len__(self) -> int:
+        return self._n
+
+
+class _Chain:
+    """One LRU list: objects linked through their ``lru_prev``/``lru_next`` (no dict to grow)."""
+
+    __slots__ = ("head", "tail", "n")
+
+    def __init__(self) -> None:
+        self.head: Obj | None = None  # least recently used
+        self.tail: Obj | None = None  # most recently used
+        self.n = 0
+
+    def append(self, obj: Obj) -> None:
+        obj.lru_prev, obj.lru_next = self.tail, None
+        if self.tail is None:
+            self.head = obj
+        else:
+            self.tail.lru_next = obj
+        self.tail = obj
+        self.n += 1
+
+    def unlink(self, obj: Obj) -> None:
+        prev, nxt = obj.lru_prev, obj.lru_next
+        if prev is None:
+            self.head = nxt
+        else:
+            prev.lru_next = nxt
+        if nxt is None:
+            self.tail = prev
+        else:
+            nxt.lru_prev = prev
+        obj.lru_prev = obj.lru_next = None
+        self.n -= 1
+
+
 class ClassLru:
     """Committed objects in LRU order, one list per eviction class, evicted in the order
-    ``ephemeral``, ``default``, ``pinned`` (soft-pinned until their pin ends), ``persistent``."""
+    ``ephemeral``, ``default``, ``pinned`` (soft-pinned until their pin ends), ``persistent``.
+    Every operation is O(1)."""
 
     ORDER = ("ephemeral", "default", "pinned", "persistent")
 
     def __init__(self) -> None:
-        self.lists: dict[str, OrderedDict[str, Obj]] = {c: OrderedDict() for c in self.ORDER}
+        self.lists: dict[str, _Chain] = {c: _Chain() for c in self.ORDER}
 
     @staticmethod
     def klass(obj: Obj, now: float) -> str:
@@ -155,42 +227,46 @@ class ClassLru:
 
     def add(self, obj: Obj, now: float) -> None:
         """Insert a committed object as the most recent of its class."""
-        assert obj.key is not None
         obj.lru = self.klass(obj, now)
-        self.lists[obj.lru][obj.key] = obj
+        self.lists[obj.lru].append(obj)
 
     def touch(self, obj: Obj) -> None:
         """Mark an object as just used."""
-        if obj.lru is not None and obj.key is not None:
-            self.lists[obj.lru].move_to_end(obj.key)
+        if obj.lru is not None:
+            chain = self.lists[obj.lru]
+            if chain.tail is not obj:
+                chain.unlink(obj)
+                chain.append(obj)
 
     def remove(self, obj: Obj) -> None:
         """Take an object out of its list."""
-        if obj.lru is not None and obj.key is not None:
-            self.lists[obj.lru].pop(obj.key, None)
+        if obj.lru is not None:
+            self.lists[obj.lru].unlink(obj)
         obj.lru = None
 
     def candidates(self, now: float, budget: int) -> Iterator[Obj]:
         """Least recently used objects, class by class, looking at most ``budget`` of them. A
         yielded object that is not evicted must be :meth:`skip`-ped (moved to the end)."""
         for name in self.ORDER:
-            lst = self.lists[name]
-            for _ in range(len(lst)):
+            chain = self.lists[name]
+            obj = chain.head
+            for _ in range(chain.n):
                 if budget <= 0:
                     return
-                if not lst:
+                if obj is None:
                     break
                 budget -= 1
-                obj = next(iter(lst.values()))
+                nxt = obj.lru_next
                 if name == "pinned" and obj.pin_until <= now:
                     self.remove(obj)  # its soft pin ended: an ordinary object from now on
                     self.add(obj, now)
-                    continue
-                yield obj
+                else:
+                    yield obj
+                obj = nxt
 
     def skip(self, obj: Obj) -> None:
         """An object that cannot be evicted now goes to the end of its list."""
         self.touch(obj)
 
     def __len__(self) -> int:
-        return sum(len(lst) for lst in self.lists.values())
+        return sum(chain.n for chain in self.lists.values())

@@ -17,7 +17,6 @@ that a write landing there much later is caught by readers instead of being retu
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,14 @@ from kvpool.store.allocator import RangeAllocator
 from kvpool.store.objects import Segment
 
 SAMPLE = 8  # segments looked at per placement before a full scan
+
+
+def _free(s: Segment) -> int:
+    return s.alloc.free_bytes
+
+
+def _largest(s: Segment) -> int:
+    return s.alloc.largest_free
 
 
 @dataclass(slots=True)
@@ -50,6 +57,7 @@ class Space:
         self.used = 0
         self.fenced = 0  # allocations held by fences
         self._live: list[Segment] = []
+        self._cursor = 0
         self._max_size = 0
         self._fences: dict[str, list[Fence]] = {}
 
@@ -87,11 +95,12 @@ class Space:
 
     # ------------------------------------------------------------------ placement
     def place(
-        self, alloc_size: int, n: int, preferred: str | None, exclude: set[Segment], now: float
-    ) -> list[tuple[Segment, int]]:
+        self, alloc_size: int, n: int, preferred: str | None, exclude: set[Segment], now: float,
+        scan: bool = True,
+    ) -> list[tuple[Segment, int]]:  # fmt: skip
         """Up to ``n`` allocations on distinct segments: ``preferred`` first, then the emptiest of
-        a few sampled segments, then (only when those lack room) all of them. Segments a reader
-        reported unreachable are used last."""
+        a few sampled segments, then (only when those lack room, and ``scan``) all of them.
+        Segments a reader reported unreachable are used last."""
         out: list[tuple[Segment, int]] = []
         taken = set(exclude)
 
@@ -109,15 +118,23 @@ class Space:
         if preferred is not None and preferred in self.segments:
             take(self.segments[preferred], False)
         live = self._live
-        if len(out) < n:
-            sample = live if len(live) <= SAMPLE else random.sample(live, SAMPLE)
-            for s in sorted(sample, key=lambda s: -s.alloc.free_bytes):
-                if len(out) == n:
-                    break
-                take(s, False)
-        if len(out) < n:
+        if len(out) < n and live:
+            # A window of segments that moves on with every placement (no random draw: cheap, and
+            # it spreads objects over all segments); the emptiest of the window first.
+            k = len(live)
+            start = self._cursor % k
+            self._cursor = start + SAMPLE
+            window = live[start : start + SAMPLE] + (live[: start + SAMPLE - k] if start + SAMPLE > k else [])
+            if n == 1 and len(out) == 0:
+                take(max(window, key=_free), False)
+            if len(out) < n:
+                for s in sorted(window, key=_free, reverse=True):
+                    if len(out) == n:
+                        break
+                    take(s, False)
+        if len(out) < n and scan:
             for reported_ok in (False, True):
-                for s in sorted(live, key=lambda s: -s.alloc.free_bytes):
+                for s in sorted(live, key=_largest, reverse=True):
                     if len(out) == n:
                         break
                     take(s, reported_ok)
