@@ -413,3 +413,18 @@ def test_a_client_cannot_act_as_another() -> None:
                 a._rpc.call("unmount", segment=sp.segment)
             s = RpcClient(m.address, 5, "ë").call("stats")["stats"]
             assert sp.segment in s["segments"] and s["clients"] == 2
+
+
+# ---------------------------------------------------------------------- all of it at once
+def test_chaos_soak_short() -> None:
+    """benchmarks/store_chaos.py, one round per fault (under a minute): writers and readers with
+    replicas=2 through a storage server SIGKILL, stopped writer, reader, storage server and master,
+    and a master SIGKILL + restart. No wrong bytes, no object lost, every fault recovered from."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import store_chaos
+
+    res = store_chaos.run(0, 6.5, writers=2, readers=2, storage=3, segment_size=128 << 20, rounds=6)
+    assert [r["fault"] for r in res["rounds"]] == list(store_chaos.FAULTS)
+    assert res["wrong"] == 0 and res["lost"] == 0, res
+    assert res["ops"] > 1000 and all(r["keys"] > 0 for r in res["rounds"]), res
+    assert all(r["recovery_s"] is not None for r in res["rounds"]), res["rounds"]

@@ -155,6 +155,7 @@ class RpcClient:
         self.what = what
         self.on_connect = on_connect
         self.bind = bind
+        self._bound: dict[str, Any] | None = None  # what this connection is attached to
         self.hello: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -168,6 +169,9 @@ class RpcClient:
 
     def _socket(self, deadline: float) -> socket.socket:
         sock = self._sock
+        if sock is not None and self.bind is not None and self.bind() != self._bound:
+            self._reset()  # the session changed (e.g. registered again): attach a new connection
+            sock = None
         if sock is not None:
             idle = time.monotonic() - self._last_io
             if idle > self.hello.get("idle_s", 600.0) / 2 or (idle > 1.0 and self._peer_closed(sock)):
@@ -227,6 +231,7 @@ class RpcClient:
             if self.on_connect is not None:
                 self.on_connect(hello)
             attach = self.bind() if self.bind is not None else None
+            self._bound = attach
             if attach is not None:
                 self._sendall(frame({**attach, "op": "attach", "id": 0}))
                 reply = self._recv(deadline, 1 << 20)
@@ -317,6 +322,10 @@ class RpcClient:
             except OSError as exc:
                 self._reset()
                 raise self._unavailable(f": send failed ({exc})") from None
+
+    def mark_bound(self, attach: dict[str, Any] | None) -> None:
+        """The current connection is now bound to ``attach`` (a session it created itself)."""
+        self._bound = attach
 
     def _frame(self, args: dict[str, Any]) -> bytes:
         data = frame(args)

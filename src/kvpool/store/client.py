@@ -182,6 +182,7 @@ class Store:
         self.client_id = f"{self.engine.segment_name}/{uuid.uuid4().hex[:12]}"
         self.host_id = host_id()
         self._token: bytes | None = None  # session token from `register` (other connections attach)
+        self._session_gen = 0  # registrations so far
         self.master_incarnation: int | None = None
         self._lease_s = 5.0
         self._write_window_s = 5.0
@@ -249,11 +250,12 @@ class Store:
         if self._releases:
             with self._release_lock:
                 args["release"], self._releases = self._releases, []
+        session = self._session_gen
         try:
             return self._rpc.call(op, **args)
         except UnknownClient:
             log.warning("store master does not know us (restarted?): registering again")
-            self._register()
+            self._register(session)
             args.pop("release", None)
             return self._rpc.call(op, **args)
 
@@ -278,9 +280,13 @@ class Store:
         with self._release_lock:
             self._releases = []
 
-    def _register(self) -> None:
+    def _register(self, session: int | None = None) -> None:
+        """Register (again). ``session``: the session the caller saw fail; when another thread
+        registered since, there is nothing to do."""
         with self._register_lock:
-            self._register_locked()
+            if session is None or session == self._session_gen:
+                self._register_locked()
+                self._session_gen += 1
 
     def _register_locked(self) -> None:
         self._token = None  # this connection registers; others attach with the new token
@@ -291,6 +297,7 @@ class Store:
             self._forget_master_state()
         self.master_incarnation = reply["master"]
         self._token = reply["token"]
+        self._rpc.mark_bound(self._session())  # `register` bound this connection itself
         self._lease_s = reply["lease_ttl_ms"] / 1000.0
         self._write_window_s = reply["put_timeout_s"] / 2
         self._max_batch = int(reply["max_batch"])
@@ -375,20 +382,22 @@ class Store:
                 if time.monotonic() < next_beat:
                     continue
             next_beat = time.monotonic() + self.config.heartbeat_s
+            session = self._session_gen
             try:
                 self._drop_expired_reservations()
                 self._flush_releases(self._hb_rpc)
                 reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
-                    self._register()
+                    self._register(session)
+                    self._hb_rpc.close()  # attaches to the new session on its next call
                     continue
                 for task in reply.get("tasks", []):
                     self._run_task(task)
             except UnknownClient:
                 log.warning("store master does not know us (restarted?): registering again")
                 try:
-                    self._register()
+                    self._register(session)
                 except KvpoolError as exc:
                     log.debug("registering again failed: %s", exc)
             except MasterUnavailable as exc:
