@@ -318,9 +318,11 @@ def test_abandoned_put_is_revoked_and_space_freed_once_the_writer_is_done() -> N
 
 
 def test_dead_client_segments_are_unmounted() -> None:
-    with MasterProcess(client_ttl_s=1.0) as m, Store.connect(master=m.address, segment_size=0) as st:
+    with (
+        MasterProcess(client_ttl_s=1.0) as m,
+        Store.connect(master=m.address, segment_size=0, location_cache=0) as st,  # gets ask the master
+    ):
         sp = StorageProcess(m.address, 8 << 20)
-        st.config = st.config.replace(location_cache=0)  # every get asks the master
         st.put("on-dead", b"z" * 100)
         sp.kill()
         deadline = time.monotonic() + 8

@@ -16,7 +16,6 @@ client may still write), which lets the master reuse space taken back from it.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
 import mmap
@@ -27,7 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvpool._rpc import ERRORS, RpcClient, UnknownClient
 from kvpool.config import StoreConfig
@@ -44,22 +43,16 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.store.datapath import DataPath, ReadJob, WriteJob
-from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, checksum, header_mismatch, key_hash
-from kvpool.store.ssd import read_ssd_file, write_ssd_file
+from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
+from kvpool.store.locations import Loc, LocationCache
+from kvpool.store.reservations import RESERVE_MAX, ReservationPool, WriteFloor, reserve_count
+from kvpool.store.ssd import read_ssd_file
 from kvpool.store.staging import Staging, addr_of
+from kvpool.store.tasks import run_task
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, host_id
 
 log = logging.getLogger("kvpool.store")
-
-RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
-RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size, config)
-RESERVE_LOW = 6  # below this many left, a pool is refilled in the background
-
-
-def _reserve_count(size: int) -> int:
-    """How many reservations to ask for with a put of ``size`` bytes (2 to 16)."""
-    return max(2, min(16, RESERVE_BYTES // size)) if 0 < size <= RESERVE_MAX else 0
 
 
 @dataclass
@@ -94,64 +87,6 @@ class ReplicateConfig:
 
 def _err(code: str, msg: str) -> KvpoolError:
     return ERRORS.get(code, StoreError)(msg)
-
-
-class _Resv(NamedTuple):
-    """A reservation: an allocation granted ahead of a put of this size and config."""
-
-    deadline: float  # no write starts into it after this
-    epoch: int
-    gen: int
-    verify: bool
-    replicas: list[list[Any]]
-
-
-class _Loc(NamedTuple):
-    """Where a small committed object lives (read without asking the master; checked on read)."""
-
-    epoch: int
-    gen: int
-    size: int
-    csum: int
-    replicas: list[list[Any]]
-    since: float
-
-
-class _Writes:
-    """Allocations this client may still write into; their oldest is the floor it reports."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.epoch = 0
-        self.inflight: collections.Counter[int] = collections.Counter()
-        self.max_seen = 0
-
-    def begin(self, epoch: int, gens: Sequence[int]) -> None:
-        """Allocations received (before anything is written into them)."""
-        with self.lock:
-            if epoch != self.epoch:
-                self.epoch, self.max_seen = epoch, 0
-                self.inflight.clear()
-            for g in gens:
-                self.inflight[g] += 1
-                self.max_seen = max(self.max_seen, g)
-
-    def end(self, epoch: int, gens: Sequence[int]) -> None:
-        """Allocations this client will not write into any more."""
-        with self.lock:
-            if epoch != self.epoch:
-                return
-            for g in gens:
-                n = self.inflight[g] - 1
-                if n > 0:
-                    self.inflight[g] = n
-                else:
-                    self.inflight.pop(g, None)
-
-    def floor(self) -> int:
-        """Every allocation older than this is done with."""
-        with self.lock:
-            return min(self.inflight) if self.inflight else self.max_seen + 1
 
 
 class Store:
@@ -192,9 +127,9 @@ class Store:
         self._hb_rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
         self._staging = Staging(self.engine, config.buffer_size)
         self._data = DataPath(self.engine, self._staging, self._report, config.checksum)
-        self._writes = _Writes()
-        self._loc: collections.OrderedDict[str, _Loc] = collections.OrderedDict()
-        self._loc_lock = threading.Lock()
+        self._writes = WriteFloor()
+        self._resv = ReservationPool(self._writes)
+        self._loc = LocationCache(config.location_cache, config.location_cache_ttl_s)
         self.segment_name: str | None = None
         self._segment_view: memoryview | None = None
         self._segment_base = 0
@@ -207,10 +142,6 @@ class Store:
             os.makedirs(config.ssd_dir, exist_ok=True)
         self._closed = threading.Event()
         self._register_lock = threading.Lock()
-        self._resv: dict[tuple[Any, ...], list[_Resv]] = {}
-        self._resv_lock = threading.Lock()
-        self._refilling: dict[tuple[Any, ...], tuple[int, ReplicateConfig | None]] = {}
-        self._refill_wanted = threading.Event()
         self._releases: list[list[Any]] = []  # ended read leases not yet reported to the master
         self._release_lock = threading.Lock()
         try:
@@ -273,10 +204,8 @@ class Store:
             self._forget_master_state()
 
     def _forget_master_state(self) -> None:
-        with self._resv_lock:
-            self._resv.clear()
-        with self._loc_lock:
-            self._loc.clear()
+        self._resv.clear()
+        self._loc.clear()
         with self._release_lock:
             self._releases = []
 
@@ -347,34 +276,20 @@ class Store:
 
     def _refill(self) -> None:
         """Top up reservation pools that ran low (off the put path, on the heartbeat connection)."""
-        with self._resv_lock:
-            wanted, self._refilling = self._refilling, {}
-            self._refill_wanted.clear()
-        for ck, (size, config) in wanted.items():
+        for ck, (size, config) in self._resv.to_refill().items():
             cfg = None if config is None else config.wire()
             t0 = time.monotonic()
-            reply = self._hb_rpc.call("reserve", size=size, config=cfg, count=_reserve_count(size))
-            self._add_reservations(ck, reply["epoch"], reply["reserved"], t0)
-
-    def _add_reservations(self, ck: tuple[Any, ...], epoch: int, granted: list[list[Any]], t0: float) -> None:
-        if not granted:
-            return
-        self._writes.begin(epoch, [g[0] for g in granted])
-        deadline = t0 + self._write_window_s
-        entries = [_Resv(deadline, epoch, gen, verify, reps) for gen, verify, reps in granted]
-        with self._resv_lock:
-            if epoch == self.master_incarnation:
-                self._resv.setdefault(ck, [])[:0] = entries
-                return
-        self._writes.end(epoch, [e.gen for e in entries])
+            reply = self._hb_rpc.call("reserve", size=size, config=cfg, count=reserve_count(size))
+            deadline = t0 + self._write_window_s
+            self._resv.add(ck, reply["epoch"], reply["reserved"], deadline, self.master_incarnation)
 
     def _heartbeat_loop(self) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_s
         while not self._closed.is_set():
-            self._refill_wanted.wait(max(0.0, next_beat - time.monotonic()))
+            self._resv.wanted.wait(max(0.0, next_beat - time.monotonic()))
             if self._closed.is_set():
                 return
-            if self._refill_wanted.is_set():
+            if self._resv.wanted.is_set():
                 try:
                     self._refill()
                 except KvpoolError as exc:
@@ -384,7 +299,7 @@ class Store:
             next_beat = time.monotonic() + self.config.heartbeat_s
             session = self._session_gen
             try:
-                self._drop_expired_reservations()
+                self._resv.expire()
                 self._flush_releases(self._hb_rpc)
                 reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
@@ -405,28 +320,15 @@ class Store:
             except KvpoolError as exc:
                 log.warning("heartbeat error: %s", exc)
 
-    def _drop_expired_reservations(self) -> None:
-        now = time.monotonic()
-        dropped: list[_Resv] = []
-        with self._resv_lock:
-            for pool in self._resv.values():
-                while pool and pool[-1].deadline < now:
-                    dropped.append(pool.pop())
-        for e in dropped:
-            self._writes.end(e.epoch, [e.gen])
-
     def close(self) -> None:
         """Unmount, disconnect and stop the embedded master (if any)."""
         if self._closed.is_set():
             return
         self._closed.set()
-        self._refill_wanted.set()
+        self._resv.wanted.set()
         self._hb.join(5)
-        with self._resv_lock:
-            unused = [e for pool in self._resv.values() for e in pool]
-            self._resv.clear()
+        unused = self._resv.clear()
         mine = [[e.gen, False] for e in unused if e.epoch == self.master_incarnation]
-        self._writes.end(self._writes.epoch, [e.gen for e in unused])
         try:
             for i in range(0, len(mine), self._max_batch):
                 self._call("put_revoke", items=mine[i : i + self._max_batch], epoch=self.master_incarnation)
@@ -477,7 +379,10 @@ class Store:
         gens = [val[0] for code, val in results if code is None]
         self._writes.begin(epoch, gens)
         if reply.get("reserved"):
-            self._add_reservations(self._resv_key(sizes[0], config), epoch, reply["reserved"], t0)
+            deadline = t0 + self._write_window_s
+            self._resv.add(
+                self._resv_key(sizes[0], config), epoch, reply["reserved"], deadline, self.master_incarnation
+            )
         out: list[KvpoolError | None] = [None] * len(keys)
         jobs: list[tuple[int, WriteJob]] = []
         try:
@@ -507,7 +412,7 @@ class Store:
                     if code is not None:
                         out[i] = _err(code, msg)
                     else:
-                        self._remember(j.key, epoch, j.gen, j.size, j.csum, j.written, j.replicas)
+                        self._loc.remember(j.key, epoch, j.gen, j.size, j.csum, j.written, j.replicas)
         finally:
             self._writes.end(epoch, gens)
         return out
@@ -527,7 +432,7 @@ class Store:
         view = self._view(value)
         if 0 < view.nbytes <= RESERVE_MAX and self._put_reserved(key, view, config):
             return
-        err = self._put([key], [view], config, reserve=_reserve_count(view.nbytes))[0]
+        err = self._put([key], [view], config, reserve=reserve_count(view.nbytes))[0]
         if isinstance(err, Fenced):  # the master restarted or the put stalled: once more, afresh
             err = self._put([key], [view], config)[0]
         if err is not None:
@@ -540,19 +445,7 @@ class Store:
         """Put through a reservation: write, then one `commit`. False when none is usable."""
         if not isinstance(key, str) or not key:
             return False  # the master explains what is wrong with the key
-        ck = self._resv_key(view.nbytes, config)
-        now = time.monotonic()
-        expired: list[_Resv] = []
-        with self._resv_lock:
-            pool = self._resv.get(ck)
-            while pool and pool[-1].deadline < now:
-                expired.append(pool.pop())  # no write starts into them any more
-            entry = pool.pop() if pool else None
-            if entry is not None and len(pool) < RESERVE_LOW and ck not in self._refilling:  # type: ignore[arg-type]
-                self._refilling[ck] = (view.nbytes, config)  # the heartbeat thread refills it
-                self._refill_wanted.set()
-        for e in expired:
-            self._writes.end(e.epoch, [e.gen])
+        entry = self._resv.take(self._resv_key(view.nbytes, config), view.nbytes, config)
         if entry is None:
             return False
         try:
@@ -574,7 +467,7 @@ class Store:
             # reservation's space can be given back at once.
             self._call("put_revoke", items=[[entry.gen, False]], epoch=entry.epoch)
             raise _err(code, msg)
-        self._remember(key, entry.epoch, entry.gen, job.size, job.csum, job.written, entry.replicas)
+        self._loc.remember(key, entry.epoch, entry.gen, job.size, job.csum, job.written, entry.replicas)
         return True
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
@@ -604,45 +497,11 @@ class Store:
         return self._put(list(keys), list(zip(addrs, sizes, strict=True)), config)
 
     # ------------------------------------------------------------------ locations
-    def _remember(self, key: str, epoch: int, gen: int, size: int, csum: int | None,
-                  segments: Sequence[str], replicas: list[list[Any]]) -> None:  # fmt: skip
-        """Cache where a small committed object lives (read later without asking the master)."""
-        cap = self.config.location_cache
-        if cap <= 0 or csum is None or size > CHECKSUM_ALWAYS_MAX:
-            return
-        segs = set(segments)
-        reps = [r for r in replicas if r[0] in segs]
-        if not reps:
-            return
-        with self._loc_lock:
-            self._loc[key] = _Loc(epoch, gen, size, csum, reps, time.monotonic())
-            self._loc.move_to_end(key)
-            while len(self._loc) > cap:
-                self._loc.popitem(last=False)
-
-    def _cached(self, key: str) -> _Loc | None:
-        loc = self._loc.get(key)
-        if loc is None:
-            return None
-        if (
-            loc.epoch != self.master_incarnation
-            or time.monotonic() - loc.since > self.config.location_cache_ttl_s
-        ):
-            with self._loc_lock:
-                self._loc.pop(key, None)
-            return None
-        return loc
-
-    def _get_cached(self, key: str, loc: _Loc) -> bytes | None:
+    def _get_cached(self, key: str, loc: Loc) -> bytes | None:
         """One small object through its cached location: one engine READ of header + value into
         the staging slot, checked there (the common case of :meth:`_get`, without its lists)."""
         st = self._staging
-        if (
-            loc.epoch != self.master_incarnation
-            or time.monotonic() - loc.since > self.config.location_cache_ttl_s
-            or st.small_off is None
-            or not st.small_lock.acquire(blocking=False)
-        ):
+        if st.small_off is None or not st.small_lock.acquire(blocking=False):
             return None
         try:
             off, n = st.small_off, HEADER_SIZE + loc.size
@@ -650,24 +509,18 @@ class Store:
             try:
                 self.engine.transfer_sync(seg, st.base + off, raddr, n, OpCode.READ)
             except KvpoolError:
-                self._forget(key)
+                self._loc.forget(key)
                 return None
             view = st.view[off : off + n]
             if header_mismatch(view, loc.epoch, loc.gen, key_hash(key), loc.size, loc.csum) is not None or (
                 checksum(view[HEADER_SIZE:]) != loc.csum
             ):
-                self._forget(key)
+                self._loc.forget(key)
                 return None
             return bytes(view[HEADER_SIZE:])
         finally:
             st.small_lock.release()
 
-    def _forget(self, key: str) -> None:
-        if key in self._loc:
-            with self._loc_lock:
-                self._loc.pop(key, None)
-
-    # ------------------------------------------------------------------ get
     def _lookup(self, keys: Sequence[str]) -> tuple[list[list[Any]], int, float]:
         """Master lookups (leases taken): per-key [code, info], the epoch, and the local time by
         which reads must have landed."""
@@ -691,7 +544,7 @@ class Store:
         cached: list[tuple[int, ReadJob]] = []
         epoch = self.master_incarnation or 0
         for i in todo:
-            loc = self._cached(keys[i])
+            loc = self._loc.get(keys[i], self.master_incarnation)
             if loc is not None and (dests[i] is None or dests[i][1] >= loc.size):  # type: ignore[index]
                 cached.append((i, ReadJob(keys[i], loc.size, loc.gen, loc.csum, loc.replicas, dests[i],
                                           float("inf"))))  # fmt: skip
@@ -703,7 +556,7 @@ class Store:
                     out[i] = j.result  # type: ignore[assignment]
                     done.add(i)
                 else:
-                    self._forget(keys[i])  # stale: ask the master
+                    self._loc.forget(keys[i])  # stale: ask the master
             todo = [i for i in todo if i not in done]
         for attempt in range(self.config.get_retries + 1):
             if not todo:
@@ -734,7 +587,7 @@ class Store:
             if j.error is None:
                 out[i] = j.result
                 if j.served_by is not None and j.csum is not None:
-                    self._remember(
+                    self._loc.remember(
                         j.key, epoch, j.gen, j.size, j.csum, [r[0] for r in j.replicas], j.replicas
                     )
             elif j.retry and not last:
@@ -780,7 +633,7 @@ class Store:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
-        loc = self._loc.get(key)
+        loc = self._loc.get(key, self.master_incarnation)
         if loc is not None:
             data = self._get_cached(key, loc)
             if data is not None:
@@ -858,15 +711,14 @@ class Store:
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove an object; a leased one raises ObjectBusy unless ``force``."""
-        self._forget(key)
+        self._loc.forget(key)
         code, msg = self._call("remove", keys=[key], force=force)["results"][0]
         if code is not None:
             raise _err(code, msg)
 
     def remove_all(self) -> int:
         """Remove every committed object not currently leased; returns how many."""
-        with self._loc_lock:
-            self._loc.clear()
+        self._loc.clear()
         total = 0
         while True:
             r = self._call("remove_all")
@@ -944,50 +796,7 @@ class Store:
 
     # ------------------------------------------------------------------ master tasks
     def _run_task(self, task: dict[str, Any]) -> None:
-        kind = task["type"]
-        ok, result = False, {}
-        try:
-            if kind == "replicate":
-                ok = self._replicate_task(task)
-            elif kind == "spill":
-                ok = self._spill_task(task, result)
-            elif kind == "unlink":
-                try:
-                    os.remove(task["path"])
-                except FileNotFoundError:
-                    pass
-                return
-        except (KvpoolError, OSError) as exc:
-            log.warning("task %s failed: %s", kind, exc)
-        try:
-            self._hb_rpc.call("task_done", task=task["task"], ok=ok, result=result)
-        except KvpoolError as exc:
-            log.warning("could not report task %s: %s", kind, exc)
-
-    def _replicate_task(self, task: dict[str, Any]) -> bool:
-        """Copy an object (header + value) straight into this client's own segment; checked there."""
-        epoch, gen = self.master_incarnation or 0, task["gen"]
-        dst = task["dst"][1]
-        self._writes.begin(epoch, [gen])
-        try:
-            req = self._data.req(OpCode.READ, dst, task["src"][0], task["src"][1], task["size"])
-            if not self._data.run([req])[0]:
-                return False
-        finally:
-            self._writes.end(epoch, [gen])
-        hdr = (ctypes.c_char * HEADER_SIZE).from_address(dst)
-        return header_mismatch(memoryview(hdr).cast("B"), epoch, gen, key_hash(task["key"]),
-                               task["size"] - HEADER_SIZE, None) is None  # fmt: skip
-
-    def _spill_task(self, task: dict[str, Any], result: dict[str, Any]) -> bool:
-        """Read an object from memory, check it, and write it to this client's SSD directory."""
-        job = ReadJob(task["key"], task["size"], task["gen"], task["checksum"], [task["src"]], None,
-                      float("inf"))  # fmt: skip
-        self._data.read(task["epoch"], [job])
-        if job.error is not None or not isinstance(job.result, bytes):
-            return False
-        result["checksum"] = write_ssd_file(task["path"], task["key"], job.result)
-        return True
+        run_task(self, task)
 
     # ------------------------------------------------------------------ tensors
     def put_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> None:

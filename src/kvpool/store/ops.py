@@ -1,0 +1,335 @@
+"""The store master's RPC operations on objects: puts (``put_start``, ``reserve``, ``commit``,
+``put_end``, ``put_revoke``), reads (``get``, ``release``, ``exists``), removal, and replica
+changes. A mixin of :class:`kvpool.store.master.Master`, whose state and helpers it uses; every
+operation runs under the master's lock and does work bounded by ``max_batch``."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvpool.store.layout import HEADER_SIZE
+from kvpool.store.objects import Client, MasterError, Placement, Replica
+
+if TYPE_CHECKING:
+    from kvpool.store.master import Master
+
+    _Base = Master
+else:
+    _Base = object
+
+_Err = MasterError
+HOT_KEYS_TRACKED = 1 << 16  # distinct keys counted per hot-key window
+
+
+class ObjectOps(_Base):
+    """``_op_*`` handlers for objects (see the module docstring)."""
+
+    # ------------------------------------------------------------------ RPC ops: puts
+    def _op_put_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        caller = self._client(req, sess)
+        keys, sizes = req["keys"], req["sizes"]
+        self._check_batch(len(keys))
+        if len(keys) != len(sizes):
+            raise _Err("INVALID", "keys and sizes differ in length")
+        pl = Placement.parse(req.get("config") or {})
+        now = time.monotonic()
+        fits = self.space.fits_anywhere
+        need = sum(n + HEADER_SIZE for n in sizes if isinstance(n, int) and 0 < n and fits(n + HEADER_SIZE))
+        self._make_room(
+            need * pl.replicas, now, looks=max(self.config.evict_batch, 2 * len(keys) * pl.replicas)
+        )
+        room = [8, 2]
+        out: list[list[Any]] = []
+        for key, size in zip(keys, sizes, strict=True):
+            if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
+                out.append(["INVALID", "key must be a non-empty string, size > 0"])
+            elif key in self.objects:
+                o = self.objects[key]
+                out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
+            elif not self.space.segments:
+                out.append(["FULL", "no segment is mounted: start a client with segment_size > 0"])
+            elif not self.space.fits_anywhere(size + HEADER_SIZE):
+                out.append(["FULL", f"{size} bytes do not fit into any mounted segment (nothing evicted)"])
+            else:
+                placed = self._allocate(size, pl, room, now)
+                if not placed:
+                    out.append(["FULL", f"no segment has {size} free bytes even after eviction"])
+                else:
+                    out.append([None, self._grant(self._new_pending(key, size, pl, placed, caller, now))])
+        reply: dict[str, Any] = {"results": out, "epoch": self.incarnation}
+        reserve = int(req.get("reserve") or 0)
+        if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
+            reply["reserved"] = self._reserve(caller, sizes[0], pl, reserve, now)
+            reply["reserve_ttl_s"] = self.config.put_timeout_s
+        self._evict(now)
+        return reply
+
+    def _reserve(self, caller: Client, size: int, pl: Placement, count: int, now: float) -> list[list[Any]]:
+        """Reservations: space for future puts of one size and config, so that each of them needs
+        one round trip (write, then ``commit``) instead of two. They are pending puts: never
+        evicted, revoked after put_timeout_s when unused. They never push usage over the
+        watermark and take at most 1/64 of the pool per request."""
+        if not isinstance(size, int) or size <= 0:
+            raise _Err("INVALID", "size must be > 0")
+        alloc = size + HEADER_SIZE
+        n = min(pl.replicas, len(self.space.segments))
+        cap = self.space.capacity
+        budget = min(cap // 64, int(self.config.eviction_high_watermark * cap) - self.space.used)
+        count = min(count, 64, max(0, budget // (alloc * max(1, n))))
+        out: list[list[Any]] = []
+        for _ in range(count):
+            placed = self.space.place(alloc, n, pl.preferred, set(), now, scan=False)
+            if len(placed) < n or not placed:
+                for seg, off in placed:
+                    self.space.free(seg, off)
+                break
+            out.append(self._grant(self._new_pending(None, size, pl, placed, caller, now)))
+        return out
+
+    def _op_reserve(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Reservations ahead of time (a client's pool of one shape runs low)."""
+        caller = self._client(req, sess)
+        pl = Placement.parse(req.get("config") or {})
+        reserved = self._reserve(caller, req["size"], pl, int(req["count"]), time.monotonic())
+        return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s, "epoch": self.incarnation}
+
+    def _op_commit(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Commit reservations (written by the caller) under keys: ``items`` = [[key, gen, checksum]]."""
+        caller = self._client(req, sess)
+        self._check_epoch(req)
+        items = req["items"]
+        self._check_batch(len(items))
+        now = time.monotonic()
+        out: list[list[Any]] = []
+        for key, gen, csum in items:
+            robj = self._resv.get(gen)
+            if not isinstance(key, str) or not key:
+                out.append(["INVALID", "key must be a non-empty string"])
+            elif robj is None or robj.owner != caller.id:
+                out.append(["NOT_FOUND", "reservation expired (put_timeout_s) or not this client's"])
+            elif key in self.objects:
+                o = self.objects[key]
+                out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
+            elif robj.verify and csum is None:
+                out.append(["INVALID", "this allocation needs a checksum"])
+            else:
+                del self._resv[gen]
+                robj.key = key
+                self.objects[key] = robj
+                self._commit(robj, csum, now)
+                out.append([None, None])
+        return {"results": out}
+
+    def _op_put_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Commit pending puts of the caller: ``items`` = [[key, gen, checksum, written segments]];
+        replicas not written are taken back (fenced)."""
+        caller = self._client(req, sess)
+        self._check_epoch(req)
+        items = req["items"]
+        self._check_batch(len(items))
+        now = time.monotonic()
+        out: list[list[Any]] = []
+        for key, gen, csum, written in items:
+            obj = self.objects.get(key)
+            if obj is None or obj.committed or obj.gen != gen or obj.owner != caller.id:
+                out.append(["NOT_FOUND", f"no pending put of {key!r} by this client (revoked after "
+                            "put_timeout_s?)"])  # fmt: skip
+                continue
+            if obj.verify and csum is None:
+                out.append(["INVALID", "this allocation needs a checksum"])
+                continue
+            ok = set(written)
+            for r in [r for r in obj.replicas if r.seg.name not in ok or r.seg.dead]:
+                self._take_replica(obj, r)
+            if not obj.replicas:
+                self._drop(obj)
+                out.append(["ERROR", f"no replica of {key!r} was written"])
+                continue
+            self._commit(obj, csum, now)
+            out.append([None, None])
+        return {"results": out}
+
+    def _op_put_revoke(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Give back pending puts/reservations: ``items`` = [[gen, written]] (unwritten space is
+        free at once; written space is fenced)."""
+        caller = self._client(req, sess)
+        items = req["items"]
+        self._check_batch(len(items))
+        if req.get("epoch") not in (None, self.incarnation):
+            return {}
+        for gen, written in items:
+            obj = self._pending.get(gen)
+            if obj is not None and obj.owner == caller.id:
+                self._drop(obj, written=bool(written))
+        return {}
+
+    # ------------------------------------------------------------------ RPC ops: reads
+    def _op_get(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        keys = req["keys"]
+        self._check_batch(len(keys))
+        reader = self.clients.get(sess.get("client", ""))
+        host = reader.host_id if reader is not None else None
+        now = time.monotonic()
+        ttl = self.config.lease_ttl_ms / 1000.0
+        hot = self.config.hot_key_replication
+        out: list[list[Any]] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or not obj.committed:
+                self.stats["misses"] += 1
+                out.append(["NOT_FOUND", f"no object under key {key!r}"])
+                continue
+            reps = [r for r in obj.replicas if r.committed and not r.seg.dead]
+            if not reps and obj.ssd is None:
+                self.stats["misses"] += 1
+                out.append(["NOT_FOUND", f"object {key!r} has no readable replica"])
+                continue
+            obj.lease_until = now + ttl
+            obj.readers += 1
+            self.lru.touch(obj)
+            if hot and (key in self._access or len(self._access) < HOT_KEYS_TRACKED):
+                self._access[key] += 1
+            self.stats["hits"] += 1
+            if len(reps) > 1:
+                reps = self._order(reps, host, now)
+            if reps:
+                reps[0].seg.reads += 1
+            ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
+            out.append([None, {"size": obj.size, "gen": obj.gen, "checksum": obj.checksum, "ssd": ssd,
+                               "replicas": [[r.seg.name, r.addr, r.seg.host_id] for r in reps]}])  # fmt: skip
+        return {"results": out, "epoch": self.incarnation, "lease_s": ttl}
+
+    @staticmethod
+    def _order(reps: list[Replica], host: str | None, now: float) -> list[Replica]:
+        """Replica choice: the reader's host first, else the less loaded of two random replicas;
+        segments a reader reported unreachable last. The first one is the one to read."""
+        good = [r for r in reps if r.seg.reported_until <= now] or reps
+        local = [r for r in good if r.seg.host_id == host]
+        if local:
+            pick = local[0]
+        else:
+            a, b = random.sample(good, 2) if len(good) > 1 else (good[0], good[0])
+            pick = a if a.seg.reads <= b.seg.reads else b
+        rest = [r for r in reps if r is not pick]
+        rest.sort(key=lambda r: r.seg.reported_until > now)
+        return [pick, *rest]
+
+    def _op_release(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """End read leases: ``leases`` is a list of [key, gen] from get replies."""
+        leases = req["leases"]
+        self._check_batch(len(leases) // 4)
+        for key, gen in leases:
+            obj = self.objects.get(key)
+            if obj is not None and obj.gen == gen and obj.readers > 0:
+                obj.readers -= 1
+        return {}
+
+    def _op_exists(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        keys = req["keys"]
+        self._check_batch(len(keys))
+        objs = self.objects
+        return {"results": [(o := objs.get(k)) is not None and o.committed for k in keys]}
+
+    def _op_remove(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        keys = req["keys"]
+        self._check_batch(len(keys))
+        now = time.monotonic()
+        force = bool(req.get("force", False))
+        out: list[list[Any]] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or not obj.committed:
+                out.append(["NOT_FOUND", f"no object under key {key!r}"])
+            elif not force and (self._leased(obj, now) or obj.busy):
+                out.append(["BUSY", f"object {key!r} is leased by a reader; retry after the lease"])
+            else:
+                self._drop(obj)
+                out.append([None, None])
+        return {"results": out}
+
+    def _op_remove_all(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Remove up to ``max_batch`` committed objects that are not leased; ``more`` says whether
+        to call again (the client does)."""
+        now = time.monotonic()
+        removed = 0
+        for obj in list(self.lru.candidates(now, self.config.max_batch)):
+            if obj.busy or self._leased(obj, now):
+                self.lru.skip(obj)
+            else:
+                self._drop(obj)
+                removed += 1
+        ssd_only = [o for o in itertools.islice(self._ssd_only, self.config.max_batch) if not o.busy]
+        for obj in ssd_only:
+            self._drop(obj)
+        removed += len(ssd_only)
+        return {"removed": removed, "more": removed > 0 and self.n_committed > 0}
+
+    # ------------------------------------------------------------------ RPC ops: replicas
+    def _op_replica_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """change_replica: lower at once, or allocate new replicas for the caller to fill."""
+        caller = self._client(req, sess)
+        key, n = req["key"], int(req["replicas"])
+        if n < 1:
+            raise _Err("INVALID", "replicas must be >= 1")
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed:
+            raise _Err("NOT_FOUND", f"no object under key {key!r}")
+        committed = [r for r in obj.replicas if r.committed and not r.seg.dead]
+        if not committed:
+            raise _Err("NOT_FOUND", f"object {key!r} has no memory replica")
+        obj.base_replicas = n
+        if n <= len(obj.replicas):
+            if self._leased(obj, time.monotonic()) or obj.busy:
+                raise _Err("BUSY", f"object {key!r} is leased or being copied; retry later")
+            self._shrink(obj, n)
+            return {"src": None, "dst": []}
+        placed = self.space.place(obj.alloc_size, n - len(obj.replicas), None,
+                                  {r.seg for r in obj.replicas}, time.monotonic())  # fmt: skip
+        new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
+        obj.busy += 1
+        src = committed[0]
+        return {
+            "src": [src.seg.name, src.addr],
+            "dst": [[r.seg.name, r.addr] for r in new],
+            "size": obj.alloc_size,
+            "gen": obj.gen,
+            "epoch": self.incarnation,
+        }
+
+    def _op_promote_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Allocate a memory replica for an object that lives only on the SSD tier."""
+        caller = self._client(req, sess)
+        key = req["key"]
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed or obj.ssd is None:
+            raise _Err("NOT_FOUND", f"no SSD-tier object under key {key!r}")
+        if obj.replicas or obj.busy:
+            return {"dst": []}
+        placed = self.space.place(obj.alloc_size, 1, None, set(), time.monotonic())
+        new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
+        if new:
+            obj.busy += 1
+        return {"dst": [[r.seg.name, r.addr] for r in new], "gen": obj.gen, "epoch": self.incarnation,
+                "checksum": obj.checksum}  # fmt: skip
+
+    def _op_replica_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        caller = self._client(req, sess)
+        key, ok = req["key"], bool(req["ok"])
+        obj = self.objects.get(key)
+        if obj is None or obj.gen != req.get("gen", obj.gen):
+            raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
+        obj.busy = max(0, obj.busy - 1)
+        done = set(req.get("segments") or [])
+        for r in list(obj.replicas):
+            if not r.committed and r.writer == caller.id and r.seg.name in done:
+                if ok and not r.seg.dead:
+                    r.committed, r.writer = True, ""
+                else:
+                    self._take_replica(obj, r)
+        if obj.replicas and obj.lru is None and obj.committed:
+            self.lru.add(obj, time.monotonic())  # promoted back into memory
+            self._ssd_only.discard(obj)
+        return {"replicas": sum(r.committed for r in obj.replicas)}

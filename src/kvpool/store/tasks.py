@@ -1,0 +1,72 @@
+"""Tasks the master hands a storage client in its heartbeat replies: copy an object into its own
+segment (hot-key replicas), spill one to its SSD directory, remove an SSD file."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import KvpoolError
+from kvpool.store.datapath import ReadJob
+from kvpool.store.layout import HEADER_SIZE, header_mismatch, key_hash
+from kvpool.store.ssd import write_ssd_file
+from kvpool.transfer.types import OpCode
+
+if TYPE_CHECKING:
+    from kvpool.store.client import Store
+
+log = logging.getLogger("kvpool.store")
+
+
+def run_task(store: Store, task: dict[str, Any]) -> None:
+    """Do one task the master handed out in a heartbeat reply, and report how it went.
+
+    Called by the store client's heartbeat thread, one task at a time."""
+    kind = task["type"]
+    ok, result = False, {}
+    try:
+        if kind == "replicate":
+            ok = _replicate_task(store, task)
+        elif kind == "spill":
+            ok = _spill_task(store, task, result)
+        elif kind == "unlink":
+            try:
+                os.remove(task["path"])
+            except FileNotFoundError:
+                pass
+            return
+    except (KvpoolError, OSError) as exc:
+        log.warning("task %s failed: %s", kind, exc)
+    try:
+        store._hb_rpc.call("task_done", task=task["task"], ok=ok, result=result)
+    except KvpoolError as exc:
+        log.warning("could not report task %s: %s", kind, exc)
+
+
+def _replicate_task(store: Store, task: dict[str, Any]) -> bool:
+    """Copy an object (header + value) straight into this client's own segment; checked there."""
+    epoch, gen = store.master_incarnation or 0, task["gen"]
+    dst = task["dst"][1]
+    store._writes.begin(epoch, [gen])
+    try:
+        req = store._data.req(OpCode.READ, dst, task["src"][0], task["src"][1], task["size"])
+        if not store._data.run([req])[0]:
+            return False
+    finally:
+        store._writes.end(epoch, [gen])
+    hdr = (ctypes.c_char * HEADER_SIZE).from_address(dst)
+    return header_mismatch(memoryview(hdr).cast("B"), epoch, gen, key_hash(task["key"]),
+                           task["size"] - HEADER_SIZE, None) is None  # fmt: skip
+
+
+def _spill_task(store: Store, task: dict[str, Any], result: dict[str, Any]) -> bool:
+    """Read an object from memory, check it, and write it to this client's SSD directory."""
+    job = ReadJob(task["key"], task["size"], task["gen"], task["checksum"], [task["src"]], None,
+                  float("inf"))  # fmt: skip
+    store._data.read(task["epoch"], [job])
+    if job.error is not None or not isinstance(job.result, bytes):
+        return False
+    result["checksum"] = write_ssd_file(task["path"], task["key"], job.result)
+    return True
