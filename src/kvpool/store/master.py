@@ -735,4 +735,5 @@ class Master(ObjectOps):
                 "max_request_op": self.max_request_op,
                 "max_message_s": self._server.max_frame_s,
                 "connections": self._server.connections,
+                "rpc_server": dict(self._server.stats),
             }
