@@ -186,7 +186,9 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
         res = _with_progress(
             f"store {vs}",
             args.json,
-            lambda p, vs=vs: run_store_bench(parse_size(vs), args.duration, args.protocol, progress=p),
+            lambda p, vs=vs: run_store_bench(
+                parse_size(vs), args.duration, args.protocol, progress=p, checksum=args.checksum
+            ),
         )
         results.append(res)
         if not args.json:
@@ -279,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
     bs.add_argument("--protocol", choices=["tcp", "auto"], default="auto")
     bs.add_argument("--json", action="store_true")
+    bs.add_argument("--checksum", action="store_true", help="xxh3 for every object (StoreConfig.checksum)")
     bs.set_defaults(func=cmd_bench_store)
 
     bt2 = bsub.add_parser(

@@ -30,12 +30,15 @@ def run_store_bench(
     segment_size: int = 1 << 30,
     batch_size: int = 32,
     progress: Any = None,
+    checksum: bool = False,
 ) -> dict[str, Any]:
-    """put/get/batch/exists figures with the value stored in a segment owned by another process."""
-    res: dict[str, Any] = {"value_size": value_size, "protocol": protocol}
+    """put/get/batch/exists figures with the value stored in a segment owned by another process
+    (``checksum``: every object gets an xxh3, checked on every read)."""
+    res: dict[str, Any] = {"value_size": value_size, "protocol": protocol, "checksum": checksum}
     n_max = max(1, int(segment_size * 0.8) // value_size)
     with MasterProcess() as m, StorageProcess(m.address, segment_size, protocol=protocol):
-        with Store.connect(master=m.address, segment_size=0, protocol=protocol, buffer_size=64 << 20) as st:
+        opts: dict[str, Any] = {"protocol": protocol, "buffer_size": 64 << 20, "checksum": checksum}
+        with Store.connect(master=m.address, segment_size=0, **opts) as st:
             value = bytes(range(256)) * (value_size // 256) + bytes(value_size % 256)
             n, el, lat = _loop(lambda i: st.put(f"k{i}", value), n_max, duration_s)
             res.update(put_ops_s=n / el, put_gbps=n * value_size / el / 1e9)

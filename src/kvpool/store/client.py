@@ -406,8 +406,11 @@ class Store:
             if revoke:
                 self._call("put_revoke", items=revoke, epoch=epoch)
             if items:
-                ends = self._call("put_end", items=items, epoch=epoch)["results"]
                 committed = [(i, j) for i, j in jobs if j.written]
+                try:
+                    ends = self._call("put_end", items=items, epoch=epoch)["results"]
+                except Fenced as exc:  # the master restarted since put_start: nothing was committed
+                    ends = [["STALE", str(exc)]] * len(items)
                 for (i, j), (code, msg) in zip(committed, ends, strict=True):
                     if code is not None:
                         out[i] = _err(code, msg)

@@ -101,10 +101,13 @@ class DataPath:
         return TransferRequest(op, local, self.engine.open_segment(segment), remote, size)
 
     def run(self, reqs: list[TransferRequest]) -> list[bool]:
-        """Do requests (one batch, or in this thread for one or two); per-request success."""
+        """Do requests (one batch; in this thread one after the other when there is one, or two
+        over the same-host path, where a batch costs more than it saves); per-request success."""
         if not reqs:
             return []
-        if len(reqs) <= 2:
+        if len(reqs) == 1 or (
+            len(reqs) == 2 and all(self.engine.uses_same_host_path(r.target_id) for r in reqs)  # type: ignore[arg-type]
+        ):
             return [self._one(r) for r in reqs]
         eng = self.engine
         bid = eng.allocate_batch_id(len(reqs))
