@@ -123,15 +123,18 @@ class DataPath:
             eng.free_batch_id(bid)
 
     def _one(self, r: TransferRequest) -> bool:
-        name = r.target_id.name  # type: ignore[union-attr]
+        return self.sync(r.target_id.name, r.source, r.target_offset, r.length, r.opcode)  # type: ignore[union-attr]
+
+    def sync(self, segment: str, local: int, remote: int, length: int, op: OpCode) -> bool:
+        """One transfer in this thread; False on failure (the caller reports or fails over)."""
         for attempt in (0, 1):
             try:
-                self.engine.transfer_sync(name, r.source, r.target_offset, r.length, r.opcode)
+                self.engine.transfer_sync(segment, local, remote, length, op)
                 return True
             except RemoteAccessError:
                 if attempt:
                     return False
-                self.refresh(name)  # the owner mounted fresh memory: fetch its descriptor again
+                self.refresh(segment)  # the owner mounted fresh memory: fetch its descriptor again
             except KvpoolError:
                 return False
         return False
@@ -148,6 +151,9 @@ class DataPath:
         """Write header + value of every job into all its replicas, in one batch. Fills
         ``csum`` and ``written`` (segments whose copy landed completely); unreachable segments
         are reported."""
+        if len(jobs) == 1 and len(jobs[0].replicas) == 1 and jobs[0].size <= DIRECT_MIN:
+            self._write_small(epoch, jobs[0])  # the common case, without the lists
+            return
         reqs: list[TransferRequest] = []
         owner: list[tuple[WriteJob, str]] = []
         tokens: list[Any] = []
@@ -171,6 +177,22 @@ class DataPath:
                     job.written.append(seg)
         for seg in bad_segs:
             self.report(seg, "unreachable", None, None)
+
+    def _write_small(self, epoch: int, job: WriteJob) -> None:
+        value = _mem(*job.src) if isinstance(job.src, tuple) else job.src
+        job.csum = checksum(value)
+        n = HEADER_SIZE + job.size
+        addr, region, token = self.staging.take(n)
+        try:
+            region[:HEADER_SIZE] = pack_header(epoch, job.gen, key_hash(job.key), job.size, job.csum)
+            region[HEADER_SIZE:] = value
+            seg, raddr = job.replicas[0][0], job.replicas[0][1]
+            if self.sync(seg, addr, raddr, n, OpCode.WRITE):
+                job.written.append(seg)
+            else:
+                self.report(seg, "unreachable", None, None)
+        finally:
+            self.staging.give(token)
 
     def _build_write(self, epoch: int, job: WriteJob, reqs: list[TransferRequest],
                      owner: list[tuple[WriteJob, str]], tokens: list[Any],
