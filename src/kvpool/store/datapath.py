@@ -158,9 +158,15 @@ class DataPath:
         owner: list[tuple[WriteJob, str]] = []
         tokens: list[Any] = []
         failed: dict[tuple[int, str], bool] = {}
+        nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
+        headers: list[Any] = []  # [base address, view, next offset]: big values' headers side by side
+        if nbig:
+            hbase, hview, htoken = self.staging.take(HEADER_SIZE * nbig)
+            tokens.append(htoken)
+            headers = [hbase, hview, 0]
         try:
             for job in jobs:
-                self._build_write(epoch, job, reqs, owner, tokens, failed)
+                self._build_write(epoch, job, reqs, owner, tokens, failed, headers)
             ok = self.run(reqs)
         finally:
             for t in tokens:
@@ -196,7 +202,7 @@ class DataPath:
 
     def _build_write(self, epoch: int, job: WriteJob, reqs: list[TransferRequest],
                      owner: list[tuple[WriteJob, str]], tokens: list[Any],
-                     failed: dict[tuple[int, str], bool]) -> None:  # fmt: skip
+                     failed: dict[tuple[int, str], bool], headers: list[Any]) -> None:  # fmt: skip
         size = job.size
         value = _mem(*job.src) if isinstance(job.src, tuple) else job.src
         if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
@@ -214,8 +220,9 @@ class DataPath:
             else:
                 vaddr, token = self.staging.source(value)
                 tokens.append(token)
-            haddr, hregion, token = self.staging.take(HEADER_SIZE)
-            tokens.append(token)
+            hbase, hview, hnext = headers
+            haddr, hregion = hbase + hnext, hview[hnext : hnext + HEADER_SIZE]
+            headers[2] = hnext + HEADER_SIZE
             hregion[:] = hdr
             parts = [(vaddr, HEADER_SIZE, size), (haddr, 0, HEADER_SIZE)]
         for seg, raddr in job.replicas:
@@ -246,6 +253,9 @@ class DataPath:
     def _attempt(self, epoch: int, jobs: list[ReadJob], idx: int) -> None:
         reqs: list[TransferRequest] = []
         plan: list[tuple[ReadJob, list[Any], Any, list[Any]]] = []  # job, replica, sink, tokens
+        nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
+        hbase, hview, htoken = self.staging.take(HEADER_SIZE * nbig) if nbig else (0, memoryview(b""), None)
+        hnext = 0  # the headers of all big values land side by side in one staging region
         for j in jobs:
             seg, raddr = j.replicas[idx][0], j.replicas[idx][1]
             tokens: list[Any] = []
@@ -261,8 +271,8 @@ class DataPath:
                     else:
                         vaddr, out, token = self.staging.sink(j.size)
                         tokens.append(token)
-                    haddr, hregion, token = self.staging.take(HEADER_SIZE)
-                    tokens.append(token)
+                    haddr, hregion = hbase + hnext, hview[hnext : hnext + HEADER_SIZE]
+                    hnext += HEADER_SIZE
                     rs = [self.req(OpCode.READ, vaddr, seg, raddr + HEADER_SIZE, j.size),
                           self.req(OpCode.READ, haddr, seg, raddr, HEADER_SIZE)]  # fmt: skip
                     sink = ("big", hregion, vaddr, out)
@@ -287,6 +297,7 @@ class DataPath:
             for _, _, _, tokens in plan:
                 for t in tokens:
                     self.staging.give(t)
+            self.staging.give(htoken)
 
     def _check(self, epoch: int, j: ReadJob, rep: list[Any], sink: Any, good: bool, done: float) -> None:
         seg = rep[0]
