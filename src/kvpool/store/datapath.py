@@ -151,8 +151,8 @@ class DataPath:
         """Write header + value of every job into all its replicas, in one batch. Fills
         ``csum`` and ``written`` (segments whose copy landed completely); unreachable segments
         are reported."""
-        if len(jobs) == 1 and len(jobs[0].replicas) == 1 and jobs[0].size <= DIRECT_MIN:
-            self._write_small(epoch, jobs[0])  # the common case, without the lists
+        if len(jobs) == 1 and len(jobs[0].replicas) == 1:
+            self._write_one(epoch, jobs[0])  # the common case, without the lists
             return
         reqs: list[TransferRequest] = []
         owner: list[tuple[WriteJob, str]] = []
@@ -184,21 +184,42 @@ class DataPath:
         for seg in bad_segs:
             self.report(seg, "unreachable", None, None)
 
-    def _write_small(self, epoch: int, job: WriteJob) -> None:
+    def _write_one(self, epoch: int, job: WriteJob) -> None:
+        """One object to one replica, in this thread: a small one as header + value from
+        staging, a big one from where it is, then its header."""
         value = _mem(*job.src) if isinstance(job.src, tuple) else job.src
-        job.csum = checksum(value)
-        n = HEADER_SIZE + job.size
-        addr, region, token = self.staging.take(n)
+        size = job.size
+        if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
+            job.csum = checksum(value)
+        hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
+        seg, raddr = job.replicas[0][0], job.replicas[0][1]
+        tokens: list[Any] = []
         try:
-            region[:HEADER_SIZE] = pack_header(epoch, job.gen, key_hash(job.key), job.size, job.csum)
-            region[HEADER_SIZE:] = value
-            seg, raddr = job.replicas[0][0], job.replicas[0][1]
-            if self.sync(seg, addr, raddr, n, OpCode.WRITE):
-                job.written.append(seg)
+            if size <= DIRECT_MIN:
+                addr, region, token = self.staging.take(HEADER_SIZE + size)
+                tokens.append(token)
+                region[:HEADER_SIZE] = hdr
+                region[HEADER_SIZE:] = value
+                ok = self.sync(seg, addr, raddr, HEADER_SIZE + size, OpCode.WRITE)
             else:
-                self.report(seg, "unreachable", None, None)
+                if isinstance(job.src, tuple):
+                    vaddr = job.src[0]
+                else:
+                    vaddr, token = self.staging.source(value)
+                    tokens.append(token)
+                haddr, hregion, token = self.staging.take(HEADER_SIZE)
+                tokens.append(token)
+                hregion[:] = hdr
+                ok = self.sync(seg, vaddr, raddr + HEADER_SIZE, size, OpCode.WRITE) and self.sync(
+                    seg, haddr, raddr, HEADER_SIZE, OpCode.WRITE
+                )
         finally:
-            self.staging.give(token)
+            for t in tokens:
+                self.staging.give(t)
+        if ok:
+            job.written.append(seg)
+        else:
+            self.report(seg, "unreachable", None, None)
 
     def _build_write(self, epoch: int, job: WriteJob, reqs: list[TransferRequest],
                      owner: list[tuple[WriteJob, str]], tokens: list[Any],
@@ -242,13 +263,45 @@ class DataPath:
         for j in jobs:
             if not j.replicas:
                 j.error = TransferError(f"no replica of {j.key!r} to read")
-        self._attempt(epoch, first, 0)
+        if len(first) == 1:
+            self._read_one(epoch, first[0], 0)  # the common case, without the lists
+        else:
+            self._attempt(epoch, first, 0)
         for j in first:
             i = 1
             while j.error is not None and not j.retry and i < len(j.replicas):
                 j.error = None
-                self._attempt(epoch, [j], i)
+                self._read_one(epoch, j, i)
                 i += 1
+
+    def _read_one(self, epoch: int, j: ReadJob, idx: int) -> None:
+        """One object from replica ``idx``, in this thread (see :meth:`_attempt`)."""
+        seg, raddr = j.replicas[idx][0], j.replicas[idx][1]
+        tokens: list[Any] = []
+        try:
+            if j.size <= DIRECT_MIN:
+                addr, region, token = self.staging.take(HEADER_SIZE + j.size)
+                tokens.append(token)
+                good = self.sync(seg, addr, raddr, HEADER_SIZE + j.size, OpCode.READ)
+                sink: Any = ("small", region)
+            else:
+                if j.dest is not None:
+                    vaddr, out = j.dest[0], None
+                else:
+                    vaddr, out, token = self.staging.sink(j.size)
+                    tokens.append(token)
+                haddr, hregion, token = self.staging.take(HEADER_SIZE)
+                tokens.append(token)
+                good = self.sync(seg, vaddr, raddr + HEADER_SIZE, j.size, OpCode.READ) and self.sync(
+                    seg, haddr, raddr, HEADER_SIZE, OpCode.READ
+                )
+                sink = ("big", hregion, vaddr, out)
+            self._check(epoch, j, j.replicas[idx], sink, good, time.monotonic())
+        except KvpoolError as exc:
+            j.error = TransferError(f"reading {j.key!r} from {seg}: {exc}")
+        finally:
+            for t in tokens:
+                self.staging.give(t)
 
     def _attempt(self, epoch: int, jobs: list[ReadJob], idx: int) -> None:
         reqs: list[TransferRequest] = []
