@@ -29,6 +29,13 @@ class MasterCollector:
         yield GaugeMetricFamily("kvpool_capacity_bytes", "Bytes of all mounted segments", value=s["capacity"])
         yield GaugeMetricFamily("kvpool_used_bytes", "Allocated bytes in all segments", value=s["used"])
         yield GaugeMetricFamily("kvpool_clients", "Live clients", value=s["clients"])
+        yield GaugeMetricFamily(
+            "kvpool_fenced_allocations", "Allocations held until their writer can no longer write",
+            value=s["fenced"],
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvpool_max_request_seconds", "Longest request the master handled", value=s["max_request_s"]
+        )
         for name, help_text in (
             ("hits", "Gets that found the object"),
             ("misses", "Gets that did not"),
@@ -37,8 +44,15 @@ class MasterCollector:
             ("spills", "Objects spilled to the SSD tier"),
             ("hot_replications", "Replicas added by the hot-key policy"),
             ("objects_lost", "Objects lost with their last replica"),
+            ("clients_dead", "Clients declared dead (missed heartbeats)"),
+            ("segments_reported", "Segments a reader reported unreachable"),
+            ("replicas_corrupt", "Replicas dropped because their bytes failed the checksum"),
+            ("master_stalls", "Times the master itself did not run for over a second"),
         ):
             yield CounterMetricFamily(f"kvpool_{name}", help_text, value=c.get(name, 0))
+        yield CounterMetricFamily(
+            "kvpool_puts_revoked", "Puts revoked after put_timeout_s", value=c.get("put_revoked_timeout", 0)
+        )
         used = GaugeMetricFamily(
             "kvpool_segment_used_bytes", "Allocated bytes per segment", labels=["segment"]
         )
