@@ -411,6 +411,8 @@ def test_metrics_endpoint() -> None:
         assert "kvpool_objects 1.0" in text
         assert "kvpool_hits_total 1.0" in text and "kvpool_misses_total 1.0" in text
         assert "kvpool_segment_used_bytes{segment=" in text
+        assert "kvpool_fenced_allocations 0.0" in text and "kvpool_clients_dead_total 0.0" in text
+        assert "kvpool_puts_revoked_total 0.0" in text and "kvpool_max_request_seconds " in text
         assert 'kvpool_rpc_calls_total{op="put_start"}' in text
 
 
