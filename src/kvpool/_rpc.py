@@ -128,6 +128,18 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _probe_http(target: tuple[str, int], timeout_s: float) -> bytes:
+    """The first bytes ``target`` sends back on a new connection that sends an HTTP request (b"" if
+    nothing within ``timeout_s``). A kvpool server answers with its binary hello and drops it."""
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return s.recv(64)
+    except OSError:
+        return b""
+
+
 class RpcClient:
     """One TCP connection to an RPC server; thread-safe (one call in flight), re-made after errors.
 
@@ -200,7 +212,7 @@ class RpcClient:
         self._sock = s
         self._rbuf = bytearray()
         try:
-            hello = self._recv(deadline, PRE_AUTH_MAX)
+            hello = self._recv_hello(deadline)
             if not isinstance(hello, dict) or hello.get("kvpool") != VERSION:
                 raise errors.ProtocolError(f"{self.address} is not a kvpool RPC server (version 1)")
             nonce = bytes(hello.get("nonce") or b"")
@@ -243,11 +255,36 @@ class RpcClient:
             raise
         except (OSError, ValueError) as exc:
             self._reset()
-            what = (
-                "did not answer the handshake in time" if isinstance(exc, TimeoutError) else f"failed ({exc})"
-            )
-            raise self._unavailable(f"{what}; is it running?") from None
+            if isinstance(exc, TimeoutError):
+                what = f"did not answer the handshake within {self.timeout_s:g}s (the RPC timeout)"
+            elif isinstance(exc, ConnectionError):
+                what = f"closed the connection during the handshake ({exc}): is it a kvpool master?"
+            else:
+                raise errors.ProtocolError(
+                    f"{self.what} at {self.address} answered with something that is not kvpool RPC "
+                    f"({exc}): check the address"
+                ) from None
+            raise self._unavailable(f"{what}; check the address and that it is running") from None
         return s
+
+    def _recv_hello(self, deadline: float) -> Any:
+        """The server's hello. A server that says nothing for a moment is probed on a second
+        connection: an HTTP server (etcd, a metadata server, vLLM...) is refused at once rather
+        than after the whole timeout."""
+        quick = min(deadline, time.monotonic() + 0.3)
+        try:
+            return self._recv(quick, PRE_AUTH_MAX)
+        except TimeoutError:
+            if quick >= deadline:
+                raise
+        answer = _probe_http(self._target, min(1.0, max(0.001, deadline - time.monotonic())))
+        if answer.startswith(b"HTTP/"):
+            first = answer.split(b"\r\n", 1)[0].decode("latin-1")
+            raise errors.ProtocolError(
+                f"{self.what} at {self.address} is an HTTP server ({first!r}), not a kvpool master: "
+                "check the address (the master's RPC port, default 50051)"
+            )
+        return self._recv(deadline, PRE_AUTH_MAX)
 
     def _sendall(self, data: bytes) -> None:
         assert self._sock is not None
@@ -300,10 +337,12 @@ class RpcClient:
                         break  # the server refused the stream (e.g. a message over its limit)
             except (OSError, ValueError) as exc:
                 self._reset()
-                what = "did not answer" if isinstance(exc, TimeoutError) else f"failed ({exc})"
-                raise self._unavailable(
-                    f"{what} {op!r} within {self.timeout_s:.1f}s; is it running?"
-                ) from None
+                what = (
+                    f"did not answer {op!r} within {self.timeout_s:g}s (the RPC timeout)"
+                    if isinstance(exc, TimeoutError)
+                    else f"failed {op!r} ({exc})"
+                )
+                raise self._unavailable(f"{what}; is it running?") from None
         if not reply.get("ok"):
             raise_for(reply.get("err", "ERROR"), reply.get("msg", "error"))
         return reply
@@ -446,7 +485,9 @@ class RpcServer:
             ls.bind(infos[0][4])
             ls.listen(512)
         except OSError as exc:
-            raise errors.InvalidArgument(f"cannot listen on {host}:{port}: {exc}") from None
+            raise errors.InvalidArgument(
+                f"cannot listen on {host}:{port}: {exc}; pick another --port or stop what is using it"
+            ) from None
         ls.setblocking(False)
         self._listen = ls
         self.port: int = ls.getsockname()[1]

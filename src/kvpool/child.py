@@ -4,9 +4,14 @@ by PID."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import sys
+import threading
 from typing import Any
+
+from kvpool import errors
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,6 +48,16 @@ def cli_flags(options: dict[str, Any]) -> list[str]:
     return out
 
 
+def _write_stderr(text: str) -> None:
+    if not text:
+        return
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # our stderr is gone (closed pipe, replaced stream)
+        pass
+
+
 class ChildProcess:
     """A child that prints one JSON line (``self.info``) when ready.
 
@@ -55,20 +70,69 @@ class ChildProcess:
 
     def __init__(self, cmd: list[str], stdin: bool = True) -> None:
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE, text=True
+            cmd,
+            stdin=subprocess.PIPE if stdin else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert self.proc.stdout is not None
+        # The child's stderr is held back until it is ready (so a start failure is reported once,
+        # as the child's own error), then passed through to ours.
+        self._early_err: list[str] = []
+        self._ready = threading.Event()
+        self._err_lock = threading.Lock()
+        self._err_thread = threading.Thread(target=self._pump_stderr, daemon=True)
+        self._err_thread.start()
         while True:  # skip anything that is not our JSON line (e.g. build tool chatter)
             line = self.proc.stdout.readline()
             if line.startswith("{"):
                 break
             if not line:
                 stop_process(self.proc)
-                raise self.start_error(
-                    f"{' '.join(cmd[1:4])} exited with {self.proc.returncode} before it was ready"
-                )
+                self._err_thread.join(5)
+                raise self._start_failure(cmd)
+        self._release_stderr()
         self.info: dict[str, Any] = json.loads(line)
         self.pid: int = self.info.get("pid", self.proc.pid)
+
+    def _pump_stderr(self) -> None:
+        err = self.proc.stderr
+        assert err is not None
+        for line in err:
+            with self._err_lock:
+                if not self._ready.is_set():
+                    self._early_err.append(line)
+                    if len(self._early_err) > 200:
+                        del self._early_err[:100]
+                    continue
+            _write_stderr(line)
+
+    def _release_stderr(self) -> None:
+        with self._err_lock:
+            self._ready.set()
+            _write_stderr("".join(self._early_err))
+            self._early_err.clear()
+
+    def _start_failure(self, cmd: list[str]) -> Exception:
+        """The child's own error (its ``kvpool: Type: message`` line, or its last stderr line) as
+        an exception: the same kvpool error type where it names one, else ``start_error``."""
+        lines = [x.strip() for x in self._early_err if x.strip()]
+        what = " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(cmd[:4]))
+        debug = os.environ.get("KVPOOL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+        if debug:
+            sys.stderr.writelines(x + "\n" for x in lines)
+        for x in reversed(lines):
+            if x.startswith("kvpool: ") and x.count(": ") >= 2:
+                _, name, msg = x.split(": ", 2)
+                from kvpool import cli_errors
+
+                typ = getattr(errors, name, None) or getattr(cli_errors, name, None)
+                if isinstance(typ, type) and issubclass(typ, errors.KvpoolError):
+                    return typ(msg)
+                return self.start_error(f"{what} failed at start: {name}: {msg}")
+        last = lines[-1] if lines else f"exit status {self.proc.returncode}, nothing on stderr"
+        return self.start_error(f"{what} exited with {self.proc.returncode} before it was ready: {last}")
 
     def ask(self, line: str) -> dict[str, Any]:
         """Send one command line, read its one-line JSON answer."""
@@ -94,6 +158,7 @@ class ChildProcess:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         stop_process(self.proc)
+        self._err_thread.join(1.0)
         for f in (self.proc.stdout, stdin):
             if f is not None and not f.closed:
                 try:

@@ -8,15 +8,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.errors import KvpoolError
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}".replace(".0 ", " ")
-        n /= 1024
-    return f"{n} B"
+from kvpool._sizes import EXAMPLES as SIZES
+from kvpool._sizes import check_memory, size_arg
+from kvpool._sizes import human as _human
+from kvpool.cli_errors import CliParser, UsageError, number_arg, port_arg, run_main
 
 
 def _with_progress(label: str, quiet: bool, run: Callable[[Any], Any]) -> Any:
@@ -33,16 +28,25 @@ def _with_progress(label: str, quiet: bool, run: Callable[[Any], Any]) -> Any:
         return run(lambda f: prog.update(task, completed=f))
 
 
+def _check_rdma(protocols: tuple[str, ...] | list[str]) -> None:
+    """Fail at once (ProtocolUnavailable) when RDMA is asked for and pyverbs cannot be loaded."""
+    if "rdma" in protocols:
+        from kvpool.transfer.rdma.verbs import load_verbs
+
+        load_verbs("pyverbs")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Two engines in separate processes move ≥1 GiB each way per path and verify checksums."""
     from rich.console import Console
     from rich.table import Table
 
-    from kvpool.transfer.bench import parse_size, run_demo
+    from kvpool.transfer.bench import run_demo
 
     console = Console(width=max(100, Console().width))
-    total = parse_size(args.bytes)
-    protocols = tuple(args.protocols.split(","))
+    total = args.bytes
+    protocols = args.protocols
+    _check_rdma(protocols)
     console.print(
         f"[bold]kvpool demo[/]: two processes on loopback, {_human(total)} each way per path, "
         f"block sizes 64 KiB / 512 KiB / 4 MiB, batches of 32, xxh3 checksums"
@@ -106,8 +110,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     """Benchmark the transfer engine between two processes."""
 
-    from kvpool.transfer.bench import parse_size, run_transfer_bench
+    from kvpool.transfer.bench import run_transfer_bench
 
+    _check_rdma([args.protocol])
+    for bs in args.block_size:
+        check_memory(2 * bs * args.batch_size * args.threads, "--block-size x --batch-size x --threads (x2: "
+                     "this process and the target)")  # fmt: skip
     opts = {}
     if args.secret:
         opts["secret"] = args.secret
@@ -115,7 +123,7 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     for bs in args.block_size:
         for op in args.op:
             kw = dict(
-                block_size=parse_size(bs),
+                block_size=bs,
                 batch_size=args.batch_size,
                 operation=op,
                 duration_s=args.duration,
@@ -125,7 +133,7 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
                 **opts,
             )
             res = _with_progress(
-                f"{op} {bs}", args.json, lambda p, kw=kw: run_transfer_bench(**kw, progress=p)
+                f"{op} {_human(bs)}", args.json, lambda p, kw=kw: run_transfer_bench(**kw, progress=p)
             )
             results.append(res.as_dict())
             if not args.json:
@@ -179,15 +187,14 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     """Benchmark the store across three processes."""
 
     from kvpool.store.bench import run_store_bench
-    from kvpool.transfer.bench import parse_size
 
     results = []
     for vs in args.value_size:
         res = _with_progress(
-            f"store {vs}",
+            f"store {_human(vs)}",
             args.json,
             lambda p, vs=vs: run_store_bench(
-                parse_size(vs), args.duration, args.protocol, progress=p, checksum=args.checksum
+                vs, args.duration, args.protocol, progress=p, checksum=args.checksum
             ),
         )
         results.append(res)
@@ -249,115 +256,224 @@ def cmd_topology(args: argparse.Namespace) -> int:
     return 0
 
 
+MASTER_HELP: dict[str, str] = {
+    "host": "address to bind the RPC port on",
+    "port": "RPC port (0 = any free port)",
+    "metrics_port": "Prometheus /metrics HTTP port (0 = any free port; default: off)",
+    "eviction_high_watermark": "fraction of pool capacity above which eviction starts",
+    "eviction_ratio": "fraction of pool capacity each eviction round frees",
+    "lease_ttl_ms": "milliseconds a read lease protects an object from being freed",
+    "client_ttl_s": "seconds of silence after which a client is dead and its segments unmounted",
+    "put_timeout_s": "seconds after which an uncommitted put is revoked",
+    "quarantine_s": "seconds space taken back from an unfinished writer stays unused",
+    "fence_hold_s": "seconds after which space of a writer that never confirmed is reused",
+    "max_batch": "most keys one request may carry",
+    "evict_batch": "most objects one eviction step looks at",
+    "secret": "shared secret every RPC must carry (default: none)",
+    "hot_key_replication": "raise the replica count of the hottest keys automatically",
+    "hot_window_s": "seconds of access counts the hot-key policy looks at",
+    "hot_interval_s": "seconds between runs of the hot-key policy",
+    "hot_max_replicas": "replicas given to hot keys",
+    "alignment": "allocation alignment inside segments, in bytes",
+    "max_message": "biggest RPC message accepted from an authenticated client, in bytes",
+    "idle_timeout_s": "seconds an idle RPC connection stays open",
+    "max_connections": "open RPC connections kept",
+}
+
+MASTER_EXAMPLES = """examples:
+  kvpool master                                   # 127.0.0.1:50051, prints {"address": ...}
+  kvpool master --host 0.0.0.0 --port 50051 --metrics-port 9100 --secret "$KVPOOL_SECRET"
+  kvpool master --hot-key-replication --hot-max-replicas 4
+"""
+
+PROXY_EXAMPLES = """examples:
+  kvpool proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+  kvpool proxy --prefill http://p1:8100 http://p2:8100 --decode http://d1:8200 --timeout-s 600
+then: curl http://127.0.0.1:8000/v1/completions -d '{"model": ..., "prompt": "hi"}'
+"""
+
+
+def _protocols(text: str) -> tuple[str, ...]:
+    out = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in out if p not in ("tcp", "auto", "rdma")]
+    if bad or not out:
+        raise UsageError(f"--protocols: unknown protocol {bad[0] if bad else text!r}; use tcp, auto or rdma")
+    return out
+
+
+def _existing_file(option: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        from pathlib import Path
+
+        if not Path(text).is_file():
+            raise UsageError(f"{option}: no such file {text!r}; check the path")
+        return text
+
+    parse.__name__ = "file"
+    return parse
+
+
+def _add_master_options(ma: argparse.ArgumentParser) -> None:
+    from kvpool.config import MasterConfig
+
+    for name, field in MasterConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = field.default
+        text = MASTER_HELP.get(name, "see MasterConfig")
+        if field.annotation is bool:
+            ma.add_argument(flag, action="store_true", default=None, help=text)
+            continue
+        shown = "off" if default is None else _human(default) if name in ("max_message",) else default
+        help_text = text if "default" in text else f"{text} (default {shown})"
+        kw: dict[str, Any] = {"default": None, "help": help_text}
+        if name in ("max_message", "alignment"):
+            kw.update(type=size_arg(flag), metavar="SIZE")
+        elif name in ("host", "secret"):
+            kw["metavar"] = name.upper()
+        elif name.endswith("port"):
+            kw.update(type=port_arg(flag), metavar="PORT")
+        elif isinstance(default, float) or name.endswith("_s") or "ratio" in name or "watermark" in name:
+            unit = "SECONDS" if name.endswith("_s") else "X"
+            kw.update(type=number_arg(flag, float, minimum=0), metavar=unit)
+        else:
+            kw.update(type=number_arg(flag, int, minimum=0), metavar="N")
+        ma.add_argument(flag, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser."""
-    ap = argparse.ArgumentParser(
-        prog="kvpool", description="KV cache pooling: transfer engine, store, connectors"
+    ap = CliParser(
+        prog="kvpool",
+        description="KV cache pooling: transfer engine, store, connectors.\n"
+        f"Sizes take units everywhere ({SIZES}). Errors print one line and exit 2 (usage) or 1.",
+        epilog="add --debug (or set KVPOOL_DEBUG=1) to any command to see tracebacks",
     )
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="move >=1 GiB between two processes, verify, print a table")
-    demo.add_argument("--bytes", default="1G", help="bytes per direction per path (default 1G)")
-    demo.add_argument("--protocols", default="tcp,auto", help="comma-separated protocols (default tcp,auto)")
+    demo.add_argument(
+        "--bytes", type=size_arg("--bytes"), default=1 << 30, metavar="SIZE",
+        help="bytes moved each way per protocol, spread over 3 block sizes (default 1G)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--protocols", type=_protocols, default=("tcp", "auto"), metavar="LIST",
+        help="comma-separated: tcp, auto (same-host path), rdma (default tcp,auto)",
+    )  # fmt: skip
     demo.add_argument("--no-store", action="store_true", help="skip the store part")
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: transfer, store, trace")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     bt = bsub.add_parser("transfer", help="two-process transfer engine benchmark")
-    bt.add_argument("--block-size", nargs="+", default=["1M"], help="one or more sizes, e.g. 64K 1M 4M")
-    bt.add_argument("--batch-size", type=int, default=32)
-    bt.add_argument("--op", nargs="+", choices=["write", "read"], default=["write"])
-    bt.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    bt.add_argument("--protocol", choices=["tcp", "auto", "rdma"], default="tcp")
-    bt.add_argument("--threads", type=int, default=2, help="initiator threads")
-    bt.add_argument("--sync", action="store_true", help="one transfer_sync call per request (latency)")
-    bt.add_argument("--secret", default=None)
-    bt.add_argument("--json", action="store_true", help="machine-readable output")
+    bt.add_argument(
+        "--block-size", nargs="+", type=size_arg("--block-size"), default=[1 << 20], metavar="SIZE",
+        help="one or more request sizes, e.g. 64K 1M 4M (default 1M)",
+    )  # fmt: skip
+    bt.add_argument("--batch-size", type=number_arg("--batch-size"), default=32, metavar="N",
+                    help="requests per batch (default 32)")  # fmt: skip
+    bt.add_argument("--op", nargs="+", choices=["write", "read"], default=["write"],
+                    help="operations to measure, one after the other (default write)")  # fmt: skip
+    bt.add_argument("--duration", type=number_arg("--duration", float), default=5.0, metavar="SECONDS",
+                    help="seconds per measurement (default 5)")  # fmt: skip
+    bt.add_argument("--protocol", choices=["tcp", "auto", "rdma"], default="tcp",
+                    help="tcp, auto (same-host path) or rdma (default tcp)")  # fmt: skip
+    bt.add_argument("--threads", type=number_arg("--threads"), default=2, metavar="N",
+                    help="initiator threads (default 2)")  # fmt: skip
+    bt.add_argument(
+        "--sync", action="store_true",
+        help="each request is its own transfer_sync call; P50/P99 still cover a whole batch",
+    )  # fmt: skip
+    bt.add_argument("--secret", default=None, help="shared secret of both engines (default: none)")
+    bt.add_argument("--json", action="store_true", help="machine-readable output (no progress)")
     bt.set_defaults(func=cmd_bench_transfer)
 
     bs = bsub.add_parser("store", help="store benchmark: master, storage client and this process")
-    bs.add_argument("--value-size", nargs="+", default=["4K", "1M"])
-    bs.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
-    bs.add_argument("--protocol", choices=["tcp", "auto"], default="auto")
-    bs.add_argument("--json", action="store_true")
+    bs.add_argument("--value-size", nargs="+", type=size_arg("--value-size"), default=[4 << 10, 1 << 20],
+                    metavar="SIZE", help="one or more object sizes (default 4K 1M)")  # fmt: skip
+    bs.add_argument("--duration", type=number_arg("--duration", float), default=5.0, metavar="SECONDS",
+                    help="seconds per phase (default 5)")  # fmt: skip
+    bs.add_argument("--protocol", choices=["tcp", "auto"], default="auto",
+                    help="tcp or auto (same-host path; default auto)")  # fmt: skip
+    bs.add_argument("--json", action="store_true", help="machine-readable output (no progress)")
     bs.add_argument("--checksum", action="store_true", help="xxh3 for every object (StoreConfig.checksum)")
     bs.set_defaults(func=cmd_bench_store)
 
     bt2 = bsub.add_parser(
         "trace", help="replay a conversation trace through the store; hit rate per pool size"
     )
-    bt2.add_argument("--trace", default=None, help="JSONL trace (default: ../shared/traces/... or synthetic)")
-    bt2.add_argument("--pool-blocks", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    bt2.add_argument("--block-bytes", type=int, default=4096)
-    bt2.add_argument("--max-requests", type=int, default=None)
-    bt2.add_argument("--json", action="store_true")
+    bt2.add_argument(
+        "--trace", type=_existing_file("--trace"), default=None, metavar="FILE",
+        help="JSONL trace; default: shared/traces/conversation_trace.jsonl found from the current "
+        "directory up, else a synthetic trace (the first line printed says which)",
+    )  # fmt: skip
+    bt2.add_argument("--pool-blocks", type=number_arg("--pool-blocks"), nargs="+", metavar="N",
+                     default=[1024, 4096, 16384, 65536],
+                     help="pool sizes in blocks (default 1024 4096 16384 65536)")  # fmt: skip
+    bt2.add_argument("--block-bytes", type=size_arg("--block-bytes"), default=4096, metavar="SIZE",
+                     help="bytes per KV block (default 4K)")  # fmt: skip
+    bt2.add_argument("--max-requests", type=number_arg("--max-requests"), default=None, metavar="N",
+                     help="replay only the first N requests (default: all)")  # fmt: skip
+    bt2.add_argument("--json", action="store_true", help="machine-readable output")
     bt2.set_defaults(func=cmd_bench_trace)
 
-    ma = sub.add_parser("master", help="run the store master")
-    ma.add_argument("--host", default="127.0.0.1")
-    ma.add_argument("--port", type=int, default=50051)
-    ma.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = any)")
-    ma.add_argument("--eviction-high-watermark", type=float, default=None)
-    ma.add_argument("--eviction-ratio", type=float, default=None)
-    ma.add_argument("--lease-ttl-ms", type=int, default=None)
-    ma.add_argument("--client-ttl-s", type=float, default=None)
-    ma.add_argument("--put-timeout-s", type=float, default=None)
-    ma.add_argument("--secret", default=None)
-    ma.add_argument("--hot-key-replication", action="store_true", default=None)
-    ma.add_argument("--hot-interval-s", type=float, default=None)
-    ma.add_argument("--hot-window-s", type=float, default=None)
-    ma.add_argument("--hot-max-replicas", type=int, default=None)
-    for flag, typ in (("--quarantine-s", float), ("--fence-hold-s", float), ("--max-batch", int),
-                      ("--evict-batch", int), ("--max-message", int), ("--idle-timeout-s", float),
-                      ("--max-connections", int)):  # fmt: skip
-        ma.add_argument(flag, type=typ, default=None, help="see MasterConfig")
+    ma = sub.add_parser("master", help="run the store master", description="Run the store master "
+                        "until SIGTERM/SIGINT; prints one JSON line with its address when ready.",
+                        epilog=MASTER_EXAMPLES)  # fmt: skip
+    _add_master_options(ma)
     ma.set_defaults(func=cmd_master)
 
-    # Parsed by kvpool.store.server itself (see main()); listed here for --help.
+    # Parsed by kvpool.store.server itself (see _main()); listed here for --help.
     sub.add_parser("store-server", help="contribute memory (and SSD) to the pool (see store-server --help)")
 
     ms = sub.add_parser("metadata-server", help="HTTP metadata server for segment descriptors")
-    ms.add_argument("--host", default="127.0.0.1")
-    ms.add_argument("--port", type=int, default=8080)
+    ms.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    ms.add_argument("--port", type=port_arg("--port"), default=8080, metavar="PORT",
+                    help="TCP port (default 8080; 0 = any)")  # fmt: skip
     ms.set_defaults(func=cmd_metadata_server)
 
-    px = sub.add_parser("proxy", help="OpenAI-compatible prefill/decode disaggregation proxy for vLLM")
+    px = sub.add_parser("proxy", help="OpenAI-compatible prefill/decode disaggregation proxy for vLLM",
+                        epilog=PROXY_EXAMPLES)  # fmt: skip
     px.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill vLLM base URLs")
     px.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode vLLM base URLs")
-    px.add_argument("--host", default="127.0.0.1")
-    px.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any)")
-    px.add_argument("--timeout-s", type=float, default=300.0, help="longest wait for a backend to send")
-    px.add_argument("--health-interval-s", type=float, default=5.0, help="backend health polls (0 = off)")
-    px.add_argument("--connect-timeout-s", type=float, default=10.0)
-    px.add_argument("--max-connections", type=int, default=1024, help="connections to backends, total")
-    px.add_argument("--log-level", default="INFO")
+    px.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    px.add_argument("--port", type=port_arg("--port"), default=8000, metavar="PORT",
+                    help="port to bind (default 8000; 0 = any)")  # fmt: skip
+    px.add_argument("--timeout-s", type=number_arg("--timeout-s", float), default=300.0, metavar="SECONDS",
+                    help="longest wait for a backend to send, in seconds (default 300)")  # fmt: skip
+    px.add_argument("--health-interval-s", type=number_arg("--health-interval-s", float, minimum=0),
+                    default=5.0, metavar="SECONDS",
+                    help="seconds between backend health polls (0 = off; default 5)")  # fmt: skip
+    px.add_argument("--connect-timeout-s", type=number_arg("--connect-timeout-s", float), default=10.0,
+                    metavar="SECONDS", help="seconds to connect to a backend (default 10)")  # fmt: skip
+    px.add_argument("--max-connections", type=number_arg("--max-connections"), default=1024, metavar="N",
+                    help="connections to backends, total (default 1024)")  # fmt: skip
+    px.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    type=str.upper, help="log level (default INFO)")  # fmt: skip
     px.set_defaults(func=cmd_proxy)
 
     tp = sub.add_parser("topology", help="print the RDMA NIC topology matrix (Mooncake JSON format)")
     tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
     tp.add_argument("--file", default=None, help="read (and validate) this topology JSON instead")
-    tp.add_argument("--devices", default=None, help="comma-separated NIC allow-list")
+    tp.add_argument("--devices", default=None, help="comma-separated NIC allow-list (default: all)")
     tp.add_argument("--json", action="store_true", help="compact JSON only")
     tp.set_defaults(func=cmd_topology)
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvpool`` command."""
-    argv = sys.argv[1:] if argv is None else argv
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["store-server"]:
         from kvpool.store import server
 
         return server.main(argv[1:])
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except KvpoolError as exc:
-        print(f"kvpool: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return int(args.func(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvpool`` command: errors become one line ``kvpool: Type: message`` and
+    exit status 2 (usage) or 1 (runtime); ``--debug`` or ``KVPOOL_DEBUG=1`` shows tracebacks."""
+    return run_main(_main, argv)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,20 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvpool._sizes import Bytes
 from kvpool.errors import ConfigError
 
 _C = TypeVar("_C", bound="_ConfigBase")
+
+
+def _one_line(exc: ValidationError) -> str:
+    """``field = value: what is wrong; ...`` for every error in ``exc``."""
+    parts = []
+    for e in exc.errors(include_url=False):
+        where = ".".join(str(x) for x in e["loc"]) or "value"
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where} = {e['input']!r}: {msg}" if e["type"] != "missing" else f"{where}: {msg}")
+    return "; ".join(parts)
 
 
 class _ConfigBase(BaseModel):
@@ -26,7 +37,7 @@ class _ConfigBase(BaseModel):
         try:
             super().__init__(**kwargs)
         except ValidationError as exc:
-            raise ConfigError(f"invalid {type(self).__name__}: {exc}") from None
+            raise ConfigError(f"invalid {type(self).__name__}: {_one_line(exc)}") from None
 
     @classmethod
     def from_json(cls: type[_C], path: str | os.PathLike[str], **overrides: Any) -> _C:
@@ -121,13 +132,13 @@ class TransferConfig(_ConfigBase):
     name: str | None = None
     secret: str | None = None
     lanes: int = Field(default=2, ge=1, le=64)
-    slice_size: int = Field(default=1 << 20, ge=4096, le=1 << 30)
+    slice_size: Bytes = Field(default=1 << 20, ge=4096, le=1 << 30)
     timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
-    max_frame: int = Field(default=256 << 20, ge=1 << 16)
+    max_frame: Bytes = Field(default=256 << 20, ge=1 << 16)
     same_host: bool = True
     rdma_verbs: Literal["pyverbs", "double"] = "pyverbs"
-    rdma_slice_size: int = Field(default=64 << 10, ge=4096, le=1 << 30)
+    rdma_slice_size: Bytes = Field(default=64 << 10, ge=4096, le=1 << 30)
     rdma_topology: str | None = None
     rdma_gid_index: int | None = Field(default=None, ge=0, le=255)
     rdma_mtu: int | None = None
@@ -137,7 +148,7 @@ class TransferConfig(_ConfigBase):
     rdma_chain: int = Field(default=32, ge=1, le=1024)
     rdma_sq_depth: int = Field(default=256, ge=1, le=16384)
     device_runtime: Literal["auto", "torch", "cupy", "fake"] = "auto"
-    staging_pool_size: int = Field(default=64 << 20, ge=1 << 16)
+    staging_pool_size: Bytes = Field(default=64 << 20, ge=1 << 16)
 
     @field_validator("rdma_mtu")
     @classmethod
@@ -201,8 +212,8 @@ class MasterConfig(_ConfigBase):
     hot_window_s: float = Field(default=10.0, gt=0)
     hot_interval_s: float = Field(default=1.0, gt=0)
     hot_max_replicas: int = Field(default=3, ge=1)
-    alignment: int = Field(default=64, ge=1)
-    max_message: int = Field(default=2 << 20, ge=1 << 16)
+    alignment: Bytes = Field(default=64, ge=1)
+    max_message: Bytes = Field(default=2 << 20, ge=1 << 16)
     idle_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=4096, ge=16)
 
@@ -231,8 +242,8 @@ class StoreConfig(_ConfigBase):
 
     master: str | None = None
     hostname: str = "127.0.0.1"
-    segment_size: int = Field(default=64 << 20, ge=0)
-    buffer_size: int = Field(default=64 << 20, ge=1 << 16)
+    segment_size: Bytes = Field(default=64 << 20, ge=0)
+    buffer_size: Bytes = Field(default=64 << 20, ge=1 << 16)
     protocol: Literal["auto", "tcp", "rdma"] = "auto"
     metadata: str = "p2p"
     secret: str | None = None

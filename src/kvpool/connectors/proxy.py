@@ -662,7 +662,7 @@ async def _serve(proxy: PDProxy, host: str, port: int) -> int:
         bound = await proxy.start(host, port)
     except OSError as exc:
         print(
-            f"kvpool proxy: cannot bind {host}:{port}: {exc.strerror or exc}; "
+            f"kvpool: {type(exc).__name__}: proxy cannot bind {host}:{port}: {exc.strerror or exc}; "
             "pick another --port or stop what is using it",
             file=sys.stderr,
             flush=True,
@@ -733,5 +733,5 @@ def main(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
         )
     except ValueError as exc:
-        print(f"kvpool proxy: {exc}", file=sys.stderr)
+        print(f"kvpool: InvalidArgument: proxy: {exc}", file=sys.stderr)
         return 2

@@ -15,23 +15,72 @@ import threading
 
 from kvpool.store.client import Store
 
+EXAMPLES = """examples:
+  kvpool master --port 50051 &
+  kvpool store-server --master 127.0.0.1:50051 --segment-size 4G
+  kvpool store-server --master 10.0.0.1:50051 --hostname 10.0.0.2 --segment-size 64G \\
+      --protocol rdma --ssd-dir /mnt/nvme/kvpool --secret "$KVPOOL_SECRET"
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpool store-server`` argument parser."""
+    from kvpool._sizes import EXAMPLES as SIZES
+    from kvpool._sizes import size_arg
+    from kvpool.cli_errors import CliParser, host_port_arg
+
+    ap = CliParser(prog="kvpool store-server", description=__doc__, epilog=EXAMPLES)
+    ap.add_argument(
+        "--master", required=True, type=host_port_arg("--master"), metavar="HOST:PORT",
+        help="address of `kvpool master` (required)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--hostname", default="127.0.0.1", help="address serving this process's memory (default 127.0.0.1)"
+    )
+    ap.add_argument(
+        "--segment-size", type=size_arg("--segment-size", allow_zero=True), default=1 << 30, metavar="SIZE",
+        help=f"bytes of DRAM contributed to the pool ({SIZES}; 0 = none; default 1G)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--buffer-size", type=size_arg("--buffer-size"), default=64 << 20, metavar="SIZE",
+        help="registered staging buffer for this client's own puts/gets (default 64M)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--protocol", choices=["auto", "tcp", "rdma"], default="auto",
+        help="transport: auto = same-host path for local peers, else TCP (default auto)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--metadata", default="p2p", help="metadata: p2p, http://, etcd:// or redis:// URL (default p2p)"
+    )
+    ap.add_argument("--secret", default=None, help="shared secret of the master and engines (default: none)")
+    ap.add_argument("--ssd-dir", default=None, help="directory contributed as the SSD tier (default: none)")
+    ap.add_argument(
+        "--heartbeat-s", type=float, default=1.0, metavar="SECONDS", help="heartbeat period (default 1)"
+    )
+    ap.add_argument(
+        "--transfer-timeout-s", type=float, default=None, metavar="SECONDS",
+        help="transfer timeout in seconds (default: StoreConfig's, 10)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--rpc-timeout-s", type=float, default=None, metavar="SECONDS",
+        help="master RPC timeout in seconds (default: StoreConfig's, 5)",
+    )  # fmt: skip
+    ap.add_argument("--stdin", action="store_true", help="exit when stdin closes (for tests and scripts)")
+    return ap
+
 
 def main(argv: list[str] | None = None) -> int:
     """Mount a segment and keep it served."""
-    ap = argparse.ArgumentParser(prog="kvpool store-server", description=__doc__)
-    ap.add_argument("--master", required=True, help="host:port of the master")
-    ap.add_argument("--hostname", default="127.0.0.1")
-    ap.add_argument("--segment-size", type=int, default=1 << 30)
-    ap.add_argument("--buffer-size", type=int, default=64 << 20)
-    ap.add_argument("--protocol", default="auto")
-    ap.add_argument("--metadata", default="p2p")
-    ap.add_argument("--secret", default=None)
-    ap.add_argument("--ssd-dir", default=None)
-    ap.add_argument("--heartbeat-s", type=float, default=1.0)
-    ap.add_argument("--transfer-timeout-s", type=float, default=None)
-    ap.add_argument("--rpc-timeout-s", type=float, default=None)
-    ap.add_argument("--stdin", action="store_true", help="exit when stdin closes")
-    args = ap.parse_args(argv)
+    from kvpool._sizes import check_memory
+    from kvpool.cli_errors import UsageError
+
+    args = build_parser().parse_args(argv)
+    for name in ("heartbeat_s", "transfer_timeout_s", "rpc_timeout_s"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be more than 0 seconds, got {v}")
+    check_memory(args.segment_size + args.buffer_size, "--segment-size plus --buffer-size",
+                 locked=args.protocol == "rdma")  # fmt: skip
     store = Store.connect(
         master=args.master,
         hostname=args.hostname,
@@ -58,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvpool.cli_errors import run_main
+
+    raise SystemExit(run_main(main))

@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         server = MetadataServer(args.host, args.port, args.max_body_bytes)
     except OSError as exc:
         print(
-            f"kvpool metadata-server: cannot bind {args.host}:{args.port}: {exc.strerror or exc}; "
+            f"kvpool: {type(exc).__name__}: metadata-server cannot bind {args.host}:{args.port}: "
+            f"{exc.strerror or exc}; "
             f"pick another --port or stop what is using it",
             file=sys.stderr,
             flush=True,

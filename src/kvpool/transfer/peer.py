@@ -11,7 +11,6 @@ on stdin, one per line, each with one JSON line on stdout:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -26,8 +25,11 @@ from kvpool.transfer.engine import TransferEngine
 
 def main(argv: list[str] | None = None) -> int:
     """Serve one buffer until stdin closes."""
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--size", type=int, required=True)
+    from kvpool._sizes import size_arg
+    from kvpool.cli_errors import CliParser
+
+    ap = CliParser(prog="python -m kvpool.transfer.peer", description=__doc__)
+    ap.add_argument("--size", type=size_arg("--size"), required=True, help="bytes of the buffer served")
     ap.add_argument("--hostname", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--protocol", default="auto")
@@ -125,4 +127,6 @@ class PeerProcess(ChildProcess):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvpool.cli_errors import run_main
+
+    raise SystemExit(run_main(main))
