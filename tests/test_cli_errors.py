@@ -11,6 +11,7 @@ a trace replay that never ended); per-case wall times against the 1 s target are
 # ruff: noqa: E501 - the case table reads best one case per line
 from __future__ import annotations
 
+import contextlib
 import http.server
 import importlib.util
 import os
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -83,7 +85,7 @@ def _cases() -> list[Case]:
           2, "UsageError", "--rpc-timeout-s"),
         c("ss-protocol-foo", ["store-server", "--master", "127.0.0.1:1", "--protocol", "foo"], 2, "UsageError"),
         c("ss-engine-port", ["store-server", "--master", "127.0.0.1:{engine}", "--segment-size", "1M"],
-          1, "", "127.0.0.1:{engine}"),
+          1, "ProtocolError", "not a kvpool master"),
         c("ss-silent-port", ["store-server", "--master", "127.0.0.1:{silent}", "--rpc-timeout-s", "0.5",
                              "--segment-size", "1M"], 1, "MasterUnavailable", "within 0.5s"),
         c("ss-wrong-secret", ["store-server", "--master", "{master}", "--secret", "s3", "--segment-size", "1M"],
@@ -154,17 +156,17 @@ class _Http(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+@contextlib.contextmanager
+def bad_input_places(tmp: Path) -> Iterator[dict[str, str]]:
     """Real things the cases point at: closed, busy (listening), silent (never answers), HTTP,
-    transfer-engine and master ports, and a garbage trace file."""
+    transfer-engine and master ports, and a garbage trace file (also used by the benchmark)."""
     busy = socket.create_server(("127.0.0.1", 0))
     silent = socket.create_server(("127.0.0.1", 0), backlog=16)  # accepted by the kernel, never answered
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Http)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     engine = TransferEngine(protocol="tcp")
     master = MasterProcess()
-    garbage = tmp_path_factory.mktemp("cli") / "garbage.jsonl"
+    garbage = tmp / "garbage.jsonl"
     garbage.write_text("this is not JSON\n")
     try:
         yield {
@@ -183,6 +185,12 @@ def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
         httpd.server_close()
         busy.close()
         silent.close()
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with bad_input_places(tmp_path_factory.mktemp("cli")) as p:
+        yield p
 
 
 def run_kvpool(
@@ -207,13 +215,13 @@ def run_kvpool(
     return out, time.monotonic() - t0
 
 
-def _fill(text: str, places: dict[str, str]) -> str:
+def fill(text: str, places: dict[str, str]) -> str:
     return text.format(**places) if "{" in text else text
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_line(case: Case, places: dict[str, str]) -> None:
-    args = [_fill(a, places) for a in case.args]
+    args = [fill(a, places) for a in case.args]
     out, _ = run_kvpool(args, case.env, case.memlock)
     assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr
     lines = out.stderr.strip().splitlines()
@@ -223,7 +231,7 @@ def test_bad_input_is_one_line(case: Case, places: dict[str, str]) -> None:
     assert out.returncode == case.rc, lines[0]
     if case.error:
         assert m.group(1) == case.error, lines[0]
-    assert _fill(case.says, places) in m.group(2), lines[0]
+    assert fill(case.says, places) in m.group(2), lines[0]
 
 
 def test_matrix_is_big_enough() -> None:

@@ -128,16 +128,21 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _probe_http(target: tuple[str, int], timeout_s: float) -> bytes:
-    """The first bytes ``target`` sends back on a new connection that sends an HTTP request (b"" if
-    nothing within ``timeout_s``). A kvpool server answers with its binary hello and drops it."""
+def _probe_http(target: tuple[str, int], timeout_s: float) -> bytes | None:
+    """What ``target`` sends back on a new connection that sends an HTTP request: its first bytes,
+    b"" when it closes the connection without a word, None when it says nothing within
+    ``timeout_s``. A kvpool RPC server sends its binary hello first (and then drops this one)."""
     try:
         with socket.create_connection(target, timeout=timeout_s) as s:
             s.settimeout(timeout_s)
             s.sendall(b"GET / HTTP/1.0\r\n\r\n")
             return s.recv(64)
-    except OSError:
+    except TimeoutError:
+        return None
+    except ConnectionError:
         return b""
+    except OSError:
+        return None
 
 
 class RpcClient:
@@ -278,7 +283,13 @@ class RpcClient:
             if quick >= deadline:
                 raise
         answer = _probe_http(self._target, min(1.0, max(0.001, deadline - time.monotonic())))
-        if answer.startswith(b"HTTP/"):
+        if answer == b"":
+            raise errors.ProtocolError(
+                f"{self.what} at {self.address} sends no kvpool hello and closes connections: it is "
+                "not a kvpool master (a transfer engine or another service?) or one at its "
+                "connection limit; check the address (the master's RPC port, default 50051)"
+            )
+        if answer is not None and answer.startswith(b"HTTP/"):
             first = answer.split(b"\r\n", 1)[0].decode("latin-1")
             raise errors.ProtocolError(
                 f"{self.what} at {self.address} is an HTTP server ({first!r}), not a kvpool master: "
@@ -361,6 +372,13 @@ class RpcClient:
             except OSError as exc:
                 self._reset()
                 raise self._unavailable(f": send failed ({exc})") from None
+
+    def check(self) -> dict[str, Any]:
+        """Connect and authenticate now (typed error if that fails); return the server's hello.
+        Lets a command refuse a wrong address before it allocates anything."""
+        with self._lock:
+            self._socket(time.monotonic() + self.timeout_s)
+            return dict(self.hello)
 
     def mark_bound(self, attach: dict[str, Any] | None) -> None:
         """The current connection is now bound to ``attach`` (a session it created itself)."""

@@ -81,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be more than 0 seconds, got {v}")
     check_memory(args.segment_size + args.buffer_size, "--segment-size plus --buffer-size",
                  locked=args.protocol == "rdma")  # fmt: skip
+    # Is it a kvpool master (and do the secrets match)? Asked before the segment is allocated.
+    from kvpool._rpc import RpcClient
+
+    probe = RpcClient(args.master, args.rpc_timeout_s or 5.0, args.secret, what="store master")
+    try:
+        probe.check()
+    finally:
+        probe.close()
     store = Store.connect(
         master=args.master,
         hostname=args.hostname,
