@@ -1,4 +1,6 @@
 #include "engine.h"
+#include "hmac.h"
+#include "server.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -19,6 +21,7 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <system_error>
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
 #endif
@@ -151,25 +154,36 @@ int dial(const std::string& host, uint16_t port, int timeout_ms) {
   return fd;
 }
 
-// Client side of the handshake. Returns ST_OK and the server incarnation.
+// Client side of the handshake (wire.h): answers the server's challenge with a proof of the secret
+// and checks the server's proof. Returns ST_OK and the server incarnation.
 int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation) {
-  std::string hello = encode_hello(secret, kProtoVersion);
-  int32_t st = send_all(fd, hello.data(), hello.size());
+  Challenge ch{};
+  int32_t st = recv_all(fd, &ch, sizeof(ch));
+  if (st != ST_OK) return st;  // closed at accept: over the server's connection bounds, or shutting down
+  if (ch.magic != kChallengeMagic) return ST_VERSION;
+  Hello h{};
+  h.hdr = HelloHdr{kHelloMagic, kProtoVersion, 0};
+  fill_random(h.nonce, kNonce);
+  if (!secret.empty()) {
+    std::string proof = hello_mac(secret, true, ch.nonce, h.nonce);
+    std::memcpy(h.proof, proof.data(), kMac);
+  }
+  st = send_all(fd, &h, sizeof(h));
   if (st != ST_OK) return st;
   HelloOk ok{};
   st = recv_all(fd, &ok, sizeof(ok));
-  if (st != ST_OK) return st == ST_PEER_CLOSED ? ST_AUTH : st;  // server closes on refusal
+  if (st != ST_OK) return st;
   if (ok.magic != kHelloOkMagic) return ST_BAD_FRAME;
   if (ok.status != ST_OK) return ok.status;
+  uint8_t server_proof[kMac];
+  st = recv_all(fd, server_proof, kMac);
+  if (st != ST_OK) return st;
+  if (!secret.empty()) {
+    std::string want = hello_mac(secret, false, h.nonce, ch.nonce);
+    if (!ct_equal(server_proof, kMac, want.data(), want.size())) return ST_PEER_UNPROVEN;
+  }
   *incarnation = ok.incarnation;
   return ST_OK;
-}
-
-bool ct_equal(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  unsigned char d = 0;
-  for (size_t i = 0; i < a.size(); ++i) d |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return d == 0;
 }
 
 // Copy that bypasses the cache for big copies (the destination is not read back soon and a cold
@@ -209,11 +223,17 @@ int state_for(int32_t st) { return st == ST_TIMEOUT ? S_TIMEOUT : (st == ST_CANC
 
 // ---------------------------------------------------------------- wire helpers
 
-std::string encode_hello(const std::string& secret, uint16_t version) {
-  HelloHdr h{kHelloMagic, version, static_cast<uint16_t>(std::min<size_t>(secret.size(), kMaxSecret))};
-  std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
-  out.append(secret.data(), h.secret_len);
-  return out;
+std::string encode_hello(const std::string& secret, const std::string& challenge, uint16_t version) {
+  Hello h{};
+  h.hdr = HelloHdr{kHelloMagic, version, 0};
+  fill_random(h.nonce, kNonce);
+  if (challenge.size() == sizeof(Challenge) && !secret.empty()) {
+    Challenge ch;
+    std::memcpy(&ch, challenge.data(), sizeof(ch));
+    std::string proof = hello_mac(secret, true, ch.nonce, h.nonce);
+    std::memcpy(h.proof, proof.data(), kMac);
+  }
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
 std::string encode_request(uint8_t op, uint32_t id, uint64_t addr, uint64_t len) {
@@ -245,25 +265,35 @@ std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_fra
 void Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only) {
   if (len == 0) throw KvError(E_INVALID, "cannot register zero bytes");
   if (addr + len < addr) throw KvError(E_INVALID, "address range wraps around");
+  if (remote && read_only) throw KvError(E_INVALID, "read-only memory cannot be remote-accessible");
+  auto st = std::make_shared<RegionState>();
+  st->r = Region{addr, len, remote, read_only};
   std::unique_lock lk(mu_);
   auto it = regions_.upper_bound(addr);
   if (it != regions_.end() && it->first < addr + len)
     throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   if (it != regions_.begin()) {
     auto prev = std::prev(it);
-    if (prev->first + prev->second.len > addr)
+    if (prev->first + prev->second->r.len > addr)
       throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   }
-  if (remote && read_only) throw KvError(E_INVALID, "read-only memory cannot be remote-accessible");
-  regions_[addr] = Region{addr, len, remote, read_only};
+  regions_[addr] = std::move(st);
 }
 
 void Registry::remove(uint64_t addr) {
-  std::unique_lock lk(mu_);
-  auto it = regions_.find(addr);
-  if (it == regions_.end())
-    throw KvError(E_NOT_REGISTERED, "no registration starts at this address");
-  regions_.erase(it);
+  std::shared_ptr<RegionState> st;
+  {
+    std::unique_lock lk(mu_);
+    auto it = regions_.find(addr);
+    if (it == regions_.end())
+      throw KvError(E_NOT_REGISTERED, "no registration starts at this address");
+    st = std::move(it->second);
+    regions_.erase(it);
+    st->dead.store(true);
+  }
+  // Accesses already inside one socket syscall finish (bounded by a syscall, not by the peer);
+  // every later one sees `dead` and is refused.
+  while (st->active.load() != 0) std::this_thread::yield();
 }
 
 bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable) const {
@@ -271,7 +301,7 @@ bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote, bo
   auto it = regions_.upper_bound(addr);
   if (it == regions_.begin()) return false;
   --it;
-  const Region& r = it->second;
+  const Region& r = it->second->r;
   if (need_remote && !r.remote) return false;
   if (need_writable && r.read_only) return false;
   return addr >= r.addr && addr + len <= r.addr + r.len;
@@ -282,10 +312,16 @@ bool Registry::contains(uint64_t addr, uint64_t len, bool need_remote) const {
   return contains_locked(addr, len, need_remote);
 }
 
+std::shared_ptr<RegionState> Registry::pin(uint64_t addr, uint64_t len, bool need_remote) const {
+  std::shared_lock lk(mu_);
+  if (!contains_locked(addr, len, need_remote)) return nullptr;
+  return std::prev(regions_.upper_bound(addr))->second;
+}
+
 std::vector<Region> Registry::list() const {
   std::shared_lock lk(mu_);
   std::vector<Region> out;
-  for (auto& kv : regions_) out.push_back(kv.second);
+  for (auto& kv : regions_) out.push_back(kv.second->r);
   return out;
 }
 
@@ -331,47 +367,15 @@ Engine::Engine(const EngineOptions& opt) : opt_(opt) {
                  static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   if (incarnation_ == 0) incarnation_ = 1;
   signal(SIGPIPE, SIG_IGN);
-
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* res = nullptr;
-  std::string ps = std::to_string(opt.port);
-  if (getaddrinfo(opt.host.c_str(), ps.c_str(), &hints, &res) != 0 || !res)
-    throw KvError(E_INVALID, "cannot resolve hostname '" + opt.host + "'");
-  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (fd < 0 || ::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
-    std::string why = strerror(errno);
-    freeaddrinfo(res);
-    if (fd >= 0) ::close(fd);
-    throw KvError(E_INVALID, "cannot listen on " + opt.host + ":" + ps + ": " + why +
-                                 " (pick another port or hostname)");
-  }
-  freeaddrinfo(res);
-  sockaddr_storage ss{};
-  socklen_t sl = sizeof(ss);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl);
-  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-  listen_fd_ = fd;
-  acceptor_ = std::thread([this] { accept_loop(); });
+  server_ = std::make_unique<Server>(opt_, reg_, incarnation_);
+  port_ = server_->port();
 }
 
 Engine::~Engine() { shutdown(); }
 
 void Engine::shutdown() {
   if (stopping_.exchange(true)) return;
-  ::shutdown(listen_fd_, SHUT_RDWR);
-  if (acceptor_.joinable()) acceptor_.join();
-  ::close(listen_fd_);
-  {
-    std::unique_lock lk(conns_mu_);
-    for (auto& kv : conns_) ::shutdown(kv.first, SHUT_RDWR);
-    conns_cv_.wait(lk, [this] { return conn_threads_ == 0; });
-  }
+  server_->stop();
   std::unordered_map<uint64_t, std::shared_ptr<Peer>> peers;
   {
     std::lock_guard lk(peers_mu_);
@@ -397,124 +401,9 @@ void Engine::shutdown() {
   }
 }
 
-void Engine::set_descriptor(const std::string& blob) {
-  std::lock_guard lk(desc_mu_);
-  descriptor_ = blob;
-}
+void Engine::set_descriptor(const std::string& blob) { server_->set_descriptor(blob); }
 
-void Engine::accept_loop() {
-  while (!stopping_) {
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (stopping_) break;
-      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
-        if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        continue;
-      }
-      break;
-    }
-    tune_socket(fd);
-    std::lock_guard lk(conns_mu_);
-    if (stopping_) {
-      ::close(fd);
-      break;
-    }
-    conns_[fd] = true;
-    ++conn_threads_;
-    std::thread([this, fd] {
-      serve_conn(fd);
-      std::lock_guard lk2(conns_mu_);
-      conns_.erase(fd);
-      ::close(fd);
-      if (--conn_threads_ == 0) conns_cv_.notify_all();
-    }).detach();
-  }
-}
-
-void Engine::serve_conn(int fd) {
-  // Handshake: a peer that does not present the secret is refused before any memory is touched.
-  set_timeouts(fd, opt_.connect_timeout_ms);
-  HelloHdr hello{};
-  if (recv_all(fd, &hello, sizeof(hello)) != ST_OK) return;
-  if (hello.magic != kHelloMagic || hello.secret_len > kMaxSecret) return;
-  std::string secret(hello.secret_len, '\0');
-  if (hello.secret_len && recv_all(fd, secret.data(), secret.size()) != ST_OK) return;
-  HelloOk ok{kHelloOkMagic, ST_OK, incarnation_};
-  if (hello.version != kProtoVersion) ok.status = ST_VERSION;
-  else if (!opt_.secret.empty() && !ct_equal(secret, opt_.secret)) ok.status = ST_AUTH;
-  send_all(fd, &ok, sizeof(ok));
-  if (ok.status != ST_OK) return;
-
-  set_timeouts(fd, opt_.timeout_ms);
-  std::vector<RespHdr> acks;  // coalesced WRITE acks
-  auto flush = [&]() -> bool {
-    if (acks.empty()) return true;
-    int32_t st = send_all(fd, acks.data(), acks.size() * sizeof(RespHdr));
-    acks.clear();
-    return st == ST_OK;
-  };
-  while (!stopping_) {
-    ReqHdr h{};
-    // Wait for the next header; an idle connection may wait forever, a partial header may not.
-    size_t got = 0;
-    while (got < sizeof(h)) {
-      ssize_t r = ::recv(fd, reinterpret_cast<char*>(&h) + got, sizeof(h) - got, 0);
-      if (r > 0) {
-        got += static_cast<size_t>(r);
-        continue;
-      }
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && got == 0 && !stopping_) continue;
-      flush();
-      return;
-    }
-    bool fatal = false;
-    int32_t st = validate_request(h, opt_.max_frame, &fatal);
-    RespHdr resp{kRespMagic, st, h.id, 0, 0};
-    if (fatal) {
-      acks.push_back(resp);
-      flush();
-      return;
-    }
-    if (h.op == OP_WRITE) {
-      int32_t io;
-      {
-        std::shared_lock lk(reg_.mutex());
-        if (st == ST_OK && !reg_.contains_locked(h.addr, h.len, true)) st = ST_REMOTE_BOUNDS;
-        if (st == ST_OK) io = recv_all(fd, reinterpret_cast<void*>(h.addr), h.len);
-      }
-      if (st != ST_OK) io = drain(fd, h.len);
-      if (io != ST_OK) return;
-      resp.status = st;
-      acks.push_back(resp);
-    } else if (h.op == OP_READ) {
-      if (!flush()) return;
-      std::shared_lock lk(reg_.mutex());
-      if (st == ST_OK && !reg_.contains_locked(h.addr, h.len, true)) st = ST_REMOTE_BOUNDS;
-      resp.status = st;
-      resp.len = st == ST_OK ? h.len : 0;
-      iovec iov[2] = {{&resp, sizeof(resp)}, {reinterpret_cast<void*>(h.addr), resp.len}};
-      if (writev_all(fd, iov, st == ST_OK ? 2 : 1) != ST_OK) return;
-    } else if (h.op == OP_GET_DESC) {
-      if (!flush()) return;
-      std::string blob;
-      {
-        std::lock_guard lk(desc_mu_);
-        blob = descriptor_;
-      }
-      resp.len = blob.size();
-      iovec iov[2] = {{&resp, sizeof(resp)}, {blob.data(), blob.size()}};
-      if (writev_all(fd, iov, 2) != ST_OK) return;
-    } else {  // PING
-      acks.push_back(resp);
-    }
-    // Coalesce acks while more requests are already waiting in the socket.
-    int avail = 0;
-    if (acks.size() >= 64 || ioctl(fd, FIONREAD, &avail) != 0 || avail < static_cast<int>(sizeof(ReqHdr))) {
-      if (!flush()) return;
-    }
-  }
-}
+std::vector<std::pair<std::string, uint64_t>> Engine::server_stats() const { return server_->stats(); }
 
 // ---------------------------------------------------------------- peers
 
@@ -534,7 +423,14 @@ uint64_t Engine::add_peer(const std::string& host, uint16_t port, uint64_t incar
     peers_[p->id] = p;
   }
   Peer* raw = p.get();
-  for (int i = 0; i < opt_.lanes; ++i) p->workers.emplace_back([this, raw, i] { worker_loop(raw, i); });
+  try {
+    for (int i = 0; i < opt_.lanes; ++i) p->workers.emplace_back([this, raw, i] { worker_loop(raw, i); });
+  } catch (const std::system_error& e) {
+    remove_peer(p->id);  // stops the workers that did start
+    throw KvError(E_TRANSFER, std::string("cannot start a worker for segment ") + host + ":" +
+                                  std::to_string(port) + ": " + e.what() +
+                                  " (raise the thread limit, ulimit -u, or use fewer lanes)");
+  }
   return p->id;
 }
 
@@ -1012,7 +908,7 @@ std::pair<uint64_t, std::string> Engine::fetch_descriptor(const std::string& hos
   int32_t st = client_hello(fd, secret, &inc);
   if (st != ST_OK) {
     ::close(fd);
-    if (st == ST_AUTH) throw KvError(E_AUTH, status_text(st));
+    if (st == ST_AUTH || st == ST_PEER_UNPROVEN) throw KvError(E_AUTH, status_text(st));
     throw KvError(E_SEGMENT_NOT_FOUND, std::string("handshake with ") + host + ":" + std::to_string(port) +
                                            " failed: " + status_text(st));
   }

@@ -48,8 +48,40 @@ struct Region {
   bool read_only;  // local source only: never the destination of a READ
 };
 
-// Registered memory. contains() is what both the server (remote access) and submit (local
-// access) check against.
+// A live registration. The server touches its memory only inside a RegionAccess (one socket
+// syscall at a time), never under the registry lock; unregistering marks it dead and waits for
+// the accesses already inside a syscall (microseconds), so a slow or trickling peer cannot delay
+// register/unregister and never lands a byte after unregister returns.
+struct RegionState {
+  Region r;
+  std::atomic<int> active{0};
+  std::atomic<bool> dead{false};
+};
+
+// Scoped access to a pinned region; ok() is false once the region was unregistered.
+class RegionAccess {
+ public:
+  // A null state is an access to nothing (always ok).
+  explicit RegionAccess(RegionState* s) : s_(s), ok_(true) {
+    if (!s_) return;
+    s_->active.fetch_add(1);
+    ok_ = !s_->dead.load();
+    if (!ok_) s_->active.fetch_sub(1);
+  }
+  ~RegionAccess() {
+    if (s_ && ok_) s_->active.fetch_sub(1);
+  }
+  RegionAccess(const RegionAccess&) = delete;
+  RegionAccess& operator=(const RegionAccess&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  RegionState* s_;
+  bool ok_;
+};
+
+// Registered memory. contains() is what submit (local access) checks against; pin() is the one
+// place the server (and later GPU staging) looks a remote range up.
 class Registry {
  public:
   void add(uint64_t addr, uint64_t len, bool remote, bool read_only = false);
@@ -57,11 +89,14 @@ class Registry {
   bool contains(uint64_t addr, uint64_t len, bool need_remote) const;
   std::shared_mutex& mutex() const { return mu_; }
   bool contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable = false) const;
+  // The live registration holding [addr, addr+len), or null. Hold the pointer across frames;
+  // touch memory only inside a RegionAccess on it.
+  std::shared_ptr<RegionState> pin(uint64_t addr, uint64_t len, bool need_remote) const;
   std::vector<Region> list() const;
 
  private:
   mutable std::shared_mutex mu_;
-  std::map<uint64_t, Region> regions_;
+  std::map<uint64_t, std::shared_ptr<RegionState>> regions_;
 };
 
 struct Slot {
@@ -140,7 +175,16 @@ struct EngineOptions {
   int connect_timeout_ms = 5000;
   uint64_t max_frame = 256ull << 20;
   size_t max_queue = 16384;
+  // Server bounds (hostile peers): event-loop threads, open connections in total and per peer
+  // address, idle time of an authenticated connection before it is closed. The handshake must
+  // finish within connect_timeout_ms and every request frame within timeout_ms.
+  int server_threads = 2;
+  int max_connections = 16384;
+  int max_connections_per_peer = 256;
+  int idle_timeout_ms = 120000;
 };
+
+class Server;
 
 class Engine {
  public:
@@ -177,14 +221,15 @@ class Engine {
   // One request, done in the calling thread when a lane is free. Returns a Status.
   int transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len);
 
+  // Counters of the server (accepted, refused, reaped, open...).
+  std::vector<std::pair<std::string, uint64_t>> server_stats() const;
+
   // Fetches a peer's descriptor over its handshake port. Returns (incarnation, blob).
   static std::pair<uint64_t, std::string> fetch_descriptor(const std::string& host, uint16_t port,
                                                            const std::string& secret, int timeout_ms);
 
  private:
   friend struct Worker;
-  void accept_loop();
-  void serve_conn(int fd);
   void worker_loop(Peer* p, int lane_idx);
   void execute(Peer* p, Lane* lane, std::vector<Slice>& group);
   size_t execute_same_host(Peer* p, std::vector<Slice>& group);
@@ -199,17 +244,9 @@ class Engine {
   EngineOptions opt_;
   uint64_t incarnation_;
   uint16_t port_ = 0;
-  int listen_fd_ = -1;
   Registry reg_;
-  std::thread acceptor_;
   std::atomic<bool> stopping_{false};
-  std::mutex conns_mu_;
-  std::condition_variable conns_cv_;
-  std::unordered_map<int, bool> conns_;  // open server connections
-  int conn_threads_ = 0;
-
-  std::mutex desc_mu_;
-  std::string descriptor_;
+  std::unique_ptr<Server> server_;
 
   std::mutex batches_mu_;
   std::unordered_map<uint64_t, std::shared_ptr<Batch>> batches_;
@@ -231,6 +268,7 @@ struct ParsedFrame {
 };
 std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_frame);
 std::string encode_request(uint8_t op, uint32_t id, uint64_t addr, uint64_t len);
-std::string encode_hello(const std::string& secret, uint16_t version);
+// The client's hello for a server challenge (tests craft raw connections with it).
+std::string encode_hello(const std::string& secret, const std::string& challenge, uint16_t version);
 
 }  // namespace kvpool

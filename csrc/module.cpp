@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "engine.h"
+#include "hmac.h"
 
 namespace py = pybind11;
 using namespace kvpool;
@@ -76,7 +77,9 @@ PYBIND11_MODULE(_native, m) {
   using G = py::call_guard<py::gil_scoped_release>;
   py::class_<Engine>(m, "NativeEngine")
       .def(py::init([](const std::string& host, int port, const std::string& secret, int lanes,
-                       uint64_t slice_size, int timeout_ms, int connect_timeout_ms, uint64_t max_frame) {
+                       uint64_t slice_size, int timeout_ms, int connect_timeout_ms, uint64_t max_frame,
+                       int server_threads, int max_connections, int max_connections_per_peer,
+                       int idle_timeout_ms) {
              EngineOptions o;
              o.host = host;
              o.port = static_cast<uint16_t>(port);
@@ -86,13 +89,26 @@ PYBIND11_MODULE(_native, m) {
              o.timeout_ms = timeout_ms;
              o.connect_timeout_ms = connect_timeout_ms;
              o.max_frame = max_frame;
+             o.server_threads = server_threads;
+             o.max_connections = max_connections;
+             o.max_connections_per_peer = max_connections_per_peer;
+             o.idle_timeout_ms = idle_timeout_ms;
              return new Engine(o);
            }),
            py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("lanes"), py::arg("slice_size"),
-           py::arg("timeout_ms"), py::arg("connect_timeout_ms"), py::arg("max_frame"), G())
+           py::arg("timeout_ms"), py::arg("connect_timeout_ms"), py::arg("max_frame"),
+           py::arg("server_threads") = EngineOptions{}.server_threads,
+           py::arg("max_connections") = EngineOptions{}.max_connections,
+           py::arg("max_connections_per_peer") = EngineOptions{}.max_connections_per_peer,
+           py::arg("idle_timeout_ms") = EngineOptions{}.idle_timeout_ms, G())
       .def_property_readonly("port", &Engine::port)
       .def_property_readonly("incarnation", &Engine::incarnation)
       .def("shutdown", &Engine::shutdown, G())
+      .def("server_stats", [](Engine& e) {
+        py::dict d;
+        for (auto& [k, v] : e.server_stats()) d[py::str(k)] = v;
+        return d;
+      })
       .def("set_descriptor", [](Engine& e, py::bytes b) { e.set_descriptor(std::string(b)); })
       .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r, bool ro) { e.registry().add(a, l, r, ro); },
            py::arg("addr"), py::arg("length"), py::arg("remote"), py::arg("read_only") = false, G())
@@ -141,9 +157,16 @@ PYBIND11_MODULE(_native, m) {
   m.def("encode_request", [](int op, uint32_t id, uint64_t addr, uint64_t len) {
     return py::bytes(encode_request(static_cast<uint8_t>(op), id, addr, len));
   });
-  m.def("encode_hello", [](const std::string& secret, int version) {
-    return py::bytes(encode_hello(secret, static_cast<uint16_t>(version)));
-  }, py::arg("secret"), py::arg("version") = kProtoVersion);
+  m.def("encode_hello", [](const std::string& secret, py::bytes challenge, int version) {
+    return py::bytes(encode_hello(secret, std::string(challenge), static_cast<uint16_t>(version)));
+  }, py::arg("secret"), py::arg("challenge"), py::arg("version") = kProtoVersion,
+        "The client's 72-byte hello answering a server's 40-byte challenge (for raw-socket tests)");
+  m.def("hmac_sha256", [](py::bytes key, py::bytes msg) {
+    auto d = hmac_sha256(std::string(key), std::string(msg));
+    return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
+  m.attr("CHALLENGE_SIZE") = sizeof(Challenge);
+  m.attr("HELLO_OK_SIZE") = sizeof(HelloOk) + kMac;
   m.def("decode_frames", [](py::bytes data, uint64_t max_frame) {
     py::list out;
     for (auto& f : decode_frames(std::string(data), max_frame))

@@ -1,7 +1,14 @@
 // kvpool wire format: fixed little-endian headers, one TCP stream per lane.
 //
-//   client -> server   Hello   {magic 'KVPH', version, secret_len} + secret bytes
-//   server -> client   HelloOk {magic 'KVPO', status, incarnation}
+//   server -> client   Challenge {magic 'KVPN', auth_required, server nonce (32)}   on accept
+//   client -> server   Hello     {magic 'KVPH', version, 0} + client nonce (32) + proof (32)
+//   server -> client   HelloOk   {magic 'KVPO', status, incarnation} + server proof (32)
+//
+// proof = HMAC-SHA256(secret, "kvpool-engine-client" | server nonce | client nonce) and
+// server proof = HMAC-SHA256(secret, "kvpool-engine-server" | client nonce | server nonce): the
+// secret never travels, each side proves it holds it, and a refused hello carries status only
+// (incarnation 0, zero proof). With no secret configured on the server any proof is accepted
+// (trusted networks only); a client with a secret refuses a server that cannot prove it.
 //   client -> server   Request {magic 'KVPR', op, id, addr, len} (+ len payload bytes for WRITE)
 //   server -> client   Reply   {magic 'KVPA', status, id, len}   (+ len payload bytes for READ/DESC)
 //
@@ -21,8 +28,11 @@ constexpr uint32_t kHelloMagic = 0x4850564B;  // "KVPH"
 constexpr uint32_t kHelloOkMagic = 0x4F50564B;  // "KVPO"
 constexpr uint32_t kReqMagic = 0x5250564B;  // "KVPR"
 constexpr uint32_t kRespMagic = 0x4150564B;  // "KVPA"
-constexpr uint16_t kProtoVersion = 1;
+constexpr uint32_t kChallengeMagic = 0x4E50564B;  // "KVPN"
+constexpr uint16_t kProtoVersion = 2;
 constexpr uint16_t kMaxSecret = 1024;
+constexpr size_t kNonce = 32;
+constexpr size_t kMac = 32;
 
 enum Op : uint8_t { OP_WRITE = 1, OP_READ = 2, OP_GET_DESC = 3, OP_PING = 4 };
 
@@ -42,13 +52,24 @@ enum Status : int32_t {
   ST_PEER_RESTARTED = 103,  // peer's incarnation changed since the descriptor was read
   ST_CANCELED = 104,      // engine shut down
   ST_LOCAL_FAULT = 105,   // same-host copy faulted (memory unmapped)
+  ST_PEER_UNPROVEN = 106,  // peer could not prove the shared secret (impostor or no secret)
 };
 
 #pragma pack(push, 1)
+struct Challenge {
+  uint32_t magic;
+  uint32_t auth_required;
+  uint8_t nonce[kNonce];
+};
 struct HelloHdr {
   uint32_t magic;
   uint16_t version;
-  uint16_t secret_len;
+  uint16_t reserved;
+};
+struct Hello {
+  HelloHdr hdr;
+  uint8_t nonce[kNonce];
+  uint8_t proof[kMac];
 };
 struct HelloOk {
   uint32_t magic;
@@ -76,6 +97,8 @@ struct RespHdr {
 static_assert(sizeof(ReqHdr) == 32, "ReqHdr layout");
 static_assert(sizeof(RespHdr) == 24, "RespHdr layout");
 static_assert(sizeof(HelloOk) == 16, "HelloOk layout");
+static_assert(sizeof(Challenge) == 40, "Challenge layout");
+static_assert(sizeof(Hello) == 72, "Hello layout");
 
 // Validates a request header the way the server does. Returns ST_OK or the reject reason.
 // `fatal` is set when the stream cannot continue (payload length untrustworthy).
@@ -120,6 +143,9 @@ inline const char* status_text(int32_t st) {
     case ST_PEER_RESTARTED: return "peer restarted since its descriptor was read; open the segment again";
     case ST_CANCELED: return "engine shut down";
     case ST_LOCAL_FAULT: return "same-host copy faulted (memory unmapped?)";
+    case ST_PEER_UNPROVEN:
+      return "peer did not prove the shared secret: it is not an engine of this cluster (forged descriptor?) "
+             "or it runs without a secret; set the same `secret` on both engines";
     default: return "unknown error";
   }
 }

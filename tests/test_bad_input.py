@@ -160,8 +160,10 @@ def test_non_remote_accessible_memory_is_refused(target: TransferEngine, tcp_eng
 
 
 def _raw_connect(eng: TransferEngine, secret: str = "") -> socket.socket:
+    """A raw connection that answered the server's challenge (HELLO_OK follows, then its proof)."""
     s = socket.create_connection(("127.0.0.1", eng.port), timeout=3)
-    s.sendall(_native.encode_hello(secret))
+    challenge = _recv_exact(s, _native.CHALLENGE_SIZE)
+    s.sendall(_native.encode_hello(secret, challenge))
     return s
 
 
@@ -183,6 +185,7 @@ def test_server_bounds_checks_raw_frames(target: TransferEngine) -> None:
     s = _raw_connect(target)
     magic, status, _inc = HELLO_OK.unpack(_recv_exact(s, HELLO_OK.size))
     assert status == 0
+    _recv_exact(s, 32)  # the server's proof
     cases = [
         (paddr + 4000, 200),  # runs past the end
         (qaddr, 100),  # registered but not remote-accessible
@@ -210,8 +213,9 @@ def test_wrong_secret_refused_before_memory_is_touched() -> None:
         buf, addr = _registered(tgt, 4096, seed=3)
         snap = bytes(buf)
         s = _raw_connect(tgt, "wrong")
-        _m, status, _ = HELLO_OK.unpack(_recv_exact(s, HELLO_OK.size))
-        assert status == 3
+        _m, status, inc = HELLO_OK.unpack(_recv_exact(s, HELLO_OK.size))
+        assert (status, inc) == (3, 0)  # a refused hello reveals nothing, not even the incarnation
+        assert _recv_exact(s, 32) == bytes(32)
         try:
             s.sendall(_native.encode_request(_native.OP_WRITE, 1, addr, 4) + b"EVIL")
         except OSError:

@@ -1,0 +1,554 @@
+#include "server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <system_error>
+
+#include "hmac.h"
+
+namespace kvpool {
+
+namespace {
+
+constexpr size_t kOutHigh = 64 * 1024;   // stop reading requests while this much output waits
+constexpr uint64_t kBudget = 8u << 20;   // bytes moved per connection per wake-up (fairness)
+constexpr uint64_t kChunk = 4u << 20;    // bytes per syscall into/out of registered memory
+constexpr int kTickMs = 100;             // deadline scan period
+constexpr int kAcceptPauseMs = 50;       // accept back-off at the fd limit
+
+enum Phase { P_HELLO, P_HDR, P_PAYLOAD };
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string peer_key(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (ss.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof(buf));
+  } else if (ss.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, buf, sizeof(buf));
+  }
+  return buf;
+}
+
+}  // namespace
+
+void fill_random(void* p, size_t n) {
+  auto* b = static_cast<uint8_t*>(p);
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(b + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r < 0 && errno != EINTR) {
+      std::random_device rd;  // no getrandom(2): the library's OS source
+      for (; got < n; ++got) b[got] = static_cast<uint8_t>(rd());
+    }
+  }
+}
+
+std::string hello_mac(const std::string& secret, bool client, const uint8_t* a, const uint8_t* b) {
+  std::string msg(client ? "kvpool-engine-client" : "kvpool-engine-server");
+  msg.append(reinterpret_cast<const char*>(a), kNonce);
+  msg.append(reinterpret_cast<const char*>(b), kNonce);
+  auto d = hmac_sha256(secret, msg);
+  return std::string(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+struct Conn {
+  int fd = -1;
+  std::string peer;
+  Phase phase = P_HELLO;
+  bool authed = false;
+  bool close_after = false;  // close once the output is sent
+  bool in_frame = false;
+  int64_t deadline = 0;
+  uint32_t events = 0;
+  uint8_t snonce[kNonce];
+  uint8_t in[sizeof(Hello)];
+  size_t inlen = 0;
+  ReqHdr h{};
+  std::shared_ptr<RegionState> region;  // WRITE destination (null: drain the payload)
+  uint64_t off = 0;
+  int32_t st = ST_OK;
+  std::string out;
+  size_t out_off = 0;
+  std::shared_ptr<RegionState> stream;  // READ source being sent after `out`
+  uint64_t s_addr = 0, s_len = 0, s_off = 0;
+};
+
+struct Reactor {
+  Server* srv = nullptr;
+  int ep = -1;
+  int wake = -1;
+  bool listening = false;
+  int64_t paused_until = 0;
+  std::unordered_map<int, std::unique_ptr<Conn>> conns;
+  std::vector<char> scratch = std::vector<char>(64 * 1024);
+
+  ~Reactor() {
+    if (ep >= 0) ::close(ep);
+    if (wake >= 0) ::close(wake);
+  }
+
+  void listen_on() {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLEXCLUSIVE;
+    ev.data.fd = srv->listen_fd;
+    listening = epoll_ctl(ep, EPOLL_CTL_ADD, srv->listen_fd, &ev) == 0;
+  }
+
+  void want(Conn& c, uint32_t ev) {
+    if (c.events == ev) return;
+    epoll_event e{};
+    e.events = ev;
+    e.data.fd = c.fd;
+    epoll_ctl(ep, EPOLL_CTL_MOD, c.fd, &e);
+    c.events = ev;
+  }
+
+  void close_conn(int fd) {
+    auto it = conns.find(fd);
+    if (it == conns.end()) return;
+    ::close(fd);  // also leaves the epoll set
+    srv->release(it->second->peer);
+    srv->n_open.fetch_sub(1);
+    conns.erase(it);
+  }
+
+  void accept_some(int64_t now) {
+    for (int i = 0; i < 64; ++i) {
+      sockaddr_storage ss{};
+      socklen_t sl = sizeof(ss);
+      int fd = ::accept4(srv->listen_fd, reinterpret_cast<sockaddr*>(&ss), &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of descriptors: stop listening for a moment instead of spinning on a ready socket.
+          epoll_ctl(ep, EPOLL_CTL_DEL, srv->listen_fd, nullptr);
+          listening = false;
+          paused_until = now + kAcceptPauseMs;
+        }
+        return;
+      }
+      std::string peer = peer_key(ss);
+      if (!srv->admit(peer)) {
+        ::close(fd);
+        continue;
+      }
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      auto c = std::make_unique<Conn>();
+      c->fd = fd;
+      c->peer = std::move(peer);
+      c->deadline = now + srv->opt.connect_timeout_ms;
+      fill_random(c->snonce, kNonce);
+      Challenge ch{kChallengeMagic, srv->opt.secret.empty() ? 0u : 1u, {}};
+      std::memcpy(ch.nonce, c->snonce, kNonce);
+      c->out.assign(reinterpret_cast<const char*>(&ch), sizeof(ch));
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      c->events = EPOLLIN;
+      if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        ::close(fd);
+        srv->release(c->peer);
+        continue;
+      }
+      srv->n_accepted.fetch_add(1);
+      srv->n_open.fetch_add(1);
+      Conn* raw = c.get();
+      conns[fd] = std::move(c);
+      if (!progress(*raw, now)) close_conn(fd);
+    }
+  }
+
+  // Sends pending output, then the READ stream. 1: all sent, 0: would block (or budget used),
+  // -1: the connection must close.
+  int flush(Conn& c, uint64_t* budget) {
+    for (;;) {
+      size_t pend = c.out.size() - c.out_off;
+      uint64_t spend = c.stream ? c.s_len - c.s_off : 0;
+      if (pend == 0 && spend == 0) {
+        c.out.clear();
+        c.out_off = 0;
+        return 1;
+      }
+      if (*budget == 0) return 0;
+      iovec iov[2];
+      int n = 0;
+      if (pend) iov[n++] = {&c.out[c.out_off], pend};
+      RegionAccess acc(spend ? c.stream.get() : nullptr);
+      if (!acc.ok()) {
+        srv->n_fenced.fetch_add(1);  // unregistered mid-reply: the stream cannot continue
+        return -1;
+      }
+      if (spend) iov[n++] = {reinterpret_cast<char*>(c.s_addr + c.s_off), std::min(spend, kChunk)};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<size_t>(n);
+      ssize_t w = ::sendmsg(c.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+      }
+      auto left = static_cast<uint64_t>(w);
+      *budget -= std::min(*budget, left);
+      uint64_t k = std::min<uint64_t>(left, pend);
+      c.out_off += k;
+      left -= k;
+      if (spend) {
+        c.s_off += left;
+        if (c.s_off == c.s_len) {
+          c.stream.reset();
+          c.in_frame = false;
+        }
+      }
+    }
+  }
+
+  void on_hello(Conn& c, int64_t now) {
+    Hello hm;
+    std::memcpy(&hm, c.in, sizeof(hm));
+    const std::string& secret = srv->opt.secret;
+    bool ok = secret.empty();
+    if (!ok) {
+      std::string want_mac = hello_mac(secret, true, c.snonce, hm.nonce);
+      ok = ct_equal(hm.proof, kMac, want_mac.data(), want_mac.size());
+    }
+    HelloOk r{kHelloOkMagic, ok ? ST_OK : ST_AUTH, ok ? srv->incarnation : 0};
+    c.out.append(reinterpret_cast<const char*>(&r), sizeof(r));
+    if (ok && !secret.empty()) c.out += hello_mac(secret, false, hm.nonce, c.snonce);
+    else c.out.append(kMac, '\0');
+    c.inlen = 0;
+    if (!ok) {
+      srv->n_auth_refused.fetch_add(1);
+      c.close_after = true;
+      return;
+    }
+    c.authed = true;
+    c.phase = P_HDR;
+    c.deadline = now + srv->opt.idle_timeout_ms;
+  }
+
+  void on_header(Conn& c) {
+    std::memcpy(&c.h, c.in, sizeof(ReqHdr));
+    c.inlen = 0;
+    const ReqHdr& h = c.h;
+    bool fatal = false;
+    int32_t st = validate_request(h, srv->opt.max_frame, &fatal);
+    RespHdr resp{kRespMagic, st, h.id, 0, 0};
+    if (fatal) {
+      srv->n_bad_frame.fetch_add(1);
+      c.out.append(reinterpret_cast<const char*>(&resp), sizeof(resp));
+      c.close_after = true;
+      return;
+    }
+    if (h.op == OP_WRITE) {
+      c.region = st == ST_OK ? srv->reg.pin(h.addr, h.len, true) : nullptr;
+      c.st = st != ST_OK ? st : (c.region ? ST_OK : ST_REMOTE_BOUNDS);
+      c.off = 0;
+      c.phase = P_PAYLOAD;
+      return;
+    }
+    if (h.op == OP_READ) {
+      std::shared_ptr<RegionState> r = st == ST_OK ? srv->reg.pin(h.addr, h.len, true) : nullptr;
+      if (st == ST_OK && !r) st = ST_REMOTE_BOUNDS;
+      resp.status = st;
+      resp.len = st == ST_OK ? h.len : 0;
+      c.out.append(reinterpret_cast<const char*>(&resp), sizeof(resp));
+      if (st == ST_OK) {
+        c.stream = std::move(r);
+        c.s_addr = h.addr;
+        c.s_len = h.len;
+        c.s_off = 0;
+        return;  // the frame ends when the stream is sent
+      }
+    } else if (h.op == OP_GET_DESC) {
+      std::string blob = srv->descriptor();
+      resp.len = blob.size();
+      c.out.append(reinterpret_cast<const char*>(&resp), sizeof(resp));
+      c.out += blob;
+    } else {  // PING
+      c.out.append(reinterpret_cast<const char*>(&resp), sizeof(resp));
+    }
+    c.in_frame = false;
+  }
+
+  // One read step. 1: progress, 0: would block, -1: close.
+  int read_step(Conn& c, uint64_t* budget, int64_t now) {
+    ssize_t r;
+    if (c.phase == P_PAYLOAD) {
+      uint64_t left = c.h.len - c.off;
+      {
+        RegionAccess acc(c.region.get());
+        if (!acc.ok()) {  // unregistered mid-payload: the rest is drained, the WRITE refused
+          srv->n_fenced.fetch_add(1);
+          c.region.reset();
+          c.st = ST_REMOTE_BOUNDS;
+        }
+        if (c.region) {
+          r = ::recv(c.fd, reinterpret_cast<char*>(c.h.addr + c.off), std::min(left, kChunk), MSG_DONTWAIT);
+        } else {
+          r = ::recv(c.fd, scratch.data(), std::min<uint64_t>(left, scratch.size()), MSG_DONTWAIT);
+        }
+      }
+      if (r > 0) {
+        c.off += static_cast<uint64_t>(r);
+        *budget -= std::min(*budget, static_cast<uint64_t>(r));
+        if (c.off == c.h.len) {
+          RespHdr resp{kRespMagic, c.st, c.h.id, 0, 0};
+          c.out.append(reinterpret_cast<const char*>(&resp), sizeof(resp));
+          c.region.reset();
+          c.phase = P_HDR;
+          c.in_frame = false;
+        }
+        return 1;
+      }
+    } else {
+      size_t need = c.phase == P_HDR ? sizeof(ReqHdr) : (c.inlen < sizeof(HelloHdr) ? sizeof(HelloHdr) : sizeof(Hello));
+      r = ::recv(c.fd, c.in + c.inlen, need - c.inlen, MSG_DONTWAIT);
+      if (r > 0) {
+        c.inlen += static_cast<size_t>(r);
+        if (c.inlen < need) return 1;
+        if (c.phase == P_HDR) {
+          on_header(c);
+        } else if (need == sizeof(HelloHdr)) {
+          HelloHdr hh;
+          std::memcpy(&hh, c.in, sizeof(hh));
+          if (hh.magic != kHelloMagic) {
+            srv->n_bad_frame.fetch_add(1);
+            return -1;
+          }
+          if (hh.version != kProtoVersion) {
+            HelloOk v{kHelloOkMagic, ST_VERSION, 0};
+            c.out.append(reinterpret_cast<const char*>(&v), sizeof(v));
+            c.close_after = true;
+          }
+        } else {
+          on_hello(c, now);
+        }
+        return 1;
+      }
+    }
+    if (r == 0) return -1;
+    if (errno == EINTR) return 1;
+    return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+  }
+
+  // Moves what the connection allows without blocking. False: close it.
+  bool progress(Conn& c, int64_t now) {
+    uint64_t budget = kBudget;
+    for (;;) {
+      if (c.stream || c.close_after || c.out.size() - c.out_off >= kOutHigh) {
+        int f = flush(c, &budget);
+        if (f < 0) return false;
+        if (f == 0) {
+          want(c, budget ? EPOLLOUT : EPOLLIN | EPOLLOUT);
+          break;
+        }
+        if (c.close_after) return false;
+      }
+      int r = budget ? read_step(c, &budget, now) : 0;
+      if (r < 0) return false;
+      if (r == 0) {
+        int f = flush(c, &budget);
+        if (f < 0) return false;
+        want(c, f == 1 ? EPOLLIN : (budget ? EPOLLOUT : EPOLLIN | EPOLLOUT));
+        if (f == 1 && c.close_after) return false;
+        break;
+      }
+    }
+    if (c.authed) {
+      bool busy = c.phase != P_HDR || c.inlen > 0 || c.stream || c.out_off < c.out.size();
+      if (!busy) {
+        c.in_frame = false;
+        c.deadline = now + srv->opt.idle_timeout_ms;
+      } else if (!c.in_frame) {
+        c.in_frame = true;  // a whole-frame deadline: trickling does not extend it
+        c.deadline = now + srv->opt.timeout_ms;
+      }
+    }
+    return true;
+  }
+
+  void reap(int64_t now) {
+    std::vector<int> expired;
+    for (auto& kv : conns)
+      if (kv.second->deadline <= now) expired.push_back(kv.first);
+    for (int fd : expired) {
+      Conn& c = *conns[fd];
+      if (!c.authed) srv->n_handshake_timeout.fetch_add(1);
+      else if (c.in_frame) srv->n_frame_timeout.fetch_add(1);
+      else srv->n_idle_closed.fetch_add(1);
+      close_conn(fd);
+    }
+  }
+
+  void run() {
+    std::vector<epoll_event> evs(256);
+    int64_t last_scan = now_ms();
+    while (!srv->stopping.load()) {
+      int n = epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), kTickMs);
+      int64_t now = now_ms();
+      for (int i = 0; i < n; ++i) {
+        int fd = evs[i].data.fd;
+        if (fd == srv->listen_fd) {
+          accept_some(now);
+        } else if (fd == wake) {
+          uint64_t v;
+          (void)!::read(wake, &v, sizeof(v));
+        } else {
+          auto it = conns.find(fd);
+          if (it != conns.end() && !progress(*it->second, now)) close_conn(fd);
+        }
+      }
+      if (now - last_scan >= kTickMs) {
+        last_scan = now;
+        reap(now);
+        if (!listening && now >= paused_until && !srv->stopping.load()) listen_on();
+      }
+    }
+    std::vector<int> fds;
+    for (auto& kv : conns) fds.push_back(kv.first);
+    for (int fd : fds) close_conn(fd);
+  }
+};
+
+// ---------------------------------------------------------------- server
+
+Server::Server(const EngineOptions& o, Registry& r, uint64_t inc) : opt(o), reg(r), incarnation(inc) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  std::string ps = std::to_string(opt.port);
+  if (getaddrinfo(opt.host.c_str(), ps.c_str(), &hints, &res) != 0 || !res)
+    throw KvError(E_INVALID, "cannot resolve hostname '" + opt.host + "'");
+  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  int one = 1;
+  if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (fd < 0 || ::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, 4096) != 0) {
+    std::string why = strerror(errno);
+    freeaddrinfo(res);
+    if (fd >= 0) ::close(fd);
+    throw KvError(E_INVALID, "cannot listen on " + opt.host + ":" + ps + ": " + why +
+                                 " (pick another port or hostname)");
+  }
+  freeaddrinfo(res);
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof(ss);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl);
+  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  listen_fd = fd;
+  int nthreads = std::max(1, opt.server_threads);
+  for (int i = 0; i < nthreads; ++i) {
+    auto re = std::make_unique<Reactor>();
+    re->srv = this;
+    re->ep = epoll_create1(EPOLL_CLOEXEC);
+    re->wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (re->ep < 0 || re->wake < 0) {
+      stop();
+      throw KvError(E_INVALID, std::string("cannot create the server's event loop: ") + strerror(errno) +
+                                   " (raise the open-file limit)");
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = re->wake;
+    epoll_ctl(re->ep, EPOLL_CTL_ADD, re->wake, &ev);
+    re->listen_on();
+    reactors_.push_back(std::move(re));
+  }
+  for (auto& re : reactors_) {
+    try {
+      Reactor* raw = re.get();
+      threads_.emplace_back([raw] { raw->run(); });
+    } catch (const std::system_error& e) {
+      stop();
+      throw KvError(E_INVALID, std::string("cannot start the server's threads: ") + e.what() +
+                                   " (raise the thread limit, ulimit -u, or lower server_threads)");
+    }
+  }
+}
+
+Server::~Server() { stop(); }
+
+void Server::stop() {
+  if (stopping.exchange(true)) return;
+  for (auto& re : reactors_) {
+    uint64_t one = 1;
+    if (re->wake >= 0) (void)!::write(re->wake, &one, sizeof(one));
+  }
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  if (listen_fd >= 0) ::close(listen_fd);
+  listen_fd = -1;
+}
+
+void Server::set_descriptor(const std::string& blob) {
+  std::lock_guard lk(desc_mu_);
+  descriptor_ = blob;
+}
+
+std::string Server::descriptor() {
+  std::lock_guard lk(desc_mu_);
+  return descriptor_;
+}
+
+bool Server::admit(const std::string& peer) {
+  std::lock_guard lk(peers_mu_);
+  if (total_ >= opt.max_connections) {
+    n_refused_total.fetch_add(1);
+    return false;
+  }
+  int& n = per_peer_[peer];
+  if (n >= opt.max_connections_per_peer) {
+    n_refused_peer.fetch_add(1);
+    return false;
+  }
+  ++n;
+  ++total_;
+  return true;
+}
+
+void Server::release(const std::string& peer) {
+  std::lock_guard lk(peers_mu_);
+  auto it = per_peer_.find(peer);
+  if (it != per_peer_.end() && --it->second <= 0) per_peer_.erase(it);
+  --total_;
+}
+
+std::vector<std::pair<std::string, uint64_t>> Server::stats() const {
+  return {{"accepted", n_accepted.load()},
+          {"open", n_open.load()},
+          {"refused_total_limit", n_refused_total.load()},
+          {"refused_peer_limit", n_refused_peer.load()},
+          {"handshake_timeouts", n_handshake_timeout.load()},
+          {"frame_timeouts", n_frame_timeout.load()},
+          {"idle_closed", n_idle_closed.load()},
+          {"auth_refused", n_auth_refused.load()},
+          {"bad_frames", n_bad_frame.load()},
+          {"fenced_accesses", n_fenced.load()}};
+}
+
+}  // namespace kvpool
