@@ -128,9 +128,9 @@ struct Reactor {
   void close_conn(int fd) {
     auto it = conns.find(fd);
     if (it == conns.end()) return;
-    ::close(fd);  // also leaves the epoll set
-    srv->release(it->second->peer);
+    srv->release(it->second->peer);  // counted out before the peer can see the close
     srv->n_open.fetch_sub(1);
+    ::close(fd);  // also leaves the epoll set
     conns.erase(it);
   }
 

@@ -220,7 +220,10 @@ def test_wrong_secret_refused_before_memory_is_touched() -> None:
             s.sendall(_native.encode_request(_native.OP_WRITE, 1, addr, 4) + b"EVIL")
         except OSError:
             pass
-        assert s.recv(64) == b""  # closed, no reply
+        try:
+            assert s.recv(64) == b""  # closed, no reply
+        except ConnectionResetError:
+            pass  # closed with our request unread: reset, still no reply
         s.close()
         with TransferEngine(protocol="tcp") as no_secret:
             with pytest.raises(AuthenticationError):
