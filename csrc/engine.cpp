@@ -588,8 +588,10 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
   {
     std::lock_guard lk(batches_mu_);
     if (b->used + n > b->capacity)
-      throw KvError(E_INVALID, "batch is full: " + std::to_string(b->used) + " of " +
-                                   std::to_string(b->capacity) + " slots used; allocate a bigger batch");
+      throw KvError(E_INVALID, "batch is full: " + std::to_string(n) + " request(s) do not fit: " +
+                                   std::to_string(b->capacity - b->used) + " of its " +
+                                   std::to_string(b->capacity) + " slots are free; allocate_batch_id(" +
+                                   std::to_string(b->used + n) + ") or more, or submit fewer");
     base = b->used;
     b->used += static_cast<uint32_t>(n);
   }

@@ -128,6 +128,15 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _looks_like_hello(data: bytes) -> bool:
+    """Whether ``data`` can be the start of a kvpool hello: a length prefix within the pre-auth
+    limit followed by a msgpack map."""
+    if len(data) < 5:
+        return True  # too little to tell
+    n = _LEN.unpack_from(data)[0]
+    return 0 < n <= PRE_AUTH_MAX and (0x80 <= data[4] <= 0x8F or data[4] in (0xDE, 0xDF))
+
+
 def _probe_http(target: tuple[str, int], timeout_s: float) -> bytes | None:
     """What ``target`` sends back on a new connection that sends an HTTP request: its first bytes,
     b"" when it closes the connection without a word, None when it says nothing within
@@ -294,6 +303,11 @@ class RpcClient:
             raise errors.ProtocolError(
                 f"{self.what} at {self.address} is an HTTP server ({first!r}), not a kvpool master: "
                 "check the address (the master's RPC port, default 50051)"
+            )
+        if answer and not _looks_like_hello(answer):
+            raise errors.ProtocolError(
+                f"{self.what} at {self.address} answered {answer[:24]!r}: not a kvpool master; check "
+                "the address (the master's RPC port, default 50051)"
             )
         return self._recv(deadline, PRE_AUTH_MAX)
 

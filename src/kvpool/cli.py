@@ -11,7 +11,7 @@ from typing import Any
 from kvpool._sizes import EXAMPLES as SIZES
 from kvpool._sizes import check_memory, size_arg
 from kvpool._sizes import human as _human
-from kvpool.cli_errors import CliParser, UsageError, number_arg, port_arg, run_main
+from kvpool.cli_errors import CliParser, UsageError, host_port_arg, number_arg, port_arg, run_main
 
 
 def _with_progress(label: str, quiet: bool, run: Callable[[Any], Any]) -> Any:
@@ -340,6 +340,19 @@ def _add_master_options(ma: argparse.ArgumentParser) -> None:
         ma.add_argument(flag, **kw)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check this host for what kvpool can use; exit 1 when a check fails."""
+    from kvpool import doctor
+
+    return doctor.main(args)
+
+
+DOCTOR_EXAMPLES = """examples:
+  kvpool doctor
+  kvpool doctor --master 10.0.0.1:50051 --etcd etcd://10.0.0.1:2379 --json
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser."""
     ap = CliParser(
@@ -451,6 +464,23 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")  # fmt: skip
     px.set_defaults(func=cmd_proxy)
+
+    dr = sub.add_parser("doctor", help="check this host (memlock, RDMA, CUDA, GPUDirect, engines, servers)",
+                        description="Check this host for what kvpool can use and say what to fix; "
+                        "exit status 1 when a check fails.", epilog=DOCTOR_EXAMPLES)  # fmt: skip
+    dr.add_argument("--master", type=host_port_arg("--master"), default=None, metavar="HOST:PORT",
+                    help="also check that this store master answers (default: not checked)")  # fmt: skip
+    dr.add_argument("--etcd", default=None, metavar="URL", help="also check etcd (etcd://host:2379)")
+    dr.add_argument("--redis", default=None, metavar="URL", help="also check redis (redis://host:6379)")
+    dr.add_argument("--metadata", default=None, metavar="URL",
+                    help="also check an HTTP metadata server (http://host:8080/metadata)")  # fmt: skip
+    dr.add_argument("--secret", default=None, help="the master's secret (default: $KVPOOL_SECRET)")
+    dr.add_argument("--timeout-s", type=number_arg("--timeout-s", float), default=3.0, metavar="SECONDS",
+                    help="per server check (default 3)")  # fmt: skip
+    dr.add_argument("--json", action="store_true", help="JSON list of {name, status, detail, fix}")
+    dr.add_argument("--sysfs", default="/sys", help="sysfs root (default /sys)")
+    dr.add_argument("--procfs", default="/proc", help="procfs root (default /proc)")
+    dr.set_defaults(func=cmd_doctor)
 
     tp = sub.add_parser("topology", help="print the RDMA NIC topology matrix (Mooncake JSON format)")
     tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")

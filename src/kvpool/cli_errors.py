@@ -8,6 +8,7 @@ shows the traceback instead; children started by the command inherit it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -159,6 +160,10 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = N
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `kvpool ... | head`: the reader left; nothing to report
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+        return 141
     except Exception as exc:  # noqa: BLE001 - this is the one place errors become exit codes
         if debug_enabled():
             raise

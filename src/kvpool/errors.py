@@ -14,6 +14,10 @@ class InvalidArgument(KvpoolError, ValueError):
     """An argument is malformed or out of range (zero length, bad opcode, wrong type...)."""
 
 
+class InvalidType(InvalidArgument, TypeError):
+    """An argument has the wrong type (the message names the parameter and the type expected)."""
+
+
 class ConfigError(InvalidArgument):
     """A configuration value is invalid; fix the keyword, JSON file or KVPOOL_* variable named."""
 
@@ -116,6 +120,7 @@ class ObjectCorrupt(StoreError):
 __all__ = [
     "KvpoolError",
     "InvalidArgument",
+    "InvalidType",
     "ConfigError",
     "AddressNotRegistered",
     "RegistrationError",

@@ -34,6 +34,7 @@ from kvpool.errors import (
     ConfigError,
     Fenced,
     InvalidArgument,
+    InvalidType,
     KvpoolError,
     MasterUnavailable,
     ObjectChanged,
@@ -363,8 +364,12 @@ class Store:
         reserve: int = 0,
     ) -> list[KvpoolError | None]:
         sizes = [s[1] if isinstance(s, tuple) else s.nbytes for s in sources]
-        if any(n <= 0 for n in sizes):
-            raise InvalidArgument("values must not be empty")
+        for i, n in enumerate(sizes):
+            if not isinstance(n, int) or isinstance(n, bool):
+                raise InvalidType(f"size of {keys[i]!r} must be an int, not {type(n).__name__}")
+            if n <= 0:
+                what = "is empty" if n == 0 else f"has a negative size ({n})"
+                raise InvalidArgument(f"value of {keys[i]!r} {what}: sizes must be more than 0 bytes")
         out: list[KvpoolError | None] = []
         for a, b in self._chunks(len(keys)):
             out += self._put_chunk(list(keys[a:b]), sources[a:b], sizes[a:b], config, reserve)
@@ -475,6 +480,8 @@ class Store:
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
         """Store ``size`` bytes at ``addr`` (memory registered with :meth:`register_buffer`)."""
+        if not isinstance(addr, int) or isinstance(addr, bool) or addr <= 0:
+            raise InvalidArgument(f"addr must be a positive int address of registered memory, got {addr!r}")
         err = self._put([key], [(addr, size)], config)[0]
         if err is not None:
             raise err
@@ -806,6 +813,11 @@ class Store:
         """Store a CPU torch tensor (dtype and shape travel with the bytes)."""
         import msgpack
 
+        if not (hasattr(tensor, "detach") and hasattr(tensor, "dtype")):
+            raise InvalidType(
+                f"tensor must be a torch.Tensor, not {type(tensor).__name__} (use put() for bytes, "
+                "or torch.tensor(...) first)"
+            )
         t = tensor.detach().contiguous().cpu()
         header = msgpack.packb({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)})
         raw = t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""

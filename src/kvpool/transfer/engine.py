@@ -22,6 +22,7 @@ from kvpool.errors import (
     AddressNotRegistered,
     BatchInFlight,
     InvalidArgument,
+    InvalidType,
     KvpoolError,
     ProtocolUnavailable,
     RegistrationError,
@@ -99,7 +100,13 @@ def buffer_range(obj: Any, length: int | None = None, allow_read_only: bool = Fa
             )
         n = obj.numel() * obj.element_size()
         return obj.data_ptr(), n if length is None else int(length), obj
-    view = memoryview(obj)  # pins resizable buffers (bytearray) while registered
+    try:
+        view = memoryview(obj)  # pins resizable buffers (bytearray) while registered
+    except TypeError:
+        raise InvalidType(
+            f"addr_or_buffer must be an int address (with length), a writable buffer (bytearray, "
+            f"memoryview, numpy array) or a tensor, not {type(obj).__name__}"
+        ) from None
     addr, n = _native.buffer_address(view, allow_read_only)
     if length is not None:
         if not 0 < length <= n:
