@@ -276,7 +276,8 @@ class RpcClient:
             else:
                 raise errors.ProtocolError(
                     f"{self.what} at {self.address} answered with something that is not kvpool RPC "
-                    f"({exc}): check the address"
+                    f"({exc}): not a kvpool master (a transfer engine or another service?); check the "
+                    "address (the master's RPC port, default 50051)"
                 ) from None
             raise self._unavailable(f"{what}; check the address and that it is running") from None
         return s
