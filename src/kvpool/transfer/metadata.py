@@ -24,8 +24,11 @@ from __future__ import annotations
 import abc
 import base64
 import binascii
+import hashlib
+import hmac
 import http.client
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -54,6 +57,25 @@ MAX_VALUE_BYTES = 64 * 1024 * 1024
 
 _READ_CHUNK = 256 * 1024
 _DEFAULT_ETCD_PORT = 2379
+
+
+#: HTTP header carrying the proof of the cluster secret on metadata writes.
+AUTH_HEADER = "X-Kvpool-Auth"
+
+
+def write_mac(secret: str, method: str, name: str, ts: str, nonce: str, body: bytes) -> str:
+    """HMAC-SHA256 (hex) binding one metadata write to the secret: method, key, time, nonce, body."""
+    msg = "\n".join(["kvpool-metadata-write", method, name, ts, nonce, hashlib.sha256(body).hexdigest()])
+    return hmac.new(
+        secret.encode("utf-8", "surrogatepass"), msg.encode("utf-8", "surrogatepass"), hashlib.sha256
+    ).hexdigest()
+
+
+def auth_header(secret: str, method: str, name: str, body: bytes) -> str:
+    """The ``X-Kvpool-Auth`` value for one write: ``ts=<unix s>,nonce=<hex>,mac=<hex>``; the secret
+    itself never travels, and a captured header is good for this one write only (nonce, time)."""
+    ts, nonce = str(int(time.time())), os.urandom(16).hex()
+    return f"ts={ts},nonce={nonce},mac={write_mac(secret, method, name, ts, nonce, body)}"
 
 
 def _check_name(name: object) -> str:
@@ -228,12 +250,13 @@ class HttpMetadata(MetadataBackend):
     (and Mooncake's own metadata servers) speak it.
     """
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, secret: str | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidArgument(f"HTTP metadata URL must look like http://host:port/path, got {url!r}")
         self.url = url
         self.timeout_s = timeout_s
+        self._secret = secret or None  # writes carry an HMAC proof of it (kvpool metadata-server --secret)
         self._client = _UrllibClient(timeout_s)
 
     def _key_url(self, name: str) -> str:
@@ -241,8 +264,11 @@ class HttpMetadata(MetadataBackend):
         return f"{self.url}{sep}key={urllib.parse.quote(name, safe='')}"
 
     def _request(self, method: str, name: str, body: bytes | None = None) -> _Response:
+        headers = None
+        if self._secret and method in ("PUT", "DELETE"):
+            headers = {AUTH_HEADER: auth_header(self._secret, method, name, body or b"")}
         try:
-            return self._client.request(method, self._key_url(name), body)
+            return self._client.request(method, self._key_url(name), body, headers)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise MetadataError(
                 f"HTTP metadata server {_redact(self.url)} failed on {method} {name!r}: {_reason(exc)} "
@@ -255,6 +281,10 @@ class HttpMetadata(MetadataBackend):
         hint = "check the metadata URL (host, port and path such as /metadata)"
         if resp.status == 413:
             hint = "the descriptor is larger than the server accepts; raise its body-size limit"
+        elif resp.status == 401:
+            hint = "the metadata server needs the cluster secret for writes; set the same `secret` here"
+        elif resp.status in (503, 507):
+            hint = "the metadata server is at a limit (connections, keys or bytes); retry or raise it"
         return MetadataError(
             f"HTTP metadata server {_redact(self.url)} answered {resp.status} to {method} {name!r}"
             f"{': ' + snippet if snippet else ''}; {hint}"
@@ -475,13 +505,15 @@ class RedisMetadata(MetadataBackend):
         return f"RedisMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
 
 
-def open_metadata(url: str, timeout_s: float = 5.0) -> MetadataBackend | None:
+def open_metadata(url: str, timeout_s: float = 5.0, secret: str | None = None) -> MetadataBackend | None:
     """Open the descriptor store named by ``url``.
 
     ``"p2p"`` returns ``None`` (the engine exchanges descriptors with peers itself);
     ``http(s)://host:port/path`` gives :class:`HttpMetadata`, ``etcd://host:port`` gives
     :class:`EtcdMetadata` and ``redis://host:port[/db]`` (or ``rediss://``) gives :class:`RedisMetadata`.
     Nothing is contacted until the first call.  Anything else raises :class:`InvalidArgument`.
+    With ``secret``, HTTP writes carry an HMAC proof of it (``X-Kvpool-Auth``); descriptors themselves
+    are signed by the engine, whatever the backend.
     """
     if not isinstance(url, str):
         raise InvalidArgument(f"metadata URL must be a str, got {type(url).__name__}")
@@ -496,7 +528,7 @@ def open_metadata(url: str, timeout_s: float = 5.0) -> MetadataBackend | None:
     except ValueError as exc:
         raise InvalidArgument(f"malformed metadata URL {url!r}: {exc}") from exc
     if scheme in ("http", "https"):
-        return HttpMetadata(text, timeout_s)
+        return HttpMetadata(text, timeout_s, secret)
     if scheme == "etcd":
         return EtcdMetadata(text, timeout_s)
     if scheme in ("redis", "rediss"):

@@ -10,23 +10,48 @@ A missing ``key`` gets 400, another path 404, a body over the size limit 413 and
 length (neither ``Content-Length`` nor chunked encoding) 411.  Everything lives in one dict in memory, so
 a restart forgets all descriptors; run one server per cluster and point
 ``metadata_url="http://HOST:PORT/metadata"`` at it.
+
+Safety (issue 12): with ``secret`` (``--secret`` / ``KVPOOL_SECRET``) a ``PUT``/``DELETE`` must carry
+``X-Kvpool-Auth: ts=..,nonce=..,mac=..`` (see :func:`kvpool.transfer.metadata.auth_header`; the secret
+never travels, a header is good for one write within ``AUTH_WINDOW_S``), else 401 with nothing more
+said. Without a secret anyone who reaches the port can write: trusted networks only. Reads stay open
+(descriptors are signed by the engines themselves). Bounded: keys (``max_keys``), stored bytes
+(``max_total_bytes``) -> 507; open connections in total and per client address -> 503 and close;
+an idle or trickling connection is closed after ``idle_timeout_s`` without a complete request line.
+Replies go out in one write with ``TCP_NODELAY`` (a keep-alive request used to wait ~40 ms for the
+client's delayed ACK between the header and body writes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
+import os
 import socket
 import sys
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvpool.transfer.metadata import AUTH_HEADER, write_mac
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "METADATA_PATH", "MetadataServer", "main"]
 
 #: Largest request body accepted; larger ones are refused with 413.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+#: Default bounds: keys, bytes stored, open connections (total, per client address), idle seconds.
+DEFAULT_MAX_KEYS = 100_000
+DEFAULT_MAX_TOTAL_BYTES = 1 << 30
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+
+#: How far a signed write's timestamp may be from the server's clock, in seconds.
+AUTH_WINDOW_S = 300
 
 #: Path the protocol is served at.
 METADATA_PATH = "/metadata"
@@ -53,7 +78,14 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "kvpool-metadata"
     sys_version = ""
+    wbufsize = -1  # buffered: status, headers and body leave in one write (flushed per request)
     _linger = False  # set when a reply went out before the request body was read
+
+    def setup(self) -> None:
+        """Per-connection idle timeout and no Nagle delay on replies."""
+        self.timeout = self.server.idle_timeout_s
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -184,6 +216,14 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply(200, value, content_type="application/octet-stream")
 
+    def _authorized(self, key: str, body: bytes) -> bool:
+        """True when the write carries a fresh, unused proof of the secret (or there is no secret);
+        otherwise replies 401 (saying only that a valid proof is needed) and returns False."""
+        if self.server.check_write(self.command, key, body, self.headers.get(AUTH_HEADER, "")):
+            return True
+        self._reply(401, b"write refused: a valid X-Kvpool-Auth proof of the cluster secret is required\n")
+        return False
+
     def do_PUT(self) -> None:
         key = self._key()
         if key is None:
@@ -198,12 +238,19 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadBody as exc:
             self._refuse_body(411 if str(exc) == "length required" else 400, str(exc))
             return
-        self.server.store_put(key, body)
+        if not self._authorized(key, body):
+            return
+        refused = self.server.store_put(key, body)
+        if refused:
+            self._reply(507, f"{refused}\n".encode())
+            return
         self._reply(200, b"metadata updated\n")
 
     def do_DELETE(self) -> None:
         key = self._key()
         if key is None:
+            return
+        if not self._authorized(key, b""):
             return
         if self.server.store_delete(key):
             self._reply(200, b"metadata deleted\n")
@@ -215,26 +262,119 @@ class _Server(ThreadingHTTPServer):
     """ThreadingHTTPServer holding the store and its lock."""
 
     daemon_threads = True
+    request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], max_body_bytes: int) -> None:
+    def __init__(self, address: tuple[str, int], max_body_bytes: int, limits: dict[str, Any]) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.max_body_bytes = max_body_bytes
+        self.secret: str | None = limits["secret"] or None
+        self.max_keys: int = limits["max_keys"]
+        self.max_total_bytes: int = limits["max_total_bytes"]
+        self.max_connections: int = limits["max_connections"]
+        self.max_per_client: int = limits["max_connections_per_client"]
+        self.idle_timeout_s: float = limits["idle_timeout_s"]
         self._store: dict[str, bytes] = {}
+        self._bytes = 0
         self._lock = threading.Lock()
+        self._conns: dict[str, int] = {}
+        self._open = 0
+        self._nonces: dict[str, float] = {}  # nonce -> when it expires (replay window)
         super().__init__(address, _Handler)
+
+    # -- connection bounds ----------------------------------------------------------------------------
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Start a handler thread only under the connection bounds; otherwise 503 and close."""
+        peer = str(client_address[0])
+        with self._lock:
+            ok = self._open < self.max_connections and self._conns.get(peer, 0) < self.max_per_client
+            if ok:
+                self._open += 1
+                self._conns[peer] = self._conns.get(peer, 0) + 1
+        if not ok:
+            try:
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(peer)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(str(client_address[0]))
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            self._open -= 1
+            n = self._conns.get(peer, 0) - 1
+            if n > 0:
+                self._conns[peer] = n
+            else:
+                self._conns.pop(peer, None)
+
+    # -- authentication --------------------------------------------------------------------------------
+
+    def check_write(self, method: str, key: str, body: bytes, header: str) -> bool:
+        """Whether a write may proceed: no secret configured, or a fresh unused valid proof."""
+        if self.secret is None:
+            return True
+        try:
+            fields = dict(part.split("=", 1) for part in header.split(","))
+            ts, nonce, mac = fields["ts"], fields["nonce"], fields["mac"]
+            when = int(ts)
+        except (KeyError, ValueError):
+            return False
+        now = time.time()
+        if abs(now - when) > AUTH_WINDOW_S or not 8 <= len(nonce) <= 64:
+            return False
+        if not hmac.compare_digest(
+            mac.encode(), write_mac(self.secret, method, key, ts, nonce, body).encode()
+        ):
+            return False
+        with self._lock:
+            if len(self._nonces) > 100_000:
+                self._nonces = {n: t for n, t in self._nonces.items() if t > now}
+            if nonce in self._nonces:
+                return False  # replayed
+            self._nonces[nonce] = now + 2 * AUTH_WINDOW_S
+        return True
+
+    # -- store -----------------------------------------------------------------------------------------
 
     def store_get(self, key: str) -> bytes | None:
         with self._lock:
             return self._store.get(key)
 
-    def store_put(self, key: str, value: bytes) -> None:
+    def store_put(self, key: str, value: bytes) -> str | None:
+        """Store; returns why not (a bound) or None."""
         with self._lock:
+            old = self._store.get(key)
+            if old is None and len(self._store) >= self.max_keys:
+                return f"too many keys (limit {self.max_keys}); delete stale segments or raise --max-keys"
+            grown = self._bytes - (len(old) if old is not None else 0) + len(value)
+            if grown > self.max_total_bytes:
+                return f"store full (limit {self.max_total_bytes} bytes); delete stale segments or raise it"
             self._store[key] = value
+            self._bytes = grown
+        return None
 
     def store_delete(self, key: str) -> bool:
         with self._lock:
-            return self._store.pop(key, None) is not None
+            old = self._store.pop(key, None)
+            if old is None:
+                return False
+            self._bytes -= len(old)
+            return True
 
     def handle_error(self, request: object, client_address: object) -> None:
         """Log handler crashes (e.g. a client hanging up mid-request) at debug level, not on stderr."""
@@ -250,12 +390,33 @@ class MetadataServer:
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        *,
+        secret: str | None = None,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.host = host
         if max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
-        self._server = _Server((host, port), max_body_bytes)
+        limits = dict(
+            secret=secret,
+            max_keys=max_keys,
+            max_total_bytes=max_total_bytes,
+            max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
+            idle_timeout_s=idle_timeout_s,
+        )
+        for k, v in limits.items():
+            if k != "secret" and not v > 0:
+                raise ValueError(f"{k} must be positive, got {v!r}")
+        self._server = _Server((host, port), max_body_bytes, limits)
         self._thread: threading.Thread | None = None
         self._serving = threading.Event()
         self._closed = False
@@ -338,11 +499,34 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"largest descriptor accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    parser.add_argument(
+        "--secret",
+        default=os.environ.get("KVPOOL_SECRET"),
+        help="cluster secret: writes must prove it (default $KVPOOL_SECRET; none = trusted network only)",
+    )
+    parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS, help="most descriptors stored")
+    parser.add_argument(
+        "--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, help="open connections"
+    )
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="close a connection idle this long",
+    )
     args = parser.parse_args(argv)
     if args.max_body_bytes < 0:
         parser.error("--max-body-bytes must be >= 0")
     try:
-        server = MetadataServer(args.host, args.port, args.max_body_bytes)
+        server = MetadataServer(
+            args.host,
+            args.port,
+            args.max_body_bytes,
+            secret=args.secret,
+            max_keys=args.max_keys,
+            max_connections=args.max_connections,
+            idle_timeout_s=args.idle_timeout_s,
+        )
     except OSError as exc:
         print(
             f"kvpool: {type(exc).__name__}: metadata-server cannot bind {args.host}:{args.port}: "

@@ -1,0 +1,116 @@
+"""The HTTP metadata server under issue 12: authenticated writes, bounds, idle connections.
+
+Real server threads and real sockets on loopback; no timing assertions.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+
+import pytest
+
+from kvpool.errors import MetadataError
+from kvpool.transfer.metadata import AUTH_HEADER, HttpMetadata, auth_header
+from kvpool.transfer.metadata_server import MetadataServer
+
+SECRET = "metadata-secret"
+
+
+def _raw(port: int, method: str, key: str, body: bytes = b"", headers: dict[str, str] | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, f"/metadata?key={key}", body=body or None, headers=headers or {})
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out
+
+
+def test_writes_need_the_secret_reads_do_not() -> None:
+    with MetadataServer(secret=SECRET) as srv:
+        st, body = _raw(srv.port, "PUT", "seg", b"forged")
+        assert st == 401 and SECRET.encode() not in body
+        good = HttpMetadata(srv.url, secret=SECRET)
+        good.put("seg", b"genuine")
+        assert HttpMetadata(srv.url).get("seg") == b"genuine"  # reads are open
+        assert _raw(srv.port, "DELETE", "seg")[0] == 401
+        with pytest.raises(MetadataError, match="401"):
+            HttpMetadata(srv.url, secret="wrong").put("seg", b"forged")
+        with pytest.raises(MetadataError, match="401"):
+            HttpMetadata(srv.url).delete("seg")
+        assert good.get("seg") == b"genuine"
+        good.delete("seg")
+        assert good.get("seg") is None
+
+
+def test_a_write_proof_is_bound_to_its_request_and_used_once() -> None:
+    with MetadataServer(secret=SECRET) as srv:
+        hdr = auth_header(SECRET, "PUT", "seg", b"v1")
+        assert SECRET not in hdr
+        assert _raw(srv.port, "PUT", "seg", b"v1", {AUTH_HEADER: hdr})[0] == 200
+        assert _raw(srv.port, "PUT", "seg", b"v1", {AUTH_HEADER: hdr})[0] == 401  # replayed
+        other = auth_header(SECRET, "PUT", "seg", b"v2")
+        assert _raw(srv.port, "PUT", "seg", b"evil", {AUTH_HEADER: other})[0] == 401  # other body
+        moved = auth_header(SECRET, "PUT", "seg", b"v2")
+        assert _raw(srv.port, "PUT", "other", b"v2", {AUTH_HEADER: moved})[0] == 401  # other key
+        stale = auth_header(SECRET, "PUT", "seg", b"v3").replace("ts=", "ts=1", 1)
+        assert _raw(srv.port, "PUT", "seg", b"v3", {AUTH_HEADER: stale})[0] == 401
+        assert HttpMetadata(srv.url).get("seg") == b"v1"
+
+
+def test_key_and_byte_bounds() -> None:
+    with MetadataServer(max_keys=3, max_total_bytes=10_000) as srv:
+        m = HttpMetadata(srv.url)
+        for i in range(3):
+            m.put(f"k{i}", b"x" * 100)
+        m.put("k0", b"y" * 100)  # replacing is not a new key
+        with pytest.raises(MetadataError, match="507"):
+            m.put("k3", b"z")
+        m.delete("k2")
+        m.put("k3", b"z")
+        with pytest.raises(MetadataError, match="507"):
+            m.put("k0", b"w" * 20_000)
+        assert m.get("k0") == b"y" * 100
+
+
+def _wait_closed(s: socket.socket) -> bytes:
+    s.settimeout(30)
+    data = b""
+    try:
+        while chunk := s.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_connection_bounds_and_idle_timeout() -> None:
+    with MetadataServer(max_connections=3, max_connections_per_client=2, idle_timeout_s=0.5) as srv:
+        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+        third = socket.create_connection(("127.0.0.1", srv.port))
+        assert _wait_closed(third).startswith(b"HTTP/1.1 503")  # per-client bound
+        # Idle connections are closed by the server, which frees the slots.
+        for s in held:
+            assert _wait_closed(s) == b""
+            s.close()
+        ok = HttpMetadata(srv.url)
+        ok.put("k", b"v")
+        assert ok.get("k") == b"v"
+        trickler = socket.create_connection(("127.0.0.1", srv.port))
+        trickler.sendall(b"GE")  # never completes its request line
+        assert _wait_closed(trickler) == b""
+
+
+def test_keep_alive_requests_share_a_connection() -> None:
+    """A kept-alive client gets every answer on the same connection (the latency fix is in
+    benchmarks/metadata_latency.py)."""
+    with MetadataServer() as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        for i in range(20):
+            conn.request("PUT", f"/metadata?key=k{i}", body=b"v" * 2048)
+            r = conn.getresponse()
+            assert (r.status, r.read()) == (200, b"metadata updated\n")
+            conn.request("GET", f"/metadata?key=k{i}")
+            r = conn.getresponse()
+            assert (r.status, r.read()) == (200, b"v" * 2048)
+        conn.close()
