@@ -21,10 +21,10 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 L, PAGE, H, D = 4, 16, 2, 64
 
 
-def host_pool() -> MHATokenToKVPoolHost:
+def host_pool(dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
     tokens = 64 * PAGE
-    k = [torch.zeros(tokens + PAGE, H, D, dtype=torch.bfloat16) for _ in range(L)]
-    v = [torch.zeros(tokens + PAGE, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    k = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
+    v = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
     ptrs = [torch.tensor([t.data_ptr() for t in x], dtype=torch.uint64) for x in (k, v)]
     bufs = KVBuffers(
         k=tuple(k), v=tuple(v), k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1], layout=KVBufferLayout.NHD
@@ -35,7 +35,7 @@ def host_pool() -> MHATokenToKVPoolHost:
         head_num=H,
         head_dim=D,
         v_head_dim=D,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
     return MHATokenToKVPoolHost(
@@ -116,6 +116,17 @@ def main() -> None:
         out["get"] = backend.batch_get_v1(keys, idx)
         out["digests"] = page_digests(hp, idx)
         out["missing"] = backend.batch_get_v1(["f" * 64], hp.alloc(PAGE))
+        # A host pool with another KV dtype (same tokens, same SGLang keys) shares nothing.
+        hp2 = host_pool(torch.float16)
+        other = StorageBackendFactory.create_backend("dynamic", cfg, hp2)
+        other.register_mem_pool_host(hp2)
+        out["other_layout_exists"] = other.batch_exists(keys)
+        other.close()
+        # A stored object shorter than the page half is a failed page, never a success.
+        name = backend._names([keys[0]])[0]
+        backend.store.remove(name, force=True)
+        backend.store.put(name, b"\x01" * 64)
+        out["short"] = backend.batch_get_v1(keys[:2], hp.alloc(2 * PAGE))
     backend.close()
     print(json.dumps(out), flush=True)
 

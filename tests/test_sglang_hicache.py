@@ -42,6 +42,8 @@ def test_hicache_pages_written_by_one_process_are_read_by_another(master: str) -
     assert r["exists"] == 12 and r["get"] == [True] * 12
     assert r["digests"] == w["digests"]  # every byte of K and V of every page
     assert r["missing"] == [False]
+    assert r["other_layout_exists"] == 0  # fp16 pool vs bf16 objects: the layout is in the key
+    assert r["short"] == [False, True]  # a shorter object fails its page only
 
 
 def test_hicache_backend_needs_a_master() -> None:

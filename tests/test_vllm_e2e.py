@@ -26,6 +26,8 @@ MAX_TOKENS = 12
 KV_BYTES = 256 << 20  # 64k tokens of the tiny model
 # Prompts as token ids (lengths 19, 100, 500 and 1500: below one block, several, many).
 PROMPTS = [[(i * k + 11) % 700 + 4 for i in range(n)] for k, n in ((3, 19), (7, 100), (13, 500), (17, 1500))]
+SALTED = 99  # reference key of SALTED_PROMPT (9 full blocks), sent with cache_salt
+SALTED_PROMPT = [(i * 29 + 5) % 700 + 4 for i in range(300)]
 
 
 def kv_config(connector: str, role: str, short_name: bool = False, **extra: object) -> list[str]:
@@ -66,7 +68,9 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(tiny_llama: Path, logs: Path) -> dict[int, str]:  # noqa: F811
     """Greedy outputs of one ordinary server (no connector)."""
     with VllmServer(tiny_llama, logs, name="single", kv_cache_bytes=KV_BYTES) as s:
-        return {i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(PROMPTS)}
+        out = {i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(PROMPTS)}
+        out[SALTED] = completion(s.url, SALTED_PROMPT)["choices"][0]["text"]
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +209,28 @@ def test_store_connector_second_server_reuses_the_prefix(
     # A prompt the store has not seen: no hit, same output as the reference.
     assert completion(b.url, PROMPTS[2])["choices"][0]["text"] == reference[2]
     assert b.metric("vllm:external_prefix_cache_hits") - hits0 == hits
+
+
+def _wait_saves(server: VllmServer, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while server.log_path.read_text().count("kvpool store: saved") < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.log_path.read_text().count("kvpool store: saved") >= count
+
+
+def test_store_connector_cache_salt_isolates_tenants(
+    reference: dict[int, str], store_pair: tuple[VllmServer, VllmServer]
+) -> None:
+    """Equal prompts with different cache_salt get no external hit from each other's blocks."""
+    a, b = store_pair
+    saves = a.log_path.read_text().count("kvpool store: saved")
+    assert completion(a.url, SALTED_PROMPT, cache_salt="tenant-1")["choices"][0]["text"] == reference[SALTED]
+    _wait_saves(a, saves + 1)
+    hits0 = b.metric("vllm:external_prefix_cache_hits")
+    for salt in ("tenant-2", None):  # another tenant, and no salt: nothing from tenant-1's blocks
+        kw = {"cache_salt": salt} if salt else {}
+        assert completion(b.url, SALTED_PROMPT, **kw)["choices"][0]["text"] == reference[SALTED]
+        assert b.metric("vllm:external_prefix_cache_hits") == hits0
+    # The same tenant on the other server: every full block but the last token's comes from the store.
+    assert completion(b.url, SALTED_PROMPT, cache_salt="tenant-1")["choices"][0]["text"] == reference[SALTED]
+    assert b.metric("vllm:external_prefix_cache_hits") - hits0 == (len(SALTED_PROMPT) - 1) // 32 * 32

@@ -150,3 +150,108 @@ def test_combined_pd_and_store_through_multiconnector(tiny_llama: Path, master: 
     finally:
         for inst in (s, d, p):
             inst.close()
+
+
+# ---------------------------------------------------------------- keys that cannot collide (issue 12)
+def test_cache_salt_lora_and_multimodal_requests_never_share_blocks(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from kvpool.connectors.vllm.store import request_block_keys
+    from tests.vllm_sched import make_request
+
+    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t5"})
+    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t5"})
+    try:
+        a.add("s1", PROMPT, 1, None, cache_salt="tenant-1")
+        run_to_end(a, "s1")
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+        assert a.worker._worker.saved_blocks == 2
+        # Same tokens, another salt or none: no external hit. Same salt: both blocks.
+        assert b.lookup(make_request("q1", PROMPT, 1, cache_salt="tenant-2")) == (0, False)
+        assert b.lookup(make_request("q2", PROMPT, 1)) == (0, False)
+        assert b.lookup(make_request("q3", PROMPT, 1, cache_salt="tenant-1")) == (64, True)
+
+        # LoRA (name and path) and multimodal inputs are in every block's key, as in vLLM's hash.
+        ns = b.connector._scheduler.namespace
+
+        def keys(**kw: object) -> list[str]:
+            return request_block_keys(ns, make_request("k", PROMPT, 1, **kw), 32)
+
+        def mm(ident: str, offset: int) -> list[MultiModalFeatureSpec]:
+            return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                          mm_position=PlaceholderRange(offset=offset, length=8))]  # fmt: skip
+
+        plain = keys()
+        variants = [
+            keys(cache_salt="tenant-1"),
+            keys(lora_request=LoRARequest("ad-a", 1, "/adapters/a")),
+            keys(lora_request=LoRARequest("ad-b", 2, "/adapters/a")),
+            keys(lora_request=LoRARequest("ad-a", 1, "/adapters/a2")),
+            keys(mm_features=mm("img-1", 40)),
+            keys(mm_features=mm("img-2", 40)),
+            keys(mm_features=mm("img-1", 36)),
+        ]
+        assert all(len(v) == 2 for v in variants)
+        firsts = [plain[0]] + [v[0] for v in variants[:4]]
+        assert len(set(firsts)) == len(firsts)  # salt and LoRA change the first block already
+        seconds = [plain[1]] + [v[1] for v in variants]
+        assert len(set(seconds)) == len(seconds)  # the image sits in block 1: every chain differs
+        assert variants[4][0] == plain[0]  # ... and block 0, before the image, is shared
+        # Deterministic: the same request hashes the same (no per-process seed).
+        assert keys(cache_salt="tenant-1") == variants[0]
+        lora = make_request("l", PROMPT, 1, lora_request=LoRARequest("ad-a", 1, "/adapters/a"))
+        assert b.lookup(lora) == (0, False)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_kv_cache_dtype_and_layout_are_in_the_namespace(tiny_llama: Path) -> None:  # noqa: F811
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import layout_signature, namespace_for
+    from tests.vllm_sched import vllm_config
+
+    cfg = VllmConnectorConfig(master="x:1", model_tag="m")
+    names = set()
+    for cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": "x:1"}, 8)
+        vc.cache_config.cache_dtype = cache_dtype
+        names.add(namespace_for(cfg, vc, 0))
+    assert len(names) == 4
+    assert namespace_for(cfg, vc, 0) != namespace_for(cfg, vc, 1)
+    base = {"l0": torch.zeros(8, 2, 32, 128)}
+    sigs = {
+        layout_signature(base, 8),
+        layout_signature({"l0": torch.zeros(8, 32, 2, 128)}, 8),  # NHD vs HND
+        layout_signature({"l0": torch.zeros(8, 2, 32, 128, dtype=torch.uint8)}, 8),  # fp8 bytes
+        layout_signature({"l0": torch.zeros(2, 8, 2, 32, 64)}, 8),  # K/V planes first
+    }
+    assert len(sigs) == 4
+    assert layout_signature({"l0": torch.zeros(16, 2, 32, 128)}, 16) == layout_signature(base, 8)
+
+
+def test_a_stored_object_of_the_wrong_size_is_a_failed_load(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
+    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
+    b.scheduler.recompute_kv_load_failures = True
+    try:
+        a.add("w1", PROMPT, 1, None)
+        run_to_end(a, "w1")
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+        w = a.worker._worker
+        stored = block_keys(a.connector._scheduler.namespace, PROMPT, 32)
+        keys, _, sizes, _ = w._ranges([(0, k) for k in stored])
+        # Replace block 1's layer-0 object with a shorter one (as a truncated or foreign write would).
+        with Store.connect(master, segment_size=0) as s:
+            s.remove(keys[2], force=True)
+            s.put(keys[2], b"\x01" * (sizes[2] // 2))
+        b.add("w2", PROMPT, 2, None)
+        outputs = b.run_until(lambda o: "w2" in o and o["w2"].new_token_ids, timeout=20)
+        assert outputs["w2"].finish_reason is None
+        assert b.worker._worker.loaded_blocks == 1  # block 0 loaded, block 1 refused and recomputed
+        for got, want in zip(b.block_values("w2", 79), expected_rows(PROMPT, 79), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        a.close()
+        b.close()

@@ -87,13 +87,25 @@ class Instance:
         """Free blocks in vLLM's block pool."""
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
-        """Queue a request (greedy)."""
-        extra = {"kv_transfer_params": params} if params is not None else None
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
-        req = Request(rid, list(prompt), sp, None, block_hasher=HASHER)
+    def add(
+        self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, **kw: Any
+    ) -> Request:
+        """Queue a request (greedy); ``kw`` go to vLLM's ``Request`` (e.g. ``cache_salt``)."""
+        req = make_request(rid, prompt, max_tokens, params, **kw)
         self.scheduler.add_request(req)
         return req
+
+    def lookup(self, req: Request, computed: int = 0, timeout: float = 10.0) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens`` asked again, as the scheduler does, while it answers
+        None (lookup pending)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            n, is_async = self.connector.get_num_new_matched_tokens(req, computed)
+            if n is not None:
+                return n, is_async
+            if time.monotonic() > deadline:
+                raise AssertionError("lookup still pending")
+            time.sleep(0.005)
 
     def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
         """One engine step: schedule, run the worker connector, 'compute' the scheduled tokens."""
@@ -158,6 +170,16 @@ class Instance:
         """Shut the worker connector down."""
         self.worker.shutdown()
         self.connector.shutdown()
+
+
+def make_request(
+    rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None, **kw: Any
+) -> Request:
+    """A vLLM ``Request`` (greedy) not yet queued; ``kw`` go to ``Request`` (``cache_salt``,
+    ``lora_request``, ``mm_features``)."""
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+    return Request(rid, list(prompt), sp, None, block_hasher=HASHER, **kw)
 
 
 def pattern(tokens: list[int], layer: int) -> float:

@@ -9,11 +9,15 @@ Extra-config keys of this backend (besides SGLang's): ``master`` (required: ``ho
 ``kvpool master``, or ``KVPOOL_MASTER``), ``hostname``, ``segment_size`` (DRAM this rank
 contributes, default 0), ``buffer_size``, ``protocol``, ``secret``, ``key_tag`` (extra key prefix).
 
-SGLang's page keys are SHA-256 chains without rank; objects are stored as
-``kvpool/sgl/<tag>/<model>/<key>_<tp_rank>of<tp_size>_k`` (and ``_v``), one object per page
-and K/V half, so ranks never collide. The zero-copy v1 path moves bytes straight between the
-host pool (registered once in :meth:`register_mem_pool_host`) and the pool; ``batch_exists``
-returns the leading run of pages whose objects all exist.
+SGLang's page keys are SHA-256 chains over the tokens that already cover LoRA / ``extra_key`` and
+``cache_salt`` (SGLang seeds the chain with ``storage_namespace_seed``), but not the KV layout;
+objects are stored as ``kvpool/sgl/<tag>/<model>/<layout>/<key>_<tp_rank>of<tp_size>_k`` (and
+``_v``), one object per page and K/V half, so ranks never collide. ``<layout>`` names the host
+pool's KV dtype, layout, page size and bytes per token (set in :meth:`register_mem_pool_host`):
+an fp8 pool, another head split or another page layout never reads these objects. Every read
+checks each object's exact size; a shorter object is a failed page. The zero-copy v1 path moves
+bytes straight between the host pool (registered once in :meth:`register_mem_pool_host`) and the
+pool; ``batch_exists`` returns the leading run of pages whose objects all exist.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ from kvpool.store.client import Store
 log = logging.getLogger("kvpool.connectors.sglang")
 
 _STORE_KEYS = ("hostname", "segment_size", "buffer_size", "protocol", "secret", "metadata")
+
+
+def host_layout(hp: Any) -> str:
+    """Namespace part naming a host pool's KV layout: dtype, layout, page size, bytes per token
+    (covers head count x head dim x layers) and MLA."""
+    dtype = str(getattr(hp, "dtype", "?")).replace("torch.", "")
+    layout = str(getattr(hp, "layout", "?"))
+    return f"{dtype}-{layout}-p{getattr(hp, 'page_size', '?')}-t{getattr(hp, 'size_per_token', '?')}"
+
+
+def _sizes_ok(res: list[Any], sizes: list[int]) -> list[bool]:
+    """Per object: read without error and exactly ``sizes[i]`` bytes long."""
+    return [not isinstance(r, KvpoolError) and r == n for r, n in zip(res, sizes, strict=True)]
 
 
 class KvpoolHiCacheStorage(HiCacheStorage):
@@ -54,7 +71,8 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         rank = "mla" if self.is_mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
         if getattr(storage_config, "pp_size", 1) > 1:
             rank += f"_pp{storage_config.pp_rank}"
-        self.prefix = f"kvpool/sgl/{tag}/{model}/"
+        self._base = f"kvpool/sgl/{tag}/{model}/"
+        self.prefix = self._base + "nolayout/"  # until the host pool is registered
         self.suffix = f"_{rank}"
         self.mem_pool_host: Any = None
         self._registered = False
@@ -64,6 +82,7 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         """Register the host KV pool once, so v1 gets/sets move bytes without staging copies."""
         super().register_mem_pool_host(mem_pool_host)
         buf = mem_pool_host.kv_buffer
+        self.prefix = self._base + host_layout(mem_pool_host) + "/"
         if not self._registered:
             self.store.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
             self._registered = True
@@ -103,10 +122,8 @@ class KvpoolHiCacheStorage(HiCacheStorage):
             log.warning("kvpool HiCache: get failed: %s", exc)
             return [False] * len(keys)
         per = self._per_page
-        return [
-            all(not isinstance(r, KvpoolError) for r in res[i * per : (i + 1) * per])
-            for i in range(len(keys))
-        ]
+        ok = _sizes_ok(res, list(sizes))
+        return [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Write pages from the host pool slots ``host_indices``; pages already stored count as done."""
@@ -154,10 +171,8 @@ class KvpoolHiCacheStorage(HiCacheStorage):
                 views.append(flat[h * half : (h + 1) * half])  # registered for the call
                 sizes.append(half)
         res = self.store.batch_get_into(names, views, sizes)
-        return [
-            t if all(not isinstance(r, KvpoolError) for r in res[i * per : (i + 1) * per]) else None
-            for i, t in enumerate(target_locations)
-        ]
+        ok = _sizes_ok(res, sizes)
+        return [t if all(ok[i * per : (i + 1) * per]) else None for i, t in enumerate(target_locations)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

@@ -1,23 +1,35 @@
 """KvpoolStoreConnector: cross-instance prefix reuse for vLLM through the kvpool store.
 
-Every full prompt block is stored under a prefix-chained key: the xxh3-128 of the parent block's
-digest and the block's token ids, under a namespace naming the model, dtype, block size, KV
-layout and TP rank (``kvpool/v1/<model>/<dtype>/bs<N>/tp<r>of<n>/<layout>/<digest>/<layer>``),
-one object per block and layer plus a small commit marker under the block's key, written
-after all its layers. Any instance pointed at the same master finds the longest stored
-prefix of a new prompt (one ``batch_exists`` round trip) and loads it into its own blocks.
+Every full prompt block is stored under a prefix-chained key covering everything vLLM's own
+prefix-cache block hash covers: BLAKE2b-128 over the parent block's digest, the block's token
+ids and vLLM's extra keys for that block (``generate_block_hash_extra_keys``: LoRA name and path,
+multimodal hashes and offsets, ``cache_salt`` on the first block, prompt-embeds digests). The
+chain starts from the namespace, which names the model, model dtype, KV cache dtype
+(``cache_dtype``, fp8 variants included), KV heads x head size, block size, TP rank and size and
+device (``kvpool/v2/<model>/<dtype>/kv-<cache_dtype>/h<heads>x<head>/bs<N>/tp<r>of<n>/<device>``).
+vLLM's own ``request.block_hashes`` are not reused: their seed (``NONE_HASH``) is random per
+process for non-cryptographic hash settings; this chain is deterministic across processes and
+hosts by construction, whatever vLLM's hash setting. Extra keys that cannot be encoded
+deterministically make the request bypass the store (logged once), never share keys.
+
+One object per block and layer, named with the worker's KV layout signature (tensor dtype,
+per-block shape and strides), plus a small commit marker under the block's key, written after all
+its layers. Any instance pointed at the same master finds the longest stored prefix of a new
+prompt and loads it into its own blocks; a load checks every object's exact size (a shorter or
+longer object is a failed load, recomputed by vLLM).
 
 Saves: when a request finishes, its full prompt blocks that the store lacks are written from the
 KV cache straight into the pool (``batch_put_from``, no staging copy) by a background thread;
 the blocks stay allocated (``delay_free``) until the save is done. Loads: asynchronous by default
 (between scheduler steps, ``load_async``), or inside the forward pass. A block that cannot be
-read (evicted between lookup and load, master gone) is reported through
+read (evicted between lookup and load, master gone, wrong size) is reported through
 ``get_block_ids_with_load_errors`` and recomputed by vLLM.
 """
 
 from __future__ import annotations
 
 import array
+import hashlib
 import logging
 import queue
 import threading
@@ -25,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import xxhash
+import msgpack
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
@@ -38,30 +50,102 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connectors.vllm")
 
 
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 def block_keys(
-    namespace: str, token_ids: list[int], block_size: int, n_blocks: int | None = None
+    namespace: str,
+    token_ids: Any,
+    block_size: int,
+    n_blocks: int | None = None,
+    extra: list[bytes] | None = None,
 ) -> list[str]:
-    """Prefix-chained keys of the full blocks of ``token_ids`` (at most ``n_blocks``)."""
+    """Prefix-chained keys of the full blocks of ``token_ids`` (at most ``n_blocks``).
+
+    ``extra[i]``: the encoded extra keys of block ``i`` (:func:`encode_extra_keys`; ``b""`` for
+    none). Token bytes have a fixed length per block, so token ids and extra keys never run into
+    each other.
+    """
     full = len(token_ids) // block_size
     if n_blocks is not None:
         full = min(full, n_blocks)
-    parent = xxhash.xxh3_128_digest(namespace.encode())
+    parent = _digest(namespace.encode())
     keys = []
     for i in range(full):
         toks = array.array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        parent = xxhash.xxh3_128_digest(parent + toks)
+        parent = _digest(parent + toks + (extra[i] if extra else b""))
         keys.append(f"{namespace}/{parent.hex()}")
     return keys
 
 
+def encode_extra_keys(keys: tuple[Any, ...] | None) -> bytes:
+    """Deterministic bytes of one block's vLLM extra keys (msgpack; raises TypeError for a value
+    msgpack cannot encode, so nothing falls back to ``repr`` or Python's salted ``hash``)."""
+    if not keys:
+        return b""
+    return b"\x01" + msgpack.packb(keys, use_bin_type=True, strict_types=False)
+
+
+def request_block_keys(namespace: str, request: Any, block_size: int) -> list[str]:
+    """Keys of every full prompt block of a vLLM ``Request``, covering what vLLM's own prefix
+    cache hash covers (tokens, parent, LoRA, multimodal, ``cache_salt``, prompt embeds).
+
+    Raises ``TypeError`` when an extra key has no deterministic encoding."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    tokens = request.prompt_token_ids
+    if tokens is None:  # prompt embeds: the embeddings' digests are in the extra keys
+        tokens = [0] * int(request.num_prompt_tokens)
+    full = len(tokens) // block_size
+    need_extra = bool(
+        request.lora_request or request.mm_features or request.cache_salt
+        or getattr(request, "prompt_embeds", None) is not None
+    )  # fmt: skip
+    extra: list[bytes] | None = None
+    if need_extra:
+        extra, mm_idx = [], 0
+        for i in range(full):
+            start = i * block_size
+            keys, mm_idx = generate_block_hash_extra_keys(request, start, start + block_size, mm_idx)
+            extra.append(encode_extra_keys(keys))
+    return block_keys(namespace, tokens, block_size, full, extra)
+
+
 def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> str:
-    """Key namespace: model, dtype, block size, TP rank and size, layout."""
+    """Key namespace: model, model dtype, KV cache dtype, KV heads x head size, block size, TP rank
+    and size, device."""
     mc = vllm_config.model_config
     model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
     dtype = str(mc.dtype).replace("torch.", "")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    try:
+        heads = f"h{mc.get_num_kv_heads(vllm_config.parallel_config)}x{mc.get_head_size()}"
+    except Exception:  # noqa: BLE001 - a model config without attention geometry
+        heads = "h?"
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
-    return f"kvpool/v1/{model}/{dtype}/bs{vllm_config.cache_config.block_size}/tp{tp_rank}of{tp}/{device}"
+    bs = vllm_config.cache_config.block_size
+    return f"kvpool/v2/{model}/{dtype}/kv-{cache_dtype}/{heads}/bs{bs}/tp{tp_rank}of{tp}/{device}"
+
+
+def layout_signature(kv_caches: dict[str, Any], num_blocks: int | None) -> str:
+    """Short digest of the KV cache layout a worker stores: per distinct tensor its dtype and
+    shape without the block dimension (tensors are contiguous, :func:`kv_regions` checks). Two
+    instances with different layouts (NHD/HND, fp8, head split) never read each other's layer
+    objects."""
+    parts = []
+    seen: set[int] = set()
+    for name in sorted(kv_caches):
+        t = kv_caches[name]
+        if isinstance(t, (list, tuple)) or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        shape = tuple(t.shape)
+        n = num_blocks if num_blocks is not None else shape[0]
+        inner = shape[1:] if shape[0] == n else (shape[0], "B", *shape[2:])
+        parts.append((str(t.dtype), inner))
+    return _digest(repr(parts).encode()).hex()[:16]
 
 
 @dataclass
@@ -114,6 +198,8 @@ class _StoreScheduler:
         self.namespace = namespace_for(cfg, vllm_config, 0)
         self.store = _connect(cfg, 0, 1 << 16)
         self._hits: dict[str, tuple[int, list[str]]] = {}  # req -> (local computed tokens, hit keys)
+        self._keys: dict[str, list[str] | None] = {}  # req -> keys of its full prompt blocks
+        self._unkeyable_logged = False
         self._loads: dict[str, list[tuple[int, str]]] = {}
         self._saves: dict[str, list[tuple[int, str]]] = {}
         self.loading: set[str] = set()  # asynchronous loads not yet reported finished
@@ -129,7 +215,10 @@ class _StoreScheduler:
         limit = (len(tokens) - 1) // self.block_size
         if limit * self.block_size <= num_computed_tokens or limit < self.cfg.min_hit_blocks:
             return 0, False
-        keys = block_keys(self.namespace, tokens, self.block_size, limit)
+        keys = self._request_keys(request)
+        if keys is None:
+            return 0, False
+        keys = keys[:limit]
         try:
             found = self.store.batch_exists(keys)
         except KvpoolError as exc:
@@ -144,6 +233,21 @@ class _StoreScheduler:
             return 0, False
         self._hits[request.request_id] = (num_computed_tokens, keys[:n])
         return hit, self.cfg.load_async
+
+    def _request_keys(self, request: Any) -> list[str] | None:
+        """Keys of the request's full prompt blocks (computed once per request); None when its
+        extra keys have no deterministic encoding (the request bypasses the store)."""
+        rid = request.request_id
+        if rid not in self._keys:
+            try:
+                self._keys[rid] = request_block_keys(self.namespace, request, self.block_size)
+            except (TypeError, ValueError) as exc:
+                if not self._unkeyable_logged:
+                    self._unkeyable_logged = True
+                    log.warning("kvpool store: request %s has block-hash extra keys without a deterministic "
+                                "encoding (%s); such requests bypass the store", rid, exc)  # fmt: skip
+                self._keys[rid] = None
+        return self._keys[rid]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         entry = self._hits.pop(request.request_id, None)
@@ -173,6 +277,7 @@ class _StoreScheduler:
 
     def _finished(self, request: Any, block_ids: list[int]) -> bool:
         self._hits.pop(request.request_id, None)
+        all_keys = self._keys.pop(request.request_id, None)
         if request.request_id in self.loading:
             return True  # a load still writes into its blocks: freed once it is reported done
         tokens = list(request.prompt_token_ids or ())
@@ -180,7 +285,12 @@ class _StoreScheduler:
         n = min(n, len(block_ids))
         if n <= 0:
             return False
-        keys = block_keys(self.namespace, tokens, self.block_size, n)
+        if all_keys is None:
+            all_keys = self._request_keys(request)
+            self._keys.pop(request.request_id, None)
+        if all_keys is None:
+            return False
+        keys = all_keys[:n]
         try:
             found = self.store.batch_exists(keys)
         except KvpoolError as exc:
@@ -204,6 +314,7 @@ class _StoreWorker:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.store: Store | None = None
         self.regions: list[Region] = []
+        self.layout = ""
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
@@ -215,6 +326,7 @@ class _StoreWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.regions, tensors = kv_regions(kv_caches, self.num_blocks)
+        self.layout = layout_signature(kv_caches, self.num_blocks)
         if self.store is None:
             self.store = _connect(self.cfg, self.cfg.store_segment_size, self.cfg.store_buffer_size)
         for t in tensors:
@@ -253,7 +365,7 @@ class _StoreWorker:
         for block_id, key in blocks:
             base = self._key(key)
             for r in self.regions:
-                keys.append(f"{base}/{r.name}")
+                keys.append(f"{base}/{self.layout}/{r.name}")
                 addrs.append(r.addr + block_id * r.stride)
                 sizes.append(r.block_bytes)
                 owners.append(block_id)
@@ -316,7 +428,8 @@ class _StoreWorker:
         failed: set[int] = set()
         try:
             res = self.store.batch_get_into(keys, addrs, sizes)
-            failed = {owners[i] for i, r in enumerate(res) if isinstance(r, KvpoolError)}
+            # Exact sizes: a shorter object (another layout, a truncated write) is a failed load.
+            failed = {owners[i] for i, r in enumerate(res) if isinstance(r, KvpoolError) or r != sizes[i]}
         except KvpoolError as exc:
             log.warning("kvpool store: loading %d blocks failed: %s", len(blocks), exc)
             failed = set(owners)
