@@ -15,17 +15,12 @@ from kvpool.cli_errors import CliParser, UsageError, host_port_arg, number_arg, 
 
 
 def _with_progress(label: str, quiet: bool, run: Callable[[Any], Any]) -> Any:
-    """Call ``run(progress)`` under a transient progress bar on a terminal (stderr), plainly
-    otherwise; ``progress`` takes the fraction done (0..1) or is None."""
-    from rich.console import Console
-    from rich.progress import Progress
+    """Call ``run(progress)`` with ``progress(fraction)`` shown on stderr: a bar on a terminal, a
+    line per quarter otherwise, nothing when ``quiet``."""
+    from kvpool._progress import Reporter
 
-    console = Console(stderr=True)
-    if quiet or not console.is_terminal:
-        return run(None)
-    with Progress(console=console, transient=True) as prog:
-        task = prog.add_task(label, total=1.0)
-        return run(lambda f: prog.update(task, completed=f))
+    with Reporter(quiet) as rep:
+        return run(rep.task(label))
 
 
 def _check_rdma(protocols: tuple[str, ...] | list[str]) -> None:
@@ -41,14 +36,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvpool.transfer.bench import run_demo
+    from kvpool.transfer.bench import demo_bytes, run_demo
 
     console = Console(width=max(100, Console().width))
     total = args.bytes
     protocols = args.protocols
     _check_rdma(protocols)
     console.print(
-        f"[bold]kvpool demo[/]: two processes on loopback, {_human(total)} each way per path, "
+        f"[bold]kvpool demo[/]: two processes on loopback, {_human(demo_bytes(total))} each way per path, "
         f"block sizes 64 KiB / 512 KiB / 4 MiB, batches of 32, xxh3 checksums"
     )
     table = Table(title="kvpool transfer engine")
@@ -84,7 +79,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "\n[bold]kvpool store[/]: embedded master; this process and a second one contribute "
         "256 MiB each; 192 objects of 1 MiB with 2 replicas"
     )
-    srows = run_store_demo()
+    srows = _with_progress("store demo: master, second process, put/get/verify", args.quiet,
+                           lambda p: (p(0.0), run_store_demo())[1])  # fmt: skip
     st = Table(title="kvpool store")
     for col in ("op", "objects", "bytes", "GB/s", "P50 µs", "P99 µs"):
         st.add_column(col, justify="left" if col == "op" else "right")
@@ -133,7 +129,9 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
                 **opts,
             )
             res = _with_progress(
-                f"{op} {_human(bs)}", args.json, lambda p, kw=kw: run_transfer_bench(**kw, progress=p)
+                f"{op} {_human(bs)}",
+                args.json or args.quiet,
+                lambda p, kw=kw: run_transfer_bench(**kw, progress=p),
             )
             results.append(res.as_dict())
             if not args.json:
@@ -192,7 +190,7 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     for vs in args.value_size:
         res = _with_progress(
             f"store {_human(vs)}",
-            args.json,
+            args.json or args.quiet,
             lambda p, vs=vs: run_store_bench(
                 vs, args.duration, args.protocol, progress=p, checksum=args.checksum
             ),
@@ -222,8 +220,21 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     trace = load_trace(path) if path else synthetic_trace()
     if args.max_requests:
         trace = trace[: args.max_requests]
-    print(f"trace: {path or 'synthetic'} ({len(trace)} requests)", file=sys.stderr, flush=True)
-    rows = run_hit_rate_study(trace, tuple(args.pool_blocks), block_bytes=args.block_bytes)
+    from kvpool._progress import Reporter
+
+    with Reporter(args.quiet) as rep:
+        name = path or "synthetic (no --trace given and no shared trace found)"
+        rep.note(f"trace: {name} ({len(trace)} requests)")
+        tasks: dict[int, Callable[[float], None]] = {}
+
+        def progress(n: int, f: float) -> None:
+            if n not in tasks:
+                tasks[n] = rep.task(f"pool of {n} blocks")
+            tasks[n](f)
+
+        rows = run_hit_rate_study(
+            trace, tuple(args.pool_blocks), block_bytes=args.block_bytes, progress=progress
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -367,13 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="move >=1 GiB between two processes, verify, print a table")
     demo.add_argument(
         "--bytes", type=size_arg("--bytes"), default=1 << 30, metavar="SIZE",
-        help="bytes moved each way per protocol, spread over 3 block sizes (default 1G)",
+        help="least bytes moved each way per protocol, in whole 256 MiB regions per block size "
+        "(default 1G, which moves 1.5G)",
     )  # fmt: skip
     demo.add_argument(
         "--protocols", type=_protocols, default=("tcp", "auto"), metavar="LIST",
         help="comma-separated: tcp, auto (same-host path), rdma (default tcp,auto)",
     )  # fmt: skip
     demo.add_argument("--no-store", action="store_true", help="skip the store part")
+    demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks: transfer, store, trace")
@@ -399,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bt.add_argument("--secret", default=None, help="shared secret of both engines (default: none)")
     bt.add_argument("--json", action="store_true", help="machine-readable output (no progress)")
+    bt.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     bt.set_defaults(func=cmd_bench_transfer)
 
     bs = bsub.add_parser("store", help="store benchmark: master, storage client and this process")
@@ -409,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--protocol", choices=["tcp", "auto"], default="auto",
                     help="tcp or auto (same-host path; default auto)")  # fmt: skip
     bs.add_argument("--json", action="store_true", help="machine-readable output (no progress)")
+    bs.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     bs.add_argument("--checksum", action="store_true", help="xxh3 for every object (StoreConfig.checksum)")
     bs.set_defaults(func=cmd_bench_store)
 
@@ -428,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt2.add_argument("--max-requests", type=number_arg("--max-requests"), default=None, metavar="N",
                      help="replay only the first N requests (default: all)")  # fmt: skip
     bt2.add_argument("--json", action="store_true", help="machine-readable output")
+    bt2.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     bt2.set_defaults(func=cmd_bench_trace)
 
     ma = sub.add_parser("master", help="run the store master", description="Run the store master "

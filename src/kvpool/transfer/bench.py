@@ -169,6 +169,13 @@ class DemoRow:
     verified: bool
 
 
+def demo_bytes(total_bytes: int, region: int = 256 << 20, n_block_sizes: int = 3) -> int:
+    """Bytes :func:`run_demo` moves each way per path for ``total_bytes``: whole ``region``s per
+    block size, at least ``total_bytes`` in all (1 GiB asked -> 3 x 512 MiB = 1.5 GiB)."""
+    per_size = max(region, total_bytes // n_block_sizes)
+    return n_block_sizes * -(-per_size // region) * region
+
+
 def run_demo(
     total_bytes: int = 1 << 30,
     region: int = 256 << 20,
