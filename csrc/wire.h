@@ -52,7 +52,7 @@ enum Status : int32_t {
   ST_PEER_RESTARTED = 103,  // peer's incarnation changed since the descriptor was read
   ST_CANCELED = 104,      // engine shut down
   ST_LOCAL_FAULT = 105,   // same-host copy faulted (memory unmapped)
-  ST_PEER_UNPROVEN = 106,  // peer could not prove the shared secret (impostor or no secret)
+  ST_PEER_UNPROVEN = 107,  // peer could not prove the shared secret (impostor or no secret)
 };
 
 #pragma pack(push, 1)
