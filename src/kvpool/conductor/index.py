@@ -1,0 +1,215 @@
+"""The conductor's prefix index: which locations (instance GPU cache, instance CPU cache, the kvpool
+store) hold which KV blocks.
+
+Blocks are named by *our* chained hash (``kvpool._conductor``, XXH64 over the block's token ids and
+the extra keys vLLM publishes, seeded with the parent's hash), computed the same way from a request's
+tokens (:meth:`BlockIndex.hash_tokens`) and from an engine's ``BlockStored`` events
+(:meth:`BlockIndex.ingest`). The engine's own block hashes only map ``BlockRemoved`` events and
+parent links back to ours, per location, so instances need not share a hash seed.
+
+The index is fed three ways: live vLLM KV events (:mod:`kvpool.conductor.events`), direct updates
+(:meth:`BlockIndex.add` / :meth:`BlockIndex.remove`: the simulator's caches, the store tier), and an
+approximate mode for engines that publish no events (:class:`ApproxTracker`: what the conductor
+routed there, forgotten after a TTL).
+
+Thread safety: the native index has its own reader/writer lock and releases the GIL for ingest and
+lookups; location registration happens before any concurrent use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from kvpool._conductor import MAX_LOCATIONS, PrefixIndex
+from kvpool.errors import InvalidArgument
+
+__all__ = ["ApproxTracker", "BlockIndex", "Location", "Tier", "extra_keys"]
+
+
+class Tier(str, Enum):
+    """Where a copy of a block lives, fastest first."""
+
+    GPU = "gpu"
+    """The engine's own KV cache (vLLM ``medium`` GPU, or unset on CPU-only engines)."""
+    CPU = "cpu"
+    """The engine's host-memory offload tier (vLLM ``medium`` CPU)."""
+    STORE = "store"
+    """The kvpool store (a pool every instance can load from)."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """One place blocks can be: ``id`` is its bit in the index (0..63)."""
+
+    id: int
+    tier: Tier
+    instance: str | None
+    """The instance's name for GPU/CPU tiers; None for the shared store."""
+
+
+def extra_keys(n_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None) -> list[bytes | None]:
+    """Per-block extra keys of a text request as vLLM publishes them in ``BlockStored.extra_keys``
+    (LoRA name on every block, ``cache_salt`` on the first), msgpack-encoded for
+    :meth:`BlockIndex.hash_tokens`. Multimodal inputs are not covered: route those with
+    ``cache_salt`` or expect no prefix match."""
+    out: list[bytes | None] = []
+    for i in range(n_blocks):
+        keys: list[Any] = []
+        if lora_name:
+            keys.append(lora_name)
+        if i == 0 and cache_salt:
+            keys.append(cache_salt)
+        out.append(msgpack.packb(keys) if keys else None)
+    return out
+
+
+class BlockIndex:
+    """Block hash → locations, with named locations and event counters.
+
+    Args:
+        block_size: tokens per block; must equal the engines' ``--block-size`` (checked at start by
+            the live router, and per event: events of another size are counted and skipped).
+        root_seed: seed of the first block's hash (one per model/deployment; all conductors of a
+            deployment must use the same).
+        expected_blocks: pre-size the table (avoids rehash pauses while it fills).
+    """
+
+    def __init__(self, block_size: int, *, root_seed: int = 0, expected_blocks: int = 0) -> None:
+        if block_size <= 0:
+            raise InvalidArgument("block_size must be > 0")
+        self.block_size = int(block_size)
+        self.native = PrefixIndex(self.block_size, root_seed, expected_blocks)
+        self.locations: list[Location] = []
+        self._by_key: dict[tuple[str | None, Tier], Location] = {}
+        self.counters: dict[str, int] = {}
+        self.last_bad_block_size: int | None = None
+        self._lock = threading.Lock()  # counters only
+
+    # -- locations -----------------------------------------------------------------------------------
+
+    def add_location(self, instance: str | None, tier: Tier) -> Location:
+        """Register a location (idempotent); at most 64."""
+        key = (instance, tier)
+        if key in self._by_key:
+            return self._by_key[key]
+        if len(self.locations) >= MAX_LOCATIONS:
+            raise InvalidArgument(
+                f"the index tracks at most {MAX_LOCATIONS} locations (instance x tier); use fewer "
+                "instances per conductor or run one conductor per group of instances"
+            )
+        loc = Location(len(self.locations), tier, instance)
+        self.locations.append(loc)
+        self._by_key[key] = loc
+        return loc
+
+    def location(self, instance: str | None, tier: Tier) -> Location | None:
+        return self._by_key.get((instance, tier))
+
+    # -- hashing and lookups -------------------------------------------------------------------------
+
+    def hash_tokens(
+        self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
+        """Our hashes of the full blocks of ``tokens`` (a list of ints or a uint32 ``array``)."""
+        extras = None
+        if lora_name or cache_salt:
+            extras = extra_keys(len(tokens) // self.block_size, lora_name=lora_name, cache_salt=cache_salt)
+        return self.native.hash_tokens(tokens, extras)
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Per registered location (by id), how many leading blocks of ``hashes`` it holds."""
+        return self.native.match(hashes, len(self.locations))
+
+    def add(self, loc: Location, hashes: Sequence[int]) -> None:
+        self.native.add(loc.id, hashes)
+
+    def remove(self, loc: Location, hashes: Sequence[int]) -> None:
+        self.native.remove(loc.id, hashes)
+
+    def clear(self, loc: Location) -> None:
+        self.native.clear(loc.id)
+
+    def blocks_at(self, loc: Location) -> int:
+        return self.native.location_size(loc.id)
+
+    def hashes_at(self, loc: Location) -> set[int]:
+        return set(self.native.hashes_at(loc.id))
+
+    def __len__(self) -> int:
+        return len(self.native)
+
+    # -- events ----------------------------------------------------------------------------------------
+
+    def ingest(self, payload: bytes, gpu: Location, cpu: Location | None = None) -> dict[str, Any]:
+        """Apply one vLLM ``KVEventBatch`` msgpack payload from the instance owning ``gpu``.
+
+        Returns the native counters of this payload (``stored``, ``removed``, ``cleared``,
+        ``skipped_*``, ``malformed``, ``last_ts``) and adds them to :attr:`counters`."""
+        st = self.native.ingest(payload, gpu.id, cpu.id if cpu is not None else -1, -1)
+        with self._lock:
+            for k, v in st.items():
+                if k.startswith("last_"):
+                    continue
+                if v:
+                    self.counters[k] = self.counters.get(k, 0) + int(v)
+            if st["last_bad_block_size"] >= 0:
+                self.last_bad_block_size = int(st["last_bad_block_size"])
+        return st
+
+
+class ApproxTracker:
+    """Approximate index entries for instances that publish no KV events.
+
+    :meth:`routed` records that an instance computed a request's blocks; each entry expires
+    ``ttl_s`` after its last refresh (the engine may have evicted it by then). :meth:`sweep` removes
+    what expired; call it now and then (the live router does, once a second). Memory: one dict
+    entry per (location, block) tracked, bounded by ``max_entries`` (oldest dropped first).
+    """
+
+    def __init__(self, index: BlockIndex, ttl_s: float = 120.0, max_entries: int = 1_000_000) -> None:
+        if ttl_s <= 0:
+            raise InvalidArgument("ttl_s must be > 0")
+        self.index = index
+        self.ttl_s = float(ttl_s)
+        self.max_entries = int(max_entries)
+        self._expiry: dict[tuple[int, int], float] = {}
+        self._queue: deque[tuple[float, Location, tuple[int, ...]]] = deque()
+        self._lock = threading.Lock()
+
+    def routed(self, loc: Location, hashes: Sequence[int], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        exp = now + self.ttl_s
+        hs = tuple(hashes)
+        with self._lock:
+            for h in hs:
+                self._expiry[(loc.id, h)] = exp
+            self._queue.append((exp, loc, hs))
+            self.index.add(loc, hs)
+            if len(self._expiry) > self.max_entries:
+                self._sweep_locked(now, limit=len(self._expiry) - self.max_entries)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove expired entries from the index; returns how many blocks were removed."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._sweep_locked(now)
+
+    def _sweep_locked(self, now: float, limit: int | None = None) -> int:
+        removed = 0
+        while self._queue and (self._queue[0][0] <= now or (limit is not None and removed < limit)):
+            exp, loc, hs = self._queue.popleft()
+            gone = [h for h in hs if self._expiry.get((loc.id, h), 0.0) <= exp]
+            for h in gone:
+                self._expiry.pop((loc.id, h), None)
+            if gone:
+                self.index.remove(loc, gone)
+                removed += len(gone)
+        return removed
