@@ -498,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--procfs", default="/proc", help="procfs root (default /proc)")
     dr.set_defaults(func=cmd_doctor)
 
+    from kvpool.conductor.cli import add_commands as _add_conductor_commands
+
+    _add_conductor_commands(sub)  # simulate
+
     tp = sub.add_parser("topology", help="print the RDMA NIC topology matrix (Mooncake JSON format)")
     tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
     tp.add_argument("--file", default=None, help="read (and validate) this topology JSON instead")

@@ -81,7 +81,9 @@ class CostModel(_ConfigBase):
         if new_tokens <= 0:
             return self.prefill_base_s
         ctx = cached_tokens + new_tokens / 2
-        return self.prefill_base_s + new_tokens * self.prefill_per_token_s * (1 + ctx / self.prefill_attn_tokens)
+        return self.prefill_base_s + new_tokens * self.prefill_per_token_s * (
+            1 + ctx / self.prefill_attn_tokens
+        )
 
     def tbt_s(self, batch: int, kv_tokens: float) -> float:
         """Seconds per decode step with ``batch`` sequences holding ``kv_tokens`` in total."""
@@ -122,8 +124,11 @@ def fit_linear(rows: list[list[float]], ys: list[float], nonneg: bool = True) ->
 
 def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
     k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))]
-         for i in range(k)]  # fmt: skip
+    a = []
+    for i in range(k):
+        row = [sum(r[i] * r[j] for r in rows) for j in range(k)]
+        row.append(sum(r[i] * y for r, y in zip(rows, ys, strict=True)))
+        a.append(row)
     for col in range(k):
         piv = max(range(col, k), key=lambda r: abs(a[r][col]))
         if abs(a[piv][col]) < 1e-30:

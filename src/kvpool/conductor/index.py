@@ -55,7 +55,9 @@ class Location:
     """The instance's name for GPU/CPU tiers; None for the shared store."""
 
 
-def extra_keys(n_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None) -> list[bytes | None]:
+def extra_keys(
+    n_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None
+) -> list[bytes | None]:
     """Per-block extra keys of a text request as vLLM publishes them in ``BlockStored.extra_keys``
     (LoRA name on every block, ``cache_salt`` on the first), msgpack-encoded for
     :meth:`BlockIndex.hash_tokens`. Multimodal inputs are not covered: route those with

@@ -50,7 +50,6 @@ __all__ = [
     "make_policy",
 ]
 
-EARLY_COMMITTED = True
 RejectMode = Literal["none", "baseline", "early", "predict"]
 
 
@@ -133,8 +132,9 @@ def _decode_kv(req: RequestInfo) -> int:
     return req.prompt_tokens + req.output_tokens
 
 
-def predicted_tbt(cluster: Cluster, inst: Instance, req: RequestInfo, at: float | None = None) -> float:
-    batch, kv = inst.decode_load(at)
+def predicted_tbt(cluster: Cluster, inst: Instance, req: RequestInfo, at: float | None = None,
+                  committed: bool = False) -> float:  # fmt: skip
+    batch, kv = inst.decode_load(at, committed=committed)
     return cluster.cost.tbt_s(batch + 1, kv + _decode_kv(req))
 
 
@@ -144,8 +144,8 @@ class SloGate:
     Modes: ``none`` never rejects. The others reject on arrival a request whose predicted TTFT
     exceeds the TTFT SLO (Alg. 1), and differ on decode load: ``baseline`` finds out only once the
     prefill is done (the decode instance cannot take the request: rejected, the prefill wasted);
-    ``early`` also rejects on arrival when the decode instance would be overloaded by the requests
-    it runs plus those already routed to it (as if none finished meanwhile); ``predict`` judges the
+    ``early`` also rejects on arrival when the decode instance is overloaded *now* (its current
+    load; the paper's early rejection, which lags the load by a prefill time); ``predict`` judges the
     load expected when this prefill will have finished: running requests predicted to be done by
     then are left out, routed requests predicted to have arrived by then are counted.
     """
@@ -174,7 +174,7 @@ class SloGate:
         if self.mode == "baseline":
             return
         at = now + d.ttft_s if self.mode == "predict" else None
-        reason = self._decode_overload(d.decode, req, cluster, at, committed=self.mode == "early" and EARLY_COMMITTED)
+        reason = self._decode_overload(d.decode, req, cluster, at, committed=False)
         if reason:
             d.reject = "decode_overload"
             d.reject_reason = reason
@@ -190,14 +190,21 @@ class SloGate:
                          committed: bool = False) -> str | None:  # fmt: skip
         batch, kv = inst.decode_load(at, committed=committed)
         kv_new = kv + _decode_kv(req)
-        when = "when its prefill is done" if at is not None else "with the requests routed to it" if committed else "now"
+        when = (
+            "when its prefill is done"
+            if at is not None
+            else "with the requests routed to it"
+            if committed
+            else "now"
+        )
         if not cluster.cost.decode_fits(batch + 1, kv_new):
             return (f"decode instance {inst.name} is full {when} ({batch} sequences, {kv} KV tokens); "
                     "retry later")  # fmt: skip
         if self.tbt_s is not None:
             tbt = cluster.cost.tbt_s(batch + 1, kv_new)
             if tbt > self.tbt_s:
-                return (f"predicted TBT {tbt * 1000:.1f} ms on decode instance {inst.name} {when} exceeds the "
+                return (f"predicted TBT {tbt * 1000:.1f} ms on decode instance {inst.name} {when} "
+                        "exceeds the "
                         f"SLO of {self.tbt_s * 1000:g} ms; retry later")  # fmt: skip
         return None
 
@@ -287,8 +294,10 @@ class Policy(ABC):
         """Pick the prefill instance (and optionally the decode instance)."""
 
     def pick_decode(self, req: RequestInfo, cluster: Cluster, decodes: list[Instance]) -> Instance:
-        """Alg. 1's SelectDecodingInstance: the lowest predicted TBT with this request added."""
-        return min(decodes, key=lambda i: (predicted_tbt(cluster, i, req), i.index))
+        """Alg. 1's SelectDecodingInstance: the lowest predicted TBT with this request added, counting
+        the requests already routed there and still in prefill (else a burst herds onto the
+        instance that is idle now)."""
+        return min(decodes, key=lambda i: (predicted_tbt(cluster, i, req, committed=True), i.index))
 
 
 class RandomPolicy(Policy):
@@ -359,7 +368,7 @@ class ConductorPolicy(CachePolicy):
                 if len(holders) > 2:
                     # Power of two choices among the replicas, seeded by the request id so that every
                     # conductor of a deployment makes the same choice.
-                    r = random.Random(xxhash.xxh64_intdigest(req.rid))
+                    r = random.Random(xxhash.xxh64_intdigest(req.rid.encode()))
                     two = r.sample(holders, 2)
                     cands = [i for i in prefills if i not in holders or i in two]
         ests = [(estimate(cluster, i, req, view, now, True), i) for i in cands]
@@ -381,7 +390,9 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, gate: SloGate | None = None, seed: int = 0, hot: HotPrefixes | None = None) -> Policy:
+def make_policy(
+    name: str, gate: SloGate | None = None, seed: int = 0, hot: HotPrefixes | None = None
+) -> Policy:
     """A policy by name (``random``, ``round-robin``, ``load``, ``cache``, ``conductor``)."""
     cls = POLICIES.get(name)
     if cls is None:

@@ -82,7 +82,9 @@ def load_requests(path: str | Path) -> list[TraceRequest]:
     return out
 
 
-def synthetic_requests(n: int = 1000, rate_per_s: float = 4.0, seed: int = 0, **kw: Any) -> list[TraceRequest]:
+def synthetic_requests(
+    n: int = 1000, rate_per_s: float = 4.0, seed: int = 0, **kw: Any
+) -> list[TraceRequest]:
     """A Mooncake-shaped trace (multi-turn conversations sharing a system prompt, Poisson arrivals;
     see :func:`kvpool.store.trace.synthetic_trace`) for tests and demos without the real one."""
     import random
@@ -243,7 +245,9 @@ def simulate(
     caches: list[_Lru] = []
     for i in range(cfg.prefill):
         name = f"p{i}"
-        instances.append(Instance(name, i, prefill=True, decode=False, gpu=index.add_location(name, Tier.GPU)))
+        instances.append(
+            Instance(name, i, prefill=True, decode=False, gpu=index.add_location(name, Tier.GPU))
+        )
         caches.append(_Lru(cfg.cache_blocks))
     for j in range(cfg.decode):
         instances.append(Instance(f"d{j}", cfg.prefill + j, prefill=False, decode=True))
@@ -360,7 +364,9 @@ def simulate(
             decisions[k] = d
             p = d.prefill.index
             d.prefill.start_prefill(req.rid, d.estimate.prefill_s + d.estimate.transfer_s, now)
-            d.decode.reserve_decode(req.rid, req.prompt_tokens + req.output_tokens, now + d.ttft_s)
+            d.decode.reserve_decode(
+                req.rid, req.prompt_tokens + req.output_tokens, now + d.ttft_s, req.output_tokens * d.tbt_s
+            )
             for tgt in d.replicate_to:  # hot prefix: copy its blocks to one more instance (background)
                 src_loc = d.best_location
                 if src_loc is not None and tgt.gpu is not None:
@@ -441,7 +447,8 @@ def _summary(cfg: SimConfig, trace: Sequence[TraceRequest], t0: float, ttft: dic
     tbts = [tbt[k] for k in done]
     ok = sum(
         1 for k in done
-        if (cfg.ttft_slo_s is None or ttft[k] <= cfg.ttft_slo_s) and (cfg.tbt_slo_s is None or tbt[k] <= cfg.tbt_slo_s)
+        if (cfg.ttft_slo_s is None or ttft[k] <= cfg.ttft_slo_s)
+        and (cfg.tbt_slo_s is None or tbt[k] <= cfg.tbt_slo_s)
     )  # fmt: skip
     span = max(end, 1e-9)
     blocks = max(1, stats["blocks"])
@@ -469,7 +476,11 @@ def _summary(cfg: SimConfig, trace: Sequence[TraceRequest], t0: float, ttft: dic
             "global": stats["global_hit"] / blocks,
             "used": stats["used"] / blocks,
         },
-        "transfers": {"count": stats["transfers"], "blocks": stats["fetched"], "misses": stats["fetch_misses"]},
+        "transfers": {
+            "count": stats["transfers"],
+            "blocks": stats["fetched"],
+            "misses": stats["fetch_misses"],
+        },
         "hot": {"requests": stats["hot"], "replicated_blocks": stats["replicated"]},
         "pd_ratio": {
             "prefill_util": pu,

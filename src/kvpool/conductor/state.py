@@ -34,6 +34,8 @@ class RequestInfo:
 class DecodeSlot:
     kv_tokens: int
     est_end: float
+    dur_s: float = float("inf")
+    """Reserved slots: the predicted decode time once it arrives (``est_end`` is the arrival)."""
 
 
 @dataclass
@@ -76,8 +78,12 @@ class Instance:
         if self.prefilling.pop(rid, None) is not None and not self.prefilling:
             self.busy_until = min(self.busy_until, now)
 
-    def reserve_decode(self, rid: str, kv_tokens: int, ready_at: float) -> None:
-        self.reserved[rid] = DecodeSlot(int(kv_tokens), ready_at)
+    def reserve_decode(
+        self, rid: str, kv_tokens: int, ready_at: float, decode_s: float = float("inf")
+    ) -> None:
+        """A request routed here for decode is in prefill until about ``ready_at``, then decodes for
+        about ``decode_s``."""
+        self.reserved[rid] = DecodeSlot(int(kv_tokens), ready_at, decode_s)
 
     def start_decode(self, rid: str, kv_tokens: int, est_s: float, now: float) -> None:
         self.reserved.pop(rid, None)
@@ -96,23 +102,25 @@ class Instance:
 
         * default: now.
         * ``committed``: now plus every request already routed here and still in prefill (the load
-          if nothing finished meanwhile: early rejection, §4.3).
+          if nothing finished meanwhile).
         * ``at``: predicted at time ``at`` (prediction-based early rejection, §4.3): requests
           predicted to have finished by then are left out, those in prefill that should have
-          arrived by then are counted."""
+          arrived by then and not yet finished are counted."""
         batch = max(len(self.decoding), self.observed_running if self.decode else 0)
         extra = max(0, batch - len(self.decoding))  # seen in the engine's metrics, not routed by us
         if at is None and not committed:
             return batch, self.kv_tokens
         if at is None:
-            return batch + len(self.reserved), self.kv_tokens + sum(s.kv_tokens for s in self.reserved.values())
+            return batch + len(self.reserved), self.kv_tokens + sum(
+                s.kv_tokens for s in self.reserved.values()
+            )
         n = kv = 0
         for slot in self.decoding.values():
             if slot.est_end > at:
                 n += 1
                 kv += slot.kv_tokens
         for slot in self.reserved.values():
-            if slot.est_end <= at:
+            if slot.est_end <= at < slot.est_end + slot.dur_s:
                 n += 1
                 kv += slot.kv_tokens
         return n + extra, kv

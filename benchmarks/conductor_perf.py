@@ -1,0 +1,137 @@
+"""Conductor performance targets (issue 13): routing decision latency with 16 instances and 1M
+indexed blocks, KV-event ingest rate, and the 12,031-request trace replay time.
+
+    python benchmarks/conductor_perf.py [--trace ../shared/traces/conversation_trace.jsonl] [--json]
+
+* **decision**: ``ConductorPolicy.route`` (prefix lookup over the index + Alg. 1 scoring of 16
+  aggregated instances + SLO gate) for requests of 8k tokens (16-token blocks: 500 hashes each, so
+  the lookup walks 500 blocks); the index holds 1M blocks spread over the 16 instances' GPU tiers.
+  Hashing the request's tokens is timed separately (``hash_tokens``), as the proxy does it once per
+  request before routing.
+* **ingest**: vLLM ``KVEventBatch`` payloads (msgspec-encoded exactly as vLLM's publisher does) of
+  ``BlockStored`` events with 16-token blocks; one *event* = one block stored or removed (the unit
+  Dynamo's 10M events/s counts). Half the payloads store, half remove.
+* **replay**: ``kvpool simulate`` of the trace with the conductor policy, 8 prefill + 8 decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import msgpack
+
+from kvpool.conductor import BlockIndex, Cluster, CostModel, Instance, RequestInfo, SloGate, Tier, make_policy
+from kvpool.conductor.sim import SimConfig, load_requests, simulate, synthetic_requests
+
+
+def bench_decision(n_instances: int = 16, n_blocks: int = 1_000_000, block: int = 16, prompt: int = 8192,
+                   n: int = 5000) -> dict:  # fmt: skip
+    rng = random.Random(1)
+    index = BlockIndex(block, expected_blocks=n_blocks)
+    insts = [Instance(f"i{k}", k, gpu=index.add_location(f"i{k}", Tier.GPU)) for k in range(n_instances)]
+    per = prompt // block
+    convs = []
+    for k in range(n_blocks // per):
+        toks = [rng.randrange(32000) for _ in range(prompt)]
+        hs = index.hash_tokens(toks)
+        index.add(insts[k % n_instances].gpu, hs)  # type: ignore[arg-type]
+        convs.append(toks)
+    cluster = Cluster(index, CostModel.paper(), insts)
+    policy = make_policy("conductor", SloGate(ttft_s=5.0, tbt_s=0.1, mode="predict"))
+    lat, hl = [], []
+    for k in range(n):
+        toks = convs[rng.randrange(len(convs))][: rng.randrange(prompt // 2, prompt)] + [7] * 64
+        t0 = time.perf_counter()
+        hs = index.hash_tokens(toks)
+        t1 = time.perf_counter()
+        d = policy.route(RequestInfo(str(k), len(toks), hs, 256), cluster, time.monotonic())
+        t2 = time.perf_counter()
+        hl.append(t1 - t0)
+        lat.append(t2 - t1)
+        assert d.prefill is not None
+    lat.sort()
+    hl.sort()
+    return {
+        "instances": n_instances,
+        "indexed_blocks": len(index),
+        "blocks_per_request": per,
+        "decision_p50_ms": lat[len(lat) // 2] * 1e3,
+        "decision_p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+        "hash_p50_ms": hl[len(hl) // 2] * 1e3,
+        "hash_p99_ms": hl[int(len(hl) * 0.99)] * 1e3,
+    }
+
+
+def _payloads(block: int, n_batches: int, per_batch: int, seed: int = 2) -> tuple[list[bytes], int]:
+    rng = random.Random(seed)
+    out, events = [], 0
+    h = 1
+    for _ in range(n_batches):
+        toks = [rng.randrange(32000) for _ in range(block * per_batch)]
+        hashes = list(range(h, h + per_batch))
+        h += per_batch
+        stored = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": toks,
+                  "block_size": block, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+        removed = {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+        # vLLM's encoding (msgspec): KVEventBatch is an array [ts, events, dp_rank]; events are maps
+        # tagged by "type".
+        out.append(msgpack.packb([time.time(), [stored], None]))
+        out.append(msgpack.packb([time.time(), [removed], None]))
+        events += 2 * per_batch
+    return out, events
+
+
+def bench_ingest(block: int = 16, n_batches: int = 2000, per_batch: int = 64, rounds: int = 3) -> dict:
+    payloads, events = _payloads(block, n_batches, per_batch)
+    best = 0.0
+    for _ in range(rounds):
+        index = BlockIndex(block)
+        g = index.add_location("a", Tier.GPU)
+        t0 = time.perf_counter()
+        for p in payloads:
+            index.ingest(p, g)
+        dt = time.perf_counter() - t0
+        assert index.counters.get("malformed", 0) == 0 and index.counters["stored"] == events // 2
+        best = max(best, events / dt)
+    return {"events": events, "events_per_batch": per_batch, "block_size": block, "events_per_s": best}
+
+
+def bench_replay(trace: str | None) -> dict:
+    reqs = (
+        load_requests(trace) if trace and Path(trace).exists() else synthetic_requests(12031, rate_per_s=3.4)
+    )
+    t0 = time.perf_counter()
+    s = simulate(reqs, SimConfig(policy="conductor", prefill=8, decode=8))
+    return {"trace": trace if trace and Path(trace).exists() else "synthetic", "requests": len(reqs),
+            "replay_s": time.perf_counter() - t0, "mean_ttft_s": s["ttft_s"]["mean"]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--trace",
+        default=str(Path(__file__).resolve().parents[1] / "../shared/traces/conversation_trace.jsonl"),
+    )
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", choices=["decision", "ingest", "replay"])
+    a = ap.parse_args()
+    res = {}
+    if a.only in (None, "ingest"):
+        res["ingest"] = bench_ingest()
+    if a.only in (None, "decision"):
+        res["decision"] = bench_decision()
+    if a.only in (None, "replay"):
+        res["replay"] = bench_replay(a.trace)
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return
+    for k, v in res.items():
+        print(k, " ".join(f"{kk}={(round(vv, 4) if isinstance(vv, float) else vv)}" for kk, vv in v.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""``kvpool simulate`` (and the conductor's proxy flags): argument parsing and output.
+
+:func:`add_commands` is called by :func:`kvpool.cli.build_parser`; keeping the flags here keeps
+``kvpool/cli.py`` small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpool.cli_errors import UsageError, number_arg
+
+__all__ = ["add_commands", "cmd_simulate"]
+
+SIM_POLICIES = ("random", "round-robin", "load", "cache", "conductor")
+
+
+def _file(option: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> str:
+        if not Path(text).is_file():
+            raise UsageError(f"{option}: no such file {text!r}; check the path")
+        return text
+
+    parse.__name__ = "file"
+    return parse
+
+
+def _policies(text: str) -> list[str]:
+    names = list(SIM_POLICIES) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in SIM_POLICIES]
+    if bad or not names:
+        raise UsageError(
+            f"--policy: unknown policy {bad[0] if bad else text!r}; use {', '.join(SIM_POLICIES)} or all"
+        )
+    return names
+
+
+def _modes(text: str) -> list[str]:
+    modes = ["baseline", "early", "predict"] if text == "all" else [t.strip() for t in text.split(",")]
+    bad = [m for m in modes if m not in ("none", "baseline", "early", "predict")]
+    if bad:
+        raise UsageError(f"--reject-mode: unknown mode {bad[0]!r}; use none, baseline, early, predict or all")
+    return modes
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``simulate`` to the ``kvpool`` subcommands."""
+    pos = number_arg
+    sm = sub.add_parser(
+        "simulate", help="replay a Mooncake-format trace through a simulated P/D cluster per policy",
+        description="Discrete-event replay of a Mooncake-format trace (timestamp ms, input_length, "
+        "output_length, hash_ids of 512-token blocks) through prefill and decode instances, routed by "
+        "the same policy code as 'kvpool proxy --policy'. Prints TTFT/TBT, rejections and hit rates "
+        "per policy.",
+    )  # fmt: skip
+    sm.add_argument("--trace", type=_file("--trace"), default=None, metavar="FILE",
+                    help="JSONL trace; default: shared/traces/conversation_trace.jsonl found from the "
+                    "current "
+                    "directory up, else a synthetic trace (the first line printed says which)")  # fmt: skip
+    sm.add_argument(
+        "--policy",
+        type=_policies,
+        default=list(SIM_POLICIES),
+        metavar="LIST",
+        help=f"comma-separated policies or 'all' ({', '.join(SIM_POLICIES)}; default all)",
+    )
+    sm.add_argument(
+        "--prefill", type=pos("--prefill"), default=8, metavar="N", help="prefill instances (default 8)"
+    )
+    sm.add_argument(
+        "--decode", type=pos("--decode"), default=8, metavar="M", help="decode instances (default 8)"
+    )
+    sm.add_argument("--cache-blocks", type=pos("--cache-blocks", minimum=0), default=10_000, metavar="N",
+                    help="blocks each prefill instance caches (default 10000)")  # fmt: skip
+    sm.add_argument(
+        "--store-blocks",
+        type=pos("--store-blocks", minimum=0),
+        default=0,
+        metavar="N",
+        help="blocks of a shared store tier every instance can fetch from (default 0: none)",
+    )
+    sm.add_argument("--ttft-slo", type=pos("--ttft-slo", float), default=None, metavar="SECONDS",
+                    help="TTFT SLO (default none)")  # fmt: skip
+    sm.add_argument("--tbt-slo", type=pos("--tbt-slo", float), default=None, metavar="SECONDS",
+                    help="time-between-tokens SLO (default none)")  # fmt: skip
+    sm.add_argument("--reject-mode", type=_modes, default=None, metavar="LIST",
+                    help="none, baseline, early, predict, a comma-separated list or all (default: predict "
+                    "when an SLO is given, else none)")  # fmt: skip
+    sm.add_argument("--speedup", type=pos("--speedup", float), default=1.0, metavar="X",
+                    help="compress the trace's arrival times by X (default 1)")  # fmt: skip
+    sm.add_argument("--max-requests", type=pos("--max-requests"), default=None, metavar="N",
+                    help="replay only the first N requests")  # fmt: skip
+    sm.add_argument(
+        "--cost-model",
+        type=_file("--cost-model"),
+        default=None,
+        metavar="FILE",
+        help="cost model JSON (from 'kvpool conductor calibrate'; default: the paper-shaped model)",
+    )
+    sm.add_argument("--no-hot", action="store_true", help="no hot-prefix replication (conductor policy)")
+    sm.add_argument(
+        "--seed", type=pos("--seed", minimum=0), default=0, metavar="N", help="random seed (default 0)"
+    )
+    sm.add_argument(
+        "--plot", default=None, metavar="DIR", help="write PNG plots (TTFT CDF, PD windows) into DIR"
+    )
+    sm.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    sm.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the simulation for each policy (and reject mode) and print the summaries."""
+    from kvpool.conductor.cost import CostModel
+    from kvpool.conductor.sim import SimConfig, load_requests, simulate, synthetic_requests
+    from kvpool.store.trace import find_shared_trace
+
+    path = args.trace or find_shared_trace()
+    reqs = load_requests(path) if path else synthetic_requests(2000)
+    if args.max_requests:
+        reqs = reqs[: args.max_requests]
+    if not reqs:
+        raise UsageError("the trace holds no requests")
+    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.paper()
+    modes = args.reject_mode or (["predict"] if args.ttft_slo or args.tbt_slo else ["none"])
+    print(f"trace: {path or 'synthetic'} ({len(reqs)} requests), {args.prefill} prefill + "
+          f"{args.decode} decode, "
+          f"cost model {cost.name}", file=sys.stderr, flush=True)  # fmt: skip
+    results = []
+    for policy in args.policy:
+        for mode in modes:
+            cfg = SimConfig(
+                policy=policy, prefill=args.prefill, decode=args.decode, cache_blocks=args.cache_blocks,
+                store_blocks=args.store_blocks, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                reject_mode=mode, speedup=args.speedup, hot=not args.no_hot, seed=args.seed,
+            )  # fmt: skip
+            results.append(simulate(reqs, cfg, cost, keep_samples=bool(args.plot)))
+    if args.plot:
+        plot_results(results, Path(args.plot))
+    if args.json:
+        for r in results:
+            r.pop("samples", None)
+        print(json.dumps(results if len(results) > 1 else results[0], indent=2, default=_json_default))
+        return 0
+    print("| policy | reject mode | mean TTFT s | P90 TTFT s | P99 TTFT s | mean TBT ms | rejected | SLO met "
+          "| hit local | hit global | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t, b, h = r["ttft_s"], r["tbt_s"], r["hit_rate"]
+        print(f"| {r['policy']} | {r['reject_mode']} | {t['mean']:.3f} | {t['p90']:.3f} | {t['p99']:.3f} "
+              f"| {b['mean'] * 1000:.1f} | {r['rejected']['total']} | {r['slo_attainment']:.3f} "
+              f"| {h['local']:.3f} "
+              f"| {h['global']:.3f} | {r['wall_seconds']:.1f} |")  # fmt: skip
+    pd = results[-1]["pd_ratio"]
+    if pd["imbalance"] is not None:
+        print(f"PD ratio (last run): prefill utilisation {pd['prefill_util']:.2f}, "
+              f"decode {pd['decode_util']:.2f}; "
+              f"suggested split {pd['suggested_prefill']}P:{pd['suggested_decode']}D")  # fmt: skip
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def plot_results(results: list[dict[str, Any]], out: Path) -> list[Path]:
+    """TTFT CDF per run and the PD-ratio windows of the last run, as PNGs in ``out``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'kvpool[plots]'") from None
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    for r in results:
+        xs = sorted(r.get("samples", {}).get("ttft_s", []))
+        if xs:
+            ax.plot(
+                xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r['policy']} ({r['reject_mode']})"
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("CDF")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "ttft_cdf.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+    w = results[-1]["pd_ratio"]["windows"]
+    if w:
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        ax.plot([x["t_s"] for x in w], [x["prefill_util"] for x in w], label="prefill utilisation")
+        ax.plot([x["t_s"] for x in w], [x["decode_util"] for x in w], label="decode load")
+        ax.set_xlabel("simulated time (s)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "pd_ratio.png")
+        fig.savefig(paths[-1])
+        plt.close(fig)
+    return paths
