@@ -78,6 +78,7 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -91,6 +92,12 @@ class FakeVllm:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.paths.append(request.path)
+        words = str(body.get("prompt", "")).split()
+        return web.json_response({"tokens": [sum(map(ord, w)) for w in words], "count": len(words)})
 
     async def _models(self, request: web.Request) -> web.Response:
         self.paths.append(request.path)
@@ -475,5 +482,181 @@ def test_cli_subprocess_end_to_end() -> None:
                 await proc.wait()
             await p.stop()
             await d.stop()
+
+    run(go)
+
+
+# -- malformed bodies (issue 12 deliverable 6) and routing policies (issue 13) ------------------------
+
+
+def test_malformed_bodies_get_400_with_one_line_and_one_log_line(caplog: Any) -> None:
+    import logging
+
+    from kvpool.conductor.live import RouterConfig
+
+    deep = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    medium = b'{"prompt": "x", "extra": ' + b"[" * 300 + b"]" * 300 + b"}"  # parses; too deep to re-encode
+    dicts = b'{"prompt": "x", "e": ' + b'{"a": ' * 80 + b"1" + b"}" * 80 + b"}"
+    bodies = [
+        (b"not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (deep, "nests deeper than 64"),
+        (medium, "nests deeper than 64"),
+        (dicts, "nests deeper than 64"),
+        (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
+        (b'{"prompt": "hi", "stream": "yes"}', "'stream' must be a bool"),
+        (b'{"prompt": "hi", "max_tokens": "many"}', "'max_tokens' must be a int"),
+        (b'{"prompt": {"text": "hi"}}', "'prompt' must be a string or a list of token ids"),
+        (b'{"prompt": "hi"}', None),  # fine
+    ]
+
+    async def go() -> None:
+        b0 = FakeVllm("b0", "decode")
+        async with running([b0], [], router=RouterConfig(policy="load")) as (proxy, client):
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG):
+                for raw, reason in bodies:
+                    hdr = {"Content-Type": "application/json"}
+                    async with client.post(f"{proxy.url}/v1/completions", data=raw, headers=hdr) as r:
+                        text = await r.text()
+                        if reason is None:
+                            assert r.status == 200, text
+                            continue
+                        assert r.status == 400, (raw[:60], r.status, text[:300])
+                        msg = json.loads(text)["error"]["message"]
+                        assert reason in msg and "\n" not in msg and len(msg) < 300, msg
+            assert len(b0.bodies) == 1  # only the good one reached the backend
+            records = [r for r in caplog.records if r.levelno >= logging.INFO]
+            assert len(records) <= len(bodies) - 1, [r.getMessage() for r in records]
+            assert not any(r.exc_info for r in caplog.records)
+            assert all("\n" not in r.getMessage() for r in records)
+
+    run(go)
+
+
+def test_plain_pd_proxy_refuses_deep_json_too() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            raw = b'{"prompt": "x", "e": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+            async with client.post(f"{proxy.url}/v1/completions", data=raw) as r:
+                assert r.status == 400
+                assert "nests deeper" in (await r.json())["error"]["message"]
+            assert not p.bodies and not d.bodies
+
+    run(go)
+
+
+def _who(out: dict[str, Any]) -> str:
+    return str(out["served_by"])
+
+
+def test_router_policies_on_aggregated_backends() -> None:
+    from kvpool.conductor.live import RouterConfig
+
+    async def go() -> None:
+        fakes = [FakeVllm(f"b{k}", "decode") for k in range(3)]
+        # round-robin through the router: every backend in turn.
+        async with running(fakes, [], router=RouterConfig(policy="round-robin", block_size=4)) as (
+            proxy,
+            client,
+        ):
+            seen = []
+            for k in range(6):
+                async with client.post(
+                    f"{proxy.url}/v1/completions", json={"prompt": list(range(k, k + 40))}
+                ) as r:
+                    assert r.status == 200
+                    seen.append(_who(await r.json()))
+            assert seen == ["b0", "b1", "b2", "b0", "b1", "b2"]
+        for f in fakes:
+            f.bodies.clear()
+        # cache: repeated prefixes follow the instance that computed them (approximate mode, no events).
+        async with running(fakes, [], router=RouterConfig(policy="cache", block_size=4)) as (proxy, client):
+            first: dict[int, str] = {}
+            for rnd in range(3):
+                for conv in range(3):
+                    prompt = [1000 * conv + i for i in range(64)] + [rnd] * 9
+                    async with client.post(f"{proxy.url}/v1/completions", json={"prompt": prompt}) as r:
+                        assert r.status == 200
+                        who = _who(await r.json())
+                    first.setdefault(conv, who)
+                    assert who == first[conv], (rnd, conv, who, first)
+            # Text prompts are tokenized by a backend's /tokenize.
+            for _ in range(2):
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "a b c " * 30}) as r:
+                    assert r.status == 200
+            assert any("/tokenize" in f.paths for f in fakes)
+            async with client.get(f"{proxy.url}/health") as r:
+                st = (await r.json())["router"]
+            assert st["policy"] == "cache" and st["index_blocks"] > 0 and st["tokenize_failed"] == 0
+            async with client.get(f"{proxy.url}/metrics") as r:
+                text = await r.text()
+            assert 'kvpool_conductor_decisions_total{policy="cache"} 11.0' in text
+
+    run(go)
+
+
+def test_router_slo_gate_refuses_with_429_before_any_backend_work() -> None:
+    from kvpool.conductor.live import RouterConfig
+
+    async def go() -> None:
+        b0 = FakeVllm("b0", "decode")
+        cfg = RouterConfig(policy="conductor", ttft_slo_s=1e-6)
+        async with running([b0], [], router=cfg) as (proxy, client):
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": list(range(100))}) as r:
+                assert r.status == 429
+                msg = (await r.json())["error"]["message"]
+            assert "refused before prefill" in msg and "exceeds the SLO" in msg
+            assert b0.bodies == []
+            async with client.get(f"{proxy.url}/metrics") as r:
+                assert 'kvpool_conductor_rejections_total{reason="ttft_slo"} 1.0' in await r.text()
+
+    run(go)
+
+
+def test_router_follows_kv_events_published_over_zmq() -> None:
+    import msgpack
+    import zmq
+
+    from kvpool.conductor.live import RouterConfig
+
+    async def go() -> None:
+        fakes = [FakeVllm(f"b{k}", "decode") for k in range(3)]
+        ctx = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        cfg = RouterConfig(policy="cache", block_size=4, kv_events=[None, f"tcp://127.0.0.1:{port}", None])
+        prompt = list(range(500, 540))
+        ev = {"type": "BlockStored", "block_hashes": list(range(1, 11)), "parent_block_hash": None,
+              "token_ids": prompt, "block_size": 4, "lora_id": None, "medium": "GPU",
+              "lora_name": None}  # fmt: skip
+        try:
+            async with running(fakes, [], router=cfg) as (proxy, client):
+                seq = 0
+                for _ in range(100):  # the subscriber connects asynchronously: publish until seen
+                    pub.send_multipart(
+                        [b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), [ev], None])]
+                    )
+                    seq += 1
+                    await asyncio.sleep(0.05)
+                    if proxy.router.stats()["index_blocks"] >= 10:
+                        break
+                st = proxy.router.stats()
+                assert st["per_instance_blocks"][fakes[1].url] == 10
+                for _ in range(3):
+                    async with client.post(
+                        f"{proxy.url}/v1/completions", json={"prompt": prompt + [1, 2]}
+                    ) as r:
+                        assert _who(await r.json()) == "b1"
+                rm = {"type": "BlockRemoved", "block_hashes": list(range(1, 11)), "medium": "GPU"}
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), [rm], None])])
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    if proxy.router.stats()["per_instance_blocks"][fakes[1].url] == 0:
+                        break
+                assert proxy.router.stats()["per_instance_blocks"][fakes[1].url] == 0
+        finally:
+            pub.close(0)
 
     run(go)

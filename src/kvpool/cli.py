@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     px = sub.add_parser("proxy", help="OpenAI-compatible prefill/decode disaggregation proxy for vLLM",
                         epilog=PROXY_EXAMPLES)  # fmt: skip
-    px.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill vLLM base URLs")
-    px.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode vLLM base URLs")
+    px.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="prefill vLLM base URLs")
+    px.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode vLLM base URLs")
     px.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     px.add_argument("--port", type=port_arg("--port"), default=8000, metavar="PORT",
                     help="port to bind (default 8000; 0 = any)")  # fmt: skip
@@ -479,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="connections to backends, total (default 1024)")  # fmt: skip
     px.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")  # fmt: skip
+    from kvpool.conductor.cli import add_proxy_options
+
+    add_proxy_options(px)  # --backends, --policy, --kv-events, SLOs ...
     px.set_defaults(func=cmd_proxy)
 
     dr = sub.add_parser("doctor", help="check this host (memlock, RDMA, CUDA, GPUDirect, engines, servers)",

@@ -207,3 +207,94 @@ def plot_results(results: list[dict[str, Any]], out: Path) -> list[Path]:
         fig.savefig(paths[-1])
         plt.close(fig)
     return paths
+
+
+PROXY_POLICIES = ("round-robin", "load", "cache", "conductor")
+
+
+def add_proxy_options(px: argparse.ArgumentParser) -> None:
+    """The routing flags of ``kvpool proxy`` (policy, aggregated backends, KV events, SLOs)."""
+    g = px.add_argument_group("routing (kvpool.conductor)")
+    g.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="aggregated vLLM servers, each serving whole requests (instead of --prefill/--decode)",
+    )
+    g.add_argument("--policy", choices=PROXY_POLICIES, default="round-robin",
+                   help="round-robin (default), load (shortest predicted queue), cache (longest cached "
+                   "prefix vs queue), conductor (Mooncake Alg. 1 + hot-prefix spreading)")  # fmt: skip
+    g.add_argument(
+        "--block-size",
+        type=number_arg("--block-size"),
+        default=16,
+        metavar="N",
+        help="tokens per KV block; must equal the engines' --block-size (default 16)",
+    )
+    g.add_argument("--kv-events", default=None, metavar="LIST",
+                   help="comma-separated ZMQ addresses of the instances' KV-event publishers, one per "
+                   "instance in URL order (prefill ones in P/D mode), 'none' for an instance without "
+                   "events (tracked approximately); e.g. tcp://127.0.0.1:5557,tcp://127.0.0.1:5558",
+                   )  # fmt: skip
+    g.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="publisher topic (default '')")
+    g.add_argument("--approx-ttl-s", type=number_arg("--approx-ttl-s", float), default=120.0,
+                   metavar="SECONDS",
+                   help="without events, how long a routed prefix counts as cached (default 120)",
+                   )  # fmt: skip
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenize locally with this (offline) tokenizer instead of the backends' /tokenize",
+    )
+    g.add_argument("--ttft-slo", type=number_arg("--ttft-slo", float), default=None, metavar="SECONDS",
+                   help="refuse (429, before prefill) requests predicted to miss this TTFT")  # fmt: skip
+    g.add_argument(
+        "--tbt-slo",
+        type=number_arg("--tbt-slo", float),
+        default=None,
+        metavar="SECONDS",
+        help="refuse requests whose decode instance is predicted to miss this time between tokens",
+    )
+    g.add_argument(
+        "--reject-mode",
+        choices=["baseline", "early", "predict"],
+        default="predict",
+        help="when the decode load is judged (default predict: at the predicted prefill end)",
+    )
+    g.add_argument(
+        "--cost-model",
+        type=_file("--cost-model"),
+        default=None,
+        metavar="FILE",
+        help="cost model JSON from 'kvpool conductor calibrate' (default: the paper-shaped model)",
+    )
+    g.add_argument("--no-hot", action="store_true", help="no hot-prefix spreading (conductor policy)")
+
+
+def router_config(args: argparse.Namespace, n_instances: int) -> Any:
+    """The :class:`~kvpool.conductor.live.RouterConfig` of ``kvpool proxy`` flags, or None for the
+    plain round-robin P/D proxy."""
+    from kvpool.conductor.cost import CostModel
+    from kvpool.conductor.live import RouterConfig
+
+    backends = getattr(args, "backends", None)
+    policy = getattr(args, "policy", "round-robin")
+    if policy == "round-robin" and not backends and not getattr(args, "ttft_slo", None):
+        return None
+    events: list[str | None] = []
+    if args.kv_events:
+        events = [None if e.strip().lower() in ("", "none") else e.strip() for e in args.kv_events.split(",")]
+        if len(events) != n_instances:
+            raise UsageError(
+                f"--kv-events names {len(events)} endpoints for {n_instances} instances; give one per "
+                "instance in URL order ('none' for one without events)"
+            )
+    return RouterConfig(
+        policy=policy, block_size=args.block_size, kv_events=events,
+        kv_events_topic=args.kv_events_topic, approx_ttl_s=args.approx_ttl_s, ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo, reject_mode=args.reject_mode,
+        cost_model=CostModel.load(args.cost_model) if args.cost_model else None,
+        tokenizer=args.tokenizer, hot=not args.no_hot,
+    )  # fmt: skip

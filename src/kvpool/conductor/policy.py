@@ -371,7 +371,7 @@ class ConductorPolicy(CachePolicy):
                     r = random.Random(xxhash.xxh64_intdigest(req.rid.encode()))
                     two = r.sample(holders, 2)
                     cands = [i for i in prefills if i not in holders or i in two]
-        ests = [(estimate(cluster, i, req, view, now, True), i) for i in cands]
+        ests = [(estimate(cluster, i, req, view, now, self.fetch), i) for i in cands]
         e, p = min(ests, key=lambda ei: (ei[0].ttft_s, ei[1].index))
         d = Decision(self.name, p, None, estimate=e, hot=hot)
         if hot and self.hot is not None and len(holders) < min(self.hot.replicas, len(prefills)):

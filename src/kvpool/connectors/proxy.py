@@ -16,6 +16,17 @@ Clients talk to the proxy as if it were one vLLM OpenAI server.  For each ``/v1/
 The client's ``Authorization`` header is forwarded to both backends, and both get the same
 ``X-Request-Id`` (the client's, or a fresh UUID), which is also set on the reply.
 
+With ``policy`` set (``kvpool proxy --policy round-robin|load|cache|conductor``) the backends are
+chosen by a :class:`kvpool.conductor.live.LiveRouter` instead: the request is tokenized, its blocks
+are looked up in the prefix index (fed by the engines' KV events, or approximately from what was
+routed), and the policy picks the instances -- or refuses the request with 429 and a reason when
+the SLO gate predicts it cannot meet its TTFT/TBT SLO (before any prefill runs). With no decode
+URLs (``--backends``) every instance serves whole requests (no P/D split; the request is forwarded
+unchanged to the chosen one).
+
+A body that is not a JSON object, nests deeper than 64 levels, or gives ``prompt``/``messages`` of the
+wrong shape gets 400 with a one-line reason (and one log line at most).
+
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "code"}}``, naming the backend
 (role and URL) and the cause: 502 when a backend cannot be reached, answers 5xx or answers garbage,
 504 when it times out, 503 when a role has no healthy backend left (then nothing is tried).  A 4xx
@@ -33,9 +44,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -75,8 +86,15 @@ _CLIENT_GONE: tuple[type[BaseException], ...] = (ConnectionResetError,) + (
     (aiohttp.ClientConnectionResetError,) if hasattr(aiohttp, "ClientConnectionResetError") else ()
 )
 
+#: Deepest JSON nesting accepted in a request body (deeper bodies get 400, not a RecursionError).
+MAX_BODY_DEPTH = 64
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_EMPTY_PAIR = re.compile(r"\[\]|\{\}")
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    429: "rate_limit_exceeded",
     502: "bad_gateway",
     503: "service_unavailable",
     504: "gateway_timeout",
@@ -137,8 +155,11 @@ class _Pool:
         self.backends = [Backend(role, _normalize_url(u)) for u in urls]
         self._next = 0
 
-    def pick(self, exclude: Sequence[Backend] = ()) -> Backend | None:
-        """The next healthy backend not in ``exclude``, or None when there is none."""
+    def pick(self, exclude: Sequence[Backend] = (), prefer: Backend | None = None) -> Backend | None:
+        """``prefer`` when it is healthy and not in ``exclude``, else the next healthy backend not in
+        ``exclude``, or None when there is none."""
+        if prefer is not None and prefer.healthy and prefer not in exclude:
+            return prefer
         n = len(self.backends)
         for i in range(n):
             idx = (self._next + i) % n
@@ -188,9 +209,40 @@ def _snippet(data: bytes, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; ValueError with a one-line reason for anything else
+    (invalid UTF-8 or JSON, not an object, nested deeper than :data:`MAX_BODY_DEPTH`)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("request body is not UTF-8") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"request body nests deeper than {MAX_BODY_DEPTH} levels") from None
+    except ValueError as exc:
+        raise ValueError(f"request body is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    # json.loads stops at the interpreter's recursion limit; re-encoding a body nested nearly that
+    # deep would fail later, so bound the depth here (C-speed passes: drop strings, keep brackets,
+    # peel one level of empty pairs per pass).
+    shape = _NOT_BRACKET.sub("", _STRINGS.sub("", text))
+    for _ in range(MAX_BODY_DEPTH + 1):
+        if not shape:
+            break
+        shape = _EMPTY_PAIR.sub("", shape)
+    else:
+        raise ValueError(f"request body nests deeper than {MAX_BODY_DEPTH} levels")
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    for key, kind in (("stream", bool), ("max_tokens", int), ("model", str)):
+        if key in body and body[key] is not None and not isinstance(body[key], kind):
+            raise ValueError(f"'{key}' must be a {kind.__name__}")
+    return body
+
+
 def prefill_request_body(body: dict[str, Any]) -> dict[str, Any]:
     """The body sent to the prefill backend for the client request ``body`` (which is not modified)."""
-    out = copy.deepcopy(body)
+    out = dict(body)  # only top-level keys change
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -214,6 +266,10 @@ class PDProxy:
             backends are never marked unhealthy (nothing would bring them back).
         max_connections: total connections to backends kept by the shared client session.
         max_request_bytes: largest client request body accepted.
+        router: route with a :class:`kvpool.conductor.live.LiveRouter` of this configuration
+            (policy, KV events, SLOs) instead of plain round-robin.
+
+    With no ``decode_urls`` the ``prefill_urls`` are aggregated instances that serve whole requests.
 
     Use :meth:`start` and :meth:`close` on a running event loop, or :func:`run_proxy` to block.
     """
@@ -228,13 +284,26 @@ class PDProxy:
         health_interval_s: float = 5.0,
         max_connections: int = 1024,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        router: Any = None,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
         if health_interval_s < 0:
             raise ValueError("health_interval_s must be >= 0")
-        self.prefill = _Pool("prefill", prefill_urls)
-        self.decode = _Pool("decode", decode_urls)
+        self.aggregated = not decode_urls
+        self.prefill = _Pool("backend" if self.aggregated else "prefill", prefill_urls)
+        self.decode = self.prefill if self.aggregated else _Pool("decode", decode_urls)
+        self.router: Any = None
+        if router is not None:
+            from kvpool.conductor.live import LiveRouter
+
+            urls = [b.url for b in self.prefill.backends]
+            roles = ["both"] * len(urls)
+            if not self.aggregated:
+                urls += [b.url for b in self.decode.backends]
+                roles = ["prefill"] * len(roles) + ["decode"] * len(self.decode.backends)
+            self.router = LiveRouter(urls, roles, router)
+        self._by_url = {b.url: b for b in self.prefill.backends + self.decode.backends}
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.health_interval_s = float(health_interval_s)
@@ -262,7 +331,13 @@ class PDProxy:
     @property
     def backends(self) -> list[Backend]:
         """All prefill backends, then all decode backends."""
+        if self.aggregated:
+            return list(self.prefill.backends)
         return self.prefill.backends + self.decode.backends
+
+    @property
+    def pools(self) -> list[_Pool]:
+        return [self.prefill] if self.aggregated else [self.prefill, self.decode]
 
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_request_bytes)
@@ -302,11 +377,15 @@ class PDProxy:
         self.port = int(runner.addresses[0][1])
         if self.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop(), name="kvpool-proxy-health")
+        if self.router is not None:
+            await self.router.start()
         _log.info("kvpool proxy listening on %s", self.url)
         return self.port
 
     async def close(self) -> None:
         """Stop listening, stop health polling and close backend connections."""
+        if self.router is not None:
+            await self.router.close()
         if self._health_task is not None:
             self._health_task.cancel()
             try:
@@ -366,12 +445,15 @@ class PDProxy:
         self._counts[key] = self._counts.get(key, 0) + 1
 
     async def _handle_health(self, request: web.Request) -> web.Response:
-        reasons = [p.unavailable_reason() for p in (self.prefill, self.decode) if not p.any_healthy()]
-        body: dict[str, Any] = {
-            "status": "unavailable" if reasons else "ok",
-            "prefill": [b.as_dict() for b in self.prefill.backends],
-            "decode": [b.as_dict() for b in self.decode.backends],
-        }
+        reasons = [p.unavailable_reason() for p in self.pools if not p.any_healthy()]
+        body: dict[str, Any] = {"status": "unavailable" if reasons else "ok"}
+        if self.aggregated:
+            body["backends"] = [b.as_dict() for b in self.prefill.backends]
+        else:
+            body["prefill"] = [b.as_dict() for b in self.prefill.backends]
+            body["decode"] = [b.as_dict() for b in self.decode.backends]
+        if self.router is not None:
+            body["router"] = self.router.stats()
         if reasons:
             body["reason"] = "; ".join(reasons)
         return web.json_response(body, status=503 if reasons else 200)
@@ -412,6 +494,8 @@ class PDProxy:
             for b in self.backends:
                 m.add_metric([b.role, b.url], int(getattr(b, attr)))
             yield m
+        if self.router is not None:
+            yield from self.router.metrics()
 
     def _backend_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
@@ -439,67 +523,144 @@ class PDProxy:
             headers={"X-Request-Id": request_id},
         )
 
+    async def _read_body(self, request: web.Request, request_id: str) -> dict[str, Any] | web.Response:
+        """The request's JSON object, or the 400 reply saying in one line what is wrong with it."""
+        try:
+            raw = await request.read()
+            body = await asyncio.to_thread(parse_body, raw) if len(raw) > 1 << 20 else parse_body(raw)
+        except ValueError as exc:
+            self._count("bad_request")
+            _log.info("request %s refused: %s", request_id, exc)
+            return _error_response(400, str(exc), request_id)
+        if self.router is not None:
+            from kvpool.conductor.live import request_text
+
+            try:
+                request_text(body, request.path.endswith("/chat/completions"))
+            except ValueError as exc:
+                self._count("bad_request")
+                _log.info("request %s refused: %s", request_id, exc)
+                return _error_response(400, str(exc), request_id)
+        return body
+
+    async def _tokenize(self, payload: dict[str, Any]) -> Any:
+        """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local)."""
+        assert self._session is not None
+        b = self.prefill.pick()
+        if b is None:
+            return None
+        timeout = aiohttp.ClientTimeout(total=min(self.timeout_s, 10.0))
+        async with self._session.post(f"{b.url}/tokenize", json=payload, timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json()
+
+    async def _route(
+        self, body: dict[str, Any], path: str, rkey: str, request_id: str
+    ) -> tuple[Any, Backend | None, Backend | None] | web.Response:
+        """Ask the router: (decision, prefill backend, decode backend), or the 429/503 reply."""
+        router = self.router
+        for b in self.backends:
+            router.set_health(b.url, b.healthy)
+        tokens = await router.prompt_tokens(body, path.endswith("/chat/completions"), self._tokenize)
+        d, req = router.decide(rkey, tokens, body)
+        if d.reject:
+            status = 503 if d.reject == "no_instance" else 429
+            self._count("rejected_" + d.reject)
+            return _error_response(status, f"request refused before prefill: {d.reject_reason}", request_id)
+        router.dispatched(d, req)
+        pb = self._by_url.get(d.prefill.url) if d.prefill is not None else None
+        db = self._by_url.get(d.decode.url) if d.decode is not None else None
+        return d, pb, db
+
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         path = request.path
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self._count("bad_request")
-            return _error_response(400, "request body is not valid JSON", request_id)
-        if not isinstance(body, dict):
-            self._count("bad_request")
-            return _error_response(400, "request body must be a JSON object", request_id)
+        body = await self._read_body(request, request_id)
+        if isinstance(body, web.Response):
+            return body
         # Refuse before doing anything when either side has nobody to serve.
-        for pool in (self.prefill, self.decode):
+        for pool in self.pools:
             if not pool.any_healthy():
                 self._count("unavailable")
                 return _error_response(503, pool.unavailable_reason(), request_id)
+        prefer_p = prefer_d = None
+        rkey = uuid.uuid4().hex
+        if self.router is not None:
+            routed = await self._route(body, path, rkey, request_id)
+            if isinstance(routed, web.Response):
+                return routed
+            _, prefer_p, prefer_d = routed
+        ok = False
+        try:
+            resp = await self._generate(request, body, path, request_id, rkey, prefer_p, prefer_d)
+            ok = resp.status < 400
+            return resp
+        finally:
+            if self.router is not None:
+                self.router.finished(rkey, ok)
 
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], path: str, request_id: str, rkey: str,
+        prefer_p: Backend | None, prefer_d: Backend | None,
+    ) -> web.StreamResponse:  # fmt: skip
         headers = self._backend_headers(request, request_id)
         stream = bool(body.get("stream", False))
-        try:
-            # 1. Prefill.
-            presp, pbackend = await self._send(
-                self.prefill, "POST", path, prefill_request_body(body), headers
-            )
-            try:
-                pdata = await self._read(presp, pbackend)
-            finally:
-                pbackend.in_flight -= 1
-                presp.release()
-            if presp.status >= 400:  # 4xx: the client's fault; pass it back as is
-                self._count("prefill_rejected")
-                return web.Response(
-                    body=pdata,
-                    status=presp.status,
-                    content_type=presp.content_type or "application/json",
-                    headers={"X-Request-Id": request_id},
-                )
-            try:
-                pjson = json.loads(pdata)
-            except ValueError:
-                pbackend.failures += 1
-                raise BackendError(
-                    502,
-                    f"prefill backend {pbackend.url} answered {presp.status} with a body that is not JSON: "
-                    f"{_snippet(pdata)}",
-                ) from None
-            kv_params = pjson.get("kv_transfer_params") if isinstance(pjson, dict) else None
-            decode_body = dict(body)
-            if kv_params is None:
-                _log.warning(
-                    "prefill backend %s returned no kv_transfer_params for request %s; decode will "
-                    "recompute the prompt (is the KV connector configured with kv_role kv_producer/kv_both?)",
-                    pbackend.url,
-                    request_id,
-                )
-                decode_body.pop("kv_transfer_params", None)
-            else:
-                decode_body["kv_transfer_params"] = kv_params
+        router = self.router
 
-            # 2. Decode.
-            dresp, dbackend = await self._send(self.decode, "POST", path, decode_body, headers)
+        def first() -> None:
+            if router is not None:
+                router.first_token(rkey)
+
+        try:
+            if self.aggregated:
+                dresp, dbackend = await self._send(self.prefill, "POST", path, body, headers, prefer=prefer_p)
+            else:
+                # 1. Prefill.
+                presp, pbackend = await self._send(
+                    self.prefill, "POST", path, prefill_request_body(body), headers, prefer=prefer_p
+                )
+                try:
+                    pdata = await self._read(presp, pbackend)
+                finally:
+                    pbackend.in_flight -= 1
+                    presp.release()
+                if presp.status >= 400:  # 4xx: the client's fault; pass it back as is
+                    self._count("prefill_rejected")
+                    return web.Response(
+                        body=pdata,
+                        status=presp.status,
+                        content_type=presp.content_type or "application/json",
+                        headers={"X-Request-Id": request_id},
+                    )
+                first()
+                try:
+                    pjson = json.loads(pdata)
+                except (ValueError, RecursionError):
+                    pbackend.failures += 1
+                    raise BackendError(
+                        502,
+                        f"prefill backend {pbackend.url} answered {presp.status} with a body that is not "
+                        f"JSON: {_snippet(pdata)}",
+                    ) from None
+                kv_params = pjson.get("kv_transfer_params") if isinstance(pjson, dict) else None
+                decode_body = dict(body)
+                if kv_params is None:
+                    _log.warning(
+                        "prefill backend %s returned no kv_transfer_params for request %s; decode will "
+                        "recompute the prompt (is the KV connector configured with kv_role "
+                        "kv_producer/kv_both?)",
+                        pbackend.url,
+                        request_id,
+                    )
+                    decode_body.pop("kv_transfer_params", None)
+                else:
+                    decode_body["kv_transfer_params"] = kv_params
+
+                # 2. Decode.
+                dresp, dbackend = await self._send(
+                    self.decode, "POST", path, decode_body, headers, prefer=prefer_d
+                )
         except BackendError as exc:
             self._count("error")
             return _error_response(exc.status, exc.message, request_id)
@@ -511,6 +672,7 @@ class PDProxy:
                 except BackendError as exc:
                     self._count("error")
                     return _error_response(exc.status, exc.message, request_id)
+                first()
                 self._count("ok" if dresp.status < 400 else "decode_rejected")
                 return web.Response(
                     body=ddata,
@@ -518,13 +680,18 @@ class PDProxy:
                     content_type=dresp.content_type or "application/json",
                     headers={"X-Request-Id": request_id},
                 )
-            return await self._stream_back(request, dresp, dbackend, request_id)
+            return await self._stream_back(request, dresp, dbackend, request_id, on_first=first)
         finally:
             dbackend.in_flight -= 1
             dresp.release()
 
     async def _stream_back(
-        self, request: web.Request, dresp: aiohttp.ClientResponse, dbackend: Backend, request_id: str
+        self,
+        request: web.Request,
+        dresp: aiohttp.ClientResponse,
+        dbackend: Backend,
+        request_id: str,
+        on_first: Any = None,
     ) -> web.StreamResponse:
         """Copy the decode SSE stream to the client chunk by chunk.
 
@@ -551,6 +718,8 @@ class PDProxy:
                 "X-Request-Id": request_id,
             },
         )
+        if on_first is not None:
+            on_first()
         await out.prepare(request)
         try:
             if first:
@@ -590,6 +759,7 @@ class PDProxy:
         path: str,
         body: dict[str, Any] | None,
         headers: dict[str, str],
+        prefer: Backend | None = None,
     ) -> tuple[aiohttp.ClientResponse, Backend]:
         """Send to the next healthy backend of ``pool``; on a connection failure mark it down and try the
         next one.  Returns the response with its headers read (and ``backend.in_flight`` raised: the
@@ -599,7 +769,7 @@ class PDProxy:
         tried: list[Backend] = []
         failures: list[str] = []
         while True:
-            backend = pool.pick(exclude=tried)
+            backend = pool.pick(exclude=tried, prefer=prefer)
             if backend is None:
                 if failures:
                     raise BackendError(502, f"cannot reach {pool.role} backend " + "; ".join(failures))
@@ -674,8 +844,10 @@ async def _serve(proxy: PDProxy, host: str, port: int) -> int:
                 "ready": True,
                 "host": host,
                 "port": bound,
-                "prefill": [b.url for b in proxy.prefill.backends],
-                "decode": [b.url for b in proxy.decode.backends],
+                "prefill": [b.url for b in proxy.prefill.backends] if not proxy.aggregated else [],
+                "decode": [b.url for b in proxy.decode.backends] if not proxy.aggregated else [],
+                "backends": [b.url for b in proxy.prefill.backends] if proxy.aggregated else [],
+                "policy": proxy.router.policy.name if proxy.router is not None else "round-robin",
             }
         ),
         flush=True,
@@ -697,6 +869,7 @@ def run_proxy(
     health_interval_s: float = 5.0,
     connect_timeout_s: float = 10.0,
     max_connections: int = 1024,
+    router: Any = None,
 ) -> int:
     """Run a :class:`PDProxy` until SIGTERM/SIGINT; return the exit status (1 when it cannot bind).
 
@@ -709,28 +882,43 @@ def run_proxy(
         connect_timeout_s=connect_timeout_s,
         health_interval_s=health_interval_s,
         max_connections=max_connections,
+        router=router,
     )
     return asyncio.run(_serve(proxy, host, port))
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``kvpool proxy`` with the namespace parsed by ``kvpool.cli`` (prefill, decode, host, port,
-    timeout_s, health_interval_s, connect_timeout_s, max_connections, log_level)."""
+    """Run ``kvpool proxy`` with the namespace parsed by ``kvpool.cli`` (prefill, decode or backends,
+    host, port, timeouts, max_connections, log_level, and the router flags of
+    :func:`kvpool.conductor.cli.add_proxy_options`)."""
+    from kvpool.conductor.cli import router_config
+
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    backends = getattr(args, "backends", None)
+    if backends and (args.prefill or args.decode):
+        print("kvpool: UsageError: proxy: give --backends (aggregated) or --prefill and --decode, not both",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not backends and not (args.prefill and args.decode):
+        print("kvpool: UsageError: proxy: give --prefill URL... and --decode URL..., or --backends URL...",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
+        router = router_config(args, n_instances=len(backends or args.prefill or []))
         return run_proxy(
-            args.prefill,
-            args.decode,
+            backends or args.prefill,
+            [] if backends else args.decode,
             host=args.host,
             port=args.port,
             timeout_s=args.timeout_s,
             health_interval_s=args.health_interval_s,
             connect_timeout_s=args.connect_timeout_s,
             max_connections=args.max_connections,
+            router=router,
         )
     except ValueError as exc:
         print(f"kvpool: InvalidArgument: proxy: {exc}", file=sys.stderr)

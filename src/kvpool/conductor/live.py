@@ -1,0 +1,437 @@
+"""The live router behind ``kvpool proxy --policy ...``: the policies of
+:mod:`kvpool.conductor.policy` driven by real requests, real vLLM KV events and real timings.
+
+Who calls what:
+
+* the proxy calls :meth:`LiveRouter.prompt_tokens` (async: the request's token ids, from the body,
+  a local tokenizer, or a backend's ``POST /tokenize``), then :meth:`LiveRouter.decide` (sync,
+  microseconds: prefix lookup + policy + SLO gate) once per request on its event loop;
+* then :meth:`LiveRouter.dispatched`, :meth:`LiveRouter.first_token` and :meth:`LiveRouter.finished`
+  as the request moves on, so the per-instance load the policies read stays true;
+* one :class:`EventSubscriber` thread per instance with ``--kv-events`` feeds the index (the
+  native ingest releases the GIL); instances without events are tracked approximately
+  (:class:`~kvpool.conductor.index.ApproxTracker`, what was routed there, forgotten after a TTL).
+
+Block hashes: ours, recomputed from token ids (events carry them), so engines need no shared hash
+seed. A block-size mismatch shows in the ingest counters at the first event and is logged and
+exported; a hashing mismatch (tokenization differing from the engine's) is detected after each
+completed request on an event-fed instance: its full prompt blocks must then be in the index.
+
+Stateless: everything here is rebuilt from events (vLLM's replay buffer when the publisher has a
+``replay_endpoint``), the routed requests and the instances; several routers with the same
+configuration make the same decisions from the same view (power-of-two choices are seeded by the
+request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.conductor.cost import CostModel
+from kvpool.conductor.index import ApproxTracker, BlockIndex, Location, Tier
+from kvpool.conductor.policy import Decision, HotPrefixes, SloGate, make_policy
+from kvpool.conductor.state import Cluster, Instance, RequestInfo
+from kvpool.errors import InvalidArgument
+
+__all__ = ["EventSubscriber", "LiveRouter", "RouterConfig", "request_text"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_TOKENS = 256
+
+
+@dataclass
+class RouterConfig:
+    """Settings of the live router (``kvpool proxy`` flags)."""
+
+    policy: str = "conductor"
+    block_size: int = 16
+    """Tokens per block: must equal the engines' ``--block-size``."""
+    kv_events: Sequence[str | None] = ()
+    """Per instance (same order as the URLs): its ZMQ publisher address, or None (approximate mode)."""
+    kv_events_topic: str = ""
+    approx_ttl_s: float = 120.0
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+    reject_mode: str = "predict"
+    cost_model: CostModel | None = None
+    tokenizer: str | None = None
+    """A local tokenizer (path or name, offline) instead of the backends' ``/tokenize``."""
+    hot: bool = True
+    seed: int = 0
+
+
+@dataclass
+class _Pending:
+    req: RequestInfo
+    decision: Decision
+    t0: float
+    first: float | None = None
+    instances: list[Instance] = field(default_factory=list)
+
+
+class EventSubscriber(threading.Thread):
+    """Subscribes to one vLLM instance's KV-event publisher and feeds the index.
+
+    Messages are ``(topic, seq, payload)``; a gap in ``seq`` is counted (``gaps``) -- the index
+    may then miss blocks until they are stored again. Bounded: the socket's receive high-water
+    mark caps what is queued; payloads are parsed in C++ without the GIL.
+    """
+
+    def __init__(self, index: BlockIndex, endpoint: str, gpu: Location, cpu: Location | None,
+                 topic: str = "", name: str = "") -> None:  # fmt: skip
+        super().__init__(name=f"kvpool-kv-events-{name}", daemon=True)
+        self.index = index
+        self.endpoint = endpoint
+        self.gpu = gpu
+        self.cpu = cpu
+        self.topic = topic.encode()
+        self.stop_event = threading.Event()
+        self.last_seq = -1
+        self.gaps = 0
+        self.batches = 0
+        self.last_event_ts = 0.0
+        self.last_recv = 0.0
+        self.first_block_size_error: int | None = None
+
+    def run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.connect(self.endpoint)
+        try:
+            while not self.stop_event.is_set():
+                if not sock.poll(200):
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
+        finally:
+            sock.close(0)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.index.counters["malformed"] = self.index.counters.get("malformed", 0) + 1
+            return
+        _, seq_b, payload = frames
+        seq = int.from_bytes(seq_b, "big", signed=True)
+        if self.last_seq >= 0 and seq != self.last_seq + 1:
+            self.gaps += 1
+        self.last_seq = seq
+        st = self.index.ingest(payload, self.gpu, self.cpu)
+        self.batches += 1
+        self.last_recv = time.time()
+        if st["last_ts"]:
+            self.last_event_ts = float(st["last_ts"])
+        if st["skipped_block_size"] and self.first_block_size_error is None:
+            self.first_block_size_error = int(st["last_bad_block_size"])
+            _log.error(
+                "KV events from %s have block size %d but the router uses %d: no prefix will match; "
+                "restart the proxy with --block-size %d",
+                self.endpoint, st["last_bad_block_size"], self.index.block_size, st["last_bad_block_size"],
+            )  # fmt: skip
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, list[int] | None]:
+    """(prompt text, token ids) of an OpenAI request body as given; raises ValueError with a
+    one-line reason when the fields the router reads have the wrong shape."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ValueError("'messages' must be a non-empty list of objects")
+        return None, None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return None, prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], None
+    raise ValueError("'prompt' must be a string or a list of token ids (batched prompts are not routed)")
+
+
+class LiveRouter:
+    """Policy + index + load bookkeeping for the proxy. ``urls``: the instances; ``roles``: per
+    instance ``"both"`` (aggregated), ``"prefill"`` or ``"decode"``."""
+
+    def __init__(self, urls: Sequence[str], roles: Sequence[str], config: RouterConfig) -> None:
+        if len(urls) != len(roles):
+            raise InvalidArgument("one role per instance URL")
+        ev = list(config.kv_events) or [None] * len(urls)
+        if len(ev) != len(urls):
+            raise InvalidArgument(
+                f"--kv-events names {len(ev)} endpoints for {len(urls)} instances; give one per instance "
+                "in the same order (or 'none' for an instance without events)"
+            )
+        self.config = config
+        self.index = BlockIndex(config.block_size)
+        self.cost = config.cost_model or CostModel.paper()
+        insts = []
+        for k, (url, role) in enumerate(zip(urls, roles, strict=True)):
+            name = url
+            inst = Instance(
+                name, k, prefill=role in ("both", "prefill"), decode=role in ("both", "decode"), url=url
+            )
+            if inst.prefill:
+                inst.gpu = self.index.add_location(name, Tier.GPU)
+                inst.cpu = self.index.add_location(name, Tier.CPU)
+            insts.append(inst)
+        self.cluster = Cluster(self.index, self.cost, insts)
+        gate = SloGate(config.ttft_slo_s, config.tbt_slo_s, config.reject_mode)  # type: ignore[arg-type]
+        if config.ttft_slo_s is None and config.tbt_slo_s is None:
+            gate = None
+        hot = HotPrefixes() if config.hot else None
+        self.policy = make_policy(config.policy, gate, seed=config.seed, hot=hot)
+        # Live, the engines cannot load a prefix from another instance's GPU (no shared tier here):
+        # the conductor scores local prefixes only.
+        self.policy.fetch = False
+        self.approx = ApproxTracker(self.index, ttl_s=config.approx_ttl_s)
+        self.subscribers: list[EventSubscriber] = []
+        self.has_events = [e is not None for e in ev]
+        for inst, endpoint in zip(insts, ev, strict=True):
+            if endpoint is not None and inst.gpu is not None:
+                self.subscribers.append(
+                    EventSubscriber(
+                        self.index, endpoint, inst.gpu, inst.cpu, config.kv_events_topic, inst.name
+                    )
+                )
+        self._tokenizer: Any = None
+        self._pending: dict[str, _Pending] = {}
+        self.counts: dict[str, int] = {}
+        self.rejections: dict[str, int] = {}
+        self.ttft_err: list[float] = []  # predicted - actual, seconds (last 1000)
+        self.hash_mismatch = 0
+        self._sweep_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.tokenizer:
+            self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.tokenizer)
+        for s in self.subscribers:
+            s.start()
+        self._sweep_task = asyncio.create_task(self._sweep_loop(), name="kvpool-router-sweep")
+
+    async def close(self) -> None:
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+            try:
+                await self._sweep_task
+            except asyncio.CancelledError:
+                pass
+        for s in self.subscribers:
+            s.stop()
+        for s in self.subscribers:
+            await asyncio.to_thread(s.join, 2.0)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.approx.sweep()
+
+    def set_health(self, url: str, healthy: bool) -> None:
+        inst = self.cluster.by_name.get(url)
+        if inst is not None:
+            inst.healthy = healthy
+
+    # -- tokens ---------------------------------------------------------------------------------------
+
+    async def prompt_tokens(self, body: dict[str, Any], chat: bool, tokenize_remote: Any) -> list[int] | None:
+        """The request's prompt token ids, or None when they cannot be had (routing then ignores
+        caches). ``tokenize_remote(payload)`` posts to a backend's ``/tokenize``."""
+        text, ids = request_text(body, chat)
+        if ids is not None:
+            return ids
+        tok = self._tokenizer
+        try:
+            if tok is not None:
+                if chat:
+                    return list(await asyncio.to_thread(
+                        tok.apply_chat_template, body["messages"], add_generation_prompt=True, tokenize=True
+                    ))  # fmt: skip
+                return list(await asyncio.to_thread(lambda: tok(text)["input_ids"]))
+            payload: dict[str, Any] = {"messages": body["messages"]} if chat else {"prompt": text}
+            if isinstance(body.get("model"), str):
+                payload["model"] = body["model"]
+            got = await tokenize_remote(payload)
+            if isinstance(got, dict) and isinstance(got.get("tokens"), list):
+                return [int(t) for t in got["tokens"]]
+        except Exception as exc:  # a tokenizer failure must not fail the request
+            _log.debug("tokenization failed: %s", exc)
+        self._count("tokenize_failed")
+        return None
+
+    # -- decisions ------------------------------------------------------------------------------------
+
+    def decide(
+        self, rid: str, tokens: Sequence[int] | None, body: dict[str, Any]
+    ) -> tuple[Decision, RequestInfo]:
+        hashes: list[int] = []
+        if tokens:
+            # LoRA adapters are not mapped (the engine's adapter names are not known here): requests
+            # to an adapter match no prefix and are routed by load.
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            hashes = self.index.hash_tokens(tokens, cache_salt=salt)
+        out = body.get("max_tokens", body.get("max_completion_tokens"))
+        out_tokens = min(int(out), 4096) if isinstance(out, int) and out > 0 else DEFAULT_OUTPUT_TOKENS
+        req = RequestInfo(rid, len(tokens) if tokens else 1, hashes, out_tokens)
+        d = self.policy.route(req, self.cluster, time.monotonic())
+        self._count(f"decision_{self.policy.name}")
+        if d.reject:
+            self.rejections[d.reject] = self.rejections.get(d.reject, 0) + 1
+        return d, req
+
+    def dispatched(self, d: Decision, req: RequestInfo) -> None:
+        """The request was sent (to ``d.prefill``; aggregated: the same instance decodes)."""
+        now = time.monotonic()
+        assert d.prefill is not None
+        est = d.estimate
+        d.prefill.start_prefill(req.rid, (est.prefill_s + est.transfer_s) if est else 0.0, now)
+        if d.decode is not None:
+            d.decode.reserve_decode(req.rid, req.prompt_tokens + req.output_tokens, now + d.ttft_s,
+                                    req.output_tokens * d.tbt_s)  # fmt: skip
+        k = d.prefill.index
+        if not self.has_events[k] and d.prefill.gpu is not None and req.hashes:
+            self.approx.routed(d.prefill.gpu, req.hashes, now)
+        self._pending[req.rid] = _Pending(req, d, now)
+
+    def first_token(self, rid: str) -> None:
+        """The prefill is over (first token streamed, or the prefill backend answered)."""
+        p = self._pending.get(rid)
+        if p is None or p.first is not None:
+            return
+        now = time.monotonic()
+        p.first = now
+        d = p.decision
+        assert d.prefill is not None
+        d.prefill.end_prefill(rid, now)
+        if d.decode is not None:
+            d.decode.start_decode(rid, p.req.prompt_tokens + p.req.output_tokens,
+                                  p.req.output_tokens * max(d.tbt_s, 1e-3), now)  # fmt: skip
+        err = d.ttft_s - (now - p.t0)
+        self.ttft_err.append(err)
+        if len(self.ttft_err) > 1000:
+            del self.ttft_err[:500]
+
+    def finished(self, rid: str, ok: bool) -> None:
+        """The request is over (answered, failed or the client left)."""
+        p = self._pending.pop(rid, None)
+        if p is None:
+            return
+        d = p.decision
+        now = time.monotonic()
+        if d.prefill is not None:
+            d.prefill.end_prefill(rid, now)
+        if d.decode is not None:
+            d.decode.end_decode(rid)
+        if ok and d.prefill is not None and self.has_events[d.prefill.index] and p.req.hashes:
+            asyncio.get_running_loop().call_later(1.0, self._check_hashes, d.prefill, p.req.hashes)
+
+    def _check_hashes(self, inst: Instance, hashes: Sequence[int]) -> None:
+        # After a request completes, vLLM has stored (and published) every full prompt block; if
+        # our hashes of the same tokens find none of them, tokenization or hashing differs.
+        per = self.index.match(hashes)
+        got = max(per[inst.gpu.id] if inst.gpu else 0, per[inst.cpu.id] if inst.cpu else 0)
+        if got == 0 and len(hashes) >= 2:
+            self.hash_mismatch += 1
+            if self.hash_mismatch in (1, 10, 100):
+                _log.warning(
+                    "instance %s finished a request of %d full blocks but the index holds none of them "
+                    "(%d times): the router's tokens/block size differ from the engine's (check --block-size "
+                    "and --tokenizer) or its KV events are not arriving",
+                    inst.name, len(hashes), self.hash_mismatch,
+                )  # fmt: skip
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    # -- introspection --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        now = time.time()
+        lag = [now - s.last_event_ts for s in self.subscribers if s.last_event_ts]
+        errs = sorted(abs(e) for e in self.ttft_err)
+        return {
+            "policy": self.policy.name,
+            "block_size": self.index.block_size,
+            "index_blocks": len(self.index),
+            "per_instance_blocks": {
+                i.name: self.index.blocks_at(i.gpu) + (self.index.blocks_at(i.cpu) if i.cpu else 0)
+                for i in self.cluster.instances
+                if i.gpu is not None
+            },  # fmt: skip
+            "events": dict(self.index.counters),
+            "event_gaps": sum(s.gaps for s in self.subscribers),
+            "event_lag_s": max(lag) if lag else None,
+            "block_size_mismatch": [
+                s.first_block_size_error for s in self.subscribers if s.first_block_size_error
+            ],
+            "hash_mismatch": self.hash_mismatch,
+            "decisions": {k[9:]: v for k, v in self.counts.items() if k.startswith("decision_")},
+            "rejections": dict(self.rejections),
+            "tokenize_failed": self.counts.get("tokenize_failed", 0),
+            "ttft_abs_error_p50_s": errs[len(errs) // 2] if errs else None,
+            "in_flight": len(self._pending),
+        }
+
+    def metrics(self) -> list[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.stats()
+        out = []
+        m = CounterMetricFamily(
+            "kvpool_conductor_decisions", "Routing decisions by policy", labels=["policy"]
+        )
+        for k, v in st["decisions"].items():
+            m.add_metric([k], v)
+        out.append(m)
+        m = CounterMetricFamily(
+            "kvpool_conductor_rejections", "Requests refused (429) by reason", labels=["reason"]
+        )
+        for k, v in st["rejections"].items():
+            m.add_metric([k], v)
+        out.append(m)
+        m = GaugeMetricFamily(
+            "kvpool_conductor_index_blocks", "Blocks in the prefix index", labels=["instance"]
+        )
+        for k, v in st["per_instance_blocks"].items():
+            m.add_metric([k], v)
+        out.append(m)
+        m = CounterMetricFamily(
+            "kvpool_conductor_events", "KV-event blocks ingested by kind", labels=["kind"]
+        )
+        for k, v in st["events"].items():
+            m.add_metric([k], v)
+        out.append(m)
+        out.append(GaugeMetricFamily("kvpool_conductor_event_lag_seconds",
+                                     "Age of the newest KV event applied",
+                                     value=st["event_lag_s"] or 0.0))  # fmt: skip
+        out.append(GaugeMetricFamily("kvpool_conductor_ttft_error_seconds",
+                                     "Median |predicted - actual| TTFT over recent requests",
+                                     value=st["ttft_abs_error_p50_s"] or 0.0))  # fmt: skip
+        out.append(CounterMetricFamily("kvpool_conductor_hash_mismatch",
+                                       "Completed requests whose blocks never showed in the index",
+                                       value=st["hash_mismatch"]))  # fmt: skip
+        return out
+
+
+def _load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
