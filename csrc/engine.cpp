@@ -628,6 +628,47 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
   return base;  // slot index of the first request (callers that track slots use it)
 }
 
+uint32_t Engine::reserve_slots(uint64_t batch_id, const std::vector<uint64_t>& lens) {
+  auto b = get_batch(batch_id);
+  size_t n = lens.size();
+  uint32_t base;
+  {
+    std::lock_guard lk(batches_mu_);
+    if (b->used + n > b->capacity)
+      throw KvError(E_INVALID, "batch is full: " + std::to_string(b->used) + " of " +
+                                   std::to_string(b->capacity) + " slots used; allocate a bigger batch");
+    base = b->used;
+    b->used += static_cast<uint32_t>(n);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    Slot& s = b->slots[base + i];
+    s.length = lens[i];
+    s.bytes = 0;
+    s.err = 0;
+    s.remaining = 1;
+    s.state = S_PENDING;
+  }
+  b->pending_slots.fetch_add(static_cast<uint32_t>(n));
+  return base;
+}
+
+void Engine::finish_slot(uint64_t batch_id, uint32_t idx, uint64_t nbytes, int32_t status) {
+  auto b = get_batch(batch_id);
+  if (idx >= b->capacity) throw KvError(E_INVALID, "index out of range of the batch");
+  Slot& s = b->slots[idx];
+  uint32_t one = 1;
+  // Only a reserved, unfinished slot (one completion left) may be finished, and only once.
+  if (s.state.load() != S_PENDING || !s.remaining.compare_exchange_strong(one, 0))
+    throw KvError(E_INVALID, "slot " + std::to_string(idx) + " is not a reserved pending slot");
+  if (status != ST_OK) s.err.store(status);
+  s.bytes.store(nbytes);  // a failed request may report the bytes it moved before failing
+  s.state.store(status == ST_OK ? S_COMPLETED : state_for(status), std::memory_order_release);
+  if (b->pending_slots.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    std::lock_guard lk(b->mu);
+    b->cv.notify_all();
+  }
+}
+
 std::pair<int, uint64_t> Engine::status(uint64_t batch, uint32_t idx) {
   auto b = get_batch(batch);
   if (idx >= b->capacity) throw KvError(E_INVALID, "index out of range of the batch");

@@ -220,6 +220,12 @@ class Engine {
   int wait(uint64_t batch, int timeout_ms);
   // One request, done in the calling thread when a lane is free. Returns a Status.
   int transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len);
+  // Slots completed outside the native data path (transports written in Python, wrappers):
+  // reserve_slots takes the next lens.size() free slots of a batch as PENDING (one completion
+  // each) and returns the first index; finish_slot completes one of them once (ST_OK or an error
+  // status, e.g. ST_TRANSPORT when the caller keeps the reason itself).
+  uint32_t reserve_slots(uint64_t batch, const std::vector<uint64_t>& lens);
+  void finish_slot(uint64_t batch, uint32_t idx, uint64_t nbytes, int32_t status);
 
   // Counters of the server (accepted, refused, reaped, open...).
   std::vector<std::pair<std::string, uint64_t>> server_stats() const;

@@ -133,7 +133,9 @@ PYBIND11_MODULE(_native, m) {
       .def("slot_error", &Engine::slot_error)
       .def("batch_status", &Engine::batch_status)
       .def("wait", &Engine::wait, G())
-      .def("transfer_sync", &Engine::transfer_sync, G());
+      .def("transfer_sync", &Engine::transfer_sync, G())
+      .def("reserve_slots", &Engine::reserve_slots)
+      .def("finish_slot", &Engine::finish_slot);
 
   m.def("fetch_descriptor", [](const std::string& host, int port, const std::string& secret, int timeout_ms) {
     std::pair<uint64_t, std::string> r;
@@ -180,4 +182,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("OP_READ") = static_cast<int>(OP_READ);
   m.attr("OP_GET_DESC") = static_cast<int>(OP_GET_DESC);
   m.attr("OP_PING") = static_cast<int>(OP_PING);
+  m.attr("ST_TIMEOUT") = static_cast<int>(ST_TIMEOUT);
+  m.attr("ST_CANCELED") = static_cast<int>(ST_CANCELED);
+  m.attr("ST_TRANSPORT") = static_cast<int>(ST_TRANSPORT);
 }

@@ -52,6 +52,7 @@ enum Status : int32_t {
   ST_PEER_RESTARTED = 103,  // peer's incarnation changed since the descriptor was read
   ST_CANCELED = 104,      // engine shut down
   ST_LOCAL_FAULT = 105,   // same-host copy faulted (memory unmapped)
+  ST_TRANSPORT = 106,     // failed in a transport outside the native data path (reason kept by the caller)
   ST_PEER_UNPROVEN = 107,  // peer could not prove the shared secret (impostor or no secret)
 };
 
@@ -143,6 +144,7 @@ inline const char* status_text(int32_t st) {
     case ST_PEER_RESTARTED: return "peer restarted since its descriptor was read; open the segment again";
     case ST_CANCELED: return "engine shut down";
     case ST_LOCAL_FAULT: return "same-host copy faulted (memory unmapped?)";
+    case ST_TRANSPORT: return "failed in the transport";
     case ST_PEER_UNPROVEN:
       return "peer did not prove the shared secret: it is not an engine of this cluster (forged descriptor?) "
              "or it runs without a secret; set the same `secret` on both engines";

@@ -6,6 +6,7 @@ host buffers, per-request status and the RDMA registration path, never a real GP
 from __future__ import annotations
 
 import os
+import signal
 import types
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from kvpool import OpCode, TransferConfig, TransferEngine, TransferRequest, TransferState
 from kvpool.errors import (
     BatchInFlight,
+    ConfigError,
     InvalidArgument,
     ProtocolUnavailable,
     RegistrationError,
@@ -44,7 +46,7 @@ def cpu_peer():
 
 def _gpu_engine(**kw) -> TransferEngine:
     kw.setdefault("timeout_s", 5.0)
-    return TransferEngine(device_runtime="fake", **kw)
+    return TransferEngine(device_runtime=fake_cuda.runtime(), **kw)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -64,13 +66,17 @@ def test_no_cuda_runtime_is_protocol_unavailable():
                 eng.register_local_memory(0x7F0000000000, 4096, location="cuda", remote_accessible=False)
 
 
-def test_double_is_selected_only_explicitly(monkeypatch):
+def test_double_is_injected_never_selected_by_name(monkeypatch):
+    """Configuration cannot name the double; a test passes the runtime object to the engine."""
     assert TransferConfig().device_runtime == "auto"
+    with pytest.raises(ConfigError):
+        TransferConfig(device_runtime="fake")
     monkeypatch.setenv("KVPOOL_DEVICE_RUNTIME", "fake")
-    cfg = TransferConfig.from_env()
-    assert cfg.device_runtime == "fake"
-    with TransferEngine(config=cfg, protocol="tcp") as eng:
-        assert eng.device_runtime is fake_cuda.runtime()
+    with pytest.raises(ConfigError):
+        TransferConfig.from_env()
+    rt = fake_cuda.runtime()
+    with TransferEngine(protocol="tcp", device_runtime=rt) as eng:
+        assert eng.device_runtime is rt
 
 
 def test_double_registration_validation(rt):
@@ -79,10 +85,10 @@ def test_double_registration_validation(rt):
     with _gpu_engine(protocol="tcp") as eng:
         # a __cuda_array_interface__ object (cupy-like): location inferred from the pointer
         a = eng.register_local_memory(d0, remote_accessible=False)
-        assert a == d0.ptr and eng._buffers[a][0].location == "cuda:0"
+        assert a == d0.ptr and eng._registry.get(a).desc.location == "cuda:0"
         # raw address with an explicit location
         b = eng.register_local_memory(d1.ptr, 4096, location="cuda:1", remote_accessible=False)
-        assert eng._buffers[b][0].location == "cuda:1"
+        assert eng._registry.get(b).desc.location == "cuda:1"
         with pytest.raises(RegistrationError, match="overlaps"):
             eng.register_local_memory(d1.ptr + 1024, 4096, location="cuda:1", remote_accessible=False)
         # wrong device, device that does not exist, host memory, range past the allocation
@@ -106,7 +112,7 @@ def test_double_registration_validation(rt):
         assert all(bd.addr not in (a, b) for bd in eng.local_descriptor().buffers)
         eng.unregister_local_memory(d0)
         eng.unregister_local_memory(b)
-        assert not eng._dev_starts
+        assert eng._registry.gpu_count == 0
 
 
 def test_double_torch_like_cuda_tensor_infers_location(rt):
@@ -123,7 +129,8 @@ def test_double_torch_like_cuda_tensor_infers_location(rt):
         with pytest.raises(InvalidArgument, match="tensor is on cuda:1"):
             eng.register_local_memory(t, location="cuda:0", remote_accessible=False)
         a = eng.register_local_memory(t, remote_accessible=False)  # default location: inferred
-        assert eng._buffers[a][0].location == "cuda:1" and eng._buffers[a][0].length == 64 * KiB
+        reg = eng._registry.get(a).desc
+        assert reg.location == "cuda:1" and reg.length == 64 * KiB
 
 
 def test_double_remote_accessible_gpu_memory_refused_on_tcp(rt):
@@ -132,7 +139,7 @@ def test_double_remote_accessible_gpu_memory_refused_on_tcp(rt):
         with pytest.raises(ProtocolUnavailable, match="remote_accessible=False") as ei:
             eng.register_local_memory(d)  # remote_accessible defaults to True
         assert "protocol='rdma'" in str(ei.value) and "GPUDirect" in str(ei.value)
-        assert not eng._dev_starts
+        assert eng._registry.gpu_count == 0
 
 
 # ----------------------------------------------------------------------------- staging (TCP, same host)
@@ -158,7 +165,7 @@ def test_double_write_from_device_to_peer_process_and_read_back(rt, cpu_peer, pr
         assert eng.transfer_sync(cpu_peer.segment, b + MiB, cpu_peer.addr + 8 * MiB, MiB, OpCode.WRITE) == MiB
         assert cpu_peer.checksum(8 * MiB, MiB) == xxhash.xxh3_64_hexdigest(data[MiB : 2 * MiB])
         assert rt.d2h_bytes == 5 * MiB and rt.h2d_bytes == 4 * MiB  # every byte went through staging
-        assert eng._staging is not None and eng._staging.in_use == 0
+        assert eng.staging.pool_if_made is not None and eng.staging.pool.in_use == 0
 
 
 def test_double_batch_mixed_cpu_and_device_sources(rt, cpu_peer):
@@ -192,7 +199,7 @@ def test_double_batch_mixed_cpu_and_device_sources(rt, cpu_peer):
         )
         assert st.ok and all(p.ok for p in per)
         assert dev.read(MiB, MiB) == hdata and bytes(host) == ddata
-        assert eng._staging.in_use == 0
+        assert eng.staging.pool.in_use == 0
 
 
 def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
@@ -215,7 +222,7 @@ def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
         assert eng.get_transfer_status(bid, 1).state == TransferState.WAITING
         assert eng.get_batch_status(bid).ok
         eng.free_batch_id(bid)
-        assert eng._staging.in_use == 0 and rt.h2d_calls == 1
+        assert eng.staging.pool.in_use == 0 and rt.h2d_calls == 1
         # unregistering GPU memory that a queued staged READ still targets is refused
         bid = eng.allocate_batch_id(1)
         eng.submit_transfer(bid, [TransferRequest(OpCode.READ, a, seg, cpu_peer.addr, MiB)])
@@ -224,7 +231,7 @@ def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
         except BatchInFlight:
             eng.wait_batch(bid)
             eng.unregister_local_memory(a)
-        assert rt.h2d_calls == 2 and not eng._dev_starts
+        assert rt.h2d_calls == 2 and eng._registry.gpu_count == 0
         eng.free_batch_id(bid)
 
 
@@ -273,7 +280,7 @@ def test_double_concurrent_staged_and_plain_submits_to_one_batch(rt, cpu_peer):
         assert xxhash.xxh3_64_hexdigest(dev.read()) == want
         assert xxhash.xxh3_64_hexdigest(bytes(host)) == want
         eng.free_batch_id(bid)
-        assert eng._staging.in_use == 0 and rt.h2d_calls == n
+        assert eng.staging.pool.in_use == 0 and rt.h2d_calls == n
 
 
 def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer):
@@ -298,7 +305,7 @@ def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer
         rt.fail_next_h2d = "injected again"
         with pytest.raises(TransferError, match="injected again"):
             eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB], OpCode.READ)
-        assert eng._staging.in_use == 0
+        assert eng.staging.pool.in_use == 0
 
 
 def test_double_staging_pool_bound(rt, cpu_peer):
@@ -318,12 +325,17 @@ def test_double_staging_pool_bound(rt, cpu_peer):
         with pytest.raises(InvalidArgument, match="staging_pool_size"):
             eng.submit_transfer(bid, reqs)
         assert eng.get_transfer_status(bid, 0).state == TransferState.WAITING
-        assert eng._staging.in_use == 0 and rt.d2h_calls == 0
-        eng.submit_transfer(bid, reqs[:2])  # exactly the pool
-        with pytest.raises(InvalidArgument):
-            eng.submit_transfer(bid, reqs[2:])  # held by the batch in flight (or not yet finished)
+        assert eng.staging.pool.in_use == 0 and rt.d2h_calls == 0
+        os.kill(cpu_peer.pid, signal.SIGSTOP)  # the target stalls: the batch stays in flight
+        try:
+            eng.submit_transfer(bid, reqs[:2])  # exactly the pool
+            with pytest.raises(InvalidArgument):
+                eng.submit_transfer(bid, reqs[2:])  # held by the batch in flight
+            assert eng.get_batch_status(bid).state == TransferState.PENDING
+        finally:
+            os.kill(cpu_peer.pid, signal.SIGCONT)
         assert eng.wait_batch(bid).ok
-        assert eng._staging.in_use == 0  # released when the batch finished
+        assert eng.staging.pool.in_use == 0  # released when the batch finished
         eng.submit_transfer(bid, reqs[2:])
         assert eng.wait_batch(bid).ok
         eng.free_batch_id(bid)
@@ -332,7 +344,7 @@ def test_double_staging_pool_bound(rt, cpu_peer):
         rems = [cpu_peer.addr + (x - a) for x in locs]
         assert eng.batch_transfer_sync(cpu_peer.segment, locs, rems, lens) == 6 * MiB
         assert cpu_peer.checksum(0, 6 * MiB) == xxhash.xxh3_64_hexdigest(data)
-        assert eng._staging.peak <= MiB and eng._staging.in_use == 0
+        assert eng.staging.pool.peak <= MiB and eng.staging.pool.in_use == 0
         assert rt.pinned_bytes >= MiB
 
 
@@ -352,7 +364,7 @@ def double(tmp_path, monkeypatch):
 
 
 def _rdma(**kw) -> TransferEngine:
-    return TransferEngine(protocol="rdma", rdma_verbs="double", device_runtime="fake", **kw)
+    return TransferEngine(protocol="rdma", verbs=fv, device_runtime=fake_cuda.runtime(), **kw)
 
 
 def test_double_rdma_registers_device_memory_directly(rt, double):
@@ -377,7 +389,7 @@ def test_double_rdma_registers_device_memory_directly(rt, double):
         b = i.register_local_memory(back, remote_accessible=False)
         assert i.batch_transfer_sync(t.segment_name, [b], [base], [4 * MiB], OpCode.READ) == 4 * MiB
         assert back.read() == data
-        assert rt.d2h_bytes == 0 and rt.h2d_bytes == 0 and i._staging is None  # no staging over RDMA
+        assert rt.d2h_bytes == 0 and rt.h2d_bytes == 0 and i.staging.pool_if_made is None  # no staging
 
 
 def test_double_rdma_gpu_registration_failure_gives_hint(rt, double, monkeypatch):
@@ -395,7 +407,7 @@ def test_double_rdma_gpu_registration_failure_gives_hint(rt, double, monkeypatch
         with pytest.raises(RegistrationError, match="nvidia-peermem") as ei:
             eng.register_local_memory(d, remote_accessible=False)
         assert "DMA-BUF" in str(ei.value) and "cuda:0" in str(ei.value)
-        assert not eng._dev_starts
+        assert eng._registry.gpu_count == 0
         eng.register_local_memory(bytearray(MiB))  # host memory still registers
 
 

@@ -39,7 +39,7 @@ def double(tmp_path, monkeypatch):
 
 
 def _engine(**kw):
-    return TransferEngine(protocol="rdma", rdma_verbs="double", **kw)
+    return TransferEngine(protocol="rdma", verbs=fv, **kw)
 
 
 def _pair(**kw):

@@ -16,6 +16,7 @@ import pytest
 
 from kvpool import OpCode, TransferEngine
 from kvpool.errors import ConfigError, ProtocolUnavailable
+from kvpool.testing import fake_verbs as fv
 from kvpool.transfer.rdma import topology as tp
 from kvpool.transfer.rdma import verbs
 
@@ -129,7 +130,7 @@ def test_rdma_without_pyverbs_raises_typed_error_naming_it(monkeypatch, tmp_path
 def test_rdma_without_device_raises_and_auto_falls_back_to_tcp(caplog):
     """Uses the real pyverbs when it is importable (Debian's python3-pyverbs here): no device."""
     try:
-        verbs.load_verbs("pyverbs")
+        verbs.load_verbs()
         have_pyverbs = True
     except ProtocolUnavailable:
         have_pyverbs = False
@@ -149,23 +150,22 @@ def test_rdma_without_device_raises_and_auto_falls_back_to_tcp(caplog):
 
 
 def test_auto_with_double_falls_back_and_logs_why(monkeypatch, caplog):
-    """Test double selected explicitly but not configured (no registry): auto logs and uses TCP."""
+    """Test double injected but not configured (no registry): auto logs and uses TCP."""
     monkeypatch.delenv("KVPOOL_FAKE_VERBS_DIR", raising=False)
     with caplog.at_level(logging.INFO, logger="kvpool.transfer"):
-        with TransferEngine(protocol="auto", rdma_verbs="double") as e:
+        with TransferEngine(protocol="auto", verbs=fv) as e:
             assert e.rdma is None and "rdma" not in e.local_descriptor().protocols
     assert any("not using RDMA" in r.getMessage() for r in caplog.records)
     with pytest.raises(ProtocolUnavailable, match="no RDMA device"):
-        TransferEngine(protocol="rdma", rdma_verbs="double")
+        TransferEngine(protocol="rdma", verbs=fv)
 
 
 def test_double_enums_and_objects_match_real_pyverbs():
     """The test double's enum values equal pyverbs' where pyverbs imports (Debian python3-pyverbs
     here), and the pyverbs objects the transport builds accept its keyword arguments."""
-    from kvpool.testing import fake_verbs as fv
 
     try:
-        V = verbs.load_verbs("pyverbs")
+        V = verbs.load_verbs()
     except ProtocolUnavailable as exc:
         assert "pyverbs" in str(exc)
         return

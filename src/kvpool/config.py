@@ -105,8 +105,6 @@ class TransferConfig(_ConfigBase):
         connect_timeout_s: seconds to connect and handshake with a peer.
         max_frame: biggest single frame (bytes) the server accepts.
         same_host: allow the same-host single-copy path under ``protocol="auto"``.
-        rdma_verbs: ``"pyverbs"`` (real devices) or ``"double"`` (the in-repo test double,
-            :mod:`kvpool.testing.fake_verbs`; never chosen implicitly).
         rdma_slice_size: RDMA slice size; slices of one request spread over the chosen NICs.
         rdma_topology: NIC topology matrix (Mooncake JSON: a file path or a JSON string);
             None discovers it from sysfs. ``devices`` filters it.
@@ -118,8 +116,7 @@ class TransferConfig(_ConfigBase):
         rdma_chain: work requests linked into one ``post_send``.
         rdma_sq_depth: outstanding work requests per QP.
         device_runtime: CUDA runtime used for ``cuda:N`` memory: ``"auto"`` (torch.cuda, else cupy),
-            ``"torch"``, ``"cupy"`` or ``"fake"`` (the CPU test double
-            :mod:`kvpool.testing.fake_cuda`; never chosen implicitly).
+            ``"torch"`` or ``"cupy"``. (Tests pass a runtime object to ``TransferEngine`` instead.)
         staging_pool_size: pinned host bytes used to stage GPU memory through TCP/same-host
             transfers (allocated on first use; bounds the staged bytes in flight).
     """
@@ -137,7 +134,6 @@ class TransferConfig(_ConfigBase):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_frame: Bytes = Field(default=256 << 20, ge=1 << 16)
     same_host: bool = True
-    rdma_verbs: Literal["pyverbs", "double"] = "pyverbs"
     rdma_slice_size: Bytes = Field(default=64 << 10, ge=4096, le=1 << 30)
     rdma_topology: str | None = None
     rdma_gid_index: int | None = Field(default=None, ge=0, le=255)
@@ -147,7 +143,7 @@ class TransferConfig(_ConfigBase):
     rdma_nic_pause_s: float = Field(default=5.0, ge=0)
     rdma_chain: int = Field(default=32, ge=1, le=1024)
     rdma_sq_depth: int = Field(default=256, ge=1, le=16384)
-    device_runtime: Literal["auto", "torch", "cupy", "fake"] = "auto"
+    device_runtime: Literal["auto", "torch", "cupy"] = "auto"
     staging_pool_size: Bytes = Field(default=64 << 20, ge=1 << 16)
 
     @field_validator("rdma_mtu")

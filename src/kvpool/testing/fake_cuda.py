@@ -4,9 +4,9 @@ on CPU memory. Nothing here touches a GPU.
 It hands out "device" allocations (anonymous mmaps it tracks per simulated device), answers
 ``pointer_device`` for addresses inside them (None for everything else, as the real runtime does for
 host memory), "pins" host memory with a plain mmap and copies with ``ctypes.memmove``, counting
-bytes and calls so tests can see that staging happened. The engine uses it only when asked
-explicitly: ``TransferConfig(device_runtime="fake")`` (``KVPOOL_DEVICE_RUNTIME=fake`` through
-``TransferConfig.from_env``). What it cannot tell: anything about real CUDA streams, copy speed,
+bytes and calls so tests can see that staging happened. Tests inject it:
+``TransferEngine(device_runtime=fake_cuda.runtime())``; production code never selects it. What it
+cannot tell: anything about real CUDA streams, copy speed,
 pointer-attribute semantics on a real driver, or GPUDirect RDMA.
 """
 
@@ -134,7 +134,7 @@ _RUNTIME_LOCK = threading.Lock()
 
 
 def runtime() -> FakeCudaRuntime:
-    """The process-wide double (what ``device_runtime="fake"`` engines use)."""
+    """The process-wide double (one per process, so tests and engines see the same allocations)."""
     global _RUNTIME
     with _RUNTIME_LOCK:
         if _RUNTIME is None:

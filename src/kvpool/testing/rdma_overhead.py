@@ -36,7 +36,7 @@ def pyverbs_wr_cost() -> float | None:
     from kvpool.transfer.rdma.verbs import load_verbs
 
     try:
-        V = load_verbs("pyverbs")
+        V = load_verbs()
     except ProtocolUnavailable:
         return None
     E, SendWR, SGE = V.enums, V.wr.SendWR, V.wr.SGE
@@ -62,7 +62,7 @@ def measure(slice_kib: int = 4, total_mib: int = 64, nics: int = 4, chain: int =
     from kvpool.testing import fake_verbs as fv
 
     fv.configure(tempfile.mkdtemp(prefix="kvpool-verbs-"), [f"mlx5_{k}" for k in range(nics)])
-    opts = dict(protocol="rdma", rdma_verbs="double", rdma_slice_size=slice_kib << 10, rdma_chain=chain)
+    opts = dict(protocol="rdma", verbs=fv, rdma_slice_size=slice_kib << 10, rdma_chain=chain)
     with TransferEngine(**opts) as t, TransferEngine(**opts) as i:
         size = total_mib << 20
         base = t.register_local_memory(bytearray(size))

@@ -14,6 +14,7 @@ import os
 import sys
 
 from kvpool.child import ChildProcess
+from kvpool.testing import fake_verbs
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.peer import serve_commands
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topology", default=None)
     args = ap.parse_args(argv)
     buf = bytearray(args.size)
-    eng = TransferEngine(protocol="rdma", rdma_verbs="double", rdma_topology=args.topology)
+    eng = TransferEngine(protocol="rdma", verbs=fake_verbs, rdma_topology=args.topology)
     addr = eng.register_local_memory(buf)
     view = memoryview(buf)
     info = {"segment": eng.segment_name, "addr": addr, "size": args.size, "pid": os.getpid()}

@@ -1,4 +1,4 @@
-"""GPU (``cuda:N``) memory support: one small runtime interface, a staging pool, buffer inspection.
+"""GPU (``cuda:N``) memory support: one small runtime interface and buffer inspection.
 
 Everything CUDA-specific the transfer engine needs goes through :class:`DeviceRuntime`:
 
@@ -10,9 +10,10 @@ Everything CUDA-specific the transfer engine needs goes through :class:`DeviceRu
 
 Implementations: :class:`TorchCudaRuntime` (torch.cuda), :class:`CupyCudaRuntime` (cupy.cuda.runtime),
 both using the CUDA driver (``libcuda.so.1`` through ctypes) for pointer attributes and DMA-BUF
-export when it loads; and the CPU test double :class:`kvpool.testing.fake_cuda.FakeCudaRuntime`.
-:func:`get_runtime` selects one lazily (``TransferConfig.device_runtime``); the double is used only
-when asked for by name.
+export when it loads. :func:`get_runtime` selects one lazily (``TransferConfig.device_runtime``).
+Tests inject the CPU test double :class:`kvpool.testing.fake_cuda.FakeCudaRuntime` as an object
+(``TransferEngine(device_runtime=...)``); nothing here names it. Pinned staging of GPU memory for
+transports that move host memory only is in :mod:`kvpool.transfer.staging`.
 
 **Not verified on hardware**: this project's machine has no GPU; the torch/cupy implementations
 are written against those libraries' documented APIs and exercised only through the double.
@@ -21,12 +22,9 @@ are written against those libraries' documented APIs and exercised only through 
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any, Protocol
 
 from kvpool.errors import InvalidArgument, ProtocolUnavailable
-
-_STAGE_ALIGN = 4096
 
 
 class DeviceRuntime(Protocol):
@@ -218,14 +216,10 @@ class CupyCudaRuntime:
 
 # ----------------------------------------------------------------------------- selection
 def get_runtime(kind: str = "auto") -> DeviceRuntime:
-    """The runtime for ``kind`` (``auto``, ``torch``, ``cupy``, ``fake``); ProtocolUnavailable saying why not.
+    """The runtime for ``kind`` (``auto``, ``torch``, ``cupy``); ProtocolUnavailable saying why not.
 
-    ``auto`` tries torch.cuda, then cupy. ``fake`` (the CPU test double) is never chosen otherwise.
+    ``auto`` tries torch.cuda, then cupy.
     """
-    if kind == "fake":
-        from kvpool.testing.fake_cuda import runtime
-
-        return runtime()
     why: list[str] = []
     for name, cls in (("torch", TorchCudaRuntime), ("cupy", CupyCudaRuntime)):
         if kind not in ("auto", name):
@@ -237,7 +231,7 @@ def get_runtime(kind: str = "auto") -> DeviceRuntime:
         except ProtocolUnavailable as exc:
             why.append(str(exc))
     if kind not in ("auto", "torch", "cupy"):
-        raise ProtocolUnavailable(f"unknown device runtime {kind!r} (use auto, torch, cupy or fake)")
+        raise ProtocolUnavailable(f"unknown device runtime {kind!r} (use auto, torch or cupy)")
     raise ProtocolUnavailable(
         "GPU memory (cuda:N) needs a CUDA runtime: " + "; ".join(why) + " - install a CUDA build of "
         "torch or cupy on a machine with an NVIDIA GPU and driver, or register host memory"
@@ -292,73 +286,18 @@ def device_buffer(obj: Any, length: int | None) -> tuple[int, int, Any, int | No
     return addr, n, obj, idx
 
 
-# ----------------------------------------------------------------------------- staging pool
-class StagingPool:
-    """Pinned host memory carved first-fit into 4 KiB-aligned ranges; bounded by its size.
-
-    ``alloc(sizes)`` takes all ranges or none (no partial holds, so callers cannot deadlock each other).
-    """
-
-    def __init__(self, rt: DeviceRuntime, size: int) -> None:
-        self.size = size
-        self.base, self._keep = rt.alloc_pinned(size)
-        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted
-        self._cond = threading.Condition()
-        self.in_use = 0
-        self.peak = 0
-
-    @staticmethod
-    def rounded(n: int) -> int:
-        return (n + _STAGE_ALIGN - 1) // _STAGE_ALIGN * _STAGE_ALIGN
-
-    def _take(self, n: int) -> int | None:
-        for i, (off, ln) in enumerate(self._free):
-            if ln >= n:
-                self._free[i : i + 1] = [(off + n, ln - n)] if ln > n else []
-                return off
-        return None
-
-    def _give(self, off: int, n: int) -> None:
-        free = self._free
-        free.append((off, n))
-        free.sort()
-        merged: list[tuple[int, int]] = []
-        for o, ln in free:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
-            else:
-                merged.append((o, ln))
-        self._free = merged
-
-    def try_alloc(self, sizes: list[int]) -> list[int] | None:
-        """Addresses for every size, or None (nothing held) when they do not all fit now."""
-        with self._cond:
-            got: list[tuple[int, int]] = []
-            for n in sizes:
-                r = self.rounded(n)
-                off = self._take(r)
-                if off is None:
-                    for o, ln in got:
-                        self._give(o, ln)
-                    return None
-                got.append((off, r))
-            self.in_use += sum(r for _, r in got)
-            self.peak = max(self.peak, self.in_use)
-            return [self.base + o for o, _ in got]
-
-    def alloc(self, sizes: list[int], timeout_s: float) -> list[int] | None:
-        """As :meth:`try_alloc`, waiting up to ``timeout_s`` for other transfers to release staging."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.try_alloc(sizes), timeout_s)
-
-    def release(self, addr: int, n: int) -> None:
-        r = self.rounded(n)
-        with self._cond:
-            self._give(addr - self.base, r)
-            self.in_use -= r
-            self._cond.notify_all()
-
-    @property
-    def free_bytes(self) -> int:
-        with self._cond:
-            return self.size - self.in_use
+def device_index(rt: DeviceRuntime, addr: int, n: int, index: int | None) -> int:
+    """Check that ``[addr, addr+n)`` is all memory of one existing CUDA device — ``index`` or, when
+    None, the one the pointer belongs to — and return that device's ordinal (InvalidArgument else)."""
+    count = rt.device_count()
+    actual = rt.pointer_device(addr)
+    if index is None:
+        index = actual
+    if index is None:
+        raise InvalidArgument(f"address {addr:#x} is not CUDA device memory")
+    if not 0 <= index < count:
+        raise InvalidArgument(f"cuda:{index} does not exist: the {rt.name} runtime sees {count} device(s)")
+    if actual != index or rt.pointer_device(addr + n - 1) != index:
+        where = "not CUDA device memory" if actual is None else f"memory of cuda:{actual}"
+        raise InvalidArgument(f"range {addr:#x}+{n} is not all memory of cuda:{index} ({where})")
+    return index

@@ -44,8 +44,9 @@ from kvpool.errors import (
 )
 from kvpool.transfer.rdma.endpoints import SievePool
 from kvpool.transfer.rdma.topology import load_matrix, matrix_nics, nics_for
-from kvpool.transfer.rdma.verbs import Verbs, load_verbs
-from kvpool.transfer.types import OpCode, TransferState, TransferStatus
+from kvpool.transfer.rdma.verbs import Verbs, as_verbs, load_verbs
+from kvpool.transfer.transport import READ, Transport
+from kvpool.transfer.types import SegmentDescriptor, TransferState
 
 log = logging.getLogger("kvpool.transfer.rdma")
 
@@ -131,7 +132,8 @@ class Nic:
 
 class _Req:
     __slots__ = (
-        "batch",
+        "batch_id",
+        "slot",
         "remaining",
         "done_bytes",
         "state",
@@ -143,8 +145,9 @@ class _Req:
         "attempts",
     )
 
-    def __init__(self, batch: RdmaBatch, peer: _Peer) -> None:
-        self.batch = batch
+    def __init__(self, batch_id: int, slot: int, peer: _Peer) -> None:
+        self.batch_id = batch_id
+        self.slot = slot
         self.peer = peer
         self.remaining = 0
         self.done_bytes = 0
@@ -179,33 +182,6 @@ class _Slice:
         self.lnic = lnic
         self.rnic = rnic
         self.attempts = 0
-
-
-class RdmaBatch:
-    """Python-side batch for requests that go over RDMA."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.mode: str | None = None  # "rdma" once requests went over RDMA, "native" for TCP/same-host
-        self.reqs: list[_Req] = []
-        self.pending = 0
-        self.done = threading.Event()
-        self.done.set()
-
-    def status(self, index: int) -> TransferStatus:
-        if not 0 <= index < len(self.reqs):
-            return TransferStatus(TransferState.WAITING if index < self.size else TransferState.INVALID, 0)
-        r = self.reqs[index]
-        return TransferStatus(r.state, r.done_bytes, r.error)
-
-    def batch_status(self) -> TransferStatus:
-        total = sum(r.done_bytes for r in self.reqs)
-        if self.pending:
-            return TransferStatus(TransferState.PENDING, total)
-        for r in self.reqs:
-            if r.state != TransferState.COMPLETED:
-                return TransferStatus(r.state, total, r.error)
-        return TransferStatus(TransferState.COMPLETED, total)
 
 
 class _Endpoint:
@@ -253,12 +229,26 @@ class _Peer:
         return None
 
 
-class RdmaTransport:
-    """RDMA data path of a :class:`~kvpool.transfer.engine.TransferEngine` (see the module docstring)."""
+class RdmaTransport(Transport):
+    """RDMA data path of a :class:`~kvpool.transfer.engine.TransferEngine` (see the module docstring).
 
-    def __init__(self, cfg: Any, hostname: str, instance: int) -> None:
+    Args:
+        cfg: the engine's :class:`~kvpool.config.TransferConfig` (``rdma_*`` fields, ``secret``...).
+        hostname: address of the QP-connect RPC server.
+        instance: the engine's incarnation (peers notice restarts by it).
+        batches: the engine's batch table; requests complete their slots from the progress thread.
+        verbs: the verbs layer (a :class:`~kvpool.transfer.rdma.verbs.Verbs` or a module with
+            pyverbs' ``device, pd, mr, cq, qp, wr, addr, enums, pyverbs_error``); None = pyverbs.
+            Tests pass :mod:`kvpool.testing.fake_verbs` here.
+    """
+
+    name = "rdma"
+    locations = frozenset({"cpu", "cuda"})
+
+    def __init__(self, cfg: Any, hostname: str, instance: int, batches: Any, verbs: Any = None) -> None:
         self.cfg = cfg
-        self.V: Verbs = load_verbs(cfg.rdma_verbs)
+        self.batches = batches
+        self.V: Verbs = load_verbs() if verbs is None else as_verbs(verbs)
         self.E = self.V.enums
         self.instance = instance
         self.slice_size = cfg.rdma_slice_size
@@ -395,6 +385,19 @@ class RdmaTransport:
         return matrix
 
     # ------------------------------------------------------------------ descriptor
+    def describe(self) -> dict[str, Any]:
+        return {"rdma": self.descriptor_info()}
+
+    def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
+        return desc.rdma is not None  # GPU memory on either side is registered directly (GPUDirect)
+
+    def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
+        assert desc.rdma is not None
+        self.add_peer(handle, name, desc.rdma, desc.buffers)
+
+    def detach(self, handle: int) -> None:
+        self.remove_peer(handle)
+
     def descriptor_info(self) -> dict[str, Any]:
         with self._lock:
             mrs = [[r[0], r[1] - r[0], r[3]] for r in self._regs if r[5]]
@@ -534,12 +537,20 @@ class RdmaTransport:
         self._wake.set()
 
     # ------------------------------------------------------------------ submit
-    def submit(self, batch: RdmaBatch, reqs: list[tuple[int, int, int, int, int]]) -> None:
-        """``reqs``: (opcode, local addr, peer handle id, remote addr, length); all validated first."""
+    def submit(
+        self,
+        batch_id: int,
+        ops: list[int],
+        locs: list[int],
+        peers: list[int],
+        rems: list[int],
+        lens: list[int],
+    ) -> None:
+        """Validate every request, take its batch slot, queue its slices for the progress thread."""
         E = self.E
         now = time.monotonic()
         planned = []
-        for i, (op, laddr, hid, raddr, length) in enumerate(reqs):
+        for i, (op, laddr, hid, raddr, length) in enumerate(zip(ops, locs, peers, rems, lens, strict=True)):
             peer = self._peers.get(hid)
             if peer is None:
                 raise SegmentNotFound(f"request {i}: segment {hid} is not open over RDMA")
@@ -550,18 +561,14 @@ class RdmaTransport:
                     f"request {i}: remote range {raddr:#x}+{length} is outside the remote-accessible "
                     f"memory of {peer.name}"
                 )
-            if op == OpCode.READ and not lreg[7]:
+            if op == READ and not lreg[7]:
                 raise InvalidArgument(f"request {i}: READ into read-only memory at {laddr:#x}")
             planned.append((op, laddr, peer, raddr, length, lreg, rreg))
-        if len(batch.reqs) + len(planned) > batch.size:
-            raise InvalidArgument(
-                f"batch has {batch.size - len(batch.reqs)} free slots, {len(planned)} requests"
-            )
+        base = self.batches.reserve(batch_id, lens) if planned else 0  # InvalidArgument when full
         slices: list[_Slice] = []
-        new_reqs = []
-        for op, laddr, peer, raddr, length, lreg, rreg in planned:
-            req = _Req(batch, peer)
-            wop = E.IBV_WR_RDMA_READ if op == OpCode.READ else E.IBV_WR_RDMA_WRITE
+        for k, (op, laddr, peer, raddr, length, lreg, rreg) in enumerate(planned):
+            req = _Req(batch_id, base + k, peer)
+            wop = E.IBV_WR_RDMA_READ if op == READ else E.IBV_WR_RDMA_WRITE
             lpref, lsec = self._local_nics(lreg[4], now)
             rpref, rsec = self._remote_nics(peer, rreg[3], now)
             req.pairs = [(a, b) for a in lpref + lsec for b in rpref + rsec]
@@ -576,12 +583,7 @@ class RdmaTransport:
                 slices.append(
                     _Slice(req, wop, laddr + off, raddr + off, ln, lk, rk, lpref[j % nl], rpref[j % nr])
                 )
-            new_reqs.append(req)
         with self._lock:
-            batch.reqs.extend(new_reqs)
-            if new_reqs:
-                batch.pending += len(new_reqs)
-                batch.done.clear()
             self._incoming.extend(slices)
         self.stats["slices"] += len(slices)
         self._wake.set()
@@ -778,12 +780,8 @@ class RdmaTransport:
 
     def _finish(self, req: _Req, state: TransferState, reason: str | None) -> None:
         req.error = reason
-        batch = req.batch
-        with self._lock:
-            req.state = state
-            batch.pending -= 1
-            if batch.pending == 0:
-                batch.done.set()
+        req.state = state
+        self.batches.finish(req.batch_id, req.slot, req.done_bytes, reason, state)
 
     # ------------------------------------------------------------------ endpoints
     def _endpoint(self, lnic: int, peer: _Peer, rnic: int) -> _Endpoint | str:
@@ -975,15 +973,13 @@ class RdmaTransport:
         }
 
     # ------------------------------------------------------------------ lifecycle
-    def wait(self, batch: RdmaBatch, timeout_s: float | None) -> bool:
-        return batch.done.wait(timeout_s)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self._cancel_pending()
         self._rpc.stop()
         for ep in self._pool.values():
             try:
@@ -1006,6 +1002,17 @@ class RdmaTransport:
         for peer in self._peers.values():
             if peer.rpc is not None:
                 peer.rpc.close()
+
+    def _cancel_pending(self) -> None:
+        """After the progress thread stopped: every unfinished request ends CANCELED."""
+        queued = [self._incoming, self._retry]
+        for ep in self._pool.values():
+            queued.append(ep.pending)
+            queued.extend(ep.inflight.values())
+        reqs = {id(s.req): s.req for q in queued for s in q}
+        for req in reqs.values():
+            if req.state == TransferState.PENDING:
+                self._finish(req, TransferState.CANCELED, "engine shut down")
 
     def __del__(self) -> None:  # pragma: no cover
         if os is not None and not getattr(self, "_closed", True):

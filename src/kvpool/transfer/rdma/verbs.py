@@ -1,8 +1,8 @@
-"""One import shim for the verbs layer: the real ``pyverbs`` or the in-repo test double.
+"""The verbs layer the RDMA transport calls: the real ``pyverbs``, or what a caller passes.
 
-The choice is explicit (``TransferConfig.rdma_verbs`` = ``"pyverbs"`` or ``"double"``, i.e.
-``KVPOOL_RDMA_VERBS`` through :meth:`TransferConfig.from_env`); nothing falls back to the double
-silently.
+:func:`load_verbs` imports pyverbs. Tests inject another implementation of the same surface (the
+test double :mod:`kvpool.testing.fake_verbs`) as an object, ``TransferEngine(verbs=...)``, which
+:func:`as_verbs` wraps; nothing here selects a double by name, and nothing falls back to one.
 
 pyverbs is not on PyPI in a form that builds; Debian/Ubuntu ship it as ``python3-pyverbs`` for the
 system python. When ``import pyverbs`` fails and that package is installed for the same Python
@@ -63,23 +63,19 @@ def _import_pyverbs() -> Verbs:
     return Verbs(kind="pyverbs", **mods)
 
 
-def load_verbs(kind: str = "pyverbs") -> Verbs:
-    """The verbs modules: ``"pyverbs"`` (real) or ``"double"`` (:mod:`kvpool.testing.fake_verbs`)."""
-    if kind == "double":
-        from kvpool.testing import fake_verbs as fv
-
-        return Verbs(
-            kind="double",
-            device=fv.device,
-            pd=fv.pd,
-            mr=fv.mr,
-            cq=fv.cq,
-            qp=fv.qp,
-            wr=fv.wr,
-            addr=fv.addr,
-            enums=fv.enums,
-            pyverbs_error=fv.pyverbs_error,
-        )
-    if kind != "pyverbs":
-        raise ProtocolUnavailable(f"unknown verbs implementation {kind!r} (use 'pyverbs' or 'double')")
+def load_verbs() -> Verbs:
+    """The real pyverbs modules (ProtocolUnavailable saying what to install when they do not import)."""
     return _import_pyverbs()
+
+
+def as_verbs(obj: Any) -> Verbs:
+    """A :class:`Verbs` over ``obj``: a Verbs, or any object (module, namespace) with pyverbs'
+    ``device, pd, mr, cq, qp, wr, addr, enums, pyverbs_error`` attributes. ``kind`` is the object's
+    ``kind`` or ``__name__``."""
+    if isinstance(obj, Verbs):
+        return obj
+    missing = [m for m in _MODULES if not hasattr(obj, m)]
+    if missing:
+        raise TypeError(f"verbs object {obj!r} lacks {missing}")
+    kind = getattr(obj, "kind", None) or getattr(obj, "__name__", type(obj).__name__)
+    return Verbs(kind=str(kind), **{m: getattr(obj, m) for m in _MODULES})

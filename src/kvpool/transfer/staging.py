@@ -1,0 +1,358 @@
+"""GPU memory through transports that move host memory only: pinned staging.
+
+GPU memory is a location, not a transport. A transport that cannot touch ``cuda:N`` memory itself
+(``"cuda"`` not in :attr:`~kvpool.transfer.transport.Transport.locations`: TCP, same-host) still
+moves it through :class:`GpuStaging`, which wraps any such transport:
+
+* submit (caller's thread): a pinned range of the :class:`StagingPool` replaces each GPU local
+  address; WRITEs are filled by a device-to-host copy first; the requests go to the inner transport
+  in a private batch, and the caller's batch slots are reserved (PENDING).
+* completion (the staging thread): once the private batch is done, READs are copied host-to-device,
+  staging ranges go back to the pool, and the caller's slots are finished with the inner result —
+  a slot is COMPLETED only when its bytes are in GPU memory.
+
+The pool bounds the staged bytes in flight: a submit that does not fit raises InvalidArgument (or,
+with a wait, TransferTimeout) before anything is sent; ``batch_transfer_sync`` goes in rounds that
+fit (:meth:`GpuStaging.rounds`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvpool.errors import InvalidArgument, KvpoolError, TransferError, TransferTimeout
+from kvpool.transfer.batch import Batches
+from kvpool.transfer.device import DeviceRuntime
+from kvpool.transfer.memory import LocalRegistry
+from kvpool.transfer.transport import READ, WRITE, Transport
+from kvpool.transfer.types import TransferState
+
+log = logging.getLogger("kvpool.transfer")
+_STAGE_ALIGN = 4096
+
+
+class StagingPool:
+    """Pinned host memory carved first-fit into 4 KiB-aligned ranges; bounded by its size.
+
+    ``alloc(sizes)`` takes all ranges or none (no partial holds, so callers cannot deadlock each other).
+    """
+
+    def __init__(self, rt: DeviceRuntime, size: int) -> None:
+        self.size = size
+        self.base, self._keep = rt.alloc_pinned(size)
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted
+        self._cond = threading.Condition()
+        self.in_use = 0
+        self.peak = 0
+
+    @staticmethod
+    def rounded(n: int) -> int:
+        return (n + _STAGE_ALIGN - 1) // _STAGE_ALIGN * _STAGE_ALIGN
+
+    def _take(self, n: int) -> int | None:
+        for i, (off, ln) in enumerate(self._free):
+            if ln >= n:
+                self._free[i : i + 1] = [(off + n, ln - n)] if ln > n else []
+                return off
+        return None
+
+    def _give(self, off: int, n: int) -> None:
+        free = self._free
+        free.append((off, n))
+        free.sort()
+        merged: list[tuple[int, int]] = []
+        for o, ln in free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
+            else:
+                merged.append((o, ln))
+        self._free = merged
+
+    def try_alloc(self, sizes: list[int]) -> list[int] | None:
+        """Addresses for every size, or None (nothing held) when they do not all fit now."""
+        with self._cond:
+            got: list[tuple[int, int]] = []
+            for n in sizes:
+                r = self.rounded(n)
+                off = self._take(r)
+                if off is None:
+                    for o, ln in got:
+                        self._give(o, ln)
+                    return None
+                got.append((off, r))
+            self.in_use += sum(r for _, r in got)
+            self.peak = max(self.peak, self.in_use)
+            return [self.base + o for o, _ in got]
+
+    def alloc(self, sizes: list[int], timeout_s: float) -> list[int] | None:
+        """As :meth:`try_alloc`, waiting up to ``timeout_s`` for other transfers to release staging."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.try_alloc(sizes), timeout_s)
+
+    def release(self, addr: int, n: int) -> None:
+        r = self.rounded(n)
+        with self._cond:
+            self._give(addr - self.base, r)
+            self.in_use -= r
+            self._cond.notify_all()
+
+    @property
+    def free_bytes(self) -> int:
+        with self._cond:
+            return self.size - self.in_use
+
+
+class _Entry:
+    """One staged request: slot ``index`` of its submit, GPU range ``dev``, pinned range ``stage``."""
+
+    __slots__ = ("index", "op", "dev", "stage", "n", "done")
+
+    def __init__(self, index: int, op: int, dev: int, stage: int, n: int) -> None:
+        self.index = index
+        self.op = op
+        self.dev = dev
+        self.stage = stage
+        self.n = n
+        self.done = False
+
+
+class _Record:
+    """One staged submit: its private inner batch and the caller's slots it finishes."""
+
+    __slots__ = ("private", "batch_id", "base", "n", "entries")
+
+    def __init__(self, private: int, batch_id: int, base: int, n: int, entries: list[_Entry]) -> None:
+        self.private = private
+        self.batch_id = batch_id
+        self.base = base
+        self.n = n
+        self.entries = entries
+
+
+class GpuStaging:
+    """Pinned staging for GPU local memory over host-only transports (see the module docstring).
+
+    Args:
+        runtime: returns the CUDA runtime (called on first use).
+        pool_size: bytes of pinned host memory (allocated on first use).
+        batches: the engine's batch table.
+        registry: the engine's registrations (which local ranges are GPU memory).
+        pin: registers the pool's range with the native registry as local-only memory.
+    """
+
+    def __init__(
+        self,
+        runtime: Callable[[], DeviceRuntime],
+        pool_size: int,
+        batches: Batches,
+        registry: LocalRegistry,
+        pin: Callable[[int, int], None],
+    ) -> None:
+        self._runtime = runtime
+        self._pool_size = pool_size
+        self._batches = batches
+        self._registry = registry
+        self._pin = pin
+        self._pool: StagingPool | None = None
+        self._cond = threading.Condition()
+        self._records: list[_Record] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def pool(self) -> StagingPool:
+        """The pinned pool (allocated and registered on first use)."""
+        with self._cond:
+            if self._pool is None:
+                pool = StagingPool(self._runtime(), self._pool_size)
+                self._pin(pool.base, pool.size)
+                self._pool = pool
+            return self._pool
+
+    @property
+    def pool_if_made(self) -> StagingPool | None:
+        """The pool, or None when nothing was staged yet."""
+        return self._pool
+
+    def needed(self, locs: list[int], lens: list[int]) -> bool:
+        """Whether any local range is GPU memory (AddressNotRegistered if one runs past its region)."""
+        gpu = self._registry.gpu_region
+        return any(gpu(a, n) is not None for a, n in zip(locs, lens, strict=True))
+
+    # ------------------------------------------------------------------ submit (caller's thread)
+    def submit(
+        self,
+        inner: Transport,
+        batch_id: int,
+        ops: list[int],
+        locs: list[int],
+        peers: list[int],
+        rems: list[int],
+        lens: list[int],
+        wait_s: float | None = None,
+    ) -> None:
+        """Submit through ``inner`` with GPU local ranges staged. Without room in the pool,
+        ``wait_s`` None raises InvalidArgument, else waits that long (TransferTimeout)."""
+        n = len(ops)
+        gpu = self._registry.gpu_region
+        todo = [i for i in range(n) if gpu(locs[i], lens[i]) is not None]
+        pool = self.pool
+        sizes = [lens[i] for i in todo]
+        stages = pool.try_alloc(sizes) if wait_s is None else pool.alloc(sizes, wait_s)
+        if stages is None:
+            need = sum(pool.rounded(k) for k in sizes)
+            msg = (
+                f"GPU staging: {len(todo)} requests need {need} bytes of pinned staging, the pool has "
+                f"{pool.free_bytes} of {pool.size} free"
+            )
+            if wait_s is not None:
+                raise TransferTimeout(msg + f" after waiting {wait_s:g} s")
+            raise InvalidArgument(
+                msg + "; wait for (or free) batches in flight, raise staging_pool_size, or use "
+                "batch_transfer_sync/transfer_sync (they stage in rounds)"
+            )
+        try:
+            base = self._batches.reserve(batch_id, lens)
+        except BaseException:
+            for st, k in zip(stages, sizes, strict=True):
+                pool.release(st, k)
+            raise
+        entries: list[_Entry] = []
+        local = list(locs)
+        private = None
+        what = "GPU staging copy (device to host)"
+        try:
+            rt = self._runtime()
+            for i, st in zip(todo, stages, strict=True):
+                if ops[i] == WRITE:
+                    rt.copy_d2h(st, locs[i], lens[i])
+                local[i] = st
+                entries.append(_Entry(i, ops[i], locs[i], st, lens[i]))
+            what = ""
+            private = self._batches.alloc(n)
+            inner.submit(private, ops, local, peers, rems, lens)  # validates all, then queues
+        except BaseException as exc:
+            for st, k in zip(stages, sizes, strict=True):
+                pool.release(st, k)
+            if private is not None:
+                self._batches.free(private)
+            reason = f"{what} failed: {exc}" if what else str(exc)
+            for k in range(n):  # nothing was sent: the reserved slots end FAILED with the reason
+                self._batches.finish(batch_id, base + k, 0, f"not submitted: {reason}")
+            if what and not isinstance(exc, KvpoolError):
+                raise TransferError(reason) from exc
+            raise
+        self._track(_Record(private, batch_id, base, n, entries))
+
+    def busy(self, start: int, end: int) -> int | None:
+        """The caller's batch id of an unfinished staged request on GPU range [start, end), or None."""
+        with self._cond:
+            for rec in self._records:
+                if any(not e.done and start <= e.dev < end for e in rec.entries):
+                    return rec.batch_id
+        return None
+
+    def rounds(self, locs: list[int], rems: list[int], lens: list[int]) -> list[tuple[list[int], ...]]:
+        """Split a synchronous transfer into rounds whose staged bytes fit the pool: GPU ranges
+        bigger than the pool are cut into pool-sized pieces. Returns ``(locs, rems, lens)`` per round."""
+        pool = self.pool
+        cap = pool.size
+        gpu = self._registry.gpu_region
+        pieces: list[tuple[int, int, int, int]] = []  # (local, remote, length, staged bytes)
+        for a, r, n in zip(locs, rems, lens, strict=True):
+            if gpu(a, n) is None:
+                pieces.append((a, r, n, 0))
+                continue
+            for off in range(0, n, cap):
+                k = min(cap, n - off)
+                pieces.append((a + off, r + off, k, pool.rounded(k)))
+        out = []
+        i = 0
+        while i < len(pieces):
+            j, need = i, 0
+            while j < len(pieces) and (j == i or need + pieces[j][3] <= cap):
+                need += pieces[j][3]
+                j += 1
+            wave = pieces[i:j]
+            out.append(([p[0] for p in wave], [p[1] for p in wave], [p[2] for p in wave]))
+            i = j
+        return out
+
+    # ------------------------------------------------------------------ completion (staging thread)
+    def _track(self, rec: _Record) -> None:
+        with self._cond:
+            self._records.append(rec)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvpool-staging", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._records and not self._closed:
+                    self._cond.wait()
+                if not self._records:
+                    return
+                recs = list(self._records)
+            try:
+                done = [r for r in recs if not self._batches.pending(r.private)]
+                if not done:
+                    self._batches.wait(recs[0].private, 0.02)  # GIL released
+                    continue
+                for r in done:
+                    self._complete(r)
+            except Exception:  # noqa: BLE001 - never leave the thread: slots would hang
+                log.exception("GPU staging completion failed")
+                done = recs
+                for r in recs:
+                    self._abandon(r)
+            with self._cond:
+                self._records = [r for r in self._records if r not in done]
+
+    def _complete(self, rec: _Record) -> None:
+        """READs: staging -> device; ranges back to the pool; then the caller's slots."""
+        staged = {e.index: e for e in rec.entries}
+        for k in range(rec.n):
+            st = self._batches.status(rec.private, k)
+            error = None if st.ok else st.error
+            state = st.state if error else TransferState.FAILED
+            e = staged.get(k)
+            if e is not None:
+                if st.ok and e.op == READ:
+                    try:
+                        self._runtime().copy_h2d(e.dev, e.stage, e.n)
+                    except Exception as exc:  # noqa: BLE001 - runtime errors become the slot's reason
+                        error = f"GPU staging copy (host to device) failed: {exc}"
+                        state = TransferState.FAILED
+                self._release(e)
+            nbytes = st.transferred_bytes if error is None or e is None else 0
+            self._batches.finish(rec.batch_id, rec.base + k, nbytes, error, state)
+        self._batches.free(rec.private)
+
+    def _abandon(self, rec: _Record) -> None:
+        for e in rec.entries:
+            if not e.done:
+                self._release(e)
+        for k in range(rec.n):
+            try:
+                self._batches.finish(rec.batch_id, rec.base + k, 0, "GPU staging failed (see the log)")
+            except KvpoolError:
+                pass  # already finished
+
+    def _release(self, e: _Entry) -> None:
+        if not e.done:
+            e.done = True
+            assert self._pool is not None
+            self._pool.release(e.stage, e.n)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Finish what is in flight (the inner transports cancel their queues first), stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join(timeout_s)

@@ -1,0 +1,46 @@
+"""TCP transport: the native data path (``kvpool._native``) over per-peer lanes.
+
+Bytes move in C++ on the peer's lane threads with the GIL released: requests are cut into
+``slice_size`` slices, pipelined in same-opcode groups with one gather ``sendmsg`` each, and every
+slice completes its batch slot with atomics (see docs/architecture.md). The engine's
+``NativeEngine`` is also the server peers reach, the registry it checks and the batch table, so
+this transport only routes: it is the fallback every engine can use.
+"""
+
+from __future__ import annotations
+
+from kvpool import _native
+from kvpool.transfer.transport import Transport
+from kvpool.transfer.types import SegmentDescriptor, TransferState, TransferStatus
+
+_OK = TransferStatus(TransferState.COMPLETED, 0)
+
+
+class TcpTransport(Transport):
+    """Requests to a segment go over its TCP lanes (see the module docstring)."""
+
+    name = "tcp"
+
+    def __init__(self, native: _native.NativeEngine) -> None:
+        self.native = native
+
+    def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
+        return local == remote == "cpu" and "tcp" in desc.protocols
+
+    def submit(
+        self,
+        batch_id: int,
+        ops: list[int],
+        locs: list[int],
+        peers: list[int],
+        rems: list[int],
+        lens: list[int],
+    ) -> None:
+        self.native.submit(batch_id, ops, locs, peers, rems, lens)  # validates all, then queues
+
+    def transfer_one(self, op: int, local: int, handle: int, remote: int, length: int) -> TransferStatus:
+        err = self.native.transfer_sync(op, local, handle, remote, length)  # in this thread if a lane is idle
+        if not err:
+            return _OK
+        state = TransferState.TIMEOUT if err == _native.ST_TIMEOUT else TransferState.FAILED
+        return TransferStatus(state, 0, _native.status_text(err))

@@ -1,0 +1,123 @@
+"""The one interface every transport implements (tcp, same-host, rdma; cuda-ipc next).
+
+A transport moves the bytes of READ/WRITE requests between this process's registered memory and a
+peer segment, and reports each request's completion into the batch slot the engine gave it. The
+:class:`~kvpool.transfer.engine.TransferEngine` owns everything around that: configuration,
+registration bookkeeping, descriptor publish/fetch, the segment cache, request validation, picking
+a transport per target (same host -> same-host; RDMA when both sides have it; else TCP) and the
+batches themselves (:class:`~kvpool.transfer.batch.Batches`: a fixed array of slots per batch that
+transports complete from their own threads; the engine only polls or waits on it).
+
+GPU memory is a *location*, not a transport: a transport lists the memory kinds it moves directly in
+:attr:`Transport.locations`; for one that moves host memory only, the engine wraps it in
+:class:`~kvpool.transfer.staging.GpuStaging` (pinned staging on submit / completion).
+
+Requests reach a transport as columns of equal length (no per-request objects): ``ops``
+(:data:`READ`/:data:`WRITE`), ``locs`` (local addresses), ``peers`` (segment handle ids), ``rems``
+(remote addresses), ``lens`` (bytes). Every column was type-checked by the engine; addresses and
+lengths are not yet checked against registrations: that is the transport's job (all or nothing).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from kvpool import _native
+from kvpool.transfer.types import SegmentDescriptor, TransferStatus
+
+READ: int = _native.OP_READ
+"""Opcode of a READ in request columns (remote -> local)."""
+WRITE: int = _native.OP_WRITE
+"""Opcode of a WRITE in request columns (local -> remote)."""
+
+
+class Transport(ABC):
+    """One way of moving bytes to peers (see the module docstring).
+
+    Lifecycle: the engine constructs its transports when it starts, calls :meth:`register` /
+    :meth:`unregister` for every registration, :meth:`reaches` and :meth:`attach` when a segment is
+    opened (or re-opened after a restart), :meth:`submit` for each run of requests it routes here,
+    :meth:`detach` when a segment is closed and :meth:`close` once, when the engine closes.
+    Methods may be called from any user thread, concurrently; none may block on the network except
+    :meth:`submit` waiting for queue room and :meth:`transfer_one`.
+    """
+
+    name: ClassVar[str]
+    """Protocol name published in the segment descriptor's ``protocols`` (``"tcp"`` ...)."""
+
+    locations: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    """Memory kinds (``"cpu"``, ``"cuda"``) it reads and writes directly, locally and remotely."""
+
+    def describe(self) -> dict[str, Any]:
+        """Extra :class:`SegmentDescriptor` fields this transport publishes (e.g. ``{"rdma": ...}``).
+
+        Called by the engine whenever it publishes its descriptor (each remote-accessible
+        registration change). Cheap; must not do I/O.
+        """
+        return {}
+
+    def register(  # noqa: B027 - optional hook
+        self, addr: int, length: int, location: str, remote: bool, writable: bool, dmabuf: Any = None
+    ) -> None:
+        """Make ``[addr, addr+length)`` usable by this transport (e.g. an RDMA memory region).
+
+        Called once per registration, after the engine's own bookkeeping accepted it, for host
+        memory and for GPU memory when ``"cuda"`` is in :attr:`locations`. ``dmabuf()`` gives
+        ``(fd, offset)`` of a DMA-BUF for GPU memory or None. Raises a :class:`~kvpool.errors.KvpoolError`
+        to refuse (the engine rolls the registration back).
+        """
+
+    def unregister(self, addr: int) -> None:  # noqa: B027 - optional hook
+        """Forget the registration starting at ``addr`` (called once per successful register)."""
+
+    @abstractmethod
+    def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
+        """Whether this transport can move ``local``-kind memory here to ``remote``-kind memory of
+        the peer described by ``desc``. Called by the engine when it picks a transport for a segment
+        (in order of preference; the first that reaches wins). Pure; no I/O."""
+
+    def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:  # noqa: B027 - optional hook
+        """The engine routes segment ``handle`` (already in the native peer table) through this
+        transport from now on; ``desc`` is its current descriptor. Called on open and on every
+        refresh after a restart; may connect lazily. Raises a typed error to refuse."""
+
+    def detach(self, handle: int) -> None:  # noqa: B027 - optional hook
+        """Segment ``handle`` is closed or routed elsewhere: drop its connections and state."""
+
+    @abstractmethod
+    def submit(
+        self,
+        batch_id: int,
+        ops: list[int],
+        locs: list[int],
+        peers: list[int],
+        rems: list[int],
+        lens: list[int],
+    ) -> None:
+        """Queue requests into the next free slots of batch ``batch_id``, in order, and complete
+        each slot when its bytes have moved (or failed) — from the transport's own threads, never
+        by waiting in the caller.
+
+        Validates every request first (local range registered, writable for READs; remote range
+        inside the peer's remote-accessible buffers; peer known) and raises
+        :class:`~kvpool.errors.AddressNotRegistered`, :class:`~kvpool.errors.RemoteAccessError`,
+        :class:`~kvpool.errors.SegmentNotFound` or :class:`~kvpool.errors.InvalidArgument` (also
+        for a full batch) before anything is sent. Called by the engine from the submitting thread,
+        once per run of requests routed here; must not hold locks across network I/O.
+        Python transports take their slots with ``Batches.reserve`` and complete them with
+        ``Batches.finish``; native ones complete them in C++.
+        """
+
+    def transfer_one(
+        self, op: int, local: int, handle: int, remote: int, length: int
+    ) -> TransferStatus | None:
+        """Optional fast path for one request done in the calling thread (``transfer_sync``).
+
+        Returns the final status, or None when the transport has no such path (the engine then
+        uses a one-slot batch). Validation errors raise as in :meth:`submit`.
+        """
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop threads and release resources; pending requests end CANCELED or FAILED. Called once."""
