@@ -16,7 +16,7 @@ from kvpool.errors import ProtocolUnavailable, RemoteAccessError
 from kvpool.testing import fake_verbs as fv
 from kvpool.testing.rdma_peer import RdmaPeer
 from kvpool.transfer.rdma.endpoints import SievePool
-from kvpool.transfer.rdma.transport import slice_plan
+from kvpool.transfer.rdma.state import slice_plan
 from tests.conftest import run_batch
 
 NICS4 = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]

@@ -286,9 +286,16 @@ def device_buffer(obj: Any, length: int | None) -> tuple[int, int, Any, int | No
     return addr, n, obj, idx
 
 
-def device_index(rt: DeviceRuntime, addr: int, n: int, index: int | None) -> int:
-    """Check that ``[addr, addr+n)`` is all memory of one existing CUDA device — ``index`` or, when
-    None, the one the pointer belongs to — and return that device's ordinal (InvalidArgument else)."""
+def device_index(
+    rt: DeviceRuntime, dev: tuple[int, int, Any, int | None], index: int | None
+) -> tuple[int, int, Any, int]:
+    """Check a device range ``(addr, length, keepalive, index the object names or None)`` against
+    the ``cuda:index`` a caller asked for (None: any) and the runtime: one existing device holds all
+    of it. Returns ``(addr, length, keepalive, device ordinal)``; InvalidArgument otherwise."""
+    addr, n, keep, tindex = dev
+    if index is not None and tindex is not None and index != tindex:
+        raise InvalidArgument(f"tensor is on cuda:{tindex}, location says cuda:{index}")
+    index = tindex if index is None else index
     count = rt.device_count()
     actual = rt.pointer_device(addr)
     if index is None:
@@ -300,4 +307,4 @@ def device_index(rt: DeviceRuntime, addr: int, n: int, index: int | None) -> int
     if actual != index or rt.pointer_device(addr + n - 1) != index:
         where = "not CUDA device memory" if actual is None else f"memory of cuda:{actual}"
         raise InvalidArgument(f"range {addr:#x}+{n} is not all memory of cuda:{index} ({where})")
-    return index
+    return addr, n, keep, index

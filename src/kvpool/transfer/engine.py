@@ -21,19 +21,17 @@ from typing import Any
 from kvpool import _native
 from kvpool.config import TransferConfig
 from kvpool.errors import (
-    AddressNotRegistered,
     BatchInFlight,
     InvalidArgument,
     KvpoolError,
     ProtocolUnavailable,
-    RemoteAccessError,
     SegmentNotFound,
     TransferError,
     TransferTimeout,
 )
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.device import DeviceRuntime, device_buffer, device_index, get_runtime, parse_location
-from kvpool.transfer.memory import LocalRegistry, Registration, buffer_range
+from kvpool.transfer.memory import LocalRegistry, Registration, buffer_range, check_requests
 from kvpool.transfer.metadata import MetadataBackend, open_metadata
 from kvpool.transfer.same_host import SameHostTransport
 from kvpool.transfer.staging import GpuStaging
@@ -53,7 +51,6 @@ from kvpool.transfer.types import (
 __all__ = ["TransferEngine", "buffer_range", "split_host_port"]
 
 log = logging.getLogger("kvpool.transfer")
-_AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in this process (cached)
 
 _NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}
 
@@ -150,8 +147,10 @@ class TransferEngine:
         same_host = SameHostTransport(self._native)
         self._rdma: Any = None
         if cfg.protocol in ("rdma", "auto"):
+            from kvpool.transfer.rdma.transport import start_rdma  # pyverbs only when asked for
+
             try:
-                self._rdma = self._start_rdma(cfg, verbs)
+                self._rdma = start_rdma(cfg, self._native.incarnation, self.batches, verbs)
             except BaseException:
                 self._native.shutdown()
                 raise
@@ -164,29 +163,6 @@ class TransferEngine:
         else:  # auto: same host first, then RDMA when both sides run it, else TCP
             self._preferred = ([same_host] if cfg.same_host else []) + rdma + [tcp]
         self._publish()
-
-    def _start_rdma(self, cfg: TransferConfig, verbs: Any) -> Any:
-        """The RDMA transport, or None under "auto" when it cannot run here (logged once)."""
-        global _AUTO_RDMA_SKIP
-        auto = cfg.protocol == "auto"
-        if auto and verbs is None:
-            if _AUTO_RDMA_SKIP is not None:
-                return None
-            if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
-                _AUTO_RDMA_SKIP = "no RDMA device in /sys/class/infiniband"
-                log.info("protocol=auto: not using RDMA (%s); TCP and same-host paths only", _AUTO_RDMA_SKIP)
-                return None
-        from kvpool.transfer.rdma.transport import RdmaTransport
-
-        try:
-            return RdmaTransport(cfg, cfg.hostname, self._native.incarnation, self.batches, verbs=verbs)
-        except ProtocolUnavailable as exc:
-            if not auto:
-                raise
-            if verbs is None:
-                _AUTO_RDMA_SKIP = str(exc)
-            log.info("protocol=auto: not using RDMA (%s); TCP and same-host paths only", exc)
-            return None
 
     @property
     def rdma(self) -> Any:
@@ -281,18 +257,13 @@ class TransferEngine:
         self, obj: Any, length: int | None, index: int | None, dev: Any, remote: bool
     ) -> int:
         rt = self.device_runtime  # ProtocolUnavailable when there is no CUDA runtime
-        if dev is not None:
-            addr, n, keep, tindex = dev
-            if index is not None and tindex is not None and index != tindex:
-                raise InvalidArgument(f"tensor is on cuda:{tindex}, location says cuda:{index}")
-            index = tindex if index is None else index
-        else:
+        if dev is None:
             if not isinstance(obj, int) or isinstance(obj, bool):
                 raise InvalidArgument(
                     "GPU memory must be a CUDA tensor, a __cuda_array_interface__ object or an int address"
                 )
-            addr, n, keep = buffer_range(obj, length)
-        index = device_index(rt, addr, n, index)
+            dev = (*buffer_range(obj, length), None)
+        addr, n, keep, index = device_index(rt, dev, index)
         if remote and not any("cuda" in t.locations for t in self._transports):
             raise ProtocolUnavailable(
                 f"cuda:{index} memory cannot be remote-accessible without RDMA: peers reach TCP/same-host "
@@ -567,7 +538,9 @@ class TransferEngine:
                     runs.append((start, i, routes[start]))
                     start = i
         if len(runs) > 1:
-            self._check(ops, locs, peers, rems, lens)
+            with self._lock:
+                descs = {hid: self._segments[name][1] for hid, name in self._handles.items()}
+            check_requests(self._registry, descs, ops, locs, peers, rems, lens)
         for a, b, t in runs:
             cols = (
                 (ops, locs, peers, rems, lens)
@@ -582,33 +555,6 @@ class TransferEngine:
                 self._staging.submit(t, batch_id, *cols, wait_s=stage_wait_s)
             else:
                 t.submit(batch_id, *cols)
-
-    def _check(
-        self, ops: list[int], locs: list[int], peers: list[int], rems: list[int], lens: list[int]
-    ) -> None:
-        """Validate requests against registrations and descriptors before a multi-transport submit."""
-        with self._lock:
-            descs = {hid: self._segments[name][1] for hid, name in self._handles.items()}
-        for i, (op, a, p, r, n) in enumerate(zip(ops, locs, peers, rems, lens, strict=True)):
-            reg = self._registry.find(a, n)
-            if reg is None:
-                raise AddressNotRegistered(
-                    f"local range {a:#x}+{n} is not inside registered memory; call register_local_memory "
-                    f"first (request {i})"
-                )
-            if op == READ and reg.read_only:
-                raise AddressNotRegistered(
-                    f"local range is registered read-only: it cannot receive a READ (request {i})"
-                )
-            desc = descs.get(p)
-            if desc is None:
-                raise SegmentNotFound(f"unknown segment handle (request {i})")
-            if not any(
-                b.addr <= r and r + n <= b.addr + b.length for b in desc.buffers if b.remote_accessible
-            ):
-                raise RemoteAccessError(
-                    f"remote range is outside the segment's remote-accessible buffers (request {i})"
-                )
 
     def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
         """Status of request ``index`` of a batch."""

@@ -17,8 +17,10 @@ from kvpool.errors import (
     InvalidType,
     ProtocolUnavailable,
     RegistrationError,
+    RemoteAccessError,
+    SegmentNotFound,
 )
-from kvpool.transfer.types import BufferDescriptor
+from kvpool.transfer.types import BufferDescriptor, SegmentDescriptor
 
 
 def buffer_range(obj: Any, length: int | None = None, allow_read_only: bool = False) -> tuple[int, int, Any]:
@@ -149,3 +151,35 @@ class LocalRegistry:
 
     def __iter__(self):  # noqa: ANN204 - iterator over a snapshot
         return iter(self._regs)
+
+
+def check_requests(
+    registry: LocalRegistry,
+    descs: dict[int, SegmentDescriptor],
+    ops: list[int],
+    locs: list[int],
+    peers: list[int],
+    rems: list[int],
+    lens: list[int],
+) -> None:
+    """Validate request columns against our registrations and the peers' descriptors (``descs`` by
+    segment handle), as every transport does for its own requests: used before a submit that
+    spans several transports, so that nothing is sent unless every request is valid."""
+    for i, (op, a, p, r, n) in enumerate(zip(ops, locs, peers, rems, lens, strict=True)):
+        reg = registry.find(a, n)
+        if reg is None:
+            raise AddressNotRegistered(
+                f"local range {a:#x}+{n} is not inside registered memory; call register_local_memory "
+                f"first (request {i})"
+            )
+        if op == _native.OP_READ and reg.read_only:
+            raise AddressNotRegistered(
+                f"local range is registered read-only: it cannot receive a READ (request {i})"
+            )
+        desc = descs.get(p)
+        if desc is None:
+            raise SegmentNotFound(f"unknown segment handle (request {i})")
+        if not any(b.addr <= r and r + n <= b.addr + b.length for b in desc.buffers if b.remote_accessible):
+            raise RemoteAccessError(
+                f"remote range is outside the segment's remote-accessible buffers (request {i})"
+            )

@@ -21,211 +21,68 @@ Data path (one progress thread per engine):
 
 from __future__ import annotations
 
-import bisect
 import collections
-import errno
 import itertools
 import logging
 import os
 import random
-import resource
 import threading
 import time
 from typing import Any
 
 from kvpool.errors import (
-    AddressNotRegistered,
     InvalidArgument,
     ProtocolUnavailable,
     RdmaConnectError,
-    RegistrationError,
     RemoteAccessError,
     SegmentNotFound,
 )
 from kvpool.transfer.rdma.endpoints import SievePool
+from kvpool.transfer.rdma.nics import (
+    MEMLOCK_HINT,
+    MemoryRegions,
+    Nic,
+    make_qp,
+    memlock_limit,
+    open_nics,
+    qp_connect,
+)
+from kvpool.transfer.rdma.state import Endpoint, Peer, Req, Slice, slice_plan
 from kvpool.transfer.rdma.topology import load_matrix, matrix_nics, nics_for
 from kvpool.transfer.rdma.verbs import Verbs, as_verbs, load_verbs
 from kvpool.transfer.transport import READ, Transport
 from kvpool.transfer.types import SegmentDescriptor, TransferState
 
 log = logging.getLogger("kvpool.transfer.rdma")
+log_engine = logging.getLogger("kvpool.transfer")  # where protocol="auto" says why it skips RDMA
 
 _CHAIN_SHIFT = 1024  # wr_id = chain_id * 1024 + index in chain
-_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
-_MTU_ENUM = {v: k for k, v in _MTU_BYTES.items()}
-_V4_PREFIX = "0000:0000:0000:0000:0000:ffff:"
-MEMLOCK_HINT = (
-    "the locked-memory limit (RLIMIT_MEMLOCK, `ulimit -l`) is too low for RDMA registration: raise it "
-    "(`ulimit -l unlimited`, `LimitMEMLOCK=infinity` in a systemd unit, `memlock unlimited` in "
-    "/etc/security/limits.conf, `docker run --ulimit memlock=-1`)"
-)
-GPU_REG_HINT = (
-    "registering GPU memory needs GPUDirect RDMA: the nvidia-peermem kernel module (`modprobe "
-    "nvidia-peermem`) or DMA-BUF support (Linux >= 5.12, rdma-core >= 34, an open NVIDIA kernel driver)"
-)
-
-
 _WARNED_MEMLOCK = False
+_AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in this process (cached)
 
 
-def memlock_limit() -> int:
-    """Soft RLIMIT_MEMLOCK in bytes (-1 = unlimited)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return -1 if soft == resource.RLIM_INFINITY else soft
-
-
-def slice_plan(length: int, slice_size: int) -> list[tuple[int, int]]:
-    """(offset, length) slices of a request; a tail shorter than half a slice joins the previous one."""
-    if length <= slice_size:
-        return [(0, length)]
-    n, tail = divmod(length, slice_size)
-    out = [(i * slice_size, slice_size) for i in range(n)]
-    if tail:
-        if tail < slice_size // 2:
-            off, ln = out[-1]
-            out[-1] = (off, ln + tail)
-        else:
-            out.append((n * slice_size, tail))
-    return out
-
-
-class Nic:
-    """One opened device port: context, PD, CQ and its address (GID/LID/MTU)."""
-
-    def __init__(
-        self,
-        index: int,
-        name: str,
-        ctx: Any,
-        pd: Any,
-        cq: Any,
-        port: int,
-        gid_index: int,
-        gid: str,
-        lid: int,
-        mtu: int,
-        ethernet: bool,
-    ) -> None:
-        self.index = index
-        self.name = name
-        self.ctx = ctx
-        self.pd = pd
-        self.cq = cq
-        self.port = port
-        self.gid_index = gid_index
-        self.gid = gid
-        self.lid = lid
-        self.mtu = mtu
-        self.ethernet = ethernet
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "gid": self.gid,
-            "lid": self.lid,
-            "port": self.port,
-            "mtu": self.mtu,
-            "gid_index": self.gid_index,
-            "ethernet": self.ethernet,
-        }
-
-
-class _Req:
-    __slots__ = (
-        "batch_id",
-        "slot",
-        "remaining",
-        "done_bytes",
-        "state",
-        "error",
-        "peer",
-        "lpref",
-        "rpref",
-        "pairs",
-        "attempts",
-    )
-
-    def __init__(self, batch_id: int, slot: int, peer: _Peer) -> None:
-        self.batch_id = batch_id
-        self.slot = slot
-        self.peer = peer
-        self.remaining = 0
-        self.done_bytes = 0
-        self.state = TransferState.PENDING
-        self.error: str | None = None
-        self.pairs: list[tuple[int, int]] = []
-        self.attempts = 0
-
-
-class _Slice:
-    __slots__ = ("req", "op", "laddr", "raddr", "length", "lkeys", "rkeys", "lnic", "rnic", "attempts")
-
-    def __init__(
-        self,
-        req: _Req,
-        op: int,
-        laddr: int,
-        raddr: int,
-        length: int,
-        lkeys: list[int],
-        rkeys: list[int],
-        lnic: int,
-        rnic: int,
-    ) -> None:
-        self.req = req
-        self.op = op
-        self.laddr = laddr
-        self.raddr = raddr
-        self.length = length
-        self.lkeys = lkeys
-        self.rkeys = rkeys
-        self.lnic = lnic
-        self.rnic = rnic
-        self.attempts = 0
-
-
-class _Endpoint:
-    __slots__ = ("key", "nic", "peer", "rnic", "qp", "remote_qpn", "inflight", "outstanding", "pending")
-
-    def __init__(self, key: tuple, nic: Nic, peer: _Peer, rnic: int, qp: Any, remote_qpn: int) -> None:
-        self.key = key
-        self.nic = nic
-        self.peer = peer
-        self.rnic = rnic
-        self.qp = qp
-        self.remote_qpn = remote_qpn
-        self.inflight: dict[int, list[_Slice]] = {}
-        self.outstanding = 0
-        self.pending: collections.deque[_Slice] = collections.deque()
-
-
-class _Peer:
-    """What we know of a remote engine's RDMA side (from its segment descriptor)."""
-
-    def __init__(self, hid: int, name: str, info: dict[str, Any], buffers: list[Any]) -> None:
-        self.hid = hid
-        self.name = name
-        self.paused: dict[int, float] = {}
-        self.rpc: Any = None
-        self.update(info, buffers)
-
-    def update(self, info: dict[str, Any], buffers: list[Any]) -> None:
-        self.instance = info.get("instance")
-        self.rpc_addr: str = info["rpc"]
-        self.nics: list[dict[str, Any]] = info["nics"]
-        self.nic_names = [n["name"] for n in self.nics]
-        self.topology: dict[str, list[list[str]]] = info.get("topology") or {}
-        loc = {b.addr: b.location for b in buffers}
-        regs = sorted((int(a), int(a) + int(n), list(k), loc.get(int(a), "cpu:0")) for a, n, k in info["mrs"])
-        self.starts = [r[0] for r in regs]
-        self.regs = regs
-
-    def region(self, addr: int, length: int) -> tuple[int, int, list[int], str] | None:
-        i = bisect.bisect_right(self.starts, addr) - 1
-        if i >= 0:
-            r = self.regs[i]
-            if addr + length <= r[1]:
-                return r
+def start_rdma(cfg: Any, instance: int, batches: Any, verbs: Any = None) -> RdmaTransport | None:
+    """The RDMA transport of an engine with ``cfg.protocol`` "rdma" or "auto"; under "auto" None
+    when it cannot run here (no device: logged once per process, and not probed again)."""
+    global _AUTO_RDMA_SKIP
+    auto = cfg.protocol == "auto"
+    if auto and verbs is None:
+        if _AUTO_RDMA_SKIP is not None:
+            return None
+        if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
+            _AUTO_RDMA_SKIP = "no RDMA device in /sys/class/infiniband"
+            log_engine.info(
+                "protocol=auto: not using RDMA (%s); TCP and same-host paths only", _AUTO_RDMA_SKIP
+            )
+            return None
+    try:
+        return RdmaTransport(cfg, cfg.hostname, instance, batches, verbs=verbs)
+    except ProtocolUnavailable as exc:
+        if not auto:
+            raise
+        if verbs is None:
+            _AUTO_RDMA_SKIP = str(exc)
+        log_engine.info("protocol=auto: not using RDMA (%s); TCP and same-host paths only", exc)
         return None
 
 
@@ -254,7 +111,7 @@ class RdmaTransport(Transport):
         self.slice_size = cfg.rdma_slice_size
         self.chain_max = min(cfg.rdma_chain, _CHAIN_SHIFT)
         self.sq_depth = cfg.rdma_sq_depth
-        self.nics = self._open_nics(cfg)
+        self.nics = open_nics(self.V, cfg)
         self.nic_names = [n.name for n in self.nics]
         self.topology = self._topology(cfg)
         lim = memlock_limit()
@@ -262,19 +119,16 @@ class RdmaTransport(Transport):
         if self.V.kind == "pyverbs" and lim != -1 and lim < (64 << 20) and not _WARNED_MEMLOCK:
             _WARNED_MEMLOCK = True
             log.warning("RLIMIT_MEMLOCK is %d bytes: large registrations will fail; %s", lim, MEMLOCK_HINT)
-        # registrations: sorted (start, end, lkeys, rkeys, location, remote, mrs)
-        self._reg_starts: list[int] = []
-        # (start, end, lkeys per NIC, rkeys per NIC, location, remote_accessible, MRs, writable)
-        self._regs: list[tuple[int, int, list[int], list[int], str, bool, list[Any], bool]] = []
-        self._peers: dict[int, _Peer] = {}
+        self.regions = MemoryRegions(self.V, self.nics)
+        self._peers: dict[int, Peer] = {}
         self._lock = threading.Lock()
-        self._pool: SievePool[tuple, _Endpoint] = SievePool(
+        self._pool: SievePool[tuple, Endpoint] = SievePool(
             cfg.rdma_max_endpoints, self._on_evict, busy=lambda ep: ep.outstanding > 0 or bool(ep.pending)
         )
-        self._chains: dict[int, _Endpoint] = {}
+        self._chains: dict[int, Endpoint] = {}
         self._chain_ids = itertools.count(1)
-        self._incoming: collections.deque[_Slice] = collections.deque()
-        self._retry: collections.deque[_Slice] = collections.deque()
+        self._incoming: collections.deque[Slice] = collections.deque()
+        self._retry: collections.deque[Slice] = collections.deque()
         self._passive: dict[tuple[int, int], Any] = {}
         self._paused: dict[int, float] = {}
         self._rr = 0
@@ -283,7 +137,7 @@ class RdmaTransport(Transport):
         self._wake = threading.Event()
         self._closed = False
         self._calls: collections.deque[Any] = collections.deque()
-        self._active: list[_Endpoint] = []
+        self._active: list[Endpoint] = []
         from kvpool._rpc import RpcServer
 
         self._rpc = RpcServer(hostname, 0, self._handle_rpc, lambda: None, tick_s=0.5, secret=cfg.secret)
@@ -297,87 +151,6 @@ class RdmaTransport(Transport):
         self._thread.start()
 
     # ------------------------------------------------------------------ devices
-    def _open_nics(self, cfg: Any) -> list[Nic]:
-        V, E = self.V, self.E
-        try:
-            devs = V.device.get_device_list()
-        except Exception as exc:  # noqa: BLE001 - pyverbs raises PyverbsRDMAError when none
-            raise ProtocolUnavailable(
-                f"no RDMA device: listing devices failed ({exc}); check that an RDMA NIC and its "
-                "provider (rdma-core, ibverbs-providers) are installed: `ibv_devices` should list it"
-            ) from None
-        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
-        if not names:
-            raise ProtocolUnavailable("no RDMA device found (`ibv_devices` lists none)")
-        if cfg.devices:
-            missing = [d for d in cfg.devices if d not in names]
-            if missing:
-                log.warning("RDMA devices %s in the allow-list do not exist (have %s)", missing, names)
-            names = [n for n in names if n in cfg.devices]
-            if not names:
-                raise ProtocolUnavailable(f"none of the allowed RDMA devices {cfg.devices} exists")
-        nics: list[Nic] = []
-        why: list[str] = []
-        for name in names:
-            try:
-                ctx = V.device.Context(name=name)
-                port = 1
-                pattr = ctx.query_port(port)
-                if pattr.state != E.IBV_PORT_ACTIVE:
-                    why.append(f"{name}: port {port} is not active")
-                    ctx.close()
-                    continue
-                ethernet = pattr.link_layer == E.IBV_LINK_LAYER_ETHERNET
-                gid_index = self._gid_index(ctx, port, pattr, ethernet, cfg.rdma_gid_index)
-                gid = str(ctx.query_gid(port, gid_index))
-                mtu = pattr.active_mtu
-                if cfg.rdma_mtu is not None:
-                    mtu = _MTU_ENUM[cfg.rdma_mtu]
-                pd = V.pd.PD(ctx)
-                cq = V.cq.CQ(ctx, max(1024, self.sq_depth * 16), None, None, 0)
-                nics.append(Nic(len(nics), name, ctx, pd, cq, port, gid_index, gid, pattr.lid, mtu, ethernet))
-            except ProtocolUnavailable as exc:
-                why.append(f"{name}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - pyverbs errors
-                why.append(f"{name}: {exc}")
-        if not nics:
-            raise ProtocolUnavailable("no usable RDMA device: " + "; ".join(why))
-        for w in why:
-            log.warning("RDMA device skipped: %s", w)
-        return nics
-
-    def _gid_index(self, ctx: Any, port: int, pattr: Any, ethernet: bool, override: int | None) -> int:
-        """RoCE: the RoCE v2 entry with an IPv4-mapped address, else the first RoCE v2, else 0."""
-        if override is not None:
-            try:
-                ctx.query_gid(port, override)
-            except Exception as exc:  # noqa: BLE001
-                raise ProtocolUnavailable(
-                    f"rdma_gid_index={override} is not valid on this port ({exc})"
-                ) from None
-            return override
-        if not ethernet:
-            return 0
-        first_v2 = None
-        for i in range(getattr(pattr, "gid_tbl_len", 16)):
-            try:
-                gid = str(ctx.query_gid(port, i))
-                gtype = ctx.query_gid_type(port, i)
-            except Exception:  # noqa: BLE001 - holes in the table
-                continue
-            if gid.replace("0", "").replace(":", "") == "":
-                continue
-            if gtype == self.E.IBV_GID_TYPE_ROCE_V2:
-                if gid.startswith(_V4_PREFIX):
-                    return i
-                if first_v2 is None:
-                    first_v2 = i
-        if first_v2 is not None:
-            return first_v2
-        raise ProtocolUnavailable(
-            "no RoCE v2 GID on this port: configure an IP address on the NIC's netdev, or set rdma_gid_index"
-        )
-
     def _topology(self, cfg: Any) -> dict[str, list[list[str]]]:
         matrix = load_matrix(cfg.rdma_topology, allowed=self.nic_names)
         if not set(matrix_nics(matrix)) & set(self.nic_names):
@@ -399,124 +172,29 @@ class RdmaTransport(Transport):
         self.remove_peer(handle)
 
     def descriptor_info(self) -> dict[str, Any]:
-        with self._lock:
-            mrs = [[r[0], r[1] - r[0], r[3]] for r in self._regs if r[5]]
         return {
             "rpc": self.rpc_addr,
             "instance": self.instance,
             "nics": [n.info() for n in self.nics],
-            "mrs": mrs,
+            "mrs": self.regions.published(),
             "topology": self.topology,
         }
 
-    # ------------------------------------------------------------------ memory
     def register(
-        self,
-        addr: int,
-        length: int,
-        location: str,
-        remote: bool,
-        writable: bool = True,
-        dmabuf: Any = None,
+        self, addr: int, length: int, location: str, remote: bool, writable: bool = True, dmabuf: Any = None
     ) -> None:
-        """Register [addr, addr+length) on every NIC.
-
-        GPU memory (``location`` ``cuda:N``) is registered as is: a plain MR on the device pointer
-        works when GPUDirect peer memory (nvidia-peermem) is loaded; otherwise, when ``dmabuf()``
-        gives ``(fd, offset)`` of a DMA-BUF covering the range (``cuMemGetHandleForAddressRange``)
-        and the verbs layer has a ``DmaBufMR`` that takes ``iova`` (the MR must be addressed by the
-        virtual address, as the data path does), that is used. Failure: RegistrationError with
-        :data:`GPU_REG_HINT`.
-        """
-        E = self.E
-        access = E.IBV_ACCESS_LOCAL_WRITE if writable else 0
-        if remote:
-            access |= E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
-        mrs = []
-        gpu = location.startswith("cuda")
-        dma: list[Any] = []  # [(fd, offset)] once exported, or [None]
-        try:
-            for nic in self.nics:
-                if gpu:
-                    mrs.append(self._gpu_mr(nic, addr, length, access, dmabuf, dma))
-                else:
-                    mrs.append(self.V.mr.MR(nic.pd, length, access, address=addr))
-        except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError
-            for m in mrs:
-                m.close()
-            code = getattr(exc, "error_code", None)
-            if gpu:
-                raise RegistrationError(
-                    f"RDMA registration of {length} bytes of {location} failed ({exc}); {GPU_REG_HINT}"
-                ) from None
-            if code in (errno.ENOMEM, errno.EPERM, errno.EAGAIN) or "Cannot allocate memory" in str(exc):
-                raise RegistrationError(
-                    f"RDMA registration of {length} bytes failed ({exc}); {MEMLOCK_HINT}"
-                ) from None
-            raise RegistrationError(f"RDMA registration of {length} bytes failed: {exc}") from None
-        finally:
-            if dma and dma[0] is not None:
-                os.close(dma[0][0])  # the MRs hold the dma-buf; our fd is not needed any more
-        entry = (
-            addr,
-            addr + length,
-            [m.lkey for m in mrs],
-            [m.rkey for m in mrs],
-            location,
-            remote,
-            mrs,
-            writable,
-        )
-        with self._lock:
-            i = bisect.bisect_left(self._reg_starts, addr)
-            self._reg_starts.insert(i, addr)
-            self._regs.insert(i, entry)
-
-    def _gpu_mr(self, nic: Nic, addr: int, length: int, access: int, dmabuf: Any, dma: list[Any]) -> Any:
-        """MR on GPU memory: peer memory first (plain MR), then DMA-BUF (see :meth:`register`)."""
-        try:
-            return self.V.mr.MR(nic.pd, length, access, address=addr)
-        except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError
-            first = exc
-        cls = getattr(self.V.mr, "DmaBufMR", None)
-        if cls is None or dmabuf is None:
-            raise first
-        if not dma:
-            dma.append(dmabuf())
-        if dma[0] is None:
-            raise RegistrationError(f"{first}; no DMA-BUF export for this range either") from None
-        fd, offset = dma[0]
-        try:
-            return cls(nic.pd, length, access, dmabuf=fd, offset=offset, iova=addr)
-        except TypeError:  # pyverbs' DmaBufMR registers with iova = offset: not addressable by VA
-            raise RegistrationError(
-                f"{first}; DMA-BUF export worked but this verbs layer's DmaBufMR cannot set the iova"
-            ) from None
+        """Memory regions on every NIC; GPU memory directly (see :meth:`MemoryRegions.register`)."""
+        self.regions.register(addr, length, location, remote, writable, dmabuf)
 
     def unregister(self, addr: int) -> None:
-        with self._lock:
-            i = bisect.bisect_left(self._reg_starts, addr)
-            if i >= len(self._reg_starts) or self._reg_starts[i] != addr:
-                return
-            self._reg_starts.pop(i)
-            entry = self._regs.pop(i)
-        for m in entry[6]:
-            m.close()
-
-    def _local(self, addr: int, length: int) -> tuple:
-        i = bisect.bisect_right(self._reg_starts, addr) - 1
-        if i >= 0:
-            r = self._regs[i]
-            if addr + length <= r[1]:
-                return r
-        raise AddressNotRegistered(f"local range {addr:#x}+{length} is not inside registered memory")
+        self.regions.unregister(addr)
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, hid: int, name: str, info: dict[str, Any], buffers: list[Any]) -> None:
         with self._lock:
             peer = self._peers.get(hid)
             if peer is None:
-                self._peers[hid] = _Peer(hid, name, info, buffers)
+                self._peers[hid] = Peer(hid, name, info, buffers)
                 return
             restarted = peer.instance != info.get("instance")
             peer.update(info, buffers)
@@ -554,7 +232,7 @@ class RdmaTransport(Transport):
             peer = self._peers.get(hid)
             if peer is None:
                 raise SegmentNotFound(f"request {i}: segment {hid} is not open over RDMA")
-            lreg = self._local(laddr, length)
+            lreg = self.regions.local(laddr, length)
             rreg = peer.region(raddr, length)
             if rreg is None:
                 raise RemoteAccessError(
@@ -565,9 +243,9 @@ class RdmaTransport(Transport):
                 raise InvalidArgument(f"request {i}: READ into read-only memory at {laddr:#x}")
             planned.append((op, laddr, peer, raddr, length, lreg, rreg))
         base = self.batches.reserve(batch_id, lens) if planned else 0  # InvalidArgument when full
-        slices: list[_Slice] = []
+        slices: list[Slice] = []
         for k, (op, laddr, peer, raddr, length, lreg, rreg) in enumerate(planned):
-            req = _Req(batch_id, base + k, peer)
+            req = Req(batch_id, base + k, peer)
             wop = E.IBV_WR_RDMA_READ if op == READ else E.IBV_WR_RDMA_WRITE
             lpref, lsec = self._local_nics(lreg[4], now)
             rpref, rsec = self._remote_nics(peer, rreg[3], now)
@@ -581,7 +259,7 @@ class RdmaTransport(Transport):
             for k, (off, ln) in enumerate(plan):
                 j = start + k
                 slices.append(
-                    _Slice(req, wop, laddr + off, raddr + off, ln, lk, rk, lpref[j % nl], rpref[j % nr])
+                    Slice(req, wop, laddr + off, raddr + off, ln, lk, rk, lpref[j % nl], rpref[j % nr])
                 )
         with self._lock:
             self._incoming.extend(slices)
@@ -606,7 +284,7 @@ class RdmaTransport(Transport):
         pref, sec = nics_for(self.topology, location, self.nic_names)
         return self._healthy_split(self.nic_names, pref, sec, self._paused, now)
 
-    def _remote_nics(self, peer: _Peer, location: str, now: float) -> tuple[list[int], list[int]]:
+    def _remote_nics(self, peer: Peer, location: str, now: float) -> tuple[list[int], list[int]]:
         pref, sec = nics_for(peer.topology, location, peer.nic_names)
         return self._healthy_split(peer.nic_names, pref, sec, peer.paused, now)
 
@@ -659,7 +337,7 @@ class RdmaTransport(Transport):
                     self._active.append(ep)
                 ep.pending.append(s)
 
-    def _post(self, ep: _Endpoint) -> None:
+    def _post(self, ep: Endpoint) -> None:
         SendWR, SGE = self.V.wr.SendWR, self.V.wr.SGE
         signaled = self.E.IBV_SEND_SIGNALED
         pending = ep.pending
@@ -741,17 +419,17 @@ class RdmaTransport(Transport):
         return names.get(status, f"work completion status {status}")
 
     # ------------------------------------------------------------------ slices and requests
-    def _slice_ok(self, s: _Slice) -> None:
+    def _slice_ok(self, s: Slice) -> None:
         req = s.req
         req.done_bytes += s.length
         req.remaining -= 1
         if req.remaining == 0 and req.state == TransferState.PENDING:
             self._finish(req, TransferState.COMPLETED, None)
 
-    def _slice_dropped(self, s: _Slice) -> None:
+    def _slice_dropped(self, s: Slice) -> None:
         s.req.remaining -= 1
 
-    def _fail_slice(self, s: _Slice, reason: str) -> None:
+    def _fail_slice(self, s: Slice, reason: str) -> None:
         """Retry ``s`` on the next path, or fail its request after ``rdma_retry_limit`` attempts."""
         req = s.req
         if req.state != TransferState.PENDING:
@@ -774,17 +452,17 @@ class RdmaTransport(Transport):
         s.lnic, s.rnic = nxt
         self._retry.append(s)
 
-    def _fail_req(self, req: _Req, reason: str) -> None:
+    def _fail_req(self, req: Req, reason: str) -> None:
         if req.state == TransferState.PENDING:
             self._finish(req, TransferState.FAILED, reason)
 
-    def _finish(self, req: _Req, state: TransferState, reason: str | None) -> None:
+    def _finish(self, req: Req, state: TransferState, reason: str | None) -> None:
         req.error = reason
         req.state = state
         self.batches.finish(req.batch_id, req.slot, req.done_bytes, reason, state)
 
     # ------------------------------------------------------------------ endpoints
-    def _endpoint(self, lnic: int, peer: _Peer, rnic: int) -> _Endpoint | str:
+    def _endpoint(self, lnic: int, peer: Peer, rnic: int) -> Endpoint | str:
         key = (lnic, peer.hid, rnic)
         ep = self._pool.get(key)
         if ep is not None:
@@ -798,71 +476,15 @@ class RdmaTransport(Transport):
         self.stats["connects"] += 1
         return ep
 
-    def _make_qp(self, nic: Nic) -> Any:
-        V, E = self.V, self.E
-        cap = V.qp.QPCap(max_send_wr=self.sq_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = V.qp.QPInitAttr(qp_type=E.IBV_QPT_RC, scq=nic.cq, rcq=nic.cq, cap=cap, sq_sig_all=0)
-        qp = V.qp.QP(nic.pd, init)
-        attr = V.qp.QPAttr(qp_state=E.IBV_QPS_INIT)
-        attr.port_num = nic.port
-        attr.pkey_index = 0
-        attr.qp_access_flags = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_READ
-        try:
-            qp.to_init(attr)
-        except Exception as exc:  # noqa: BLE001
-            qp.close()
-            raise RdmaConnectError(f"QP on {nic.name}: RESET->INIT failed ({exc})") from None
-        return qp
-
-    def _qp_connect(self, nic: Nic, qp: Any, remote: dict[str, Any], psn: int) -> None:
-        """INIT -> RTR -> RTS towards ``remote`` = {qpn, psn, gid, lid, mtu}."""
-        V, E = self.V, self.E
-        mtu = min(nic.mtu, int(remote["mtu"]))
-        attr = V.qp.QPAttr(qp_state=E.IBV_QPS_RTR)
-        attr.path_mtu = mtu
-        attr.dest_qp_num = int(remote["qpn"])
-        attr.rq_psn = int(remote["psn"])
-        attr.max_dest_rd_atomic = 16
-        attr.min_rnr_timer = 12
-        gr = V.addr.GlobalRoute(dgid=V.addr.GID(remote["gid"]), sgid_index=nic.gid_index, hop_limit=64)
-        attr.ah_attr = V.addr.AHAttr(
-            dlid=int(remote["lid"]),
-            is_global=1 if nic.ethernet or remote.get("ethernet") else 0,
-            port_num=nic.port,
-            gr=gr,
-        )
-        try:
-            qp.to_rtr(attr)
-        except Exception as exc:  # noqa: BLE001
-            mtus = (
-                f"path MTU {_MTU_BYTES.get(mtu, mtu)} (local {_MTU_BYTES.get(nic.mtu, nic.mtu)}, remote "
-                f"{_MTU_BYTES.get(int(remote['mtu']), remote['mtu'])})"
-            )
-            raise RdmaConnectError(
-                f"QP on {nic.name}: INIT->RTR failed ({exc}); check the GID index (using {nic.gid_index}, "
-                f"override with rdma_gid_index; `show_gids` lists RoCE v2 entries), the {mtus} - it must not "
-                "exceed either port's active MTU (set rdma_mtu) - and that both NICs share a network"
-            ) from None
-        attr = V.qp.QPAttr(qp_state=E.IBV_QPS_RTS)
-        attr.timeout = 14
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.sq_psn = psn
-        attr.max_rd_atomic = 16
-        try:
-            qp.to_rts(attr)
-        except Exception as exc:  # noqa: BLE001
-            raise RdmaConnectError(f"QP on {nic.name}: RTR->RTS failed ({exc})") from None
-
-    def _rpc_client(self, peer: _Peer) -> Any:
+    def _rpc_client(self, peer: Peer) -> Any:
         if peer.rpc is None or peer.rpc.address != peer.rpc_addr:
             from kvpool._rpc import RpcClient
 
             peer.rpc = RpcClient(peer.rpc_addr, self.cfg.connect_timeout_s, self.cfg.secret)
         return peer.rpc
 
-    def _connect(self, nic: Nic, peer: _Peer, rnic: int) -> _Endpoint:
-        qp = self._make_qp(nic)
+    def _connect(self, nic: Nic, peer: Peer, rnic: int) -> Endpoint:
+        qp = make_qp(self.V, nic, self.sq_depth)
         psn = random.getrandbits(24)
         try:
             reply = self._rpc_client(peer).call(
@@ -878,18 +500,18 @@ class RdmaTransport(Transport):
             )
             if reply.get("instance") != peer.instance:
                 raise RdmaConnectError(f"{peer.name} restarted (instance changed): reopen the segment")
-            self._qp_connect(nic, qp, reply, psn)
+            qp_connect(self.V, nic, qp, reply, psn)
         except Exception:
             qp.close()
             raise
-        return _Endpoint((nic.index, peer.hid, rnic), nic, peer, rnic, qp, int(reply["qpn"]))
+        return Endpoint((nic.index, peer.hid, rnic), nic, peer, rnic, qp, int(reply["qpn"]))
 
-    def _pause(self, lnic: int, peer: _Peer, rnic: int) -> None:
+    def _pause(self, lnic: int, peer: Peer, rnic: int) -> None:
         until = time.monotonic() + self.cfg.rdma_nic_pause_s
         self._paused[lnic] = until
         peer.paused[rnic] = until
 
-    def _break(self, ep: _Endpoint, reason: str, penalize: bool = True) -> None:
+    def _break(self, ep: Endpoint, reason: str, penalize: bool = True) -> None:
         """Drop a failed endpoint on both sides; its unfinished slices go to other paths."""
         self.stats["broken_endpoints"] += 1
         if penalize:
@@ -907,7 +529,7 @@ class RdmaTransport(Transport):
         if ep in self._active:
             self._active.remove(ep)
 
-    def _close_ep(self, ep: _Endpoint) -> None:
+    def _close_ep(self, ep: Endpoint) -> None:
         try:
             ep.qp.close()
         except Exception:  # noqa: BLE001
@@ -919,11 +541,11 @@ class RdmaTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - the peer may be gone
             log.debug("disconnect of %s failed: %s", ep.key, exc)
 
-    def _on_evict(self, key: tuple, ep: _Endpoint) -> None:
+    def _on_evict(self, key: tuple, ep: Endpoint) -> None:
         self.stats["evictions"] += 1
         self._close_ep(ep)
 
-    def _drop_peer_endpoints(self, peer: _Peer) -> None:
+    def _drop_peer_endpoints(self, peer: Peer) -> None:
         for key in self._pool.keys():
             if key[1] == peer.hid:
                 ep = self._pool.get(key)
@@ -954,10 +576,10 @@ class RdmaTransport(Transport):
         if name not in self.nic_names:
             raise RdmaConnectError(f"no NIC {name!r} here")
         nic = self.nics[self.nic_names.index(name)]
-        qp = self._make_qp(nic)
+        qp = make_qp(self.V, nic, self.sq_depth)
         psn = random.getrandbits(24)
         try:
-            self._qp_connect(nic, qp, req, psn)
+            qp_connect(self.V, nic, qp, req, psn)
         except Exception:
             qp.close()
             raise
@@ -991,9 +613,7 @@ class RdmaTransport(Transport):
                 qp.close()
             except Exception:  # noqa: BLE001
                 pass
-        for r in self._regs:
-            for m in r[6]:
-                m.close()
+        self.regions.close()
         for nic in self.nics:
             try:
                 nic.ctx.close()
