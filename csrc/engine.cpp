@@ -527,6 +527,35 @@ std::shared_ptr<Batch> Engine::get_batch(uint64_t id) {
 
 // ---------------------------------------------------------------- batches
 
+namespace {
+// Takes the next lens.size() free slots of b (under mu, which guards b.used) as PENDING; each
+// expects one completion per slice of slice_size bytes, or exactly one when slice_size is 0.
+uint32_t take_slots(Batch& b, std::mutex& mu, const std::vector<uint64_t>& lens, uint64_t slice_size) {
+  size_t n = lens.size();
+  uint32_t base;
+  {
+    std::lock_guard lk(mu);
+    if (b.used + n > b.capacity)
+      throw KvError(E_INVALID, "batch is full: " + std::to_string(n) + " request(s) do not fit: " +
+                                   std::to_string(b.capacity - b.used) + " of its " +
+                                   std::to_string(b.capacity) + " slots are free; allocate_batch_id(" +
+                                   std::to_string(b.used + n) + ") or more, or submit fewer");
+    base = b.used;
+    b.used += static_cast<uint32_t>(n);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    Slot& s = b.slots[base + i];
+    s.length = lens[i];
+    s.bytes = 0;
+    s.err = 0;
+    s.remaining = slice_size ? static_cast<uint32_t>((lens[i] + slice_size - 1) / slice_size) : 1;
+    s.state = S_PENDING;
+  }
+  b.pending_slots.fetch_add(static_cast<uint32_t>(n));
+  return base;
+}
+}  // namespace
+
 uint64_t Engine::alloc_batch(uint32_t n) {
   if (n == 0) throw KvError(E_INVALID, "batch_size must be at least 1");
   auto b = std::make_shared<Batch>(n);
@@ -584,27 +613,8 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
   std::vector<std::shared_ptr<Peer>> resolved;
   validate(ops, locals, peers, remotes, lens, &resolved);
   size_t n = ops.size();
-  uint32_t base;
-  {
-    std::lock_guard lk(batches_mu_);
-    if (b->used + n > b->capacity)
-      throw KvError(E_INVALID, "batch is full: " + std::to_string(n) + " request(s) do not fit: " +
-                                   std::to_string(b->capacity - b->used) + " of its " +
-                                   std::to_string(b->capacity) + " slots are free; allocate_batch_id(" +
-                                   std::to_string(b->used + n) + ") or more, or submit fewer");
-    base = b->used;
-    b->used += static_cast<uint32_t>(n);
-  }
   const uint64_t ss = opt_.slice_size;
-  for (size_t i = 0; i < n; ++i) {
-    Slot& s = b->slots[base + i];
-    s.length = lens[i];
-    s.bytes = 0;
-    s.err = 0;
-    s.remaining = static_cast<uint32_t>((lens[i] + ss - 1) / ss);
-    s.state = S_PENDING;
-  }
-  b->pending_slots.fetch_add(static_cast<uint32_t>(n));
+  uint32_t base = take_slots(*b, batches_mu_, lens, ss);
   for (size_t i = 0; i < n; ++i) {
     Peer* p = resolved[i].get();
     uint64_t inc = p->incarnation.load();
@@ -629,27 +639,7 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
 }
 
 uint32_t Engine::reserve_slots(uint64_t batch_id, const std::vector<uint64_t>& lens) {
-  auto b = get_batch(batch_id);
-  size_t n = lens.size();
-  uint32_t base;
-  {
-    std::lock_guard lk(batches_mu_);
-    if (b->used + n > b->capacity)
-      throw KvError(E_INVALID, "batch is full: " + std::to_string(b->used) + " of " +
-                                   std::to_string(b->capacity) + " slots used; allocate a bigger batch");
-    base = b->used;
-    b->used += static_cast<uint32_t>(n);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    Slot& s = b->slots[base + i];
-    s.length = lens[i];
-    s.bytes = 0;
-    s.err = 0;
-    s.remaining = 1;
-    s.state = S_PENDING;
-  }
-  b->pending_slots.fetch_add(static_cast<uint32_t>(n));
-  return base;
+  return take_slots(*get_batch(batch_id), batches_mu_, lens, 0);
 }
 
 void Engine::finish_slot(uint64_t batch_id, uint32_t idx, uint64_t nbytes, int32_t status) {

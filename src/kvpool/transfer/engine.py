@@ -36,7 +36,7 @@ from kvpool.transfer.metadata import MetadataBackend, open_metadata
 from kvpool.transfer.same_host import SameHostTransport
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.tcp import TcpTransport
-from kvpool.transfer.transport import READ, WRITE, Transport
+from kvpool.transfer.transport import READ, WRITE, Requests, Transport
 from kvpool.transfer.types import (
     BufferDescriptor,
     OpCode,
@@ -505,23 +505,15 @@ class TransferEngine:
                     raise ValueError(f"request {i}: length must be positive and addresses non-negative")
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
-        self._submit_lists(batch_id, ops, locs, peers, rems, lens)
+        self._submit(batch_id, Requests(ops, locs, peers, rems, lens))
 
-    def _submit_lists(
-        self,
-        batch_id: int,
-        ops: list[int],
-        locs: list[int],
-        peers: list[int],
-        rems: list[int],
-        lens: list[int],
-        stage_wait_s: float | None = None,
-    ) -> None:
-        """Dispatch validated request columns: each run of requests to the transport that reaches
-        its segment, through GPU staging when a local range is GPU memory the transport cannot
-        touch. A run is validated by its transport; with several runs, the engine checks every
-        request first so that nothing is sent unless all are valid."""
-        n = len(ops)
+    def _submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+        """Dispatch type-checked requests: each run of requests to the transport that reaches its
+        segment, through GPU staging when a local range is GPU memory the transport cannot touch.
+        A run is validated by its transport; with several runs, the engine checks every request
+        first so that nothing is sent unless all are valid."""
+        peers = reqs.peers
+        n = len(peers)
         if n == 0:
             self.batches.reserve(batch_id, [])  # nothing to queue; an unknown batch still raises
             return
@@ -540,21 +532,17 @@ class TransferEngine:
         if len(runs) > 1:
             with self._lock:
                 descs = {hid: self._segments[name][1] for hid, name in self._handles.items()}
-            check_requests(self._registry, descs, ops, locs, peers, rems, lens)
+            check_requests(self._registry, descs, reqs)
         for a, b, t in runs:
-            cols = (
-                (ops, locs, peers, rems, lens)
-                if b - a == n
-                else tuple(c[a:b] for c in (ops, locs, peers, rems, lens))
-            )
+            part = reqs if b - a == n else reqs.part(a, b)
             if (
                 self._registry.gpu_count
                 and "cuda" not in t.locations
-                and self._staging.needed(cols[1], cols[4])
+                and self._staging.needed(part.locs, part.lens)
             ):
-                self._staging.submit(t, batch_id, *cols, wait_s=stage_wait_s)
+                self._staging.submit(t, batch_id, part, wait_s=stage_wait_s)
             else:
-                t.submit(batch_id, *cols)
+                t.submit(batch_id, part)
 
     def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
         """Status of request ``index`` of a batch."""
@@ -652,7 +640,7 @@ class TransferEngine:
         bid = self.allocate_batch_id(n)
         try:
             # Columns straight to the transport: no per-request Python objects.
-            self._submit_lists(bid, [op] * n, locs, [hid] * n, rems, lens, stage_wait_s)
+            self._submit(bid, Requests([op] * n, locs, [hid] * n, rems, lens), stage_wait_s)
             st = self.wait_batch(bid)
             if st.state == TransferState.COMPLETED:  # the per-request scan only when something failed
                 return st.transferred_bytes

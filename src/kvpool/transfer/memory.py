@@ -20,6 +20,7 @@ from kvpool.errors import (
     RemoteAccessError,
     SegmentNotFound,
 )
+from kvpool.transfer.transport import Requests
 from kvpool.transfer.types import BufferDescriptor, SegmentDescriptor
 
 
@@ -153,19 +154,11 @@ class LocalRegistry:
         return iter(self._regs)
 
 
-def check_requests(
-    registry: LocalRegistry,
-    descs: dict[int, SegmentDescriptor],
-    ops: list[int],
-    locs: list[int],
-    peers: list[int],
-    rems: list[int],
-    lens: list[int],
-) -> None:
-    """Validate request columns against our registrations and the peers' descriptors (``descs`` by
+def check_requests(registry: LocalRegistry, descs: dict[int, SegmentDescriptor], reqs: Requests) -> None:
+    """Validate requests against our registrations and the peers' descriptors (``descs`` by
     segment handle), as every transport does for its own requests: used before a submit that
     spans several transports, so that nothing is sent unless every request is valid."""
-    for i, (op, a, p, r, n) in enumerate(zip(ops, locs, peers, rems, lens, strict=True)):
+    for i, (op, a, p, r, n) in enumerate(zip(*reqs, strict=True)):
         reg = registry.find(a, n)
         if reg is None:
             raise AddressNotRegistered(

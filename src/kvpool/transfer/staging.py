@@ -26,7 +26,7 @@ from kvpool.errors import InvalidArgument, KvpoolError, TransferError, TransferT
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.device import DeviceRuntime
 from kvpool.transfer.memory import LocalRegistry
-from kvpool.transfer.transport import READ, WRITE, Transport
+from kvpool.transfer.transport import READ, WRITE, Requests, Transport
 from kvpool.transfer.types import TransferState
 
 log = logging.getLogger("kvpool.transfer")
@@ -182,19 +182,10 @@ class GpuStaging:
         return any(gpu(a, n) is not None for a, n in zip(locs, lens, strict=True))
 
     # ------------------------------------------------------------------ submit (caller's thread)
-    def submit(
-        self,
-        inner: Transport,
-        batch_id: int,
-        ops: list[int],
-        locs: list[int],
-        peers: list[int],
-        rems: list[int],
-        lens: list[int],
-        wait_s: float | None = None,
-    ) -> None:
+    def submit(self, inner: Transport, batch_id: int, reqs: Requests, wait_s: float | None = None) -> None:
         """Submit through ``inner`` with GPU local ranges staged. Without room in the pool,
         ``wait_s`` None raises InvalidArgument, else waits that long (TransferTimeout)."""
+        ops, locs, _, _, lens = reqs
         n = len(ops)
         gpu = self._registry.gpu_region
         todo = [i for i in range(n) if gpu(locs[i], lens[i]) is not None]
@@ -232,7 +223,7 @@ class GpuStaging:
                 entries.append(_Entry(i, ops[i], locs[i], st, lens[i]))
             what = ""
             private = self._batches.alloc(n)
-            inner.submit(private, ops, local, peers, rems, lens)  # validates all, then queues
+            inner.submit(private, reqs._replace(locs=local))  # validates all, then queues
         except BaseException as exc:
             for st, k in zip(stages, sizes, strict=True):
                 pool.release(st, k)

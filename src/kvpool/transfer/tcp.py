@@ -10,7 +10,7 @@ this transport only routes: it is the fallback every engine can use.
 from __future__ import annotations
 
 from kvpool import _native
-from kvpool.transfer.transport import Transport
+from kvpool.transfer.transport import Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor, TransferState, TransferStatus
 
 _OK = TransferStatus(TransferState.COMPLETED, 0)
@@ -27,16 +27,8 @@ class TcpTransport(Transport):
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
         return local == remote == "cpu" and "tcp" in desc.protocols
 
-    def submit(
-        self,
-        batch_id: int,
-        ops: list[int],
-        locs: list[int],
-        peers: list[int],
-        rems: list[int],
-        lens: list[int],
-    ) -> None:
-        self.native.submit(batch_id, ops, locs, peers, rems, lens)  # validates all, then queues
+    def submit(self, batch_id: int, reqs: Requests) -> None:
+        self.native.submit(batch_id, *reqs)  # validates all, then queues
 
     def transfer_one(self, op: int, local: int, handle: int, remote: int, length: int) -> TransferStatus:
         err = self.native.transfer_sync(op, local, handle, remote, length)  # in this thread if a lane is idle

@@ -12,16 +12,13 @@ GPU memory is a *location*, not a transport: a transport lists the memory kinds 
 :attr:`Transport.locations`; for one that moves host memory only, the engine wraps it in
 :class:`~kvpool.transfer.staging.GpuStaging` (pinned staging on submit / completion).
 
-Requests reach a transport as columns of equal length (no per-request objects): ``ops``
-(:data:`READ`/:data:`WRITE`), ``locs`` (local addresses), ``peers`` (segment handle ids), ``rems``
-(remote addresses), ``lens`` (bytes). Every column was type-checked by the engine; addresses and
-lengths are not yet checked against registrations: that is the transport's job (all or nothing).
+Requests reach a transport as :class:`Requests`: columns of equal length, no per-request objects.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kvpool import _native
 from kvpool.transfer.types import SegmentDescriptor, TransferStatus
@@ -30,6 +27,25 @@ READ: int = _native.OP_READ
 """Opcode of a READ in request columns (remote -> local)."""
 WRITE: int = _native.OP_WRITE
 """Opcode of a WRITE in request columns (local -> remote)."""
+
+
+class Requests(NamedTuple):
+    """Request columns of equal length: ``ops`` (:data:`READ`/:data:`WRITE`), ``locs`` (local
+    addresses), ``peers`` (segment handle ids), ``rems`` (remote addresses), ``lens`` (bytes).
+
+    The engine type-checked every column (ints, positive lengths); addresses and lengths are not yet
+    checked against registrations: that is the transport's job, all or nothing.
+    """
+
+    ops: list[int]
+    locs: list[int]
+    peers: list[int]
+    rems: list[int]
+    lens: list[int]
+
+    def part(self, a: int, b: int) -> Requests:
+        """Requests ``a`` to ``b - 1``."""
+        return Requests(*(c[a:b] for c in self))
 
 
 class Transport(ABC):
@@ -86,15 +102,7 @@ class Transport(ABC):
         """Segment ``handle`` is closed or routed elsewhere: drop its connections and state."""
 
     @abstractmethod
-    def submit(
-        self,
-        batch_id: int,
-        ops: list[int],
-        locs: list[int],
-        peers: list[int],
-        rems: list[int],
-        lens: list[int],
-    ) -> None:
+    def submit(self, batch_id: int, reqs: Requests) -> None:
         """Queue requests into the next free slots of batch ``batch_id``, in order, and complete
         each slot when its bytes have moved (or failed) — from the transport's own threads, never
         by waiting in the caller.

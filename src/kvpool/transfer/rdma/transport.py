@@ -50,7 +50,7 @@ from kvpool.transfer.rdma.nics import (
 from kvpool.transfer.rdma.state import Endpoint, Peer, Req, Slice, slice_plan
 from kvpool.transfer.rdma.topology import load_matrix, matrix_nics, nics_for
 from kvpool.transfer.rdma.verbs import Verbs, as_verbs, load_verbs
-from kvpool.transfer.transport import READ, Transport
+from kvpool.transfer.transport import READ, Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor, TransferState
 
 log = logging.getLogger("kvpool.transfer.rdma")
@@ -215,20 +215,12 @@ class RdmaTransport(Transport):
         self._wake.set()
 
     # ------------------------------------------------------------------ submit
-    def submit(
-        self,
-        batch_id: int,
-        ops: list[int],
-        locs: list[int],
-        peers: list[int],
-        rems: list[int],
-        lens: list[int],
-    ) -> None:
+    def submit(self, batch_id: int, reqs: Requests) -> None:
         """Validate every request, take its batch slot, queue its slices for the progress thread."""
         E = self.E
         now = time.monotonic()
         planned = []
-        for i, (op, laddr, hid, raddr, length) in enumerate(zip(ops, locs, peers, rems, lens, strict=True)):
+        for i, (op, laddr, hid, raddr, length) in enumerate(zip(*reqs, strict=True)):
             peer = self._peers.get(hid)
             if peer is None:
                 raise SegmentNotFound(f"request {i}: segment {hid} is not open over RDMA")
@@ -242,7 +234,7 @@ class RdmaTransport(Transport):
             if op == READ and not lreg[7]:
                 raise InvalidArgument(f"request {i}: READ into read-only memory at {laddr:#x}")
             planned.append((op, laddr, peer, raddr, length, lreg, rreg))
-        base = self.batches.reserve(batch_id, lens) if planned else 0  # InvalidArgument when full
+        base = self.batches.reserve(batch_id, reqs.lens) if planned else 0  # InvalidArgument when full
         slices: list[Slice] = []
         for k, (op, laddr, peer, raddr, length, lreg, rreg) in enumerate(planned):
             req = Req(batch_id, base + k, peer)
