@@ -52,7 +52,14 @@ __all__ = ["TransferEngine", "buffer_range", "split_host_port"]
 
 log = logging.getLogger("kvpool.transfer")
 
-_NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}
+_NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}  # IntEnum keys: plain 0/1 find them too
+
+
+def _native_op(opcode: Any) -> int:
+    try:
+        return _NATIVE_OP[opcode]  # a dict lookup: OpCode(opcode) would cost ~0.5 us per call
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"opcode must be OpCode.READ or OpCode.WRITE, not {opcode!r}") from None
 
 
 def split_host_port(name: str) -> tuple[str, int]:
@@ -496,7 +503,7 @@ class TransferEngine:
         lens = [0] * n
         try:
             for i, r in enumerate(requests):
-                ops[i] = _NATIVE_OP[OpCode(r.opcode)]
+                ops[i] = _native_op(r.opcode)
                 locs[i] = r.source
                 peers[i] = int(r.target_id)
                 rems[i] = r.target_offset
@@ -581,11 +588,13 @@ class TransferEngine:
         """Move one range and wait; returns the byte count or raises a typed error."""
         if not isinstance(length, int) or length <= 0:
             raise InvalidArgument("length must be a positive integer")
+        op = _native_op(opcode)
         handle = self.open_segment(target_name)
-        t = self._route(handle.id)
+        hid = handle.id
+        t = self._routes.get(hid) or self._route(hid)
         st = None
         if not (self._registry.gpu_count and self._registry.gpu_region(local_addr, length) is not None):
-            st = t.transfer_one(_NATIVE_OP[OpCode(opcode)], local_addr, handle.id, remote_addr, length)
+            st = t.transfer_one(op, local_addr, hid, remote_addr, length)
         if st is None:
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         if not st.ok:
@@ -607,6 +616,7 @@ class TransferEngine:
             raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
         if n == 0:
             return 0
+        op = _native_op(opcode)
         handle = self.open_segment(target_name)
         try:
             locs, rems, lens = (
@@ -614,7 +624,6 @@ class TransferEngine:
                 list(map(int, remote_addrs)),
                 list(map(int, lengths)),
             )
-            op = _NATIVE_OP[OpCode(opcode)]
         except (ValueError, TypeError) as exc:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         if min(lens) <= 0 or min(locs) < 0 or min(rems) < 0:
