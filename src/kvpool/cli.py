@@ -28,7 +28,7 @@ def _check_rdma(protocols: tuple[str, ...] | list[str]) -> None:
     if "rdma" in protocols:
         from kvpool.transfer.rdma.verbs import load_verbs
 
-        load_verbs("pyverbs")
+        load_verbs()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
