@@ -16,9 +16,14 @@ from collections.abc import Callable
 from kvpool import OpCode, TransferEngine
 from kvpool.transfer.peer import PeerProcess
 
+OP_READ = OpCode.READ
 
-def _cases(eng: TransferEngine, seg: str, local: int, remote: int) -> list[tuple[str, int, Callable[[], object]]]:
-    n = 256
+
+Case = tuple[str, int, Callable[[], object]]
+
+
+def _cases(eng: TransferEngine, seg: str, local: int, remote: int) -> list[Case]:
+    n, big = 256, 16 << 20
     locs = [local + i * 4096 for i in range(n)]
     rems = [remote + i * 4096 for i in range(n)]
     return [
@@ -29,7 +34,7 @@ def _cases(eng: TransferEngine, seg: str, local: int, remote: int) -> list[tuple
             4096,
             lambda: eng.batch_transfer_sync(seg, locs, rems, [4096] * n, OpCode.READ),
         ),
-        ("transfer_sync 16M read", 16 << 20, lambda: eng.transfer_sync(seg, local, remote, 16 << 20, OpCode.READ)),
+        ("transfer_sync 16M read", 16 << 20, lambda: eng.transfer_sync(seg, local, remote, big, OP_READ)),
     ]
 
 
@@ -49,8 +54,8 @@ def main() -> None:
                         for _ in range(calls):
                             fn()
                         per_call.append((time.perf_counter() - t) / calls * 1e6)
-                    med = statistics.median(per_call)
-                    print(f"{proto:5} {name:34} min {min(per_call):9.1f} us  median {med:9.1f} us", flush=True)
+                    lo, med = min(per_call), statistics.median(per_call)
+                    print(f"{proto:5} {name:34} min {lo:9.1f} us  median {med:9.1f} us", flush=True)
 
 
 if __name__ == "__main__":
