@@ -110,7 +110,7 @@ def check_rdma(sysfs: Path) -> list[Check]:
     from kvpool.transfer.rdma.verbs import load_verbs
 
     try:
-        load_verbs("pyverbs")
+        load_verbs()
         has_pyverbs, why = True, ""
     except KvpoolError as exc:
         has_pyverbs, why = False, str(exc)
