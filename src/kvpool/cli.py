@@ -111,7 +111,7 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     _check_rdma([args.protocol])
     for bs in args.block_size:
         check_memory(2 * bs * args.batch_size * args.threads, "--block-size x --batch-size x --threads (x2: "
-                     "this process and the target)")  # fmt: skip
+                     "this process and the target)", locked=args.protocol == "rdma")  # fmt: skip
     opts = {}
     if args.secret:
         opts["secret"] = args.secret

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from kvpool._sizes import Bytes
 from kvpool.config import _ConfigBase
 from kvpool.errors import ConfigError, InvalidArgument
 
@@ -95,10 +96,10 @@ class VllmConnectorConfig(_ConfigBase):
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     abort_timeout_s: float = Field(default=120.0, gt=0)
     lanes: int | None = Field(default=None, ge=1, le=64)
-    inline_load_bytes: int = Field(default=16 << 20, ge=0)
+    inline_load_bytes: Bytes = Field(default=16 << 20, ge=0)
     master: str | None = None
-    store_segment_size: int = Field(default=0, ge=0)
-    store_buffer_size: int = Field(default=16 << 20, ge=1 << 16)
+    store_segment_size: Bytes = Field(default=0, ge=0)
+    store_buffer_size: Bytes = Field(default=16 << 20, ge=1 << 16)
     model_tag: str | None = None
     load_async: bool = True
     min_hit_blocks: int = Field(default=1, ge=1)
