@@ -127,6 +127,7 @@ def _cases() -> list[Case]:
         c("unknown-command", ["nosuch"], 2, "UsageError", "nosuch"),
         c("bench-no-kind", ["bench"], 2, "UsageError", "BENCH"),
         c("md-port-range", ["metadata-server", "--port", "-1"], 2, "UsageError", "--port"),
+        c("md-max-body-neg", ["metadata-server", "--max-body-bytes=-3"], 2, "UsageError", "--max-body-bytes"),
         c("md-port-busy", ["metadata-server", "--port", "{busy}"], 1, "OSError", "cannot bind"),
         c("proxy-no-decode", ["proxy", "--prefill", "http://127.0.0.1:1"], 2, "UsageError", "--decode"),
         c("proxy-timeout-0", ["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--timeout-s", "0"],

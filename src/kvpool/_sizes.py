@@ -10,14 +10,12 @@ from __future__ import annotations
 import os
 import re
 import resource
-from typing import Annotated, Any
-
-from pydantic import BeforeValidator
+from typing import Any
 
 from kvpool.errors import InvalidArgument
 
 __all__ = [
-    "Bytes",
+    "coerce_size",
     "human",
     "memlock_limit",
     "parse_size",
@@ -61,15 +59,12 @@ def human(n: float) -> str:
     return f"{n} B"
 
 
-def _coerce(value: Any) -> Any:
-    # Only text is converted here; ints (and the field's ge/le bounds) are left to pydantic.
+def coerce_size(value: Any) -> Any:
+    """Text such as ``"256M"`` to bytes; anything else unchanged (the config field's ``int`` type
+    and bounds check it). The validator behind :data:`kvpool.config.Bytes`."""
     if isinstance(value, str):
         return parse_size(value, "size", allow_zero=True)
     return value
-
-
-Bytes = Annotated[int, BeforeValidator(_coerce)]
-"""An ``int`` config field that also takes ``"256M"``-style text (keyword, JSON or KVPOOL_* variable)."""
 
 
 def size_arg(option: str, *, allow_zero: bool = False) -> Any:

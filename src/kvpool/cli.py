@@ -146,13 +146,6 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_metadata_server(args: argparse.Namespace) -> int:
-    """Serve segment descriptors over HTTP."""
-    from kvpool.transfer import metadata_server
-
-    return metadata_server.main(["--host", args.host, "--port", str(args.port)])
-
-
 def cmd_master(args: argparse.Namespace) -> int:
     """Run the store master until SIGTERM/SIGINT."""
     import signal
@@ -364,8 +357,9 @@ DOCTOR_EXAMPLES = """examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvpool`` argument parser."""
+def build_parser(master_options: bool = True) -> argparse.ArgumentParser:
+    """The ``kvpool`` argument parser (``master_options=False`` leaves out ``master``'s options,
+    which need the config models: other commands then refuse bad input without loading them)."""
     ap = CliParser(
         prog="kvpool",
         description="KV cache pooling: transfer engine, store, connectors.\n"
@@ -449,17 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     ma = sub.add_parser("master", help="run the store master", description="Run the store master "
                         "until SIGTERM/SIGINT; prints one JSON line with its address when ready.",
                         epilog=MASTER_EXAMPLES)  # fmt: skip
-    _add_master_options(ma)
+    if master_options:
+        _add_master_options(ma)
     ma.set_defaults(func=cmd_master)
 
     # Parsed by kvpool.store.server itself (see _main()); listed here for --help.
     sub.add_parser("store-server", help="contribute memory (and SSD) to the pool (see store-server --help)")
 
-    ms = sub.add_parser("metadata-server", help="HTTP metadata server for segment descriptors")
-    ms.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    ms.add_argument("--port", type=port_arg("--port"), default=8080, metavar="PORT",
-                    help="TCP port (default 8080; 0 = any)")  # fmt: skip
-    ms.set_defaults(func=cmd_metadata_server)
+    # Parsed by kvpool.transfer.metadata_server itself (see _main()); listed here for --help.
+    sub.add_parser("metadata-server", help="HTTP metadata server for segment descriptors (see its --help)")
 
     px = sub.add_parser("proxy", help="OpenAI-compatible prefill/decode disaggregation proxy for vLLM",
                         epilog=PROXY_EXAMPLES)  # fmt: skip
@@ -519,7 +511,11 @@ def _main(argv: list[str]) -> int:
         from kvpool.store import server
 
         return server.main(argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv[:1] == ["metadata-server"]:
+        from kvpool.transfer import metadata_server
+
+        return metadata_server.main(argv[1:])
+    args = build_parser(master_options=argv[:1] == ["master"]).parse_args(argv)
     return int(args.func(args) or 0)
 
 

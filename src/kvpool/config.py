@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from kvpool._sizes import Bytes
+from kvpool._sizes import coerce_size
 from kvpool.errors import ConfigError
 
 _C = TypeVar("_C", bound="_ConfigBase")
+
+Bytes = Annotated[int, BeforeValidator(coerce_size)]
+"""An ``int`` field in bytes that also takes ``"256M"``-style text (keyword, JSON or KVPOOL_* variable)."""
 
 
 def _one_line(exc: ValidationError) -> str:

@@ -24,7 +24,6 @@ client's delayed ACK between the header and body writes).
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import logging
 import os
@@ -483,7 +482,9 @@ class MetadataServer:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvpool metadata-server``: serve until interrupted, return the exit status."""
-    parser = argparse.ArgumentParser(
+    from kvpool.cli_errors import CliParser, port_arg
+
+    parser = CliParser(
         prog="kvpool metadata-server",
         description="In-memory HTTP metadata server (Mooncake protocol) for kvpool segment descriptors.",
     )
@@ -492,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1; use 0.0.0.0 to serve other hosts)",
     )
-    parser.add_argument("--port", type=int, default=8080, help="TCP port to bind (default 8080; 0 = any)")
+    parser.add_argument(
+        "--port", type=port_arg("--port"), default=8080, help="TCP port to bind (default 8080; 0 = any)"
+    )
     parser.add_argument(
         "--max-body-bytes",
         type=int,

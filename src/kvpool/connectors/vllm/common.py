@@ -10,8 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvpool._sizes import Bytes
-from kvpool.config import _ConfigBase
+from kvpool.config import Bytes, _ConfigBase
 from kvpool.errors import ConfigError, InvalidArgument
 
 log = logging.getLogger("kvpool.connectors.vllm")
