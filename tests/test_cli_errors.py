@@ -134,6 +134,8 @@ def _cases() -> list[Case]:
           2, "UsageError", "--timeout-s"),
         c("proxy-port-busy", ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1",
                               "--port", "{busy}", "--health-interval-s", "0"], 1, "OSError", "cannot bind"),
+        c("simulate-prefill-0", ["simulate", "--prefill", "0"], 2, "UsageError", "--prefill"),
+        c("simulate-trace-missing", ["simulate", "--trace", "/nonexistent.jsonl"], 2, "UsageError", "no such file"),
         c("topology-missing", ["topology", "--file", "/nonexistent.json"], 2, "ConfigError", "/nonexistent"),
     ]  # fmt: skip
     if not HAS_PYVERBS:

@@ -15,7 +15,8 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 SNIPPETS = re.findall(r"```python\n(.*?)```", README, re.S)
 ROWS = re.findall(r"^\| `(kvpool [^`]+)` \|", README, re.M)
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = {"demo", "bench", "master", "store-server", "metadata-server", "proxy", "doctor", "topology"}
+COMMANDS = {"demo", "bench", "master", "store-server", "metadata-server", "proxy", "doctor", "topology",
+            "simulate"}  # fmt: skip
 
 
 def _documented_commands() -> list[tuple[str, str]]:

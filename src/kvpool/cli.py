@@ -357,9 +357,14 @@ DOCTOR_EXAMPLES = """examples:
 """
 
 
-def build_parser(master_options: bool = True) -> argparse.ArgumentParser:
-    """The ``kvpool`` argument parser (``master_options=False`` leaves out ``master``'s options,
-    which need the config models: other commands then refuse bad input without loading them)."""
+# Commands that do not need the master's options (config models) or the conductor's commands to
+# parse their own arguments: their bad input is refused before those modules load.
+LIGHT_COMMANDS = frozenset({"demo", "bench", "master", "doctor", "topology"})
+
+
+def build_parser(master_options: bool = True, conductor: bool = True) -> argparse.ArgumentParser:
+    """The ``kvpool`` argument parser. ``master_options=False`` leaves out ``master``'s options and
+    ``conductor=False`` lists ``simulate`` without its options (both need heavier modules)."""
     ap = CliParser(
         prog="kvpool",
         description="KV cache pooling: transfer engine, store, connectors.\n"
@@ -493,9 +498,12 @@ def build_parser(master_options: bool = True) -> argparse.ArgumentParser:
     dr.add_argument("--procfs", default="/proc", help="procfs root (default /proc)")
     dr.set_defaults(func=cmd_doctor)
 
-    from kvpool.conductor.cli import add_commands as _add_conductor_commands
+    if conductor:
+        from kvpool.conductor.cli import add_commands as _add_conductor_commands
 
-    _add_conductor_commands(sub)  # simulate
+        _add_conductor_commands(sub)  # simulate
+    else:
+        sub.add_parser("simulate", help="replay a trace through a simulated P/D cluster per policy")
 
     tp = sub.add_parser("topology", help="print the RDMA NIC topology matrix (Mooncake JSON format)")
     tp.add_argument("--sysfs", default="/sys", help="sysfs root to discover from (default /sys)")
@@ -515,7 +523,9 @@ def _main(argv: list[str]) -> int:
         from kvpool.transfer import metadata_server
 
         return metadata_server.main(argv[1:])
-    args = build_parser(master_options=argv[:1] == ["master"]).parse_args(argv)
+    cmd = argv[0] if argv else ""
+    light = cmd in LIGHT_COMMANDS
+    args = build_parser(master_options=cmd == "master" or not light, conductor=not light).parse_args(argv)
     return int(args.func(args) or 0)
 
 
