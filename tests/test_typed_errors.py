@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvpool import OpCode, Store, TransferEngine, TransferRequest
+from kvpool import OpCode, ReplicateConfig, Store, TransferEngine, TransferRequest
 from kvpool._rpc import PRE_AUTH_MAX, _looks_like_hello
 from kvpool.errors import InvalidArgument, InvalidType, ProtocolError
 from kvpool.store.procs import MasterProcess
@@ -24,6 +24,8 @@ def test_engine_arguments(tcp_engine: TransferEngine) -> None:
     addr = tcp_engine.register_local_memory(buf)
     h = tcp_engine.open_segment(tcp_engine.segment_name)
     bid = tcp_engine.allocate_batch_id(2)
+    with pytest.raises(InvalidArgument, match="local_addr must be a non-negative int"):
+        tcp_engine.transfer_sync(tcp_engine.segment_name, "x", addr, 8, OpCode.WRITE)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match=r"5 request\(s\) do not fit: 2 of its 2 slots are free; "
                        r"allocate_batch_id\(5\)"):  # fmt: skip
         tcp_engine.submit_transfer(bid, [TransferRequest(OpCode.WRITE, addr, h, addr, 8)] * 5)
@@ -46,7 +48,16 @@ def test_store_arguments() -> None:
             st.put_tensor("t", [1, 2, 3])
         with pytest.raises(InvalidArgument, match="value must be bytes-like, got int"):
             st.put("k", 5)
-        st.put("k", b"fine")
+        for call in (lambda: st.get(5), lambda: st.put(5, b"x"), lambda: st.exists(None),
+                     lambda: st.remove(3), lambda: st.get_into(b"k", bytearray(8))):  # fmt: skip
+            with pytest.raises(InvalidType, match="key must be a str"):
+                call()
+        with pytest.raises(InvalidType, match="config must be a ReplicateConfig"):
+            st.put("k", b"x", config="two")  # type: ignore[arg-type]
+        for bad in ({"replicas": 0}, {"cache_class": "bogus"}, {"soft_pin_ttl_s": 0}):
+            with pytest.raises(InvalidArgument, match="ReplicateConfig"):
+                ReplicateConfig(**bad)
+        st.put("k", b"fine", ReplicateConfig(replicas=1))
         assert st.get("k") == b"fine"
 
 

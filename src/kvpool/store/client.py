@@ -75,6 +75,17 @@ class ReplicateConfig:
     preferred_segment: str | None = None
     cache_class: str = "default"
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise InvalidArgument(f"ReplicateConfig.replicas must be an int >= 1, got {self.replicas!r}")
+        if self.cache_class not in ("default", "ephemeral", "persistent"):
+            raise InvalidArgument(
+                f"ReplicateConfig.cache_class must be 'default', 'ephemeral' or 'persistent', "
+                f"got {self.cache_class!r}"
+            )
+        if not isinstance(self.soft_pin_ttl_s, (int, float)) or not self.soft_pin_ttl_s > 0:
+            raise InvalidArgument(f"ReplicateConfig.soft_pin_ttl_s must be > 0, got {self.soft_pin_ttl_s!r}")
+
     def wire(self) -> dict[str, Any]:
         """The map sent to the master."""
         return {
@@ -84,6 +95,19 @@ class ReplicateConfig:
             "preferred_segment": self.preferred_segment,
             "cache_class": self.cache_class,
         }
+
+
+def _check_key(key: Any) -> None:
+    """A key is a non-empty str (InvalidType / InvalidArgument naming it otherwise)."""
+    if not isinstance(key, str):
+        raise InvalidType(f"key must be a str, not {type(key).__name__} ({key!r})")
+    if not key:
+        raise InvalidArgument("key must not be empty")
+
+
+def _check_config(config: Any) -> None:
+    if config is not None and not isinstance(config, ReplicateConfig):
+        raise InvalidType(f"config must be a ReplicateConfig or None, not {type(config).__name__}")
 
 
 def _err(code: str, msg: str) -> KvpoolError:
@@ -437,6 +461,8 @@ class Store:
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like) under ``key``; raises ObjectExists if the key is taken."""
+        _check_key(key)
+        _check_config(config)
         view = self._view(value)
         if 0 < view.nbytes <= RESERVE_MAX and self._put_reserved(key, view, config):
             return
@@ -480,6 +506,8 @@ class Store:
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
         """Store ``size`` bytes at ``addr`` (memory registered with :meth:`register_buffer`)."""
+        _check_key(key)
+        _check_config(config)
         if not isinstance(addr, int) or isinstance(addr, bool) or addr <= 0:
             raise InvalidArgument(f"addr must be a positive int address of registered memory, got {addr!r}")
         err = self._put([key], [(addr, size)], config)[0]
@@ -643,6 +671,7 @@ class Store:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
+        _check_key(key)
         loc = self._loc.get(key, self.master_incarnation)
         if loc is not None:
             data = self._get_cached(key, loc)
@@ -656,6 +685,7 @@ class Store:
 
     def get_into(self, key: str, buffer_or_addr: Any, size: int | None = None) -> int:
         """Read the object into a buffer or registered address; returns its size."""
+        _check_key(key)
         dest, keep = self._dest(buffer_or_addr, size)
         try:
             res = self._get([key], [dest])[0]
@@ -706,6 +736,7 @@ class Store:
     # ------------------------------------------------------------------ other ops
     def exists(self, key: str) -> bool:
         """True when a committed object is stored under ``key``."""
+        _check_key(key)
         return bool(self.batch_exists([key])[0])
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
@@ -717,10 +748,12 @@ class Store:
 
     def size(self, key: str) -> int:
         """Size in bytes of the object."""
+        _check_key(key)
         return int(self._call("info", key=key)["size"])
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove an object; a leased one raises ObjectBusy unless ``force``."""
+        _check_key(key)
         self._loc.forget(key)
         code, msg = self._call("remove", keys=[key], force=force)["results"][0]
         if code is not None:

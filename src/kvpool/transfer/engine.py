@@ -588,6 +588,9 @@ class TransferEngine:
         """Move one range and wait; returns the byte count or raises a typed error."""
         if not isinstance(length, int) or length <= 0:
             raise InvalidArgument("length must be a positive integer")
+        for name, v in (("local_addr", local_addr), ("remote_addr", remote_addr)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InvalidArgument(f"{name} must be a non-negative int address, got {v!r}")
         op = _native_op(opcode)
         handle = self.open_segment(target_name)
         hid = handle.id
