@@ -4,7 +4,13 @@
 # `pip install kvpool` registers the `sglang.srt.plugins` entry point that adds the backend.
 set -euo pipefail
 MODEL=${MODEL:?set MODEL}
-export KVPOOL_PROTOCOL=${KVPOOL_PROTOCOL:-auto}      # kvpool TransferConfig fields as KVPOOL_* variables
+# GPU KV buffers are written by peers, which needs RDMA (GPUDirect); `auto`/`tcp` only for --device cpu.
+export KVPOOL_PROTOCOL=${KVPOOL_PROTOCOL:-rdma}      # kvpool TransferConfig fields as KVPOOL_* variables
+if [ "$KVPOOL_PROTOCOL" = rdma ] && ! ls /sys/class/infiniband/* >/dev/null 2>&1; then
+  echo "pd.sh: no RDMA device under /sys/class/infiniband; GPU KV buffers need one (run \`kvpool doctor\`)," \
+       "or run SGLang with --device cpu and KVPOOL_PROTOCOL=auto" >&2
+  exit 1
+fi
 
 python -m sglang.launch_server --model-path "$MODEL" --port 30000 --base-gpu-id 0 \
   --disaggregation-mode prefill --disaggregation-transfer-backend kvpool \
