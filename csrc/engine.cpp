@@ -262,7 +262,7 @@ std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_fra
 
 // ---------------------------------------------------------------- registry
 
-void Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only) {
+std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only) {
   if (len == 0) throw KvError(E_INVALID, "cannot register zero bytes");
   if (addr + len < addr) throw KvError(E_INVALID, "address range wraps around");
   if (remote && read_only) throw KvError(E_INVALID, "read-only memory cannot be remote-accessible");
@@ -277,7 +277,10 @@ void Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only) {
     if (prev->first + prev->second->r.len > addr)
       throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   }
+  if (remote && fence_ != nullptr) st->fence_slot = fence_->claim(addr, len, &st->fence_gen);
+  std::pair<int, uint64_t> out{st->fence_slot, st->fence_gen};
   regions_[addr] = std::move(st);
+  return out;
 }
 
 void Registry::remove(uint64_t addr) {
@@ -294,6 +297,11 @@ void Registry::remove(uint64_t addr) {
   // Accesses already inside one socket syscall finish (bounded by a syscall, not by the peer);
   // every later one sees `dead` and is refused.
   while (st->active.load() != 0) std::this_thread::yield();
+  // Same-host initiators: no copy starts after this, and the ones inside a copy finish first.
+  if (st->fence_slot >= 0 && fence_ != nullptr && !fence_->retire(st->fence_slot, retire_timeout_ms_))
+    throw KvError(E_REGISTRATION,
+                  "unregistered, but a same-host peer is stopped inside a copy into this buffer; no new "
+                  "copy can start: do not free or reuse the memory until that peer continues or exits");
 }
 
 bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable) const {
@@ -367,6 +375,8 @@ Engine::Engine(const EngineOptions& opt) : opt_(opt) {
                  static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   if (incarnation_ == 0) incarnation_ = 1;
   signal(SIGPIPE, SIG_IGN);
+  fence_ = Fence::create();  // null without memfd: then same-host peers use TCP
+  reg_.set_fence(fence_.get(), opt_.timeout_ms);
   server_ = std::make_unique<Server>(opt_, reg_, incarnation_);
   port_ = server_->port();
 }
@@ -485,6 +495,20 @@ int Engine::peer_shm_count(uint64_t id) {
   std::shared_lock lk(p->maps_mu);
   return static_cast<int>(p->maps.size());
 }
+
+bool Engine::set_peer_fence(uint64_t id, int pid, int fd,
+                            const std::vector<std::tuple<uint64_t, uint64_t, int, uint64_t>>& regions) {
+  auto p = get_peer(id);
+  std::unique_ptr<Fence> f = Fence::map(pid, fd);
+  std::vector<FenceRegion> fr;
+  for (auto& [a, l, slot, gen] : regions) fr.push_back(FenceRegion{a, l, slot, gen});
+  std::unique_lock lk(p->maps_mu);  // waits for copies in progress
+  p->fence = std::move(f);
+  p->fregions.swap(fr);
+  return p->fence != nullptr;
+}
+
+uint64_t Engine::peer_fence_refused(uint64_t id) { return get_peer(id)->fence_refused.load(); }
 
 bool Engine::peer_stale(uint64_t id) { return get_peer(id)->stale.load(); }
 bool Engine::peer_same_host(uint64_t id) { return get_peer(id)->pid.load() != 0; }
@@ -782,35 +806,44 @@ void Engine::worker_loop(Peer* p, int lane_idx) {
   }
 }
 
-// Same-host path: one kernel copy between the two address spaces. Returns how many slices from the
-// front of the group it finished; the caller sends the rest over TCP. When the kernel refuses
-// (EPERM/ENOSYS, e.g. ptrace restrictions) the peer stays on TCP from then on.
+// Same-host path: one kernel copy between the two address spaces (or a plain copy through a mapped
+// shared buffer), each inside a pin of the target's fence slot (fence.h), so the target's
+// unregister is never raced. Returns how many slices from the front of the group it finished; the
+// caller sends the rest over TCP, where the target decides. When the kernel refuses (EPERM/ENOSYS,
+// e.g. ptrace restrictions) the peer stays on TCP from then on.
 size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
   const int pid = p->pid.load();
   if (pid == 0) return 0;
+  std::shared_lock mlk(p->maps_mu);
+  Fence* fence = p->fence.get();
+  if (fence == nullptr) return 0;
   for (size_t i = 0; i < group.size(); ++i) {
     Slice& s = group[i];
     if (s.incarnation != p->incarnation.load()) {
       s.batch->finish_slice(s.slot, 0, ST_PEER_RESTARTED);
       continue;
     }
-    {
-      // Shared-memory mapping of the target buffer: a plain (non-temporal for big) copy.
-      std::shared_lock mlk(p->maps_mu);
-      const ShmMap* hit = nullptr;
-      for (auto& m : p->maps)
-        if (s.remote >= m.remote && s.remote + s.len <= m.remote + m.len) hit = &m;
-      if (hit != nullptr) {
-        char* mapped = hit->local + (s.remote - hit->remote);
-        auto* local = reinterpret_cast<char*>(s.local);
-        if (s.op == OP_WRITE) copy_bytes(mapped, local, s.len);
-        else copy_bytes(local, mapped, s.len);
-        mlk.unlock();
-        s.batch->finish_slice(s.slot, s.len, ST_OK);
-        continue;
-      }
+    const FenceRegion* fr = nullptr;
+    for (auto& r : p->fregions)
+      if (s.remote >= r.addr && s.remote + s.len <= r.addr + r.len && r.slot >= 0) fr = &r;
+    if (fr == nullptr || !fence->pin(fr->slot, fr->gen)) {
+      if (fr != nullptr) p->fence_refused.fetch_add(1);
+      return i;  // unregistered or changed since the descriptor: TCP, where the target decides
+    }
+    const ShmMap* hit = nullptr;
+    for (auto& m : p->maps)
+      if (s.remote >= m.remote && s.remote + s.len <= m.remote + m.len) hit = &m;
+    if (hit != nullptr) {
+      char* mapped = hit->local + (s.remote - hit->remote);
+      auto* local = reinterpret_cast<char*>(s.local);
+      if (s.op == OP_WRITE) copy_bytes(mapped, local, s.len);
+      else copy_bytes(local, mapped, s.len);
+      fence->unpin(fr->slot);
+      s.batch->finish_slice(s.slot, s.len, ST_OK);
+      continue;
     }
     uint64_t done = 0;
+    bool gone = false, refused = false;
     while (done < s.len) {
       iovec l{reinterpret_cast<void*>(s.local + done), s.len - done};
       iovec r{reinterpret_cast<void*>(s.remote + done), s.len - done};
@@ -821,15 +854,19 @@ size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno == ESRCH) {  // the process is gone
-        p->stale = true;
-        s.batch->finish_slice(s.slot, 0, ST_PEER_CLOSED);
-        break;
-      }
+      if (n < 0 && errno == ESRCH) gone = true;
+      else refused = true;
       if (n < 0 && (errno == EPERM || errno == ENOSYS || errno == EACCES)) p->pid = 0;
-      return i;  // let TCP (and the target's own checks) handle this slice and the rest
+      break;
     }
-    if (done == s.len) s.batch->finish_slice(s.slot, s.len, ST_OK);
+    fence->unpin(fr->slot);
+    if (gone) {  // the process is gone
+      p->stale = true;
+      s.batch->finish_slice(s.slot, 0, ST_PEER_CLOSED);
+      continue;
+    }
+    if (refused) return i;  // let TCP (and the target's own checks) handle this slice and the rest
+    s.batch->finish_slice(s.slot, s.len, ST_OK);
   }
   return group.size();
 }

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fence.h"
 #include "wire.h"
 
 namespace kvpool {
@@ -54,6 +55,8 @@ struct Region {
 // register/unregister and never lands a byte after unregister returns.
 struct RegionState {
   Region r;
+  int fence_slot = -1;  // same-host fence slot (-1: reachable over TCP only)
+  uint64_t fence_gen = 0;
   std::atomic<int> active{0};
   std::atomic<bool> dead{false};
 };
@@ -84,8 +87,13 @@ class RegionAccess {
 // place the server (and later GPU staging) looks a remote range up.
 class Registry {
  public:
-  void add(uint64_t addr, uint64_t len, bool remote, bool read_only = false);
+  // Returns the same-host fence (slot, generation) of a remote-accessible region; slot -1: none.
+  std::pair<int, uint64_t> add(uint64_t addr, uint64_t len, bool remote, bool read_only = false);
   void remove(uint64_t addr);
+  void set_fence(Fence* f, int retire_timeout_ms) {
+    fence_ = f;
+    retire_timeout_ms_ = retire_timeout_ms;
+  }
   bool contains(uint64_t addr, uint64_t len, bool need_remote) const;
   std::shared_mutex& mutex() const { return mu_; }
   bool contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable = false) const;
@@ -97,6 +105,8 @@ class Registry {
  private:
   mutable std::shared_mutex mu_;
   std::map<uint64_t, std::shared_ptr<RegionState>> regions_;
+  Fence* fence_ = nullptr;
+  int retire_timeout_ms_ = 30000;
 };
 
 struct Slot {
@@ -143,6 +153,14 @@ struct ShmMap {
   char* local;      // where it is mapped here
 };
 
+// A remote registration as the initiator's descriptor names it, with its fence slot.
+struct FenceRegion {
+  uint64_t addr;
+  uint64_t len;
+  int slot;
+  uint64_t gen;
+};
+
 struct Peer {
   uint64_t id;
   std::string host;
@@ -159,8 +177,11 @@ struct Peer {
   bool stopping = false;
   std::vector<std::unique_ptr<Lane>> lanes;
   std::vector<std::thread> workers;
-  std::shared_mutex maps_mu;  // held shared while copying through a mapping
+  std::shared_mutex maps_mu;  // held shared while copying on the same-host path
   std::vector<ShmMap> maps;
+  std::unique_ptr<Fence> fence;  // the target's fence table; no fence, no same-host path
+  std::vector<FenceRegion> fregions;
+  std::atomic<uint64_t> fence_refused{0};
   bool remote_ok(uint64_t addr, uint64_t len);
   void unmap_all();
 };
@@ -205,6 +226,11 @@ class Engine {
   // Returns how many could be mapped; the others keep using process_vm_readv/writev or TCP.
   int set_peer_shm(uint64_t id, int pid, const std::vector<std::tuple<uint64_t, uint64_t, int>>& bufs);
   int peer_shm_count(uint64_t id);
+  // Maps the target's fence table (fd in the target) and records its registrations' slots. Without
+  // it the same-host path is off for this peer (everything goes over TCP). Returns whether mapped.
+  bool set_peer_fence(uint64_t id, int pid, int fd, const std::vector<std::tuple<uint64_t, uint64_t, int, uint64_t>>& regions);
+  uint64_t peer_fence_refused(uint64_t id);
+  int fence_fd() const { return fence_ ? fence_->fd() : -1; }
   bool peer_stale(uint64_t id);
   bool peer_same_host(uint64_t id);
   void remove_peer(uint64_t id);
@@ -250,6 +276,7 @@ class Engine {
   EngineOptions opt_;
   uint64_t incarnation_;
   uint16_t port_ = 0;
+  std::unique_ptr<Fence> fence_;  // declared before reg_: outlives it
   Registry reg_;
   std::atomic<bool> stopping_{false};
   std::unique_ptr<Server> server_;

@@ -110,7 +110,7 @@ PYBIND11_MODULE(_native, m) {
         return d;
       })
       .def("set_descriptor", [](Engine& e, py::bytes b) { e.set_descriptor(std::string(b)); })
-      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r, bool ro) { e.registry().add(a, l, r, ro); },
+      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r, bool ro) { return e.registry().add(a, l, r, ro); },
            py::arg("addr"), py::arg("length"), py::arg("remote"), py::arg("read_only") = false, G())
       .def("unregister_memory", [](Engine& e, uint64_t a) { e.registry().remove(a); }, G())
       .def("registered", [](Engine& e) {
@@ -123,6 +123,9 @@ PYBIND11_MODULE(_native, m) {
       .def("update_peer", &Engine::update_peer, G())
       .def("set_peer_shm", &Engine::set_peer_shm, G())
       .def("peer_shm_count", [](Engine& e, uint64_t id) { return e.peer_shm_count(id); })
+      .def("set_peer_fence", &Engine::set_peer_fence, G())
+      .def("peer_fence_refused", &Engine::peer_fence_refused)
+      .def_property_readonly("fence_fd", &Engine::fence_fd)
       .def("peer_stale", &Engine::peer_stale)
       .def("peer_same_host", &Engine::peer_same_host)
       .def("remove_peer", &Engine::remove_peer, G())

@@ -103,8 +103,11 @@ struct Reactor {
   int64_t paused_until = 0;
   std::unordered_map<int, std::unique_ptr<Conn>> conns;
   std::vector<char> scratch = std::vector<char>(64 * 1024);
+  std::mutex inbox_mu;  // connections accepted by another loop, handed to this one
+  std::vector<std::unique_ptr<Conn>> inbox;
 
   ~Reactor() {
+    for (auto& c : inbox) ::close(c->fd);  // handed over while shutting down
     if (ep >= 0) ::close(ep);
     if (wake >= 0) ::close(wake);
   }
@@ -164,21 +167,47 @@ struct Reactor {
       Challenge ch{kChallengeMagic, srv->opt.secret.empty() ? 0u : 1u, {}};
       std::memcpy(ch.nonce, c->snonce, kNonce);
       c->out.assign(reinterpret_cast<const char*>(&ch), sizeof(ch));
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.fd = fd;
-      c->events = EPOLLIN;
-      if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
-        ::close(fd);
-        srv->release(c->peer);
-        continue;
-      }
       srv->n_accepted.fetch_add(1);
       srv->n_open.fetch_add(1);
-      Conn* raw = c.get();
-      conns[fd] = std::move(c);
-      if (!progress(*raw, now)) close_conn(fd);
+      // Spread connections over the loops round-robin (a peer's lanes land on different threads).
+      Reactor* to = srv->pick_reactor();
+      if (to == this) {
+        adopt(std::move(c), now);
+      } else {
+        {
+          std::lock_guard lk(to->inbox_mu);
+          to->inbox.push_back(std::move(c));
+        }
+        uint64_t one = 1;
+        (void)!::write(to->wake, &one, sizeof(one));
+      }
     }
+  }
+
+  void adopt(std::unique_ptr<Conn> c, int64_t now) {
+    int fd = c->fd;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    c->events = EPOLLIN;
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      srv->release(c->peer);
+      srv->n_open.fetch_sub(1);
+      ::close(fd);
+      return;
+    }
+    Conn* raw = c.get();
+    conns[fd] = std::move(c);
+    if (!progress(*raw, now)) close_conn(fd);
+  }
+
+  void adopt_inbox(int64_t now) {
+    std::vector<std::unique_ptr<Conn>> in;
+    {
+      std::lock_guard lk(inbox_mu);
+      in.swap(inbox);
+    }
+    for (auto& c : in) adopt(std::move(c), now);
   }
 
   // Sends pending output, then the READ stream. 1: all sent, 0: would block (or budget used),
@@ -416,6 +445,7 @@ struct Reactor {
         } else if (fd == wake) {
           uint64_t v;
           (void)!::read(wake, &v, sizeof(v));
+          adopt_inbox(now);
         } else {
           auto it = conns.find(fd);
           if (it != conns.end() && !progress(*it->second, now)) close_conn(fd);
@@ -427,11 +457,16 @@ struct Reactor {
         if (!listening && now >= paused_until && !srv->stopping.load()) listen_on();
       }
     }
+    adopt_inbox(now_ms());
     std::vector<int> fds;
     for (auto& kv : conns) fds.push_back(kv.first);
     for (int fd : fds) close_conn(fd);
   }
 };
+
+Reactor* Server::pick_reactor() {
+  return reactors_[rr_.fetch_add(1) % reactors_.size()].get();
+}
 
 // ---------------------------------------------------------------- server
 

@@ -43,6 +43,7 @@ class Server {
   // Called by the reactors.
   bool admit(const std::string& peer);  // counts the connection in when under the bounds
   void release(const std::string& peer);
+  Reactor* pick_reactor();
 
   const EngineOptions opt;
   Registry& reg;
@@ -57,6 +58,7 @@ class Server {
  private:
   uint16_t port_ = 0;
   std::vector<std::unique_ptr<Reactor>> reactors_;
+  std::atomic<uint64_t> rr_{0};
   std::vector<std::thread> threads_;
   mutable std::mutex peers_mu_;
   std::unordered_map<std::string, int> per_peer_;

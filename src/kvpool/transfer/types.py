@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum
@@ -10,7 +12,17 @@ from typing import Any
 
 import msgpack
 
-from kvpool.errors import MetadataError
+from kvpool.errors import AuthenticationError, MetadataError
+
+#: Marker of a signed descriptor envelope: {SIGNED: 1, "body": descriptor bytes, "mac": HMAC}.
+SIGNED = "kvpool-signed"
+
+
+def descriptor_mac(secret: str, body: bytes) -> bytes:
+    """HMAC-SHA256 of a descriptor's bytes under the cluster secret."""
+    return hmac.new(
+        secret.encode("utf-8", "surrogatepass"), b"kvpool-descriptor" + body, hashlib.sha256
+    ).digest()
 
 
 class OpCode(IntEnum):
@@ -92,6 +104,9 @@ class BufferDescriptor:
     location: str = "cpu:0"
     remote_accessible: bool = True
     shm_fd: int = -1  # memfd in the owner process: same-host peers may map it (see alloc_shared_buffer)
+    # Same-host fence slot and generation of this registration (csrc/fence.h); -1: TCP only.
+    fence_slot: int = -1
+    fence_gen: int = 0
 
 
 @dataclass
@@ -111,17 +126,57 @@ class SegmentDescriptor:
     # "instance", "nics": [{name, gid, lid, port, mtu, gid_index, ethernet}],
     # "mrs": [[addr, length, [rkey per NIC]]], "topology": Mooncake-style matrix}
     rdma: dict[str, Any] | None = None
+    # memfd (in the owner) of the same-host fence table; -1: no same-host path into this segment.
+    fence_fd: int = -1
 
-    def to_bytes(self) -> bytes:
-        """Serialize with msgpack."""
-        return msgpack.packb(asdict(self), use_bin_type=True)
+    def to_bytes(self, secret: str | None = None) -> bytes:
+        """Serialize with msgpack; with ``secret``, inside a signed envelope (HMAC-SHA256)."""
+        body = msgpack.packb(asdict(self), use_bin_type=True)
+        if not secret:
+            return body
+        return msgpack.packb(
+            {SIGNED: 1, "body": body, "mac": descriptor_mac(secret, body)}, use_bin_type=True
+        )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> SegmentDescriptor:
-        """Parse a descriptor; malformed data raises :class:`MetadataError`."""
+    def from_bytes(cls, data: bytes, secret: str | None = None) -> SegmentDescriptor:
+        """Parse a descriptor; malformed data raises :class:`MetadataError`.
+
+        With ``secret`` the descriptor must be signed with it, or :class:`AuthenticationError` is
+        raised before anyone acts on it (a forged pid, buffers or port would otherwise steer our
+        writes). Without a secret a signed descriptor is read unverified (trusted networks only).
+        """
         try:
-            raw: dict[str, Any] = msgpack.unpackb(data, raw=False)
-            bufs = [BufferDescriptor(**b) for b in raw.pop("buffers", [])]
+            raw: Any = msgpack.unpackb(data, raw=False)
+        except Exception as exc:  # noqa: BLE001 - any decode problem is bad metadata
+            raise MetadataError(
+                f"malformed segment descriptor ({exc}); is the peer a kvpool engine?"
+            ) from None
+        signed = isinstance(raw, dict) and raw.get(SIGNED) == 1
+        if signed:
+            body, mac = raw.get("body"), raw.get("mac")
+            if not isinstance(body, bytes) or not isinstance(mac, bytes):
+                raise MetadataError("malformed signed segment descriptor; is the peer a kvpool engine?")
+            if secret and not hmac.compare_digest(mac, descriptor_mac(secret, body)):
+                raise AuthenticationError(
+                    "segment descriptor is not signed with this cluster's secret (forged, or from another "
+                    "cluster); refusing it before any transfer: check who writes the metadata store and "
+                    "that every engine has the same `secret`"
+                )
+            data = body
+        elif secret:
+            raise AuthenticationError(
+                "segment descriptor is unsigned but this engine has a secret; refusing it before any "
+                "transfer (forged, or published by an engine without the secret: set the same `secret` "
+                "on every engine)"
+            )
+        try:
+            raw = msgpack.unpackb(data, raw=False) if signed else raw
+            bknown = BufferDescriptor.__dataclass_fields__
+            bufs = [
+                BufferDescriptor(**{k: v for k, v in b.items() if k in bknown})
+                for b in raw.pop("buffers", [])
+            ]
             known = cls.__dataclass_fields__  # keys a newer peer added are ignored
             desc = cls(buffers=bufs, **{k: v for k, v in raw.items() if k in known})
             if not isinstance(desc.port, int) or not isinstance(desc.hostname, str):

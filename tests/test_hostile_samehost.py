@@ -1,0 +1,168 @@
+"""The target decides on the same-host path too (issue 12, deliverable 2): real target processes,
+native engines, process_vm_writev and the fence table (csrc/fence.h)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvpool import _native
+
+REMOTE_BOUNDS = 1
+
+TARGET = r"""
+import json, sys, time
+from kvpool import _native
+e = _native.NativeEngine(host="127.0.0.1", port=0, secret="", lanes=1, slice_size=1 << 20,
+                         timeout_ms=5000, connect_timeout_ms=5000, max_frame=1 << 24)
+buf = bytearray(65536)
+addr, n = _native.buffer_address(buf)
+slot, gen = e.register_memory(addr, n, True, False)
+print(json.dumps(dict(pid=__import__("os").getpid(), port=e.port, inc=e.incarnation, fence_fd=e.fence_fd,
+                      addr=addr, n=n, slot=slot, gen=gen)), flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "unregister":
+        e.unregister_memory(addr)
+        out = {}
+    elif cmd[0] == "shrink":
+        slot, gen = e.register_memory(addr, 4096, True, False)
+        out = {"slot": slot, "gen": gen}
+    elif cmd[0] == "head":
+        out = {"head": bytes(buf[:8]).hex(), "tail": bytes(buf[-8:]).hex()}
+    elif cmd[0] == "fence_check":  # unregister, then watch the memory: nothing may land any more
+        e.unregister_memory(addr)
+        snap = bytes(buf)
+        time.sleep(float(cmd[1]))
+        out = {"changed": bytes(buf) != snap}
+    elif cmd[0] == "stats":
+        out = dict(e.server_stats())
+    else:
+        break
+    print(json.dumps(out), flush=True)
+"""
+
+
+class _Target:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        self.info = json.loads(self.proc.stdout.readline())
+
+    def ask(self, line: str) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def target():
+    t = _Target()
+    yield t
+    t.close()
+
+
+def _initiator(t: _Target):
+    e = _native.NativeEngine(
+        host="127.0.0.1",
+        port=0,
+        secret="",
+        lanes=1,
+        slice_size=1 << 20,
+        timeout_ms=5000,
+        connect_timeout_ms=5000,
+        max_frame=1 << 24,
+    )
+    src = bytearray(65536)
+    local, n = _native.buffer_address(src)
+    e.register_memory(local, n, False, False)
+    i = t.info
+    h = e.add_peer("127.0.0.1", i["port"], i["inc"], i["pid"], [(i["addr"], i["n"])])
+    assert e.set_peer_fence(h, i["pid"], i["fence_fd"], [(i["addr"], i["n"], i["slot"], i["gen"])])
+    return e, src, local, h
+
+
+def test_same_host_write_lands_through_the_fence(target: _Target) -> None:
+    e, src, local, h = _initiator(target)
+    try:
+        src[:8] = b"SAMEHOST"
+        src[-8:] = b"LASTBYTE"
+        assert e.transfer_sync(_native.OP_WRITE, local, h, target.info["addr"], 65536) == 0
+        assert target.ask("head") == {"head": b"SAMEHOST".hex(), "tail": b"LASTBYTE".hex()}
+        assert e.peer_fence_refused(h) == 0
+        assert target.ask("stats")["accepted"] == 0  # no TCP connection: it went the same-host way
+    finally:
+        e.shutdown()
+
+
+def test_write_after_unregister_is_refused_as_over_tcp(target: _Target) -> None:
+    e, src, local, h = _initiator(target)
+    try:
+        src[:8] = b"FIRST..."
+        assert e.transfer_sync(_native.OP_WRITE, local, h, target.info["addr"], 65536) == 0
+        target.ask("unregister")
+        src[:8] = b"LATE!!!!"
+        # The initiator's descriptor still lists the buffer: the fence sends it to TCP, where the
+        # target refuses it.
+        assert e.transfer_sync(_native.OP_WRITE, local, h, target.info["addr"], 65536) == REMOTE_BOUNDS
+        assert e.peer_fence_refused(h) >= 1
+        assert target.ask("head")["head"] == b"FIRST...".hex()
+    finally:
+        e.shutdown()
+
+
+def test_shrunk_registration_is_never_written_past_its_end(target: _Target) -> None:
+    e, src, local, h = _initiator(target)
+    try:
+        target.ask("unregister")
+        target.ask("shrink")  # same address, 4 KiB now
+        src[-8:] = b"PASTEND!"
+        assert e.transfer_sync(_native.OP_WRITE, local, h, target.info["addr"], 65536) == REMOTE_BOUNDS
+        assert target.ask("head")["tail"] != b"PASTEND!".hex()
+        src[:8] = b"INBOUNDS"
+        assert e.transfer_sync(_native.OP_WRITE, local, h, target.info["addr"], 4096) == 0  # over TCP
+        assert target.ask("head")["head"] == b"INBOUNDS".hex()
+    finally:
+        e.shutdown()
+
+
+def test_no_write_lands_after_unregister_returns_under_a_stream_of_writes(target: _Target) -> None:
+    """An initiator writes as fast as it can while the target unregisters; once unregister
+    returned, the memory must not change any more (the check-then-write window is closed)."""
+    e, src, local, h = _initiator(target)
+    stop = threading.Event()
+    count = [0]
+
+    def writer() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            src[:8] = k.to_bytes(8, "little")
+            if e.transfer_sync(_native.OP_WRITE, local, h, target.info["addr"], 65536) == 0:
+                count[0] += 1
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        for _ in range(1000):
+            if count[0] >= 20:
+                break
+            time.sleep(0.01)
+        assert count[0] >= 20
+        assert target.ask("fence_check 0.5") == {"changed": False}
+    finally:
+        stop.set()
+        t.join(30)
+        e.shutdown()
