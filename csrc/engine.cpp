@@ -160,6 +160,7 @@ int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation) {
   Challenge ch{};
   int32_t st = recv_all(fd, &ch, sizeof(ch));
   if (st != ST_OK) return st;  // closed at accept: over the server's connection bounds, or shutting down
+  if (ch.magic == kBusyMagic) return ST_BUSY;
   if (ch.magic != kChallengeMagic) return ST_VERSION;
   Hello h{};
   h.hdr = HelloHdr{kHelloMagic, kProtoVersion, 0};

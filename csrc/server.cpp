@@ -154,6 +154,8 @@ struct Reactor {
       }
       std::string peer = peer_key(ss);
       if (!srv->admit(peer)) {
+        Challenge busy{kBusyMagic, 0, {}};  // a reason instead of a bare close (fits any socket buffer)
+        (void)!::send(fd, &busy, sizeof(busy), MSG_NOSIGNAL | MSG_DONTWAIT);
         ::close(fd);
         continue;
       }

@@ -29,6 +29,7 @@ constexpr uint32_t kHelloOkMagic = 0x4F50564B;  // "KVPO"
 constexpr uint32_t kReqMagic = 0x5250564B;  // "KVPR"
 constexpr uint32_t kRespMagic = 0x4150564B;  // "KVPA"
 constexpr uint32_t kChallengeMagic = 0x4E50564B;  // "KVPN"
+constexpr uint32_t kBusyMagic = 0x4250564B;  // "KVPB": sent instead of a challenge when over a bound
 constexpr uint16_t kProtoVersion = 2;
 constexpr uint16_t kMaxSecret = 1024;
 constexpr size_t kNonce = 32;
@@ -54,6 +55,7 @@ enum Status : int32_t {
   ST_LOCAL_FAULT = 105,   // same-host copy faulted (memory unmapped)
   ST_TRANSPORT = 106,     // failed in a transport outside the native data path (reason kept by the caller)
   ST_PEER_UNPROVEN = 107,  // peer could not prove the shared secret (impostor or no secret)
+  ST_BUSY = 108,          // target refused the connection: over its connection bounds
 };
 
 #pragma pack(push, 1)
@@ -145,6 +147,9 @@ inline const char* status_text(int32_t st) {
     case ST_CANCELED: return "engine shut down";
     case ST_LOCAL_FAULT: return "same-host copy faulted (memory unmapped?)";
     case ST_TRANSPORT: return "failed in the transport";
+    case ST_BUSY:
+      return "target refused the connection: it is at its connection bound (max_connections or "
+             "max_connections_per_peer); retry later, or close idle engines on this host";
     case ST_PEER_UNPROVEN:
       return "peer did not prove the shared secret: it is not an engine of this cluster (forged descriptor?) "
              "or it runs without a secret; set the same `secret` on both engines";

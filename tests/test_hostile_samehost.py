@@ -166,3 +166,92 @@ def test_no_write_lands_after_unregister_returns_under_a_stream_of_writes(target
         stop.set()
         t.join(30)
         e.shutdown()
+
+
+# ------------------------------------------------------------------ through TransferEngine
+
+ENGINE_TARGET = r"""
+import json, sys
+from kvpool import TransferEngine
+eng = TransferEngine(protocol="auto", timeout_s=5, secret=sys.argv[1] or None, metadata=sys.argv[2],
+                     name=sys.argv[3] or None)
+buf = bytearray(65536)
+addr = eng.register_local_memory(buf)
+print(json.dumps({"segment": eng.segment_name, "addr": addr}), flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "unregister":
+        eng.unregister_local_memory(addr)
+        out = {}
+    elif cmd[0] == "head":
+        out = {"head": bytes(buf[:8]).hex()}
+    else:
+        break
+    print(json.dumps(out), flush=True)
+eng.close()
+"""
+
+
+class _EngineTarget(_Target):
+    def __init__(self, secret: str = "", metadata: str = "p2p", name: str = "") -> None:
+        cmd = [sys.executable, "-c", ENGINE_TARGET, secret, metadata, name]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.info = json.loads(self.proc.stdout.readline())
+
+
+def test_auto_write_after_unregister_is_refused_as_over_tcp() -> None:
+    from kvpool import OpCode, TransferEngine
+    from kvpool.errors import TransferError
+
+    t = _EngineTarget()
+    try:
+        with TransferEngine(protocol="auto", timeout_s=5) as eng:
+            src = bytearray(b"FIRST..." + bytes(65528))
+            a = eng.register_local_memory(src)
+            h = eng.open_segment(t.info["segment"])
+            assert eng.uses_same_host_path(h)
+            eng.transfer_sync(t.info["segment"], a, t.info["addr"], 65536, OpCode.WRITE)
+            assert t.ask("head")["head"] == b"FIRST...".hex()
+            t.ask("unregister")
+            src[:8] = b"LATE!!!!"
+            with pytest.raises(TransferError, match="remote-accessible"):
+                eng.transfer_sync(t.info["segment"], a, t.info["addr"], 65536, OpCode.WRITE)
+            assert t.ask("head")["head"] == b"FIRST...".hex()
+    finally:
+        t.close()
+
+
+def test_forged_descriptor_in_an_open_store_is_refused_before_any_transfer() -> None:
+    """A metadata store anyone can write (no server secret): a forged descriptor naming the
+    target's pid and buffers (or a harvester's port) is refused by an engine holding the secret."""
+    from kvpool import OpCode, TransferEngine
+    from kvpool.errors import AuthenticationError
+    from kvpool.transfer.metadata import HttpMetadata
+    from kvpool.transfer.metadata_server import MetadataServer
+
+    with MetadataServer() as ms:
+        t = _EngineTarget("s3", ms.url, "victim")
+        try:
+            store = HttpMetadata(ms.url)
+            genuine = store.get("victim")
+            assert genuine is not None
+            from kvpool.transfer.types import SegmentDescriptor
+
+            desc = SegmentDescriptor.from_bytes(genuine, "s3")
+            store.put("forged", desc.to_bytes())  # same pid, buffers and port, unsigned
+            store.put("copied", genuine)  # the genuine signed descriptor under another name
+            with TransferEngine(protocol="auto", secret="s3", metadata=ms.url, timeout_s=5) as eng:
+                src = bytearray(b"EVIL" * 16384)
+                a = eng.register_local_memory(src)
+                with pytest.raises(AuthenticationError, match="unsigned"):
+                    eng.open_segment("forged")
+                with pytest.raises(AuthenticationError, match="describes segment 'victim'"):
+                    eng.open_segment("copied")
+                with pytest.raises(AuthenticationError):
+                    eng.transfer_sync("forged", a, desc.buffers[0].addr, 4, OpCode.WRITE)
+                assert t.ask("head")["head"] == bytes(8).hex()
+                eng.transfer_sync("victim", a, desc.buffers[0].addr, 4, OpCode.WRITE)  # genuine: fine
+                assert t.ask("head")["head"] == (b"EVIL" + bytes(4)).hex()
+        finally:
+            t.close()

@@ -23,7 +23,7 @@ import pytest
 import xxhash
 
 from kvpool import OpCode, TransferEngine, _native
-from kvpool.errors import AuthenticationError
+from kvpool.errors import AuthenticationError, SegmentNotFound
 from kvpool.transfer.peer import PeerProcess
 
 HELLO_OK = struct.Struct("<IiQ")
@@ -252,12 +252,13 @@ def test_connection_bounds_per_peer_and_total() -> None:
             socks.append(_connect(eng.port, "127.0.0.2"))
             assert len(_recv_exact(socks[-1], _native.CHALLENGE_SIZE)) == _native.CHALLENGE_SIZE
         over = _connect(eng.port, "127.0.0.2")
-        assert _recv_exact(over, 1) == b""  # refused at accept: no challenge, closed
+        assert _recv_exact(over, 4) == b"KVPB"  # refused at accept: 'busy', no challenge
+        assert _wait_eof(over)
         for _ in range(2):
             socks.append(_connect(eng.port, "127.0.0.3"))
             assert len(_recv_exact(socks[-1], _native.CHALLENGE_SIZE)) == _native.CHALLENGE_SIZE
         full = _connect(eng.port, "127.0.0.4")
-        assert _recv_exact(full, 1) == b""
+        assert _recv_exact(full, 4) == b"KVPB"
         stats = eng.server_stats()
         assert stats["refused_peer_limit"] >= 1 and stats["refused_total_limit"] >= 1
         for s in socks:
@@ -269,6 +270,16 @@ def test_connection_bounds_per_peer_and_total() -> None:
             time.sleep(0.05)
         ok = _authed(eng.port)
         ok.close()
+        for _ in range(200):
+            if eng.server_stats()["open"] == 0:
+                break
+            time.sleep(0.05)
+        # A refused engine client is told why.
+        for _ in range(4):
+            socks.append(_connect(eng.port))
+            assert _recv_exact(socks[-1], 4) == b"KVPN"  # admitted (a challenge)
+        with pytest.raises(SegmentNotFound, match="connection bound"):
+            _native.fetch_descriptor("127.0.0.1", eng.port, "", 5000)
     finally:
         for s in socks:
             s.close()
