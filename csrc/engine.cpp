@@ -506,6 +506,7 @@ bool Engine::set_peer_fence(uint64_t id, int pid, int fd,
   std::unique_lock lk(p->maps_mu);  // waits for copies in progress
   p->fence = std::move(f);
   p->fregions.swap(fr);
+  if (p->fence == nullptr && pid != 0) p->pid = 0;  // no fence, no same-host path: TCP from now on
   return p->fence != nullptr;
 }
 

@@ -21,6 +21,7 @@ from typing import Any
 from kvpool import _native
 from kvpool.config import TransferConfig
 from kvpool.errors import (
+    AuthenticationError,
     BatchInFlight,
     InvalidArgument,
     KvpoolError,
@@ -119,7 +120,9 @@ class TransferEngine:
         cfg = config.replace(**overrides) if config is not None else TransferConfig(**overrides)
         self.config = cfg
         self._lock = threading.RLock()
-        self._meta: MetadataBackend | None = open_metadata(cfg.metadata, timeout_s=cfg.connect_timeout_s)
+        self._meta: MetadataBackend | None = open_metadata(
+            cfg.metadata, timeout_s=cfg.connect_timeout_s, secret=cfg.secret
+        )
         self._native = _native.NativeEngine(
             host=cfg.hostname,
             port=cfg.port,
@@ -248,8 +251,9 @@ class TransferEngine:
             return self._register_device(addr_or_buffer, length, index, dev, bool(remote_accessible))
         addr, n, keep = buffer_range(addr_or_buffer, length, allow_read_only=not remote_accessible)
         read_only = isinstance(keep, memoryview) and keep.readonly
-        self._native.register_memory(addr, n, bool(remote_accessible), read_only)
-        reg = Registration(BufferDescriptor(addr, n, location, bool(remote_accessible)), keep, read_only)
+        slot, gen = self._native.register_memory(addr, n, bool(remote_accessible), read_only)
+        desc = BufferDescriptor(addr, n, location, bool(remote_accessible), fence_slot=slot, fence_gen=gen)
+        reg = Registration(desc, keep, read_only)
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
         return addr
 
@@ -321,8 +325,9 @@ class TransferEngine:
             raise InvalidArgument(f"cannot allocate {size} bytes of shared memory: {exc}") from None
         view = memoryview(mem)
         addr = _native.buffer_address(view)[0]
-        self._native.register_memory(addr, size, True, False)
-        reg = Registration(BufferDescriptor(addr, size, "cpu:0", True, fd), (mem, view, fd))
+        slot, gen = self._native.register_memory(addr, size, True, False)
+        desc = BufferDescriptor(addr, size, "cpu:0", True, fd, fence_slot=slot, fence_gen=gen)
+        reg = Registration(desc, (mem, view, fd))
         self._add_registration(reg, rollback=lambda: (self._native.unregister_memory(addr), os.close(fd)))
         return view
 
@@ -373,7 +378,7 @@ class TransferEngine:
         )
 
     def _publish(self) -> None:
-        blob = self.local_descriptor().to_bytes()
+        blob = self.local_descriptor().to_bytes(self.config.secret)  # signed when there is a secret
         self._native.set_descriptor(blob)
         if self._meta is not None:
             self._meta.put(self.segment_name, blob)
@@ -386,11 +391,18 @@ class TransferEngine:
         if self._meta is None:
             host, port = split_host_port(name)
             _, blob = _native.fetch_descriptor(host, port, self.config.secret or "", timeout_ms)
-            return SegmentDescriptor.from_bytes(blob)
+            return SegmentDescriptor.from_bytes(blob, self.config.secret)
         blob = self._meta.get(name)
         if blob is None:
             raise SegmentNotFound(f"segment {name!r} is not published in {self.config.metadata}")
-        return SegmentDescriptor.from_bytes(blob)
+        # Signed (when there is a secret) and checked before anyone acts on it.
+        desc = SegmentDescriptor.from_bytes(blob, self.config.secret)
+        if desc.name != name:
+            raise AuthenticationError(
+                f"the descriptor stored under {name!r} describes segment {desc.name!r} (copied from "
+                "another key?); refusing it: check who writes the metadata store"
+            )
+        return desc
 
     def _pick(self, name: str, desc: SegmentDescriptor) -> Transport:
         """The first transport, in order of preference, that reaches the segment."""
