@@ -404,3 +404,15 @@ def test_ten_thousand_idle_connections() -> None:
         finally:
             for s in socks:
                 s.close()
+
+
+def test_bounds_from_transfer_config() -> None:
+    """The server bounds are TransferConfig fields; a refused engine is told why."""
+    with TransferEngine(protocol="tcp", max_connections_per_peer=2, idle_timeout_s=60) as tgt:
+        held = [_connect(tgt.port) for _ in range(2)]
+        for s in held:
+            assert _recv_exact(s, 4) == b"KVPN"
+        with TransferEngine(protocol="tcp") as ini, pytest.raises(SegmentNotFound, match="connection bound"):
+            ini.open_segment(tgt.segment_name)
+        for s in held:
+            s.close()

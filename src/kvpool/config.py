@@ -101,12 +101,17 @@ class TransferConfig(_ConfigBase):
             ``"tcp"`` or ``"rdma"``.
         devices: RDMA device allow-list (unused by TCP).
         name: segment name published through a metadata server (default ``host:port``).
-        secret: shared secret a peer must present before any memory is touched.
+        secret: cluster secret: peers prove it by HMAC challenge-response before any memory is
+            touched, descriptors are signed with it (None: trusted networks only).
         lanes: TCP connections per peer; one request's slices spread over them.
         slice_size: bytes per slice; bigger requests are cut into slices of this size.
         timeout_s: seconds a transfer may wait on a peer before it becomes TIMEOUT.
         connect_timeout_s: seconds to connect and handshake with a peer.
         max_frame: biggest single frame (bytes) the server accepts.
+        server_threads: event-loop threads of the engine's TCP server (fixed at start).
+        max_connections: connections the server keeps open in total; more are refused at accept.
+        max_connections_per_peer: connections the server keeps open per peer address.
+        idle_timeout_s: an authenticated connection idle this long is closed by the server.
         same_host: allow the same-host single-copy path under ``protocol="auto"``.
         rdma_slice_size: RDMA slice size; slices of one request spread over the chosen NICs.
         rdma_topology: NIC topology matrix (Mooncake JSON: a file path or a JSON string);
@@ -136,6 +141,10 @@ class TransferConfig(_ConfigBase):
     timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_frame: Bytes = Field(default=256 << 20, ge=1 << 16)
+    server_threads: int = Field(default=2, ge=1, le=64)
+    max_connections: int = Field(default=16384, ge=1)
+    max_connections_per_peer: int = Field(default=256, ge=1)
+    idle_timeout_s: float = Field(default=120.0, gt=0)
     same_host: bool = True
     rdma_slice_size: Bytes = Field(default=64 << 10, ge=4096, le=1 << 30)
     rdma_topology: str | None = None

@@ -132,6 +132,10 @@ class TransferEngine:
             timeout_ms=int(cfg.timeout_s * 1000),
             connect_timeout_ms=int(cfg.connect_timeout_s * 1000),
             max_frame=cfg.max_frame,
+            server_threads=cfg.server_threads,
+            max_connections=cfg.max_connections,
+            max_connections_per_peer=cfg.max_connections_per_peer,
+            idle_timeout_ms=int(cfg.idle_timeout_s * 1000),
         )
         self.port: int = self._native.port
         host = f"[{cfg.hostname}]" if ":" in cfg.hostname else cfg.hostname
