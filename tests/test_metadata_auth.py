@@ -150,3 +150,39 @@ def test_signed_descriptor_round_trip_and_forgeries() -> None:
     body = _desc(pid=5).to_bytes()
     ok = msgpack.packb({SIGNED: 1, "body": body, "mac": descriptor_mac(SECRET, body)}, use_bin_type=True)
     assert SegmentDescriptor.from_bytes(ok, SECRET).pid == 5
+
+
+@pytest.mark.parametrize("backend", ["http_metadata_url", "etcd_url", "redis_url"])
+def test_signed_descriptors_through_every_backend(backend: str, request: pytest.FixtureRequest) -> None:
+    """etcd and redis carry the engine's signed descriptors too: a forged one planted straight in
+    the store is refused by an engine holding the secret, a genuine one works."""
+    from kvpool import OpCode, TransferEngine
+    from kvpool.errors import AuthenticationError
+    from kvpool.transfer.metadata import open_metadata
+    from kvpool.transfer.types import SegmentDescriptor
+
+    url = request.getfixturevalue(backend)
+    name = f"signed-{backend}"
+    with (
+        TransferEngine(protocol="tcp", metadata=url, name=name, secret=SECRET) as tgt,
+        TransferEngine(protocol="tcp", metadata=url, name=f"{name}-ini", secret=SECRET) as ini,
+    ):
+        buf = bytearray(4096)
+        addr = tgt.register_local_memory(buf)
+        src = bytearray(b"SIGNED!!" * 512)
+        a = ini.register_local_memory(src)
+        ini.transfer_sync(name, a, addr, 4096, OpCode.WRITE)
+        assert bytes(buf) == bytes(src)
+        store = open_metadata(url, timeout_s=5, secret=SECRET)
+        assert store is not None
+        genuine = store.get(name)
+        assert genuine is not None and SECRET.encode() not in genuine
+        forged = SegmentDescriptor.from_bytes(genuine, SECRET)
+        forged.name = f"{name}-forged"
+        store.put(f"{name}-forged", forged.to_bytes())  # unsigned
+        with pytest.raises(AuthenticationError, match="unsigned"):
+            ini.open_segment(f"{name}-forged")
+        store.put(f"{name}-forged", forged.to_bytes("not-the-secret"))
+        with pytest.raises(AuthenticationError, match="not signed with this cluster's secret"):
+            ini.open_segment(f"{name}-forged")
+        store.delete(f"{name}-forged")
