@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import time
 
 import pytest
 
@@ -99,6 +100,27 @@ def test_connection_bounds_and_idle_timeout() -> None:
         trickler = socket.create_connection(("127.0.0.1", srv.port))
         trickler.sendall(b"GE")  # never completes its request line
         assert _wait_closed(trickler) == b""
+        # One byte every 0.2 s resets the socket timeout each time, not the request's deadline.
+        slow = socket.create_connection(("127.0.0.1", srv.port))
+        closed = False
+        for ch in b"GET /metadata?key=" + b"k" * 200:
+            try:
+                slow.sendall(bytes([ch]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.2)
+            slow.setblocking(False)
+            try:
+                closed = slow.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed = True
+            slow.setblocking(True)
+            if closed:
+                break
+        assert closed, "a trickled request outlived the whole-request deadline"
 
 
 def test_keep_alive_requests_share_a_connection() -> None:

@@ -17,7 +17,8 @@ never travels, a header is good for one write within ``AUTH_WINDOW_S``), else 40
 said. Without a secret anyone who reaches the port can write: trusted networks only. Reads stay open
 (descriptors are signed by the engines themselves). Bounded: keys (``max_keys``), stored bytes
 (``max_total_bytes``) -> 507; open connections in total and per client address -> 503 and close;
-an idle or trickling connection is closed after ``idle_timeout_s`` without a complete request line.
+each request, the wait for it included, must complete within ``idle_timeout_s`` (a reaper thread
+shuts down connections past it, so trickling a byte now and then does not keep one open).
 Replies go out in one write with ``TCP_NODELAY`` (a keep-alive request used to wait ~40 ms for the
 client's delayed ACK between the header and body writes).
 """
@@ -85,6 +86,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.idle_timeout_s
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def handle_one_request(self) -> None:
+        """One request, waiting for it included, within ``idle_timeout_s`` as a whole: a client
+        trickling a byte now and then (each resetting the socket timeout) is still cut off."""
+        self.server.watch(self.connection)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.unwatch(self.connection)
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -279,7 +289,35 @@ class _Server(ThreadingHTTPServer):
         self._conns: dict[str, int] = {}
         self._open = 0
         self._nonces: dict[str, float] = {}  # nonce -> when it expires (replay window)
+        self._deadlines: dict[socket.socket, float] = {}  # connection -> end of its current request
+        self._closing = threading.Event()
         super().__init__(address, _Handler)
+        self._reaper = threading.Thread(target=self._reap, name="kvpool-metadata-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- whole-request deadlines -------------------------------------------------------------------------
+
+    def watch(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines[conn] = time.monotonic() + self.idle_timeout_s
+
+    def unwatch(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(conn, None)
+
+    def _reap(self) -> None:
+        """Shut down connections whose request (or the wait for it) overran its deadline."""
+        while not self._closing.wait(min(0.5, self.idle_timeout_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, t in self._deadlines.items() if t <= now]
+                for c in late:
+                    del self._deadlines[c]
+            for c in late:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; it closes
+                except OSError:
+                    pass
 
     # -- connection bounds ----------------------------------------------------------------------------
 
@@ -374,6 +412,10 @@ class _Server(ThreadingHTTPServer):
                 return False
             self._bytes -= len(old)
             return True
+
+    def server_close(self) -> None:
+        self._closing.set()
+        super().server_close()
 
     def handle_error(self, request: object, client_address: object) -> None:
         """Log handler crashes (e.g. a client hanging up mid-request) at debug level, not on stderr."""
