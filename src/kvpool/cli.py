@@ -357,14 +357,15 @@ DOCTOR_EXAMPLES = """examples:
 """
 
 
-# Commands that do not need the master's options (config models) or the conductor's commands to
-# parse their own arguments: their bad input is refused before those modules load.
+# Commands that do not need the master's options (config models) or the conductor's commands and
+# proxy options to parse their own arguments: their bad input is refused before those modules load.
 LIGHT_COMMANDS = frozenset({"demo", "bench", "master", "doctor", "topology"})
 
 
 def build_parser(master_options: bool = True, conductor: bool = True) -> argparse.ArgumentParser:
     """The ``kvpool`` argument parser. ``master_options=False`` leaves out ``master``'s options and
-    ``conductor=False`` lists ``simulate`` without its options (both need heavier modules)."""
+    ``conductor=False`` lists ``simulate`` and ``proxy`` without the conductor's options (both need
+    heavier modules); :func:`_main` builds the full parser for every command not in LIGHT_COMMANDS."""
     ap = CliParser(
         prog="kvpool",
         description="KV cache pooling: transfer engine, store, connectors.\n"
@@ -476,9 +477,10 @@ def build_parser(master_options: bool = True, conductor: bool = True) -> argpars
                     help="connections to backends, total (default 1024)")  # fmt: skip
     px.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")  # fmt: skip
-    from kvpool.conductor.cli import add_proxy_options
+    if conductor:  # (left out only when another command is being parsed)
+        from kvpool.conductor.cli import add_proxy_options
 
-    add_proxy_options(px)  # --backends, --policy, --kv-events, SLOs ...
+        add_proxy_options(px)  # --backends, --policy, --kv-events, SLOs ...
     px.set_defaults(func=cmd_proxy)
 
     dr = sub.add_parser("doctor", help="check this host (memlock, RDMA, CUDA, GPUDirect, engines, servers)",
