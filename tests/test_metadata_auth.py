@@ -208,3 +208,22 @@ def test_signed_descriptors_through_every_backend(backend: str, request: pytest.
         with pytest.raises(AuthenticationError, match="not signed with this cluster's secret"):
             ini.open_segment(f"{name}-forged")
         store.delete(f"{name}-forged")
+
+
+def test_engines_publish_through_a_metadata_server_with_a_secret() -> None:
+    from kvpool import OpCode, TransferEngine
+
+    with MetadataServer(secret=SECRET) as ms:
+        with (
+            TransferEngine(protocol="tcp", metadata=ms.url, name="a", secret=SECRET) as a,
+            TransferEngine(protocol="tcp", metadata=ms.url, name="b", secret=SECRET) as b,
+        ):
+            buf = bytearray(4096)
+            addr = a.register_local_memory(buf)
+            src = bytearray(b"x" * 4096)
+            b.transfer_sync("a", b.register_local_memory(src), addr, 4096, OpCode.WRITE)
+            assert bytes(buf) == bytes(src)
+            # An engine without the secret cannot publish (nor overwrite "a").
+            with pytest.raises(MetadataError, match="401"):
+                TransferEngine(protocol="tcp", metadata=ms.url, name="a")
+        assert HttpMetadata(ms.url).get("a") is None  # withdrawn on close (a signed DELETE)
