@@ -55,7 +55,8 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: 
     try:
         for s in servers:
             s.wait_ready()
-        flags = ["--block-size", str(BLOCK), "--kv-events", ",".join(endpoints), "--tokenizer", str(tiny_llama)]
+        flags = ["--block-size", str(BLOCK), "--kv-events", ",".join(endpoints)]
+        flags += ["--tokenizer", str(tiny_llama)]
         with RouterProxy([s.url for s in servers], "conductor", *flags) as proxy:
             yield servers, mirror, proxy, tiny_llama
     finally:

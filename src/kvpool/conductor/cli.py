@@ -235,7 +235,8 @@ def add_proxy_options(px: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events", default=None, metavar="LIST",
                    help="comma-separated ZMQ addresses of the instances' KV-event publishers, one per "
                    "instance in URL order (prefill ones in P/D mode), 'none' for an instance without "
-                   "events (tracked approximately). vLLM binds its publisher only for an endpoint tcp://*:PORT "
+                   "events (tracked approximately). vLLM binds its publisher only for "
+                   "an endpoint tcp://*:PORT "
                    "(then give tcp://127.0.0.1:PORT here) or ipc://PATH (give the same); with a host it "
                    "connects instead",
                    )  # fmt: skip
