@@ -101,6 +101,10 @@ def bench_ingest(block: int = 16, n_batches: int = 2000, per_batch: int = 64, ro
 
 
 def bench_replay(trace: str | None) -> dict:
+    from kvpool.store.trace import find_shared_trace
+
+    found = find_shared_trace()
+    trace = trace or (str(found) if found else None)
     reqs = (
         load_requests(trace) if trace and Path(trace).exists() else synthetic_requests(12031, rate_per_s=3.4)
     )
@@ -114,7 +118,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--trace",
-        default=str(Path(__file__).resolve().parents[1] / "../shared/traces/conversation_trace.jsonl"),
+        default=None,
+        help="Mooncake-format trace (default: shared/traces/conversation_trace.jsonl found from the current "
+        "directory up, else a synthetic one of 12,031 requests)",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", choices=["decision", "ingest", "replay"])
