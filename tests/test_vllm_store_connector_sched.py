@@ -46,7 +46,7 @@ def test_second_instance_loads_the_prefix_the_first_saved(tiny_llama: Path, mast
 
         prompt_b = PROMPT + [9, 9, 9]
         b.add("b1", prompt_b, 3, None)
-        out, _ = b.step()
+        out = b.step_until(lambda out: "b1" in out.kv_connector_metadata.loads)  # lookup, then load
         loads = out.kv_connector_metadata.loads["b1"]
         assert [k for _, k in loads] == keys
         b.run_until(lambda o: "b1" in o and o["b1"].new_token_ids)
@@ -71,12 +71,12 @@ def test_diverging_prompt_hits_only_the_common_blocks(tiny_llama: Path, master: 
         ns = a.connector._scheduler.namespace
         assert block_keys(ns, other, 32)[0] == block_keys(ns, PROMPT, 32)[0]
         assert block_keys(ns, other, 32)[1] != block_keys(ns, PROMPT, 32)[1]
-        n, is_async = a.connector.get_num_new_matched_tokens(a.add("x2", other, 1, None), 0)
+        n, is_async = a.lookup(a.add("x2", other, 1, None))
         assert (n, is_async) == (32, True)
         # Another model tag shares nothing.
         c = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "other"})
         try:
-            assert c.connector.get_num_new_matched_tokens(c.add("y", PROMPT, 1, None), 0) == (0, False)
+            assert c.lookup(c.add("y", PROMPT, 1, None)) == (0, False)
         finally:
             c.close()
     finally:
@@ -92,7 +92,7 @@ def test_block_evicted_between_lookup_and_load_is_recomputed(tiny_llama: Path, m
         run_to_end(a, "e1")
         a.run_until(lambda o: a.free_blocks() == a.idle_free)
         b.add("e2", PROMPT, 2, None)
-        n, _ = b.connector.get_num_new_matched_tokens(b.scheduler.requests["e2"], 0)
+        n, _ = b.lookup(b.scheduler.requests["e2"])
         assert n == 64
         with Store.connect(master, segment_size=0) as s:  # the objects vanish before the load
             assert s.remove_all() >= 2
@@ -132,7 +132,7 @@ def test_combined_pd_and_store_through_multiconnector(tiny_llama: Path, master: 
     s = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t4"})
     try:
         p.add("c1", PROMPT, 1, {"do_remote_decode": True})
-        _, outputs = p.step()
+        outputs = p.run_until(lambda o: "c1" in o)  # after the store lookup
         params = outputs["c1"].kv_transfer_params
         assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 3
         # The store save finishes on its own; the blocks stay until the decode has read them too.
@@ -146,7 +146,7 @@ def test_combined_pd_and_store_through_multiconnector(tiny_llama: Path, master: 
             assert torch.equal(got, want)
         p.run_until(lambda o: p.free_blocks() == p.idle_free)
         # ... and the prefix is in the pool for any other instance.
-        assert s.connector.get_num_new_matched_tokens(s.add("c3", PROMPT, 1, None), 0) == (64, True)
+        assert s.lookup(s.add("c3", PROMPT, 1, None)) == (64, True)
     finally:
         for inst in (s, d, p):
             inst.close()
@@ -255,3 +255,76 @@ def test_a_stored_object_of_the_wrong_size_is_a_failed_load(tiny_llama: Path, ma
     finally:
         a.close()
         b.close()
+
+
+# ---------------------------------------------------------------- hooks never block (issue 12)
+def test_hooks_return_at_once_while_the_master_is_stopped(tiny_llama: Path) -> None:  # noqa: F811
+    """SIGSTOP the master: a scheduler hook that waited on it would block for the store's RPC
+    timeout (60 s here); each step must instead return at once, requests are computed locally,
+    and once the master runs again the store is used again."""
+    import os
+    import signal
+
+    from tests.vllm_sched import make_request
+
+    with MasterProcess() as m, StorageProcess(m.address, 64 << 20):
+        extra = {"master": m.address, "model_tag": "t7", "store_rpc_timeout_s": 60.0,
+                 "lookup_timeout_s": 0.5, "store_retry_s": 0.5}  # fmt: skip
+        a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+        try:
+            a.add("m1", PROMPT, 1, None)
+            run_to_end(a, "m1")
+            a.run_until(lambda o: a.free_blocks() == a.idle_free)
+            assert a.worker._worker.saved_blocks == 2
+            # m0 is running (its lookup answered) when the master stops: it finishes meanwhile.
+            other = [(i * 41) % 500 + 7 for i in range(100)]
+            a.add("m0", other, 3, None)
+            a.step_until(lambda out: any(r.req_id == "m0" for r in out.scheduled_new_reqs))
+            os.kill(m.proc.pid, signal.SIGSTOP)
+            try:
+                slowest = 0.0
+                done: set[str] = set()
+
+                def step() -> None:
+                    nonlocal slowest
+                    s0 = time.perf_counter()
+                    _, outputs = a.step()
+                    slowest = max(slowest, time.perf_counter() - s0)
+                    done.update(r for r, o in outputs.items() if o.finish_reason)
+
+                while "m0" not in done:  # request_finished hands the save to the worker, no RPC
+                    step()
+                answers = []
+                req = make_request("m2", PROMPT, 1)
+                while not answers or answers[-1][0] is None:
+                    t0 = time.perf_counter()
+                    answers.append(a.connector.get_num_new_matched_tokens(req, 0))
+                    slowest = max(slowest, time.perf_counter() - t0)
+                    assert len(answers) < 10_000
+                    time.sleep(0.01)
+                assert answers[0] == (None, False)  # pending: vLLM asks again next step
+                assert answers[-1] == (0, False)  # given up after lookup_timeout_s: computed locally
+                assert not a.connector._scheduler.breaker.closed()
+                # Whole requests through vLLM's scheduler, with the store switched off.
+                a.add("m3", other[:50] + PROMPT, 2, None)
+                a.add("m4", PROMPT, 2, None)
+                t0 = time.perf_counter()
+                while not {"m3", "m4"} <= done:
+                    step()
+                    assert time.perf_counter() - t0 < 30, "requests not served while the master is stopped"
+                assert slowest < 5.0, f"a step waited {slowest:.1f} s on the stopped master"
+                assert a.connector._scheduler.hit_blocks == 0
+            finally:
+                os.kill(m.proc.pid, signal.SIGCONT)
+            # m0's save (stuck on the master in the worker's save thread) ends; its blocks come back.
+            a.run_until(lambda o: a.free_blocks() == a.idle_free, timeout=90)
+            # The master is back: a probe closes the breaker and the saved prefix is found again.
+            deadline = time.monotonic() + 90
+            i = 0
+            while a.lookup(make_request(f"m5-{i}", PROMPT, 1), timeout=90) != (64, True):
+                assert time.monotonic() < deadline, "store not used again after the master came back"
+                i += 1
+                time.sleep(0.1)
+            assert a.connector._scheduler.breaker.closed() and a.connector._scheduler.breaker.outages == 1
+        finally:
+            a.close()

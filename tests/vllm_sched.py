@@ -95,6 +95,17 @@ class Instance:
         self.scheduler.add_request(req)
         return req
 
+    def step_until(self, cond: Any, timeout: float = 10.0) -> Any:
+        """Step until ``cond(scheduler_output)`` is true; returns that scheduler output."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out, _ = self.step()
+            if cond(out):
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached")
+            time.sleep(0.005)
+
     def lookup(self, req: Request, computed: int = 0, timeout: float = 10.0) -> tuple[int, bool]:
         """``get_num_new_matched_tokens`` asked again, as the scheduler does, while it answers
         None (lookup pending)."""

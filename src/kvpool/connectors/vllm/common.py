@@ -85,6 +85,14 @@ class VllmConnectorConfig(_ConfigBase):
         load_async: store connector: load hits between scheduler steps (True) or inside the
             forward pass (False).
         min_hit_blocks: store connector: ignore store hits shorter than this many blocks.
+        lookup_timeout_s: store connector: a store lookup still unanswered after this long is
+            given up (the request is computed locally) and the store is switched off for
+            ``store_retry_s``. The scheduler hook never waits for a lookup: it answers "ask
+            again" meanwhile.
+        store_retry_s: store connector: after the master was unreachable, how long to serve
+            without the store before one probe tries it again.
+        store_rpc_timeout_s: store connector: the store client's master RPC timeout (None = the
+            store's default).
     """
 
     hostname: str = "127.0.0.1"
@@ -102,6 +110,9 @@ class VllmConnectorConfig(_ConfigBase):
     model_tag: str | None = None
     load_async: bool = True
     min_hit_blocks: int = Field(default=1, ge=1)
+    lookup_timeout_s: float = Field(default=1.0, gt=0)
+    store_retry_s: float = Field(default=10.0, gt=0)
+    store_rpc_timeout_s: float | None = Field(default=None, gt=0)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> VllmConnectorConfig:

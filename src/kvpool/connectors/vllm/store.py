@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
+from kvpool.connectors.vllm.nonblocking import AsyncLookups, Breaker, Lookup
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, ObjectExists
 
 if TYPE_CHECKING:
@@ -156,20 +157,26 @@ class KvpoolStoreMetadata(KVConnectorMetadata):
     saves: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
 
-def _connect(cfg: VllmConnectorConfig, segment_size: int, buffer_size: int) -> Store:
-    from kvpool.store.client import Store
-
+def _check_master(cfg: VllmConnectorConfig) -> None:
     if not cfg.master:
         raise ConfigError(
             "KvpoolStoreConnector needs kv_connector_extra_config.master (host:port of `kvpool master`) "
             "so that instances share one pool"
         )
+
+
+def _connect(cfg: VllmConnectorConfig, segment_size: int, buffer_size: int) -> Store:
+    from kvpool.store.client import Store
+
+    _check_master(cfg)
     kw: dict[str, Any] = dict(
         master=cfg.master, hostname=cfg.hostname, segment_size=segment_size, buffer_size=buffer_size,
         protocol=cfg.protocol, metadata=cfg.metadata, transfer_timeout_s=cfg.transfer_timeout_s,
     )  # fmt: skip
     if cfg.secret:
         kw["secret"] = cfg.secret
+    if cfg.store_rpc_timeout_s is not None:
+        kw["rpc_timeout_s"] = cfg.store_rpc_timeout_s
     return Store.connect(**kw)
 
 
@@ -190,15 +197,28 @@ class KvpoolStoreConnector(KvpoolConnectorBase):
 
 
 class _StoreScheduler:
+    """Scheduler half. No hook waits on the master: lookups run on a background thread
+    (:class:`AsyncLookups`; ``get_num_new_matched_tokens`` answers ``None`` = "ask again" while
+    one is pending), ``request_finished`` only hands blocks to the worker (which checks what the
+    store already has), and a :class:`Breaker` turns the store off while the master is
+    unreachable (requests are computed locally meanwhile)."""
+
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any) -> None:
         self.cfg = cfg
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # TP rank 0's namespace decides hits (every rank saves the same blocks).
         self.namespace = namespace_for(cfg, vllm_config, 0)
-        self.store = _connect(cfg, 0, 1 << 16)
+        _check_master(cfg)
+        self.breaker = Breaker(f"kvpool store master {cfg.master}", cfg.store_retry_s)
+        self._lookups = AsyncLookups(
+            lambda: _connect(cfg, 0, 1 << 16), lambda store, keys: store.batch_exists(keys)
+        )
+        self._pending: dict[str, Lookup] = {}  # req -> its lookup (until allocated or finished)
+        self._probe: Lookup | None = None
         self._hits: dict[str, tuple[int, list[str]]] = {}  # req -> (local computed tokens, hit keys)
         self._keys: dict[str, list[str] | None] = {}  # req -> keys of its full prompt blocks
+        self._stored: dict[str, int] = {}  # req -> leading blocks known to be in the store
         self._unkeyable_logged = False
         self._loads: dict[str, list[tuple[int, str]]] = {}
         self._saves: dict[str, list[tuple[int, str]]] = {}
@@ -206,32 +226,73 @@ class _StoreScheduler:
         self.lookups = 0
         self.hit_blocks = 0
 
-    def close(self) -> None:
-        self.store.close()
+    @property
+    def store(self) -> Store | None:
+        """The scheduler's store client (made by the lookup thread on first use)."""
+        return self._lookups.client
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        tokens = list(request.prompt_token_ids or ())
+    def close(self) -> None:
+        self._lookups.close()
+        if self._lookups.client is not None:
+            self._lookups.client.close()
+
+    def _store_usable(self) -> bool:
+        """Closed breaker; while open, one probe per ``store_retry_s`` (never waited for)."""
+        if self._probe is not None and self._probe.done:
+            probe, self._probe = self._probe, None
+            if probe.error is None:
+                self.breaker.ok()
+            else:
+                self.breaker.fail(probe.error)
+        if self.breaker.closed():
+            return True
+        if self._probe is None and self.breaker.want_probe():
+            self._probe = self._lookups.submit([f"{self.namespace}/probe"])
+        return False
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's scheduler, for each waiting request it considers, each step: external hit tokens
+        and whether they load asynchronously; ``(None, False)`` while the lookup is pending."""
+        rid = request.request_id
+        n_prompt = len(request.prompt_token_ids or ())
         # At least the last prompt token is computed here, so a full hit stops one block short.
-        limit = (len(tokens) - 1) // self.block_size
+        limit = (n_prompt - 1) // self.block_size
         if limit * self.block_size <= num_computed_tokens or limit < self.cfg.min_hit_blocks:
             return 0, False
-        keys = self._request_keys(request)
-        if keys is None:
+        if not self._store_usable():
+            self._pending.pop(rid, None)
             return 0, False
-        keys = keys[:limit]
-        try:
-            found = self.store.batch_exists(keys)
-        except KvpoolError as exc:
-            log.warning("kvpool store lookup failed (%s): computing %s locally", exc, request.request_id)
+        lk = self._pending.get(rid)
+        if lk is None:
+            keys = self._request_keys(request)
+            if keys is None:
+                return 0, False
+            self._pending[rid] = self._lookups.submit(keys[:limit])
+            return None, False
+        if not lk.done:
+            if time.monotonic() - lk.started > self.cfg.lookup_timeout_s:
+                self._pending.pop(rid, None)
+                self.breaker.fail(f"lookup took over {self.cfg.lookup_timeout_s} s")
+                return 0, False
+            return None, False
+        if lk.error is not None:
+            self._pending.pop(rid, None)
+            if isinstance(lk.error, KvpoolError):
+                self.breaker.fail(lk.error)
+            else:
+                log.warning("kvpool store lookup for %s failed: %r", rid, lk.error)
             return 0, False
+        self.breaker.ok()
+        found = lk.found or []
         n = 0
         while n < len(found) and found[n]:
             n += 1
         self.lookups += 1
+        self._stored[rid] = n
         hit = n * self.block_size - num_computed_tokens
         if n < self.cfg.min_hit_blocks or hit <= 0:
             return 0, False
-        self._hits[request.request_id] = (num_computed_tokens, keys[:n])
+        self._hits[rid] = (num_computed_tokens, lk.keys[:n])
         return hit, self.cfg.load_async
 
     def _request_keys(self, request: Any) -> list[str] | None:
@@ -250,6 +311,8 @@ class _StoreScheduler:
         return self._keys[rid]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's scheduler, once blocks are allocated for a request it schedules."""
+        self._pending.pop(request.request_id, None)
         entry = self._hits.pop(request.request_id, None)
         if entry is None or num_external_tokens <= 0:
             return
@@ -273,34 +336,31 @@ class _StoreScheduler:
         self.loading.difference_update(req_ids)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        """vLLM's scheduler, once per finished request: hand its full prompt blocks to the worker
+        for saving (no master RPC here); True keeps the blocks until the worker is done."""
         return self._finished(request, block_ids), None
 
     def _finished(self, request: Any, block_ids: list[int]) -> bool:
-        self._hits.pop(request.request_id, None)
-        all_keys = self._keys.pop(request.request_id, None)
-        if request.request_id in self.loading:
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        self._hits.pop(rid, None)
+        stored = self._stored.pop(rid, 0)
+        all_keys = self._keys.pop(rid, None)
+        if rid in self.loading:
             return True  # a load still writes into its blocks: freed once it is reported done
-        tokens = list(request.prompt_token_ids or ())
+        tokens = request.prompt_token_ids or ()
         n = min(len(tokens), int(request.num_computed_tokens)) // self.block_size
         n = min(n, len(block_ids))
-        if n <= 0:
+        if n <= stored or not self._store_usable():
             return False
         if all_keys is None:
             all_keys = self._request_keys(request)
-            self._keys.pop(request.request_id, None)
+            self._keys.pop(rid, None)
         if all_keys is None:
             return False
-        keys = all_keys[:n]
-        try:
-            found = self.store.batch_exists(keys)
-        except KvpoolError as exc:
-            log.warning("kvpool store unreachable (%s): not saving %s", exc, request.request_id)
-            return False
-        todo = [(block_ids[i], keys[i]) for i in range(n) if not found[i]]
-        if not todo:
-            return False
-        self._saves[request.request_id] = todo
-        return True  # blocks stay allocated until the worker reports the save done
+        # Blocks the lookup found are in the store already; the worker checks the rest.
+        self._saves[rid] = [(block_ids[i], all_keys[i]) for i in range(stored, n)]
+        return True
 
 
 class _StoreWorker:
@@ -319,8 +379,11 @@ class _StoreWorker:
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._errors: set[int] = set()
-        self._jobs: queue.Queue[tuple[str, str, list[tuple[int, str]]] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        # Loads and saves on separate threads: a load never waits behind a save.
+        self._loads: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
+        self._saves: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self.breaker = Breaker(f"kvpool store master {cfg.master} (saves)", cfg.store_retry_s)
         self.saved_blocks = 0
         self.loaded_blocks = 0
 
@@ -336,9 +399,12 @@ class _StoreWorker:
                     "(the store client does not stage GPU memory yet)"
                 )
             self.store.register_buffer(t)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kvpool-store-io", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            for name, q, fn in (("load", self._loads, self._load_job), ("save", self._saves, self._save_job)):
+                t = threading.Thread(target=self._loop, args=(q, fn), name=f"kvpool-store-{name}")
+                t.daemon = True
+                t.start()
+                self._threads.append(t)
 
     def unregister_kv_caches(self) -> None:
         if self.store is not None:
@@ -350,9 +416,10 @@ class _StoreWorker:
         self.regions = []
 
     def close(self) -> None:
-        self._jobs.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._loads.put(None)
+        self._saves.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
         if self.store is not None:
             self.store.close()
 
@@ -372,38 +439,50 @@ class _StoreWorker:
         return keys, addrs, sizes, owners
 
     def start(self, meta: KvpoolStoreMetadata) -> None:
-        for rid, blocks in meta.saves.items():
-            self._jobs.put(("save", rid, blocks))
+        """vLLM's worker, once per step (``start_load_kv``): queue this step's loads, then saves."""
         for rid, blocks in meta.loads.items():
             if self.cfg.load_async:
-                self._jobs.put(("load", rid, blocks))
+                self._loads.put((rid, blocks))
             else:
                 self._load(blocks)
+        for rid, blocks in meta.saves.items():
+            self._saves.put((rid, blocks))
 
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            kind, rid, blocks = job
-            if kind == "save":
-                self._save(blocks)
-                with self._lock:
-                    self._sent.add(rid)
-            else:
-                self._load(blocks)
-                with self._lock:
-                    self._recvd.add(rid)
+    @staticmethod
+    def _loop(q: queue.Queue[Any], fn: Any) -> None:
+        while (job := q.get()) is not None:
+            fn(*job)
+
+    def _load_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
+        self._load(blocks)
+        with self._lock:
+            self._recvd.add(rid)
+
+    def _save_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
+        try:
+            self._save(blocks)
+        finally:
+            with self._lock:
+                self._sent.add(rid)  # the blocks go back to vLLM whether or not they were saved
 
     def _save(self, blocks: list[tuple[int, str]]) -> None:
         """Write every layer of each block, then the block's commit marker (the key the scheduler
         looks up) only when all its layers are stored."""
         assert self.store is not None
+        if not self.breaker.closed() and not self.breaker.want_probe():
+            return  # master unreachable lately: the blocks go back at once, unsaved
         t0 = time.perf_counter()
-        keys, addrs, sizes, owners = self._ranges(blocks)
         try:
+            # Blocks another instance committed since the scheduler's lookup are not written again.
+            have = self.store.batch_exists([self._key(k) for _, k in blocks])
+            blocks = [b for b, h in zip(blocks, have, strict=True) if not h]
+            self.breaker.ok()
+            if not blocks:
+                return
+            keys, addrs, sizes, owners = self._ranges(blocks)
             res = self.store.batch_put_from(keys, addrs, sizes)
         except KvpoolError as exc:
+            self.breaker.fail(exc)
             log.warning("kvpool store: saving %d blocks failed: %s", len(blocks), exc)
             return
         bad = {owners[i] for i, e in enumerate(res) if e is not None and not isinstance(e, ObjectExists)}
