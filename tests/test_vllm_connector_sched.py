@@ -208,3 +208,56 @@ def test_vllm_whose_connector_interface_differs_is_refused(monkeypatch: pytest.M
     monkeypatch.delattr(KVConnectorBase_V1, "get_block_ids_with_load_errors")
     with pytest.raises(ImportError, match="lacks get_block_ids_with_load_errors"):
         check_vllm()
+
+
+def test_a_stopped_prefill_peer_delays_only_its_own_requests(tiny_llama: Path) -> None:  # noqa: F811
+    """One prefill peer is a stopped process (its listening socket accepts, nothing answers): the
+    decode's loads from the other prefill peer finish while the stopped peer's load waits for
+    its transfer timeout (120 s here); a single load thread would hold every load behind it."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    dead_port = free_port()
+    code = ("import socket, sys, time\ns = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))\n"
+            "s.listen(64); print('ready', flush=True); time.sleep(600)\n")  # fmt: skip
+    dead = subprocess.Popen([sys.executable, "-c", code, str(dead_port)], stdout=subprocess.PIPE, text=True)
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port()})
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer",
+                 {"side_channel_port": free_port(), "transfer_timeout_s": 120.0})  # fmt: skip
+    d.vc.kv_transfer_config.kv_load_failure_policy = "recompute"
+    d.scheduler.recompute_kv_load_failures = True
+    try:
+        assert dead.stdout is not None and dead.stdout.readline().strip() == "ready"
+        os.kill(dead.pid, signal.SIGSTOP)
+        live_prompt = [(i * 13) % 400 + 9 for i in range(90)]
+        params = prefill(p, "l0", live_prompt)
+        ghost = dict(params, remote_port=dead_port, remote_request_id="ghost")
+        d.add("from-dead", PROMPT, 2, ghost)
+        d.step()  # its load is on the stopped peer's lane now
+        with socket.create_connection(("127.0.0.1", dead_port), timeout=5):
+            pass  # the stopped peer still completes TCP handshakes: it looks alive to a connect
+        d.add("from-live", live_prompt, 2, params)
+        t0 = time.monotonic()
+        d.run_until(lambda o: "from-live" in o and o["from-live"].new_token_ids, timeout=60)
+        waited = time.monotonic() - t0
+        assert waited < 60  # far below the stopped peer's 120 s transfer timeout
+        for got, want in zip(d.block_values("from-live", 89), expected_rows(live_prompt, 89), strict=True):
+            assert torch.equal(got, want)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the live peer got its "done"
+        assert d.scheduler.requests["from-dead"].status.name == "WAITING_FOR_REMOTE_KVS"
+        # The stopped peer dies: its load fails at once and the request is recomputed locally.
+        dead.kill()
+        dead.wait()
+        outputs = d.run_until(lambda o: "from-dead" in o and o["from-dead"].new_token_ids, timeout=60)
+        assert outputs["from-dead"].finish_reason is None
+        for got, want in zip(d.block_values("from-dead", 79), expected_rows(PROMPT, 79), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        if dead.poll() is None:
+            dead.kill()
+            dead.wait()
+        d.close()
+        p.close()

@@ -19,9 +19,9 @@ request ids whose blocks were read (or given up on).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connectors.vllm")
 
 _REMOTE_KEYS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+# Load threads per decode worker: one per prefill peer up to this many, then peers share them.
+MAX_PEER_THREADS = 32
+# A lane sends its pending "done" notices after at most this many loads in a row.
+_LOADS_BEFORE_NOTICES = 8
 
 
 @dataclass
@@ -208,6 +212,58 @@ class _Remote:
     block_size: int
 
 
+class _PeerLane:
+    """Load thread of one prefill peer (past :data:`MAX_PEER_THREADS` peers, of a few): its loads
+    first, then its "done" notices, one RPC per peer. A dead or stalled peer holds up only the
+    requests whose KV is on it."""
+
+    def __init__(self, worker: _PdWorker, name: str) -> None:
+        self.worker = worker
+        self._cv = threading.Condition()
+        self._loads: deque[RecvJob] = deque()
+        self._notices: deque[RecvJob] = deque()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def load(self, job: RecvJob) -> None:
+        with self._cv:
+            self._loads.append(job)
+            self._cv.notify()
+
+    def notice(self, job: RecvJob) -> None:
+        with self._cv:
+            self._notices.append(job)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        in_a_row = 0
+        while True:
+            with self._cv:
+                while not self._loads and not self._notices and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = None
+                if self._loads and (in_a_row < _LOADS_BEFORE_NOTICES or not self._notices):
+                    job = self._loads.popleft()
+                    in_a_row += 1
+                else:
+                    notices, self._notices = list(self._notices), deque()
+                    in_a_row = 0
+            if job is not None:
+                self.worker._load(job)
+                with self._cv:
+                    self._notices.append(job)
+            else:
+                self.worker._notify(notices)
+
+
 class _PdWorker:
     def __init__(
         self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str, kv_cache_config: Any
@@ -228,7 +284,8 @@ class _PdWorker:
         self._load_errors: set[int] = set()
         self._remotes: dict[tuple[str, int], _Remote] = {}
         self._rpcs: dict[tuple[str, int], RpcClient] = {}
-        self._jobs: queue.Queue[tuple[str, RecvJob] | None] = queue.Queue()
+        self._lanes: dict[tuple[str, int], _PeerLane] = {}
+        self._lane_list: list[_PeerLane] = []
         self._server: RpcServer | None = None
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
@@ -254,10 +311,6 @@ class _PdWorker:
         total = sum(r.stride * r.num_blocks for r in regions)
         log.info("kvpool connector: registered %d KV regions (%.1f MiB) with engine %s",
                  len(regions), total / 2**20, self.engine.segment_name)  # fmt: skip
-        if not self._threads:
-            t = threading.Thread(target=self._load_loop, name="kvpool-pd-load", daemon=True)
-            t.start()
-            self._threads.append(t)
         if self.serves and self._server is None:
             port = self.cfg.side_channel_port + self.tp_rank
             self._server = RpcServer(
@@ -280,7 +333,8 @@ class _PdWorker:
     def close(self) -> None:
         if self._server is not None:
             self._server.stop()
-        self._jobs.put(None)
+        for lane in self._lane_list:
+            lane.stop()
         for rpc in self._rpcs.values():
             rpc.close()
         if self.engine is not None:
@@ -313,13 +367,29 @@ class _PdWorker:
                 for rid, ttl in meta.send.items():
                     self._pending_send[rid] = now + ttl
         for job in meta.recv.values():
-            if job.local_block_ids and self._inline(job):
+            lane = self._lane(job)
+            if not job.local_block_ids:
+                lane.notice(job)  # aborted before allocation: only free the prefill's blocks
+            elif self._inline(job):
                 # Small same-host reads finish faster here than after a hand-off to the load
                 # thread (no wake-up, no GIL ping-pong with this busy thread).
                 self._load(job)
-                self._jobs.put(("notify", job))
+                lane.notice(job)
             else:
-                self._jobs.put(("load", job))
+                lane.load(job)
+
+    def _lane(self, job: RecvJob) -> _PeerLane:
+        """The load thread of the job's prefill peer (made on first use; bounded)."""
+        key = (job.remote_host, job.remote_port + self.tp_rank)
+        lane = self._lanes.get(key)
+        if lane is None:
+            if len(self._lane_list) < MAX_PEER_THREADS:
+                lane = _PeerLane(self, f"kvpool-pd-load-{len(self._lane_list)}")
+                self._lane_list.append(lane)
+            else:
+                lane = self._lane_list[hash(key) % MAX_PEER_THREADS]
+            self._lanes[key] = lane
+        return lane
 
     def _inline(self, job: RecvJob) -> bool:
         rem = self._remotes.get((job.remote_host, job.remote_port + self.tp_rank))
@@ -405,25 +475,19 @@ class _PdWorker:
                         lens.append(loc.block_bytes)
         return locs, rems, lens
 
-    def _load_loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            kind, job = item
-            if kind == "load":
-                self._load(job)
-            self._notify(job)
-
-    def _notify(self, job: RecvJob) -> None:
-        """Tell the prefill side its blocks may go, whether or not the read worked (best effort:
-        they time out there anyway)."""
-        try:
-            self._rpc(job.remote_host, job.remote_port + self.tp_rank).call(
-                "done", req_ids=[job.remote_request_id]
+    def _notify(self, jobs: list[RecvJob]) -> None:
+        """Tell prefill side channels their blocks may go (read or given up on), one RPC per
+        peer; best effort: they time out there anyway. Runs on the peer's lane only."""
+        by_peer: dict[tuple[str, int], list[str]] = {}
+        for job in jobs:
+            by_peer.setdefault((job.remote_host, job.remote_port + self.tp_rank), []).append(
+                job.remote_request_id
             )
-        except KvpoolError as exc:
-            log.debug("done notice for %s not delivered: %s", job.remote_request_id, exc)
+        for (host, port), ids in by_peer.items():
+            try:
+                self._rpc(host, port).call("done", req_ids=ids)
+            except KvpoolError as exc:
+                log.debug("done notice for %s not delivered: %s", ids, exc)
 
     def _load(self, job: RecvJob) -> None:
         t0 = time.perf_counter()
