@@ -20,11 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.test_cli_errors import CASES, bad_input_places, fill, run_kvpool  # noqa: E402
 
+from kvpool._smoke import shorten  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=3, help="runs per case; the best is kept (default 3)")
-    args = ap.parse_args()
+    args = shorten(ap.parse_args(), repeat=1)
     base = []
     for _ in range(max(3, args.repeat)):
         t0 = time.monotonic()

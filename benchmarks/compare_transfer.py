@@ -20,6 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kvpool._smoke import shorten  # noqa: E402
 from kvpool.transfer.bench import run_transfer_bench  # noqa: E402
 from mooncake_te import run_mooncake_te  # noqa: E402
 from socket_stream import run_socket_stream  # noqa: E402
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-mooncake", action="store_true")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    args = shorten(ap.parse_args(argv), duration=0.2, repeats=1)
     d, r = args.duration, args.repeats
     rows: list[dict[str, Any]] = []
 

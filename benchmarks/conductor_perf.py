@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgpack
 
+from kvpool._smoke import pick
 from kvpool.conductor import BlockIndex, Cluster, CostModel, Instance, RequestInfo, SloGate, Tier, make_policy
 from kvpool.conductor.sim import SimConfig, load_requests, simulate, synthetic_requests
 
@@ -108,6 +109,7 @@ def bench_replay(trace: str | None) -> dict:
     reqs = (
         load_requests(trace) if trace and Path(trace).exists() else synthetic_requests(12031, rate_per_s=3.4)
     )
+    reqs = reqs[: pick(len(reqs), 500)]
     t0 = time.perf_counter()
     s = simulate(reqs, SimConfig(policy="conductor", prefill=8, decode=8))
     return {"trace": trace if trace and Path(trace).exists() else "synthetic", "requests": len(reqs),
@@ -127,9 +129,9 @@ def main() -> None:
     a = ap.parse_args()
     res = {}
     if a.only in (None, "ingest"):
-        res["ingest"] = bench_ingest()
+        res["ingest"] = bench_ingest(n_batches=pick(2000, 100), rounds=pick(3, 1))
     if a.only in (None, "decision"):
-        res["decision"] = bench_decision()
+        res["decision"] = bench_decision(n_blocks=pick(1_000_000, 20_000), n=pick(5000, 200))
     if a.only in (None, "replay"):
         res["replay"] = bench_replay(a.trace)
     if a.json:

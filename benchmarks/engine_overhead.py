@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from kvpool import OpCode, TransferEngine
+from kvpool._smoke import pick
 from kvpool.transfer.peer import PeerProcess
 
 OP_READ = OpCode.READ
@@ -45,11 +46,11 @@ def main() -> None:
                 buf = bytearray(64 << 20)
                 local = eng.register_local_memory(buf)
                 for name, size, fn in _cases(eng, peer.segment, local, peer.addr):
-                    for _ in range(20):
+                    for _ in range(pick(20, 2)):
                         fn()
                     per_call: list[float] = []
-                    calls = 200 if size < (1 << 20) else 20
-                    for _ in range(9):
+                    calls = pick(200, 20) if size < (1 << 20) else pick(20, 2)
+                    for _ in range(pick(9, 1)):
                         t = time.perf_counter()
                         for _ in range(calls):
                             fn()

@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any
 
+from kvpool._smoke import shorten
+
 MIB = 1 << 20
 
 
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--role", choices=["main", "target", "attacker"], default="main", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.role == "main":
+        shorten(args, connections=200, transfers=20, hold_s=1.0)
     _raise_nofile()
     if args.role == "target":
         target(args.secret)

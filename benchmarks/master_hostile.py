@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from kvpool._rpc import RpcClient, frame
+from kvpool._smoke import shorten
 from kvpool.store.procs import MasterProcess
 
 SECRET = "hostile-bench"
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objects", type=int, default=100_000)
     ap.add_argument("--hold", type=float, default=15.0)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    a = shorten(ap.parse_args(argv), hostile=40, objects=2000, hold=1.0)
     res = run(a.hostile, a.objects, a.hold)
     if a.json:
         print(json.dumps(res))

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from kvpool._rpc import RpcClient
+from kvpool._smoke import shorten
 from kvpool.store.procs import MasterProcess
 
 VALUE = 4096
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segments", type=int, default=1000)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    a = shorten(ap.parse_args(argv), objects=5000, segments=10, duration=1.0)
     res = run(a.objects, a.segments, a.duration)
     if a.json:
         print(json.dumps(res))

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from kvpool._smoke import shorten
+
 
 def _stats(xs: list[float]) -> dict[str, float]:
     xs = sorted(xs)
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the measurement and print JSON."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300)
-    args = ap.parse_args(argv)
+    args = shorten(ap.parse_args(argv), requests=20)
     code = (
         "from kvpool.transfer.metadata_server import MetadataServer\n"
         "s = MetadataServer(port=0); print(s.port, flush=True); s.serve_forever()\n"

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpool._smoke import shorten
+
 LAYERS, PAGE, HEADS, HEAD_DIM = 32, 16, 8, 128
 ITEM = PAGE * HEADS * HEAD_DIM * 2
 POOL_PAGES = 160  # pages per buffer in each process (the request uses 64 of them)
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", nargs=3, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--protocol", default="tcp", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    args = shorten(ap.parse_args(argv), requests=2, pages=8)
     if args.target:
         target(args.target, args.protocol)
         return 0

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import Store
+from kvpool._smoke import shorten
 from kvpool.child import free_port
 from kvpool.errors import KvpoolError
 from kvpool.store.procs import MasterProcess, StorageProcess
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=None, help="run exactly this many rounds")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    a = shorten(ap.parse_args(argv), rounds=1, round_s=6.5, writers=1, readers=1)
     t0 = time.monotonic()
     res = run(a.duration, a.round_s, a.writers, a.readers, a.storage, rounds=a.rounds)
     res["elapsed_s"] = round(time.monotonic() - t0, 1)

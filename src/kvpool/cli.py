@@ -106,8 +106,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     """Benchmark the transfer engine between two processes."""
 
+    from kvpool._smoke import shorten
     from kvpool.transfer.bench import run_transfer_bench
 
+    shorten(args, duration=min(args.duration, 0.2))
     _check_rdma([args.protocol])
     for bs in args.block_size:
         check_memory(2 * bs * args.batch_size * args.threads, "--block-size x --batch-size x --threads (x2: "
@@ -177,8 +179,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 def cmd_bench_store(args: argparse.Namespace) -> int:
     """Benchmark the store across three processes."""
 
+    from kvpool._smoke import shorten
     from kvpool.store.bench import run_store_bench
 
+    shorten(args, duration=min(args.duration, 0.3))
     results = []
     for vs in args.value_size:
         res = _with_progress(
