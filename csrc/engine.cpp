@@ -685,6 +685,37 @@ void Engine::finish_slot(uint64_t batch_id, uint32_t idx, uint64_t nbytes, int32
   }
 }
 
+void Engine::finish_range(uint64_t batch_id, uint32_t first, const std::vector<uint64_t>& lens, int32_t status) {
+  auto b = get_batch(batch_id);
+  if (static_cast<uint64_t>(first) + lens.size() > b->capacity) throw KvError(E_INVALID, "index out of range of the batch");
+  uint32_t done = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    Slot& s = b->slots[first + i];
+    uint32_t one = 1;
+    if (s.state.load() != S_PENDING || !s.remaining.compare_exchange_strong(one, 0)) continue;  // finished already
+    if (status != ST_OK) s.err.store(status);
+    s.bytes.store(status == ST_OK ? lens[i] : 0);
+    s.state.store(status == ST_OK ? S_COMPLETED : state_for(status), std::memory_order_release);
+    ++done;
+  }
+  if (done != 0 && b->pending_slots.fetch_sub(done, std::memory_order_acq_rel) == done) {
+    std::lock_guard lk(b->mu);
+    b->cv.notify_all();
+  }
+}
+
+std::pair<int, uint64_t> Engine::fence_claim(uint64_t addr, uint64_t len) {
+  std::unique_lock lk(reg_.mutex());  // the registry claims slots under it too
+  uint64_t gen = 0;
+  int slot = fence_ ? fence_->claim(addr, len, &gen) : -1;
+  return {slot, gen};
+}
+
+bool Engine::fence_retire(int slot) {
+  if (slot < 0 || fence_ == nullptr) return true;
+  return fence_->retire(slot, opt_.timeout_ms);
+}
+
 std::pair<int, uint64_t> Engine::status(uint64_t batch, uint32_t idx) {
   auto b = get_batch(batch);
   if (idx >= b->capacity) throw KvError(E_INVALID, "index out of range of the batch");

@@ -252,6 +252,13 @@ class Engine {
   // status, e.g. ST_TRANSPORT when the caller keeps the reason itself).
   uint32_t reserve_slots(uint64_t batch, const std::vector<uint64_t>& lens);
   void finish_slot(uint64_t batch, uint32_t idx, uint64_t nbytes, int32_t status);
+  // Completes slots first .. first+lens.size()-1 at once (each with its len on ST_OK, 0 otherwise).
+  void finish_range(uint64_t batch, uint32_t first, const std::vector<uint64_t>& lens, int32_t status);
+  // Fence slots for registrations the native registry does not hold (GPU memory reached through
+  // CUDA IPC): claim returns (slot, generation), slot -1 when the table is full or absent;
+  // retire bumps the generation and waits for live pins (false: a stopped peer still holds one).
+  std::pair<int, uint64_t> fence_claim(uint64_t addr, uint64_t len);
+  bool fence_retire(int slot);
 
   // Counters of the server (accepted, refused, reaped, open...).
   std::vector<std::pair<std::string, uint64_t>> server_stats() const;

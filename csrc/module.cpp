@@ -138,7 +138,19 @@ PYBIND11_MODULE(_native, m) {
       .def("wait", &Engine::wait, G())
       .def("transfer_sync", &Engine::transfer_sync, G())
       .def("reserve_slots", &Engine::reserve_slots)
-      .def("finish_slot", &Engine::finish_slot);
+      .def("finish_slot", &Engine::finish_slot)
+      .def("finish_range", &Engine::finish_range)
+      .def("fence_claim", &Engine::fence_claim)
+      .def("fence_retire", &Engine::fence_retire, G());
+
+  // An initiator's view of a same-host target's fence table (csrc/fence.h), for copies made
+  // outside the native data path (CUDA IPC): pin every slot a copy touches before it starts,
+  // unpin when it finished.
+  py::class_<Fence>(m, "FenceMap")
+      .def_static("map", [](int pid, int fd) { return Fence::map(pid, fd); })
+      .def("pin", &Fence::pin)
+      .def("unpin", &Fence::unpin)
+      .def_property_readonly("lane", &Fence::lane);
 
   m.def("fetch_descriptor", [](const std::string& host, int port, const std::string& secret, int timeout_ms) {
     std::pair<uint64_t, std::string> r;

@@ -123,8 +123,11 @@ class TransferConfig(_ConfigBase):
         rdma_nic_pause_s: a NIC that failed is avoided this long, then probed again.
         rdma_chain: work requests linked into one ``post_send``.
         rdma_sq_depth: outstanding work requests per QP.
-        device_runtime: CUDA runtime used for ``cuda:N`` memory: ``"auto"`` (torch.cuda, else cupy),
-            ``"torch"`` or ``"cupy"``. (Tests pass a runtime object to ``TransferEngine`` instead.)
+        device_runtime: CUDA runtime used for ``cuda:N`` memory: ``"auto"`` (the CUDA driver, else
+            torch.cuda, else cupy), ``"driver"``, ``"torch"`` or ``"cupy"``.
+        cuda_driver: path of the CUDA driver library to load instead of ``libcuda.so.1`` (also
+            ``KVPOOL_CUDA_DRIVER``); with a driver that loads and sees a device, same-host GPU
+            memory moves through CUDA IPC (``kvpool.transfer.cuda_ipc``).
         staging_pool_size: pinned host bytes used to stage GPU memory through TCP/same-host
             transfers (allocated on first use; bounds the staged bytes in flight).
     """
@@ -155,7 +158,8 @@ class TransferConfig(_ConfigBase):
     rdma_nic_pause_s: float = Field(default=5.0, ge=0)
     rdma_chain: int = Field(default=32, ge=1, le=1024)
     rdma_sq_depth: int = Field(default=256, ge=1, le=16384)
-    device_runtime: Literal["auto", "torch", "cupy"] = "auto"
+    device_runtime: Literal["auto", "driver", "torch", "cupy"] = "auto"
+    cuda_driver: str | None = None
     staging_pool_size: Bytes = Field(default=64 << 20, ge=1 << 16)
 
     @field_validator("rdma_mtu")

@@ -215,12 +215,21 @@ class CupyCudaRuntime:
 
 
 # ----------------------------------------------------------------------------- selection
-def get_runtime(kind: str = "auto") -> DeviceRuntime:
-    """The runtime for ``kind`` (``auto``, ``torch``, ``cupy``); ProtocolUnavailable saying why not.
+def get_runtime(kind: str = "auto", driver_path: str | None = None) -> DeviceRuntime:
+    """The runtime for ``kind`` (``auto``, ``driver``, ``torch``, ``cupy``); ProtocolUnavailable
+    saying why not.
 
-    ``auto`` tries torch.cuda, then cupy.
+    ``auto`` tries the CUDA driver (``driver_path``, ``KVPOOL_CUDA_DRIVER`` or ``libcuda.so.1``),
+    then torch.cuda, then cupy.
     """
     why: list[str] = []
+    if kind in ("auto", "driver"):
+        from kvpool.transfer.cuda_driver import DriverRuntime, load_driver
+
+        drv = load_driver(driver_path)
+        if drv is not None:
+            return DriverRuntime(drv)
+        why.append("the CUDA driver does not load or sees no device")
     for name, cls in (("torch", TorchCudaRuntime), ("cupy", CupyCudaRuntime)):
         if kind not in ("auto", name):
             continue
@@ -230,11 +239,11 @@ def get_runtime(kind: str = "auto") -> DeviceRuntime:
             why.append(f"{name} is not importable ({exc})")
         except ProtocolUnavailable as exc:
             why.append(str(exc))
-    if kind not in ("auto", "torch", "cupy"):
-        raise ProtocolUnavailable(f"unknown device runtime {kind!r} (use auto, torch or cupy)")
+    if kind not in ("auto", "driver", "torch", "cupy"):
+        raise ProtocolUnavailable(f"unknown device runtime {kind!r} (use auto, driver, torch or cupy)")
     raise ProtocolUnavailable(
-        "GPU memory (cuda:N) needs a CUDA runtime: " + "; ".join(why) + " - install a CUDA build of "
-        "torch or cupy on a machine with an NVIDIA GPU and driver, or register host memory"
+        "GPU memory (cuda:N) needs a CUDA runtime: " + "; ".join(why) + " - run on a machine with an "
+        "NVIDIA GPU and driver (or install a CUDA build of torch or cupy), or register host memory"
     )
 
 

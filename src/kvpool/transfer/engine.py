@@ -170,13 +170,41 @@ class TransferEngine:
                 raise
         rdma = [self._rdma] if self._rdma is not None else []
         self._transports: list[Transport] = [tcp, same_host, *rdma]
+        local: Transport = same_host
+        if cfg.protocol == "auto" and cfg.same_host:
+            ipc = self._start_cuda_ipc(same_host)
+            if ipc is not None:  # GPU memory of same-host peers: copied by the GPU
+                self._transports.append(ipc)
+                local = ipc
         if cfg.protocol == "tcp":
             self._preferred: list[Transport] = [tcp]
         elif cfg.protocol == "rdma":
             self._preferred = rdma
         else:  # auto: same host first, then RDMA when both sides run it, else TCP
-            self._preferred = ([same_host] if cfg.same_host else []) + rdma + [tcp]
+            self._preferred = ([local] if cfg.same_host else []) + rdma + [tcp]
         self._publish()
+
+    def _start_cuda_ipc(self, same_host: Transport) -> Transport | None:
+        """The CUDA IPC transport when a CUDA driver loads and sees a device (else None: every
+        CPU behaviour unchanged). With an injected device runtime (tests), only when the runtime
+        is backed by that driver."""
+        from kvpool.transfer.cuda_driver import DriverRuntime, load_driver
+
+        if self._device_rt is not None and not isinstance(self._device_rt, DriverRuntime):
+            return None
+        driver = load_driver(self.config.cuda_driver)
+        if driver is None:
+            return None
+        from kvpool.transfer.cuda_ipc import CudaIpcTransport
+
+        if self._device_rt is None and self.config.device_runtime in ("auto", "driver"):
+            self._device_rt = DriverRuntime(driver)
+        try:
+            reg = self._registry
+            return CudaIpcTransport(self._native, driver, self.batches, reg, same_host, self._staging)
+        except KvpoolError as exc:
+            log.warning("CUDA IPC path off: %s", exc)
+            return None
 
     @property
     def rdma(self) -> Any:
@@ -265,7 +293,7 @@ class TransferEngine:
     def device_runtime(self) -> DeviceRuntime:
         """The CUDA runtime: the one passed to the constructor, else selected on first use."""
         if self._device_rt is None:
-            self._device_rt = get_runtime(self.config.device_runtime)
+            self._device_rt = get_runtime(self.config.device_runtime, self.config.cuda_driver)
         return self._device_rt
 
     def _register_device(

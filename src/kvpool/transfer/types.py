@@ -128,6 +128,9 @@ class SegmentDescriptor:
     rdma: dict[str, Any] | None = None
     # memfd (in the owner) of the same-host fence table; -1: no same-host path into this segment.
     fence_fd: int = -1
+    # CUDA IPC side, when the engine's CUDA driver loads: {"bufs": [[addr, length, device uuid,
+    # IPC handle, offset in the allocation, fence slot, fence generation], ...]}
+    cuda_ipc: dict[str, Any] | None = None
 
     def to_bytes(self, secret: str | None = None) -> bytes:
         """Serialize with msgpack; with ``secret``, inside a signed envelope (HMAC-SHA256)."""

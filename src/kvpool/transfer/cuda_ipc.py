@@ -1,0 +1,568 @@
+"""CUDA IPC transport: GPU memory of a process on this host, copied by the GPU itself.
+
+An engine whose CUDA driver loads (:mod:`kvpool.transfer.cuda_driver`) publishes, for every
+remote-accessible GPU registration, the allocation's IPC handle, the offset of the range in it,
+the owner's device UUID and a same-host fence slot (``SegmentDescriptor.cuda_ipc``). An initiator on
+the same host (same ``host_id``) routes its requests to that segment here:
+
+- a request whose remote range is GPU memory, or whose local range is GPU memory and whose remote
+  range is one of the peer's shared host buffers (``alloc_shared_buffer``), is copied by the GPU:
+  the peer's allocation is opened once (``cuIpcOpenMemHandle``, cached until the peer closes or
+  restarts), its shared buffers mapped and page-locked once (``cuMemHostRegister``), and a whole
+  run of such requests becomes **one launch** of the ``kvpool_gather`` kernel (kernels/gather.cu;
+  the address table goes to the device in one copy) - or, for a few large ranges, one
+  ``cuMemcpyAsync`` each - on this transport's stream per device, followed by one event;
+- every other request goes to the same-host transport it wraps (through GPU staging when the
+  local range is GPU memory), in order, so batch slots stay in request order.
+
+**The owner decides.** Each GPU registration has a slot in the owner's fence table (csrc/fence.h).
+Before a run is queued, the initiator pins the slot of every remote range it touches at the
+generation its descriptor named; a pin fails once the owner unregistered the range (the run is
+refused with RemoteAccessError), and unregistering waits for pinned copies to finish. The pins are
+dropped when the run's event completed. A run whose owner exited while it was in flight fails
+(TransferError) instead of reporting bytes that nobody holds; mappings of a peer are closed when
+the engine detaches it (close, restart) after its copies finished.
+
+Completion: one thread per transport waits on the runs' events in order (``cuEventSynchronize``,
+GIL released) and completes their slots with one native call per run.
+
+**Not verified on hardware**: CI runs this across real processes on the fake driver
+(:mod:`kvpool.testing.fakecuda`); ``pytest -m gpu`` runs it on a real GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import mmap
+import os
+import select
+import threading
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from kvpool import _native
+from kvpool.errors import (
+    AddressNotRegistered,
+    BatchInFlight,
+    KvpoolError,
+    RegistrationError,
+    RemoteAccessError,
+    SegmentNotFound,
+)
+from kvpool.transfer.batch import Batches
+from kvpool.transfer.cuda_driver import CudaDriver
+from kvpool.transfer.memory import LocalRegistry
+from kvpool.transfer.staging import GpuStaging
+from kvpool.transfer.transport import READ, Requests, Transport
+from kvpool.transfer.types import SegmentDescriptor
+
+_KERNEL = "kvpool_gather"
+_BLOCK = 256
+_MAX_GRID = 1 << 16
+_MEMCPY_MIN = 4 << 20  # ranges at least this big (or runs of <= 4) go by cuMemcpyAsync
+_U64 = np.uint64
+
+
+@dataclass
+class _Export:
+    """One of our GPU registrations as peers see it."""
+
+    addr: int
+    length: int
+    device: int
+    handle: bytes
+    offset: int  # of addr in its allocation
+    slot: int
+    gen: int
+
+
+@dataclass
+class _RemoteBuf:
+    """A remote buffer the GPU can reach: GPU memory (IPC) or a shared host buffer."""
+
+    addr: int
+    length: int
+    gpu: bool
+    slot: int
+    gen: int
+    handle: bytes = b""
+    offset: int = 0
+    uuid: bytes = b""
+    shm_fd: int = -1
+    mapped: int = 0  # base of the mapping here (0: not opened yet)
+    keep: Any = None
+
+
+@dataclass
+class _Peer:
+    pid: int
+    incarnation: int
+    bufs: list[_RemoteBuf]
+    starts: np.ndarray
+    ends: np.ndarray
+    gpu: np.ndarray
+    fence: Any  # _native.FenceMap or None
+    pidfd: int
+    inflight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Run:
+    """A queued run of GPU copies: its slots, pins and resources, completed by one event."""
+
+    event: int
+    batch_id: int
+    first: int
+    lens: list[int]
+    peer: _Peer
+    pins: list[tuple[int, int]]
+    table: tuple[int, int, int] | None  # (device table, pinned host table, bytes) to give back
+    dev: int
+
+
+class CudaIpcTransport(Transport):
+    """GPU copies to same-host peers, everything else through ``inner`` (see the module docstring)."""
+
+    name = "cuda_ipc"
+    locations = frozenset({"cuda"})
+
+    def __init__(
+        self,
+        native: _native.NativeEngine,
+        driver: CudaDriver,
+        batches: Batches,
+        registry: LocalRegistry,
+        inner: Transport,
+        staging: GpuStaging,
+    ) -> None:
+        self.native = native
+        self.driver = driver
+        self.batches = batches
+        self.registry = registry
+        self.inner = inner
+        self.staging = staging
+        self._exports: dict[int, _Export] = {}
+        self._peers: dict[int, _Peer] = {}
+        self._lock = threading.Lock()
+        self._streams: dict[int, int] = {}
+        self._kernels: dict[int, int] = {}
+        self._tables: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        self._events: list[int] = []
+        self._uuids = {driver.uuid(d): d for d in range(driver.count)}
+        self._runs: collections.deque[_Run] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._complete_loop, name="kvpool-cuda-ipc", daemon=True)
+        self._thread.start()
+        self.launches = 0  # kernel launches and cuMemcpyAsync runs, for tests and benchmarks
+        self.memcpy_runs = 0
+
+    # ------------------------------------------------------------------ owner side
+    def describe(self) -> dict[str, Any]:
+        exports = list(self._exports.values())
+        return {
+            "cuda_ipc": {
+                "bufs": [
+                    [e.addr, e.length, self.driver.uuid(e.device), e.handle, e.offset, e.slot, e.gen]
+                    for e in exports
+                ]
+            }
+        }
+
+    def register(
+        self, addr: int, length: int, location: str, remote: bool, writable: bool, dmabuf: Any = None
+    ) -> None:
+        if not remote:
+            return
+        device = int(location.partition(":")[2] or 0)
+        try:
+            base, _ = self.driver.address_range(addr)
+            handle = self.driver.ipc_handle(base)
+        except KvpoolError as exc:
+            raise RegistrationError(
+                f"cannot export {location} memory at {addr:#x} through CUDA IPC ({exc}); memory from "
+                "cuMemCreate/VMM allocators (PyTorch expandable_segments) is not supported yet: "
+                "allocate the KV cache with cudaMalloc, or register it with remote_accessible=False"
+            ) from None
+        slot, gen = self.native.fence_claim(addr, length)
+        if slot < 0:
+            raise RegistrationError("the same-host fence table is full: unregister unused GPU memory first")
+        self._exports[addr] = _Export(addr, length, device, handle, addr - base, slot, gen)
+
+    def unregister(self, addr: int) -> None:
+        e = self._exports.get(addr)
+        if e is None:
+            return
+        if not self.native.fence_retire(e.slot):  # waits for same-host copies in flight
+            raise BatchInFlight(
+                f"GPU memory at {addr:#x} is unregistered for new copies, but a same-host peer is "
+                "stopped inside a copy into it: do not free it until that peer continues or exits"
+            )
+        del self._exports[addr]
+
+    # ------------------------------------------------------------------ initiator side: segments
+    def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
+        return "cuda_ipc" in desc.protocols and self.inner.reaches(desc)
+
+    def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
+        self.inner.attach(handle, name, desc)
+        bufs = []
+        for addr, length, uuid, h, off, slot, gen in (desc.cuda_ipc or {}).get("bufs", []):
+            bufs.append(_RemoteBuf(addr, length, True, slot, gen, bytes(h), off, bytes(uuid)))
+        for b in desc.buffers:
+            if b.remote_accessible and b.shm_fd >= 0 and b.location.startswith("cpu"):
+                bufs.append(_RemoteBuf(b.addr, b.length, False, b.fence_slot, b.fence_gen, shm_fd=b.shm_fd))
+        bufs.sort(key=lambda b: b.addr)
+        old = self._peers.get(handle)
+        if old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation:
+            kept = {(b.addr, b.handle, b.shm_fd): b for b in old.bufs if b.mapped}
+            for b in bufs:  # the same registration: keep its mapping
+                k = kept.pop((b.addr, b.handle, b.shm_fd), None)
+                if k is not None:
+                    b.mapped, b.keep = k.mapped, k.keep
+            self._close_bufs(old, list(kept.values()))
+        elif old is not None:
+            self._retire_peer(old)
+        fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
+        try:
+            pidfd = os.pidfd_open(desc.pid)
+        except OSError:
+            pidfd = -1
+        self._peers[handle] = _Peer(
+            desc.pid,
+            desc.incarnation,
+            bufs,
+            np.array([b.addr for b in bufs], dtype=_U64),
+            np.array([b.addr + b.length for b in bufs], dtype=_U64),
+            np.array([b.gpu for b in bufs], dtype=bool),
+            fence,
+            pidfd,
+        )
+
+    def detach(self, handle: int) -> None:
+        self.inner.detach(handle)
+        peer = self._peers.pop(handle, None)
+        if peer is not None:
+            self._retire_peer(peer)
+
+    def _retire_peer(self, peer: _Peer) -> None:
+        """Close a peer's mappings once its copies in flight finished (waits for them)."""
+        self._drain(peer)
+        self._close_bufs(peer, peer.bufs)
+        if peer.pidfd >= 0:
+            os.close(peer.pidfd)
+            peer.pidfd = -1
+
+    def _close_bufs(self, peer: _Peer, bufs: list[_RemoteBuf]) -> None:
+        for b in bufs:
+            if not b.mapped:
+                continue
+            if b.gpu:
+                self.driver.ipc_close(b.mapped)
+            else:
+                self.driver.host_unregister(b.mapped)
+                b.keep.close()
+            b.mapped, b.keep = 0, None
+
+    def _open(self, peer: _Peer, b: _RemoteBuf, device: int) -> int:
+        """Base address here of a remote buffer's mapping (opened on first use)."""
+        if b.mapped:
+            return b.mapped
+        with peer.lock:
+            if b.mapped:
+                return b.mapped
+            if b.gpu:
+                dev = self._uuids.get(b.uuid, device)
+                b.mapped = self.driver.ipc_open(b.handle, dev) + b.offset
+                self.driver.enable_peer(device, dev)
+            else:
+                fd = os.open(f"/proc/{peer.pid}/fd/{b.shm_fd}", os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    m = mmap.mmap(fd, b.length)
+                finally:
+                    os.close(fd)
+                base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                self.driver.host_register(base, b.length)
+                b.keep, b.mapped = _Shm(m), base
+            return b.mapped
+
+    # ------------------------------------------------------------------ initiator side: submit
+    def submit(self, batch_id: int, reqs: Requests) -> None:
+        ops = np.asarray(reqs.ops, dtype=np.uint8)
+        locs = np.asarray(reqs.locs, dtype=_U64)
+        rems = np.asarray(reqs.rems, dtype=_U64)
+        lens = np.asarray(reqs.lens, dtype=_U64)
+        peers = reqs.peers
+        if peers.count(peers[0]) != len(peers):  # several same-host segments: one run each
+            start = 0
+            for i in range(1, len(peers) + 1):
+                if i == len(peers) or peers[i] != peers[start]:
+                    self.submit(batch_id, reqs.part(start, i))
+                    start = i
+            return
+        peer = self._peers.get(peers[0])
+        if peer is None:
+            raise SegmentNotFound("segment is not open on the CUDA IPC path (closed concurrently?)")
+        local_gpu = self._local_gpu(ops, locs, lens)
+        ridx = np.searchsorted(peer.starts, rems, side="right").astype(np.int64) - 1
+        known = ridx >= 0
+        ridx_c = np.where(known, ridx, 0)
+        inside = known & (rems + lens <= peer.ends[ridx_c]) if len(peer.bufs) else known
+        rgpu = inside & peer.gpu[ridx_c] if len(peer.bufs) else inside
+        ipc = rgpu | (local_gpu & inside)  # GPU memory on one side, reachable memory on the other
+        if not ipc.any():
+            self._inner_submit(batch_id, reqs, local_gpu)
+            return
+        if ipc.all():
+            self._submit_gpu(batch_id, peer, ops, locs, rems, lens, ridx, local_gpu)
+            return
+        edges = np.flatnonzero(np.diff(ipc.astype(np.int8))) + 1
+        bounds = [0, *edges.tolist(), len(ipc)]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            if ipc[a]:
+                self._submit_gpu(
+                    batch_id, peer, ops[a:b], locs[a:b], rems[a:b], lens[a:b], ridx[a:b], local_gpu[a:b]
+                )
+            else:
+                self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b])
+
+    def _inner_submit(self, batch_id: int, reqs: Requests, local_gpu: np.ndarray) -> None:
+        if local_gpu.any():
+            self.staging.submit(self.inner, batch_id, reqs)
+        else:
+            self.inner.submit(batch_id, reqs)
+
+    def _local_gpu(self, ops: np.ndarray, locs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Which local ranges are GPU memory; AddressNotRegistered for unregistered ones."""
+        regs = list(self.registry)
+        starts = np.array([r.start for r in regs], dtype=_U64)
+        ends = np.array([r.end for r in regs], dtype=_U64)
+        i = np.searchsorted(starts, locs, side="right").astype(np.int64) - 1
+        ok = i >= 0
+        ic = np.where(ok, i, 0)
+        ok &= locs + lens <= ends[ic] if regs else ok
+        if not ok.all():
+            k = int(np.flatnonzero(~ok)[0])
+            raise AddressNotRegistered(
+                f"local range {int(locs[k]):#x}+{int(lens[k])} is not inside registered memory; call "
+                f"register_local_memory first (request {k})"
+            )
+        ro = np.array([r.read_only for r in regs], dtype=bool)
+        if ro.any() and (ro[ic] & (ops == READ)).any():
+            raise AddressNotRegistered("local range is registered read-only: it cannot receive a READ")
+        return np.array([r.gpu for r in regs], dtype=bool)[ic]
+
+    def _submit_gpu(
+        self,
+        batch_id: int,
+        peer: _Peer,
+        ops: np.ndarray,
+        locs: np.ndarray,
+        rems: np.ndarray,
+        lens: np.ndarray,
+        ridx: np.ndarray,
+        local_gpu: np.ndarray,
+    ) -> None:
+        """One run of GPU copies: pin, map, reserve slots, queue the copies and one event. The
+        kernel reads and writes device-accessible memory only, so a run with pageable local host
+        memory goes by one cuMemcpyAsync per request."""
+        if (ridx < 0).any():
+            raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
+        used = np.unique(ridx).tolist()
+        if not self._alive(peer):
+            raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; reopen the segment")
+        pins = self._pin(peer, used)
+        try:
+            first_gpu = self.registry.gpu_region(int(locs[0]), int(lens[0]))
+            dev = (
+                int(first_gpu.desc.location.partition(":")[2] or 0)
+                if first_gpu
+                else self._buf_dev(peer, used)
+            )
+            self.driver.use(dev)
+            bases = np.zeros(len(peer.bufs), dtype=_U64)
+            starts = np.zeros(len(peer.bufs), dtype=_U64)
+            for k in used:
+                b = peer.bufs[k]
+                bases[k] = self._open(peer, b, dev)
+                starts[k] = b.addr
+            remote = bases[ridx] + (rems - starts[ridx])
+            reading = ops == READ
+            src = np.where(reading, remote, locs)
+            dst = np.where(reading, locs, remote)
+            first = self.batches.reserve(batch_id, lens.tolist())
+        except BaseException:
+            self._unpin(peer, pins)
+            raise
+        lens_list = lens.tolist()
+        try:
+            stream = self._stream(dev)
+            table = None
+            if len(lens_list) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all():
+                for s, d, n in zip(src.tolist(), dst.tolist(), lens_list, strict=True):
+                    self.driver.memcpy_async(d, s, n, stream)
+                self.memcpy_runs += 1
+            else:
+                table = self._launch(dev, stream, src, dst, lens)
+                self.launches += 1
+            event = self._events.pop() if self._events else self.driver.event()
+            self.driver.record(event, stream)
+        except BaseException as exc:
+            self._unpin(peer, pins)
+            self._fail(batch_id, first, lens_list, f"CUDA IPC copy not queued: {exc}")
+            raise
+        with peer.lock:
+            peer.inflight += 1
+        with self._cond:
+            self._runs.append(_Run(event, batch_id, first, lens_list, peer, pins, table, dev))
+            self._cond.notify()
+
+    def _buf_dev(self, peer: _Peer, used: list[int]) -> int:
+        for k in used:
+            if peer.bufs[k].gpu:
+                return self._uuids.get(peer.bufs[k].uuid, 0)
+        return 0
+
+    def _pin(self, peer: _Peer, used: list[int]) -> list[tuple[int, int]]:
+        """Pin the owner's fence slot of every remote buffer used, at its published generation."""
+        pins: list[tuple[int, int]] = []
+        for k in used:
+            b = peer.bufs[k]
+            if peer.fence is None or b.slot < 0 or not peer.fence.pin(b.slot, b.gen):
+                self._unpin(peer, pins)
+                raise RemoteAccessError(
+                    f"remote buffer {b.addr:#x}+{b.length} is no longer registered by its owner "
+                    "(unregistered or re-registered); refetch the segment and retry"
+                )
+            pins.append((b.slot, b.gen))
+        return pins
+
+    @staticmethod
+    def _unpin(peer: _Peer, pins: list[tuple[int, int]]) -> None:
+        for slot, _ in pins:
+            peer.fence.unpin(slot)
+
+    @staticmethod
+    def _alive(peer: _Peer) -> bool:
+        if peer.pidfd < 0:
+            return True  # no pidfd (old kernel): the fence pin decides
+        return not select.select([peer.pidfd], [], [], 0)[0]  # readable = exited
+
+    def _stream(self, dev: int) -> int:
+        s = self._streams.get(dev)
+        if s is None:
+            s = self._streams[dev] = self.driver.stream(dev)
+        return s
+
+    def _launch(
+        self, dev: int, stream: int, src: np.ndarray, dst: np.ndarray, lens: np.ndarray
+    ) -> tuple[int, int, int]:
+        """Copy the address table to the device (one copy) and launch the gather kernel once."""
+        func = self._kernels.get(dev)
+        if func is None:
+            ptx = resources.files("kvpool.transfer").joinpath("kernels/gather.ptx").read_bytes() + b"\0"
+            func = self._kernels[dev] = self.driver.function(ptx, _KERNEL, dev)
+        n = len(lens)
+        need = 24 * n
+        table = self._take_table(dev, need)
+        dtab, htab, _ = table
+        host = np.frombuffer((ctypes.c_char * need).from_address(htab), dtype=_U64)
+        host[:n], host[n : 2 * n], host[2 * n :] = src, dst, lens
+        self.driver.memcpy_async(dtab, htab, need, stream)
+        args = [
+            ctypes.c_ulonglong(dtab),
+            ctypes.c_ulonglong(dtab + 8 * n),
+            ctypes.c_ulonglong(dtab + 16 * n),
+            ctypes.c_uint(n),
+        ]
+        self.driver.launch(func, min(n, _MAX_GRID), _BLOCK, stream, args)
+        return table
+
+    def _take_table(self, dev: int, need: int) -> tuple[int, int, int]:
+        size = 1 << max(16, (need - 1).bit_length())
+        with self._lock:
+            free = self._tables[dev]
+            for i, t in enumerate(free):
+                if t[2] == size:
+                    return free.pop(i)
+        return self.driver.alloc(size, dev), self.driver.host_alloc(size), size
+
+    # ------------------------------------------------------------------ completion
+    def _complete_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._runs and not self._closed:
+                    self._cond.wait()
+                if not self._runs:
+                    return
+                run = self._runs[0]
+            error = None
+            try:
+                self.driver.use(run.dev)
+                self.driver.event_sync(run.event)  # GIL released
+            except KvpoolError as exc:
+                error = f"CUDA IPC copy failed: {exc}"
+            self._unpin(run.peer, run.pins)
+            if error is None and not self._alive(run.peer):
+                error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
+            if error is None:
+                self.native.finish_range(run.batch_id, run.first, run.lens, 0)
+            else:
+                self._fail(run.batch_id, run.first, run.lens, error)
+            with self._lock:
+                self._events.append(run.event)
+                if run.table is not None:
+                    self._tables[run.dev].append(run.table)
+            with run.peer.lock:
+                run.peer.inflight -= 1
+            with self._cond:
+                self._runs.popleft()
+                self._cond.notify_all()
+
+    def _fail(self, batch_id: int, first: int, lens: list[int], reason: str) -> None:
+        for i in range(len(lens)):
+            try:
+                self.batches.finish(batch_id, first + i, 0, reason)
+            except KvpoolError:
+                pass  # finished already
+
+    def _drain(self, peer: _Peer | None = None) -> None:
+        with self._cond:
+            while any(peer is None or r.peer is peer for r in self._runs):
+                self._cond.wait(0.1)
+
+    def close(self) -> None:
+        self._drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        for peer in list(self._peers.values()):
+            self._retire_peer(peer)
+        self._peers.clear()
+        for s in self._streams.values():
+            self.driver.stream_destroy(s)
+        for e in self._events:
+            self.driver.event_destroy(e)
+        for tables in self._tables.values():
+            for d, h, _ in tables:
+                self.driver.free(d)
+                self.driver.free_host(h)
+
+
+class _Shm:
+    """A peer's shared host buffer mapped here (closed with the peer)."""
+
+    def __init__(self, m: mmap.mmap) -> None:
+        self.m = m
+
+    def close(self) -> None:
+        try:
+            self.m.close()
+        except BufferError:
+            pass  # a ctypes view still points into it: the mapping goes with the process

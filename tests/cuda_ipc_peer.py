@@ -1,0 +1,59 @@
+"""A target process for the CUDA IPC tests (run with KVPOOL_CUDA_DRIVER pointing at the fake
+driver): registers GPU buffers (and one shared host buffer), prints one JSON line
+{"name", "gpu": [addr...], "shm": addr}, then answers stdin commands one line each:
+``dump ADDR LEN`` -> hex sha256 of the bytes; ``fill ADDR LEN SEED`` -> ok; ``unregister ADDR`` ->
+ok or the error; ``exit``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+from kvpool import TransferEngine, _native
+from kvpool.transfer.cuda_driver import load_driver
+
+
+def main() -> None:
+    nbufs, size = int(sys.argv[1]), int(sys.argv[2])
+    drv = load_driver()
+    assert drv is not None, "the fake CUDA driver did not load"
+    eng = TransferEngine(timeout_s=5.0)
+    gpu = []
+    for k in range(nbufs):
+        p = drv.alloc(size, k % drv.count)
+        eng.register_local_memory(p, size, location=f"cuda:{k % drv.count}")
+        gpu.append(p)
+    shm = eng.alloc_shared_buffer(size)
+    shm_addr = _native.buffer_address(shm)[0]
+    host = bytearray(size)
+    hbase = _native.buffer_address(host)[0]
+    print(json.dumps({"name": eng.segment_name, "gpu": gpu, "shm": shm_addr}), flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        try:
+            if cmd == "dump":
+                a, n = int(args[0]), int(args[1])
+                if a in gpu or any(g <= a < g + size for g in gpu):
+                    drv.memcpy(hbase, a, n)
+                    data = bytes(host[:n])
+                else:
+                    data = bytes(shm[a - shm_addr : a - shm_addr + n])
+                print(hashlib.sha256(data).hexdigest(), flush=True)
+            elif cmd == "fill":
+                a, n, seed = int(args[0]), int(args[1]), int(args[2])
+                _native.fill_pattern(hbase, n, seed)
+                drv.memcpy(a, hbase, n)
+                print("ok", flush=True)
+            elif cmd == "unregister":
+                eng.unregister_local_memory(int(args[0]))
+                print("ok", flush=True)
+            elif cmd == "exit":
+                break
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            print(f"error {type(exc).__name__}: {exc}", flush=True)
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()

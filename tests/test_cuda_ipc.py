@@ -1,0 +1,315 @@
+"""CUDA IPC transport and the CUDA driver wrapper, across real processes on the fake CUDA driver
+(kvpool.testing.fakecuda: the driver entry points over memfd-backed "device" memory whose device
+pointers the CPU cannot touch). Only the driver differs on a GPU: tests/test_gpu_real.py runs the
+same paths on real CUDA (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool import OpCode, TransferEngine, TransferRequest, _native
+from kvpool.errors import RemoteAccessError, SegmentNotFound, TransferError
+from kvpool.testing import fakecuda
+from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
+from kvpool.transfer.cuda_ipc import CudaIpcTransport
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The fake driver library, named by KVPOOL_CUDA_DRIVER for this process and its children."""
+    path = fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
+    old = os.environ.get("KVPOOL_CUDA_DRIVER")
+    os.environ["KVPOOL_CUDA_DRIVER"] = path
+    yield path
+    if old is None:
+        os.environ.pop("KVPOOL_CUDA_DRIVER", None)
+    else:
+        os.environ["KVPOOL_CUDA_DRIVER"] = old
+
+
+class Peer:
+    """tests/cuda_ipc_peer.py in a child process."""
+
+    def __init__(self, nbufs: int = 2) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), str(nbufs), str(SIZE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        info = json.loads(self.p.stdout.readline())
+        self.name, self.gpu, self.shm = info["name"], info["gpu"], info["shm"]
+
+    def ask(self, line: str) -> str:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.ask("exit")
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+@pytest.fixture
+def peer(fake_driver: str) -> Iterator[Peer]:
+    p = Peer()
+    yield p
+    p.close()
+
+
+def _sha(drv: CudaDriver, addr: int, n: int) -> str:
+    buf = bytearray(n)
+    drv.memcpy(_native.buffer_address(buf)[0], addr, n)
+    return hashlib.sha256(buf).hexdigest()
+
+
+def _fill(drv: CudaDriver, addr: int, n: int, seed: int) -> None:
+    buf = bytearray(n)
+    _native.fill_pattern(_native.buffer_address(buf)[0], n, seed)
+    drv.memcpy(addr, _native.buffer_address(buf)[0], n)
+
+
+def _ipc(eng: TransferEngine) -> CudaIpcTransport:
+    return next(t for t in eng._transports if isinstance(t, CudaIpcTransport))
+
+
+# ----------------------------------------------------------------------------- the driver wrapper
+def test_driver_ipc_handle_across_processes(fake_driver: str) -> None:
+    drv = CudaDriver(fake_driver)
+    assert drv.count == 2
+    p = drv.alloc(1 << 20, 1)
+    assert drv.pointer_device(p) == 1 and drv.pointer_device(p + (1 << 20) - 1) == 1
+    host = bytearray(16)
+    assert drv.pointer_device(_native.buffer_address(host)[0]) is None  # pageable host memory
+    assert drv.address_range(p + 100) == (p, 1 << 20)
+    _fill(drv, p, 1 << 20, 7)
+    handle = drv.ipc_handle(p)
+    with pytest.raises(CudaError):
+        drv.ipc_handle(p + 16)  # IPC handles name allocation bases only
+    child = textwrap.dedent(
+        f"""
+        import ctypes, hashlib, sys
+        from kvpool import _native
+        from kvpool.transfer.cuda_driver import CudaDriver
+        drv = CudaDriver({fake_driver!r})
+        q = drv.ipc_open(bytes.fromhex(sys.argv[1]), 0)
+        buf = bytearray(1 << 20)
+        drv.memcpy(_native.buffer_address(buf)[0], q, len(buf))
+        print(hashlib.sha256(buf).hexdigest())
+        _native.fill_pattern(_native.buffer_address(buf)[0], len(buf), 99)
+        drv.memcpy(q, _native.buffer_address(buf)[0], len(buf))
+        drv.ipc_close(q)
+        """
+    )
+    before = _sha(drv, p, 1 << 20)
+    out = subprocess.run(
+        [sys.executable, "-c", child, handle.hex()], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == before  # the child read our bytes through the handle
+    expect = bytearray(1 << 20)
+    _native.fill_pattern(_native.buffer_address(expect)[0], len(expect), 99)
+    assert _sha(drv, p, 1 << 20) == hashlib.sha256(expect).hexdigest()  # and we see its write
+    drv.free(p)
+
+
+def test_fake_device_memory_is_not_host_memory(fake_driver: str) -> None:
+    """The fake hands out device pointers the CPU cannot touch (as on a GPU): host code that
+    dereferences one crashes instead of passing by accident."""
+    code = f"""
+from kvpool.transfer.cuda_driver import CudaDriver
+import ctypes
+drv = CudaDriver({fake_driver!r}); p = drv.alloc(4096, 0)
+ctypes.string_at(p, 16)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert out.returncode == -signal.SIGSEGV
+
+
+def test_driver_errors_are_typed(fake_driver: str, tmp_path: Path) -> None:
+    from kvpool.errors import ProtocolUnavailable
+
+    with pytest.raises(ProtocolUnavailable, match="cannot load the CUDA driver"):
+        CudaDriver(str(tmp_path / "missing.so"))
+    assert load_driver(str(tmp_path / "missing.so")) is None
+    drv = CudaDriver(fake_driver)
+    with pytest.raises(CudaError, match="cuIpcOpenMemHandle"):
+        drv.ipc_open(b"\0" * 64, 0)
+
+
+def test_no_driver_keeps_cpu_behaviour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_CUDA_DRIVER", str(tmp_path / "none.so"))
+    with TransferEngine() as eng:
+        assert "cuda_ipc" not in eng.local_descriptor().protocols
+        assert not any(isinstance(t, CudaIpcTransport) for t in eng._transports)
+
+
+# ----------------------------------------------------------------------------- the transport
+def test_scattered_gpu_blocks_one_launch_both_directions(peer: Peer, fake_driver: str) -> None:
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        assert "cuda_ipc" in eng.local_descriptor().protocols
+        src = drv.alloc(SIZE, 0)
+        back = drv.alloc(SIZE, 0)
+        eng.register_local_memory(src, SIZE, location="cuda:0", remote_accessible=False)
+        eng.register_local_memory(back, SIZE, location="cuda:0", remote_accessible=False)
+        _fill(drv, src, SIZE, 5)
+        blk, n = 4096, 512  # scattered: block k of ours -> block (k * 7) % 1024 of the peer's buffer
+        rem = peer.gpu[1]  # on the peer's cuda:1: a peer-device copy
+        locs = [src + k * blk for k in range(n)]
+        rems = [rem + ((k * 7) % 1024) * blk for k in range(n)]
+        ipc = _ipc(eng)
+        launches = ipc.launches
+        assert eng.batch_transfer_sync(peer.name, locs, rems, [blk] * n) == n * blk
+        assert ipc.launches == launches + 1  # 512 blocks, one kernel launch
+        assert eng.batch_transfer_sync(peer.name, [back + k * blk for k in range(n)], rems, [blk] * n,
+                                       OpCode.READ) == n * blk  # fmt: skip
+        assert _sha(drv, back, n * blk) == _sha(drv, src, n * blk)
+        # byte-exact in the peer's own memory, where we put each block
+        h = bytearray(SIZE)
+        drv.memcpy(_native.buffer_address(h)[0], src, SIZE)
+        expect = bytearray(SIZE)
+        for k in range(n):
+            d = ((k * 7) % 1024) * blk
+            expect[d : d + blk] = h[k * blk : (k + 1) * blk]
+        # blocks we did not write stay zero in the fresh allocation
+        assert peer.ask(f"dump {rem} {SIZE}") == hashlib.sha256(expect).hexdigest()
+
+
+def test_gpu_to_peer_shared_host_and_host_to_peer_gpu(peer: Peer, fake_driver: str) -> None:
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 11)
+        before = _ipc(eng).launches + _ipc(eng).memcpy_runs
+        eng.batch_transfer_sync(peer.name, [g + k * 8192 for k in range(16)],
+                                [peer.shm + k * 8192 for k in range(16)], [8192] * 16)  # fmt: skip
+        assert _ipc(eng).launches + _ipc(eng).memcpy_runs == before + 1  # GPU -> mapped shm, no staging
+        assert eng.staging.pool_if_made is None
+        assert peer.ask(f"dump {peer.shm} {16 * 8192}") == _sha(drv, g, 16 * 8192)
+        host = bytearray(1 << 20)
+        _native.fill_pattern(_native.buffer_address(host)[0], len(host), 3)
+        h = eng.register_local_memory(host)
+        eng.transfer_sync(peer.name, h, peer.gpu[0] + 4096, 1 << 19)  # pageable host -> peer GPU
+        assert peer.ask(f"dump {peer.gpu[0] + 4096} {1 << 19}") == hashlib.sha256(host[: 1 << 19]).hexdigest()
+
+
+def test_mixed_batch_keeps_request_order(peer: Peer, fake_driver: str) -> None:
+    """GPU copies and plain host requests to the same peer in one batch: statuses in order."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        host = bytearray(1 << 20)
+        hb = eng.register_local_memory(host)
+        seg = eng.open_segment(peer.name)
+        reqs = [
+            TransferRequest(OpCode.WRITE, g, seg, peer.gpu[0], 4096),
+            TransferRequest(OpCode.WRITE, hb, seg, peer.shm + 65536, 100),
+            TransferRequest(OpCode.WRITE, g + 4096, seg, peer.gpu[0] + 8192, 300),
+        ]
+        bid = eng.allocate_batch_id(3)
+        eng.submit_transfer(bid, reqs)
+        assert eng.wait_batch(bid, 10).ok
+        assert [eng.get_transfer_status(bid, i).transferred_bytes for i in range(3)] == [4096, 100, 300]
+        eng.free_batch_id(bid)
+
+
+def test_unregistered_target_is_never_written(peer: Peer, fake_driver: str) -> None:
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens and caches the mapping
+        assert peer.ask(f"unregister {peer.gpu[0]}") == "ok"
+        with pytest.raises((RemoteAccessError, TransferError)):
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # the cached descriptor's pin fails
+        with pytest.raises((RemoteAccessError, TransferError)):
+            eng.batch_transfer_sync(peer.name, [g + k * 4096 for k in range(64)],
+                                    [peer.gpu[0] + k * 4096 for k in range(64)], [4096] * 64)  # fmt: skip
+
+
+def test_owner_killed_mid_batch_fails_cleanly(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+        monkeypatch.setenv("FAKECUDA_DELAY_US", "300000")  # each queued GPU operation takes 0.3 s
+        bid = eng.allocate_batch_id(64)
+        seg = eng.open_segment(peer.name)
+        base = peer.gpu[0]
+        eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, g + k * 4096, seg, base + k * 4096, 4096)
+                                  for k in range(64)])  # fmt: skip
+        peer.p.send_signal(signal.SIGKILL)
+        peer.p.wait(10)
+        t0 = time.monotonic()
+        st = eng.wait_batch(bid, 10)
+        assert time.monotonic() - t0 < 10
+        assert not st.ok and "exited" in (eng.get_transfer_status(bid, 0).error or "")
+        eng.free_batch_id(bid)
+        monkeypatch.delenv("FAKECUDA_DELAY_US")
+        with pytest.raises((SegmentNotFound, TransferError, RemoteAccessError)):
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+
+
+def test_unregister_waits_for_copies_in_flight(fake_driver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner decides: our unregister of a GPU buffer returns only after a peer's copy into it
+    finished (the peer pinned its fence slot)."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as target:  # the initiator is a child: CUDA IPC is between processes
+        t = drv.alloc(1 << 20, 0)
+        target.register_local_memory(t, 1 << 20, location="cuda:0")
+        code = textwrap.dedent(
+            f"""
+            import sys
+            from kvpool import TransferEngine, OpCode, TransferRequest
+            from kvpool.transfer.cuda_driver import load_driver
+            drv = load_driver()
+            with TransferEngine(timeout_s=10.0) as eng:
+                g = drv.alloc(1 << 20, 0)
+                eng.register_local_memory(g, 1 << 20, location="cuda:0")
+                bid = eng.allocate_batch_id(4)
+                seg = eng.open_segment({target.segment_name!r})
+                reqs = [TransferRequest(OpCode.WRITE, g, seg, {t} + k * 4096, 4096) for k in range(4)]
+                eng.submit_transfer(bid, reqs)
+                print("submitted", flush=True)
+                print(eng.wait_batch(bid, 20).ok, flush=True)
+            """
+        )
+        env = dict(os.environ, FAKECUDA_DELAY_US="500000")
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+        assert child.stdout.readline().strip() == "submitted"
+        t0 = time.monotonic()
+        target.unregister_local_memory(t)  # waits for the child's pinned copy (>= ~1 s of delay)
+        waited = time.monotonic() - t0
+        assert child.stdout.readline().strip() == "True"
+        assert child.wait(20) == 0
+        assert waited > 0.2  # it did wait for the copy in flight
