@@ -38,15 +38,9 @@ fi
 # SGLang 0.5.23 in its own virtualenv that sees this environment's packages (torch, vLLM, kvpool):
 # its CPU install needs torchvision 0.28 plus an import fix (scripts/_torchvision_cpu_fix.py) that
 # must not leak into the vLLM environment. --no-deps: its metadata pins CUDA torch 2.14.
-SGL_VENV=.venv-sglang
-if ! "$SGL_VENV/bin/python" -c "import sglang" 2>/dev/null; then
-  step "python -m venv $SGL_VENV (SGLang)" python -m venv --system-site-packages "$SGL_VENV"
-  "$SGL_VENV/bin/pip" uninstall -q -y setuptools   # the venv's old setuptools would shadow the env's
-  step "pip install sglang==0.5.23 into $SGL_VENV" \
-    "$SGL_VENV/bin/pip" install -q --no-deps sglang==0.5.23 gguf==0.19.0 torchvision==0.28.0
-  SP=$("$SGL_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  cp scripts/_torchvision_cpu_fix.py "$SP/"
-  echo "import _torchvision_cpu_fix" > "$SP/_torchvision_cpu_fix.pth"
+# The recipe is scripts/sglang_venv.sh (docs/sglang.md gives users the same command).
+if ! .venv-sglang/bin/python -c "import sglang" 2>/dev/null; then
+  step "SGLang 0.5.23 into .venv-sglang (scripts/sglang_venv.sh)" bash scripts/sglang_venv.sh .venv-sglang
 fi
 step "ruff check" ruff check -q src tests benchmarks
 # Run from the repository root: tests import the installed kvpool (with its compiled core).

@@ -186,3 +186,29 @@ def test_documented_command_runs_as_written(cmd: DocCommand) -> None:
         )  # fmt: skip
     assert out.returncode == 0, (cmd.where, run, out.stdout[-2000:], out.stderr[-3000:])
     assert "Traceback" not in out.stdout + out.stderr, (cmd.where, out.stderr[-3000:])
+
+
+def test_sglang_pd_example_starts_without_an_rdma_nic(tmp_path: Path) -> None:
+    """examples/sglang/pd.sh picks its transfer path from the host and launches SGLang, on a host
+    without an RDMA NIC too. SGLang cannot run a model here, so ``python`` is a stand-in on PATH that
+    records how it was called (the launch lines themselves are SGLang's documented ones)."""
+    log = tmp_path / "calls"
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\necho "$KVPOOL_PROTOCOL $*" >> {log}\n')
+    stub.chmod(0o755)
+    env = {**_env(), "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}", "MODEL": "some/model"}
+    env.pop("KVPOOL_PROTOCOL", None)
+    out = subprocess.run(
+        ["bash", str(ROOT / "examples/sglang/pd.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    rdma = bool(list(Path("/sys/class/infiniband").glob("*")))
+    proto = "rdma" if rdma else "auto"
+    assert f"KVPOOL_PROTOCOL={proto}" in out.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3, calls
+    servers = [c for c in calls if "sglang.launch_server" in c]
+    assert len(servers) == 2 and all(c.startswith(proto + " ") for c in calls), calls
+    assert all("--disaggregation-transfer-backend kvpool" in c for c in servers), calls
+    assert {"prefill", "decode"} == {c.split("--disaggregation-mode ")[1].split()[0] for c in servers}

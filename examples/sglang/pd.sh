@@ -4,13 +4,16 @@
 # `pip install kvpool` registers the `sglang.srt.plugins` entry point that adds the backend.
 set -euo pipefail
 MODEL=${MODEL:?set MODEL}
-# GPU KV buffers are written by peers, which needs RDMA (GPUDirect); `auto`/`tcp` only for --device cpu.
-export KVPOOL_PROTOCOL=${KVPOOL_PROTOCOL:-rdma}      # kvpool TransferConfig fields as KVPOOL_* variables
-if [ "$KVPOOL_PROTOCOL" = rdma ] && ! ls /sys/class/infiniband/* >/dev/null 2>&1; then
-  echo "pd.sh: no RDMA device under /sys/class/infiniband; GPU KV buffers need one (run \`kvpool doctor\`)," \
-       "or run SGLang with --device cpu and KVPOOL_PROTOCOL=auto" >&2
-  exit 1
+# The transfer path (kvpool TransferConfig fields as KVPOOL_* variables): RDMA (GPUDirect) when this
+# host has an RDMA device, else `auto` (same-host path / TCP, GPU memory staged through pinned host
+# memory). Set KVPOOL_PROTOCOL to choose; `kvpool doctor` says what the host offers. Without RDMA a
+# decode's GPU KV is written by the prefill over TCP, which needs kvpool's GPU staging on the target
+# side; a kvpool without it refuses at decode start with a ProtocolUnavailable that says so.
+if [ -z "${KVPOOL_PROTOCOL:-}" ]; then
+  if ls /sys/class/infiniband/* >/dev/null 2>&1; then KVPOOL_PROTOCOL=rdma; else KVPOOL_PROTOCOL=auto; fi
+  echo "pd.sh: KVPOOL_PROTOCOL=$KVPOOL_PROTOCOL (set it to override)" >&2
 fi
+export KVPOOL_PROTOCOL
 
 python -m sglang.launch_server --model-path "$MODEL" --port 30000 --base-gpu-id 0 \
   --disaggregation-mode prefill --disaggregation-transfer-backend kvpool \
