@@ -16,7 +16,6 @@ client may still write), which lets the master reuse space taken back from it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -43,13 +42,14 @@ from kvpool.errors import (
     StoreError,
     TransferError,
 )
-from kvpool.store.datapath import DataPath, ReadJob, WriteJob
+from kvpool.store.datapath import DataPath, ReadJob, WriteJob, copy_out
 from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
 from kvpool.store.locations import Loc, LocationCache
 from kvpool.store.reservations import RESERVE_MAX, ReservationPool, WriteFloor, reserve_count
 from kvpool.store.ssd import read_ssd_file
 from kvpool.store.staging import Staging, addr_of
 from kvpool.store.tasks import run_task
+from kvpool.transfer.device import device_buffer
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, host_id
 
@@ -666,7 +666,7 @@ class Store:
                 log.debug("promotion of %s failed: %s", key, exc)
         if dest is None:
             return data
-        ctypes.memmove(dest[0], data, len(data))
+        copy_out(self.engine, dest[0], data)
         return len(data)
 
     def get(self, key: str) -> bytes:
@@ -718,6 +718,13 @@ class Store:
 
     def _dest(self, buffer_or_addr: Any, size: int | None) -> tuple[tuple[int, int], int | None]:
         """Destination range; buffers not yet registered are registered local-only for the call."""
+        dev = device_buffer(buffer_or_addr, size)
+        if dev is not None:  # a CUDA tensor / array: registered (local-only) as cuda:N memory
+            try:
+                addr = self.engine.register_local_memory(buffer_or_addr, size, remote_accessible=False)
+            except RegistrationError:
+                return (dev[0], dev[1]), None  # already registered (register_buffer)
+            return (addr, dev[1]), addr
         addr, n, keep = buffer_range(buffer_or_addr, size)
         if isinstance(buffer_or_addr, int):
             return (addr, n), None  # a raw address: registered by the caller (the engine checks)
@@ -777,9 +784,13 @@ class Store:
         """Placement of an object: size, replicas (segment, address, committed), SSD path."""
         return self._call("info", key=key)
 
-    def register_buffer(self, buffer_or_addr: Any, size: int | None = None) -> int:
-        """Register memory for put_from/get_into without per-call registration; returns its address."""
-        return self.engine.register_local_memory(buffer_or_addr, size, remote_accessible=False)
+    def register_buffer(self, buffer_or_addr: Any, size: int | None = None, location: str = "cpu:0") -> int:
+        """Register memory for put_from/get_into without per-call registration; returns its address.
+
+        GPU memory: a CUDA tensor / ``__cuda_array_interface__`` object, or an int address with
+        ``location="cuda:N"``. Values then move between the GPU and the pool by DMA (same host:
+        straight from/into the storage segment's shared memory; other hosts: staged)."""
+        return self.engine.register_local_memory(buffer_or_addr, size, location, remote_accessible=False)
 
     def unregister_buffer(self, addr_or_buffer: Any) -> None:
         """Undo :meth:`register_buffer`."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool import _native
 from kvpool.errors import (
     KvpoolError,
     ObjectChanged,
@@ -86,6 +87,26 @@ def _mem(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
 
 
+def copy_out(engine: TransferEngine, dst: int, data: bytes | bytearray | memoryview) -> None:
+    """Copy host bytes to ``dst``: GPU memory (registered as cuda:N) through the CUDA runtime,
+    host memory with memmove."""
+    n = len(data)
+    if engine.is_gpu_memory(dst, n):
+        src = data if isinstance(data, bytes) else bytes(data)
+        engine.device_runtime.copy_h2d(dst, _native.buffer_address(src, True)[0], n)
+    else:
+        ctypes.memmove(dst, bytes(data) if isinstance(data, memoryview) else data, n)  # type: ignore[arg-type]
+
+
+def host_view(engine: TransferEngine, addr: int, size: int) -> memoryview:
+    """The bytes at ``addr`` readable by the CPU: GPU memory is copied to host first."""
+    if engine.is_gpu_memory(addr, size):
+        buf = bytearray(size)
+        engine.device_runtime.copy_d2h(_native.buffer_address(buf)[0], addr, size)
+        return memoryview(buf)
+    return _mem(addr, size)
+
+
 class DataPath:
     """Object reads and writes of one store client (thread-safe: staging regions per call)."""
 
@@ -94,6 +115,17 @@ class DataPath:
         self.staging = staging
         self.report = report
         self.checksum_all = checksum_all
+
+    def _value(self, job: WriteJob) -> memoryview:
+        """The value as the CPU sees it: GPU memory is copied to host when the CPU needs its
+        bytes (checksum, small values staged with their header); else a view that is not read."""
+        if not isinstance(job.src, tuple):
+            return job.src
+        addr, size = job.src
+        cpu_needs = size <= DIRECT_MIN or job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all
+        if cpu_needs or not self.engine.is_gpu_memory(addr, size):
+            return host_view(self.engine, addr, size)
+        return memoryview(b"")  # a big GPU value: moved by the engine from where it is, never read here
 
     # ------------------------------------------------------------------ transfers
     def req(self, op: OpCode, local: int, segment: str, remote: int, size: int) -> TransferRequest:
@@ -187,7 +219,7 @@ class DataPath:
     def _write_one(self, epoch: int, job: WriteJob) -> None:
         """One object to one replica, in this thread: a small one as header + value from
         staging, a big one from where it is, then its header."""
-        value = _mem(*job.src) if isinstance(job.src, tuple) else job.src
+        value = self._value(job)
         size = job.size
         if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
             job.csum = checksum(value)
@@ -225,7 +257,7 @@ class DataPath:
                      owner: list[tuple[WriteJob, str]], tokens: list[Any],
                      failed: dict[tuple[int, str], bool], headers: list[Any]) -> None:  # fmt: skip
         size = job.size
-        value = _mem(*job.src) if isinstance(job.src, tuple) else job.src
+        value = self._value(job)
         if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
             job.csum = checksum(value)
         hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
@@ -372,7 +404,7 @@ class DataPath:
             return
         if j.csum is not None:
             if value is None:
-                value = _mem(sink[2], j.size)
+                value = host_view(self.engine, sink[2], j.size)
             if checksum(value) != j.csum:
                 j.error = ObjectCorrupt(f"{j.key!r} at {seg}: bytes do not match the object's checksum")
                 self.report(seg, "corrupt", j.key, j.gen)
@@ -380,7 +412,7 @@ class DataPath:
         j.served_by = seg
         if sink[0] == "small":
             if j.dest is not None:
-                ctypes.memmove(j.dest[0], bytes(value), j.size)  # type: ignore[arg-type]
+                copy_out(self.engine, j.dest[0], value)  # type: ignore[arg-type]
                 j.result = j.size
             else:
                 j.result = bytes(value)  # type: ignore[arg-type]

@@ -207,7 +207,9 @@ class CudaIpcTransport(Transport):
 
     # ------------------------------------------------------------------ initiator side: segments
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
-        return "cuda_ipc" in desc.protocols and self.inner.reaches(desc)
+        # every same-host peer: its shared host buffers are reachable by the GPU even when it
+        # runs no CUDA itself; its GPU buffers only when it publishes them (desc.cuda_ipc)
+        return self.inner.reaches(desc)
 
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
         self.inner.attach(handle, name, desc)

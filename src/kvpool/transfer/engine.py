@@ -289,6 +289,11 @@ class TransferEngine:
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
         return addr
 
+    def is_gpu_memory(self, addr: int, length: int) -> bool:
+        """Whether ``[addr, addr+length)`` starts in memory registered here as ``cuda:N`` (host
+        code must not touch it directly; copy through :attr:`device_runtime`)."""
+        return bool(self._registry.gpu_count) and self._registry.gpu_region(addr, length) is not None
+
     @property
     def device_runtime(self) -> DeviceRuntime:
         """The CUDA runtime: the one passed to the constructor, else selected on first use."""

@@ -160,7 +160,8 @@ class KvpoolKVManager(CommonKVManager):
         """Register every KV, aux and state buffer (SGLang calls this again after a memory resume).
 
         Decode buffers are written by prefill peers (remote-accessible); prefill buffers are only
-        sources of local WRITEs. GPU buffers that peers must write need ``KVPOOL_PROTOCOL=rdma``.
+        sources of local WRITEs. GPU buffers that peers must write are reachable by same-host peers
+        through CUDA IPC (when the CUDA driver loads) and by other hosts with ``KVPOOL_PROTOCOL=rdma``.
         """
         remote = self.disaggregation_mode == DisaggregationMode.DECODE
         for ptr, n, loc in self._buffers():
@@ -170,8 +171,8 @@ class KvpoolKVManager(CommonKVManager):
                 self.engine.register_local_memory(ptr, n, location=loc, remote_accessible=remote)
             except ProtocolUnavailable as exc:
                 raise ProtocolUnavailable(
-                    f"kvpool SGLang backend: {exc}. A decode instance with GPU KV buffers needs "
-                    "KVPOOL_PROTOCOL=rdma (GPUDirect); see docs/sglang.md"
+                    f"kvpool SGLang backend: {exc}. A decode instance with GPU KV buffers needs the "
+                    "CUDA driver (same-host prefills: CUDA IPC) or KVPOOL_PROTOCOL=rdma; see docs/gpu.md"
                 ) from None
             self._registered.append(ptr)
 

@@ -298,14 +298,16 @@ class _PdWorker:
             self.engine = TransferEngine(**self.cfg.engine_kwargs())
         for t in tensors:
             # The prefill side's blocks are read by decode instances (remote-accessible); a decode's
-            # own blocks are only written locally. CUDA tensors register as cuda:N: read remotely
-            # only over RDMA (GPUDirect); as local READ destinations they are staged on TCP.
+            # own blocks are only written locally. CUDA tensors register as cuda:N: read by
+            # same-host peers through CUDA IPC (when the CUDA driver loads), by other hosts over RDMA
+            # (GPUDirect); as local READ destinations they are staged on TCP.
             try:
                 self.engine.register_local_memory(t, remote_accessible=self.serves)
             except ProtocolUnavailable as exc:
                 raise TransferError(
                     f"KV cache on {t.device}: {exc}. A prefill (kv_producer/kv_both) instance with a GPU KV "
-                    "cache needs protocol='rdma'; see docs/vllm.md"
+                    "cache needs the CUDA driver (same-host decodes: CUDA IPC) or protocol='rdma'; "
+                    "see docs/gpu.md"
                 ) from None
         self.regions = regions
         total = sum(r.stride * r.num_blocks for r in regions)

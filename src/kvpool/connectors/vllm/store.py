@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
 from kvpool.connectors.vllm.nonblocking import AsyncLookups, Breaker, Lookup
-from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, ObjectExists
+from kvpool.errors import ConfigError, KvpoolError, ObjectExists
 
 if TYPE_CHECKING:
     from kvpool.store.client import Store
@@ -393,11 +393,8 @@ class _StoreWorker:
         if self.store is None:
             self.store = _connect(self.cfg, self.cfg.store_segment_size, self.cfg.store_buffer_size)
         for t in tensors:
-            if t.device.type != "cpu":
-                raise InvalidArgument(
-                    f"KvpoolStoreConnector: KV cache on {t.device}; this build stores CPU KV caches only "
-                    "(the store client does not stage GPU memory yet)"
-                )
+            # CPU or CUDA KV caches: GPU blocks move by DMA between the GPU and the pool (same host:
+            # straight from/into the storage segment's shared memory; other hosts: staged).
             self.store.register_buffer(t)
         if not self._threads:
             for name, q, fn in (("load", self._loads, self._load_job), ("save", self._saves, self._save_job)):

@@ -1,0 +1,121 @@
+"""GPU KV movement between two processes on one host: kvpool's CUDA IPC path next to the CUDA IPC
+limit measured in the same run (issue 10's targets).
+
+Shapes (a Llama-8B-like FlashAttention KV cache: bf16, 8 KV heads, head 128, block 16 -> 32 KiB
+per block and plane):
+- ``scattered``: 4,096 blocks of 32 KiB (a 128 MiB request) at random block ids of a 1 GiB cache
+  on each side, GPU -> GPU (target <= 0.15 ms from submit to completion seen by the caller);
+- ``whole``: one range of 1 MiB / 64 MiB / 512 MiB, GPU -> GPU (targets >= 100 / - / 1,000 GB/s);
+- ``host``: 16 MiB and 64 MiB between our GPU and the peer's shared host memory (target >= 40 GB/s);
+- ``limit``: one cuMemcpy of the contiguous 128 MiB inside the peer's mapped memory (the ceiling).
+
+    python benchmarks/gpu_kv.py [--reps 20] [--json out.json]
+
+Needs a CUDA driver that sees a GPU (or ``KVPOOL_CUDA_DRIVER`` = the fake driver of
+``kvpool.testing.fakecuda``, which checks that the benchmark runs; its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvpool import OpCode, TransferEngine
+from kvpool.transfer.cuda_driver import load_driver
+
+CACHE = 1 << 30
+BLOCK = 32 << 10
+NBLOCKS = 4096
+HOST = 256 << 20
+
+
+def serve() -> None:
+    """The peer: a 1 GiB GPU cache and a shared host buffer, registered; waits for stdin EOF."""
+    drv = load_driver()
+    if drv is None:
+        sys.exit("no CUDA driver")
+    eng = TransferEngine()
+    g = drv.alloc(CACHE, 0)
+    eng.register_local_memory(g, CACHE, location="cuda:0")
+    shm = eng.alloc_shared_buffer(HOST)
+    from kvpool import _native
+
+    print(json.dumps({"name": eng.segment_name, "gpu": g, "shm": _native.buffer_address(shm)[0]}), flush=True)
+    sys.stdin.read()
+    eng.close()
+
+
+def _time(fn, reps: int) -> float:  # noqa: ANN001 - a no-argument callable
+    fn()  # warm: mappings opened, kernel loaded
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve:
+        serve()
+        return
+    drv = load_driver()
+    if drv is None:
+        sys.exit("kvpool: ProtocolUnavailable: no CUDA driver sees a GPU (KVPOOL_CUDA_DRIVER: the fake)")
+    fake = "fakecuda" in (os.environ.get("KVPOOL_CUDA_DRIVER") or "")
+    peer = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    info = json.loads(peer.stdout.readline())
+    out: dict[str, float] = {}
+    try:
+        with TransferEngine() as eng:
+            mine = drv.alloc(CACHE, 0)
+            eng.register_local_memory(mine, CACHE, location="cuda:0", remote_accessible=False)
+            rng = np.random.default_rng(0)
+            src = (mine + rng.permutation(CACHE // BLOCK)[:NBLOCKS].astype(np.uint64) * BLOCK).tolist()
+            dst = (info["gpu"] + rng.permutation(CACHE // BLOCK)[:NBLOCKS].astype(np.uint64) * BLOCK).tolist()
+            name = info["name"]
+            t = _time(lambda: eng.batch_transfer_sync(name, src, dst, [BLOCK] * NBLOCKS), a.reps)
+            out["scattered_4096x32KiB_ms"] = t * 1e3
+            out["scattered_GBps"] = NBLOCKS * BLOCK / t / 1e9
+            for size in (1 << 20, 64 << 20, 512 << 20):
+                t = _time(lambda s=size: eng.transfer_sync(name, mine, info["gpu"], s), a.reps)
+                out[f"whole_{size >> 20}MiB_GBps"] = size / t / 1e9
+            for size in (16 << 20, 64 << 20):
+                t = _time(lambda s=size: eng.transfer_sync(name, mine, info["shm"], s), a.reps)
+                out[f"gpu_to_host_{size >> 20}MiB_GBps"] = size / t / 1e9
+                t = _time(lambda s=size: eng.transfer_sync(name, mine, info["shm"], s, OpCode.READ), a.reps)
+                out[f"host_to_gpu_{size >> 20}MiB_GBps"] = size / t / 1e9
+            # the ceiling, same run: one copy of 128 MiB into the peer's memory, mapped here
+            ipc = next(t for t in eng._transports if t.name == "cuda_ipc")
+            peer_state = next(iter(ipc._peers.values()))
+            base = next(b.mapped for b in peer_state.bufs if b.gpu and b.mapped)
+
+            def limit() -> None:
+                drv.memcpy(base, mine, NBLOCKS * BLOCK)
+
+            t = _time(limit, a.reps)
+            out["limit_contiguous_128MiB_ms"] = t * 1e3
+    finally:
+        peer.stdin.close()
+        peer.wait(30)
+    print(("FAKE DRIVER: figures are not GPU figures\n" if fake else "") + json.dumps(out, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
