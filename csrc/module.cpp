@@ -46,6 +46,17 @@ py::tuple buffer_address(py::handle obj, bool allow_read_only) {
   return py::make_tuple(addr, len);
 }
 
+// The contents of a contiguous buffer of uint64 (e.g. a numpy uint64 array) as a vector.
+std::vector<uint64_t> u64_vector(py::buffer b) {
+  py::buffer_info info = b.request();
+  if (info.ndim != 1 || info.itemsize != 8 || (info.format != "Q" && info.format != "L" && info.format != "K") ||
+      (info.shape[0] > 1 && info.strides[0] != 8))
+    throw KvError(E_INVALID, "expected a contiguous 1-D uint64 array");
+  std::vector<uint64_t> v(static_cast<size_t>(info.shape[0]));
+  if (!v.empty()) std::memcpy(v.data(), info.ptr, v.size() * 8);
+  return v;
+}
+
 // Deterministic fast fill (xorshift64*), for demos and tests.
 void fill_pattern(uint64_t addr, uint64_t len, uint64_t seed) {
   auto* p = reinterpret_cast<unsigned char*>(addr);
@@ -140,6 +151,13 @@ PYBIND11_MODULE(_native, m) {
       .def("reserve_slots", &Engine::reserve_slots)
       .def("finish_slot", &Engine::finish_slot)
       .def("finish_range", &Engine::finish_range)
+      // The same two with a uint64 buffer of lengths (a numpy array): no per-element conversion.
+      .def("reserve_slots_buf", [](Engine& e, uint64_t batch, py::buffer lens) {
+        return e.reserve_slots(batch, u64_vector(lens));
+      })
+      .def("finish_range_buf", [](Engine& e, uint64_t batch, uint32_t first, py::buffer lens, int32_t st) {
+        e.finish_range(batch, first, u64_vector(lens), st);
+      })
       .def("fence_claim", &Engine::fence_claim)
       .def("fence_retire", &Engine::fence_retire, G());
 

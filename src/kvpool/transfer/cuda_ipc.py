@@ -118,7 +118,7 @@ class _Run:
     event: int
     batch_id: int
     first: int
-    lens: list[int]
+    lens: np.ndarray
     peer: _Peer
     pins: list[tuple[int, int]]
     table: tuple[int, int, int] | None  # (device table, pinned host table, bytes) to give back
@@ -130,6 +130,7 @@ class CudaIpcTransport(Transport):
 
     name = "cuda_ipc"
     locations = frozenset({"cuda"})
+    takes_arrays = True  # request columns may be numpy uint64 arrays (see TransferEngine.batch_transfer_sync)
 
     def __init__(
         self,
@@ -295,10 +296,15 @@ class CudaIpcTransport(Transport):
 
     # ------------------------------------------------------------------ initiator side: submit
     def submit(self, batch_id: int, reqs: Requests) -> None:
-        ops = np.asarray(reqs.ops, dtype=np.uint8)
-        locs = np.asarray(reqs.locs, dtype=_U64)
-        rems = np.asarray(reqs.rems, dtype=_U64)
-        lens = np.asarray(reqs.lens, dtype=_U64)
+        """Columns may be lists or numpy arrays (``batch_transfer_sync`` passes arrays through)."""
+        ops = reqs.ops
+        if isinstance(ops, np.ndarray):
+            ops = ops.astype(np.uint8, copy=False)
+        elif ops.count(ops[0]) == len(ops):
+            ops = np.full(len(ops), ops[0], dtype=np.uint8)
+        else:
+            ops = np.asarray(ops, dtype=np.uint8)
+        locs, rems, lens = _col(reqs.locs), _col(reqs.rems), _col(reqs.lens)
         peers = reqs.peers
         if peers.count(peers[0]) != len(peers):  # several same-host segments: one run each
             start = 0
@@ -334,6 +340,7 @@ class CudaIpcTransport(Transport):
                 self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b])
 
     def _inner_submit(self, batch_id: int, reqs: Requests, local_gpu: np.ndarray) -> None:
+        reqs = Requests(*(c.tolist() if isinstance(c, np.ndarray) else c for c in reqs))
         if local_gpu.any():
             self.staging.submit(self.inner, batch_id, reqs)
         else:
@@ -375,7 +382,7 @@ class CudaIpcTransport(Transport):
         memory goes by one cuMemcpyAsync per request."""
         if (ridx < 0).any():
             raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
-        used = np.unique(ridx).tolist()
+        used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
         if not self._alive(peer):
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; reopen the segment")
         pins = self._pin(peer, used)
@@ -397,16 +404,16 @@ class CudaIpcTransport(Transport):
             reading = ops == READ
             src = np.where(reading, remote, locs)
             dst = np.where(reading, locs, remote)
-            first = self.batches.reserve(batch_id, lens.tolist())
+            lens = np.ascontiguousarray(lens, dtype=_U64)
+            first = self.native.reserve_slots_buf(batch_id, lens)
         except BaseException:
             self._unpin(peer, pins)
             raise
-        lens_list = lens.tolist()
         try:
             stream = self._stream(dev)
             table = None
-            if len(lens_list) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all():
-                for s, d, n in zip(src.tolist(), dst.tolist(), lens_list, strict=True):
+            if len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all():
+                for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
                     self.driver.memcpy_async(d, s, n, stream)
                 self.memcpy_runs += 1
             else:
@@ -416,12 +423,12 @@ class CudaIpcTransport(Transport):
             self.driver.record(event, stream)
         except BaseException as exc:
             self._unpin(peer, pins)
-            self._fail(batch_id, first, lens_list, f"CUDA IPC copy not queued: {exc}")
+            self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
             raise
         with peer.lock:
             peer.inflight += 1
         with self._cond:
-            self._runs.append(_Run(event, batch_id, first, lens_list, peer, pins, table, dev))
+            self._runs.append(_Run(event, batch_id, first, lens, peer, pins, table, dev))
             self._cond.notify()
 
     def _buf_dev(self, peer: _Peer, used: list[int]) -> int:
@@ -513,7 +520,7 @@ class CudaIpcTransport(Transport):
             if error is None and not self._alive(run.peer):
                 error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
             if error is None:
-                self.native.finish_range(run.batch_id, run.first, run.lens, 0)
+                self.native.finish_range_buf(run.batch_id, run.first, run.lens, 0)
             else:
                 self._fail(run.batch_id, run.first, run.lens, error)
             with self._lock:
@@ -526,7 +533,7 @@ class CudaIpcTransport(Transport):
                 self._runs.popleft()
                 self._cond.notify_all()
 
-    def _fail(self, batch_id: int, first: int, lens: list[int], reason: str) -> None:
+    def _fail(self, batch_id: int, first: int, lens: Any, reason: str) -> None:
         for i in range(len(lens)):
             try:
                 self.batches.finish(batch_id, first + i, 0, reason)
@@ -555,6 +562,13 @@ class CudaIpcTransport(Transport):
             for d, h, _ in tables:
                 self.driver.free(d)
                 self.driver.free_host(h)
+
+
+def _col(c: Any) -> np.ndarray:
+    """A request column as a uint64 array (free for arrays, one C-speed pass for lists)."""
+    if isinstance(c, np.ndarray):
+        return c.astype(_U64, copy=False)
+    return np.fromiter(c, dtype=_U64, count=len(c))
 
 
 class _Shm:

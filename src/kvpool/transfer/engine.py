@@ -18,6 +18,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvpool import _native
 from kvpool.config import TransferConfig
 from kvpool.errors import (
@@ -670,6 +672,14 @@ class TransferEngine:
             return 0
         op = _native_op(opcode)
         handle = self.open_segment(target_name)
+        t = self._route(handle.id)
+        arrays = (local_addrs, remote_addrs, lengths)
+        if getattr(t, "takes_arrays", False) and all(isinstance(c, np.ndarray) for c in arrays):
+            # numpy columns straight through (the CUDA IPC path): no per-request Python
+            if (lengths <= 0).any() or (local_addrs < 0).any() or (remote_addrs < 0).any():  # type: ignore[operator]
+                raise InvalidArgument("lengths must be positive and addresses non-negative")
+            cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in arrays]
+            return self._run_sync(handle.id, op, *cols)  # type: ignore[arg-type]
         try:
             locs, rems, lens = (
                 list(map(int, local_addrs)),
@@ -680,7 +690,6 @@ class TransferEngine:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         if min(lens) <= 0 or min(locs) < 0 or min(rems) < 0:
             raise InvalidArgument("lengths must be positive and addresses non-negative")
-        t = self._route(handle.id)
         if self._registry.gpu_count and "cuda" not in t.locations and self._staging.needed(locs, lens):
             # staged: rounds whose staged bytes fit the pool, waiting for staging others hold
             rounds = self._staging.rounds(locs, rems, lens)
