@@ -38,10 +38,9 @@ fi
 # SGLang 0.5.23 in its own virtualenv that sees this environment's packages (torch, vLLM, kvpool):
 # its CPU install needs torchvision 0.28 plus an import fix (scripts/_torchvision_cpu_fix.py) that
 # must not leak into the vLLM environment. --no-deps: its metadata pins CUDA torch 2.14.
-# The recipe is scripts/sglang_venv.sh (docs/sglang.md gives users the same command).
-if ! .venv-sglang/bin/python -c "import sglang" 2>/dev/null; then
-  step "SGLang 0.5.23 into .venv-sglang (scripts/sglang_venv.sh)" bash scripts/sglang_venv.sh .venv-sglang
-fi
+# The recipe is scripts/sglang_venv.sh (docs/sglang.md gives users the same command); run every
+# time: it installs only what is missing, and points an existing .venv-sglang at this Python's kvpool.
+step "SGLang 0.5.23 in .venv-sglang (scripts/sglang_venv.sh)" bash scripts/sglang_venv.sh .venv-sglang
 step "ruff check" ruff check -q src tests benchmarks
 # Run from the repository root: tests import the installed kvpool (with its compiled core).
 echo "test.sh: python -m pytest -q $*"
