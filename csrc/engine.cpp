@@ -263,12 +263,12 @@ std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_fra
 
 // ---------------------------------------------------------------- registry
 
-std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only) {
+std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only, int device) {
   if (len == 0) throw KvError(E_INVALID, "cannot register zero bytes");
   if (addr + len < addr) throw KvError(E_INVALID, "address range wraps around");
   if (remote && read_only) throw KvError(E_INVALID, "read-only memory cannot be remote-accessible");
   auto st = std::make_shared<RegionState>();
-  st->r = Region{addr, len, remote, read_only};
+  st->r = Region{addr, len, remote, read_only, device};
   std::unique_lock lk(mu_);
   auto it = regions_.upper_bound(addr);
   if (it != regions_.end() && it->first < addr + len)
@@ -278,7 +278,7 @@ std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, bool remote,
     if (prev->first + prev->second->r.len > addr)
       throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   }
-  if (remote && fence_ != nullptr) st->fence_slot = fence_->claim(addr, len, &st->fence_gen);
+  if (remote && device < 0 && fence_ != nullptr) st->fence_slot = fence_->claim(addr, len, &st->fence_gen);
   std::pair<int, uint64_t> out{st->fence_slot, st->fence_gen};
   regions_[addr] = std::move(st);
   return out;
@@ -312,6 +312,7 @@ bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote, bo
   --it;
   const Region& r = it->second->r;
   if (need_remote && !r.remote) return false;
+  if (!need_remote && r.device >= 0) return false;  // GPU memory: the server's staging only
   if (need_writable && r.read_only) return false;
   return addr >= r.addr && addr + len <= r.addr + r.len;
 }

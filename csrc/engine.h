@@ -47,6 +47,7 @@ struct Region {
   uint64_t len;
   bool remote;
   bool read_only;  // local source only: never the destination of a READ
+  int device = -1;  // CUDA device ordinal of GPU memory (served by staging copies), -1: host memory
 };
 
 // A live registration. The server touches its memory only inside a RegionAccess (one socket
@@ -88,7 +89,9 @@ class RegionAccess {
 class Registry {
  public:
   // Returns the same-host fence (slot, generation) of a remote-accessible region; slot -1: none.
-  std::pair<int, uint64_t> add(uint64_t addr, uint64_t len, bool remote, bool read_only = false);
+  // device >= 0: GPU memory of that CUDA device, reached by the server through staging copies only
+  // (never a local source/destination of the native data path, no same-host fence slot).
+  std::pair<int, uint64_t> add(uint64_t addr, uint64_t len, bool remote, bool read_only = false, int device = -1);
   void remove(uint64_t addr);
   void set_fence(Fence* f, int retire_timeout_ms) {
     fence_ = f;

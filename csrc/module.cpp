@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "cuda.h"
 #include "engine.h"
 #include "hmac.h"
 
@@ -121,8 +122,8 @@ PYBIND11_MODULE(_native, m) {
         return d;
       })
       .def("set_descriptor", [](Engine& e, py::bytes b) { e.set_descriptor(std::string(b)); })
-      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r, bool ro) { return e.registry().add(a, l, r, ro); },
-           py::arg("addr"), py::arg("length"), py::arg("remote"), py::arg("read_only") = false, G())
+      .def("register_memory", [](Engine& e, uint64_t a, uint64_t l, bool r, bool ro, int dev) { return e.registry().add(a, l, r, ro, dev); },
+           py::arg("addr"), py::arg("length"), py::arg("remote"), py::arg("read_only") = false, py::arg("device") = -1, G())
       .def("unregister_memory", [](Engine& e, uint64_t a) { e.registry().remove(a); }, G())
       .def("registered", [](Engine& e) {
         py::list out;
@@ -187,6 +188,7 @@ PYBIND11_MODULE(_native, m) {
     auto addr = reinterpret_cast<uintptr_t>(PyBytes_AS_STRING(o));
     return py::make_tuple(py::reinterpret_steal<py::object>(o), addr);
   });
+  m.def("cuda_init", &cuda::init, G(), "Load the CUDA driver for the server's GPU staging (path '' = libcuda.so.1)");
   m.def("fill_pattern", &fill_pattern, G(), "Fill memory with a deterministic pseudo-random pattern");
   m.def("status_text", [](int st) { return std::string(status_text(st)); });
   m.def("encode_request", [](int op, uint32_t id, uint64_t addr, uint64_t len) {

@@ -1,5 +1,7 @@
 #include "server.h"
 
+#include "cuda.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -28,6 +30,7 @@ namespace {
 constexpr size_t kOutHigh = 64 * 1024;   // stop reading requests while this much output waits
 constexpr uint64_t kBudget = 8u << 20;   // bytes moved per connection per wake-up (fairness)
 constexpr uint64_t kChunk = 4u << 20;    // bytes per syscall into/out of registered memory
+constexpr uint64_t kStage = 1u << 20;    // GPU regions: bytes per staging copy (pinned, per connection)
 constexpr int kTickMs = 100;             // deadline scan period
 constexpr int kAcceptPauseMs = 50;       // accept back-off at the fd limit
 
@@ -93,6 +96,15 @@ struct Conn {
   size_t out_off = 0;
   std::shared_ptr<RegionState> stream;  // READ source being sent after `out`
   uint64_t s_addr = 0, s_len = 0, s_off = 0;
+  // GPU regions: a pinned staging buffer (allocated on the first GPU frame, freed with the
+  // connection); a READ sends staged[g_lo, g_hi), a WRITE gathers g_fill bytes before each copy.
+  std::unique_ptr<char, void (*)(char*)> gbuf{nullptr, [](char* p) { cuda::host_free(p); }};
+  uint64_t g_lo = 0, g_hi = 0, g_fill = 0;
+
+  bool stage_buffer() {
+    if (!gbuf) gbuf.reset(static_cast<char*>(cuda::host_alloc(kStage)));
+    return gbuf != nullptr;
+  }
 };
 
 struct Reactor {
@@ -232,7 +244,16 @@ struct Reactor {
         srv->n_fenced.fetch_add(1);  // unregistered mid-reply: the stream cannot continue
         return -1;
       }
-      if (spend) iov[n++] = {reinterpret_cast<char*>(c.s_addr + c.s_off), std::min(spend, kChunk)};
+      const bool gpu = spend && c.stream->r.device >= 0;
+      if (gpu && c.g_lo == c.g_hi) {  // stage the next piece of the GPU region (device -> pinned)
+        uint64_t k = std::min(spend, kStage);
+        if (!c.stage_buffer() || cuda::to_host(c.stream->r.device, c.gbuf.get(), c.s_addr + c.s_off, k) != 0)
+          return -1;  // the reply header promised the bytes: the stream cannot continue
+        c.g_lo = 0;
+        c.g_hi = k;
+      }
+      if (gpu) iov[n++] = {c.gbuf.get() + c.g_lo, c.g_hi - c.g_lo};
+      else if (spend) iov[n++] = {reinterpret_cast<char*>(c.s_addr + c.s_off), std::min(spend, kChunk)};
       msghdr msg{};
       msg.msg_iov = iov;
       msg.msg_iovlen = static_cast<size_t>(n);
@@ -248,6 +269,7 @@ struct Reactor {
       left -= k;
       if (spend) {
         c.s_off += left;
+        if (gpu) c.g_lo += left;
         if (c.s_off == c.s_len) {
           c.stream.reset();
           c.in_frame = false;
@@ -296,7 +318,12 @@ struct Reactor {
     if (h.op == OP_WRITE) {
       c.region = st == ST_OK ? srv->reg.pin(h.addr, h.len, true) : nullptr;
       c.st = st != ST_OK ? st : (c.region ? ST_OK : ST_REMOTE_BOUNDS);
+      if (c.region && c.region->r.device >= 0 && !c.stage_buffer()) {
+        c.region.reset();  // no pinned memory for staging: the payload is drained, the WRITE refused
+        c.st = ST_TRANSPORT;
+      }
       c.off = 0;
+      c.g_fill = 0;
       c.phase = P_PAYLOAD;
       return;
     }
@@ -311,6 +338,7 @@ struct Reactor {
         c.s_addr = h.addr;
         c.s_len = h.len;
         c.s_off = 0;
+        c.g_lo = c.g_hi = 0;
         return;  // the frame ends when the stream is sent
       }
     } else if (h.op == OP_GET_DESC) {
@@ -329,6 +357,7 @@ struct Reactor {
     ssize_t r;
     if (c.phase == P_PAYLOAD) {
       uint64_t left = c.h.len - c.off;
+      bool drop = false;  // a failed device copy: the rest is drained, the WRITE refused
       {
         RegionAccess acc(c.region.get());
         if (!acc.ok()) {  // unregistered mid-payload: the rest is drained, the WRITE refused
@@ -336,11 +365,26 @@ struct Reactor {
           c.region.reset();
           c.st = ST_REMOTE_BOUNDS;
         }
-        if (c.region) {
+        if (c.region && c.region->r.device >= 0) {
+          // GPU region: gather a staging piece, copy it to the device when full or at the end
+          r = ::recv(c.fd, c.gbuf.get() + c.g_fill, std::min(left, kStage - c.g_fill), MSG_DONTWAIT);
+          if (r > 0) {
+            c.g_fill += static_cast<uint64_t>(r);
+            if (c.g_fill == kStage || c.off + static_cast<uint64_t>(r) == c.h.len) {
+              uint64_t at = c.h.addr + c.off + static_cast<uint64_t>(r) - c.g_fill;
+              if (cuda::to_device(c.region->r.device, at, c.gbuf.get(), c.g_fill) != 0) drop = true;
+              c.g_fill = 0;
+            }
+          }
+        } else if (c.region) {
           r = ::recv(c.fd, reinterpret_cast<char*>(c.h.addr + c.off), std::min(left, kChunk), MSG_DONTWAIT);
         } else {
           r = ::recv(c.fd, scratch.data(), std::min<uint64_t>(left, scratch.size()), MSG_DONTWAIT);
         }
+      }
+      if (drop) {
+        c.region.reset();  // after the access ended
+        c.st = ST_TRANSPORT;
       }
       if (r > 0) {
         c.off += static_cast<uint64_t>(r);

@@ -31,7 +31,7 @@ SIZE = 4 << 20
 @pytest.fixture(scope="module")
 def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The fake driver library, named by KVPOOL_CUDA_DRIVER for this process and its children."""
-    path = fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
+    path = fakecuda.build()  # one path per machine: one fake driver per process
     old = os.environ.get("KVPOOL_CUDA_DRIVER")
     os.environ["KVPOOL_CUDA_DRIVER"] = path
     yield path

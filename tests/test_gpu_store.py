@@ -19,7 +19,7 @@ from kvpool.transfer.cuda_driver import load_driver
 
 @pytest.fixture(scope="module")
 def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MasterProcess, StorageProcess]]:
-    path = fakecuda.build(tmp_path_factory.mktemp("fakecuda"))
+    path = fakecuda.build()  # one path per machine: one fake driver per process
     old = os.environ.get("KVPOOL_CUDA_DRIVER")
     os.environ["KVPOOL_CUDA_DRIVER"] = path
     try:

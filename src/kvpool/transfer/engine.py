@@ -33,7 +33,15 @@ from kvpool.errors import (
     TransferTimeout,
 )
 from kvpool.transfer.batch import Batches
-from kvpool.transfer.device import DeviceRuntime, device_buffer, device_index, get_runtime, parse_location
+from kvpool.transfer.device import (
+    CupyCudaRuntime,
+    DeviceRuntime,
+    TorchCudaRuntime,
+    device_buffer,
+    device_index,
+    get_runtime,
+    parse_location,
+)
 from kvpool.transfer.memory import LocalRegistry, Registration, buffer_range, check_requests
 from kvpool.transfer.metadata import MetadataBackend, open_metadata
 from kvpool.transfer.same_host import SameHostTransport
@@ -149,6 +157,7 @@ class TransferEngine:
         self._segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]] = {}
         self._handles: dict[int, str] = {}
         self._routes: dict[int, Transport] = {}  # segment handle -> the transport that reaches it
+        self._served_gpu: set[int] = set()  # GPU registrations the C++ server stages for TCP peers
         self._device_rt: DeviceRuntime | None = device_runtime
         self._staging = GpuStaging(
             lambda: self.device_runtime,
@@ -314,16 +323,32 @@ class TransferEngine:
                 )
             dev = (*buffer_range(obj, length), None)
         addr, n, keep, index = device_index(rt, dev, index)
-        if remote and not any("cuda" in t.locations for t in self._transports):
+        served = remote and self._server_stages_gpu(rt)
+        if remote and not served and not any("cuda" in t.locations for t in self._transports):
             raise ProtocolUnavailable(
-                f"cuda:{index} memory cannot be remote-accessible without RDMA: peers reach TCP/same-host "
-                "engines through a server that can only touch host memory. Use protocol='rdma' (GPUDirect: "
-                "nvidia-peermem or DMA-BUF) or register it with remote_accessible=False (it can then be "
-                "the source of WRITEs and the destination of READs, staged through pinned host memory)"
+                f"cuda:{index} memory cannot be remote-accessible here: the CUDA driver does not load in "
+                "the engine's server (TCP/same-host peers), and there is no RDMA. Run where the CUDA "
+                "driver loads, use protocol='rdma' (GPUDirect), or register it with "
+                "remote_accessible=False (source of WRITEs, destination of READs, staged)"
             )
+        rollback = None
+        if served:  # TCP peers: the C++ server stages this region through pinned memory
+            self._native.register_memory(addr, n, True, False, index)
+            rollback = lambda: self._native.unregister_memory(addr)  # noqa: E731
         reg = Registration(BufferDescriptor(addr, n, f"cuda:{index}", remote), keep)
-        self._add_registration(reg, dmabuf=lambda: rt.dmabuf_fd(addr, n))
+        self._add_registration(reg, rollback=rollback, dmabuf=lambda: rt.dmabuf_fd(addr, n))
+        if served:
+            self._served_gpu.add(addr)
         return addr
+
+    def _server_stages_gpu(self, rt: DeviceRuntime) -> bool:
+        """Whether the C++ server can serve GPU memory of ``rt`` to TCP peers: the CUDA driver loads
+        in it (the same driver the runtime's memory belongs to: a real CUDA runtime)."""
+        from kvpool.transfer.cuda_driver import ENV, DriverRuntime
+
+        if not isinstance(rt, (DriverRuntime, TorchCudaRuntime, CupyCudaRuntime)):
+            return False
+        return bool(_native.cuda_init(self.config.cuda_driver or os.environ.get(ENV, "")))
 
     def _add_registration(self, reg: Registration, rollback: Any = None, dmabuf: Any = None) -> None:
         """Bookkeeping, then every transport that moves this kind of memory; all or nothing."""
@@ -387,6 +412,9 @@ class TransferEngine:
                 raise BatchInFlight(
                     f"batch {bid} still stages transfers for GPU memory at {addr:#x}; wait for it first"
                 )
+            if addr in self._served_gpu:
+                self._native.unregister_memory(addr)  # waits for the server's staging copies
+                self._served_gpu.discard(addr)
         else:
             self._native.unregister_memory(addr)  # waits for in-flight remote access to the range
         kind = reg.desc.location.partition(":")[0] if reg is not None else "cpu"

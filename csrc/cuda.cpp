@@ -1,0 +1,95 @@
+#include "cuda.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+#include <vector>
+
+namespace kvpool::cuda {
+namespace {
+
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+using CUcontext = void*;
+
+struct Api {
+  CUresult (*cuInit)(unsigned) = nullptr;
+  CUresult (*cuDeviceGetCount)(int*) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, int) = nullptr;
+  CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned) = nullptr;
+  CUresult (*cuMemFreeHost)(void*) = nullptr;
+  CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t) = nullptr;
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
+  bool ok = false;
+  int count = 0;
+  std::mutex mu;
+  std::vector<CUcontext> ctx;
+};
+
+Api g;
+std::once_flag g_once;
+
+template <class F>
+bool sym(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  return *out != nullptr;
+}
+
+thread_local int t_device = -1;
+
+bool use(int device) {
+  if (!g.ok || device < 0 || device >= g.count) return false;
+  if (t_device == device) return true;
+  CUcontext c;
+  {
+    std::lock_guard lk(g.mu);
+    if (g.ctx[device] == nullptr && g.cuDevicePrimaryCtxRetain(&g.ctx[device], device) != 0) return false;
+    c = g.ctx[device];
+  }
+  if (g.cuCtxSetCurrent(c) != 0) return false;
+  t_device = device;
+  return true;
+}
+
+}  // namespace
+
+bool init(const std::string& path) {
+  std::call_once(g_once, [&] {
+    void* lib = dlopen(path.empty() ? "libcuda.so.1" : path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return;
+    bool ok = sym(lib, "cuInit", &g.cuInit) && sym(lib, "cuDeviceGetCount", &g.cuDeviceGetCount) &&
+              sym(lib, "cuDevicePrimaryCtxRetain", &g.cuDevicePrimaryCtxRetain) &&
+              sym(lib, "cuCtxSetCurrent", &g.cuCtxSetCurrent) && sym(lib, "cuMemHostAlloc", &g.cuMemHostAlloc) &&
+              sym(lib, "cuMemFreeHost", &g.cuMemFreeHost) && sym(lib, "cuMemcpyHtoD_v2", &g.cuMemcpyHtoD) &&
+              sym(lib, "cuMemcpyDtoH_v2", &g.cuMemcpyDtoH);
+    if (!ok || g.cuInit(0) != 0 || g.cuDeviceGetCount(&g.count) != 0 || g.count <= 0) return;
+    g.ctx.assign(static_cast<size_t>(g.count), nullptr);
+    g.ok = true;
+  });
+  return g.ok;
+}
+
+bool available() { return g.ok; }
+
+void* host_alloc(size_t n) {
+  if (!use(t_device >= 0 ? t_device : 0)) return nullptr;
+  void* p = nullptr;
+  return g.cuMemHostAlloc(&p, n, 1 /* portable */) == 0 ? p : nullptr;
+}
+
+void host_free(void* p) {
+  if (g.ok && p != nullptr) g.cuMemFreeHost(p);
+}
+
+int to_host(int device, void* dst, uint64_t src, size_t n) {
+  if (!use(device)) return 201;  // CUDA_ERROR_INVALID_CONTEXT
+  return g.cuMemcpyDtoH(dst, src, n);
+}
+
+int to_device(int device, uint64_t dst, const void* src, size_t n) {
+  if (!use(device)) return 201;
+  return g.cuMemcpyHtoD(dst, src, n);
+}
+
+}  // namespace kvpool::cuda

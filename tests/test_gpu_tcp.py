@@ -1,0 +1,138 @@
+"""GPU memory as a TCP target: the C++ server serves READs of, and accepts WRITEs into, a peer's
+GPU regions by staging through pinned memory (CUDA driver loaded at run time), across real
+processes on the fake CUDA driver (whose device pointers the CPU cannot touch: a server that read
+or wrote GPU memory directly would crash the peer)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool import OpCode, TransferEngine, _native
+from kvpool.errors import RemoteAccessError, TransferError
+from kvpool.testing import fakecuda
+from kvpool.transfer.cuda_driver import load_driver
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def fake_driver() -> Iterator[str]:
+    path = fakecuda.build()
+    old = os.environ.get("KVPOOL_CUDA_DRIVER")
+    os.environ["KVPOOL_CUDA_DRIVER"] = path
+    yield path
+    if old is None:
+        os.environ.pop("KVPOOL_CUDA_DRIVER", None)
+    else:
+        os.environ["KVPOOL_CUDA_DRIVER"] = old
+
+
+@pytest.fixture
+def peer(fake_driver: str) -> Iterator[dict]:
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), "1", str(SIZE)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    info = json.loads(p.stdout.readline())
+    info["proc"] = p
+    yield info
+    if p.poll() is None:
+        p.stdin.write("exit\n")
+        p.stdin.flush()
+        p.wait(30)
+
+
+def _ask(peer: dict, line: str) -> str:
+    peer["proc"].stdin.write(line + "\n")
+    peer["proc"].stdin.flush()
+    return peer["proc"].stdout.readline().strip()
+
+
+def _pattern(n: int, seed: int) -> bytearray:
+    b = bytearray(n)
+    _native.fill_pattern(_native.buffer_address(b)[0], n, seed)
+    return b
+
+
+def test_tcp_write_and_read_peer_gpu_multichunk_and_scattered(peer: dict) -> None:
+    g = peer["gpu"][0]
+    with TransferEngine(protocol="tcp", timeout_s=10.0) as eng:
+        data = _pattern((3 << 20) + 5, 1)  # > the server's 1 MiB staging piece, odd length
+        back = bytearray(len(data))
+        eng.register_local_memory(data)
+        eng.register_local_memory(back)
+        a, b = _native.buffer_address(data)[0], _native.buffer_address(back)[0]
+        eng.transfer_sync(peer["name"], a, g + 3, len(data))
+        assert _ask(peer, f"dump {g + 3} {len(data)}") == hashlib.sha256(data).hexdigest()
+        eng.transfer_sync(peer["name"], b, g + 3, len(data), OpCode.READ)
+        assert back == data
+        # scattered 4 KiB blocks, both directions, in one batch each
+        n, blk = 256, 4096
+        rems = [g + (4 << 20) + ((k * 37) % 1024) * blk for k in range(n)]
+        assert (
+            eng.batch_transfer_sync(peer["name"], [a + k * blk for k in range(n)], rems, [blk] * n) == n * blk
+        )
+        back[:] = bytes(len(back))
+        assert eng.batch_transfer_sync(peer["name"], [b + k * blk for k in range(n)], rems, [blk] * n,
+                                       OpCode.READ) == n * blk  # fmt: skip
+        assert back[: n * blk] == data[: n * blk]
+
+
+def test_tcp_local_gpu_to_peer_gpu(peer: dict) -> None:
+    drv = load_driver()
+    with TransferEngine(protocol="tcp", timeout_s=10.0) as eng:
+        mine = drv.alloc(2 << 20, 0)
+        eng.register_local_memory(mine, 2 << 20, location="cuda:0", remote_accessible=False)
+        data = _pattern(2 << 20, 5)
+        drv.memcpy(mine, _native.buffer_address(data)[0], len(data))
+        eng.transfer_sync(peer["name"], mine, peer["gpu"][0], 2 << 20)  # staged here, staged there
+        assert _ask(peer, f"dump {peer['gpu'][0]} {2 << 20}") == hashlib.sha256(data).hexdigest()
+
+
+def test_tcp_bounds_and_unregistered_gpu_region_refused(peer: dict) -> None:
+    g = peer["gpu"][0]
+    with TransferEngine(protocol="tcp", timeout_s=10.0) as eng:
+        buf = bytearray(1 << 20)
+        a = eng.register_local_memory(buf)
+        with pytest.raises((RemoteAccessError, TransferError)):
+            eng.transfer_sync(peer["name"], a, g + SIZE - 100, 4096)  # runs past the region
+        eng.transfer_sync(peer["name"], a, g, 4096)
+        assert _ask(peer, f"unregister {g}") == "ok"
+        with pytest.raises(TransferError):  # our cached descriptor still lists it: the target refuses
+            eng.transfer_sync(peer["name"], a, g, 4096)
+        with pytest.raises(TransferError):
+            eng.transfer_sync(peer["name"], a, g, 4096, OpCode.READ)
+
+
+def test_same_host_initiator_without_cuda_reaches_gpu_through_the_server(peer: dict) -> None:
+    """An initiator whose CUDA driver does not load (protocol auto, same host): GPU regions have no
+    same-host fence slot, so its requests go to the server, which stages them."""
+    code = textwrap.dedent(
+        f"""
+        import hashlib
+        from kvpool import TransferEngine, _native
+        with TransferEngine(timeout_s=10.0) as eng:
+            assert "cuda_ipc" not in eng.local_descriptor().protocols
+            data = bytearray(1 << 20)
+            _native.fill_pattern(_native.buffer_address(data)[0], len(data), 9)
+            a = eng.register_local_memory(data)
+            eng.transfer_sync({peer["name"]!r}, a, {peer["gpu"][0]}, len(data))
+            print(hashlib.sha256(data).hexdigest())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_CUDA_DRIVER"}
+    env["KVPOOL_CUDA_DRIVER"] = "/nonexistent/libcuda.so.1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert _ask(peer, f"dump {peer['gpu'][0]} {1 << 20}") == out.stdout.strip()
