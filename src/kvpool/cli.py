@@ -103,6 +103,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def location_arg(flag: str) -> Any:
+    """argparse type for a memory location (cpu, cpu:N, cuda, cuda:N)."""
+
+    def parse(text: str) -> str:
+        from kvpool.errors import InvalidArgument
+        from kvpool.transfer.device import parse_location
+
+        try:
+            parse_location(text)
+        except InvalidArgument as exc:
+            raise argparse.ArgumentTypeError(f"{flag}: {exc}") from None
+        return text
+
+    return parse
+
+
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     """Benchmark the transfer engine between two processes."""
 
@@ -128,6 +144,8 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
                 protocol=args.protocol,
                 threads=args.threads,
                 sync=args.sync,
+                location=args.location,
+                remote_location=args.remote_location,
                 **opts,
             )
             res = _with_progress(
@@ -414,6 +432,10 @@ def build_parser(master_options: bool = True, conductor: bool = True) -> argpars
         "--sync", action="store_true",
         help="each request is its own transfer_sync call; P50/P99 still cover a whole batch",
     )  # fmt: skip
+    bt.add_argument("--location", default="cpu", type=location_arg("--location"),
+                    help="memory of this process's blocks: cpu or cuda:N (GPU; default cpu)")  # fmt: skip
+    bt.add_argument("--remote-location", default="cpu", type=location_arg("--remote-location"),
+                    help="memory of the target's buffer: cpu or cuda:N (default cpu)")  # fmt: skip
     bt.add_argument("--secret", default=None, help="shared secret of both engines (default: none)")
     bt.add_argument("--json", action="store_true", help="machine-readable output (no progress)")
     bt.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")

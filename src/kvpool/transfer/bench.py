@@ -72,6 +72,8 @@ def run_transfer_bench(
     threads: int = 2,
     sync: bool = False,
     progress: Any = None,
+    location: str = "cpu",
+    remote_location: str = "cpu",
     **engine_options: Any,
 ) -> BenchResult:
     """Drive a target in another process for ``duration_s`` and measure throughput and latency.
@@ -79,22 +81,30 @@ def run_transfer_bench(
     Each initiator thread owns ``batch_size`` blocks of local memory and a matching region of the
     target's buffer; it repeatedly submits one batch and waits for it. Latency is per batch (per
     request with ``batch_size=1``); with ``sync=True`` every request is a ``transfer_sync`` call.
-    ``progress`` is called with the elapsed fraction (0..1) now and then.
+    ``progress`` is called with the elapsed fraction (0..1) now and then. ``location`` /
+    ``remote_location`` ``cuda:N`` put our blocks / the target's buffer in GPU memory (the CUDA
+    driver must load: same host goes through CUDA IPC, TCP through the servers' staging).
     """
     if operation not in ("write", "read"):
         raise InvalidArgument("operation must be 'write' or 'read'")
     op = OpCode.WRITE if operation == "write" else OpCode.READ
     region = block_size * batch_size
     size = region * threads
+    peer_opts = dict(engine_options, location=remote_location) if remote_location != "cpu" else engine_options
     with (
-        PeerProcess(size, protocol=protocol, **engine_options) as peer,
+        PeerProcess(size, protocol=protocol, **peer_opts) as peer,
         TransferEngine(protocol=protocol, **engine_options) as eng,
     ):
         local = bytearray(size)
-        laddr = eng.register_local_memory(local)
-        _native.fill_pattern(laddr, size, 1)
+        if location.startswith("cuda"):
+            laddr = _gpu_buffer(eng, location, local)
+        else:
+            laddr = eng.register_local_memory(local)
+            _native.fill_pattern(laddr, size, 1)
         handle = eng.open_segment(peer.segment)
         path = "same_host" if eng.uses_same_host_path(handle) else "tcp"
+        if "cuda" in (location + remote_location) and eng._route(handle.id).name == "cuda_ipc":
+            path = "cuda_ipc"
         lat: list[list[float]] = [[] for _ in range(threads)]
         moved = [0] * threads
         stop_at = time.perf_counter() + duration_s
@@ -153,6 +163,22 @@ def run_transfer_bench(
             p50_us=percentile(all_lat, 50) * 1e6,
             p99_us=percentile(all_lat, 99) * 1e6,
         )
+
+
+def _gpu_buffer(eng: TransferEngine, location: str, pattern: bytearray) -> int:
+    """GPU memory of ``len(pattern)`` bytes on ``location``, filled with a pattern and registered."""
+    from kvpool.errors import ProtocolUnavailable
+    from kvpool.transfer.cuda_driver import load_driver
+
+    drv = load_driver(eng.config.cuda_driver)
+    if drv is None:
+        raise ProtocolUnavailable(f"--location {location}: no CUDA driver with a GPU loads here")
+    n = len(pattern)
+    addr = drv.alloc(n, int(location.partition(":")[2] or 0))
+    _native.fill_pattern(_native.buffer_address(pattern)[0], n, 1)
+    drv.memcpy(addr, _native.buffer_address(pattern)[0], n)
+    eng.register_local_memory(addr, n, location=location, remote_accessible=False)
+    return addr
 
 
 @dataclass

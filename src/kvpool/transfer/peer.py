@@ -41,11 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-dumpable", action="store_true", help="prctl(PR_SET_DUMPABLE, 0): refuse ptrace-like access"
     )
     ap.add_argument("--shm", action="store_true", help="serve a shared-memory (memfd) buffer")
+    ap.add_argument("--location", default="cpu", help="cpu, or cuda:N to serve GPU memory (CUDA driver)")
     args = ap.parse_args(argv)
     if args.no_dumpable:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    gpu = args.location.startswith("cuda")
     buf = bytearray(0 if args.shm else args.size)
     eng = TransferEngine(
         hostname=args.hostname,
@@ -56,7 +58,31 @@ def main(argv: list[str] | None = None) -> int:
         secret=args.secret,
         timeout_s=args.timeout_s,
     )
-    if args.shm:
+    extra = None
+    if gpu:
+        from kvpool.errors import ProtocolUnavailable
+        from kvpool.transfer.cuda_driver import load_driver
+
+        drv = load_driver()
+        if drv is None:
+            raise ProtocolUnavailable(f"--location {args.location}: no CUDA driver with a GPU loads here")
+        addr = drv.alloc(args.size, int(args.location.partition(":")[2] or 0))
+        eng.register_local_memory(addr, args.size, location=args.location)
+        view = memoryview(buf)  # a host mirror, refreshed from the GPU before each checksum
+        host = _native.buffer_address(buf)[0]
+
+        def checksum(a: list[str]) -> dict[str, Any]:
+            off, n = int(a[0]), int(a[1])
+            drv.memcpy(host + off, addr + off, n)
+            return {"xxh3": xxhash.xxh3_64_hexdigest(view[off : off + n])}
+
+        def fill(a: list[str]) -> dict[str, Any]:
+            _native.fill_pattern(host, args.size, int(a[0]))
+            drv.memcpy(addr, host, args.size)
+            return {"ok": True}
+
+        extra = {"checksum": checksum, "fill": fill}
+    elif args.shm:
         view = eng.alloc_shared_buffer(args.size)
         addr = _native.buffer_address(view)[0]
     else:
@@ -68,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
-    serve_commands(addr, view, args.size)
+    serve_commands(addr, view, args.size, extra)
     eng.close()
     return 0
 
@@ -85,14 +111,14 @@ def serve_commands(
         cmd = line.split()
         if not cmd or cmd[0] == "exit":
             break
-        if cmd[0] == "checksum":
+        if extra and cmd[0] in extra:
+            out = extra[cmd[0]](cmd[1:])
+        elif cmd[0] == "checksum":
             off, n = int(cmd[1]), int(cmd[2])
             out: dict[str, Any] = {"xxh3": xxhash.xxh3_64_hexdigest(view[off : off + n])}
         elif cmd[0] == "fill":
             _native.fill_pattern(addr, size, int(cmd[1]))
             out = {"ok": True}
-        elif extra and cmd[0] in extra:
-            out = extra[cmd[0]](cmd[1:])
         else:
             out = {"error": f"unknown command {cmd[0]}"}
         print(json.dumps(out), flush=True)
