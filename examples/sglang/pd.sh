@@ -6,9 +6,9 @@ set -euo pipefail
 MODEL=${MODEL:?set MODEL}
 # The transfer path (kvpool TransferConfig fields as KVPOOL_* variables): RDMA (GPUDirect) when this
 # host has an RDMA device, else `auto` (same-host path / TCP, GPU memory staged through pinned host
-# memory). Set KVPOOL_PROTOCOL to choose; `kvpool doctor` says what the host offers. Without RDMA a
-# decode's GPU KV is written by the prefill over TCP, which needs kvpool's GPU staging on the target
-# side; a kvpool without it refuses at decode start with a ProtocolUnavailable that says so.
+# memory). Set KVPOOL_PROTOCOL to choose; `kvpool doctor` says what the host offers. Without RDMA the
+# prefill writes a decode's GPU KV over TCP into the target's GPU staging (run on a fake CUDA driver
+# only, not on a real GPU: docs/hardware.md).
 if [ -z "${KVPOOL_PROTOCOL:-}" ]; then
   if ls /sys/class/infiniband/* >/dev/null 2>&1; then KVPOOL_PROTOCOL=rdma; else KVPOOL_PROTOCOL=auto; fi
   echo "pd.sh: KVPOOL_PROTOCOL=$KVPOOL_PROTOCOL (set it to override)" >&2
