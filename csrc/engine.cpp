@@ -47,6 +47,49 @@ void tune_socket(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+// Whole-frame deadline of the calling thread's client socket I/O (0: none). Socket timeouts
+// bound one syscall; a peer that trickles one byte per syscall would restart them forever. Under a
+// FrameDeadline, recv_all/writev_all fail with ST_TIMEOUT once it passed, and after a partial
+// transfer shorten the socket's timeouts to the time left (restored when the frame ends).
+thread_local int64_t t_deadline_ms = 0;
+thread_local int t_shortened_fd = -1;
+thread_local int t_full_ms = 0;
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct FrameDeadline {
+  FrameDeadline(int fd, int ms) {
+    t_deadline_ms = now_ms() + ms;
+    t_full_ms = ms;
+    fd_ = fd;
+  }
+  ~FrameDeadline() {
+    if (t_shortened_fd == fd_) set_timeouts(fd_, t_full_ms);
+    t_shortened_fd = -1;
+    t_deadline_ms = 0;
+  }
+  FrameDeadline(const FrameDeadline&) = delete;
+  FrameDeadline& operator=(const FrameDeadline&) = delete;
+
+ private:
+  int fd_;
+};
+
+// After partial progress: ST_TIMEOUT when the frame's deadline passed, else the socket's timeouts
+// now end with it.
+int32_t frame_time_left(int fd) {
+  if (t_deadline_ms == 0) return ST_OK;
+  int64_t left = t_deadline_ms - now_ms();
+  if (left <= 0) return ST_TIMEOUT;
+  set_timeouts(fd, static_cast<int>(std::max<int64_t>(1, left)));
+  t_shortened_fd = fd;
+  return ST_OK;
+}
+
 // Error status for a failed syscall on a connected socket.
 int32_t sock_err(ssize_t rc) {
   if (rc == 0) return ST_PEER_CLOSED;
@@ -62,6 +105,10 @@ int32_t recv_all(int fd, void* buf, size_t n) {
     if (r > 0) {
       p += r;
       n -= static_cast<size_t>(r);
+      if (n > 0) {  // a partial frame: it must still end by the deadline
+        int32_t st = frame_time_left(fd);
+        if (st != ST_OK) return st;
+      }
       continue;
     }
     if (r < 0 && errno == EINTR) continue;
@@ -91,6 +138,10 @@ int32_t writev_all(int fd, iovec* iov, int cnt) {
     if (cnt > 0 && left > 0) {
       iov->iov_base = static_cast<char*>(iov->iov_base) + left;
       iov->iov_len -= left;
+    }
+    if (cnt > 0) {  // a partial write: the rest must still go by the deadline
+      int32_t st = frame_time_left(fd);
+      if (st != ST_OK) return st;
     }
   }
   return ST_OK;
@@ -156,7 +207,8 @@ int dial(const std::string& host, uint16_t port, int timeout_ms) {
 
 // Client side of the handshake (wire.h): answers the server's challenge with a proof of the secret
 // and checks the server's proof. Returns ST_OK and the server incarnation.
-int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation) {
+int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation, int timeout_ms) {
+  FrameDeadline dl(fd, timeout_ms);  // the whole handshake
   Challenge ch{};
   int32_t st = recv_all(fd, &ch, sizeof(ch));
   if (st != ST_OK) return st;  // closed at accept: over the server's connection bounds, or shutting down
@@ -909,7 +961,7 @@ int Engine::connect_lane(Peer* p, Lane* lane) {
   int fd = dial(p->host, p->port, opt_.connect_timeout_ms);
   if (fd < 0) return ST_CONNECT;
   uint64_t inc = 0;
-  int32_t st = client_hello(fd, opt_.secret, &inc);
+  int32_t st = client_hello(fd, opt_.secret, &inc, opt_.connect_timeout_ms);
   if (st != ST_OK) {
     ::close(fd);
     return st;
@@ -957,6 +1009,7 @@ void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
 // Pipelines a group of same-op slices over one connection. `done` counts slices finished.
 int Engine::tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done) {
   const int fd = lane->fd;
+  FrameDeadline dl(fd, opt_.timeout_ms);  // every request and reply of the group, however it trickles
   const size_t start = *done;
   const size_t n = group.size() - start;
   const bool is_write = group[start].op == OP_WRITE;
@@ -1009,7 +1062,7 @@ std::pair<uint64_t, std::string> Engine::fetch_descriptor(const std::string& hos
     throw KvError(E_SEGMENT_NOT_FOUND, "cannot connect to segment " + host + ":" + std::to_string(port) +
                                            " (is its engine running and listening there?)");
   uint64_t inc = 0;
-  int32_t st = client_hello(fd, secret, &inc);
+  int32_t st = client_hello(fd, secret, &inc, timeout_ms);
   if (st != ST_OK) {
     ::close(fd);
     if (st == ST_AUTH || st == ST_PEER_UNPROVEN) throw KvError(E_AUTH, status_text(st));
@@ -1018,13 +1071,16 @@ std::pair<uint64_t, std::string> Engine::fetch_descriptor(const std::string& hos
   }
   ReqHdr h{kReqMagic, OP_GET_DESC, 0, 0, 0, 0, 0, 0};
   RespHdr r{};
+  std::string blob;
+  {
+  FrameDeadline dl(fd, timeout_ms);
   st = send_all(fd, &h, sizeof(h));
   if (st == ST_OK) st = recv_all(fd, &r, sizeof(r));
-  std::string blob;
   if (st == ST_OK && (r.magic != kRespMagic || r.status != ST_OK || r.len > (64u << 20))) st = ST_BAD_FRAME;
   if (st == ST_OK) {
     blob.resize(r.len);
     st = recv_all(fd, blob.data(), r.len);
+  }
   }
   ::close(fd);
   if (st != ST_OK)
