@@ -44,6 +44,7 @@ from kvpool.store.layout import (
 )
 from kvpool.store.staging import DIRECT_MIN, Staging
 from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.transport import READ, WRITE, Requests
 from kvpool.transfer.types import OpCode, TransferRequest, TransferState
 
 log = logging.getLogger("kvpool.store")
@@ -85,6 +86,31 @@ class ReadJob:
 
 def _mem(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
+class _Handles:
+    """Segment name -> handle id for one batch: each segment opened once (None: cannot be)."""
+
+    __slots__ = ("engine", "ids", "names")
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+        self.ids: dict[str, int | None] = {}
+        self.names: dict[int, str] = {}
+
+    def get(self, seg: str) -> int | None:
+        hid = self.ids.get(seg, -1)
+        if hid == -1:
+            try:
+                hid = self.engine.open_segment(seg).id
+                self.names[hid] = seg
+            except KvpoolError:
+                hid = None
+            self.ids[seg] = hid
+        return hid
+
+    def name(self, hid: int) -> str:
+        return self.names[hid]
 
 
 def copy_out(engine: TransferEngine, dst: int, data: bytes | bytearray | memoryview) -> None:
@@ -154,6 +180,32 @@ class DataPath:
         finally:
             eng.free_batch_id(bid)
 
+    def run_columns(self, cols: Requests, handles: _Handles) -> list[bool]:
+        """Do request columns (segment handles from ``handles``) as one batch, or in this
+        thread when :meth:`run` would; per-request success."""
+        ops, locs, peers, rems, lens = cols
+        n = len(ops)
+        if not n:
+            return []
+        eng = self.engine
+        if n == 1 or (n == 2 and all(eng.uses_same_host_path(p) for p in peers)):
+            return [self._sync_col(cols, handles, i) for i in range(n)]
+        bid = eng.allocate_batch_id(n)
+        try:
+            try:
+                eng._submit(bid, cols)  # the columns as they are: type-correct by construction
+            except KvpoolError:  # one failed validation: find which, do the rest
+                return [self._sync_col(cols, handles, i) for i in range(n)]
+            if eng.wait_batch(bid).state == TransferState.COMPLETED:
+                return [True] * n
+            return [eng.get_transfer_status(bid, i).ok for i in range(n)]
+        finally:
+            eng.free_batch_id(bid)
+
+    def _sync_col(self, cols: Requests, handles: _Handles, i: int) -> bool:
+        op = OpCode.READ if cols.ops[i] == READ else OpCode.WRITE
+        return self.sync(handles.name(cols.peers[i]), cols.locs[i], cols.rems[i], cols.lens[i], op)
+
     def _one(self, r: TransferRequest) -> bool:
         return self.sync(r.target_id.name, r.source, r.target_offset, r.length, r.opcode)  # type: ignore[union-attr]
 
@@ -182,37 +234,82 @@ class DataPath:
     def write(self, epoch: int, jobs: list[WriteJob]) -> None:
         """Write header + value of every job into all its replicas, in one batch. Fills
         ``csum`` and ``written`` (segments whose copy landed completely); unreachable segments
-        are reported."""
+        are reported.
+
+        The batch is built as request columns (no per-request objects): the small values with
+        their headers side by side in one staging region, the headers of big values side by side
+        in another, each segment opened once."""
         if len(jobs) == 1 and len(jobs[0].replicas) == 1:
             self._write_one(epoch, jobs[0])  # the common case, without the lists
             return
-        reqs: list[TransferRequest] = []
-        owner: list[tuple[WriteJob, str]] = []
-        tokens: list[Any] = []
-        failed: dict[tuple[int, str], bool] = {}
+        checksum_all = self.checksum_all
+        small = sum(HEADER_SIZE + j.size for j in jobs if j.size <= DIRECT_MIN)
         nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
-        headers: list[Any] = []  # [base address, view, next offset]: big values' headers side by side
-        if nbig:
-            hbase, hview, htoken = self.staging.take(HEADER_SIZE * nbig)
-            tokens.append(htoken)
-            headers = [hbase, hview, 0]
+        cols = Requests([], [], [], [], [])
+        ops, locs, peers, rems, lens = cols
+        owner: list[int] = []  # per request: its index in ``pairs``
+        pairs: list[tuple[WriteJob, str]] = []  # (job, segment) of every replica to write
+        good: list[bool] = []  # per pair
+        handles = _Handles(self.engine)
+        tokens: list[Any] = []
         try:
+            sbase, sview, spos = 0, memoryview(b""), 0
+            if small:
+                sbase, sview, token = self.staging.take(small)
+                tokens.append(token)
+            hbase, hview, hpos = 0, memoryview(b""), 0
+            if nbig:
+                hbase, hview, token = self.staging.take(HEADER_SIZE * nbig)
+                tokens.append(token)
             for job in jobs:
-                self._build_write(epoch, job, reqs, owner, tokens, failed, headers)
-            ok = self.run(reqs)
+                size = job.size
+                value = self._value(job)
+                if job.verify or size <= CHECKSUM_ALWAYS_MAX or checksum_all:
+                    job.csum = checksum(value)
+                hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
+                if size <= DIRECT_MIN:
+                    mid, end = spos + HEADER_SIZE, spos + HEADER_SIZE + size
+                    sview[spos:mid] = hdr
+                    sview[mid:end] = value
+                    parts: tuple[tuple[int, int, int], ...] = ((sbase + spos, 0, HEADER_SIZE + size),)
+                    spos = end
+                else:
+                    if isinstance(job.src, tuple):
+                        vaddr = job.src[0]
+                    else:
+                        vaddr, token = self.staging.source(value)
+                        tokens.append(token)
+                    hview[hpos : hpos + HEADER_SIZE] = hdr
+                    parts = ((vaddr, HEADER_SIZE, size), (hbase + hpos, 0, HEADER_SIZE))
+                    hpos += HEADER_SIZE
+                for seg, raddr in job.replicas:
+                    hid = handles.get(seg)
+                    k = len(pairs)
+                    pairs.append((job, seg))
+                    good.append(hid is not None)
+                    if hid is None:
+                        continue
+                    for local, off, n in parts:
+                        ops.append(WRITE)
+                        locs.append(local)
+                        peers.append(hid)
+                        rems.append(raddr + off)
+                        lens.append(n)
+                        owner.append(k)
+            ok = self.run_columns(cols, handles)
         finally:
             for t in tokens:
                 self.staging.give(t)
-        for (job, seg), good in zip(owner, ok, strict=True):
-            k = (id(job), seg)
-            failed[k] = failed.get(k, False) or not good
+        if not all(ok):
+            for k, fine in zip(owner, ok, strict=True):
+                if not fine:
+                    good[k] = False
         bad_segs = set()
-        for job in jobs:
-            for seg, _addr in job.replicas:
-                if failed.get((id(job), seg), True):
-                    bad_segs.add(seg)
-                else:
-                    job.written.append(seg)
+        for (job, seg), fine in zip(pairs, good, strict=True):
+            if fine:
+                job.written.append(seg)
+            else:
+                bad_segs.add(seg)
         for seg in bad_segs:
             self.report(seg, "unreachable", None, None)
 
@@ -252,40 +349,6 @@ class DataPath:
             job.written.append(seg)
         else:
             self.report(seg, "unreachable", None, None)
-
-    def _build_write(self, epoch: int, job: WriteJob, reqs: list[TransferRequest],
-                     owner: list[tuple[WriteJob, str]], tokens: list[Any],
-                     failed: dict[tuple[int, str], bool], headers: list[Any]) -> None:  # fmt: skip
-        size = job.size
-        value = self._value(job)
-        if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
-            job.csum = checksum(value)
-        hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
-        if size <= DIRECT_MIN:
-            addr, region, token = self.staging.take(HEADER_SIZE + size)
-            tokens.append(token)
-            region[:HEADER_SIZE] = hdr
-            region[HEADER_SIZE:] = value
-            parts = [(addr, 0, HEADER_SIZE + size)]
-        else:
-            if isinstance(job.src, tuple):
-                vaddr = job.src[0]
-            else:
-                vaddr, token = self.staging.source(value)
-                tokens.append(token)
-            hbase, hview, hnext = headers
-            haddr, hregion = hbase + hnext, hview[hnext : hnext + HEADER_SIZE]
-            headers[2] = hnext + HEADER_SIZE
-            hregion[:] = hdr
-            parts = [(vaddr, HEADER_SIZE, size), (haddr, 0, HEADER_SIZE)]
-        for seg, raddr in job.replicas:
-            try:
-                rs = [self.req(OpCode.WRITE, local, seg, raddr + off, n) for local, off, n in parts]
-            except KvpoolError:
-                failed[(id(job), seg)] = True
-                continue
-            reqs += rs
-            owner += [(job, seg)] * len(rs)
 
     # ------------------------------------------------------------------ reads
     def read(self, epoch: int, jobs: list[ReadJob]) -> None:
@@ -336,53 +399,66 @@ class DataPath:
                 self.staging.give(t)
 
     def _attempt(self, epoch: int, jobs: list[ReadJob], idx: int) -> None:
-        reqs: list[TransferRequest] = []
-        plan: list[tuple[ReadJob, list[Any], Any, list[Any]]] = []  # job, replica, sink, tokens
+        """Every job from its replica ``idx`` in one batch of request columns: small objects
+        (header + value) side by side in one staging region, the headers of big ones in
+        another, big values straight into their destination; then each is checked."""
+        small = sum(HEADER_SIZE + j.size for j in jobs if j.size <= DIRECT_MIN)
         nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
-        hbase, hview, htoken = self.staging.take(HEADER_SIZE * nbig) if nbig else (0, memoryview(b""), None)
-        hnext = 0  # the headers of all big values land side by side in one staging region
-        for j in jobs:
-            seg, raddr = j.replicas[idx][0], j.replicas[idx][1]
-            tokens: list[Any] = []
-            try:
-                if j.size <= DIRECT_MIN:
-                    addr, region, token = self.staging.take(HEADER_SIZE + j.size)
-                    tokens.append(token)
-                    rs = [self.req(OpCode.READ, addr, seg, raddr, HEADER_SIZE + j.size)]
-                    sink: Any = ("small", region)
-                else:
-                    if j.dest is not None:
-                        vaddr, out = j.dest[0], None
-                    else:
-                        vaddr, out, token = self.staging.sink(j.size)
-                        tokens.append(token)
-                    haddr, hregion = hbase + hnext, hview[hnext : hnext + HEADER_SIZE]
-                    hnext += HEADER_SIZE
-                    rs = [self.req(OpCode.READ, vaddr, seg, raddr + HEADER_SIZE, j.size),
-                          self.req(OpCode.READ, haddr, seg, raddr, HEADER_SIZE)]  # fmt: skip
-                    sink = ("big", hregion, vaddr, out)
-            except KvpoolError as exc:
-                for t in tokens:
-                    self.staging.give(t)
-                j.error = TransferError(f"reading {j.key!r} from {seg}: {exc}")
-                self.report(seg, "unreachable", None, None)
-                continue
-            plan.append((j, j.replicas[idx], sink, tokens))
-            reqs += rs
+        cols = Requests([], [], [], [], [])
+        ops, locs, peers, rems, lens = cols
+        plan: list[tuple[ReadJob, list[Any], Any, int]] = []  # job, replica, sink, requests
+        handles = _Handles(self.engine)
+        tokens: list[Any] = []
         try:
-            ok = self.run(reqs)
+            sbase, sview, spos = 0, memoryview(b""), 0
+            if small:
+                sbase, sview, token = self.staging.take(small)
+                tokens.append(token)
+            hbase, hview, hpos = 0, memoryview(b""), 0
+            if nbig:
+                hbase, hview, token = self.staging.take(HEADER_SIZE * nbig)
+                tokens.append(token)
+            for j in jobs:
+                rep = j.replicas[idx]
+                seg, raddr = rep[0], rep[1]
+                hid = handles.get(seg)
+                if hid is None:
+                    j.error = TransferError(f"reading {j.key!r} from {seg}: segment cannot be opened")
+                    self.report(seg, "unreachable", None, None)
+                    continue
+                if j.size <= DIRECT_MIN:
+                    n = HEADER_SIZE + j.size
+                    ops.append(READ)
+                    locs.append(sbase + spos)
+                    peers.append(hid)
+                    rems.append(raddr)
+                    lens.append(n)
+                    sink: Any = ("small", sview[spos : spos + n])
+                    spos += n
+                    plan.append((j, rep, sink, 1))
+                    continue
+                if j.dest is not None:
+                    vaddr, out = j.dest[0], None
+                else:
+                    vaddr, out, token = self.staging.sink(j.size)
+                    tokens.append(token)
+                ops += (READ, READ)
+                locs += (vaddr, hbase + hpos)
+                peers += (hid, hid)
+                rems += (raddr + HEADER_SIZE, raddr)
+                lens += (j.size, HEADER_SIZE)
+                plan.append((j, rep, ("big", hview[hpos : hpos + HEADER_SIZE], vaddr, out), 2))
+                hpos += HEADER_SIZE
+            ok = self.run_columns(cols, handles)
             done = time.monotonic()
             pos = 0
-            for j, rep, sink, _ in plan:
-                n = 1 if sink[0] == "small" else 2
-                good = all(ok[pos : pos + n])
+            for j, rep, sink, n in plan:
+                good = ok[pos] if n == 1 else ok[pos] and ok[pos + 1]
                 pos += n
                 self._check(epoch, j, rep, sink, good, done)
         finally:
-            for _, _, _, tokens in plan:
-                for t in tokens:
-                    self.staging.give(t)
-            self.staging.give(htoken)
+            for t in tokens:
+                self.staging.give(t)
 
     def _check(self, epoch: int, j: ReadJob, rep: list[Any], sink: Any, good: bool, done: float) -> None:
         seg = rep[0]
