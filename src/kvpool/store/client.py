@@ -440,11 +440,13 @@ class Store:
                     ends = self._call("put_end", items=items, epoch=epoch)["results"]
                 except Fenced as exc:  # the master restarted since put_start: nothing was committed
                     ends = [["STALE", str(exc)]] * len(items)
+                known = []
                 for (i, j), (code, msg) in zip(committed, ends, strict=True):
                     if code is not None:
                         out[i] = _err(code, msg)
                     else:
-                        self._loc.remember(j.key, epoch, j.gen, j.size, j.csum, j.written, j.replicas)
+                        known.append((j.key, j.gen, j.size, j.csum, j.written, j.replicas))
+                self._loc.remember_many(epoch, known)
         finally:
             self._writes.end(epoch, gens)
         return out

@@ -19,8 +19,8 @@ class Loc(NamedTuple):
     gen: int
     size: int
     csum: int
-    replicas: list[list[Any]]
-    since: float
+    replicas: tuple[tuple[str, int], ...]  # (segment, address): tuples of atoms, which the garbage
+    since: float  # collector stops tracking, so 100,000s of entries do not slow its full passes
 
 
 class LocationCache:
@@ -35,17 +35,33 @@ class LocationCache:
     def remember(self, key: str, epoch: int, gen: int, size: int, csum: int | None,
                  segments: Sequence[str], replicas: list[list[Any]]) -> None:  # fmt: skip
         """A committed object (only small ones with a checksum are kept), on ``segments``."""
-        if self.capacity <= 0 or csum is None or size > CHECKSUM_ALWAYS_MAX:
+        self.remember_many(epoch, [(key, gen, size, csum, segments, replicas)])
+
+    def remember_many(self, epoch: int, items: Sequence[tuple[str, int, int, int | None, Sequence[str],
+                                                             list[list[Any]]]]) -> None:  # fmt: skip
+        """:meth:`remember` for many objects of one epoch: (key, gen, size, csum, segments, replicas)."""
+        if self.capacity <= 0:
             return
-        segs = set(segments)
-        reps = [r for r in replicas if r[0] in segs]
-        if not reps:
+        now = time.monotonic()
+        new: list[tuple[str, Loc]] = []
+        for key, gen, size, csum, segments, replicas in items:
+            if csum is None or size > CHECKSUM_ALWAYS_MAX:
+                continue
+            if len(replicas) == 1:
+                reps = ((replicas[0][0], replicas[0][1]),) if replicas[0][0] in segments else ()
+            else:
+                reps = tuple((r[0], r[1]) for r in replicas if r[0] in segments)
+            if reps:
+                new.append((key, Loc(epoch, gen, size, csum, reps, now)))
+        if not new:
             return
+        loc = self._loc
         with self._lock:
-            self._loc[key] = Loc(epoch, gen, size, csum, reps, time.monotonic())
-            self._loc.move_to_end(key)
-            while len(self._loc) > self.capacity:
-                self._loc.popitem(last=False)
+            for key, entry in new:
+                loc[key] = entry
+                loc.move_to_end(key)
+            while len(loc) > self.capacity:
+                loc.popitem(last=False)
 
     def get(self, key: str, epoch: int | None) -> Loc | None:
         """The location of ``key`` under the master of ``epoch`` (None: unknown, stale, expired)."""
