@@ -188,6 +188,7 @@ class RpcClient:
         self._sock: socket.socket | None = None
         self._rbuf = bytearray()
         self._last_io = 0.0
+        self._tmo = 0.0  # the socket's timeout as last set (see _deadline)
 
     # ------------------------------------------------------------------ connection
     def _unavailable(self, detail: str) -> errors.KvpoolError:
@@ -219,7 +220,9 @@ class RpcClient:
 
     def _connect(self, deadline: float) -> socket.socket:
         try:
-            s = socket.create_connection(self._target, timeout=max(0.001, deadline - time.monotonic()))
+            tmo = max(0.001, deadline - time.monotonic())
+            s = socket.create_connection(self._target, timeout=tmo)
+            self._tmo = tmo
         except OSError as exc:
             raise self._unavailable(f"is not reachable ({exc}); is it running?") from None
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -312,8 +315,21 @@ class RpcClient:
             )
         return self._recv(deadline, PRE_AUTH_MAX)
 
-    def _sendall(self, data: bytes) -> None:
+    def _deadline(self, sock: socket.socket, deadline: float) -> None:
+        """Make the socket's timeout end at ``deadline`` or up to a tenth of the time left before
+        it (never after it), without a system call per request: the timeout is set again only
+        when it falls outside that band (a timeout that fires early is retried by _recv)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if not 0.9 * left <= self._tmo <= left:
+            sock.settimeout(left)
+            self._tmo = left
+
+    def _sendall(self, data: bytes, deadline: float | None = None) -> None:
         assert self._sock is not None
+        if deadline is not None:
+            self._deadline(self._sock, deadline)
         self._sock.sendall(data)
         self._last_io = time.monotonic()
 
@@ -330,15 +346,18 @@ class RpcClient:
                     raise ValueError(f"reply of {n} bytes exceeds the limit of {limit}")
                 need = 4 + n
                 if len(buf) >= need:
-                    body = bytes(buf[4:need])
+                    body = buf[4:need]
                     del buf[:need]
                     self._last_io = time.monotonic()
                     return unpack(body)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            sock.settimeout(left)
-            data = sock.recv(max(RECV_CHUNK, need - len(buf)))
+            self._deadline(sock, deadline)
+            try:
+                data = sock.recv(max(RECV_CHUNK, need - len(buf)))
+            except TimeoutError:
+                if time.monotonic() < deadline:
+                    self._tmo = 0.0  # fired early (inside the band): wait for the rest
+                    continue
+                raise
             if not data:
                 raise ConnectionResetError("connection closed by the server")
             buf += data
@@ -354,7 +373,7 @@ class RpcClient:
             self._socket(deadline)
             data = self._frame(args)
             try:
-                self._sendall(data)
+                self._sendall(data, deadline)
                 while True:
                     reply = self._recv(deadline, 1 << 31)
                     if isinstance(reply, dict) and reply.get("id") == rid:
@@ -383,7 +402,7 @@ class RpcClient:
             self._socket(deadline)
             data = self._frame(args)
             try:
-                self._sendall(data)
+                self._sendall(data, deadline)
             except OSError as exc:
                 self._reset()
                 raise self._unavailable(f": send failed ({exc})") from None
