@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -108,6 +108,10 @@ def test_pd_outputs_match_single_server_and_kv_was_loaded(
     log = decode.log_path.read_text()
     assert log.count("kvpool connector: loaded") >= len(PROMPTS)
     assert "failed" not in "\n".join(x for x in log.splitlines() if "kvpool connector" in x)
+    # The transfers are visible through vLLM's own connector stats on /metrics (stats.py).
+    assert _eventually(lambda: decode.metric("vllm:kvpool_xfer_time_seconds_count") >= len(PROMPTS))
+    assert decode.metric("vllm:kvpool_bytes_transferred_sum") > 0
+    assert decode.metric("vllm:kvpool_num_failed_transfers") == 0
     # Every prefill request's blocks were freed after the decode read them.
     deadline = time.monotonic() + 10
     while prefill.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
@@ -209,6 +213,21 @@ def test_store_connector_second_server_reuses_the_prefix(
     # A prompt the store has not seen: no hit, same output as the reference.
     assert completion(b.url, PROMPTS[2])["choices"][0]["text"] == reference[2]
     assert b.metric("vllm:external_prefix_cache_hits") - hits0 == hits
+    # Hits, misses with their reason, saves and load transfers on /metrics (stats.py).
+    assert _eventually(lambda: a.metric("vllm:kvpool_store_saved_blocks") >= 46)
+    assert _eventually(lambda: b.metric("vllm:kvpool_store_hit_blocks") >= 46)
+    assert _eventually(lambda: b.metric("vllm:kvpool_store_miss_blocks", reason="not_stored") > 0)
+    assert b.metric("vllm:kvpool_xfer_time_seconds_count") >= 1
+
+
+def _eventually(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    """True once ``cond()`` is (stats reach /metrics with the scheduler's next step)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+    return True
 
 
 def _wait_saves(server: VllmServer, count: int) -> None:

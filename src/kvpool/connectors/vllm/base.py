@@ -114,6 +114,34 @@ class KvpoolConnectorBase(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
 
+    # ------------------------------------------------------------------ stats (stats.py)
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's worker (model runner) after each step, and its scheduler each step: this half's
+        observations since the last call, or None when there are none."""
+        half = self._worker if self._worker is not None else self._scheduler
+        stats = getattr(half, "stats", None)
+        return stats.clone_and_reset() if stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        """vLLM's logger: a stats object over aggregated ``to_dict()`` data."""
+        from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
+
+        return KvpoolKVConnectorStats(data=data) if data is not None else KvpoolKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """vLLM's Prometheus logger, once: kvpool's series on ``/metrics``."""
+        from kvpool.connectors.vllm.stats import KvpoolPromMetrics
+
+        return KvpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         for half in (self._worker, self._scheduler):
             if half is not None:

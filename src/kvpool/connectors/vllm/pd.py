@@ -35,6 +35,7 @@ from kvpool.connectors.vllm.common import (
     block_runs,
     kv_regions,
 )
+from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -290,6 +291,7 @@ class _PdWorker:
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
         self.loaded_bytes = 0
+        self.stats = KvpoolKVConnectorStats()
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -511,13 +513,16 @@ class _PdWorker:
                 self.engine.batch_transfer_sync(rem.segment, locs, rems, lens, OpCode.READ)
         except KvpoolError as exc:
             ok, why = False, str(exc)
+            self.stats.record_failure(type(exc).__name__)
             self._remotes.pop((job.remote_host, job.remote_port + self.tp_rank), None)
         except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
             ok, why = False, f"{type(exc).__name__}: {exc}"
+            self.stats.record_failure(type(exc).__name__)
         ms = (time.perf_counter() - t0) * 1e3
         if ok and job.local_block_ids:
             self.loaded_blocks += len(job.local_block_ids)
             self.loaded_bytes += nbytes
+            self.stats.record_transfer(ms / 1e3, nbytes, len(job.local_block_ids))
             log.info("kvpool connector: loaded %d blocks (%d bytes) for %s in %.2f ms",
                      len(job.local_block_ids), nbytes, job.req_id, ms)  # fmt: skip
         elif not ok:

@@ -43,7 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
 from kvpool.connectors.vllm.nonblocking import AsyncLookups, Breaker, Lookup
-from kvpool.errors import ConfigError, KvpoolError, ObjectExists
+from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
+from kvpool.errors import ConfigError, KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
 
 if TYPE_CHECKING:
     from kvpool.store.client import Store
@@ -225,6 +226,7 @@ class _StoreScheduler:
         self.loading: set[str] = set()  # asynchronous loads not yet reported finished
         self.lookups = 0
         self.hit_blocks = 0
+        self.stats = KvpoolKVConnectorStats()
 
     @property
     def store(self) -> Store | None:
@@ -260,12 +262,14 @@ class _StoreScheduler:
         if limit * self.block_size <= num_computed_tokens or limit < self.cfg.min_hit_blocks:
             return 0, False
         if not self._store_usable():
-            self._pending.pop(rid, None)
+            if self._pending.pop(rid, None) is None:
+                self.stats.record_misses("master_unreachable", limit)
             return 0, False
         lk = self._pending.get(rid)
         if lk is None:
             keys = self._request_keys(request)
             if keys is None:
+                self.stats.record_misses("unkeyable", limit)
                 return 0, False
             self._pending[rid] = self._lookups.submit(keys[:limit])
             return None, False
@@ -277,6 +281,7 @@ class _StoreScheduler:
             return None, False
         if lk.error is not None:
             self._pending.pop(rid, None)
+            self.stats.record_misses("master_unreachable", len(lk.keys))
             if isinstance(lk.error, KvpoolError):
                 self.breaker.fail(lk.error)
             else:
@@ -288,6 +293,8 @@ class _StoreScheduler:
         while n < len(found) and found[n]:
             n += 1
         self.lookups += 1
+        self.stats.record_hits(n)
+        self.stats.record_misses("not_stored", len(found) - n)
         self._stored[rid] = n
         hit = n * self.block_size - num_computed_tokens
         if n < self.cfg.min_hit_blocks or hit <= 0:
@@ -363,6 +370,17 @@ class _StoreScheduler:
         return True
 
 
+def _miss_reason(result: Any) -> str:
+    """Why a block the lookup found did not load: its miss reason in the connector stats."""
+    if isinstance(result, ObjectNotFound):
+        return "evicted"
+    if isinstance(result, MasterUnavailable):
+        return "master_unreachable"
+    if isinstance(result, KvpoolError):
+        return "load_error"
+    return "size_mismatch"
+
+
 class _StoreWorker:
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         from kvpool.connectors.vllm.pd import _tp
@@ -386,6 +404,7 @@ class _StoreWorker:
         self.breaker = Breaker(f"kvpool store master {cfg.master} (saves)", cfg.store_retry_s)
         self.saved_blocks = 0
         self.loaded_blocks = 0
+        self.stats = KvpoolKVConnectorStats()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.regions, tensors = kv_regions(kv_caches, self.num_blocks)
@@ -491,6 +510,7 @@ class _StoreWorker:
             log.warning("kvpool store: committing %d blocks failed: %s", len(done), exc)
             return
         self.saved_blocks += len(done)
+        self.stats.record_saved(len(done))
         if bad:
             first = next(e for e in res if e is not None and not isinstance(e, ObjectExists))
             log.warning("kvpool store: %d of %d blocks not saved (%s)", len(bad), len(blocks), first)
@@ -502,16 +522,27 @@ class _StoreWorker:
         t0 = time.perf_counter()
         keys, addrs, sizes, owners = self._ranges(blocks)
         failed: set[int] = set()
+        why: dict[int, str] = {}  # failed block -> miss reason
         try:
             res = self.store.batch_get_into(keys, addrs, sizes)
             # Exact sizes: a shorter object (another layout, a truncated write) is a failed load.
-            failed = {owners[i] for i, r in enumerate(res) if isinstance(r, KvpoolError) or r != sizes[i]}
+            for i, r in enumerate(res):
+                if isinstance(r, KvpoolError) or r != sizes[i]:
+                    failed.add(owners[i])
+                    why.setdefault(owners[i], _miss_reason(r))
         except KvpoolError as exc:
             log.warning("kvpool store: loading %d blocks failed: %s", len(blocks), exc)
             failed = set(owners)
+            reason = "master_unreachable" if isinstance(exc, MasterUnavailable) else "load_error"
+            why = dict.fromkeys(failed, reason)
         with self._lock:
             self._errors |= failed
         self.loaded_blocks += len(blocks) - len(failed)
+        ok_bytes = sum(n for n, o in zip(sizes, owners, strict=True) if o not in failed)
+        if len(blocks) > len(failed):
+            self.stats.record_transfer(time.perf_counter() - t0, ok_bytes, len(blocks) - len(failed))
+        for reason in set(why.values()):
+            self.stats.record_misses(reason, sum(1 for r in why.values() if r == reason))
         log.info("kvpool store: loaded %d blocks (%d failed) in %.2f ms", len(blocks), len(failed),
                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
 

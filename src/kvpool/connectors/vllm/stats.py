@@ -1,0 +1,203 @@
+"""Connector statistics through vLLM's own hooks (``get_kv_connector_stats``,
+``build_kv_connector_stats``, ``build_prom_metrics``).
+
+Who records what (each an O(1) append per transfer or per lookup, never per block):
+
+- the P/D worker (``KvpoolConnector``): one transfer per loaded request (seconds, bytes, blocks) or
+  one failure with its reason (the kvpool error type);
+- the store worker (``KvpoolStoreConnector``): one transfer per load batch, blocks saved, and store
+  misses found at load time (``evicted``: the object is gone; ``size_mismatch``; ``load_error``);
+- the store scheduler: store hits and misses per lookup (``not_stored``; ``master_unreachable``
+  when a lookup failed or the circuit breaker is open; ``unkeyable`` when the request's block-hash
+  extra keys have no deterministic encoding).
+
+vLLM collects the worker's and the scheduler's objects every step
+(``KVConnectorOutput.kv_connector_stats``, ``Scheduler`` aggregation), logs ``reduce()`` and feeds
+``to_dict()`` to :class:`KvpoolPromMetrics.observe` for ``/metrics``:
+``vllm:kvpool_xfer_time_seconds``, ``vllm:kvpool_bytes_transferred`` (histograms, one
+observation per transfer), ``vllm:kvpool_num_failed_transfers{reason}``,
+``vllm:kvpool_store_hit_blocks``, ``vllm:kvpool_store_miss_blocks{reason}``,
+``vllm:kvpool_store_saved_blocks`` (counters).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+_LISTS = ("transfer_duration", "bytes_transferred", "num_blocks")
+_COUNTS = ("failures", "store_misses")  # reason -> count
+_TOTALS = ("store_hits", "store_saved")
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: [] for k in _LISTS}, **{k: {} for k in _COUNTS}, **{k: 0 for k in _TOTALS}}
+
+
+@dataclass
+class KvpoolKVConnectorStats(KVConnectorStats):
+    """Observations of one interval (serializable: lists, counts by reason, totals)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    # ------------------------------------------------------------------ recording (any thread)
+    def record_transfer(self, seconds: float, nbytes: int, nblocks: int) -> None:
+        with self._lock:
+            self.data["transfer_duration"].append(float(seconds))
+            self.data["bytes_transferred"].append(int(nbytes))
+            self.data["num_blocks"].append(int(nblocks))
+
+    def record_failure(self, reason: str) -> None:
+        self._count("failures", reason, 1)
+
+    def record_hits(self, nblocks: int) -> None:
+        with self._lock:
+            self.data["store_hits"] += int(nblocks)
+
+    def record_misses(self, reason: str, nblocks: int) -> None:
+        if nblocks > 0:
+            self._count("store_misses", reason, nblocks)
+
+    def record_saved(self, nblocks: int) -> None:
+        with self._lock:
+            self.data["store_saved"] += int(nblocks)
+
+    def _count(self, key: str, reason: str, n: int) -> None:
+        with self._lock:
+            d = self.data[key]
+            d[reason] = d.get(reason, 0) + int(n)
+
+    def clone_and_reset(self) -> KvpoolKVConnectorStats | None:
+        """This interval's observations (None when there are none), and a fresh interval."""
+        with self._lock:
+            if self._empty_locked():
+                return None
+            old = KvpoolKVConnectorStats(data=self.data)
+            self.data = _empty()
+        return old
+
+    # ------------------------------------------------------------------ vLLM's interface
+    def is_empty(self) -> bool:
+        return self._empty_locked()
+
+    def _empty_locked(self) -> bool:
+        d = self.data
+        return not any(d.get(k) for k in (*_LISTS, *_COUNTS, *_TOTALS))
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        o = other.data
+        for k in _LISTS:
+            self.data.setdefault(k, []).extend(o.get(k, ()))
+        for k in _COUNTS:
+            mine = self.data.setdefault(k, {})
+            for reason, n in o.get(k, {}).items():
+                mine[reason] = mine.get(reason, 0) + n
+        for k in _TOTALS:
+            self.data[k] = self.data.get(k, 0) + o.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        t = np.asarray(d.get("transfer_duration", ()), dtype=float)
+        mb = np.asarray(d.get("bytes_transferred", ()), dtype=float) / 2**20
+        out: dict[str, int | float] = {"Num successful transfers": len(t)}
+        if len(t):
+            out.update({
+                "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
+                "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
+                "Avg MB per transfer": round(float(mb.mean()), 3),
+                "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if t.sum() > 0 else 0.0,
+            })  # fmt: skip
+        out["Num failed transfers"] = sum(d.get("failures", {}).values())
+        out["Store hit blocks"] = d.get("store_hits", 0)
+        for reason, n in sorted(d.get("store_misses", {}).items()):
+            out[f"Store miss blocks ({reason})"] = n
+        out["Store saved blocks"] = d.get("store_saved", 0)
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KvpoolKVConnectorStats:
+        return KvpoolKVConnectorStats(data=copy.deepcopy(self.data, memo))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data = state["data"]
+        self._lock = threading.Lock()
+
+
+class KvpoolPromMetrics(KVConnectorPromMetrics):
+    """kvpool's series on vLLM's ``/metrics`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per = self.per_engine_labelvalues
+
+        def hist(name: str, doc: str, buckets: list[float]) -> dict[int, Any]:
+            return create_metric_per_engine(
+                self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames), per
+            )
+
+        def counter(name: str, doc: str) -> dict[int, Any]:
+            return create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), per
+            )
+
+        self.xfer_time = hist(
+            "vllm:kvpool_xfer_time_seconds",
+            "Duration of kvpool KV transfers (one per loaded request or store load batch).",
+            [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+        )
+        self.bytes = hist(
+            "vllm:kvpool_bytes_transferred",
+            "Bytes per kvpool KV transfer.",
+            [float(2 ** (10 + i)) for i in range(1, 25, 2)],
+        )
+        self.hits = counter("vllm:kvpool_store_hit_blocks", "KV blocks found in the kvpool store by lookups.")
+        self.saved = counter("vllm:kvpool_store_saved_blocks", "KV blocks saved to the kvpool store.")
+        reason_labels = [*labelnames, "reason"]
+        self._failed = self._counter_cls(
+            name="vllm:kvpool_num_failed_transfers",
+            documentation="Failed kvpool KV transfers, by reason (the kvpool error type).",
+            labelnames=reason_labels,
+        )
+        self._misses = self._counter_cls(
+            name="vllm:kvpool_store_miss_blocks",
+            documentation="KV blocks not served by the kvpool store, by reason (not_stored, evicted, "
+            "size_mismatch, master_unreachable, unkeyable, load_error).",
+            labelnames=reason_labels,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        for s in d.get("transfer_duration", ()):
+            self.xfer_time[engine_idx].observe(s)
+        for b in d.get("bytes_transferred", ()):
+            self.bytes[engine_idx].observe(b)
+        if d.get("store_hits"):
+            self.hits[engine_idx].inc(d["store_hits"])
+        if d.get("store_saved"):
+            self.saved[engine_idx].inc(d["store_saved"])
+        labels = list(self.per_engine_labelvalues.get(engine_idx, []))
+        for reason, n in d.get("failures", {}).items():
+            self._failed.labels(*labels, reason).inc(n)
+        for reason, n in d.get("store_misses", {}).items():
+            self._misses.labels(*labels, reason).inc(n)
