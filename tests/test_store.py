@@ -421,3 +421,29 @@ def test_embedded_default_master() -> None:
         st.put("e", b"mbedded")
         assert st.get("e") == b"mbedded"
         assert st.segment_name in st.stats()["segments"]
+
+
+def test_key_table_same_answers_before_and_after_split() -> None:
+    """The master's key table is one dict while small and 64 after SPLIT_AT keys: every lookup
+    (one key, many keys, membership, length) answers the same on both sides of the split."""
+    import random
+
+    from kvpool.store.objects import KeyTable
+
+    rng = random.Random(7)
+    table, ref = KeyTable(), {}
+    table.SPLIT_AT = 300  # type: ignore[misc]
+    for i in range(5000):
+        k = f"k{rng.randrange(800)}"
+        if rng.random() < 0.6:
+            table[k] = i  # type: ignore[assignment]
+            ref[k] = i
+        elif k in ref:
+            del table[k]
+            del ref[k]
+        assert (k in table) == (k in ref) and table.get(k) == ref.get(k)
+    assert table._mask == KeyTable.SHARDS - 1  # it did split
+    assert len(table) == len(ref)
+    keys = [f"k{j}" for j in range(900)]
+    assert table.get_many(keys) == [ref.get(k) for k in keys]
+    assert all(table[k] == v for k, v in ref.items())

@@ -139,42 +139,60 @@ class Client:
 
 
 class KeyTable:
-    """key -> object, in 64 dicts. A dict that grows copies all its entries at once — about 100 ms
-    at a million keys, with the master stalled meanwhile; shards keep every copy small."""
+    """key -> object. A dict that grows copies all its entries at once — about 100 ms at a million
+    keys, with the master stalled meanwhile — so a big table lives in 64 dicts and every copy
+    stays small. A small one (up to :attr:`SPLIT_AT` keys, whose copies take a few ms) is one
+    dict: many-key lookups then run without Python per key."""
 
     SHARDS = 64
+    SPLIT_AT = 1 << 15
 
     def __init__(self) -> None:
-        self._d: list[dict[str, Obj]] = [{} for _ in range(self.SHARDS)]
+        self._d: list[dict[str, Obj]] = [{}]
+        self._mask = 0  # SHARDS - 1 once split
         self._n = 0
 
     def _shard(self, key: str) -> dict[str, Obj]:
-        return self._d[hash(key) & (self.SHARDS - 1)]
+        return self._d[hash(key) & self._mask]
+
+    def _split(self) -> None:
+        """One dict -> SHARDS dicts (once, at SPLIT_AT keys: a few ms)."""
+        shards: list[dict[str, Obj]] = [{} for _ in range(self.SHARDS)]
+        mask = self.SHARDS - 1
+        for k, o in self._d[0].items():
+            shards[hash(k) & mask][k] = o
+        self._d, self._mask = shards, mask
 
     def get(self, key: str, default: Obj | None = None) -> Obj | None:
         """The object under ``key``, or ``default``."""
-        return self._shard(key).get(key, default)
+        return self._d[hash(key) & self._mask].get(key, default)
 
     def get_many(self, keys: list[str]) -> list[Obj | None]:
         """The object under each key (None where there is none), without a call per key."""
-        d, mask = self._d, self.SHARDS - 1
+        d, mask = self._d, self._mask
+        if not mask:
+            return list(map(d[0].get, keys))
         return [d[hash(k) & mask].get(k) for k in keys]
 
     def __getitem__(self, key: str) -> Obj:
-        return self._shard(key)[key]
+        return self._d[hash(key) & self._mask][key]
 
     def __setitem__(self, key: str, obj: Obj) -> None:
-        d = self._shard(key)
+        d = self._d[hash(key) & self._mask]
         if key not in d:
             self._n += 1
-        d[key] = obj
+            d[key] = obj
+            if self._n >= self.SPLIT_AT and not self._mask:
+                self._split()
+        else:
+            d[key] = obj
 
     def __delitem__(self, key: str) -> None:
-        del self._shard(key)[key]
+        del self._d[hash(key) & self._mask][key]
         self._n -= 1
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._shard(key)
+        return isinstance(key, str) and key in self._d[hash(key) & self._mask]
 
     def __len__(self) -> int:
         return self._n
