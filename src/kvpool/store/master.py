@@ -324,14 +324,16 @@ class Master(ObjectOps):
         """What a writer gets for an allocation: generation, checksum required, replica addresses."""
         return [obj.gen, obj.verify, [[r.seg.name, r.addr] for r in obj.replicas]]
 
-    def _commit(self, obj: Obj, csum: int | None, now: float) -> None:
+    def _commit(self, obj: Obj, csum: int | None, now: float, owner: Client | None = None) -> None:
+        """``owner``: the object's owner when the caller has it at hand (else looked up)."""
         obj.committed = True
         obj.checksum = csum
         for r in obj.replicas:
             r.committed = True
             r.writer = ""
         self._pending.pop(obj.gen, None)
-        owner = self.clients.get(obj.owner)
+        if owner is None:
+            owner = self.clients.get(obj.owner)
         if owner is not None:
             owner.pending.discard(obj)
         self.lru.add(obj, now)

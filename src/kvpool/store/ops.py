@@ -43,11 +43,14 @@ class ObjectOps(_Base):
         )
         room = [8, 2]
         out: list[list[Any]] = []
+        objects = self.objects
         for key, size in zip(keys, sizes, strict=True):
-            if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
-                out.append(["INVALID", "key must be a non-empty string, size > 0"])
-            elif key in self.objects:
-                o = self.objects[key]
+            if type(key) is not str or not key or type(size) is not int or size <= 0:
+                if not isinstance(key, str) or not key or not isinstance(size, int) or size <= 0:
+                    out.append(["INVALID", "key must be a non-empty string, size > 0"])
+                    continue
+            o = objects.get(key)
+            if o is not None:
                 out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
             elif not self.space.segments:
                 out.append(["FULL", "no segment is mounted: start a client with segment_size > 0"])
@@ -132,23 +135,26 @@ class ObjectOps(_Base):
         self._check_batch(len(items))
         now = time.monotonic()
         out: list[list[Any]] = []
+        get, cid = self.objects.get, caller.id
         for key, gen, csum, written in items:
-            obj = self.objects.get(key)
-            if obj is None or obj.committed or obj.gen != gen or obj.owner != caller.id:
+            obj = get(key)
+            if obj is None or obj.committed or obj.gen != gen or obj.owner != cid:
                 out.append(["NOT_FOUND", f"no pending put of {key!r} by this client (revoked after "
                             "put_timeout_s?)"])  # fmt: skip
                 continue
             if obj.verify and csum is None:
                 out.append(["INVALID", "this allocation needs a checksum"])
                 continue
-            ok = set(written)
-            for r in [r for r in obj.replicas if r.seg.name not in ok or r.seg.dead]:
-                self._take_replica(obj, r)
+            reps = obj.replicas
+            if not (len(reps) == 1 and written == [reps[0].seg.name] and not reps[0].seg.dead):
+                ok = set(written)
+                for r in [r for r in reps if r.seg.name not in ok or r.seg.dead]:
+                    self._take_replica(obj, r)
             if not obj.replicas:
                 self._drop(obj)
                 out.append(["ERROR", f"no replica of {key!r} was written"])
                 continue
-            self._commit(obj, csum, now)
+            self._commit(obj, csum, now, caller)
             out.append([None, None])
         return {"results": out}
 

@@ -101,6 +101,10 @@ class Space:
         """Up to ``n`` allocations on distinct segments: ``preferred`` first, then the emptiest of
         a few sampled segments, then (only when those lack room, and ``scan``) all of them.
         Segments a reader reported unreachable are used last."""
+        if n == 1 and preferred is None and not exclude:
+            one = self._place_one(alloc_size, now)
+            if one is not None:
+                return [one]
         out: list[tuple[Segment, int]] = []
         taken = set(exclude)
 
@@ -139,6 +143,26 @@ class Space:
                         break
                     take(s, reported_ok)
         return out
+
+    def _place_one(self, alloc_size: int, now: float) -> tuple[Segment, int] | None:
+        """The common case of :meth:`place` (one replica, no preference): the emptiest segment of
+        the moving window when it is usable and has room; None sends the caller the long way."""
+        live = self._live
+        k = len(live)
+        if not k:
+            return None
+        start = self._cursor % k
+        self._cursor = start + SAMPLE
+        window = live[start : start + SAMPLE] + (live[: start + SAMPLE - k] if start + SAMPLE > k else [])
+        s = max(window, key=_free)
+        alloc = s.alloc
+        if s.dead or s.reported_until > now or alloc.largest_free < alloc_size:
+            return None
+        off = alloc.allocate(alloc_size)
+        if off is None:
+            return None
+        self.used += alloc.size_of(off)
+        return s, off
 
     @staticmethod
     def suspect(seg: Segment, offset: int, alloc_size: int) -> bool:
