@@ -65,3 +65,16 @@ def test_prom_metrics_observe() -> None:
         'vllm:kvpool_store_miss_blocks_total{engine="0",model_name="m",reason="master_unreachable"} 4.0'
         in text
     )
+
+
+def test_interface_check_script_passes_on_the_installed_vllm() -> None:
+    """scripts/check_vllm_interface.py (what scripts/check_vllm033.sh runs against vLLM 0.33)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "check_vllm_interface.py")],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "kvpool connectors match vLLM" in out.stdout
