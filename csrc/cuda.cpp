@@ -21,6 +21,11 @@ struct Api {
   CUresult (*cuMemFreeHost)(void*) = nullptr;
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t) = nullptr;
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuStreamCreate)(void**, unsigned) = nullptr;
+  CUresult (*cuStreamDestroy)(void*) = nullptr;
+  CUresult (*cuStreamSynchronize)(void*) = nullptr;
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, void*) = nullptr;
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, void*) = nullptr;
   bool ok = false;
   int count = 0;
   std::mutex mu;
@@ -62,7 +67,11 @@ bool init(const std::string& path) {
               sym(lib, "cuDevicePrimaryCtxRetain", &g.cuDevicePrimaryCtxRetain) &&
               sym(lib, "cuCtxSetCurrent", &g.cuCtxSetCurrent) && sym(lib, "cuMemHostAlloc", &g.cuMemHostAlloc) &&
               sym(lib, "cuMemFreeHost", &g.cuMemFreeHost) && sym(lib, "cuMemcpyHtoD_v2", &g.cuMemcpyHtoD) &&
-              sym(lib, "cuMemcpyDtoH_v2", &g.cuMemcpyDtoH);
+              sym(lib, "cuMemcpyDtoH_v2", &g.cuMemcpyDtoH) && sym(lib, "cuStreamCreate", &g.cuStreamCreate) &&
+              sym(lib, "cuStreamDestroy_v2", &g.cuStreamDestroy) &&
+              sym(lib, "cuStreamSynchronize", &g.cuStreamSynchronize) &&
+              sym(lib, "cuMemcpyHtoDAsync_v2", &g.cuMemcpyHtoDAsync) &&
+              sym(lib, "cuMemcpyDtoHAsync_v2", &g.cuMemcpyDtoHAsync);
     if (!ok || g.cuInit(0) != 0 || g.cuDeviceGetCount(&g.count) != 0 || g.count <= 0) return;
     g.ctx.assign(static_cast<size_t>(g.count), nullptr);
     g.ok = true;
@@ -90,6 +99,31 @@ int to_host(int device, void* dst, uint64_t src, size_t n) {
 int to_device(int device, uint64_t dst, const void* src, size_t n) {
   if (!use(device)) return 201;
   return g.cuMemcpyHtoD(dst, src, n);
+}
+
+void* stream_create(int device) {
+  if (!use(device)) return nullptr;
+  void* s = nullptr;
+  return g.cuStreamCreate(&s, 1 /* CU_STREAM_NON_BLOCKING */) == 0 ? s : nullptr;
+}
+
+void stream_destroy(int device, void* s) {
+  if (s != nullptr && use(device)) g.cuStreamDestroy(s);
+}
+
+int to_host_async(int device, void* dst, uint64_t src, size_t n, void* stream) {
+  if (!use(device)) return 201;
+  return g.cuMemcpyDtoHAsync(dst, src, n, stream);
+}
+
+int to_device_async(int device, uint64_t dst, const void* src, size_t n, void* stream) {
+  if (!use(device)) return 201;
+  return g.cuMemcpyHtoDAsync(dst, src, n, stream);
+}
+
+int stream_sync(int device, void* stream) {
+  if (!use(device)) return 201;
+  return g.cuStreamSynchronize(stream);
 }
 
 }  // namespace kvpool::cuda

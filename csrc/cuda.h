@@ -20,4 +20,12 @@ void host_free(void* p);
 int to_host(int device, void* dst, uint64_t src, size_t n);
 int to_device(int device, uint64_t dst, const void* src, size_t n);
 
+// Asynchronous copies on a stream of `device` (the server's pipelined staging): the copy of one
+// piece runs while the previous piece goes through the socket. 0 or a CUresult.
+void* stream_create(int device);          // nullptr on failure
+void stream_destroy(int device, void* s);
+int to_host_async(int device, void* dst, uint64_t src, size_t n, void* stream);
+int to_device_async(int device, uint64_t dst, const void* src, size_t n, void* stream);
+int stream_sync(int device, void* stream);  // waits for the stream's copies; their first error
+
 }  // namespace kvpool::cuda

@@ -96,14 +96,60 @@ struct Conn {
   size_t out_off = 0;
   std::shared_ptr<RegionState> stream;  // READ source being sent after `out`
   uint64_t s_addr = 0, s_len = 0, s_off = 0;
-  // GPU regions: a pinned staging buffer (allocated on the first GPU frame, freed with the
-  // connection); a READ sends staged[g_lo, g_hi), a WRITE gathers g_fill bytes before each copy.
+  // GPU regions: two pinned staging halves and a stream (made on the first GPU frame, freed with
+  // the connection). Pipelined: the copy of one piece (device <-> the other half) runs on the
+  // stream while this half goes through the socket. A READ sends half g_cur[g_lo, g_hi) with the
+  // next g_next bytes being copied into the other half (device bytes up to g_staged requested);
+  // a WRITE gathers g_fill bytes into half g_cur while the previous half is copied to the device.
+  // A copy in flight holds an access to its region (g_pend) until settle(), which progress() calls
+  // before it returns: unregister waits for one copy at most, never for the peer.
   std::unique_ptr<char, void (*)(char*)> gbuf{nullptr, [](char* p) { cuda::host_free(p); }};
-  uint64_t g_lo = 0, g_hi = 0, g_fill = 0;
+  void* gstream = nullptr;
+  int gdev = -1;
+  int g_cur = 0;
+  uint64_t g_lo = 0, g_hi = 0, g_fill = 0, g_next = 0, g_staged = 0;
+  std::shared_ptr<RegionState> g_pend;
+  bool g_err = false;  // a copy failed: the READ stream stops, the WRITE is refused
 
-  bool stage_buffer() {
-    if (!gbuf) gbuf.reset(static_cast<char*>(cuda::host_alloc(kStage)));
-    return gbuf != nullptr;
+  ~Conn() {
+    settle();
+    if (gstream != nullptr) cuda::stream_destroy(gdev, gstream);
+  }
+
+  char* half(int i) { return gbuf.get() + static_cast<uint64_t>(i) * kStage; }
+
+  // Staging memory and a stream of `device` (an earlier device's stream is settled and replaced).
+  bool stage_buffer(int device) {
+    if (!gbuf) gbuf.reset(static_cast<char*>(cuda::host_alloc(2 * kStage)));
+    if (gbuf && gdev != device) {
+      settle();
+      if (gstream != nullptr) cuda::stream_destroy(gdev, gstream);
+      gstream = cuda::stream_create(device);
+      gdev = gstream != nullptr ? device : -1;
+    }
+    return gbuf != nullptr && gstream != nullptr;
+  }
+
+  // Starts a copy on the stream (the previous one settled first); call inside a RegionAccess of
+  // `r`. False (g_err set) when it could not start.
+  bool start_copy(const std::shared_ptr<RegionState>& r, bool to_device, uint64_t dev, char* host, uint64_t n) {
+    if (!settle()) return false;
+    r->active.fetch_add(1);  // the caller's access is live: unregister is still waiting for it
+    g_pend = r;
+    int rc = to_device ? cuda::to_device_async(gdev, dev, host, n, gstream)
+                       : cuda::to_host_async(gdev, host, dev, n, gstream);
+    if (rc != 0) g_err = true;
+    return rc == 0;
+  }
+
+  // Waits for the copy in flight (if any) and releases its access. False once any copy failed.
+  bool settle() {
+    if (g_pend) {
+      if (cuda::stream_sync(gdev, gstream) != 0) g_err = true;
+      g_pend->active.fetch_sub(1);
+      g_pend.reset();
+    }
+    return !g_err;
   }
 };
 
@@ -245,14 +291,29 @@ struct Reactor {
         return -1;
       }
       const bool gpu = spend && c.stream->r.device >= 0;
-      if (gpu && c.g_lo == c.g_hi) {  // stage the next piece of the GPU region (device -> pinned)
-        uint64_t k = std::min(spend, kStage);
-        if (!c.stage_buffer() || cuda::to_host(c.stream->r.device, c.gbuf.get(), c.s_addr + c.s_off, k) != 0)
-          return -1;  // the reply header promised the bytes: the stream cannot continue
+      if (gpu && c.g_lo == c.g_hi) {  // this half is sent: take the next piece, prefetch the one after
+        if (c.g_next == 0) {           // the first piece: nothing was prefetched
+          uint64_t k = std::min(spend, kStage);
+          if (!c.stage_buffer(c.stream->r.device) ||
+              !c.start_copy(c.stream, false, c.s_addr + c.s_off, c.half(c.g_cur), k))
+            return -1;  // the reply header promised the bytes: the stream cannot continue
+          c.g_next = k;
+          c.g_staged = c.s_off + k;
+          c.g_cur ^= 1;
+        }
+        if (!c.settle()) return -1;
+        c.g_cur ^= 1;
         c.g_lo = 0;
-        c.g_hi = k;
+        c.g_hi = c.g_next;
+        c.g_next = 0;
+        if (c.g_staged < c.s_len) {  // copy the next piece while this one is sent
+          uint64_t k = std::min(c.s_len - c.g_staged, kStage);
+          if (!c.start_copy(c.stream, false, c.s_addr + c.g_staged, c.half(c.g_cur ^ 1), k)) return -1;
+          c.g_next = k;
+          c.g_staged += k;
+        }
       }
-      if (gpu) iov[n++] = {c.gbuf.get() + c.g_lo, c.g_hi - c.g_lo};
+      if (gpu) iov[n++] = {c.half(c.g_cur) + c.g_lo, c.g_hi - c.g_lo};
       else if (spend) iov[n++] = {reinterpret_cast<char*>(c.s_addr + c.s_off), std::min(spend, kChunk)};
       msghdr msg{};
       msg.msg_iov = iov;
@@ -271,6 +332,7 @@ struct Reactor {
         c.s_off += left;
         if (gpu) c.g_lo += left;
         if (c.s_off == c.s_len) {
+          c.settle();  // nothing is in flight at the end (g_next is 0); kept for safety
           c.stream.reset();
           c.in_frame = false;
         }
@@ -318,12 +380,13 @@ struct Reactor {
     if (h.op == OP_WRITE) {
       c.region = st == ST_OK ? srv->reg.pin(h.addr, h.len, true) : nullptr;
       c.st = st != ST_OK ? st : (c.region ? ST_OK : ST_REMOTE_BOUNDS);
-      if (c.region && c.region->r.device >= 0 && !c.stage_buffer()) {
+      if (c.region && c.region->r.device >= 0 && !c.stage_buffer(c.region->r.device)) {
         c.region.reset();  // no pinned memory for staging: the payload is drained, the WRITE refused
         c.st = ST_TRANSPORT;
       }
       c.off = 0;
       c.g_fill = 0;
+      c.g_err = false;
       c.phase = P_PAYLOAD;
       return;
     }
@@ -338,7 +401,8 @@ struct Reactor {
         c.s_addr = h.addr;
         c.s_len = h.len;
         c.s_off = 0;
-        c.g_lo = c.g_hi = 0;
+        c.g_lo = c.g_hi = c.g_next = 0;
+        c.g_err = false;
         return;  // the frame ends when the stream is sent
       }
     } else if (h.op == OP_GET_DESC) {
@@ -366,14 +430,19 @@ struct Reactor {
           c.st = ST_REMOTE_BOUNDS;
         }
         if (c.region && c.region->r.device >= 0) {
-          // GPU region: gather a staging piece, copy it to the device when full or at the end
-          r = ::recv(c.fd, c.gbuf.get() + c.g_fill, std::min(left, kStage - c.g_fill), MSG_DONTWAIT);
-          if (r > 0) {
+          // GPU region: gather a piece into one half; when full (or at the end) copy it to the
+          // device on the stream and gather the next piece into the other half meanwhile
+          r = ::recv(c.fd, c.half(c.g_cur) + c.g_fill, std::min(left, kStage - c.g_fill), MSG_DONTWAIT);
+          if (c.g_err) drop = true;
+          if (r > 0 && !drop) {
             c.g_fill += static_cast<uint64_t>(r);
-            if (c.g_fill == kStage || c.off + static_cast<uint64_t>(r) == c.h.len) {
+            bool last = c.off + static_cast<uint64_t>(r) == c.h.len;
+            if (c.g_fill == kStage || last) {
               uint64_t at = c.h.addr + c.off + static_cast<uint64_t>(r) - c.g_fill;
-              if (cuda::to_device(c.region->r.device, at, c.gbuf.get(), c.g_fill) != 0) drop = true;
+              if (!c.start_copy(c.region, true, at, c.half(c.g_cur), c.g_fill)) drop = true;
+              c.g_cur ^= 1;
               c.g_fill = 0;
+              if (last && !c.settle()) drop = true;  // the reply says the bytes are in GPU memory
             }
           }
         } else if (c.region) {
@@ -429,8 +498,15 @@ struct Reactor {
     return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
   }
 
-  // Moves what the connection allows without blocking. False: close it.
+  // Moves what the connection allows without blocking. False: close it. No staging copy stays in
+  // flight after it returns (a failed one is seen by the frame's next step).
   bool progress(Conn& c, int64_t now) {
+    bool ok = progress_once(c, now);
+    c.settle();
+    return ok;
+  }
+
+  bool progress_once(Conn& c, int64_t now) {
     uint64_t budget = kBudget;
     for (;;) {
       if (c.stream || c.close_after || c.out.size() - c.out_off >= kOutHigh) {

@@ -11,13 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpool import OpCode, TransferEngine, _native
-from kvpool.errors import RemoteAccessError, TransferError
+from kvpool.errors import KvpoolError, RemoteAccessError, TransferError
 from kvpool.testing import fakecuda
 from kvpool.transfer.cuda_driver import load_driver
 
@@ -37,14 +39,20 @@ def fake_driver() -> Iterator[str]:
         os.environ["KVPOOL_CUDA_DRIVER"] = old
 
 
-@pytest.fixture
-def peer(fake_driver: str) -> Iterator[dict]:
+def _start_peer(env: dict | None = None) -> dict:
     p = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), "1", str(SIZE)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
     info = json.loads(p.stdout.readline())
     info["proc"] = p
+    return info
+
+
+@pytest.fixture
+def peer(fake_driver: str) -> Iterator[dict]:
+    info = _start_peer()
+    p = info["proc"]
     yield info
     if p.poll() is None:
         p.stdin.write("exit\n")
@@ -136,3 +144,54 @@ def test_same_host_initiator_without_cuda_reaches_gpu_through_the_server(peer: d
                          timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert _ask(peer, f"dump {peer['gpu'][0]} {1 << 20}") == out.stdout.strip()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_unregister_during_pipelined_gpu_transfer(fake_driver: str, op: str) -> None:
+    """A peer whose (fake) device copies are slow (20 ms each): the server's pipelined staging has a
+    copy in flight when the GPU region is unregistered. Unregister returns only after that copy;
+    afterwards no byte lands in the region, and the transfer either failed or moved every byte."""
+    info = _start_peer(dict(os.environ, FAKECUDA_DELAY_US="20000"))
+    g = info["gpu"][0]
+    try:
+        assert _ask(info, f"fill {g} {SIZE} 11") == "ok"
+        with TransferEngine(protocol="tcp", timeout_s=30.0) as eng:
+            data = _pattern(SIZE, 12)
+            a = eng.register_local_memory(data)
+            before = hashlib.sha256(data).hexdigest()
+            eng.transfer_sync(info["name"], a, g, 4096, OpCode.READ)  # connected, descriptor cached
+            filled = _ask(info, f"dump {g} {SIZE}")
+            if op == "read":
+                data[:] = bytes(SIZE)
+            result: dict = {}
+
+            def go() -> None:
+                try:
+                    eng.transfer_sync(info["name"], a, g, SIZE, OpCode.READ if op == "read" else OpCode.WRITE)
+                    result["ok"] = True
+                except KvpoolError as exc:
+                    result["err"] = exc
+
+            t = threading.Thread(target=go)
+            t.start()
+            # not a timing assertion: any interleaving must satisfy the checks below
+            if op == "write":  # unregister once the first staged piece landed
+                while _ask(info, f"dump {g} {SIZE}") == filled and t.is_alive():
+                    pass
+            else:
+                time.sleep(0.05)
+            assert _ask(info, f"unregister {g}") == "ok"
+            h1 = _ask(info, f"dump {g} {SIZE}")
+            t.join(60)
+            assert not t.is_alive()
+            assert _ask(info, f"dump {g} {SIZE}") == h1  # nothing landed after unregister returned
+            if op == "write" and "ok" in result:
+                assert h1 == before
+            if op == "read" and "ok" in result:
+                assert hashlib.sha256(data).hexdigest() == h1
+            assert result, "the transfer neither completed nor failed"
+    finally:
+        if info["proc"].poll() is None:
+            info["proc"].stdin.write("exit\n")
+            info["proc"].stdin.flush()
+            info["proc"].wait(30)
