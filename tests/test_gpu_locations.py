@@ -18,6 +18,7 @@ from kvpool.errors import (
     InvalidArgument,
     ProtocolUnavailable,
     RegistrationError,
+    RemoteAccessError,
     TransferError,
 )
 from kvpool.testing import fake_cuda
@@ -281,6 +282,50 @@ def test_double_concurrent_staged_and_plain_submits_to_one_batch(rt, cpu_peer):
         assert xxhash.xxh3_64_hexdigest(bytes(host)) == want
         eng.free_batch_id(bid)
         assert eng.staging.pool.in_use == 0 and rt.h2d_calls == n
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_double_large_staged_write_is_pipelined_in_pieces(rt, cpu_peer, protocol):
+    """A staged WRITE of >= 2 pieces goes piece by piece (each sent once its device-to-host copy is
+    done), next to a small staged WRITE and a host request in one batch; the caller sees one slot per
+    request with every byte; an invalid batch with a large WRITE sends nothing."""
+    import xxhash
+
+    from kvpool.transfer.staging import PIPE_CHUNK
+
+    big = 4 * PIPE_CHUNK + 3  # five pieces, the last one 3 bytes
+    dev = rt.alloc(big + MiB, device=0)
+    data = os.urandom(big + MiB)
+    dev.write(data)
+    host = bytearray(os.urandom(64 * KiB))
+    with _gpu_engine(protocol=protocol) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        h = eng.register_local_memory(host, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        small_at = cpu_peer.addr + big + 5
+        host_at = small_at + 2 * KiB
+        st, per = run_batch(
+            eng,
+            [
+                TransferRequest(OpCode.WRITE, a, seg, cpu_peer.addr, big),
+                TransferRequest(OpCode.WRITE, a + big, seg, small_at, 2 * KiB),
+                TransferRequest(OpCode.WRITE, h, seg, host_at, 64 * KiB),
+            ],
+        )
+        assert st.state == TransferState.COMPLETED, st
+        assert [p.transferred_bytes for p in per] == [big, 2 * KiB, 64 * KiB]
+        assert rt.d2h_calls == 5 + 1 and rt.d2h_bytes == big + 2 * KiB  # five pieces, one small copy
+        assert cpu_peer.checksum(0, big) == xxhash.xxh3_64_hexdigest(data[:big])
+        assert cpu_peer.checksum(big + 5, 2 * KiB) == xxhash.xxh3_64_hexdigest(data[big : big + 2 * KiB])
+        assert cpu_peer.checksum(host_at - cpu_peer.addr, 64 * KiB) == xxhash.xxh3_64_hexdigest(bytes(host))
+        before = cpu_peer.checksum(0, big)
+        rt.reset_counters()
+        with pytest.raises(RemoteAccessError):  # the small one runs past the peer's buffer
+            eng.batch_transfer_sync(
+                cpu_peer.segment, [a, a + big], [cpu_peer.addr, cpu_peer.addr + 16 * MiB - 1], [big, 2 * KiB]
+            )
+        assert rt.d2h_calls == 0 and cpu_peer.checksum(0, big) == before  # nothing copied, nothing sent
+        assert eng.staging.pool.in_use == 0
 
 
 def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer):

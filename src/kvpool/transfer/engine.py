@@ -165,6 +165,7 @@ class TransferEngine:
             self.batches,
             self._registry,
             lambda addr, n: self._native.register_memory(addr, n, False, False),
+            self._check_all,
         )
         # Transports this engine runs (published in its descriptor), and those it initiates with, in
         # order of preference.
@@ -593,6 +594,12 @@ class TransferEngine:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         self._submit(batch_id, Requests(ops, locs, peers, rems, lens))
 
+    def _check_all(self, reqs: Requests) -> None:
+        """Validate requests against our registrations and the peers' descriptors (sends nothing)."""
+        with self._lock:
+            descs = {hid: self._segments[name][1] for hid, name in self._handles.items()}
+        check_requests(self._registry, descs, reqs)
+
     def _submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
         """Dispatch type-checked requests: each run of requests to the transport that reaches its
         segment, through GPU staging when a local range is GPU memory the transport cannot touch.
@@ -616,9 +623,7 @@ class TransferEngine:
                     runs.append((start, i, routes[start]))
                     start = i
         if len(runs) > 1:
-            with self._lock:
-                descs = {hid: self._segments[name][1] for hid, name in self._handles.items()}
-            check_requests(self._registry, descs, reqs)
+            self._check_all(reqs)
         for a, b, t in runs:
             part = reqs if b - a == n else reqs.part(a, b)
             if (

@@ -11,6 +11,12 @@ moves it through :class:`GpuStaging`, which wraps any such transport:
   staging ranges go back to the pool, and the caller's slots are finished with the inner result —
   a slot is COMPLETED only when its bytes are in GPU memory.
 
+Pipelined WRITEs: a staged WRITE of at least ``2 * PIPE_CHUNK`` bytes is cut into ``PIPE_CHUNK``
+pieces, each sent as soon as its device-to-host copy is done, so the copy of piece k+1 (caller's
+thread, GIL released by the driver call) overlaps the inner transport sending piece k (its own
+threads). The whole submit is validated first (``check``), so nothing is sent unless every request
+is valid; a caller slot completes when all its pieces did.
+
 The pool bounds the staged bytes in flight: a submit that does not fit raises InvalidArgument (or,
 with a wait, TransferTimeout) before anything is sent; ``batch_transfer_sync`` goes in rounds that
 fit (:meth:`GpuStaging.rounds`).
@@ -27,10 +33,11 @@ from kvpool.transfer.batch import Batches
 from kvpool.transfer.device import DeviceRuntime
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.transport import READ, WRITE, Requests, Transport
-from kvpool.transfer.types import TransferState
+from kvpool.transfer.types import TransferState, TransferStatus
 
 log = logging.getLogger("kvpool.transfer")
 _STAGE_ALIGN = 4096
+PIPE_CHUNK = 2 << 20  # bytes per pipelined piece of a large staged WRITE
 
 
 class StagingPool:
@@ -119,16 +126,31 @@ class _Entry:
 
 
 class _Record:
-    """One staged submit: its private inner batch and the caller's slots it finishes."""
+    """One staged submit: its private inner batch and the caller's slots it finishes. ``owner``
+    maps private slots to caller slots when WRITEs were cut into pieces (None: one to one);
+    private slots from ``sent`` on were never submitted (``unsent``: why)."""
 
-    __slots__ = ("private", "batch_id", "base", "n", "entries")
+    __slots__ = ("private", "batch_id", "base", "n", "entries", "owner", "sent", "unsent")
 
-    def __init__(self, private: int, batch_id: int, base: int, n: int, entries: list[_Entry]) -> None:
+    def __init__(
+        self,
+        private: int,
+        batch_id: int,
+        base: int,
+        n: int,
+        entries: list[_Entry],
+        owner: list[int] | None = None,
+        sent: int | None = None,
+        unsent: str = "",
+    ) -> None:
         self.private = private
         self.batch_id = batch_id
         self.base = base
         self.n = n
         self.entries = entries
+        self.owner = owner
+        self.sent = n if sent is None else sent
+        self.unsent = unsent
 
 
 class GpuStaging:
@@ -140,6 +162,8 @@ class GpuStaging:
         batches: the engine's batch table.
         registry: the engine's registrations (which local ranges are GPU memory).
         pin: registers the pool's range with the native registry as local-only memory.
+        check: validates a whole submit (raises, sends nothing) before pipelined WRITEs are sent
+            piece by piece; without it large WRITEs are staged whole.
     """
 
     def __init__(
@@ -149,8 +173,10 @@ class GpuStaging:
         batches: Batches,
         registry: LocalRegistry,
         pin: Callable[[int, int], None],
+        check: Callable[[Requests], None] | None = None,
     ) -> None:
         self._runtime = runtime
+        self._check = check
         self._pool_size = pool_size
         self._batches = batches
         self._registry = registry
@@ -214,13 +240,23 @@ class GpuStaging:
         local = list(locs)
         private = None
         what = "GPU staging copy (device to host)"
+        big = [i for i in todo if ops[i] == WRITE and lens[i] >= 2 * PIPE_CHUNK] if self._check else []
         try:
+            if big:
+                self._check(reqs)  # type: ignore[misc]  # all or nothing before the first piece goes
             rt = self._runtime()
+            bigset = set(big)
             for i, st in zip(todo, stages, strict=True):
-                if ops[i] == WRITE:
+                if ops[i] == WRITE and i not in bigset:
                     rt.copy_d2h(st, locs[i], lens[i])
                 local[i] = st
                 entries.append(_Entry(i, ops[i], locs[i], st, lens[i]))
+            if big:
+                what = ""
+                private = self._batches.alloc(n + sum((lens[i] - 1) // PIPE_CHUNK for i in big))
+                self._submit_pipelined(inner, private, reqs._replace(locs=local), big, locs, batch_id, base,
+                                       entries)  # fmt: skip
+                return
             what = ""
             private = self._batches.alloc(n)
             inner.submit(private, reqs._replace(locs=local))  # validates all, then queues
@@ -236,6 +272,58 @@ class GpuStaging:
                 raise TransferError(reason) from exc
             raise
         self._track(_Record(private, batch_id, base, n, entries))
+
+    def _submit_pipelined(
+        self,
+        inner: Transport,
+        private: int,
+        staged: Requests,
+        big: list[int],
+        dev: list[int],
+        batch_id: int,
+        base: int,
+        entries: list[_Entry],
+    ) -> None:
+        """Send the small requests and the first piece of each large WRITE, then each further piece
+        as soon as its device-to-host copy is done (the inner transport sends the earlier ones
+        meanwhile). Called by :meth:`submit` after the whole submit was validated."""
+        ops, locs, peers, rems, lens = staged
+        n = len(ops)
+        rt = self._runtime()
+        bigset = set(big)
+        owner: list[int] = []
+        first = Requests([], [], [], [], [])
+        for i in range(n):  # the first round: every request, large WRITEs by their first piece
+            k = PIPE_CHUNK if i in bigset else lens[i]
+            if i in bigset:
+                rt.copy_d2h(locs[i], dev[i], k)
+            for col, v in zip(first, (ops[i], locs[i], peers[i], rems[i], k), strict=True):
+                col.append(v)
+            owner.append(i)
+        inner.submit(private, first)  # validated as a whole above; raises only if nothing was queued
+        sent = n
+        unsent = ""
+        rec = _Record(private, batch_id, base, n, entries, owner, sent)
+        try:
+            for i in big:
+                for off in range(PIPE_CHUNK, lens[i], PIPE_CHUNK):
+                    k = min(PIPE_CHUNK, lens[i] - off)
+                    rt.copy_d2h(locs[i] + off, dev[i] + off, k)  # overlaps the sending of earlier pieces
+                    inner.submit(
+                        private, Requests([WRITE], [locs[i] + off], [peers[i]], [rems[i] + off], [k])
+                    )
+                    owner.append(i)
+                    sent += 1
+        except Exception as exc:  # noqa: BLE001 - the rest of the pieces end their slots FAILED
+            unsent = f"not sent: {exc}"
+            log.warning("GPU staging: a pipelined WRITE stopped after %d pieces: %s", sent, exc)
+        rec.sent = sent
+        rec.unsent = unsent
+        for i in big:  # pieces never submitted: their caller slots fail (private slots stay WAITING)
+            total = len(range(0, lens[i], PIPE_CHUNK))
+            while owner.count(i) < total:
+                owner.append(i)
+        self._track(rec)
 
     def busy(self, start: int, end: int) -> int | None:
         """The caller's batch id of an unfinished staged request on GPU range [start, end), or None."""
@@ -306,8 +394,9 @@ class GpuStaging:
     def _complete(self, rec: _Record) -> None:
         """READs: staging -> device; ranges back to the pool; then the caller's slots."""
         staged = {e.index: e for e in rec.entries}
+        results = self._results(rec)
         for k in range(rec.n):
-            st = self._batches.status(rec.private, k)
+            st = results[k]
             error = None if st.ok else st.error
             state = st.state if error else TransferState.FAILED
             e = staged.get(k)
@@ -322,6 +411,28 @@ class GpuStaging:
             nbytes = st.transferred_bytes if error is None or e is None else 0
             self._batches.finish(rec.batch_id, rec.base + k, nbytes, error, state)
         self._batches.free(rec.private)
+
+    def _results(self, rec: _Record) -> list[TransferStatus]:
+        """The inner result per caller slot: pieces of one WRITE summed, the first failure wins."""
+        if rec.owner is None:
+            return [self._batches.status(rec.private, k) for k in range(rec.n)]
+        nbytes = [0] * rec.n
+        fail: list[TransferStatus | None] = [None] * rec.n
+        for j, k in enumerate(rec.owner):
+            if fail[k] is not None:
+                continue
+            if j >= rec.sent:
+                fail[k] = TransferStatus(TransferState.FAILED, 0, rec.unsent or "not sent")
+                continue
+            st = self._batches.status(rec.private, j)
+            if st.ok:
+                nbytes[k] += st.transferred_bytes
+            else:
+                fail[k] = st
+        return [
+            f if f is not None else TransferStatus(TransferState.COMPLETED, nbytes[k])
+            for k, f in enumerate(fail)
+        ]
 
     def _abandon(self, rec: _Record) -> None:
         for e in rec.entries:
