@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -48,3 +49,20 @@ def peer() -> Iterator[PeerProcess]:
     """A target engine in another process with a 72 MiB registered buffer."""
     with PeerProcess(72 << 20, timeout_s=5.0) as p:
         yield p
+
+
+@pytest.fixture(scope="module")
+def fake_driver() -> Iterator[str]:
+    """CUDA TEST DOUBLE: the fake driver library (kvpool.testing.fakecuda), compiled once per machine
+    (one path: one fake driver per process); KVPOOL_CUDA_DRIVER names it for the module's tests and
+    the processes they start, restored afterwards."""
+    from kvpool.testing import fakecuda
+
+    path = fakecuda.build()
+    old = os.environ.get("KVPOOL_CUDA_DRIVER")
+    os.environ["KVPOOL_CUDA_DRIVER"] = path
+    yield path
+    if old is None:
+        os.environ.pop("KVPOOL_CUDA_DRIVER", None)
+    else:
+        os.environ["KVPOOL_CUDA_DRIVER"] = old

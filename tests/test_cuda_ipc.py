@@ -20,25 +20,11 @@ import pytest
 
 from kvpool import OpCode, TransferEngine, TransferRequest, _native
 from kvpool.errors import RemoteAccessError, SegmentNotFound, TransferError
-from kvpool.testing import fakecuda
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 4 << 20
-
-
-@pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The fake driver library, named by KVPOOL_CUDA_DRIVER for this process and its children."""
-    path = fakecuda.build()  # one path per machine: one fake driver per process
-    old = os.environ.get("KVPOOL_CUDA_DRIVER")
-    os.environ["KVPOOL_CUDA_DRIVER"] = path
-    yield path
-    if old is None:
-        os.environ.pop("KVPOOL_CUDA_DRIVER", None)
-    else:
-        os.environ["KVPOOL_CUDA_DRIVER"] = old
 
 
 class Peer:

@@ -1,7 +1,10 @@
-"""GPU memory locations (``cuda:N``). Every test with ``double`` in its name runs on the CUDA TEST
-DOUBLE (:mod:`kvpool.testing.fake_cuda`: "device" memory is CPU memory the double tracks) and, for
-RDMA, on the fake-verbs test double: they check registration validation, staging through pinned
-host buffers, per-request status and the RDMA registration path, never a real GPU or NIC."""
+"""GPU memory locations (``cuda:N``). Every test with ``double`` in its name runs the production
+:class:`~kvpool.transfer.cuda_driver.DriverRuntime` on the CUDA TEST DOUBLE (the fake driver library,
+:mod:`kvpool.testing.fakecuda`: memfd "device" memory the CPU cannot touch, counters added by
+``fakecuda.counting_runtime``) and, for RDMA, on the fake-verbs test double (device memory made
+CPU-visible, as GPUDirect makes it visible to the NIC): they check registration validation, staging
+through pinned host buffers, per-request status and the RDMA registration path, never a real GPU or
+NIC."""
 
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ from kvpool.errors import (
     RemoteAccessError,
     TransferError,
 )
-from kvpool.testing import fake_cuda
 from kvpool.testing import fake_verbs as fv
+from kvpool.testing import fakecuda
 from kvpool.transfer.peer import PeerProcess
 from tests.conftest import run_batch
 
@@ -30,12 +33,13 @@ MiB = 1 << 20
 KiB = 1 << 10
 
 
+FAKE = fakecuda.build()
+
+
 @pytest.fixture
-def rt() -> fake_cuda.FakeCudaRuntime:
-    r = fake_cuda.runtime()
-    r.reset_counters()
-    r.fail_next_h2d = None
-    return r
+def rt():
+    """The driver runtime over the fake driver, with staging counters (one per test)."""
+    return fakecuda.counting_runtime(FAKE)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +49,9 @@ def cpu_peer():
         yield p
 
 
-def _gpu_engine(**kw) -> TransferEngine:
+def _gpu_engine(rt, **kw) -> TransferEngine:
     kw.setdefault("timeout_s", 5.0)
-    return TransferEngine(device_runtime=fake_cuda.runtime(), **kw)
+    return TransferEngine(device_runtime=rt, cuda_driver=FAKE, **kw)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -75,7 +79,7 @@ def test_double_is_injected_never_selected_by_name(monkeypatch):
     monkeypatch.setenv("KVPOOL_DEVICE_RUNTIME", "fake")
     with pytest.raises(ConfigError):
         TransferConfig.from_env()
-    rt = fake_cuda.runtime()
+    rt = fakecuda.counting_runtime(FAKE)
     with TransferEngine(protocol="tcp", device_runtime=rt) as eng:
         assert eng.device_runtime is rt
 
@@ -83,7 +87,7 @@ def test_double_is_injected_never_selected_by_name(monkeypatch):
 def test_double_registration_validation(rt):
     d0 = rt.alloc(MiB, device=0)
     d1 = rt.alloc(MiB, device=1)
-    with _gpu_engine(protocol="tcp") as eng:
+    with _gpu_engine(rt, protocol="tcp") as eng:
         # a __cuda_array_interface__ object (cupy-like): location inferred from the pointer
         a = eng.register_local_memory(d0, remote_accessible=False)
         assert a == d0.ptr and eng._registry.get(a).desc.location == "cuda:0"
@@ -126,7 +130,7 @@ def test_double_torch_like_cuda_tensor_infers_location(rt):
         is_contiguous=lambda: True,
         device=types.SimpleNamespace(type="cuda", index=1),
     )
-    with _gpu_engine(protocol="tcp") as eng:
+    with _gpu_engine(rt, protocol="tcp") as eng:
         with pytest.raises(InvalidArgument, match="tensor is on cuda:1"):
             eng.register_local_memory(t, location="cuda:0", remote_accessible=False)
         a = eng.register_local_memory(t, remote_accessible=False)  # default location: inferred
@@ -134,9 +138,22 @@ def test_double_torch_like_cuda_tensor_infers_location(rt):
         assert reg.location == "cuda:1" and reg.length == 64 * KiB
 
 
+class _ForeignRuntime:
+    """A device runtime the engine's C++ server cannot serve (not backed by the driver it loads),
+    delegating to the fake driver runtime."""
+
+    def __init__(self, rt) -> None:
+        self._rt = rt
+
+    def __getattr__(self, name: str):
+        return getattr(self._rt, name)
+
+
 def test_double_remote_accessible_gpu_memory_refused_on_tcp(rt):
+    """Remote-accessible GPU memory over TCP needs the server to serve it (test_gpu_tcp.py covers
+    that); with a runtime the server cannot use, registration is refused with what to do."""
     d = rt.alloc(MiB)
-    with _gpu_engine(protocol="tcp") as eng:
+    with TransferEngine(protocol="tcp", device_runtime=_ForeignRuntime(rt), timeout_s=5.0) as eng:
         with pytest.raises(ProtocolUnavailable, match="remote_accessible=False") as ei:
             eng.register_local_memory(d)  # remote_accessible defaults to True
         assert "protocol='rdma'" in str(ei.value) and "GPUDirect" in str(ei.value)
@@ -153,7 +170,7 @@ def test_double_write_from_device_to_peer_process_and_read_back(rt, cpu_peer, pr
     data = os.urandom(4 * MiB)
     src.write(data)
     dst = rt.alloc(4 * MiB, device=1)
-    with _gpu_engine(protocol=protocol) as eng:
+    with _gpu_engine(rt, protocol=protocol) as eng:
         a = eng.register_local_memory(src, remote_accessible=False)
         b = eng.register_local_memory(dst, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
@@ -176,7 +193,7 @@ def test_double_batch_mixed_cpu_and_device_sources(rt, cpu_peer):
     dev.write(ddata)
     hdata = os.urandom(MiB)
     host = bytearray(hdata)
-    with _gpu_engine(protocol="tcp") as eng:
+    with _gpu_engine(rt, protocol="tcp") as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)
         h = eng.register_local_memory(host, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
@@ -209,7 +226,7 @@ def test_double_read_into_device_then_status_per_request(rt, cpu_peer):
     import xxhash
 
     dev = rt.alloc(MiB)
-    with _gpu_engine(protocol="tcp") as eng:
+    with _gpu_engine(rt, protocol="tcp") as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
         bid = eng.allocate_batch_id(2)
@@ -247,7 +264,7 @@ def test_double_concurrent_staged_and_plain_submits_to_one_batch(rt, cpu_peer):
 
     dev = rt.alloc(n * 64 * KiB)
     host = bytearray(n * 64 * KiB)
-    with _gpu_engine(protocol="tcp") as eng:
+    with _gpu_engine(rt, protocol="tcp") as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)
         h = eng.register_local_memory(host, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
@@ -298,7 +315,7 @@ def test_double_large_staged_write_is_pipelined_in_pieces(rt, cpu_peer, protocol
     data = os.urandom(big + MiB)
     dev.write(data)
     host = bytearray(os.urandom(64 * KiB))
-    with _gpu_engine(protocol=protocol) as eng:
+    with _gpu_engine(rt, protocol=protocol) as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)
         h = eng.register_local_memory(host, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
@@ -331,7 +348,7 @@ def test_double_large_staged_write_is_pipelined_in_pieces(rt, cpu_peer, protocol
 def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer):
     dev = rt.alloc(2 * MiB)
     host = bytearray(MiB)
-    with _gpu_engine(protocol="tcp") as eng:
+    with _gpu_engine(rt, protocol="tcp") as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)
         h = eng.register_local_memory(host, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
@@ -361,7 +378,7 @@ def test_double_staging_pool_bound(rt, cpu_peer):
     dev = rt.alloc(8 * MiB)
     data = os.urandom(6 * MiB)
     dev.write(data)
-    with _gpu_engine(protocol="tcp", staging_pool_size=MiB) as eng:
+    with _gpu_engine(rt, protocol="tcp", staging_pool_size=MiB) as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)
         seg = eng.open_segment(cpu_peer.segment)
         bid = eng.allocate_batch_id(4)
@@ -399,7 +416,9 @@ NICS4 = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
 
 @pytest.fixture
 def double(tmp_path, monkeypatch):
-    """The fake-verbs test double (4 NICs per process)."""
+    """The fake-verbs test double (4 NICs per process); the fake driver's device memory is made
+    CPU-visible, since the fake NIC moves bytes with a CPU copy."""
+    monkeypatch.setenv("FAKECUDA_CPU_VISIBLE", "1")
     for k in (fv.ENV_DIR, fv.ENV_NICS, fv.ENV_MTU):
         monkeypatch.setenv(k, "x")
     fv.configure(str(tmp_path / "verbs"), NICS4, 4096)
@@ -408,8 +427,8 @@ def double(tmp_path, monkeypatch):
     fv._kill_after.clear()
 
 
-def _rdma(**kw) -> TransferEngine:
-    return TransferEngine(protocol="rdma", verbs=fv, device_runtime=fake_cuda.runtime(), **kw)
+def _rdma(rt, **kw) -> TransferEngine:
+    return TransferEngine(protocol="rdma", verbs=fv, device_runtime=rt, cuda_driver=FAKE, **kw)
 
 
 def test_double_rdma_registers_device_memory_directly(rt, double):
@@ -417,7 +436,7 @@ def test_double_rdma_registers_device_memory_directly(rt, double):
     location's cuda:0 preferred NIC carries the bytes; remote-accessible GPU memory is published."""
     topo = '{"cpu:0": [["mlx5_0", "mlx5_1"], ["mlx5_2", "mlx5_3"]], "cuda:0": [["mlx5_2"], ["mlx5_3"]]}'
     tgt_dev = rt.alloc(8 * MiB, device=1)
-    with _rdma() as t, _rdma(rdma_topology=topo) as i:
+    with _rdma(rt) as t, _rdma(rt, rdma_topology=topo) as i:
         base = t.register_local_memory(tgt_dev)  # remote-accessible GPU memory: fine over RDMA
         desc_buf = [b for b in t.local_descriptor().buffers if b.addr == base][0]
         assert desc_buf.location == "cuda:1" and desc_buf.remote_accessible
@@ -448,7 +467,7 @@ def test_double_rdma_gpu_registration_failure_gives_hint(rt, double, monkeypatch
 
     monkeypatch.setattr(fv.mr, "MR", mr)
     d = rt.alloc(MiB)
-    with _rdma() as eng:
+    with _rdma(rt) as eng:
         with pytest.raises(RegistrationError, match="nvidia-peermem") as ei:
             eng.register_local_memory(d, remote_accessible=False)
         assert "DMA-BUF" in str(ei.value) and "cuda:0" in str(ei.value)
@@ -477,7 +496,7 @@ def test_double_rdma_gpu_registration_falls_back_to_dmabuf(rt, double, monkeypat
     monkeypatch.setattr(fv.mr, "DmaBufMR", DmaBufMR, raising=False)
     monkeypatch.setattr(rt, "dmabuf_fd", lambda addr, n: (r, addr % 4096))
     d = rt.alloc(MiB)
-    with _rdma() as eng:
+    with _rdma(rt) as eng:
         a = eng.register_local_memory(d.ptr + 64, MiB - 64, location="cuda:0", remote_accessible=False)
         assert len(calls) == 4 and all(c == (r, 64, a) for c in calls)
         with pytest.raises(OSError):

@@ -5,7 +5,6 @@ CUDA DMA from/into its shared memory, with the store's header and checksum check
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,23 +12,14 @@ import pytest
 from kvpool import Store, _native
 from kvpool.errors import InvalidArgument
 from kvpool.store.procs import MasterProcess, StorageProcess
-from kvpool.testing import fakecuda
 from kvpool.transfer.cuda_driver import load_driver
 
 
 @pytest.fixture(scope="module")
-def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MasterProcess, StorageProcess]]:
-    path = fakecuda.build()  # one path per machine: one fake driver per process
-    old = os.environ.get("KVPOOL_CUDA_DRIVER")
-    os.environ["KVPOOL_CUDA_DRIVER"] = path
-    try:
-        with MasterProcess() as m, StorageProcess(m.address, 64 << 20) as s:
-            yield m, s
-    finally:
-        if old is None:
-            os.environ.pop("KVPOOL_CUDA_DRIVER", None)
-        else:
-            os.environ["KVPOOL_CUDA_DRIVER"] = old
+def gpu_cluster(fake_driver: str) -> Iterator[tuple[MasterProcess, StorageProcess]]:
+    """Master and storage server started with KVPOOL_CUDA_DRIVER naming the fake driver."""
+    with MasterProcess() as m, StorageProcess(m.address, 64 << 20) as s:
+        yield m, s
 
 
 def _host(n: int, seed: int) -> bytearray:

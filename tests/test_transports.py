@@ -15,8 +15,8 @@ import xxhash
 import kvpool
 from kvpool import OpCode, TransferConfig, TransferEngine, TransferRequest, TransferState
 from kvpool.errors import BatchInFlight, ConfigError, InvalidArgument, RemoteAccessError
-from kvpool.testing import fake_cuda
 from kvpool.testing import fake_verbs as fv
+from kvpool.testing import fakecuda
 from kvpool.transfer.transport import Transport
 from kvpool.transfer.types import TransferStatus
 from tests.conftest import run_batch
@@ -112,7 +112,7 @@ def test_double_one_batch_spans_rdma_and_tcp_segments(double, peer) -> None:  # 
 def test_double_staged_submit_refused_by_the_transport_sends_nothing(peer) -> None:
     """GPU staging wraps TCP: when TCP refuses the request, the staging range goes back, the caller
     gets the transport's error and the reserved slot ends FAILED with it (CUDA test double)."""
-    rt = fake_cuda.runtime()
+    rt = fakecuda.counting_runtime(fakecuda.build())
     dev = rt.alloc(MiB)
     with TransferEngine(protocol="tcp", device_runtime=rt, timeout_s=5.0) as eng:
         a = eng.register_local_memory(dev, remote_accessible=False)

@@ -6,7 +6,8 @@
  * production code names it. What it models:
  *  - device memory: a memfd per allocation, mapped read-write at a hidden alias; the "device
  *    pointer" handed out is a separate PROT_NONE reservation, so host code that touches device
- *    memory directly (instead of through a copy) crashes here as it would on a GPU;
+ *    memory directly (instead of through a copy) crashes here as it would on a GPU
+ *    (FAKECUDA_CPU_VISIBLE=1 maps it readable instead, for the fake-verbs GPUDirect tests);
  *  - IPC: a handle names the owner's pid, its memfd and size; another process opens it through
  *    pidfd_getfd (or /proc/<pid>/fd); two devices (FAKECUDA_DEVICES), peer access always allowed;
  *  - streams: a worker thread per stream runs copies, kernel launches and event records in order
@@ -232,7 +233,12 @@ static int cur_device(void) { return t_ctx ? t_ctx->device : -1; }
 static CUresult map_device(int fd, size_t size, int device, int kind, CUdeviceptr* out) {
   char* alias = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (alias == MAP_FAILED) return E_MAP_FAILED;
-  void* dev = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  /* FAKECUDA_CPU_VISIBLE=1: the device pointer is a second shared mapping the CPU can touch, for
+   * the fake-verbs RDMA tests, where the "NIC" (a CPU memcpy) reads GPU memory as GPUDirect would */
+  const char* vis = getenv("FAKECUDA_CPU_VISIBLE");
+  void* dev = (vis && vis[0] == '1')
+                  ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (dev == MAP_FAILED) { munmap(alias, size); return E_OUT_OF_MEMORY; }
   if (add_mem((uintptr_t)dev, size, alias, fd, device, kind)) {
     munmap(alias, size); munmap(dev, size); return E_OUT_OF_MEMORY;

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SOURCE = Path(__file__).with_name("fakecuda.c")
 
@@ -44,3 +45,74 @@ def stats(path: str) -> tuple[int, int, int]:
     a, b, c = ctypes.c_long(), ctypes.c_long(), ctypes.c_long()
     lib.fakecuda_stats(ctypes.byref(a), ctypes.byref(b), ctypes.byref(c))
     return a.value, b.value, c.value
+
+
+class DeviceBuffer:
+    """Device memory of the fake driver for tests: ``ptr``, ``nbytes``, ``device`` and a
+    ``__cuda_array_interface__`` like cupy. :meth:`read` / :meth:`write` copy through the driver
+    (the CPU cannot touch the device pointer unless ``FAKECUDA_CPU_VISIBLE=1``)."""
+
+    def __init__(self, driver: Any, nbytes: int, device: int = 0) -> None:
+        self.driver, self.nbytes, self.device = driver, nbytes, device
+        self.ptr = driver.alloc(nbytes, device)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def read(self, offset: int = 0, n: int | None = None) -> bytes:
+        n = self.nbytes - offset if n is None else n
+        buf = ctypes.create_string_buffer(n)
+        self.driver.memcpy(ctypes.addressof(buf), self.ptr + offset, n)
+        return buf.raw
+
+    def write(self, data: bytes, offset: int = 0) -> None:
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        self.driver.memcpy(self.ptr + offset, ctypes.addressof(buf), len(data))
+
+    def free(self) -> None:
+        if self.ptr:
+            self.driver.free(self.ptr)
+            self.ptr = 0
+
+
+def counting_runtime(path: str) -> Any:
+    """The production :class:`~kvpool.transfer.cuda_driver.DriverRuntime` over the fake driver at
+    ``path``, with what tests need on top: byte/call counters of the staging copies, one injected
+    host-to-device failure (``fail_next_h2d``) and :meth:`alloc` of :class:`DeviceBuffer` s."""
+    from kvpool.transfer.cuda_driver import CudaDriver, DriverRuntime
+
+    class CountingRuntime(DriverRuntime):
+        def __init__(self) -> None:
+            super().__init__(CudaDriver(path))
+            self.fail_next_h2d: str | None = None
+            self.pinned_bytes = 0
+            self.reset_counters()
+
+        def reset_counters(self) -> None:
+            self.d2h_bytes = self.h2d_bytes = self.d2h_calls = self.h2d_calls = 0
+
+        def alloc(self, nbytes: int, device: int = 0) -> DeviceBuffer:
+            return DeviceBuffer(self.driver, nbytes, device)
+
+        def free(self, buf: DeviceBuffer) -> None:
+            buf.free()
+
+        def alloc_pinned(self, n: int) -> tuple[int, Any]:
+            self.pinned_bytes += n
+            return super().alloc_pinned(n)
+
+        def copy_d2h(self, dst: int, src: int, n: int) -> None:
+            super().copy_d2h(dst, src, n)
+            self.d2h_bytes += n
+            self.d2h_calls += 1
+
+        def copy_h2d(self, dst: int, src: int, n: int) -> None:
+            if self.fail_next_h2d is not None:
+                msg, self.fail_next_h2d = self.fail_next_h2d, None
+                raise RuntimeError(msg)
+            super().copy_h2d(dst, src, n)
+            self.h2d_bytes += n
+            self.h2d_calls += 1
+
+    return CountingRuntime()

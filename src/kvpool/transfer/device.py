@@ -11,7 +11,8 @@ Everything CUDA-specific the transfer engine needs goes through :class:`DeviceRu
 Implementations: :class:`TorchCudaRuntime` (torch.cuda), :class:`CupyCudaRuntime` (cupy.cuda.runtime),
 both using the CUDA driver (``libcuda.so.1`` through ctypes) for pointer attributes and DMA-BUF
 export when it loads. :func:`get_runtime` selects one lazily (``TransferConfig.device_runtime``).
-Tests inject the CPU test double :class:`kvpool.testing.fake_cuda.FakeCudaRuntime` as an object
+:class:`kvpool.transfer.cuda_driver.DriverRuntime` implements it on the CUDA driver alone. Tests
+inject a DriverRuntime over the fake driver library (:mod:`kvpool.testing.fakecuda`) as an object
 (``TransferEngine(device_runtime=...)``); nothing here names it. Pinned staging of GPU memory for
 transports that move host memory only is in :mod:`kvpool.transfer.staging`.
 

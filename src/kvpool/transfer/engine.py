@@ -97,7 +97,8 @@ class TransferEngine:
         config: a full :class:`TransferConfig`; keyword arguments override its fields.
         device_runtime: a CUDA runtime object (:class:`~kvpool.transfer.device.DeviceRuntime`) to
             use for ``cuda:N`` memory instead of the one ``config.device_runtime`` selects; a string
-            sets that config field. Tests pass :mod:`kvpool.testing.fake_cuda`'s runtime here.
+            sets that config field. Tests pass a driver runtime over the fake driver
+            (:mod:`kvpool.testing.fakecuda`) here.
         verbs: the RDMA verbs layer to use instead of pyverbs (a module or namespace with pyverbs'
             surface); tests pass :mod:`kvpool.testing.fake_verbs`.
         **kwargs: any other :class:`TransferConfig` field (``secret``, ``timeout_s``, ``lanes`` ...).
