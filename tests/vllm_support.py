@@ -68,6 +68,7 @@ __all__ = [
     "SERVED_NAME",
     "VllmServer",
     "build_tiny_llama",
+    "build_tiny_lora",
     "process_tree",
     "tiny_llama",
     "vllm_server",
@@ -621,3 +622,53 @@ def vllm_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """One ready vLLM server on the tiny model (shared by a test module)."""
     with VllmServer(tiny_llama, tmp_path_factory.mktemp("vllm-logs")) as server:
         yield server
+
+
+def build_tiny_lora(
+    path: Path | str, model: Path | str, *, rank: int = 8, seed: int = 1, scale: float = 0.5
+) -> Path:
+    """Write a random LoRA adapter for the tiny Llama of :func:`build_tiny_llama` to ``path``
+    (PEFT layout: ``adapter_config.json`` + ``adapter_model.safetensors``, written with the
+    ``safetensors`` library; no hub, no PEFT import).
+
+    Targets ``q_proj``/``k_proj``/``v_proj``/``o_proj`` of every layer with rank ``rank``; both A and B
+    are random (``scale`` sets their spread) so the adapter changes the attention state and thus
+    the greedy output.  Deterministic for fixed arguments; reused if ``path`` already holds it.
+    """
+    path = Path(path)
+    if (path / "adapter_config.json").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    kv = int(cfg["num_key_value_heads"]) * head_dim
+    q = int(cfg["num_attention_heads"]) * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, Any] = {}
+    for layer in range(layers):
+        for mod, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+    adapter_cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model),
+        "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(shapes), "modules_to_save": None, "inference_mode": True,
+    }  # fmt: skip
+    (tmp / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=1))
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not (path / "adapter_config.json").exists():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
