@@ -93,6 +93,9 @@ class VllmConnectorConfig(_ConfigBase):
             without the store before one probe tries it again.
         store_rpc_timeout_s: store connector: the store client's master RPC timeout (None = the
             store's default).
+        layerwise: store connector: move KV per attention layer inside the forward pass (saves
+            while the next layer computes; in-forward loads per layer when ``load_async`` is
+            false) instead of per request (see ``connectors/vllm/layerwise.py``).
     """
 
     hostname: str = "127.0.0.1"
@@ -113,6 +116,7 @@ class VllmConnectorConfig(_ConfigBase):
     lookup_timeout_s: float = Field(default=1.0, gt=0)
     store_retry_s: float = Field(default=10.0, gt=0)
     store_rpc_timeout_s: float | None = Field(default=None, gt=0)
+    layerwise: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> VllmConnectorConfig:

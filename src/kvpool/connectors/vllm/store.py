@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
+from kvpool.connectors.vllm.layerwise import LayerLoads, LayerSaves, LayerwiseSaveScheduler
 from kvpool.connectors.vllm.nonblocking import AsyncLookups, Breaker, Lookup
 from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
 from kvpool.errors import ConfigError, KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
@@ -156,6 +157,8 @@ class KvpoolStoreMetadata(KVConnectorMetadata):
 
     loads: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     saves: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    #: layer-wise mode: blocks this step completes, saved per layer during the forward pass.
+    layer_saves: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
 
 def _check_master(cfg: VllmConnectorConfig) -> None:
@@ -196,6 +199,23 @@ class KvpoolStoreConnector(KvpoolConnectorBase):
     def _make_worker(self, vllm_config: Any, kv_cache_config: Any) -> _StoreWorker:
         return _StoreWorker(self.cfg, vllm_config, kv_cache_config)
 
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """vLLM's scheduler, once per step."""
+        return self._scheduler.build_meta(scheduler_output)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """vLLM's attention layer, before it reads its KV (layer-wise loads only wait here)."""
+        self._worker.wait_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """vLLM's attention layer, after it wrote its KV: queue that layer's save (layer-wise)."""
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        """vLLM's model runner, once per step after the forward pass (layer-wise: waits for the
+        layer writes still running, then queues the commit markers)."""
+        self._worker.finish_step()
+
 
 class _StoreScheduler:
     """Scheduler half. No hook waits on the master: lookups run on a background thread
@@ -227,6 +247,8 @@ class _StoreScheduler:
         self.lookups = 0
         self.hit_blocks = 0
         self.stats = KvpoolKVConnectorStats()
+        self._lw = LayerwiseSaveScheduler(self.block_size) if cfg.layerwise else None
+        self._reqs: dict[str, Any] = {}  # layer-wise: req -> its Request (keys of its blocks)
 
     @property
     def store(self) -> Store | None:
@@ -256,6 +278,8 @@ class _StoreScheduler:
         """vLLM's scheduler, for each waiting request it considers, each step: external hit tokens
         and whether they load asynchronously; ``(None, False)`` while the lookup is pending."""
         rid = request.request_id
+        if self._lw is not None:
+            self._reqs[rid] = request
         n_prompt = len(request.prompt_token_ids or ())
         # At least the last prompt token is computed here, so a full hit stops one block short.
         limit = (n_prompt - 1) // self.block_size
@@ -334,9 +358,17 @@ class _StoreScheduler:
         ]
         self.hit_blocks += last - first
 
-    def build_meta(self) -> KvpoolStoreMetadata:
+    def build_meta(self, scheduler_output: Any = None) -> KvpoolStoreMetadata:
         meta = KvpoolStoreMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = {}, {}
+        if self._lw is not None and scheduler_output is not None:
+            usable = self._store_usable()
+            meta.layer_saves = self._lw.step_layer_saves(
+                scheduler_output,
+                lambda rid: self._request_keys(self._reqs[rid]) if usable and rid in self._reqs else None,
+                lambda rid: self._stored.get(rid, 0),
+                lambda rid: len(getattr(self._reqs.get(rid), "prompt_token_ids", None) or ()),
+            )
         return meta
 
     def loads_done(self, req_ids: Any) -> None:
@@ -355,6 +387,10 @@ class _StoreScheduler:
         all_keys = self._keys.pop(rid, None)
         if rid in self.loading:
             return True  # a load still writes into its blocks: freed once it is reported done
+        if self._lw is not None:
+            self._lw.forget(rid)
+            self._reqs.pop(rid, None)
+            return False  # layer-wise: its blocks were saved while they were computed
         tokens = request.prompt_token_ids or ()
         n = min(len(tokens), int(request.num_computed_tokens)) // self.block_size
         n = min(n, len(block_ids))
@@ -402,6 +438,8 @@ class _StoreWorker:
         self._saves: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self.breaker = Breaker(f"kvpool store master {cfg.master} (saves)", cfg.store_retry_s)
+        self.layer_saves = LayerSaves(self._saves.put, self._put_layer, self._commit)
+        self.layer_loads = LayerLoads(self._loads.put, self._get_layer)
         self.saved_blocks = 0
         self.loaded_blocks = 0
         self.stats = KvpoolKVConnectorStats()
@@ -409,6 +447,8 @@ class _StoreWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.regions, tensors = kv_regions(kv_caches, self.num_blocks)
         self.layout = layout_signature(kv_caches, self.num_blocks)
+        self.layer_saves.set_regions(self.regions)
+        self.layer_loads.set_regions(self.regions)
         if self.store is None:
             self.store = _connect(self.cfg, self.cfg.store_segment_size, self.cfg.store_buffer_size)
         for t in tensors:
@@ -416,8 +456,8 @@ class _StoreWorker:
             # straight from/into the storage segment's shared memory; other hosts: staged).
             self.store.register_buffer(t)
         if not self._threads:
-            for name, q, fn in (("load", self._loads, self._load_job), ("save", self._saves, self._save_job)):
-                t = threading.Thread(target=self._loop, args=(q, fn), name=f"kvpool-store-{name}")
+            for name, q in (("load", self._loads), ("save", self._saves)):
+                t = threading.Thread(target=self._loop, args=(q,), name=f"kvpool-store-{name}")
                 t.daemon = True
                 t.start()
                 self._threads.append(t)
@@ -443,11 +483,13 @@ class _StoreWorker:
         # The scheduler names blocks in TP rank 0's namespace; each rank stores its own shard.
         return key if self.tp_rank == 0 else self.namespace + key[len(self.namespace0) :]
 
-    def _ranges(self, blocks: list[tuple[int, str]]) -> tuple[list[str], list[int], list[int], list[int]]:
+    def _ranges(
+        self, blocks: list[tuple[int, str]], regions: list[Region] | None = None
+    ) -> tuple[list[str], list[int], list[int], list[int]]:
         keys, addrs, sizes, owners = [], [], [], []
         for block_id, key in blocks:
             base = self._key(key)
-            for r in self.regions:
+            for r in self.regions if regions is None else regions:
                 keys.append(f"{base}/{self.layout}/{r.name}")
                 addrs.append(r.addr + block_id * r.stride)
                 sizes.append(r.block_bytes)
@@ -456,18 +498,42 @@ class _StoreWorker:
 
     def start(self, meta: KvpoolStoreMetadata) -> None:
         """vLLM's worker, once per step (``start_load_kv``): queue this step's loads, then saves."""
+        layer_loads: list[tuple[int, str]] = []
         for rid, blocks in meta.loads.items():
             if self.cfg.load_async:
-                self._loads.put((rid, blocks))
+                self._loads.put(lambda rid=rid, blocks=blocks: self._load_job(rid, blocks))
+            elif self.cfg.layerwise:
+                layer_loads += blocks
             else:
                 self._load(blocks)
+        self.layer_loads.begin(layer_loads)
         for rid, blocks in meta.saves.items():
-            self._saves.put((rid, blocks))
+            self._saves.put(lambda rid=rid, blocks=blocks: self._save_job(rid, blocks))
+        lw = [b for blocks in meta.layer_saves.values() for b in blocks]
+        if lw and not self.breaker.closed() and not self.breaker.want_probe():
+            lw = []  # master unreachable lately: this step's blocks are not saved
+        self.layer_saves.begin(lw)
+
+    def wait_layer_load(self, layer: str) -> None:
+        """``wait_for_layer_load``: this layer's blocks of this step's in-forward loads are in."""
+        self.layer_loads.wait(layer)
+
+    def save_layer(self, layer: str) -> None:
+        """``save_kv_layer``: queue this layer's objects of the blocks this step completes."""
+        self.layer_saves.layer(layer)
+
+    def finish_step(self) -> None:
+        """``wait_for_save``: the step's layer loads and layer writes are done when it returns."""
+        self.layer_loads.finish()
+        self.layer_saves.finish()
 
     @staticmethod
-    def _loop(q: queue.Queue[Any], fn: Any) -> None:
+    def _loop(q: queue.Queue[Any]) -> None:
         while (job := q.get()) is not None:
-            fn(*job)
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - one failed job must not stop the thread
+                log.exception("kvpool store: background job failed")
 
     def _load_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
         self._load(blocks)
@@ -517,10 +583,44 @@ class _StoreWorker:
         log.info("kvpool store: saved %d blocks (%d objects) in %.2f ms", len(done), len(keys),
                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
 
-    def _load(self, blocks: list[tuple[int, str]]) -> None:
+    def _put_layer(self, blocks: list[tuple[int, str]], regions: list[Region]) -> set[int]:
+        """Save thread, layer-wise: one layer's objects of ``blocks``; the ids that failed."""
+        assert self.store is not None
+        keys, addrs, sizes, owners = self._ranges(blocks, regions)
+        try:
+            res = self.store.batch_put_from(keys, addrs, sizes)
+        except KvpoolError as exc:
+            self.breaker.fail(exc)
+            log.warning("kvpool store: saving layer %s of %d blocks failed: %s",
+                        regions[0].name, len(blocks), exc)  # fmt: skip
+            return set(owners)
+        self.breaker.ok()
+        return {owners[i] for i, e in enumerate(res) if e is not None and not isinstance(e, ObjectExists)}
+
+    def _commit(self, blocks: list[tuple[int, str]]) -> None:
+        """Save thread, layer-wise: commit markers of blocks whose every layer is stored."""
+        assert self.store is not None
+        done = [self._key(k) for _, k in blocks]
+        marker = f"kvpool-block:{len(self.regions)}".encode()
+        try:
+            res = self.store.batch_put(done, [marker] * len(done))
+        except KvpoolError as exc:
+            log.warning("kvpool store: committing %d blocks failed: %s", len(done), exc)
+            return
+        n = sum(1 for e in (res or [None] * len(done)) if e is None)
+        self.saved_blocks += n
+        self.stats.record_saved(n)
+
+    def _get_layer(self, blocks: list[tuple[int, str]], regions: list[Region], first: bool) -> None:
+        """Load thread, layer-wise: one layer's objects of ``blocks``."""
+        self._load(blocks, regions, count=first)
+
+    def _load(
+        self, blocks: list[tuple[int, str]], regions: list[Region] | None = None, count: bool = True
+    ) -> None:
         assert self.store is not None
         t0 = time.perf_counter()
-        keys, addrs, sizes, owners = self._ranges(blocks)
+        keys, addrs, sizes, owners = self._ranges(blocks, regions)
         failed: set[int] = set()
         why: dict[int, str] = {}  # failed block -> miss reason
         try:
@@ -537,10 +637,14 @@ class _StoreWorker:
             why = dict.fromkeys(failed, reason)
         with self._lock:
             self._errors |= failed
-        self.loaded_blocks += len(blocks) - len(failed)
         ok_bytes = sum(n for n, o in zip(sizes, owners, strict=True) if o not in failed)
+        # Layer-wise loads: blocks and misses are counted with the first layer only.
+        nb = len(blocks) - len(failed) if count else 0
         if len(blocks) > len(failed):
-            self.stats.record_transfer(time.perf_counter() - t0, ok_bytes, len(blocks) - len(failed))
+            self.stats.record_transfer(time.perf_counter() - t0, ok_bytes, nb)
+        if not count:
+            return
+        self.loaded_blocks += nb
         for reason in set(why.values()):
             self.stats.record_misses(reason, sum(1 for r in why.values() if r == reason))
         log.info("kvpool store: loaded %d blocks (%d failed) in %.2f ms", len(blocks), len(failed),

@@ -1,0 +1,170 @@
+"""KvpoolStoreConnector in layer-wise mode on vLLM's real Scheduler: each step's completed prompt
+blocks saved per layer during the forward pass (``save_kv_layer``), committed only once every
+layer is stored; in-forward loads waited for per layer (``wait_for_layer_load``); a real master
+and storage process (the forward pass is a test double that calls the per-layer hooks as vLLM's
+attention layers do)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.store.procs import MasterProcess, StorageProcess
+from tests.vllm_support import tiny_llama  # noqa: F401  (fixture)
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
+
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+
+from kvpool.connectors.vllm.store import block_keys  # noqa: E402
+from tests.vllm_sched import BS, LAYERS, Instance, expected_rows, pattern  # noqa: E402
+
+PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2 full blocks + 16 tokens
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[str]:
+    with MasterProcess() as m, StorageProcess(m.address, 64 << 20):
+        yield m.address
+
+
+class LayerInstance(Instance):
+    """:class:`Instance` whose forward pass runs layer by layer: ``wait_for_layer_load`` before a
+    layer computes, ``save_kv_layer`` after, ``wait_for_save`` at the end -- as vLLM's attention
+    layers and model runner call them. ``stop_after``: the forward pass is cut short after that
+    many layers (an abort between layers)."""
+
+    stop_after: int | None = None
+    seen: list[tuple[str, str]]
+
+    def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
+        self.seen = []
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        work: list[tuple[str, int, int]] = []
+        for new in out.scheduled_new_reqs:
+            work.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            work.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
+        for li, name in enumerate(LAYERS):
+            if self.stop_after is not None and li >= self.stop_after:
+                break
+            self.worker.wait_for_layer_load(name)
+            self.seen.append(("load", name))
+            for rid, start, n in work:
+                self._compute_layer(rid, start, n, li)
+            self.worker.save_kv_layer(name, self.kv[name], None)
+            self.seen.append(("save", name))
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        kco = KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
+        )
+        ids = [w[0] for w in work]
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[token] for _ in ids],
+            kv_connector_output=kco,
+        )
+        eco = self.scheduler.update_from_output(out, mro)
+        return out, {o.request_id: o for e in eco.values() for o in e.outputs}
+
+    def _compute_layer(self, rid: str, start: int, n: int, li: int) -> None:
+        req = self.scheduler.requests[rid]
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        for t in range(start, start + n):
+            b, off = divmod(t, BS)
+            self.kv[LAYERS[li]][block_ids[b], :, off, :] = pattern(req.all_token_ids[: t + 1], li)
+
+
+def _wait_exists(inst: Instance, keys: list[str], want: bool, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while list(inst.connector._scheduler.store.batch_exists(keys)) != [want] * len(keys):
+        assert time.monotonic() < deadline, f"commit markers not {'all there' if want else 'absent'}"
+        time.sleep(0.02)
+
+
+def test_layerwise_saves_during_prefill_and_loads_per_layer_byte_exact(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    extra = {"master": master, "model_tag": "lw1", "layerwise": True, "load_async": False}
+    a = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    b = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    try:
+        a.add("a1", PROMPT, 50, None)
+        a.step_until(lambda out: "a1" in out.kv_connector_metadata.layer_saves)
+        out = a.step_until(lambda out: "a1" in out.num_scheduled_tokens)  # decoding now
+        keys = block_keys(a.connector._scheduler.namespace, PROMPT, BS)
+        assert len(keys) == 2
+        # Saved and committed while the request still runs (per-request mode saves at its end).
+        _wait_exists(a, keys, True)
+        assert a.scheduler.requests["a1"].status.name == "RUNNING"
+        assert a.worker._worker.saved_blocks == 2
+        # Decode steps complete no prompt block: nothing more is saved.
+        for _ in range(3):
+            out, _ = a.step()
+            assert not out.kv_connector_metadata.layer_saves
+
+        prompt_b = PROMPT + [9, 9, 9]
+        b.add("b1", prompt_b, 3, None)
+        out = b.step_until(lambda out: "b1" in out.kv_connector_metadata.loads)
+        assert [k for _, k in out.kv_connector_metadata.loads["b1"]] == keys
+        # The in-forward load was waited for layer by layer, before each layer computed.
+        assert [s for s in b.seen if s[0] == "load"] == [("load", n) for n in LAYERS]
+        assert b.worker._worker.loaded_blocks == 2
+        assert not b.worker._worker.take_load_errors()
+        for got, want in zip(b.block_values("b1", 64), expected_rows(prompt_b, 64), strict=True):
+            assert torch.equal(got, want)
+        b.run_until(lambda o: "b1" in o and o["b1"].finish_reason is not None)
+        a.run_until(lambda o: "a1" in o and o["a1"].finish_reason is not None)
+        # Layer-wise saves are done when their step ends: a finished request's blocks go back at once.
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_forward_pass_cut_between_layers_commits_nothing(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    extra = {"master": master, "model_tag": "lw2", "layerwise": True, "load_async": False}
+    a = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    b = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    try:
+        a.stop_after = 1  # layer 0 computed and saved, layer 1 never reached
+        a.add("a1", PROMPT, 1, None)
+        out = a.step_until(lambda out: "a1" in out.kv_connector_metadata.layer_saves)
+        assert len(out.kv_connector_metadata.layer_saves["a1"]) == 2
+        keys = block_keys(a.connector._scheduler.namespace, PROMPT, BS)
+        store = a.connector._scheduler.store
+        w = a.worker._worker
+        # Layer 0's objects were written, yet no block is visible as a hit.
+        layer0 = [f"{k}/{w.layout}/{LAYERS[0]}" for k in keys]
+        assert all(store.batch_exists(layer0))
+        time.sleep(0.3)  # a late commit would land within this
+        assert not any(store.batch_exists(keys))
+        assert w.saved_blocks == 0
+        # Another instance computes the prompt itself (no hit, no load).
+        b.add("b1", PROMPT, 1, None)
+        assert b.lookup(b.scheduler.requests["b1"]) == (0, False)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_per_request_mode_stays_the_default(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    a = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "lw3"})
+    try:
+        a.add("a1", PROMPT, 1, None)
+        out = a.step_until(lambda out: "a1" in out.num_scheduled_tokens)
+        assert not out.kv_connector_metadata.layer_saves
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+        assert a.worker._worker.saved_blocks == 2  # saved after the request finished
+    finally:
+        a.close()
