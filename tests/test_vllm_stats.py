@@ -78,3 +78,44 @@ def test_interface_check_script_passes_on_the_installed_vllm() -> None:
                          capture_output=True, text=True, timeout=180)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "kvpool connectors match vLLM" in out.stdout
+
+
+def _request(rid: str, n_tokens: int, block_size: int):  # a real vLLM Request with vLLM's block hasher
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(rid, list(range(1000, 1000 + n_tokens)), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))  # fmt: skip
+
+
+def test_store_events_announce_saved_blocks_with_vllms_hashes_once_sent() -> None:
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    from kvpool.connectors.vllm.stats import STORE_MEDIUM, StoreEvents
+
+    on = types.SimpleNamespace(kv_events_config=types.SimpleNamespace(enable_kv_cache_events=True))
+    ev = StoreEvents(on)
+    req = _request("r1", 16 * 5 + 3, 16)
+    assert len(req.block_hashes) == 5
+    ev.saving(req, 2, 5, 16)  # blocks 0-1 were in the store already (found by the lookup)
+    ev.saving(_request("r2", 40, 16), 0, 2, 16)
+    assert ev.take() == []  # nothing until the workers report the saves finished
+    ev.sent(["r1", "unknown"])
+    (got,) = ev.take()
+    assert isinstance(got, BlockStored) and got.medium == STORE_MEDIUM
+    assert got.block_hashes == [ext(h) for h in req.block_hashes[2:5]]  # what vLLM's own events carry
+    assert got.parent_block_hash == ext(req.block_hashes[1])
+    assert got.token_ids == list(range(1000 + 32, 1000 + 80)) and got.block_size == 16
+    assert ev.take() == []
+    ev.sent(["r2"])
+    (r2,) = ev.take()
+    assert r2.parent_block_hash is None and len(r2.block_hashes) == 2
+    # KV events off (vLLM's default): nothing is built at all.
+    off = StoreEvents(types.SimpleNamespace(kv_events_config=None))
+    off.saving(req, 0, 5, 16)
+    off.sent(["r1"])
+    assert off.take() == []

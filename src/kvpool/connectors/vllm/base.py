@@ -74,6 +74,15 @@ class KvpoolConnectorBase(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.loads_done(connector_output.finished_recving or ())
+            sent = getattr(self._scheduler, "sends_done", None)
+            if sent is not None:
+                sent(connector_output.finished_sending or ())
+
+    def take_events(self) -> Any:
+        """vLLM's scheduler, each step: kvpool's KV cache events since the last call (the store
+        connector's store-tier ``BlockStored``; see ``stats.StoreEvents``)."""
+        take = getattr(self._scheduler, "take_events", None)
+        return take() if take is not None else ()
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -201,3 +201,63 @@ class KvpoolPromMetrics(KVConnectorPromMetrics):
             self._failed.labels(*labels, reason).inc(n)
         for reason, n in d.get("store_misses", {}).items():
             self._misses.labels(*labels, reason).inc(n)
+
+
+# ---------------------------------------------------------------------------- KV cache events
+STORE_MEDIUM = "kvpool"
+"""``medium`` of kvpool's store-tier events (vLLM's own blocks say ``GPU``/``CPU``), so a router
+that consumes vLLM's KV events (``--kv-events-config``) sees which prefixes the pool holds."""
+
+
+class StoreEvents:
+    """Store-tier ``BlockStored`` events, kept by the store connector's scheduler half.
+
+    ``saving`` (``request_finished``, once per request handed to the worker for saving) builds
+    one event for the request's blocks — vLLM's own block hashes, so they match the events of
+    vLLM's prefix cache — and holds it until ``sent`` (``update_connector_output``, each step)
+    sees the request among ``finished_sending``, i.e. every TP rank's worker is done with it;
+    ``take`` (vLLM's ``take_events``, each step) hands the ready ones over. O(1) Python per
+    request (one slice of hashes and tokens); nothing at all when KV events are off.
+
+    A save the worker could not complete (master unreachable, a failed put) is still announced:
+    the worker reports a request finished either way, and a consumer learns of the gap from the
+    next lookup's miss (``vllm:kvpool_store_miss_blocks``)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        kec = getattr(vllm_config, "kv_events_config", None)
+        self.enabled = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
+        self._pending: dict[str, Any] = {}
+        self._ready: list[Any] = []
+
+    def saving(self, request: Any, first: int, n: int, block_size: int) -> None:
+        """Blocks ``first..n-1`` of ``request`` are being saved to the store."""
+        if not self.enabled or n <= first:
+            return
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        hashes = list(getattr(request, "block_hashes", ()) or ())
+        if len(hashes) < n:
+            return  # vLLM hashes at another granularity: no event rather than a wrong one
+        lora = getattr(request, "lora_request", None)
+        tokens = list(request.all_token_ids[first * block_size : n * block_size])
+        self._pending[request.request_id] = BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:n]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
+            token_ids=tokens,
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=STORE_MEDIUM,
+            lora_name=lora.name if lora else None,
+        )
+
+    def sent(self, req_ids: Any) -> None:
+        """Requests whose saves every worker finished."""
+        for rid in req_ids:
+            ev = self._pending.pop(rid, None)
+            if ev is not None:
+                self._ready.append(ev)
+
+    def take(self) -> list[Any]:
+        ready, self._ready = self._ready, []
+        return ready

@@ -44,7 +44,7 @@ from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
 from kvpool.connectors.vllm.layerwise import LayerLoads, LayerSaves, LayerwiseSaveScheduler
 from kvpool.connectors.vllm.nonblocking import AsyncLookups, Breaker, Lookup
-from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
+from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats, StoreEvents
 from kvpool.errors import ConfigError, KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
 
 if TYPE_CHECKING:
@@ -249,6 +249,7 @@ class _StoreScheduler:
         self.stats = KvpoolKVConnectorStats()
         self._lw = LayerwiseSaveScheduler(self.block_size) if cfg.layerwise else None
         self._reqs: dict[str, Any] = {}  # layer-wise: req -> its Request (keys of its blocks)
+        self.events = StoreEvents(vllm_config)
 
     @property
     def store(self) -> Store | None:
@@ -374,6 +375,13 @@ class _StoreScheduler:
     def loads_done(self, req_ids: Any) -> None:
         self.loading.difference_update(req_ids)
 
+    def sends_done(self, req_ids: Any) -> None:
+        """vLLM's scheduler, each step: requests whose saves every worker finished."""
+        self.events.sent(req_ids)
+
+    def take_events(self) -> list[Any]:
+        return self.events.take()
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """vLLM's scheduler, once per finished request: hand its full prompt blocks to the worker
         for saving (no master RPC here); True keeps the blocks until the worker is done."""
@@ -403,6 +411,7 @@ class _StoreScheduler:
             return False
         # Blocks the lookup found are in the store already; the worker checks the rest.
         self._saves[rid] = [(block_ids[i], all_keys[i]) for i in range(stored, n)]
+        self.events.saving(request, stored, n, self.block_size)
         return True
 
 
