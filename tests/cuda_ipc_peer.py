@@ -1,5 +1,6 @@
 """A target process for the CUDA IPC tests (run with KVPOOL_CUDA_DRIVER pointing at the fake
-driver): registers GPU buffers (and one shared host buffer), prints one JSON line
+driver), ``cuda_ipc_peer.py NBUFS SIZE [PORT]``: registers GPU buffers (and one shared host buffer),
+prints one JSON line
 {"name", "gpu": [addr...], "shm": addr}, then answers stdin commands one line each:
 ``dump ADDR LEN`` -> hex sha256 of the bytes; ``fill ADDR LEN SEED`` -> ok; ``unregister ADDR`` ->
 ok or the error; ``exit``."""
@@ -16,9 +17,10 @@ from kvpool.transfer.cuda_driver import load_driver
 
 def main() -> None:
     nbufs, size = int(sys.argv[1]), int(sys.argv[2])
+    port = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # a restarted owner keeps its segment name
     drv = load_driver()
     assert drv is not None, "the fake CUDA driver did not load"
-    eng = TransferEngine(timeout_s=5.0)
+    eng = TransferEngine(timeout_s=5.0, port=port)
     gpu = []
     for k in range(nbufs):
         p = drv.alloc(size, k % drv.count)

@@ -30,9 +30,9 @@ SIZE = 4 << 20
 class Peer:
     """tests/cuda_ipc_peer.py in a child process."""
 
-    def __init__(self, nbufs: int = 2) -> None:
+    def __init__(self, nbufs: int = 2, port: int = 0) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), str(nbufs), str(SIZE)],
+            [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), str(nbufs), str(SIZE), str(port)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -262,6 +262,40 @@ def test_owner_killed_mid_batch_fails_cleanly(
         monkeypatch.delenv("FAKECUDA_DELAY_US")
         with pytest.raises((SegmentNotFound, TransferError, RemoteAccessError)):
             eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+
+
+def test_restarted_owner_gets_its_own_bytes(fake_driver: str) -> None:
+    """An owner SIGKILLed and restarted under the same segment name (same port), whose new GPU
+    allocations may sit at the old addresses: the initiator's cached mapping of the dead owner's
+    memory is never used again; the bytes land in the new owner's memory (or a typed error)."""
+    drv = load_driver()
+    old = Peer()
+    port = int(old.name.rsplit(":", 1)[1])
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 21)
+        eng.transfer_sync(old.name, g, old.gpu[0], 65536)  # opens and caches the old owner's mapping
+        assert old.ask(f"dump {old.gpu[0]} 65536") == _sha(drv, g, 65536)
+        old.p.send_signal(signal.SIGKILL)
+        old.p.wait(10)
+        new = Peer(port=port)
+        try:
+            assert new.name == old.name
+            _fill(drv, g, 1 << 20, 22)
+            # the first request after the restart (the old owner's address, which may be the new
+            # owner's too) is refused, typed - never copied into the dead owner's cached mapping,
+            # never reported done, never sent to the new owner unnoticed (as over TCP)
+            with pytest.raises((TransferError, SegmentNotFound), match="restarted|closed|exited"):
+                eng.transfer_sync(new.name, g, old.gpu[0], 4096)
+            assert eng.get_segment_descriptor(new.name).pid == new.p.pid  # then re-fetched
+            if old.gpu[0] not in new.gpu:
+                with pytest.raises(RemoteAccessError):  # the old address means nothing now
+                    eng.transfer_sync(new.name, g, old.gpu[0], 4096)
+            eng.transfer_sync(new.name, g + 4096, new.gpu[0] + 8192, 65536)
+            assert new.ask(f"dump {new.gpu[0] + 8192} 65536") == _sha(drv, g + 4096, 65536)
+        finally:
+            new.close()
 
 
 def test_unregister_waits_for_copies_in_flight(fake_driver: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,6 +109,7 @@ class _Peer:
     pidfd: int
     inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gone: bool = False  # its exit was reported to a caller: the next open_segment re-fetches
 
 
 @dataclass
@@ -253,6 +254,14 @@ class CudaIpcTransport(Transport):
         if peer is not None:
             self._retire_peer(peer)
 
+    def peer_gone(self, handle: int) -> bool:
+        """The owner's process exited and a caller was told so (a request failed with it): the
+        engine re-fetches the segment on the next open (a restarted owner publishes new handles)
+        and attach() retires the old mappings. As over TCP, the first request after a restart
+        fails, so addresses of the old owner never reach the new one unnoticed."""
+        peer = self._peers.get(handle)
+        return peer is not None and peer.gone
+
     def _retire_peer(self, peer: _Peer) -> None:
         """Close a peer's mappings once its copies in flight finished (waits for them)."""
         self._drain(peer)
@@ -384,6 +393,7 @@ class CudaIpcTransport(Transport):
             raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
         used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
         if not self._alive(peer):
+            peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; reopen the segment")
         pins = self._pin(peer, used)
         try:
@@ -518,6 +528,7 @@ class CudaIpcTransport(Transport):
                 error = f"CUDA IPC copy failed: {exc}"
             self._unpin(run.peer, run.pins)
             if error is None and not self._alive(run.peer):
+                run.peer.gone = True
                 error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
             if error is None:
                 self.native.finish_range_buf(run.batch_id, run.first, run.lens, 0)

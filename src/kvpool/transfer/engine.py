@@ -490,7 +490,9 @@ class TransferEngine:
         with self._lock:
             cached = self._segments.get(name)
         if cached is not None and not self._native.peer_stale(cached[0].id):
-            return cached[0]
+            route = self._routes.get(cached[0].id)
+            if route is None or not route.peer_gone(cached[0].id):
+                return cached[0]
         desc = self._fetch(name)
         transport = self._pick(name, desc)
         with self._lock:

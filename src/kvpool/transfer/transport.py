@@ -101,6 +101,12 @@ class Transport(ABC):
     def detach(self, handle: int) -> None:  # noqa: B027 - optional hook
         """Segment ``handle`` is closed or routed elsewhere: drop its connections and state."""
 
+    def peer_gone(self, handle: int) -> bool:
+        """Whether this transport saw the process behind segment ``handle`` exit (a restart the
+        native peer table cannot see, e.g. no connection was ever made). Called by
+        ``open_segment`` on every cached open, so it must be cheap; True makes it re-fetch."""
+        return False
+
     @abstractmethod
     def submit(self, batch_id: int, reqs: Requests) -> None:
         """Queue requests into the next free slots of batch ``batch_id``, in order, and complete
