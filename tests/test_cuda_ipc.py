@@ -265,37 +265,42 @@ def test_owner_killed_mid_batch_fails_cleanly(
 
 
 def test_restarted_owner_gets_its_own_bytes(fake_driver: str) -> None:
-    """An owner SIGKILLed and restarted under the same segment name (same port), whose new GPU
-    allocations may sit at the old addresses: the initiator's cached mapping of the dead owner's
-    memory is never used again; the bytes land in the new owner's memory (or a typed error)."""
+    """An owner SIGKILLed and restarted under the same segment name (same port): the first request
+    after the restart fails, typed - whether its address is one the old descriptor knew (then it is
+    never copied into the dead owner's cached mapping) or one only the new owner has - so the
+    caller learns of the restart, as over TCP; then the segment is re-fetched and the bytes land in
+    the new owner's memory; the old owner's addresses are refused."""
     drv = load_driver()
     old = Peer()
+    procs = [old]  # closed whatever fails
     port = int(old.name.rsplit(":", 1)[1])
-    with TransferEngine(timeout_s=5.0) as eng:
-        g = drv.alloc(1 << 20, 0)
-        eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        _fill(drv, g, 1 << 20, 21)
-        eng.transfer_sync(old.name, g, old.gpu[0], 65536)  # opens and caches the old owner's mapping
-        assert old.ask(f"dump {old.gpu[0]} 65536") == _sha(drv, g, 65536)
-        old.p.send_signal(signal.SIGKILL)
-        old.p.wait(10)
-        new = Peer(port=port)
-        try:
-            assert new.name == old.name
-            _fill(drv, g, 1 << 20, 22)
-            # the first request after the restart (the old owner's address, which may be the new
-            # owner's too) is refused, typed - never copied into the dead owner's cached mapping,
-            # never reported done, never sent to the new owner unnoticed (as over TCP)
-            with pytest.raises((TransferError, SegmentNotFound), match="restarted|closed|exited"):
-                eng.transfer_sync(new.name, g, old.gpu[0], 4096)
-            assert eng.get_segment_descriptor(new.name).pid == new.p.pid  # then re-fetched
-            if old.gpu[0] not in new.gpu:
-                with pytest.raises(RemoteAccessError):  # the old address means nothing now
-                    eng.transfer_sync(new.name, g, old.gpu[0], 4096)
-            eng.transfer_sync(new.name, g + 4096, new.gpu[0] + 8192, 65536)
-            assert new.ask(f"dump {new.gpu[0] + 8192} 65536") == _sha(drv, g + 4096, 65536)
-        finally:
-            new.close()
+    try:
+        with TransferEngine(timeout_s=5.0) as eng:
+            g = drv.alloc(1 << 20, 0)
+            eng.register_local_memory(g, 1 << 20, location="cuda:0")
+            _fill(drv, g, 1 << 20, 21)
+            eng.transfer_sync(old.name, g, old.gpu[0], 65536)  # opens and caches the old owner's mapping
+            assert old.ask(f"dump {old.gpu[0]} 65536") == _sha(drv, g, 65536)
+            for first_to_old_address in (True, False):
+                old.p.send_signal(signal.SIGKILL)
+                old.p.wait(10)
+                new = Peer(port=port)
+                procs.append(new)
+                assert new.name == old.name
+                _fill(drv, g, 1 << 20, 22 + first_to_old_address)
+                first = old.gpu[0] if first_to_old_address else new.gpu[0] + 8192
+                with pytest.raises((TransferError, SegmentNotFound), match="restarted|closed|exited"):
+                    eng.transfer_sync(new.name, g + 4096, first, 65536)
+                assert eng.get_segment_descriptor(new.name).pid == new.p.pid  # then re-fetched
+                eng.transfer_sync(new.name, g + 4096, new.gpu[0] + 8192, 65536)
+                assert new.ask(f"dump {new.gpu[0] + 8192} 65536") == _sha(drv, g + 4096, 65536)
+                if old.gpu[0] not in new.gpu:
+                    with pytest.raises(RemoteAccessError):  # the old owner's address means nothing now
+                        eng.transfer_sync(new.name, g, old.gpu[0], 4096)
+                old = new
+    finally:
+        for p in procs:
+            p.close()
 
 
 def test_unregister_waits_for_copies_in_flight(fake_driver: str, monkeypatch: pytest.MonkeyPatch) -> None:

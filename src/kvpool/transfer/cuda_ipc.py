@@ -330,6 +330,11 @@ class CudaIpcTransport(Transport):
         known = ridx >= 0
         ridx_c = np.where(known, ridx, 0)
         inside = known & (rems + lens <= peer.ends[ridx_c]) if len(peer.bufs) else known
+        if not inside.all() and not self._alive(peer):
+            # outside the descriptor we hold: maybe a restarted owner's new memory; say it exited
+            # (the next open_segment re-fetches) rather than refuse the range forever
+            peer.gone = True
+            raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
         rgpu = inside & peer.gpu[ridx_c] if len(peer.bufs) else inside
         ipc = rgpu | (local_gpu & inside)  # GPU memory on one side, reachable memory on the other
         if not ipc.any():
@@ -394,7 +399,7 @@ class CudaIpcTransport(Transport):
         used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
         if not self._alive(peer):
             peer.gone = True
-            raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; reopen the segment")
+            raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
         pins = self._pin(peer, used)
         try:
             first_gpu = self.registry.gpu_region(int(locs[0]), int(lens[0]))
