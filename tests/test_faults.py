@@ -44,6 +44,32 @@ def test_peer_restart_is_noticed_and_descriptor_refetched(tcp_engine: TransferEn
         p2.close()
 
 
+def test_same_host_peer_restart_new_addresses_refetched(engine: TransferEngine) -> None:
+    """Same-host path: after a peer restarts on the same port, a request to the NEW process's memory
+    (outside the descriptor we hold) fails once, typed ("exited"), instead of being refused forever;
+    then the descriptor is re-fetched and the bytes land in the new process."""
+    port = free_port()
+    src = bytearray(os.urandom(1 << 16))
+    saddr = engine.register_local_memory(src)
+    p1 = PeerProcess(2 << 20, port=port)
+    try:
+        engine.transfer_sync(p1.segment, saddr, p1.addr, 4096, OpCode.WRITE)
+        assert engine.uses_same_host_path(engine.open_segment(p1.segment))
+    finally:
+        p1.kill()
+    p2 = PeerProcess(2 << 20, port=port)
+    try:
+        assert p2.segment == p1.segment
+        if p2.addr != p1.addr:  # else the new address is inside the old descriptor: the TCP test's case
+            with pytest.raises(SegmentNotFound, match="exited"):
+                engine.batch_transfer_sync(p2.segment, [saddr], [p2.addr], [len(src)])
+        assert engine.get_segment_descriptor(p2.segment).pid == p2.pid
+        engine.transfer_sync(p2.segment, saddr, p2.addr, len(src), OpCode.WRITE)
+        assert p2.checksum(0, len(src)) == xxhash.xxh3_64_hexdigest(src)
+    finally:
+        p2.close()
+
+
 @pytest.mark.parametrize("protocol", ["tcp", "auto"])
 def test_peer_killed_mid_batch_fails_within_timeout(protocol: str) -> None:
     timeout_s = 2.0

@@ -260,7 +260,7 @@ class CudaIpcTransport(Transport):
         and attach() retires the old mappings. As over TCP, the first request after a restart
         fails, so addresses of the old owner never reach the new one unnoticed."""
         peer = self._peers.get(handle)
-        return peer is not None and peer.gone
+        return (peer is not None and peer.gone) or self.inner.peer_gone(handle)
 
     def _retire_peer(self, peer: _Peer) -> None:
         """Close a peer's mappings once its copies in flight finished (waits for them)."""

@@ -7,20 +7,66 @@ the peer's shared-memory buffers (``alloc_shared_buffer``: memfds mapped here th
 descriptor at submit. A peer the kernel does not let us reach (ptrace restrictions: EPERM, ENOSYS,
 EACCES) is switched to TCP for good inside the native path, slice by slice, without failing
 requests. Batches, validation and completion are those of :class:`~kvpool.transfer.tcp.TcpTransport`.
+A restarted peer (same segment name) is noticed without a connection: a request refused as outside
+the descriptor we hold, while the peer's process has exited (pidfd), fails once with
+``SegmentNotFound``; the next ``open_segment`` re-fetches (:meth:`peer_gone`).
 """
 
 from __future__ import annotations
 
+import os
+import select
 from typing import Any
 
+from kvpool.errors import RemoteAccessError, SegmentNotFound
 from kvpool.transfer.tcp import TcpTransport
-from kvpool.transfer.types import SegmentDescriptor, host_id
+from kvpool.transfer.transport import Requests
+from kvpool.transfer.types import SegmentDescriptor, TransferStatus, host_id
 
 
 class SameHostTransport(TcpTransport):
     """Requests to a segment on this host go by single kernel copies (see the module docstring)."""
 
     name = "same_host"
+
+    def __init__(self, native: Any) -> None:
+        super().__init__(native)
+        # handle -> [pidfd of the peer's process, its exit already reported to a caller]; only
+        # the engine's open/close (under its lock) attach and detach
+        self._pids: dict[int, list[Any]] = {}
+
+    def _pid_state(self, handle: int) -> list[Any] | None:
+        return self._pids.get(handle)
+
+    def _exited(self, handles: Any) -> bool:
+        """A refused request may name a restarted peer's new memory (outside the descriptor we
+        hold): when its process exited, say so once, so the next open_segment re-fetches."""
+        gone = False
+        for h in set(handles):
+            st = self._pid_state(h)
+            if st is not None and st[0] >= 0 and select.select([st[0]], [], [], 0)[0]:
+                st[1] = gone = True
+        return gone
+
+    def peer_gone(self, handle: int) -> bool:
+        st = self._pid_state(handle)
+        return bool(st and st[1])
+
+    def submit(self, batch_id: int, reqs: Requests) -> None:
+        try:
+            super().submit(batch_id, reqs)
+        except RemoteAccessError:
+            if self._exited(reqs.peers):
+                raise SegmentNotFound("the segment's process exited; open the segment again") from None
+            raise
+
+    def transfer_one(self, op: int, local: int, handle: int, remote: int, length: int) -> TransferStatus:
+        try:
+            return super().transfer_one(op, local, handle, remote, length)
+        except RemoteAccessError:
+            if self._exited([handle]):
+                raise SegmentNotFound("the segment's process exited; open the segment again") from None
+            raise
 
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
         return local == remote == "cpu" and "same_host" in desc.protocols and desc.host_id == host_id()
@@ -36,8 +82,25 @@ class SameHostTransport(TcpTransport):
         # The target's fence (csrc/fence.h): without it no same-host copy runs, TCP decides.
         fence = [(b.addr, b.length, b.fence_slot, b.fence_gen) for b in desc.buffers if b.remote_accessible]
         self.native.set_peer_fence(handle, desc.pid, desc.fence_fd, fence)
+        self._close_pid(handle)
+        try:
+            pidfd = os.pidfd_open(desc.pid)
+        except OSError:
+            pidfd = -1  # no pidfd (old kernel) or already gone: the native path decides
+        self._pids[handle] = [pidfd, False]
+
+    def close(self) -> None:
+        for handle in list(self._pids):
+            self._close_pid(handle)
+        super().close()
+
+    def _close_pid(self, handle: int) -> None:
+        st = self._pids.pop(handle, None)
+        if st is not None and st[0] >= 0:
+            os.close(st[0])
 
     def detach(self, handle: int) -> None:
+        self._close_pid(handle)
         try:
             self.native.set_peer_shm(handle, 0, [])  # unmap; the peer may stay open on another route
             self.native.set_peer_fence(handle, 0, -1, [])
