@@ -35,6 +35,15 @@ from kvpool.connectors.vllm.common import (
     block_runs,
     kv_regions,
 )
+from kvpool.connectors.vllm.reshard import (
+    KvLayout,
+    RegionAddr,
+    ReshardError,
+    layout_from_vllm,
+    load_all,
+    plan_columns,
+    plan_sources,
+)
 from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.transfer.engine import TransferEngine
@@ -211,6 +220,11 @@ class _Remote:
     handle: Any
     regions: dict[str, Region]
     block_size: int
+    kv_layout: dict[str, Any] | None = None
+
+
+def _addr(r: Region) -> RegionAddr:
+    return RegionAddr(r.addr, r.stride, r.num_blocks)
 
 
 class _PeerLane:
@@ -270,6 +284,9 @@ class _PdWorker:
         self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str, kv_cache_config: Any
     ) -> None:
         self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.kv_layout: KvLayout | None = None  # for heterogeneous TP (reshard plans)
+        self._notice_counts: dict[str, int] = {}  # req id -> "done" notices from decode ranks
         self.engine_id = engine_id
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_rank, self.tp_size = _tp(vllm_config)
@@ -312,6 +329,7 @@ class _PdWorker:
                     "see docs/gpu.md"
                 ) from None
         self.regions = regions
+        self.kv_layout = self._describe_layout(tensors)
         total = sum(r.stride * r.num_blocks for r in regions)
         log.info("kvpool connector: registered %d KV regions (%.1f MiB) with engine %s",
                  len(regions), total / 2**20, self.engine.segment_name)  # fmt: skip
@@ -324,6 +342,30 @@ class _PdWorker:
             t.start()
             self._threads.append(t)
             log.info("kvpool connector: side channel on %s:%d", self.cfg.hostname, port)
+
+    def _describe_layout(self, tensors: list[Any]) -> KvLayout | None:
+        """This rank's :class:`KvLayout` for reshard plans, None when the KV cache shape is not
+        one reshard understands (then only equal TP sizes can transfer)."""
+        try:
+            t = tensors[0]
+            shape, es = tuple(t.shape), t.element_size()
+            if len(shape) == 4 and shape[0] == (self.num_blocks or shape[0]):
+                order, htb = "HND", shape[3] * es  # CPU: [blocks, kv heads, block size, 2 * head size]
+            elif len(shape) == 5 and shape[0] == 2:
+                order, htb = "NHD", shape[4] * es  # FlashAttention: [2, blocks, block size, heads, head size]
+            elif len(shape) == 3:
+                order, htb = "HND", shape[2] * es  # MLA: [blocks, block size, latent + rope]
+            else:
+                return None
+            lay = layout_from_vllm(self.vllm_config, self.tp_rank, self.tp_size, htb)
+            lay = KvLayout(**{**lay.wire(), "order": order})
+            lay.validate()
+            if lay.block_bytes() != self.regions[0].block_bytes:
+                return None
+            return lay
+        except Exception as exc:  # noqa: BLE001 - describe what we can; equal TP still works
+            log.info("kvpool connector: KV layout not described for reshard (%s); equal TP sizes only", exc)
+            return None
 
     def unregister_kv_caches(self) -> None:
         if self.engine is not None:
@@ -354,12 +396,21 @@ class _PdWorker:
                 "id": rid, "ok": True, "engine_id": self.engine_id, "segment": self.engine.segment_name,
                 "block_size": self.block_size, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "regions": [r.wire() for r in self.regions],
+                "kv_layout": self.kv_layout.wire() if self.kv_layout is not None else None,
             }  # fmt: skip
         if op == "done":
             now = time.monotonic()
+            of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
             with self._lock:
                 for r in req.get("req_ids") or ():
-                    self._notified[str(r)] = now
+                    r = str(r)
+                    if of > 1:
+                        n = self._notice_counts.get(r, 0) + 1
+                        if n < of and len(self._notice_counts) < 1 << 16:
+                            self._notice_counts[r] = n
+                            continue
+                        self._notice_counts.pop(r, None)
+                    self._notified[r] = now
             return {"id": rid, "ok": True}
         return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
 
@@ -417,6 +468,7 @@ class _PdWorker:
             for rid in sending:
                 del self._pending_send[rid]
                 self._notified.pop(rid, None)
+                self._notice_counts.pop(rid, None)
             # "done" notices for requests this worker never held (aborted, restarted) expire.
             for rid, t in list(self._notified.items()):
                 if now - t > self.cfg.abort_timeout_s and rid not in self._pending_send:
@@ -444,7 +496,7 @@ class _PdWorker:
             reply = self._rpc(host, port).call("layout")
             regions = {r.name: r for r in map(Region.from_wire, reply["regions"])}
             rem = _Remote(reply["segment"], self.engine.open_segment(reply["segment"]), regions,
-                          int(reply["block_size"]))  # fmt: skip
+                          int(reply["block_size"]), reply.get("kv_layout"))  # fmt: skip
             self._remotes[key] = rem
         return rem
 
@@ -479,17 +531,65 @@ class _PdWorker:
                         lens.append(loc.block_bytes)
         return locs, rems, lens
 
+    def _load_resharded(self, job: RecvJob) -> int:
+        """Decode rank, prefill TP != decode TP: READ this rank's head slices from every prefill
+        rank the reshard plan names. Runs on the load thread.
+
+        Every source's plan is built and checked before any byte moves; the load succeeds only when
+        every source's batch completed (:func:`load_all`): a failed source fails the whole load and
+        every block of it is reported to vLLM (never a partial load marked ready).
+        """
+        ptp = job.remote_tp_size
+        if self.kv_layout is None:
+            raise ReshardError(
+                f"prefill TP {ptp} and decode TP {self.tp_size} differ and this decode's KV cache layout "
+                "is not one kvpool can reshard (see the log at startup); use equal TP sizes"
+            )
+        first = self._remote(job.remote_host, job.remote_port)
+        if first.kv_layout is None:
+            raise ReshardError(
+                f"prefill TP {ptp} != decode TP {self.tp_size} and the prefill sent no KV layout"
+            )
+        sources = plan_sources(ptp, self.kv_layout, KvLayout.from_wire(first.kv_layout))
+        batches = []
+        for p in sources:
+            rem = self._remote(job.remote_host, job.remote_port + p)
+            pl = KvLayout.from_wire(rem.kv_layout or {})
+            if pl.tp_size != ptp or pl.tp_rank != p:
+                raise ReshardError(
+                    f"prefill rank {p} reports TP rank {pl.tp_rank} of {pl.tp_size}, not {p} of {ptp}"
+                )
+            if set(rem.regions) != {r.name for r in self.regions}:
+                raise ReshardError("prefill and decode KV cache layers differ (same model and layout needed)")
+            pairs = [(_addr(r), _addr(rem.regions[r.name])) for r in self.regions]
+            cols = plan_columns(pl, self.kv_layout, pairs, job.local_block_ids, job.remote_block_ids)
+            batches.append((rem, cols))
+        engine = self.engine
+        assert engine is not None
+
+        def submit(i: int) -> int:
+            rem, (locs, rems, lens) = batches[i]
+            engine.batch_transfer_sync(rem.segment, locs.tolist(), rems.tolist(), lens.tolist(), OpCode.READ)
+            return int(lens.sum())
+
+        return load_all(list(range(len(batches))), submit)
+
     def _notify(self, jobs: list[RecvJob]) -> None:
         """Tell prefill side channels their blocks may go (read or given up on), one RPC per
         peer; best effort: they time out there anyway. Runs on the peer's lane only."""
-        by_peer: dict[tuple[str, int], list[str]] = {}
+        by_peer: dict[tuple[str, int, int], list[str]] = {}
         for job in jobs:
-            by_peer.setdefault((job.remote_host, job.remote_port + self.tp_rank), []).append(
-                job.remote_request_id
-            )
-        for (host, port), ids in by_peer.items():
+            if job.remote_tp_size == self.tp_size:
+                peers = [(job.remote_host, job.remote_port + self.tp_rank, 1)]
+            else:  # every prefill rank frees its blocks after a notice from every decode rank
+                peers = [
+                    (job.remote_host, job.remote_port + p, self.tp_size) for p in range(job.remote_tp_size)
+                ]
+            for peer in peers:
+                by_peer.setdefault(peer, []).append(job.remote_request_id)
+        for (host, port, of), ids in by_peer.items():
             try:
-                self._rpc(host, port).call("done", req_ids=ids)
+                self._rpc(host, port).call("done", req_ids=ids, of=of)
             except KvpoolError as exc:
                 log.debug("done notice for %s not delivered: %s", ids, exc)
 
@@ -501,20 +601,20 @@ class _PdWorker:
         try:
             if job.local_block_ids:
                 if job.remote_tp_size != self.tp_size:
-                    raise TransferError(
-                        f"TP size differs: prefill {job.remote_tp_size}, decode {self.tp_size}"
-                    )
-                port = job.remote_port + self.tp_rank
-                rem = self._remote(job.remote_host, port)
-                locs, rems, lens = self._columns(rem, job)
-                nbytes = sum(lens)
-                assert self.engine is not None
-                # One batch, submitted as columns; raises a typed error naming what failed.
-                self.engine.batch_transfer_sync(rem.segment, locs, rems, lens, OpCode.READ)
+                    nbytes = self._load_resharded(job)
+                else:
+                    port = job.remote_port + self.tp_rank
+                    rem = self._remote(job.remote_host, port)
+                    locs, rems, lens = self._columns(rem, job)
+                    nbytes = sum(lens)
+                    assert self.engine is not None
+                    # One batch, submitted as columns; raises a typed error naming what failed.
+                    self.engine.batch_transfer_sync(rem.segment, locs, rems, lens, OpCode.READ)
         except KvpoolError as exc:
             ok, why = False, str(exc)
             self.stats.record_failure(type(exc).__name__)
-            self._remotes.pop((job.remote_host, job.remote_port + self.tp_rank), None)
+            for p in {self.tp_rank, *range(job.remote_tp_size if job.remote_tp_size != self.tp_size else 0)}:
+                self._remotes.pop((job.remote_host, job.remote_port + p), None)
         except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
             ok, why = False, f"{type(exc).__name__}: {exc}"
             self.stats.record_failure(type(exc).__name__)

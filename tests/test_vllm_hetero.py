@@ -1,0 +1,170 @@
+"""Heterogeneous TP P/D at the worker level: real ``_PdWorker`` halves (one per simulated TP rank,
+each with its own transfer engine and side channel over loopback) move a prefill instance's KV into
+a decode instance with a different TP size; every decode block is checked byte for byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.connectors.vllm import pd
+from kvpool.connectors.vllm.common import VllmConnectorConfig
+from kvpool.connectors.vllm.pd import RecvJob, _PdWorker
+
+LAYERS, NB, BS, HEADS, HS = 2, 16, 16, 4, 8
+
+
+def _vllm_config(tp: int, role: str, head_size: int = HS, heads: int = HEADS) -> Any:
+    hf = SimpleNamespace(model_type="llama", num_key_value_heads=heads, num_attention_heads=heads)
+    mc = SimpleNamespace(
+        hf_text_config=hf, use_mla=False, is_hybrid=False, dtype=torch.float16,
+        get_head_size=lambda: head_size, get_num_layers=lambda pc: LAYERS,
+    )  # fmt: skip
+    return SimpleNamespace(
+        model_config=mc, cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        kv_transfer_config=SimpleNamespace(kv_role=role),
+    )  # fmt: skip
+
+
+def _base_port() -> int:
+    for _ in range(100):
+        base = random.randint(20000, 50000)
+        socks = []
+        try:
+            for p in range(base, base + 4):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+@contextmanager
+def _instance(
+    monkeypatch: pytest.MonkeyPatch, tp: int, role: str, ref: torch.Tensor | None, port: int, **kw: Any
+) -> Iterator[list[tuple[_PdWorker, dict[str, torch.Tensor]]]]:
+    """``tp`` workers of one instance; prefill ranks hold their head slice of ``ref``
+    ([layer, block, head, token, 2*head size]); decode ranks start zeroed."""
+    proto = kw.pop("protocol", "auto")
+    cfg = VllmConnectorConfig(
+        side_channel_port=port, transfer_timeout_s=5.0, abort_timeout_s=30.0, protocol=proto
+    )
+    ranks = []
+    try:
+        for r in range(tp):
+            monkeypatch.setattr(pd, "_tp", lambda _c, r=r: (r, tp))
+            w = _PdWorker(cfg, _vllm_config(tp, role, **kw), f"{role}-{port}", SimpleNamespace(num_blocks=NB))
+            heads = kw.get("heads", HEADS)
+            per = max(heads // tp, 1)
+            h0 = (r * per) if tp <= heads else r // (tp // heads)
+            hs = kw.get("head_size", HS)
+            caches = {}
+            for layer in range(LAYERS):
+                if ref is not None:
+                    t = ref[layer, :, h0 : h0 + per].contiguous()
+                else:
+                    t = torch.zeros((NB, per, BS, 2 * hs), dtype=torch.float16)
+                caches[f"model.layers.{layer}.self_attn.attn"] = t
+            w.register_kv_caches(caches)
+            assert w.kv_layout is not None and w.kv_layout.tp_rank == r
+            ranks.append((w, caches))
+        yield ranks
+    finally:
+        for w, _ in ranks:
+            w.close()
+
+
+def _ref() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn((LAYERS, NB, HEADS, BS, 2 * HS), generator=g).to(torch.float16)
+
+
+def _job(rid: str, local: list[int], remote: list[int], port: int, ptp: int) -> RecvJob:
+    return RecvJob(rid, local, remote, "127.0.0.1", port, rid, None, ptp)
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1)])
+def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
+    monkeypatch: pytest.MonkeyPatch, ptp: int, dtp: int
+) -> None:
+    ref = _ref()
+    pport, dport = _base_port(), _base_port()
+    local, remote = [9, 3, 4, 5, 12], [1, 2, 3, 4, 7]
+    with (
+        _instance(monkeypatch, ptp, "kv_producer", ref, pport) as P,
+        _instance(monkeypatch, dtp, "kv_consumer", None, dport) as D,
+    ):
+        for p, _ in P:
+            p.start(pd.KvpoolConnectorMetadata(send={"r1": 30.0}))
+        for d, _ in D:
+            d._load(_job("r1", local, remote, pport, ptp))
+            assert d.take_load_errors() == set()
+            assert d.get_finished()[1] == {"r1"}
+        for d, caches in D:
+            per = HEADS // dtp
+            h0 = d.tp_rank * per
+            for layer in range(LAYERS):
+                got = caches[f"model.layers.{layer}.self_attn.attn"]
+                for lb, rb in zip(local, remote, strict=True):
+                    assert torch.equal(got[lb], ref[layer, rb, h0 : h0 + per]), (d.tp_rank, layer, lb)
+                untouched = [b for b in range(NB) if b not in local]
+                assert not got[untouched].any()  # nothing written outside the load's blocks
+        # prefill ranks free their blocks only after every decode rank's notice
+        for d, _ in D[:-1]:
+            d._notify([_job("r1", local, remote, pport, ptp)])
+        for p, _ in P:
+            assert p.get_finished()[0] is None if dtp > 1 else True
+        D[-1][0]._notify([_job("r1", local, remote, pport, ptp)])
+        for p, _ in P:
+            assert p.get_finished()[0] == {"r1"}
+
+
+def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _ref()
+    pport, dport = _base_port(), _base_port()
+    with (
+        _instance(monkeypatch, 2, "kv_producer", ref, pport) as P,
+        _instance(monkeypatch, 1, "kv_consumer", None, dport) as D,
+    ):
+        assert len(P) == 2
+        d, caches = D[0]
+        d._load(_job("r0", [0], [0], pport, 2))  # both ranks' layouts known, segments open
+        assert d.take_load_errors() == set()
+        # prefill rank 1's regions as cached by the decode now point outside its registered memory
+        # (as after a restart there): its engine refuses the READs, rank 0's succeed
+        rem1 = d._remotes[("127.0.0.1", pport + 1)]
+        for name, r in list(rem1.regions.items()):
+            rem1.regions[name] = dataclasses.replace(r, addr=r.addr + (1 << 44))
+        d._load(_job("r1", [1, 2], [1, 2], pport, 2))
+        assert d.take_load_errors() == {1, 2}  # every block failed, not only rank 1's half
+        assert d.get_finished()[1] == {"r0", "r1"}  # finished (as failed): vLLM recomputes or fails
+        assert sum(d.stats.data["failures"].values()) == 1
+        assert ("127.0.0.1", pport + 1) not in d._remotes  # layouts asked again next time
+
+
+def test_mismatched_layouts_are_refused_before_any_byte_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    pport, dport = _base_port(), _base_port()
+    ref = _ref()
+    with (
+        _instance(monkeypatch, 2, "kv_producer", ref, pport) as P,
+        _instance(monkeypatch, 1, "kv_consumer", None, dport, head_size=2 * HS) as D,
+    ):
+        assert P
+        d, caches = D[0]
+        d._load(_job("r1", [1, 2], [1, 2], pport, 2))
+        assert d.take_load_errors() == {1, 2}
+        assert not any(t.any() for t in caches.values())
