@@ -97,7 +97,7 @@ def _job(rid: str, local: list[int], remote: list[int], port: int, ptp: int) -> 
     return RecvJob(rid, local, remote, "127.0.0.1", port, rid, None, ptp)
 
 
-@pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1)])
+@pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 1), (2, 2)])
 def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
     monkeypatch: pytest.MonkeyPatch, ptp: int, dtp: int
 ) -> None:
@@ -127,7 +127,8 @@ def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
         for d, _ in D[:-1]:
             d._notify([_job("r1", local, remote, pport, ptp)])
         for p, _ in P:
-            assert p.get_finished()[0] is None if dtp > 1 else True
+            if dtp > 1 and ptp != dtp:  # (equal TP: rank r hears from decode rank r alone)
+                assert p.get_finished()[0] is None
         D[-1][0]._notify([_job("r1", local, remote, pport, ptp)])
         for p, _ in P:
             assert p.get_finished()[0] == {"r1"}
@@ -168,3 +169,19 @@ def test_mismatched_layouts_are_refused_before_any_byte_moves(monkeypatch: pytes
         d._load(_job("r1", [1, 2], [1, 2], pport, 2))
         assert d.take_load_errors() == {1, 2}
         assert not any(t.any() for t in caches.values())
+
+
+def test_hybrid_models_are_refused_naming_the_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    pport, dport = _base_port(), _base_port()
+    with (
+        _instance(monkeypatch, 2, "kv_producer", _ref(), pport),
+        _instance(monkeypatch, 1, "kv_consumer", None, dport) as D,
+    ):
+        d, caches = D[0]
+        d.vllm_config.model_config.is_hybrid = True
+        d.vllm_config.model_config.hf_text_config.model_type = "jamba"
+        d.kv_layout = d._describe_layout(list(caches.values()))
+        assert d.kv_layout is None
+        d._load(_job("r1", [1], [1], pport, 2))
+        assert d.take_load_errors() == {1}
+        assert "jamba" in d._layout_why and "hybrid/Mamba" in d._layout_why

@@ -286,6 +286,7 @@ class _PdWorker:
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.kv_layout: KvLayout | None = None  # for heterogeneous TP (reshard plans)
+        self._layout_why = "KV cache layout not described yet"
         self._notice_counts: dict[str, int] = {}  # req id -> "done" notices from decode ranks
         self.engine_id = engine_id
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -356,14 +357,17 @@ class _PdWorker:
             elif len(shape) == 3:
                 order, htb = "HND", shape[2] * es  # MLA: [blocks, block size, latent + rope]
             else:
+                self._layout_why = f"KV tensor shape {shape} is not a layout kvpool can reshard"
                 return None
             lay = layout_from_vllm(self.vllm_config, self.tp_rank, self.tp_size, htb)
             lay = KvLayout(**{**lay.wire(), "order": order})
             lay.validate()
             if lay.block_bytes() != self.regions[0].block_bytes:
+                self._layout_why = f"KV tensor shape {shape} does not match the model config"
                 return None
             return lay
         except Exception as exc:  # noqa: BLE001 - describe what we can; equal TP still works
+            self._layout_why = str(exc)
             log.info("kvpool connector: KV layout not described for reshard (%s); equal TP sizes only", exc)
             return None
 
@@ -542,8 +546,8 @@ class _PdWorker:
         ptp = job.remote_tp_size
         if self.kv_layout is None:
             raise ReshardError(
-                f"prefill TP {ptp} and decode TP {self.tp_size} differ and this decode's KV cache layout "
-                "is not one kvpool can reshard (see the log at startup); use equal TP sizes"
+                f"prefill TP {ptp} and decode TP {self.tp_size} differ and this decode's KV cache cannot be "
+                f"resharded ({self._layout_why}); use equal TP sizes"
             )
         first = self._remote(job.remote_host, job.remote_port)
         if first.kv_layout is None:
