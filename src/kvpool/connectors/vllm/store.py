@@ -393,11 +393,12 @@ class _StoreScheduler:
         self._hits.pop(rid, None)
         stored = self._stored.pop(rid, 0)
         all_keys = self._keys.pop(rid, None)
-        if rid in self.loading:
-            return True  # a load still writes into its blocks: freed once it is reported done
         if self._lw is not None:
             self._lw.forget(rid)
             self._reqs.pop(rid, None)
+        if rid in self.loading:
+            return True  # a load still writes into its blocks: freed once it is reported done
+        if self._lw is not None:
             return False  # layer-wise: its blocks were saved while they were computed
         tokens = request.prompt_token_ids or ()
         n = min(len(tokens), int(request.num_computed_tokens)) // self.block_size
