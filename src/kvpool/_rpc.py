@@ -394,18 +394,32 @@ class RpcClient:
 
     def send(self, op: str, **args: Any) -> None:
         """One-way request (the server sends no reply)."""
-        deadline = time.monotonic() + self.timeout_s
         with self._lock:
-            args["op"] = op
-            args["id"] = next(self._ids)
-            args["oneway"] = True
-            self._socket(deadline)
-            data = self._frame(args)
-            try:
-                self._sendall(data, deadline)
-            except OSError as exc:
-                self._reset()
-                raise self._unavailable(f": send failed ({exc})") from None
+            self._send_locked(op, args)
+
+    def try_send(self, op: str, **args: Any) -> bool:
+        """:meth:`send` if no other thread is using this connection now; False (nothing sent)
+        otherwise. For background threads that must not wait behind a caller's request."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._send_locked(op, args)
+        finally:
+            self._lock.release()
+        return True
+
+    def _send_locked(self, op: str, args: dict[str, Any]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        args["op"] = op
+        args["id"] = next(self._ids)
+        args["oneway"] = True
+        self._socket(deadline)
+        data = self._frame(args)
+        try:
+            self._sendall(data, deadline)
+        except OSError as exc:
+            self._reset()
+            raise self._unavailable(f": send failed ({exc})") from None
 
     def check(self) -> dict[str, Any]:
         """Connect and authenticate now (typed error if that fails); return the server's hello.

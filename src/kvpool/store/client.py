@@ -325,7 +325,7 @@ class Store:
             session = self._session_gen
             try:
                 self._resv.expire()
-                self._flush_releases(self._hb_rpc)
+                self._flush_releases_idle()
                 reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
@@ -645,6 +645,24 @@ class Store:
             if flush:
                 self._flush_releases(self._rpc)
         return again
+
+    def _flush_releases_idle(self) -> None:
+        """The heartbeat thread: report ended read leases on the *main* connection when it is idle
+        (never on its own connection: the master could then see this client's next ``remove`` of
+        the object before the release and answer ObjectBusy); when busy, the caller's next request
+        carries them (``_call``)."""
+        with self._release_lock:
+            leases, self._releases = self._releases, []
+        if not leases:
+            return
+        sent = 0
+        for a in range(0, len(leases), 4 * self._max_batch):
+            if not self._rpc.try_send("release", leases=leases[a : a + 4 * self._max_batch]):
+                break
+            sent = a + 4 * self._max_batch
+        if sent < len(leases):
+            with self._release_lock:
+                self._releases = leases[sent:] + self._releases
 
     def _flush_releases(self, rpc: RpcClient) -> None:
         with self._release_lock:
