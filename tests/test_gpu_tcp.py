@@ -20,23 +20,10 @@ import pytest
 
 from kvpool import OpCode, TransferEngine, _native
 from kvpool.errors import KvpoolError, RemoteAccessError, TransferError
-from kvpool.testing import fakecuda
 from kvpool.transfer.cuda_driver import load_driver
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 8 << 20
-
-
-@pytest.fixture(scope="module")
-def fake_driver() -> Iterator[str]:
-    path = fakecuda.build()
-    old = os.environ.get("KVPOOL_CUDA_DRIVER")
-    os.environ["KVPOOL_CUDA_DRIVER"] = path
-    yield path
-    if old is None:
-        os.environ.pop("KVPOOL_CUDA_DRIVER", None)
-    else:
-        os.environ["KVPOOL_CUDA_DRIVER"] = old
 
 
 def _start_peer(env: dict | None = None) -> dict:
