@@ -36,8 +36,15 @@ def _vllm_config(tp: int, role: str, head_size: int = HS, heads: int = HEADS) ->
 
 
 def _base_port() -> int:
+    """Four consecutive free ports below the kernel's ephemeral range, so that engines binding
+    port 0 later in the test cannot take one of them (a side channel listens on base + rank)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
     for _ in range(100):
-        base = random.randint(20000, 50000)
+        base = random.randint(min(20000, low - 1000), low - 8)
         socks = []
         try:
             for p in range(base, base + 4):
