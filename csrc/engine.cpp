@@ -32,6 +32,7 @@ namespace {
 
 constexpr size_t kMaxGroup = 256;          // slices per pipelined group
 constexpr uint64_t kGroupBytes = 8 << 20;  // bytes per pipelined group
+constexpr uint64_t kInlineExtra = 64 << 10;  // transfer_sync: bytes beyond one slice still done inline
 constexpr int kIovMax = 1024;
 
 void set_timeouts(int fd, int ms) {
@@ -812,18 +813,40 @@ int Engine::wait(uint64_t batch, int timeout_ms) {
   return batch_status(batch).first;
 }
 
-int Engine::transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len) {
+int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
+                          const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens) {
+  const size_t n = lens.size();
   std::vector<std::shared_ptr<Peer>> resolved;
-  validate({op}, {local}, {peer}, {remote}, {len}, &resolved);
+  validate(std::vector<uint8_t>(n, op), locals, std::vector<uint64_t>(n, peer), remotes, lens, &resolved);
+  if (n == 0) return ST_OK;
   Peer* p = resolved[0].get();
-  if (len <= opt_.slice_size) {
-    // Inline: do the I/O in this thread on an idle lane (no thread hand-off).
-    auto b = std::make_shared<Batch>(1);
-    b->slots[0].remaining = 1;
-    b->slots[0].state = S_PENDING;
-    b->pending_slots = 1;
-    std::vector<Slice> group{Slice{b, 0, op, local, remote, len, p->incarnation.load()}};
-    bool done = p->pid.load() != 0 && execute_same_host(p, group) == 1;
+  // About one slice's worth (a value and its header, a few small ranges): what one lane would
+  // carry anyway. More is queued and spread over the lanes.
+  uint64_t total = 0;
+  bool small = n <= kMaxGroup;
+  for (size_t i = 0; small && i < n; ++i) {
+    total += lens[i];
+    small = lens[i] <= opt_.slice_size && total <= opt_.slice_size + kInlineExtra;
+  }
+  if (small) {
+    // Inline: do the I/O in this thread (one group: one frame exchange over TCP) on an idle
+    // lane, no thread hand-off.
+    auto b = std::make_shared<Batch>(static_cast<uint32_t>(n));
+    std::vector<Slice> group;
+    group.reserve(n);
+    const uint64_t inc = p->incarnation.load();
+    for (size_t i = 0; i < n; ++i) {
+      b->slots[i].remaining = 1;
+      b->slots[i].state = S_PENDING;
+      group.push_back(Slice{b, static_cast<uint32_t>(i), op, locals[i], remotes[i], lens[i], inc});
+    }
+    b->pending_slots = static_cast<uint32_t>(n);
+    bool done = false;
+    if (p->pid.load() != 0) {
+      size_t handled = execute_same_host(p, group);
+      done = handled == n;
+      if (!done) group.erase(group.begin(), group.begin() + static_cast<long>(handled));
+    }
     for (size_t i = 0; !done && i < p->lanes.size(); ++i) {
       Lane* lane = p->lanes[i].get();
       std::unique_lock lk(lane->mu, std::try_to_lock);
@@ -832,20 +855,34 @@ int Engine::transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t re
       execute(p, lane, group);
       done = true;
     }
-    if (done) {
-      int err = b->slots[0].err.load();
-      return err;
+    for (size_t i = 0; i < n; ++i)
+      if (int err = b->slots[i].err.load()) return err;  // a finished slice failed
+    if (done) return ST_OK;
+    // Every lane busy: queue the slices not yet done behind the others' work.
+    std::vector<uint64_t> l2, r2, n2;
+    for (const Slice& s : group) {
+      l2.push_back(s.local);
+      r2.push_back(s.remote);
+      n2.push_back(s.len);
     }
+    return transfer_queued(op, l2, peer, r2, n2);
   }
-  uint64_t id = alloc_batch(1);
+  return transfer_queued(op, locals, peer, remotes, lens);
+}
+
+int Engine::transfer_queued(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
+                            const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens) {
+  const size_t n = lens.size();
+  uint64_t id = alloc_batch(static_cast<uint32_t>(n));
   try {
-    submit(id, {op}, {local}, {peer}, {remote}, {len});
+    submit(id, std::vector<uint8_t>(n, op), locals, std::vector<uint64_t>(n, peer), remotes, lens);
     wait(id, -1);
   } catch (...) {
     free_batch(id);
     throw;
   }
-  int err = slot_error(id, 0);
+  int err = ST_OK;
+  for (size_t i = 0; i < n && !err; ++i) err = slot_error(id, static_cast<uint32_t>(i));
   free_batch(id);
   return err;
 }

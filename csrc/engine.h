@@ -247,8 +247,11 @@ class Engine {
   int slot_error(uint64_t batch, uint32_t idx);
   std::pair<int, uint64_t> batch_status(uint64_t batch);
   int wait(uint64_t batch, int timeout_ms);
-  // One request, done in the calling thread when a lane is free. Returns a Status.
-  int transfer_sync(uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len);
+  // A few requests of one opcode to one peer, done in the calling thread when a lane is free
+  // (one group: one frame exchange over TCP, or same-host copies) and queued otherwise; waits.
+  // Returns ST_OK or the first failed request's Status.
+  int transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
+                    const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens);
   // Slots completed outside the native data path (transports written in Python, wrappers):
   // reserve_slots takes the next lens.size() free slots of a batch as PENDING (one completion
   // each) and returns the first index; finish_slot completes one of them once (ST_OK or an error
@@ -279,6 +282,8 @@ class Engine {
   int connect_lane(Peer* p, Lane* lane);
   std::shared_ptr<Batch> get_batch(uint64_t id);
   std::shared_ptr<Peer> get_peer(uint64_t id);
+  int transfer_queued(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
+                      const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens);
   void validate(const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
                 const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
                 const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved);

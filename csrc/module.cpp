@@ -148,7 +148,13 @@ PYBIND11_MODULE(_native, m) {
       .def("slot_error", &Engine::slot_error)
       .def("batch_status", &Engine::batch_status)
       .def("wait", &Engine::wait, G())
-      .def("transfer_sync", &Engine::transfer_sync, G())
+      .def(
+          "transfer_sync",
+          [](Engine& e, uint8_t op, uint64_t local, uint64_t peer, uint64_t remote, uint64_t len) {
+            return e.transfer_sync(op, {local}, peer, {remote}, {len});
+          },
+          G())
+      .def("transfer_sync_ranges", &Engine::transfer_sync, G())
       .def("reserve_slots", &Engine::reserve_slots)
       .def("finish_slot", &Engine::finish_slot)
       .def("finish_range", &Engine::finish_range)

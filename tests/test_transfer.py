@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
-from kvpool.errors import TransferError
+from kvpool.errors import RemoteAccessError, TransferError
 from kvpool.transfer.peer import PeerProcess
 
 SIZES = [1, 7, 4096, 65537, 1 << 20, (4 << 20) + 3, 64 << 20]
@@ -155,6 +155,49 @@ def test_batch_transfer_sync_and_async_wait(peer: PeerProcess, tcp_engine: Trans
         return st.state
 
     assert asyncio.run(go()) == TransferState.COMPLETED
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_a_few_ranges_in_the_calling_thread_land_in_order(peer: PeerProcess, protocol: str) -> None:
+    """A short batch_transfer_sync (a store value and its header) is done in the calling thread
+    as one exchange: the ranges land in the order given, reads come back whole, and from many
+    threads at once (lanes busy: the rest is queued) every caller gets its own bytes."""
+    with TransferEngine(protocol=protocol, timeout_s=5.0) as eng:
+        mib = 1 << 20
+        src, back, hdr = bytearray(mib), bytearray(mib), bytearray(64)
+        s, b, h = (eng.register_local_memory(x) for x in (src, back, hdr))
+        _native.fill_pattern(s, mib, 11)
+        base = peer.addr + (8 << 20)
+        # the value, then a 64-byte "header" over its first bytes: the second range wins
+        assert eng.batch_transfer_sync(peer.segment, [s, s + 4096], [base, base], [mib, 64]) == mib + 64
+        want = bytes(src[4096 : 4096 + 64]) + bytes(src[64:])
+        assert peer.checksum(8 << 20, mib) == xxhash.xxh3_64_hexdigest(want)
+        got = eng.batch_transfer_sync(peer.segment, [b, h], [base + 64, base], [mib - 64, 64], OpCode.READ)
+        assert got == mib and bytes(back[: mib - 64]) == want[64:] and bytes(hdr) == want[:64]
+        with pytest.raises(RemoteAccessError):  # one range outside the peer's buffer: nothing moves
+            eng.batch_transfer_sync(peer.segment, [s, s], [base, peer.addr + (72 << 20)], [64, 64])
+
+        errors: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            try:
+                mine, out = bytearray(65536 + 64), bytearray(65536 + 64)
+                a, o = eng.register_local_memory(mine), eng.register_local_memory(out)
+                r = peer.addr + (16 << 20) + k * (1 << 20)
+                for i in range(40):
+                    _native.fill_pattern(a, len(mine), k * 1000 + i)
+                    eng.batch_transfer_sync(peer.segment, [a + 64, a], [r + 64, r], [65536, 64])
+                    eng.batch_transfer_sync(peer.segment, [o + 64, o], [r + 64, r], [65536, 64], OpCode.READ)
+                    assert out == mine
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
 
 
 def test_requests_to_several_segments_in_one_batch(tcp_engine: TransferEngine) -> None:

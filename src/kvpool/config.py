@@ -199,7 +199,8 @@ class MasterConfig(_ConfigBase):
         evict_batch: most objects one eviction step looks at (bounds the master's stalls).
         secret: shared secret every RPC must carry (same as the transfer engines').
         hot_key_replication: raise the replica count of the hottest keys automatically.
-        hot_window_s, hot_interval_s: access-count window and how often the policy runs.
+        hot_window_s, hot_interval_s: the policy counts the gets of the last ``hot_window_s``
+            and runs every ``hot_interval_s`` (the window's granularity).
         hot_max_replicas: replica count given to hot keys (capped by the number of segments).
         alignment: allocation alignment in bytes inside segments.
         max_message: biggest RPC message accepted from an authenticated client (bytes).

@@ -70,8 +70,11 @@ def check_ptrace(procfs: Path) -> Check:
         return Check("ptrace_scope", "ok", "no Yama LSM: same-host peers use one kernel copy (process_vm_*)")
     meaning = {
         "0": ("ok", "same-host peers use one kernel copy (process_vm_*) or shared memory"),
-        "1": ("warn", "process_vm_* only into descendants: same-host peers use shared-memory buffers "
-              "(TransferEngine.alloc_shared_buffer) and otherwise TCP"),
+        "1": (
+            "warn",
+            "process_vm_* only into descendants: same-host peers use shared-memory buffers "
+            "(TransferEngine.alloc_shared_buffer) and otherwise TCP",
+        ),
         "2": ("warn", "process_vm_* needs CAP_SYS_PTRACE: same-host peers use shared memory or TCP"),
         "3": ("warn", "process_vm_* disabled: same-host peers use shared memory or TCP"),
     }

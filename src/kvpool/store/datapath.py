@@ -211,9 +211,16 @@ class DataPath:
 
     def sync(self, segment: str, local: int, remote: int, length: int, op: OpCode) -> bool:
         """One transfer in this thread; False on failure (the caller reports or fails over)."""
+        return self.sync_ranges(segment, [local], [remote], [length], op)
+
+    def sync_ranges(
+        self, segment: str, locs: list[int], rems: list[int], lens: list[int], op: OpCode
+    ) -> bool:
+        """A few ranges of one segment, in order, in this thread when a lane is free (one frame
+        exchange over TCP); False on failure (the caller reports or fails over)."""
         for attempt in (0, 1):
             try:
-                self.engine.transfer_sync(segment, local, remote, length, op)
+                self.engine.batch_transfer_sync(segment, locs, rems, lens, op)
                 return True
             except RemoteAccessError:
                 if attempt:
@@ -230,6 +237,24 @@ class DataPath:
         except KvpoolError:
             pass
 
+    def _regions(
+        self, jobs: list[WriteJob] | list[ReadJob], tokens: list[Any]
+    ) -> list[tuple[int, memoryview]]:
+        """Staging for a batch: (address, view) of one region for the small objects with their
+        headers side by side, and one for the headers of the big ones (empty when none); their
+        tokens are appended to ``tokens``."""
+        small = sum(HEADER_SIZE + j.size for j in jobs if j.size <= DIRECT_MIN)
+        nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
+        out = []
+        for size in (small, HEADER_SIZE * nbig):
+            if not size:
+                out.append((0, memoryview(b"")))
+                continue
+            addr, view, token = self.staging.take(size)
+            tokens.append(token)
+            out.append((addr, view))
+        return out
+
     # ------------------------------------------------------------------ writes
     def write(self, epoch: int, jobs: list[WriteJob]) -> None:
         """Write header + value of every job into all its replicas, in one batch. Fills
@@ -243,8 +268,6 @@ class DataPath:
             self._write_one(epoch, jobs[0])  # the common case, without the lists
             return
         checksum_all = self.checksum_all
-        small = sum(HEADER_SIZE + j.size for j in jobs if j.size <= DIRECT_MIN)
-        nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
         cols = Requests([], [], [], [], [])
         ops, locs, peers, rems, lens = cols
         owner: list[int] = []  # per request: its index in ``pairs``
@@ -253,14 +276,8 @@ class DataPath:
         handles = _Handles(self.engine)
         tokens: list[Any] = []
         try:
-            sbase, sview, spos = 0, memoryview(b""), 0
-            if small:
-                sbase, sview, token = self.staging.take(small)
-                tokens.append(token)
-            hbase, hview, hpos = 0, memoryview(b""), 0
-            if nbig:
-                hbase, hview, token = self.staging.take(HEADER_SIZE * nbig)
-                tokens.append(token)
+            (sbase, sview), (hbase, hview) = self._regions(jobs, tokens)
+            spos = hpos = 0
             for job in jobs:
                 size = job.size
                 value = self._value(job)
@@ -339,8 +356,9 @@ class DataPath:
                 haddr, hregion, token = self.staging.take(HEADER_SIZE)
                 tokens.append(token)
                 hregion[:] = hdr
-                ok = self.sync(seg, vaddr, raddr + HEADER_SIZE, size, OpCode.WRITE) and self.sync(
-                    seg, haddr, raddr, HEADER_SIZE, OpCode.WRITE
+                # the value, then its header: in this order, in one exchange
+                ok = self.sync_ranges(
+                    seg, [vaddr, haddr], [raddr + HEADER_SIZE, raddr], [size, HEADER_SIZE], OpCode.WRITE
                 )
         finally:
             for t in tokens:
@@ -387,8 +405,8 @@ class DataPath:
                     tokens.append(token)
                 haddr, hregion, token = self.staging.take(HEADER_SIZE)
                 tokens.append(token)
-                good = self.sync(seg, vaddr, raddr + HEADER_SIZE, j.size, OpCode.READ) and self.sync(
-                    seg, haddr, raddr, HEADER_SIZE, OpCode.READ
+                good = self.sync_ranges(
+                    seg, [vaddr, haddr], [raddr + HEADER_SIZE, raddr], [j.size, HEADER_SIZE], OpCode.READ
                 )
                 sink = ("big", hregion, vaddr, out)
             self._check(epoch, j, j.replicas[idx], sink, good, time.monotonic())
@@ -402,22 +420,14 @@ class DataPath:
         """Every job from its replica ``idx`` in one batch of request columns: small objects
         (header + value) side by side in one staging region, the headers of big ones in
         another, big values straight into their destination; then each is checked."""
-        small = sum(HEADER_SIZE + j.size for j in jobs if j.size <= DIRECT_MIN)
-        nbig = sum(1 for j in jobs if j.size > DIRECT_MIN)
         cols = Requests([], [], [], [], [])
         ops, locs, peers, rems, lens = cols
         plan: list[tuple[ReadJob, list[Any], Any, int]] = []  # job, replica, sink, requests
         handles = _Handles(self.engine)
         tokens: list[Any] = []
         try:
-            sbase, sview, spos = 0, memoryview(b""), 0
-            if small:
-                sbase, sview, token = self.staging.take(small)
-                tokens.append(token)
-            hbase, hview, hpos = 0, memoryview(b""), 0
-            if nbig:
-                hbase, hview, token = self.staging.take(HEADER_SIZE * nbig)
-                tokens.append(token)
+            (sbase, sview), (hbase, hview) = self._regions(jobs, tokens)
+            spos = hpos = 0
             for j in jobs:
                 rep = j.replicas[idx]
                 seg, raddr = rep[0], rep[1]

@@ -75,8 +75,11 @@ class Master(ObjectOps):
         self._dying: collections.deque[Segment] = collections.deque()
         self._ssd_clients: list[Client] = []
         self._next_gen = 0
-        self._access: Counter[str] = Counter()
-        self._access_prev: Counter[str] = Counter()
+        self._access: Counter[str] = Counter()  # gets per key since the hot-key policy last ran
+        # the counts of the last hot_window_s, one per hot_interval_s, and their running sum
+        n_counts = max(1, round(self.config.hot_window_s / self.config.hot_interval_s))
+        self._access_hist: collections.deque[Counter[str]] = collections.deque(maxlen=n_counts)
+        self._access_window: Counter[str] = Counter()
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
         self._task_ids = 0
         self._evict_to: int | None = None
@@ -488,8 +491,13 @@ class Master(ObjectOps):
         self._dying.append(seg)
 
     def _hot_keys(self, now: float) -> None:
-        window = self._access + self._access_prev
-        self._access_prev, self._access = self._access, Counter()
+        hist, window = self._access_hist, self._access_window
+        if len(hist) == hist.maxlen:
+            window.subtract(hist[0])  # the count that leaves the window
+        hist.append(self._access)
+        window.update(self._access)
+        self._access = Counter()
+        window += Counter()  # drop keys whose count went to zero
         n = len(self.space.segments)
         if n < 2:
             return

@@ -63,6 +63,7 @@ __all__ = ["TransferEngine", "buffer_range", "split_host_port"]
 
 log = logging.getLogger("kvpool.transfer")
 
+_INLINE_MAX = 16  # requests a transfer_sync/batch_transfer_sync may do in the calling thread
 _NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}  # IntEnum keys: plain 0/1 find them too
 
 
@@ -679,18 +680,28 @@ class TransferEngine:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgument(f"{name} must be a non-negative int address, got {v!r}")
         op = _native_op(opcode)
-        handle = self.open_segment(target_name)
-        hid = handle.id
-        t = self._routes.get(hid) or self._route(hid)
-        st = None
-        if not (self._registry.gpu_count and self._registry.gpu_region(local_addr, length) is not None):
-            st = t.transfer_one(op, local_addr, hid, remote_addr, length)
+        hid = self.open_segment(target_name).id
+        st = self._inline(hid, op, [local_addr], [remote_addr], [length])
         if st is None:
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         if not st.ok:
             cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
             raise cls(f"{OpCode(opcode).name} of {length} bytes to {target_name}: {st.error}")
         return length
+
+    def _inline(
+        self, hid: int, op: int, locs: list[int], rems: list[int], lens: list[int]
+    ) -> TransferStatus | None:
+        """A few host-memory requests to one segment in this thread (the transport's
+        ``transfer_inline``), or None where a batch must do them (GPU memory here, a transport
+        without the path, too many requests)."""
+        if len(lens) > _INLINE_MAX:
+            return None
+        reg = self._registry
+        if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
+            return None
+        t = self._routes.get(hid) or self._route(hid)
+        return t.transfer_inline(op, hid, locs, rems, lens)
 
     def batch_transfer_sync(
         self,
@@ -726,6 +737,12 @@ class TransferEngine:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         if min(lens) <= 0 or min(locs) < 0 or min(rems) < 0:
             raise InvalidArgument("lengths must be positive and addresses non-negative")
+        st = self._inline(handle.id, op, locs, rems, lens)
+        if st is not None:
+            if st.ok:
+                return sum(lens)
+            cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
+            raise cls(f"{OpCode(opcode).name} of {n} ranges to {target_name}: {st.error}")
         if self._registry.gpu_count and "cuda" not in t.locations and self._staging.needed(locs, lens):
             # staged: rounds whose staged bytes fit the pool, waiting for staging others hold
             rounds = self._staging.rounds(locs, rems, lens)

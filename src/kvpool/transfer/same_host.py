@@ -60,9 +60,11 @@ class SameHostTransport(TcpTransport):
                 raise SegmentNotFound("the segment's process exited; open the segment again") from None
             raise
 
-    def transfer_one(self, op: int, local: int, handle: int, remote: int, length: int) -> TransferStatus:
+    def transfer_inline(
+        self, op: int, handle: int, locals_: list[int], remotes: list[int], lens: list[int]
+    ) -> TransferStatus:
         try:
-            return super().transfer_one(op, local, handle, remote, length)
+            return super().transfer_inline(op, handle, locals_, remotes, lens)
         except RemoteAccessError:
             if self._exited([handle]):
                 raise SegmentNotFound("the segment's process exited; open the segment again") from None

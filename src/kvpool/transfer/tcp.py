@@ -30,8 +30,13 @@ class TcpTransport(Transport):
     def submit(self, batch_id: int, reqs: Requests) -> None:
         self.native.submit(batch_id, *reqs)  # validates all, then queues
 
-    def transfer_one(self, op: int, local: int, handle: int, remote: int, length: int) -> TransferStatus:
-        err = self.native.transfer_sync(op, local, handle, remote, length)  # in this thread if a lane is idle
+    def transfer_inline(
+        self, op: int, handle: int, locals_: list[int], remotes: list[int], lens: list[int]
+    ) -> TransferStatus:
+        if len(lens) == 1:  # in this thread if a lane is idle
+            err = self.native.transfer_sync(op, locals_[0], handle, remotes[0], lens[0])
+        else:
+            err = self.native.transfer_sync_ranges(op, locals_, handle, remotes, lens)
         if not err:
             return _OK
         state = TransferState.TIMEOUT if err == _native.ST_TIMEOUT else TransferState.FAILED

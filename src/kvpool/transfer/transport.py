@@ -56,7 +56,7 @@ class Transport(ABC):
     opened (or re-opened after a restart), :meth:`submit` for each run of requests it routes here,
     :meth:`detach` when a segment is closed and :meth:`close` once, when the engine closes.
     Methods may be called from any user thread, concurrently; none may block on the network except
-    :meth:`submit` waiting for queue room and :meth:`transfer_one`.
+    :meth:`submit` waiting for queue room and :meth:`transfer_inline`.
     """
 
     name: ClassVar[str]
@@ -123,13 +123,14 @@ class Transport(ABC):
         ``Batches.finish``; native ones complete them in C++.
         """
 
-    def transfer_one(
-        self, op: int, local: int, handle: int, remote: int, length: int
+    def transfer_inline(
+        self, op: int, handle: int, locals_: list[int], remotes: list[int], lens: list[int]
     ) -> TransferStatus | None:
-        """Optional fast path for one request done in the calling thread (``transfer_sync``).
+        """Optional fast path for a few requests of one opcode to one segment, done in the
+        calling thread and waited for (``transfer_sync``, short ``batch_transfer_sync``).
 
-        Returns the final status, or None when the transport has no such path (the engine then
-        uses a one-slot batch). Validation errors raise as in :meth:`submit`.
+        Returns the final status (the first failure's, if any), or None when the transport has
+        no such path (the engine then uses a batch). Validation errors raise as in :meth:`submit`.
         """
         return None
 
