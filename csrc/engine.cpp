@@ -441,6 +441,7 @@ Engine::~Engine() { shutdown(); }
 void Engine::shutdown() {
   if (stopping_.exchange(true)) return;
   server_->stop();
+  if (fence_) fence_->close_fd();  // no peer opens the table any more; slots keep working
   std::unordered_map<uint64_t, std::shared_ptr<Peer>> peers;
   {
     std::lock_guard lk(peers_mu_);

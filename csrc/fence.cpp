@@ -32,6 +32,11 @@ Fence::~Fence() {
   if (fd_ >= 0 && owner_) ::close(fd_);
 }
 
+void Fence::close_fd() {
+  if (fd_ >= 0 && owner_) ::close(fd_);
+  fd_ = -1;
+}
+
 std::unique_ptr<Fence> Fence::create() {
   int fd = memfd_create("kvpool-fence", MFD_CLOEXEC);
   if (fd < 0) return nullptr;

@@ -47,6 +47,8 @@ class Fence {
   static std::unique_ptr<Fence> map(int pid, int fd);
 
   int fd() const { return fd_; }
+  // Target side, at shutdown: close the memfd peers open the table through (the mapping stays).
+  void close_fd();
   int lane() const { return lane_; }
 
   // Target: a slot for a new registration; returns -1 when the table is full (then the region is

@@ -658,6 +658,7 @@ void Server::stop() {
   }
   for (auto& t : threads_)
     if (t.joinable()) t.join();
+  reactors_.clear();  // their event loops' epoll and eventfd descriptors
   if (listen_fd >= 0) ::close(listen_fd);
   listen_fd = -1;
 }

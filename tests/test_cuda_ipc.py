@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import OpCode, TransferEngine, TransferRequest, _native
-from kvpool.errors import RemoteAccessError, SegmentNotFound, TransferError
+from kvpool.errors import InvalidArgument, RemoteAccessError, SegmentNotFound, TransferError
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
 
@@ -139,17 +139,23 @@ def test_driver_errors_are_typed(fake_driver: str, tmp_path: Path) -> None:
 
     with pytest.raises(ProtocolUnavailable, match="cannot load the CUDA driver"):
         CudaDriver(str(tmp_path / "missing.so"))
-    assert load_driver(str(tmp_path / "missing.so")) is None
+    with pytest.raises(InvalidArgument, match="missing.so"):  # named explicitly: never silently off
+        load_driver(str(tmp_path / "missing.so"))
+    with pytest.raises(InvalidArgument, match="missing.so"):
+        TransferEngine(cuda_driver=str(tmp_path / "missing.so"))
     drv = CudaDriver(fake_driver)
     with pytest.raises(CudaError, match="cuIpcOpenMemHandle"):
         drv.ipc_open(b"\0" * 64, 0)
 
 
-def test_no_driver_keeps_cpu_behaviour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPOOL_CUDA_DRIVER", str(tmp_path / "none.so"))
+def test_no_driver_keeps_cpu_behaviour(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no driver named, a machine without libcuda.so.1 (or without a device) runs the CPU
+    paths; one with a working driver offers CUDA IPC."""
+    monkeypatch.delenv("KVPOOL_CUDA_DRIVER", raising=False)
+    gpu = load_driver() is not None
     with TransferEngine() as eng:
-        assert "cuda_ipc" not in eng.local_descriptor().protocols
-        assert not any(isinstance(t, CudaIpcTransport) for t in eng._transports)
+        assert ("cuda_ipc" in eng.local_descriptor().protocols) == gpu
+        assert any(isinstance(t, CudaIpcTransport) for t in eng._transports) == gpu
 
 
 # ----------------------------------------------------------------------------- the transport

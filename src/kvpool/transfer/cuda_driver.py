@@ -317,15 +317,23 @@ _load_lock = threading.Lock()
 
 def load_driver(path: str | None = None) -> CudaDriver | None:
     """The process-wide driver for ``path`` (None: ``KVPOOL_CUDA_DRIVER`` or ``libcuda.so.1``), or
-    None when it does not load or sees no device. Cached per path."""
-    key = path or os.environ.get(ENV) or "libcuda.so.1"
+    None when the default library does not load or sees no device (a CPU machine). A driver
+    named explicitly (``path``, ``KVPOOL_CUDA_DRIVER``) that does not load raises
+    :class:`~kvpool.errors.InvalidArgument`: GPU paths are never turned off silently. Cached per path."""
+    explicit = path or os.environ.get(ENV)
+    key = explicit or "libcuda.so.1"
     with _load_lock:
         if key not in _loaded:
             try:
                 drv: CudaDriver | None = CudaDriver(key)
                 if drv is not None and drv.count <= 0:
                     drv = None
-            except ProtocolUnavailable:
+            except ProtocolUnavailable as exc:
+                if explicit:
+                    raise InvalidArgument(
+                        f"cuda_driver / {ENV} names {key!r}, which does not work: {exc} "
+                        "(fix the path, or leave it unset for libcuda.so.1)"
+                    ) from None
                 drv = None
             _loaded[key] = drv
         return _loaded[key]
