@@ -134,6 +134,7 @@ class CudaDriver:
         self._check(lib.cuDeviceGetCount(byref(n)), "cuDeviceGetCount", ProtocolUnavailable)
         self.count = n.value
         self._ctx: dict[int, int] = {}
+        self._uuids: dict[int, bytes] = {}
         self._lock = threading.Lock()
         self._tls = threading.local()
 
@@ -166,9 +167,13 @@ class CudaDriver:
         self._tls.dev = device
 
     def uuid(self, device: int) -> bytes:
-        u = _Uuid()
-        self._check(self.lib.cuDeviceGetUuid(byref(u), device), "cuDeviceGetUuid")
-        return bytes(u.bytes).ljust(16, b"\0")
+        """The device's UUID (16 bytes; asked of the driver once per device)."""
+        got = self._uuids.get(device)
+        if got is None:
+            u = _Uuid()
+            self._check(self.lib.cuDeviceGetUuid(byref(u), device), "cuDeviceGetUuid")
+            got = self._uuids[device] = bytes(u.bytes).ljust(16, b"\0")
+        return got
 
     def enable_peer(self, device: int, peer: int) -> bool:
         """Let ``device``'s context access ``peer``'s memory (kernels reading IPC-mapped peer memory)."""

@@ -362,9 +362,7 @@ class CudaIpcTransport(Transport):
 
     def _local_gpu(self, ops: np.ndarray, locs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Which local ranges are GPU memory; AddressNotRegistered for unregistered ones."""
-        regs = list(self.registry)
-        starts = np.array([r.start for r in regs], dtype=_U64)
-        ends = np.array([r.end for r in regs], dtype=_U64)
+        regs, (starts, ends, ro, gpu) = self.registry.columns()
         i = np.searchsorted(starts, locs, side="right").astype(np.int64) - 1
         ok = i >= 0
         ic = np.where(ok, i, 0)
@@ -375,10 +373,9 @@ class CudaIpcTransport(Transport):
                 f"local range {int(locs[k]):#x}+{int(lens[k])} is not inside registered memory; call "
                 f"register_local_memory first (request {k})"
             )
-        ro = np.array([r.read_only for r in regs], dtype=bool)
         if ro.any() and (ro[ic] & (ops == READ)).any():
             raise AddressNotRegistered("local range is registered read-only: it cannot receive a READ")
-        return np.array([r.gpu for r in regs], dtype=bool)[ic]
+        return gpu[ic]
 
     def _submit_gpu(
         self,

@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvpool import _native
 from kvpool.errors import (
     AddressNotRegistered,
@@ -91,6 +93,7 @@ class LocalRegistry:
         self._lock = threading.Lock()
         self._starts: tuple[int, ...] = ()
         self._regs: tuple[Registration, ...] = ()
+        self._cols: tuple[tuple[Registration, ...], Any] | None = None  # see columns()
         self.gpu_count = 0
 
     def add(self, reg: Registration) -> None:
@@ -118,6 +121,22 @@ class LocalRegistry:
             self._regs = self._regs[:i] + self._regs[i + 1 :]
             self.gpu_count -= reg.gpu
             return reg
+
+    def columns(self) -> tuple[tuple[Registration, ...], Any]:
+        """The table and, as numpy columns, its starts, ends, read-only and GPU flags (built once
+        per version of the table, for vectorised lookups of many requests)."""
+        regs = self._regs
+        cached = self._cols
+        if cached is not None and cached[0] is regs:
+            return cached
+        cols = (
+            np.array([r.start for r in regs], dtype=np.uint64),
+            np.array([r.end for r in regs], dtype=np.uint64),
+            np.array([r.read_only for r in regs], dtype=bool),
+            np.array([r.gpu for r in regs], dtype=bool),
+        )
+        self._cols = (regs, cols)
+        return self._cols
 
     def get(self, addr: int) -> Registration | None:
         """The registration starting exactly at ``addr``."""
