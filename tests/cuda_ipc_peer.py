@@ -9,10 +9,45 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 from kvpool import TransferEngine, _native
 from kvpool.transfer.cuda_driver import load_driver
+
+
+class Peer:
+    """This script in a child process (the tests' target): ``name``, ``gpu``, ``shm`` from its
+    JSON line; :meth:`ask` sends one command and returns the answer."""
+
+    def __init__(self, nbufs: int, size: int, port: int = 0, env: dict[str, str] | None = None) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(nbufs), str(size), str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+            env=env,
+        )  # fmt: skip
+        info = json.loads(self.p.stdout.readline())  # type: ignore[union-attr]
+        self.name: str = info["name"]
+        self.gpu: list[int] = info["gpu"]
+        self.shm: int = info["shm"]
+
+    def ask(self, line: str) -> str:
+        self.p.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.p.stdin.flush()  # type: ignore[union-attr]
+        return self.p.stdout.readline().strip()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.ask("exit")
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
 
 
 def main() -> None:

@@ -6,7 +6,6 @@ same paths on real CUDA (``pytest -m gpu``)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -22,45 +21,15 @@ from kvpool import OpCode, TransferEngine, TransferRequest, _native
 from kvpool.errors import InvalidArgument, RemoteAccessError, SegmentNotFound, TransferError
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
+from tests.cuda_ipc_peer import Peer
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 4 << 20
 
 
-class Peer:
-    """tests/cuda_ipc_peer.py in a child process."""
-
-    def __init__(self, nbufs: int = 2, port: int = 0) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), str(nbufs), str(SIZE), str(port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        info = json.loads(self.p.stdout.readline())
-        self.name, self.gpu, self.shm = info["name"], info["gpu"], info["shm"]
-
-    def ask(self, line: str) -> str:
-        self.p.stdin.write(line + "\n")
-        self.p.stdin.flush()
-        return self.p.stdout.readline().strip()
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.ask("exit")
-            except (BrokenPipeError, OSError):
-                pass
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-
-
 @pytest.fixture
 def peer(fake_driver: str) -> Iterator[Peer]:
-    p = Peer()
+    p = Peer(2, SIZE)
     yield p
     p.close()
 
@@ -277,7 +246,7 @@ def test_restarted_owner_gets_its_own_bytes(fake_driver: str) -> None:
     caller learns of the restart, as over TCP; then the segment is re-fetched and the bytes land in
     the new owner's memory; the old owner's addresses are refused."""
     drv = load_driver()
-    old = Peer()
+    old = Peer(2, SIZE)
     procs = [old]  # closed whatever fails
     port = int(old.name.rsplit(":", 1)[1])
     try:
@@ -290,7 +259,7 @@ def test_restarted_owner_gets_its_own_bytes(fake_driver: str) -> None:
             for first_to_old_address in (True, False):
                 old.p.send_signal(signal.SIGKILL)
                 old.p.wait(10)
-                new = Peer(port=port)
+                new = Peer(2, SIZE, port=port)
                 procs.append(new)
                 assert new.name == old.name
                 _fill(drv, g, 1 << 20, 22 + first_to_old_address)

@@ -7,10 +7,7 @@ docs/gpu.md."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import pytest
 from kvpool import OpCode, Store, TransferEngine, _native
 from kvpool.errors import RemoteAccessError, TransferError
 from kvpool.transfer.cuda_driver import load_driver
+from tests.cuda_ipc_peer import Peer
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,24 +39,10 @@ def drv():  # noqa: ANN201
 
 
 @pytest.fixture
-def peer(drv) -> Iterator[dict]:  # noqa: ANN001
-    p = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), "1", str(SIZE)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
-    info = json.loads(p.stdout.readline())
-    info["proc"] = p
-    yield info
-    if p.poll() is None:
-        p.stdin.write("exit\n")
-        p.stdin.flush()
-        p.wait(30)
-
-
-def _ask(peer: dict, line: str) -> str:
-    peer["proc"].stdin.write(line + "\n")
-    peer["proc"].stdin.flush()
-    return peer["proc"].stdout.readline().strip()
+def peer(drv) -> Iterator[Peer]:  # noqa: ANN001
+    p = Peer(1, SIZE)
+    yield p
+    p.close()
 
 
 def _sha(drv, addr: int, n: int) -> str:  # noqa: ANN001
@@ -73,7 +57,7 @@ def _fill(drv, addr: int, n: int, seed: int) -> None:  # noqa: ANN001
     drv.memcpy(addr, _native.buffer_address(buf)[0], n)
 
 
-def test_scattered_blocks_gpu_to_gpu_both_directions(drv, peer: dict) -> None:  # noqa: ANN001
+def test_scattered_blocks_gpu_to_gpu_both_directions(drv, peer: Peer) -> None:  # noqa: ANN001
     with TransferEngine() as eng:
         mine, back = drv.alloc(SIZE, 0), drv.alloc(SIZE, 0)
         eng.register_local_memory(mine, SIZE, location="cuda:0", remote_accessible=False)
@@ -83,9 +67,9 @@ def test_scattered_blocks_gpu_to_gpu_both_directions(drv, peer: dict) -> None:  
         n = SIZE // blk
         perm = np.random.default_rng(0).permutation(n)
         locs = [mine + k * blk for k in range(n)]
-        rems = [peer["gpu"][0] + int(p) * blk for p in perm]
-        assert eng.batch_transfer_sync(peer["name"], locs, rems, [blk] * n) == SIZE
-        assert eng.batch_transfer_sync(peer["name"], [back + k * blk for k in range(n)], rems, [blk] * n,
+        rems = [peer.gpu[0] + int(p) * blk for p in perm]
+        assert eng.batch_transfer_sync(peer.name, locs, rems, [blk] * n) == SIZE
+        assert eng.batch_transfer_sync(peer.name, [back + k * blk for k in range(n)], rems, [blk] * n,
                                        OpCode.READ) == SIZE  # fmt: skip
         assert _sha(drv, back, SIZE) == _sha(drv, mine, SIZE)
         h = bytearray(SIZE)
@@ -93,30 +77,30 @@ def test_scattered_blocks_gpu_to_gpu_both_directions(drv, peer: dict) -> None:  
         expect = bytearray(SIZE)
         for k, p in enumerate(perm):
             expect[int(p) * blk : (int(p) + 1) * blk] = h[k * blk : (k + 1) * blk]
-        assert _ask(peer, f"dump {peer['gpu'][0]} {SIZE}") == hashlib.sha256(expect).hexdigest()
+        assert peer.ask(f"dump {peer.gpu[0]} {SIZE}") == hashlib.sha256(expect).hexdigest()
 
 
-def test_gpu_and_peer_host_memory(drv, peer: dict) -> None:  # noqa: ANN001
+def test_gpu_and_peer_host_memory(drv, peer: Peer) -> None:  # noqa: ANN001
     with TransferEngine() as eng:
         g = drv.alloc(SIZE, 0)
         eng.register_local_memory(g, SIZE, location="cuda:0")
         _fill(drv, g, SIZE, 2)
-        eng.transfer_sync(peer["name"], g, peer["shm"], 16 << 20)
-        assert _ask(peer, f"dump {peer['shm']} {16 << 20}") == _sha(drv, g, 16 << 20)
+        eng.transfer_sync(peer.name, g, peer.shm, 16 << 20)
+        assert peer.ask(f"dump {peer.shm} {16 << 20}") == _sha(drv, g, 16 << 20)
         host = bytearray(1 << 20)
         _native.fill_pattern(_native.buffer_address(host)[0], len(host), 3)
-        eng.transfer_sync(peer["name"], eng.register_local_memory(host), peer["gpu"][0], 1 << 20)
-        assert _ask(peer, f"dump {peer['gpu'][0]} {1 << 20}") == hashlib.sha256(host).hexdigest()
+        eng.transfer_sync(peer.name, eng.register_local_memory(host), peer.gpu[0], 1 << 20)
+        assert peer.ask(f"dump {peer.gpu[0]} {1 << 20}") == hashlib.sha256(host).hexdigest()
 
 
-def test_unregistered_gpu_target_refused(drv, peer: dict) -> None:  # noqa: ANN001
+def test_unregistered_gpu_target_refused(drv, peer: Peer) -> None:  # noqa: ANN001
     with TransferEngine() as eng:
         g = drv.alloc(1 << 20, 0)
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        eng.transfer_sync(peer["name"], g, peer["gpu"][0], 4096)
-        assert _ask(peer, f"unregister {peer['gpu'][0]}") == "ok"
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+        assert peer.ask(f"unregister {peer.gpu[0]}") == "ok"
         with pytest.raises((RemoteAccessError, TransferError)):
-            eng.transfer_sync(peer["name"], g, peer["gpu"][0], 4096)
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
 
 
 def test_store_get_into_gpu(drv) -> None:  # noqa: ANN001

@@ -6,7 +6,6 @@ or wrote GPU memory directly would crash the peer)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -21,36 +20,17 @@ import pytest
 from kvpool import OpCode, TransferEngine, _native
 from kvpool.errors import KvpoolError, RemoteAccessError, TransferError
 from kvpool.transfer.cuda_driver import load_driver
+from tests.cuda_ipc_peer import Peer
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 8 << 20
 
 
-def _start_peer(env: dict | None = None) -> dict:
-    p = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "cuda_ipc_peer.py"), "1", str(SIZE)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-    )  # fmt: skip
-    info = json.loads(p.stdout.readline())
-    info["proc"] = p
-    return info
-
-
 @pytest.fixture
-def peer(fake_driver: str) -> Iterator[dict]:
-    info = _start_peer()
-    p = info["proc"]
-    yield info
-    if p.poll() is None:
-        p.stdin.write("exit\n")
-        p.stdin.flush()
-        p.wait(30)
-
-
-def _ask(peer: dict, line: str) -> str:
-    peer["proc"].stdin.write(line + "\n")
-    peer["proc"].stdin.flush()
-    return peer["proc"].stdout.readline().strip()
+def peer(fake_driver: str) -> Iterator[Peer]:
+    p = Peer(1, SIZE)
+    yield p
+    p.close()
 
 
 def _pattern(n: int, seed: int) -> bytearray:
@@ -59,57 +39,55 @@ def _pattern(n: int, seed: int) -> bytearray:
     return b
 
 
-def test_tcp_write_and_read_peer_gpu_multichunk_and_scattered(peer: dict) -> None:
-    g = peer["gpu"][0]
+def test_tcp_write_and_read_peer_gpu_multichunk_and_scattered(peer: Peer) -> None:
+    g = peer.gpu[0]
     with TransferEngine(protocol="tcp", timeout_s=10.0) as eng:
         data = _pattern((3 << 20) + 5, 1)  # > the server's 1 MiB staging piece, odd length
         back = bytearray(len(data))
         eng.register_local_memory(data)
         eng.register_local_memory(back)
         a, b = _native.buffer_address(data)[0], _native.buffer_address(back)[0]
-        eng.transfer_sync(peer["name"], a, g + 3, len(data))
-        assert _ask(peer, f"dump {g + 3} {len(data)}") == hashlib.sha256(data).hexdigest()
-        eng.transfer_sync(peer["name"], b, g + 3, len(data), OpCode.READ)
+        eng.transfer_sync(peer.name, a, g + 3, len(data))
+        assert peer.ask(f"dump {g + 3} {len(data)}") == hashlib.sha256(data).hexdigest()
+        eng.transfer_sync(peer.name, b, g + 3, len(data), OpCode.READ)
         assert back == data
         # scattered 4 KiB blocks, both directions, in one batch each
         n, blk = 256, 4096
         rems = [g + (4 << 20) + ((k * 37) % 1024) * blk for k in range(n)]
-        assert (
-            eng.batch_transfer_sync(peer["name"], [a + k * blk for k in range(n)], rems, [blk] * n) == n * blk
-        )
+        assert eng.batch_transfer_sync(peer.name, [a + k * blk for k in range(n)], rems, [blk] * n) == n * blk
         back[:] = bytes(len(back))
-        assert eng.batch_transfer_sync(peer["name"], [b + k * blk for k in range(n)], rems, [blk] * n,
+        assert eng.batch_transfer_sync(peer.name, [b + k * blk for k in range(n)], rems, [blk] * n,
                                        OpCode.READ) == n * blk  # fmt: skip
         assert back[: n * blk] == data[: n * blk]
 
 
-def test_tcp_local_gpu_to_peer_gpu(peer: dict) -> None:
+def test_tcp_local_gpu_to_peer_gpu(peer: Peer) -> None:
     drv = load_driver()
     with TransferEngine(protocol="tcp", timeout_s=10.0) as eng:
         mine = drv.alloc(2 << 20, 0)
         eng.register_local_memory(mine, 2 << 20, location="cuda:0", remote_accessible=False)
         data = _pattern(2 << 20, 5)
         drv.memcpy(mine, _native.buffer_address(data)[0], len(data))
-        eng.transfer_sync(peer["name"], mine, peer["gpu"][0], 2 << 20)  # staged here, staged there
-        assert _ask(peer, f"dump {peer['gpu'][0]} {2 << 20}") == hashlib.sha256(data).hexdigest()
+        eng.transfer_sync(peer.name, mine, peer.gpu[0], 2 << 20)  # staged here, staged there
+        assert peer.ask(f"dump {peer.gpu[0]} {2 << 20}") == hashlib.sha256(data).hexdigest()
 
 
-def test_tcp_bounds_and_unregistered_gpu_region_refused(peer: dict) -> None:
-    g = peer["gpu"][0]
+def test_tcp_bounds_and_unregistered_gpu_region_refused(peer: Peer) -> None:
+    g = peer.gpu[0]
     with TransferEngine(protocol="tcp", timeout_s=10.0) as eng:
         buf = bytearray(1 << 20)
         a = eng.register_local_memory(buf)
         with pytest.raises((RemoteAccessError, TransferError)):
-            eng.transfer_sync(peer["name"], a, g + SIZE - 100, 4096)  # runs past the region
-        eng.transfer_sync(peer["name"], a, g, 4096)
-        assert _ask(peer, f"unregister {g}") == "ok"
+            eng.transfer_sync(peer.name, a, g + SIZE - 100, 4096)  # runs past the region
+        eng.transfer_sync(peer.name, a, g, 4096)
+        assert peer.ask(f"unregister {g}") == "ok"
         with pytest.raises(TransferError):  # our cached descriptor still lists it: the target refuses
-            eng.transfer_sync(peer["name"], a, g, 4096)
+            eng.transfer_sync(peer.name, a, g, 4096)
         with pytest.raises(TransferError):
-            eng.transfer_sync(peer["name"], a, g, 4096, OpCode.READ)
+            eng.transfer_sync(peer.name, a, g, 4096, OpCode.READ)
 
 
-def test_same_host_initiator_without_cuda_reaches_gpu_through_the_server(peer: dict) -> None:
+def test_same_host_initiator_without_cuda_reaches_gpu_through_the_server(peer: Peer) -> None:
     """An initiator whose CUDA driver does not load (protocol auto, same host): GPU regions have no
     same-host fence slot, so its requests go to the server, which stages them."""
     code = textwrap.dedent(
@@ -121,7 +99,7 @@ def test_same_host_initiator_without_cuda_reaches_gpu_through_the_server(peer: d
             data = bytearray(1 << 20)
             _native.fill_pattern(_native.buffer_address(data)[0], len(data), 9)
             a = eng.register_local_memory(data)
-            eng.transfer_sync({peer["name"]!r}, a, {peer["gpu"][0]}, len(data))
+            eng.transfer_sync({peer.name!r}, a, {peer.gpu[0]}, len(data))
             print(hashlib.sha256(data).hexdigest())
         """
     )
@@ -129,7 +107,7 @@ def test_same_host_initiator_without_cuda_reaches_gpu_through_the_server(peer: d
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert _ask(peer, f"dump {peer['gpu'][0]} {1 << 20}") == out.stdout.strip()
+    assert peer.ask(f"dump {peer.gpu[0]} {1 << 20}") == out.stdout.strip()
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
@@ -137,23 +115,23 @@ def test_unregister_during_pipelined_gpu_transfer(fake_driver: str, op: str) -> 
     """A peer whose (fake) device copies are slow (20 ms each): the server's pipelined staging has a
     copy in flight when the GPU region is unregistered. Unregister returns only after that copy;
     afterwards no byte lands in the region, and the transfer either failed or moved every byte."""
-    info = _start_peer(dict(os.environ, FAKECUDA_DELAY_US="20000"))
-    g = info["gpu"][0]
+    info = Peer(1, SIZE, env=dict(os.environ, FAKECUDA_DELAY_US="20000"))
+    g = info.gpu[0]
     try:
-        assert _ask(info, f"fill {g} {SIZE} 11") == "ok"
+        assert info.ask(f"fill {g} {SIZE} 11") == "ok"
         with TransferEngine(protocol="tcp", timeout_s=30.0) as eng:
             data = _pattern(SIZE, 12)
             a = eng.register_local_memory(data)
             before = hashlib.sha256(data).hexdigest()
-            eng.transfer_sync(info["name"], a, g, 4096, OpCode.READ)  # connected, descriptor cached
-            filled = _ask(info, f"dump {g} {SIZE}")
+            eng.transfer_sync(info.name, a, g, 4096, OpCode.READ)  # connected, descriptor cached
+            filled = info.ask(f"dump {g} {SIZE}")
             if op == "read":
                 data[:] = bytes(SIZE)
             result: dict = {}
 
             def go() -> None:
                 try:
-                    eng.transfer_sync(info["name"], a, g, SIZE, OpCode.READ if op == "read" else OpCode.WRITE)
+                    eng.transfer_sync(info.name, a, g, SIZE, OpCode.READ if op == "read" else OpCode.WRITE)
                     result["ok"] = True
                 except KvpoolError as exc:
                     result["err"] = exc
@@ -162,22 +140,19 @@ def test_unregister_during_pipelined_gpu_transfer(fake_driver: str, op: str) -> 
             t.start()
             # not a timing assertion: any interleaving must satisfy the checks below
             if op == "write":  # unregister once the first staged piece landed
-                while _ask(info, f"dump {g} {SIZE}") == filled and t.is_alive():
+                while info.ask(f"dump {g} {SIZE}") == filled and t.is_alive():
                     pass
             else:
                 time.sleep(0.05)
-            assert _ask(info, f"unregister {g}") == "ok"
-            h1 = _ask(info, f"dump {g} {SIZE}")
+            assert info.ask(f"unregister {g}") == "ok"
+            h1 = info.ask(f"dump {g} {SIZE}")
             t.join(60)
             assert not t.is_alive()
-            assert _ask(info, f"dump {g} {SIZE}") == h1  # nothing landed after unregister returned
+            assert info.ask(f"dump {g} {SIZE}") == h1  # nothing landed after unregister returned
             if op == "write" and "ok" in result:
                 assert h1 == before
             if op == "read" and "ok" in result:
                 assert hashlib.sha256(data).hexdigest() == h1
             assert result, "the transfer neither completed nor failed"
     finally:
-        if info["proc"].poll() is None:
-            info["proc"].stdin.write("exit\n")
-            info["proc"].stdin.flush()
-            info["proc"].wait(30)
+        info.close()
