@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -253,3 +254,40 @@ def test_store_connector_cache_salt_isolates_tenants(
     # The same tenant on the other server: every full block but the last token's comes from the store.
     assert completion(b.url, SALTED_PROMPT, cache_salt="tenant-1")["choices"][0]["text"] == reference[SALTED]
     assert b.metric("vllm:external_prefix_cache_hits") - hits0 == (len(SALTED_PROMPT) - 1) // 32 * 32
+
+
+def test_layerwise_store_connector_on_real_servers(
+    reference: dict[int, str],
+    tiny_llama: Path,  # noqa: F811
+    logs: Path,
+) -> None:
+    """Layer-wise mode (``layerwise: true``, loads inside the forward pass) on two real vLLM
+    servers: the first commits every full prompt block (saved per layer during its prefill,
+    though vLLM 0.32 calls ``start_load_kv`` after the forward pass), the second loads them layer
+    by layer as external hits, and both answer as a single server does."""
+    with MasterProcess() as m, StorageProcess(m.address, 256 << 20):
+        extra = kv_config("KvpoolStoreConnector", "kv_both", short_name=True, master=m.address,
+                          layerwise=True, load_async=False, model_tag="lw-e2e")  # fmt: skip
+        a = VllmServer(tiny_llama, logs, name="lw-a", cpu=0, kv_cache_bytes=KV_BYTES, extra_args=extra)
+        b = VllmServer(tiny_llama, logs, name="lw-b", cpu=1, kv_cache_bytes=KV_BYTES, extra_args=extra)
+        a.start()
+        b.start()
+        try:
+            a.wait_ready()
+            b.wait_ready()
+            full = (len(PROMPTS[3]) - 1) // 32  # 46 full blocks (the last token is never a hit)
+            assert completion(a.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
+
+            def committed() -> int:
+                pat = r"kvpool store: committed (\d+) blocks \(layer-wise\)"
+                found = re.findall(pat, a.log_path.read_text())
+                return sum(int(n) for n in found)
+
+            assert _eventually(lambda: committed() >= full), f"committed {committed()} of {full} blocks"
+            hits0 = b.metric("vllm:external_prefix_cache_hits")
+            assert completion(b.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
+            assert b.metric("vllm:external_prefix_cache_hits") - hits0 == full * 32
+            assert f"kvpool store: loaded {full} blocks (0 failed)" in b.log_path.read_text()
+        finally:
+            a.stop()
+            b.stop()

@@ -2,7 +2,7 @@
 blocks saved per layer during the forward pass (``save_kv_layer``), committed only once every
 layer is stored; in-forward loads waited for per layer (``wait_for_layer_load``); a real master
 and storage process (the forward pass is a test double that calls the per-layer hooks as vLLM's
-attention layers do)."""
+attention layers do, in the order vLLM 0.32's model runner calls them)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,11 @@ class LayerInstance(Instance):
         self.seen = []
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)
+        # vLLM 0.32's model runner: start_load_kv before the forward pass only when the step has
+        # synchronous loads, else after it (so the layer hooks run before it)
+        after = not out.has_sync_kv_loads
+        if not after:
+            self.worker.start_load_kv(None)
         work: list[tuple[str, int, int]] = []
         for new in out.scheduled_new_reqs:
             work.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
@@ -62,6 +66,8 @@ class LayerInstance(Instance):
                 self._compute_layer(rid, start, n, li)
             self.worker.save_kv_layer(name, self.kv[name], None)
             self.seen.append(("save", name))
+        if after:
+            self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(out.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()

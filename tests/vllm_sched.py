@@ -122,7 +122,11 @@ class Instance:
         """One engine step: schedule, run the worker connector, 'compute' the scheduled tokens."""
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)
+        # as vLLM's model runner (kv_connector_model_runner_mixin): loads start before the
+        # forward pass only when the step has synchronous ones, else after it
+        after = not getattr(out, "has_sync_kv_loads", True)
+        if not after:
+            self.worker.start_load_kv(None)
         ids: list[str] = []
         for new in out.scheduled_new_reqs:
             self._compute(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
@@ -131,6 +135,8 @@ class Instance:
         for i, rid in enumerate(cached.req_ids):
             self._compute(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
             ids.append(rid)
+        if after:
+            self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(out.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()

@@ -203,6 +203,14 @@ class KvpoolStoreConnector(KvpoolConnectorBase):
         """vLLM's scheduler, once per step."""
         return self._scheduler.build_meta(scheduler_output)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's model runner, once per step before the forward pass: layer-wise mode begins the
+        step's per-layer saves here -- vLLM 0.32 calls ``start_load_kv`` only after the forward
+        pass unless the step has synchronous loads, i.e. after every ``save_kv_layer``."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvpoolStoreMetadata):
+            self._worker.begin_step(connector_metadata)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """vLLM's attention layer, before it reads its KV (layer-wise loads only wait here)."""
         self._worker.wait_layer_load(layer_name)
@@ -507,7 +515,8 @@ class _StoreWorker:
         return keys, addrs, sizes, owners
 
     def start(self, meta: KvpoolStoreMetadata) -> None:
-        """vLLM's worker, once per step (``start_load_kv``): queue this step's loads, then saves."""
+        """vLLM's worker, once per step (``start_load_kv``; before the forward pass when the step
+        has synchronous loads, else after it): queue this step's loads, then per-request saves."""
         layer_loads: list[tuple[int, str]] = []
         for rid, blocks in meta.loads.items():
             if self.cfg.load_async:
@@ -519,6 +528,10 @@ class _StoreWorker:
         self.layer_loads.begin(layer_loads)
         for rid, blocks in meta.saves.items():
             self._saves.put(lambda rid=rid, blocks=blocks: self._save_job(rid, blocks))
+
+    def begin_step(self, meta: KvpoolStoreMetadata) -> None:
+        """``bind_connector_metadata``, once per step before the forward pass: the blocks this
+        step completes are saved layer by layer (layer-wise mode) as ``save_kv_layer`` comes."""
         lw = [b for blocks in meta.layer_saves.values() for b in blocks]
         if lw and not self.breaker.closed() and not self.breaker.want_probe():
             lw = []  # master unreachable lately: this step's blocks are not saved
@@ -620,6 +633,7 @@ class _StoreWorker:
         n = sum(1 for e in (res or [None] * len(done)) if e is None)
         self.saved_blocks += n
         self.stats.record_saved(n)
+        log.info("kvpool store: committed %d blocks (layer-wise)", n)
 
     def _get_layer(self, blocks: list[tuple[int, str]], regions: list[Region], first: bool) -> None:
         """Load thread, layer-wise: one layer's objects of ``blocks``."""
