@@ -681,7 +681,11 @@ class TransferEngine:
                 raise InvalidArgument(f"{name} must be a non-negative int address, got {v!r}")
         op = _native_op(opcode)
         hid = self.open_segment(target_name).id
-        st = self._inline(hid, op, [local_addr], [remote_addr], [length])
+        t = self._routes.get(hid) or self._route(hid)
+        reg = self._registry
+        st = None  # GPU memory here: a batch (staged or CUDA IPC) moves it
+        if not (reg.gpu_count and reg.gpu_region(local_addr, length) is not None):
+            st = t.transfer_inline(op, hid, (local_addr,), (remote_addr,), (length,))
         if st is None:
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         if not st.ok:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import select
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.errors import RemoteAccessError, SegmentNotFound
@@ -61,7 +62,7 @@ class SameHostTransport(TcpTransport):
             raise
 
     def transfer_inline(
-        self, op: int, handle: int, locals_: list[int], remotes: list[int], lens: list[int]
+        self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
     ) -> TransferStatus:
         try:
             return super().transfer_inline(op, handle, locals_, remotes, lens)

@@ -9,6 +9,8 @@ this transport only routes: it is the fallback every engine can use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpool import _native
 from kvpool.transfer.transport import Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor, TransferState, TransferStatus
@@ -31,7 +33,7 @@ class TcpTransport(Transport):
         self.native.submit(batch_id, *reqs)  # validates all, then queues
 
     def transfer_inline(
-        self, op: int, handle: int, locals_: list[int], remotes: list[int], lens: list[int]
+        self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
     ) -> TransferStatus:
         if len(lens) == 1:  # in this thread if a lane is idle
             err = self.native.transfer_sync(op, locals_[0], handle, remotes[0], lens[0])

@@ -18,6 +18,7 @@ Requests reach a transport as :class:`Requests`: columns of equal length, no per
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from kvpool import _native
@@ -124,7 +125,7 @@ class Transport(ABC):
         """
 
     def transfer_inline(
-        self, op: int, handle: int, locals_: list[int], remotes: list[int], lens: list[int]
+        self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
     ) -> TransferStatus | None:
         """Optional fast path for a few requests of one opcode to one segment, done in the
         calling thread and waited for (``transfer_sync``, short ``batch_transfer_sync``).
