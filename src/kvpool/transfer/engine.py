@@ -488,8 +488,7 @@ class TransferEngine:
 
     def open_segment(self, name: str) -> SegmentHandle:
         """Open (or return the cached handle of) the segment ``name``; re-fetches after a peer restart."""
-        with self._lock:
-            cached = self._segments.get(name)
+        cached = self._segments.get(name)  # one dict read (atomic): no lock on the hot path
         if cached is not None and not self._native.peer_stale(cached[0].id):
             route = self._routes.get(cached[0].id)
             if route is None or not route.peer_gone(cached[0].id):
@@ -674,11 +673,16 @@ class TransferEngine:
         self, target_name: str, local_addr: int, remote_addr: int, length: int, opcode: OpCode = OpCode.WRITE
     ) -> int:
         """Move one range and wait; returns the byte count or raises a typed error."""
-        if not isinstance(length, int) or length <= 0:
+        exact = type(local_addr) is type(remote_addr) is type(length) is int
+        if not (exact and local_addr >= 0 <= remote_addr):
+            # the common case above in one test; here the precise complaint (or an int subclass)
+            if not isinstance(length, int) or length <= 0:
+                raise InvalidArgument("length must be a positive integer")
+            for name, v in (("local_addr", local_addr), ("remote_addr", remote_addr)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise InvalidArgument(f"{name} must be a non-negative int address, got {v!r}")
+        if length <= 0:
             raise InvalidArgument("length must be a positive integer")
-        for name, v in (("local_addr", local_addr), ("remote_addr", remote_addr)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidArgument(f"{name} must be a non-negative int address, got {v!r}")
         op = _native_op(opcode)
         hid = self.open_segment(target_name).id
         t = self._routes.get(hid) or self._route(hid)
@@ -694,7 +698,7 @@ class TransferEngine:
         return length
 
     def _inline(
-        self, hid: int, op: int, locs: list[int], rems: list[int], lens: list[int]
+        self, hid: int, op: int, locs: Sequence[int], rems: Sequence[int], lens: Sequence[int]
     ) -> TransferStatus | None:
         """A few host-memory requests to one segment in this thread (the transport's
         ``transfer_inline``), or None where a batch must do them (GPU memory here, a transport

@@ -50,8 +50,8 @@ class SameHostTransport(TcpTransport):
         return gone
 
     def peer_gone(self, handle: int) -> bool:
-        st = self._pid_state(handle)
-        return bool(st and st[1])
+        st = self._pids.get(handle)
+        return st is not None and st[1]
 
     def submit(self, batch_id: int, reqs: Requests) -> None:
         try:
