@@ -53,6 +53,7 @@ from kvpool.store.procs import MasterProcess, StorageProcess
 FAULTS = ("kill-storage", "stop-writer", "stop-reader", "stop-storage", "stop-master", "kill-master")
 MASTER_OPTS = {"put_timeout_s": 4.0, "quarantine_s": 3.0, "lease_ttl_ms": 3000, "client_ttl_s": 3.0,
                "fence_hold_s": 10.0}  # fmt: skip
+RECOVERY_WAIT_S = 10.0  # after a round, how long a probe that has not recovered yet is waited for
 CLIENT_OPTS = {"transfer_timeout_s": 2.0, "rpc_timeout_s": 2.0, "heartbeat_s": 0.3}
 
 # Shared by the worker processes (run with ``python -c``) and the controller.
@@ -308,6 +309,10 @@ def run(duration: float, round_s: float, writers: int, readers: int, storage: in
                     elif not good(k, data):
                         wrong += 1
             rec = _recovery(events, t_fault, time.monotonic())
+            wait_until = time.monotonic() + RECOVERY_WAIT_S
+            while rec is None and time.monotonic() < wait_until:  # not yet: give it a bounded while
+                time.sleep(0.1)
+                rec = _recovery(events, t_fault, time.monotonic())
             if fault == "kill-master":
                 summary["dropped_by_master_restart"] += lost
                 lost_shown = 0
