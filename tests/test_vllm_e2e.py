@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.child import ChildProcess, free_port
+from kvpool.conductor.store_feed import StoreFeed
 from kvpool.store.procs import MasterProcess, StorageProcess
 from tests.vllm_support import VllmServer, tiny_llama  # noqa: F401  (fixture)
 
@@ -284,6 +285,15 @@ def test_layerwise_store_connector_on_real_servers(
                 return sum(int(n) for n in found)
 
             assert _eventually(lambda: committed() >= full), f"committed {committed()} of {full} blocks"
+            # The conductor's store index (kvpool proxy --store-master) finds the same blocks from the
+            # tokens alone: its key chain and namespace parsing match what the connector stored.
+            feed = StoreFeed(m.address, block_size=32, poll_s=0.05)
+            feed.start()
+            try:
+                assert _eventually(lambda: feed.leading_blocks(PROMPTS[3], "lw-e2e") >= full)
+                assert feed.leading_blocks(PROMPTS[2], "lw-e2e") == 0  # never stored
+            finally:
+                feed.stop()
             hits0 = b.metric("vllm:external_prefix_cache_hits")
             assert completion(b.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
             assert b.metric("vllm:external_prefix_cache_hits") - hits0 == full * 32

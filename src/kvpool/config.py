@@ -206,6 +206,8 @@ class MasterConfig(_ConfigBase):
         max_message: biggest RPC message accepted from an authenticated client (bytes).
         idle_timeout_s: an RPC connection with no traffic for this long is closed (clients reconnect).
         max_connections: open RPC connections the master keeps (beyond: unauthenticated ones first).
+        change_log: key changes (commits, drops) the master keeps for readers of its ``changes``
+            feed (a router's store index, ``kvpool proxy --store-master``); 0 turns the feed off.
     """
 
     host: str = "127.0.0.1"
@@ -229,6 +231,7 @@ class MasterConfig(_ConfigBase):
     max_message: Bytes = Field(default=2 << 20, ge=1 << 16)
     idle_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=4096, ge=16)
+    change_log: int = Field(default=1 << 16, ge=0)
 
 
 class StoreConfig(_ConfigBase):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -274,6 +275,10 @@ def add_proxy_options(px: argparse.ArgumentParser) -> None:
         help="cost model JSON from 'kvpool conductor calibrate' (default: the paper-shaped model)",
     )
     g.add_argument("--no-hot", action="store_true", help="no hot-prefix spreading (conductor policy)")
+    g.add_argument("--store-master", default=None, metavar="HOST:PORT",
+                   help="the kvpool store master the instances' KvpoolStoreConnector use: the router "
+                   "follows its key feed and counts a prefix the store holds as loadable by every "
+                   "instance (secret: $KVPOOL_SECRET)")  # fmt: skip
 
 
 def router_config(args: argparse.Namespace, n_instances: int) -> Any:
@@ -300,4 +305,5 @@ def router_config(args: argparse.Namespace, n_instances: int) -> Any:
         tbt_slo_s=args.tbt_slo, reject_mode=args.reject_mode,
         cost_model=CostModel.load(args.cost_model) if args.cost_model else None,
         tokenizer=args.tokenizer, hot=not args.no_hot,
+        store_master=args.store_master, store_secret=os.environ.get("KVPOOL_SECRET"),
     )  # fmt: skip

@@ -10,7 +10,10 @@ Who calls what:
   as the request moves on, so the per-instance load the policies read stays true;
 * one :class:`EventSubscriber` thread per instance with ``--kv-events`` feeds the index (the
   native ingest releases the GIL); instances without events are tracked approximately
-  (:class:`~kvpool.conductor.index.ApproxTracker`, what was routed there, forgotten after a TTL).
+  (:class:`~kvpool.conductor.index.ApproxTracker`, what was routed there, forgotten after a TTL);
+* with ``--store-master``, a :class:`~kvpool.conductor.store_feed.StoreFeed` thread follows the
+  kvpool store's key feed: a prefix the store holds can be loaded by every instance running
+  ``KvpoolStoreConnector``, so the conductor weighs loading it (transfer) against recomputing.
 
 Block hashes: ours, recomputed from token ids (events carry them), so engines need no shared hash
 seed. A block-size mismatch shows in the ingest counters at the first event and is logged and
@@ -37,6 +40,7 @@ from kvpool.conductor.cost import CostModel
 from kvpool.conductor.index import ApproxTracker, BlockIndex, Location, Tier
 from kvpool.conductor.policy import Decision, HotPrefixes, SloGate, make_policy
 from kvpool.conductor.state import Cluster, Instance, RequestInfo
+from kvpool.conductor.store_feed import StoreFeed
 from kvpool.errors import InvalidArgument
 
 __all__ = ["EventSubscriber", "LiveRouter", "RouterConfig", "request_text"]
@@ -65,6 +69,10 @@ class RouterConfig:
     """A local tokenizer (path or name, offline) instead of the backends' ``/tokenize``."""
     hot: bool = True
     seed: int = 0
+    store_master: str | None = None
+    """``host:port`` of the kvpool store master the instances' ``KvpoolStoreConnector`` use: its
+    key feed becomes the index's store tier (None: no store tier)."""
+    store_secret: str | None = None
 
 
 @dataclass
@@ -192,15 +200,21 @@ class LiveRouter:
                 inst.gpu = self.index.add_location(name, Tier.GPU)
                 inst.cpu = self.index.add_location(name, Tier.CPU)
             insts.append(inst)
-        self.cluster = Cluster(self.index, self.cost, insts)
+        store_loc = self.index.add_location(None, Tier.STORE) if config.store_master else None
+        # Live, an engine loads a prefix from the store (KvpoolStoreConnector), never from another
+        # instance's GPU.
+        self.cluster = Cluster(self.index, self.cost, insts, store=store_loc, fetch_between_instances=False)
         gate = SloGate(config.ttft_slo_s, config.tbt_slo_s, config.reject_mode)  # type: ignore[arg-type]
         if config.ttft_slo_s is None and config.tbt_slo_s is None:
             gate = None
         hot = HotPrefixes() if config.hot else None
         self.policy = make_policy(config.policy, gate, seed=config.seed, hot=hot)
-        # Live, the engines cannot load a prefix from another instance's GPU (no shared tier here):
-        # the conductor scores local prefixes only.
-        self.policy.fetch = False
+        # Without a store the conductor scores local prefixes only.
+        self.policy.fetch = store_loc is not None
+        self.store_feed = (
+            StoreFeed(config.store_master, secret=config.store_secret, block_size=config.block_size)
+            if config.store_master else None
+        )  # fmt: skip
         self.approx = ApproxTracker(self.index, ttl_s=config.approx_ttl_s)
         self.subscribers: list[EventSubscriber] = []
         self.has_events = [e is not None for e in ev]
@@ -226,6 +240,8 @@ class LiveRouter:
             self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.tokenizer)
         for s in self.subscribers:
             s.start()
+        if self.store_feed is not None:
+            self.store_feed.start()
         self._sweep_task = asyncio.create_task(self._sweep_loop(), name="kvpool-router-sweep")
 
     async def close(self) -> None:
@@ -237,6 +253,9 @@ class LiveRouter:
                 pass
         for s in self.subscribers:
             s.stop()
+        if self.store_feed is not None:
+            self.store_feed.stop()
+            await asyncio.to_thread(self.store_feed.join, 7.0)
         for s in self.subscribers:
             await asyncio.to_thread(s.join, 2.0)
 
@@ -283,14 +302,17 @@ class LiveRouter:
         self, rid: str, tokens: Sequence[int] | None, body: dict[str, Any]
     ) -> tuple[Decision, RequestInfo]:
         hashes: list[int] = []
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         if tokens:
             # LoRA adapters are not mapped (the engine's adapter names are not known here): requests
             # to an adapter match no prefix and are routed by load.
-            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             hashes = self.index.hash_tokens(tokens, cache_salt=salt)
         out = body.get("max_tokens", body.get("max_completion_tokens"))
         out_tokens = min(int(out), 4096) if isinstance(out, int) and out > 0 else DEFAULT_OUTPUT_TOKENS
         req = RequestInfo(rid, len(tokens) if tokens else 1, hashes, out_tokens)
+        if self.store_feed is not None and tokens and salt is None:
+            model = body.get("model") if isinstance(body.get("model"), str) else None
+            req.store_blocks = self.store_feed.leading_blocks(tokens, model)
         d = self.policy.route(req, self.cluster, time.monotonic())
         self._count(f"decision_{self.policy.name}")
         if d.reject:
@@ -388,6 +410,7 @@ class LiveRouter:
             "tokenize_failed": self.counts.get("tokenize_failed", 0),
             "ttft_abs_error_p50_s": errs[len(errs) // 2] if errs else None,
             "in_flight": len(self._pending),
+            "store": self.store_feed.snapshot() if self.store_feed is not None else None,
         }
 
     def metrics(self) -> list[Any]:
@@ -425,6 +448,13 @@ class LiveRouter:
         out.append(GaugeMetricFamily("kvpool_conductor_ttft_error_seconds",
                                      "Median |predicted - actual| TTFT over recent requests",
                                      value=st["ttft_abs_error_p50_s"] or 0.0))  # fmt: skip
+        if st["store"] is not None:
+            out.append(GaugeMetricFamily("kvpool_conductor_store_blocks",
+                                         "Blocks the kvpool store holds (its key feed)",
+                                         value=st["store"]["blocks"]))  # fmt: skip
+            out.append(GaugeMetricFamily("kvpool_conductor_store_feed_lag",
+                                         "Store key changes not applied yet",
+                                         value=st["store"]["lag"]))  # fmt: skip
         out.append(CounterMetricFamily("kvpool_conductor_hash_mismatch",
                                        "Completed requests whose blocks never showed in the index",
                                        value=st["hash_mismatch"]))  # fmt: skip

@@ -118,13 +118,15 @@ def estimate(cluster: Cluster, inst: Instance, req: RequestInfo, view: PrefixVie
     load = cost.transfer_s(cached) if view.local_tier_cpu[inst.index] else 0.0
     p_local = cost.prefill_s(req.prompt_tokens - cached, cached)
     best = Estimate(q + load + p_local, q, p_local, load, local, local)
-    loc = view.best_location
-    if fetch and loc is not None and view.best_blocks > local and loc.instance != inst.name:
-        got = cluster.cached_tokens(req, view.best_blocks)
+    loc, blocks = view.best_location, view.best_blocks
+    if not cluster.fetch_between_instances:  # only the store serves prefixes to other instances
+        loc, blocks = (cluster.store, view.store_blocks) if view.store_blocks else (None, 0)
+    if fetch and loc is not None and blocks > local and loc.instance != inst.name:
+        got = cluster.cached_tokens(req, blocks)
         t_x = load + cost.transfer_s(got - cached)
         p_f = cost.prefill_s(req.prompt_tokens - got, got)
         if t_x + p_f < load + p_local:
-            best = Estimate(q + t_x + p_f, q, p_f, t_x, local, view.best_blocks, loc)
+            best = Estimate(q + t_x + p_f, q, p_f, t_x, local, blocks, loc)
     return best
 
 
@@ -276,7 +278,7 @@ class Policy(ABC):
             role = "prefill" if not prefills else "decode"
             return Decision(self.name, None, None, reject="no_instance",
                             reject_reason=f"no healthy {role} instance")  # fmt: skip
-        view = cluster.prefix(req.hashes)
+        view = cluster.prefix(req.hashes, req.store_blocks)
         d = self.choose(req, cluster, view, prefills, now)
         d.best_blocks, d.best_location = view.best_blocks, view.best_location
         if d.estimate is None and d.prefill is not None:

@@ -28,6 +28,9 @@ class RequestInfo:
     output_tokens: int = 256
     """Expected output length (live: ``max_tokens`` capped by a default; the simulator gives a
     trace-wide estimate, not the request's true length)."""
+    store_blocks: int = 0
+    """Live: leading blocks the kvpool store holds (from :class:`~kvpool.conductor.store_feed.StoreFeed`;
+    the simulator keeps the store tier in the index instead)."""
 
 
 @dataclass
@@ -150,8 +153,12 @@ class Cluster:
         *,
         store: Location | None = None,
         block_tokens: int | None = None,
+        fetch_between_instances: bool = True,
     ) -> None:
         self.index = index
+        self.fetch_between_instances = fetch_between_instances
+        """False: an instance can load a prefix from the store only, not from another instance
+        (live vLLM with the kvpool store connector)."""
         self.cost = cost
         self.instances = list(instances)
         self.store = store
@@ -172,8 +179,12 @@ class Cluster:
     def decode_instances(self) -> list[Instance]:
         return [i for i in self.instances if i.decode and i.healthy]
 
-    def prefix(self, hashes: Sequence[int]) -> PrefixView:
+    def prefix(self, hashes: Sequence[int], store_blocks: int = 0) -> PrefixView:
+        """Where the prefix of ``hashes`` is; ``store_blocks``: what the store holds of it when the
+        store tier is looked up outside the index (live)."""
         per_loc = self.index.match(hashes) if hashes else [0] * len(self.index.locations)
+        if store_blocks and self.store is not None:
+            per_loc[self.store.id] = max(per_loc[self.store.id], min(store_blocks, len(hashes)))
         local = [0] * len(self.instances)
         cpu_only = [False] * len(self.instances)
         for inst in self.instances:

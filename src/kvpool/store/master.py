@@ -32,6 +32,7 @@ from typing import Any
 
 from kvpool._rpc import RpcLimits, RpcServer
 from kvpool.config import MasterConfig
+from kvpool.store.changes import ChangeLog, ChangeOps
 from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE
 from kvpool.store.objects import (
     ClassLru,
@@ -55,7 +56,7 @@ SLOW_EVERY_S = 1.0  # liveness, fences, spilled objects, hot keys
 STALL_S = 1.0  # a tick this late means the master itself was stalled
 
 
-class Master(ObjectOps):
+class Master(ObjectOps, ChangeOps):
     """The store master. ``start()`` serves in a background thread; ``serve_forever()`` in this one."""
 
     def __init__(self, config: MasterConfig | None = None, **kwargs: Any) -> None:
@@ -63,6 +64,7 @@ class Master(ObjectOps):
         c = self.config
         self.incarnation = random.getrandbits(63) | 1
         self.objects = KeyTable()  # committed objects and pending puts, by key
+        self.changes = ChangeLog(c.change_log) if c.change_log else None  # key feed (store/changes.py)
         self._resv: dict[int, Obj] = {}  # reservations (pending, no key yet), by generation
         self._pending: OrderedDict[int, Obj] = OrderedDict()  # pending puts + reservations, oldest first
         self.space = Space(c.alignment, c.quarantine_s, c.fence_hold_s)
@@ -253,6 +255,8 @@ class Master(ObjectOps):
         if obj.committed:
             self.n_committed -= 1
             obj.committed = False
+            if self.changes is not None and obj.key is not None:
+                self.changes.add("-", obj.key)
         self.lru.remove(obj)
         self._spilled.discard(obj)
         self._ssd_only.discard(obj)
@@ -342,6 +346,8 @@ class Master(ObjectOps):
         self.lru.add(obj, now)
         self.n_committed += 1
         self.stats["puts"] += 1
+        if self.changes is not None and obj.key is not None:
+            self.changes.add("+", obj.key)
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, now: float, need: int = 0, looks: int = 0) -> int:

@@ -6,6 +6,7 @@ Plain data; the master (:mod:`kvpool.store.master`) and its space bookkeeping
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,29 @@ class KeyTable:
 
     def __len__(self) -> int:
         return self._n
+
+    def page(self, cursor: list[int], limit: int, prefix: str = "") -> tuple[list[str], list[int] | None]:
+        """Committed keys starting with ``prefix`` from ``cursor`` (``[shard, position, shards]``,
+        ``[0, 0, 0]`` to begin), at most ``limit`` of them looked at; returns them and the next
+        cursor (None at the end). Bounded work per call: the master never stalls on a big table.
+        A cursor from before the table split starts again from the beginning."""
+        shard, pos, n = cursor
+        if n != len(self._d):
+            shard, pos = 0, 0
+        keys: list[str] = []
+        looked = 0
+        while shard < len(self._d) and looked < limit:
+            d = self._d[shard]
+            seen = 0
+            for k, o in itertools.islice(d.items(), pos, pos + limit - looked):
+                seen += 1
+                if o.committed and k.startswith(prefix):
+                    keys.append(k)
+            looked += seen
+            pos += seen
+            if pos >= len(d):
+                shard, pos = shard + 1, 0
+        return keys, ([shard, pos, len(self._d)] if shard < len(self._d) else None)
 
 
 class _Chain:

@@ -28,8 +28,6 @@ read (evicted between lookup and load, master gone, wrong size) is reported thro
 
 from __future__ import annotations
 
-import array
-import hashlib
 import logging
 import queue
 import threading
@@ -37,9 +35,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvpool.connectors.blockkeys import block_keys, digest, encode_extra_keys
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
 from kvpool.connectors.vllm.layerwise import LayerLoads, LayerSaves, LayerwiseSaveScheduler
@@ -51,43 +49,6 @@ if TYPE_CHECKING:
     from kvpool.store.client import Store
 
 log = logging.getLogger("kvpool.connectors.vllm")
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def block_keys(
-    namespace: str,
-    token_ids: Any,
-    block_size: int,
-    n_blocks: int | None = None,
-    extra: list[bytes] | None = None,
-) -> list[str]:
-    """Prefix-chained keys of the full blocks of ``token_ids`` (at most ``n_blocks``).
-
-    ``extra[i]``: the encoded extra keys of block ``i`` (:func:`encode_extra_keys`; ``b""`` for
-    none). Token bytes have a fixed length per block, so token ids and extra keys never run into
-    each other.
-    """
-    full = len(token_ids) // block_size
-    if n_blocks is not None:
-        full = min(full, n_blocks)
-    parent = _digest(namespace.encode())
-    keys = []
-    for i in range(full):
-        toks = array.array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        parent = _digest(parent + toks + (extra[i] if extra else b""))
-        keys.append(f"{namespace}/{parent.hex()}")
-    return keys
-
-
-def encode_extra_keys(keys: tuple[Any, ...] | None) -> bytes:
-    """Deterministic bytes of one block's vLLM extra keys (msgpack; raises TypeError for a value
-    msgpack cannot encode, so nothing falls back to ``repr`` or Python's salted ``hash``)."""
-    if not keys:
-        return b""
-    return b"\x01" + msgpack.packb(keys, use_bin_type=True, strict_types=False)
 
 
 def request_block_keys(namespace: str, request: Any, block_size: int) -> list[str]:
@@ -148,7 +109,7 @@ def layout_signature(kv_caches: dict[str, Any], num_blocks: int | None) -> str:
         n = num_blocks if num_blocks is not None else shape[0]
         inner = shape[1:] if shape[0] == n else (shape[0], "B", *shape[2:])
         parts.append((str(t.dtype), inner))
-    return _digest(repr(parts).encode()).hex()[:16]
+    return digest(repr(parts).encode()).hex()[:16]
 
 
 @dataclass

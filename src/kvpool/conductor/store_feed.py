@@ -1,0 +1,185 @@
+"""The store tier of the live router's index: which vLLM blocks the kvpool store holds.
+
+:class:`StoreFeed` follows the master's key change feed (``changes``, :mod:`kvpool.store.changes`)
+in a thread of its own and keeps, per store namespace of TP rank 0 (model, dtype, block size ...
+as :mod:`kvpool.connectors.vllm.store` names them), the set of block digests whose commit marker
+is stored. Who calls what:
+
+* the feed thread polls the master every ``poll_s`` (and at once while there is more to read);
+  after a master restart, a start, or falling behind the master's ring it walks the key table in
+  pages (``resync``);
+* the router, once per request on its event loop, asks :meth:`StoreFeed.leading_blocks` for the
+  request's tokens: the chain of store keys is hashed only up to the first block the store lacks
+  (a few µs per block, no I/O, no lock).
+
+The store's keys are BLAKE2b chains, not the router's own block hashes, so the store tier is
+looked up from the tokens rather than kept in :class:`~kvpool.conductor.index.BlockIndex`.
+Requests whose blocks carry vLLM extra keys (LoRA, multimodal, ``cache_salt``) are not looked up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool._rpc import RpcClient
+from kvpool.connectors.blockkeys import NAMESPACE_RE
+from kvpool.connectors.blockkeys import leading_blocks as _leading
+from kvpool.errors import KvpoolError
+
+__all__ = ["StoreFeed"]
+
+_log = logging.getLogger("kvpool.conductor")
+
+
+class StoreFeed(threading.Thread):
+    """Follows one store master's key feed (see the module docstring)."""
+
+    def __init__(self, master: str, *, secret: str | None = None, block_size: int | None = None,
+                 poll_s: float = 0.2, timeout_s: float = 5.0) -> None:  # fmt: skip
+        super().__init__(name="kvpool-store-feed", daemon=True)
+        self.master = master
+        self.block_size = block_size
+        self.poll_s = poll_s
+        self._rpc = RpcClient(master, timeout_s, secret, what="store master")
+        self._halt = threading.Event()
+        # namespace -> digest -> None (a dict keeps insertion order; membership is all we use)
+        self._blocks: dict[str, dict[bytes, None]] = {}
+        self._models: dict[str, list[str]] = {}  # model name -> namespaces
+        self._bs: dict[str, int] = {}  # namespace -> its block size
+        self._incarnation: int | None = None
+        self.seq = -1
+        self.master_seq = 0
+        self.synced = threading.Event()
+        self.stats = {"adds": 0, "removes": 0, "resyncs": 0, "errors": 0, "polls": 0}
+        self.last_ok = 0.0
+
+    # -- the router's side (event loop) --------------------------------------------------------------
+
+    def namespaces(self, model: str | None) -> list[str]:
+        """Namespaces of ``model`` (all when None) with this router's block size."""
+        if model is None:
+            return list(self._blocks)
+        return list(self._models.get(model, ()))
+
+    def leading_blocks(self, tokens: Sequence[int], model: str | None) -> int:
+        """Leading full blocks of ``tokens`` the store holds for ``model`` (the best namespace
+        when several match; 0 when the model has none or its name is ambiguous)."""
+        best = 0
+        names = self.namespaces(model) if model is not None else []
+        if not names and len(self._blocks) == 1:  # one model in the store: the request's name may differ
+            names = list(self._blocks)
+        for ns in names:
+            blocks = self._blocks.get(ns)
+            if blocks:
+                best = max(best, _leading(ns, tokens, self._bs[ns], blocks.__contains__))
+        return best
+
+    def size(self) -> int:
+        return sum(len(b) for b in self._blocks.values())
+
+    def lag(self) -> int:
+        """Changes the master has that this feed has not applied yet (as of the last poll)."""
+        return max(0, self.master_seq - self.seq) if self.seq >= 0 else self.master_seq
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "master": self.master,
+            "synced": self.synced.is_set(),
+            "namespaces": {ns: len(b) for ns, b in self._blocks.items()},
+            "blocks": self.size(),
+            "seq": self.seq,
+            "lag": self.lag(),
+            **self.stats,
+        }
+
+    # -- the feed thread ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                try:
+                    more = self.poll()
+                    self.last_ok = time.monotonic()
+                except KvpoolError as exc:
+                    self.stats["errors"] += 1
+                    _log.debug("store feed: %s", exc)
+                    more = False
+                    self._halt.wait(min(2.0, self.poll_s * 5))
+                if not more:
+                    self._halt.wait(self.poll_s)
+        finally:
+            self._rpc.close()
+
+    def poll(self) -> bool:
+        """One read of the feed; True when the master has more right away."""
+        self.stats["polls"] += 1
+        r = self._rpc.call("changes", after=self.seq, incarnation=self._incarnation)
+        self.master_seq = int(r["seq"])
+        if r.get("reset"):
+            self.resync()
+            return True
+        for _seq, op, key in r["changes"]:
+            self._apply(op, key)
+        self.seq = int(r["upto"])
+        return self.seq < self.master_seq
+
+    def resync(self) -> None:
+        """Rebuild the sets from the master's key table, page by page (the master restarted, this
+        feed started, or fell behind its ring)."""
+        self.stats["resyncs"] += 1
+        fresh: dict[str, dict[bytes, None]] = {}
+        cursor: list[int] | None = [0, 0, 0]
+        seq = incarnation = None
+        while cursor is not None and not self._halt.is_set():
+            r = self._rpc.call("changes", cursor=cursor, prefix="kvpool/v2/")
+            if seq is None:
+                seq, incarnation = int(r["seq"]), r["incarnation"]
+            elif r["incarnation"] != incarnation:
+                return self.resync()  # restarted meanwhile
+            for key in r["keys"]:
+                m = self._match(key)
+                if m is not None:
+                    fresh.setdefault(m[0], {})[m[1]] = None
+            cursor = r["cursor"]
+        self._models, self._bs = {}, {}
+        for ns in fresh:
+            self._index_namespace(ns)
+        self._blocks = fresh
+        self.seq, self._incarnation = int(seq or 0), incarnation
+        self.synced.set()
+
+    def _match(self, key: str) -> tuple[str, bytes] | None:
+        m = NAMESPACE_RE.match(key)
+        if m is None or (self.block_size is not None and int(m["bs"]) != self.block_size):
+            return None
+        return m["ns"], bytes.fromhex(m["hex"])
+
+    def _index_namespace(self, ns: str) -> None:
+        m = NAMESPACE_RE.match(ns + "/" + "0" * 32)
+        if m is not None:
+            self._bs[ns] = int(m["bs"])
+            self._models.setdefault(m["model"], []).append(ns)
+
+    def _apply(self, op: str, key: str) -> None:
+        m = self._match(key)
+        if m is None:
+            return
+        ns, dig = m
+        blocks = self._blocks.get(ns)
+        if op == "+":
+            if blocks is None:
+                blocks = self._blocks[ns] = {}
+                self._index_namespace(ns)
+            blocks[dig] = None
+            self.stats["adds"] += 1
+        elif blocks is not None:
+            blocks.pop(dig, None)
+            self.stats["removes"] += 1
+
