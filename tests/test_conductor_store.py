@@ -154,7 +154,8 @@ async def _router_with_store(m: MasterProcess, st: Store) -> None:
         # a request to an adapter / with a cache salt is not looked up in the store
         d, req = router.decide("r2", long_tokens, {**body, "cache_salt": "s"})
         assert req.store_blocks == 0
-        stats = router.stats()["store"]
-        assert stats["blocks"] == 40 and stats["synced"]
+        stats = router.stats()
+        assert stats["store"]["blocks"] == 40 and stats["store"]["synced"]
+        assert stats["store_fetch_decisions"] == 1
     finally:
         await router.close()

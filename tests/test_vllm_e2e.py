@@ -20,6 +20,7 @@ import pytest
 from kvpool.child import ChildProcess, free_port
 from kvpool.conductor.store_feed import StoreFeed
 from kvpool.store.procs import MasterProcess, StorageProcess
+from tests.conductor_support import RouterProxy
 from tests.vllm_support import VllmServer, tiny_llama  # noqa: F401  (fixture)
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
@@ -59,6 +60,13 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 def completion(base: str, prompt: list[int], **kw: object) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **kw}
     return post(base + "/v1/completions", body)
+
+
+def _health(base: str) -> dict:
+    """The router part of ``kvpool proxy``'s ``/health``."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(base + "/health", timeout=10) as r:
+        return json.loads(r.read())["router"]
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +306,14 @@ def test_layerwise_store_connector_on_real_servers(
             assert completion(b.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
             assert b.metric("vllm:external_prefix_cache_hits") - hits0 == full * 32
             assert f"kvpool store: loaded {full} blocks (0 failed)" in b.log_path.read_text()
+            # The conductor behind both, following the store's key feed: it has no local prefix of
+            # either instance (no KV events, nothing routed yet), sees the prompt's blocks in the
+            # store and routes it to load them from there; the answer is still the single server's.
+            flags = ("--block-size", "32", "--store-master", m.address)
+            with RouterProxy([a.url, b.url], "conductor", *flags) as px:
+                assert _eventually(lambda: _health(px.url)["store"]["blocks"] >= full)
+                assert completion(px.url, PROMPTS[3])["choices"][0]["text"] == reference[3]
+                assert _health(px.url)["store_fetch_decisions"] == 1
         finally:
             a.stop()
             b.stop()

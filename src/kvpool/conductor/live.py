@@ -315,6 +315,9 @@ class LiveRouter:
             req.store_blocks = self.store_feed.leading_blocks(tokens, model)
         d = self.policy.route(req, self.cluster, time.monotonic())
         self._count(f"decision_{self.policy.name}")
+        src = d.estimate.fetch_from if d.estimate is not None else None
+        if src is not None and src is self.cluster.store:
+            self._count("fetch_store")  # routed to load its prefix from the store
         if d.reject:
             self.rejections[d.reject] = self.rejections.get(d.reject, 0) + 1
         return d, req
@@ -411,6 +414,7 @@ class LiveRouter:
             "ttft_abs_error_p50_s": errs[len(errs) // 2] if errs else None,
             "in_flight": len(self._pending),
             "store": self.store_feed.snapshot() if self.store_feed is not None else None,
+            "store_fetch_decisions": self.counts.get("fetch_store", 0),
         }
 
     def metrics(self) -> list[Any]:
