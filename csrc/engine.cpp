@@ -966,6 +966,50 @@ size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
       s.batch->finish_slice(s.slot, s.len, ST_OK);
       continue;
     }
+    // Consecutive slices of the same op inside the same fenced region, not in a mapped buffer: one
+    // process_vm_readv/writev over up to kMaxIov iovecs instead of a system call per slice (the
+    // scattered head slices of a resharded KV load are thousands of 8-32 KiB ranges). The kernel
+    // never splits an iovec element, so the bytes it reports cover whole slices; anything short
+    // of that, and every error, is left to the one-slice path below.
+    {
+      constexpr size_t kMaxIov = 512;
+      size_t j = i + 1;
+      while (j < group.size() && j - i < kMaxIov) {
+        const Slice& t = group[j];
+        if (t.op != s.op || t.incarnation != s.incarnation || t.remote < fr->addr ||
+            t.remote + t.len > fr->addr + fr->len)
+          break;
+        bool mapped = false;
+        for (auto& m : p->maps)
+          if (t.remote >= m.remote && t.remote + t.len <= m.remote + m.len) mapped = true;
+        if (mapped) break;
+        ++j;
+      }
+      if (j - i >= 2) {
+        iovec liov[kMaxIov], riov[kMaxIov];
+        size_t k = j - i;
+        for (size_t q = 0; q < k; ++q) {
+          const Slice& t = group[i + q];
+          liov[q] = iovec{reinterpret_cast<void*>(t.local), t.len};
+          riov[q] = iovec{reinterpret_cast<void*>(t.remote), t.len};
+        }
+        ssize_t n;
+        do {
+          n = s.op == OP_WRITE ? process_vm_writev(pid, liov, k, riov, k, 0)
+                               : process_vm_readv(pid, liov, k, riov, k, 0);
+        } while (n < 0 && errno == EINTR);
+        size_t whole = 0;
+        uint64_t covered = 0;
+        while (n > 0 && whole < k && covered + group[i + whole].len <= static_cast<uint64_t>(n))
+          covered += group[i + whole++].len;
+        if (whole > 0) {
+          fence->unpin(fr->slot);
+          for (size_t q = 0; q < whole; ++q) group[i + q].batch->finish_slice(group[i + q].slot, group[i + q].len, ST_OK);
+          i += whole - 1;
+          continue;
+        }
+      }
+    }
     uint64_t done = 0;
     bool gone = false, refused = false;
     while (done < s.len) {

@@ -14,7 +14,6 @@ from kvpool.connectors.vllm.reshard import (
     RegionAddr,
     ReshardError,
     check_compatible,
-    load_all,
     plan_columns,
     plan_sources,
 )
@@ -173,18 +172,3 @@ def test_unsupported_layouts_name_the_model_type() -> None:
 def test_wire_roundtrip_ignores_unknown_keys() -> None:
     L = layout("heads", 2, 1, 4)
     assert KvLayout.from_wire({**L.wire(), "future": 1}) == L
-
-
-def test_one_failed_source_fails_the_whole_load() -> None:
-    done: list[int] = []
-
-    def submit(p: int) -> int:
-        if p == 1:
-            raise ConnectionError("prefill rank 1 vanished")
-        done.append(p)
-        return 10
-
-    with pytest.raises(ConnectionError):
-        load_all([0, 1, 2], submit)
-    assert done == [0]  # the caller sees an exception, never a byte count: the load is not ready
-    assert load_all([0, 2], submit) == 20

@@ -158,6 +158,40 @@ def test_batch_transfer_sync_and_async_wait(peer: PeerProcess, tcp_engine: Trans
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_scattered_ranges_from_several_peers_at_once(protocol: str) -> None:
+    """``batch_transfer_sync_multi``: thousands of small scattered ranges (a resharded KV load's
+    head slices) from two peers in one wait land byte-exact (same host: many slices per
+    process_vm_readv); a bad range in one part fails the whole call after the rest finished."""
+    with PeerProcess(8 << 20) as p1, PeerProcess(8 << 20) as p2, TransferEngine(protocol=protocol) as eng:
+        dst, ref = bytearray(24 << 20), bytearray(8 << 20)
+        d, rf = eng.register_local_memory(dst), _native.buffer_address(ref)[0]
+        sizes = [1024, 4096, 8192, 100, 16384]
+        parts, checks = [], []
+        off = 0
+        for k, peer in enumerate((p1, p2)):
+            peer.fill(k + 5)
+            _native.fill_pattern(rf, len(ref), k + 5)  # the same pattern here, to compare with
+            pattern = bytes(ref)
+            locs, rems, lens = [], [], []
+            for i in range(1500):
+                n = sizes[i % len(sizes)]
+                r = (i * 4099 + k * 7) % ((8 << 20) - n)
+                locs.append(d + off)
+                rems.append(peer.addr + r)
+                lens.append(n)
+                checks.append((off, pattern[r : r + n]))
+                off += n + 64  # gaps: no two ranges merge
+            parts.append((peer.segment, locs, rems, lens))
+        total = sum(sum(p[3]) for p in parts)
+        assert eng.batch_transfer_sync_multi(parts, OpCode.READ) == total
+        bad_ranges = [i for i, (o, want) in enumerate(checks) if bytes(dst[o : o + len(want)]) != want]
+        assert not bad_ranges, f"{len(bad_ranges)} ranges wrong, first {bad_ranges[:5]}"
+        bad = (p2.segment, [d], [p2.addr + (9 << 20)], [64])  # outside p2's buffer
+        with pytest.raises(RemoteAccessError):
+            eng.batch_transfer_sync_multi([parts[0], bad], OpCode.READ)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
 def test_a_few_ranges_in_the_calling_thread_land_in_order(peer: PeerProcess, protocol: str) -> None:
     """A short batch_transfer_sync (a store value and its header) is done in the calling thread
     as one exchange: the ranges land in the order given, reads come back whole, and from many

@@ -757,6 +757,51 @@ class TransferEngine:
             return sum(self._run_sync(handle.id, op, *r, stage_wait_s=self.config.timeout_s) for r in rounds)
         return self._run_sync(handle.id, op, locs, rems, lens)
 
+    def batch_transfer_sync_multi(
+        self,
+        parts: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[int]]],
+        opcode: OpCode = OpCode.READ,
+    ) -> int:
+        """Ranges to/from several segments, all in flight at once, waited for together: each part
+        is ``(target_name, local_addrs, remote_addrs, lengths)``. Returns the total bytes, or
+        raises when any range failed (after every submitted range finished). Used where one load
+        gathers from several peers (a resharded KV load reads every prefill TP rank)."""
+        if len(parts) == 1 or self._registry.gpu_count:  # GPU ranges may need staging rounds
+            return sum(self.batch_transfer_sync(t, a, b, c, opcode) for t, a, b, c in parts)
+        op = _native_op(opcode)
+        reqs = []
+        for target, local_addrs, remote_addrs, lengths in parts:
+            try:
+                locs, rems, lens = (list(map(int, local_addrs)), list(map(int, remote_addrs)),
+                                    list(map(int, lengths)))  # fmt: skip
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgument(f"bad transfer request: {exc}") from None
+            if len(rems) != len(locs) or len(lens) != len(locs):
+                raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
+            if locs and (min(lens) <= 0 or min(locs) < 0 or min(rems) < 0):
+                raise InvalidArgument("lengths must be positive and addresses non-negative")
+            hid = self.open_segment(target).id
+            reqs.append(Requests([op] * len(locs), locs, [hid] * len(locs), rems, lens))
+        n = sum(len(r.locs) for r in reqs)
+        if n == 0:
+            return 0
+        bid = self.allocate_batch_id(n)
+        try:
+            try:
+                for r in reqs:
+                    if r.locs:
+                        self._submit(bid, r)
+            finally:
+                st = self.wait_batch(bid)  # what was submitted finishes before anything is raised
+            if st.state != TransferState.COMPLETED:
+                self._raise_failures(bid, n)
+            return st.transferred_bytes
+        finally:
+            try:
+                self.free_batch_id(bid)
+            except KvpoolError:
+                pass
+
     def _run_sync(
         self,
         hid: int,

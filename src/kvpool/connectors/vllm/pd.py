@@ -40,7 +40,6 @@ from kvpool.connectors.vllm.reshard import (
     RegionAddr,
     ReshardError,
     layout_from_vllm,
-    load_all,
     plan_columns,
     plan_sources,
 )
@@ -540,8 +539,8 @@ class _PdWorker:
         rank the reshard plan names. Runs on the load thread.
 
         Every source's plan is built and checked before any byte moves; the load succeeds only when
-        every source's batch completed (:func:`load_all`): a failed source fails the whole load and
-        every block of it is reported to vLLM (never a partial load marked ready).
+        every source's ranges completed (one ``batch_transfer_sync_multi``): a failed source fails the
+        whole load and every block of it is reported to vLLM (never a partial load marked ready).
         """
         ptp = job.remote_tp_size
         if self.kv_layout is None:
@@ -571,12 +570,11 @@ class _PdWorker:
         engine = self.engine
         assert engine is not None
 
-        def submit(i: int) -> int:
-            rem, (locs, rems, lens) = batches[i]
-            engine.batch_transfer_sync(rem.segment, locs.tolist(), rems.tolist(), lens.tolist(), OpCode.READ)
-            return int(lens.sum())
-
-        return load_all(list(range(len(batches))), submit)
+        # Every source in flight at once (one wait): the load is done only when all completed; a
+        # failed range fails the whole load (never a partial load marked ready).
+        parts = [(rem.segment, *(c.tolist() for c in cols)) for rem, cols in batches]
+        engine.batch_transfer_sync_multi(parts, OpCode.READ)
+        return sum(int(lens.sum()) for _, (_, _, lens) in batches)
 
     def _notify(self, jobs: list[RecvJob]) -> None:
         """Tell prefill side channels their blocks may go (read or given up on), one RPC per

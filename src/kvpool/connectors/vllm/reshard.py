@@ -261,13 +261,3 @@ def layout_from_vllm(vllm_config: Any, tp_rank: int, tp_size: int, head_token_by
         block_size=int(vllm_config.cache_config.block_size), num_layers=num_layers,
         head_token_bytes=head_token_bytes, order="HND", model_type=model_type,
     )  # fmt: skip
-
-
-def load_all(sources: list[int], submit: Any) -> int:
-    """Run ``submit(source_rank) -> bytes`` for every source rank of a plan; the load counts as
-    done only when all returned. The first failure propagates (the caller reports every block of
-    the load as failed: a partial load is never marked ready). Returns the bytes moved."""
-    total = 0
-    for p in sources:
-        total += int(submit(p))
-    return total
