@@ -220,6 +220,8 @@ class _Remote:
     regions: dict[str, Region]
     block_size: int
     kv_layout: dict[str, Any] | None = None
+    layout: KvLayout | None = None
+    """``kv_layout`` parsed (once, on the first resharded load)."""
 
 
 def _addr(r: Region) -> RegionAddr:
@@ -553,11 +555,15 @@ class _PdWorker:
             raise ReshardError(
                 f"prefill TP {ptp} != decode TP {self.tp_size} and the prefill sent no KV layout"
             )
-        sources = plan_sources(ptp, self.kv_layout, KvLayout.from_wire(first.kv_layout))
+        if first.layout is None:
+            first.layout = KvLayout.from_wire(first.kv_layout)
+        sources = plan_sources(ptp, self.kv_layout, first.layout)
         batches = []
         for p in sources:
             rem = self._remote(job.remote_host, job.remote_port + p)
-            pl = KvLayout.from_wire(rem.kv_layout or {})
+            pl = rem.layout
+            if pl is None:
+                pl = rem.layout = KvLayout.from_wire(rem.kv_layout or {})
             if pl.tp_size != ptp or pl.tp_rank != p:
                 raise ReshardError(
                     f"prefill rank {p} reports TP rank {pl.tp_rank} of {pl.tp_size}, not {p} of {ptp}"

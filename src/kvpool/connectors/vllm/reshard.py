@@ -23,6 +23,7 @@ Anything else (hybrid / Mamba state, unknown kinds) is refused with the model ty
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,6 +101,7 @@ class KvLayout:
         return cls(**{k: v for k, v in w.items() if k in names})
 
 
+@functools.lru_cache(maxsize=256)  # a layout pair is checked once (an error is not cached)
 def check_compatible(prefill: KvLayout, decode: KvLayout) -> None:
     """Raise :class:`ReshardError` naming the first difference that no reshard can bridge.
 
@@ -130,10 +132,15 @@ def plan_sources(prefill_tp: int, decode: KvLayout, prefill_template: KvLayout) 
 
     ``prefill_template`` is any prefill rank's layout (only its TP size and head split matter).
     Heads held by several prefill ranks (replication) are read from one of them, spread by decode
-    rank; MLA caches from ``decode_rank % prefill_tp`` alone.
+    rank; MLA caches from ``decode_rank % prefill_tp`` alone. Computed once per layout pair.
     """
+    return list(_plan_sources(prefill_tp, decode, prefill_template))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_sources(prefill_tp: int, decode: KvLayout, prefill_template: KvLayout) -> tuple[int, ...]:
     if decode.kind == "mla":
-        return [decode.tp_rank % prefill_tp]
+        return (decode.tp_rank % prefill_tp,)
     want = decode.heads()
     chosen: list[int] = []
     covered: set[int] = set()
@@ -145,7 +152,7 @@ def plan_sources(prefill_tp: int, decode: KvLayout, prefill_template: KvLayout) 
         covered.update(_with_rank(prefill_template, p).heads())
         if p not in chosen:
             chosen.append(p)
-    return chosen
+    return tuple(chosen)
 
 
 def _with_rank(layout: KvLayout, rank: int) -> KvLayout:
@@ -154,11 +161,20 @@ def _with_rank(layout: KvLayout, rank: int) -> KvLayout:
     return KvLayout(**d)
 
 
+@functools.lru_cache(maxsize=256)
 def block_template(prefill: KvLayout, decode: KvLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte ranges inside one block: (decode offsets, prefill offsets, lengths), merged.
+    """Byte ranges inside one block: (decode offsets, prefill offsets, lengths), merged; computed
+    once per layout pair (the arrays are read-only).
 
     Empty when the two ranks share no head.
     """
+    out = _block_template(prefill, decode)
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+def _block_template(prefill: KvLayout, decode: KvLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if decode.kind == "mla":
         n = decode.block_bytes()
         return np.array([0], np.int64), np.array([0], np.int64), np.array([n], np.int64)
