@@ -821,6 +821,9 @@ int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint6
   validate(std::vector<uint8_t>(n, op), locals, std::vector<uint64_t>(n, peer), remotes, lens, &resolved);
   if (n == 0) return ST_OK;
   Peer* p = resolved[0].get();
+  // The caller skipped its own freshness check (one call less per small transfer): a peer seen
+  // gone or restarted since its descriptor was read is refreshed by the caller first.
+  if (p->stale.load()) return ST_STALE;
   // About one slice's worth (a value and its header, a few small ranges): what one lane would
   // carry anyway. More is queued and spread over the lanes.
   uint64_t total = 0;

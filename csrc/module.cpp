@@ -226,4 +226,5 @@ PYBIND11_MODULE(_native, m) {
   m.attr("ST_TIMEOUT") = static_cast<int>(ST_TIMEOUT);
   m.attr("ST_CANCELED") = static_cast<int>(ST_CANCELED);
   m.attr("ST_TRANSPORT") = static_cast<int>(ST_TRANSPORT);
+  m.attr("ST_STALE") = static_cast<int>(ST_STALE);
 }

@@ -56,6 +56,7 @@ enum Status : int32_t {
   ST_TRANSPORT = 106,     // failed in a transport outside the native data path (reason kept by the caller)
   ST_PEER_UNPROVEN = 107,  // peer could not prove the shared secret (impostor or no secret)
   ST_BUSY = 108,          // target refused the connection: over its connection bounds
+  ST_STALE = 109,         // local only: the peer's descriptor must be fetched again first (nothing moved)
 };
 
 #pragma pack(push, 1)
@@ -147,6 +148,7 @@ inline const char* status_text(int32_t st) {
     case ST_CANCELED: return "engine shut down";
     case ST_LOCAL_FAULT: return "same-host copy faulted (memory unmapped?)";
     case ST_TRANSPORT: return "failed in the transport";
+    case ST_STALE: return "the segment's descriptor is stale; open the segment again";
     case ST_BUSY:
       return "target refused the connection: it is at its connection bound (max_connections or "
              "max_connections_per_peer); retry later, or close idle engines on this host";

@@ -683,9 +683,17 @@ class TransferEngine:
                     raise InvalidArgument(f"{name} must be a non-negative int address, got {v!r}")
         if length <= 0:
             raise InvalidArgument("length must be a positive integer")
-        op = _native_op(opcode)
-        hid = self.open_segment(target_name).id
-        t = self._routes.get(hid) or self._route(hid)
+        op = WRITE if opcode is OpCode.WRITE else READ if opcode is OpCode.READ else _native_op(opcode)
+        # The cached segment without open_segment's native freshness call: the native transfer
+        # answers ST_STALE instead (nothing moved; transfer_inline then returns None and the batch
+        # path below opens the segment again).
+        cached = self._segments.get(target_name)
+        t = self._routes.get(cached[0].id) if cached is not None else None
+        if t is None or t.peer_gone(cached[0].id):  # type: ignore[index]
+            hid = self.open_segment(target_name).id
+            t = self._routes.get(hid) or self._route(hid)
+        else:
+            hid = cached[0].id  # type: ignore[index]
         reg = self._registry
         st = None  # GPU memory here: a batch (staged or CUDA IPC) moves it
         if not (reg.gpu_count and reg.gpu_region(local_addr, length) is not None):

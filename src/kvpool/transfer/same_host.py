@@ -63,7 +63,7 @@ class SameHostTransport(TcpTransport):
 
     def transfer_inline(
         self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
-    ) -> TransferStatus:
+    ) -> TransferStatus | None:
         try:
             return super().transfer_inline(op, handle, locals_, remotes, lens)
         except RemoteAccessError:

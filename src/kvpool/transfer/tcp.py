@@ -16,6 +16,7 @@ from kvpool.transfer.transport import Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor, TransferState, TransferStatus
 
 _OK = TransferStatus(TransferState.COMPLETED, 0)
+_ST_STALE = _native.ST_STALE
 
 
 class TcpTransport(Transport):
@@ -34,12 +35,14 @@ class TcpTransport(Transport):
 
     def transfer_inline(
         self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
-    ) -> TransferStatus:
+    ) -> TransferStatus | None:
         if len(lens) == 1:  # in this thread if a lane is idle
             err = self.native.transfer_sync(op, locals_[0], handle, remotes[0], lens[0])
         else:
             err = self.native.transfer_sync_ranges(op, locals_, handle, remotes, lens)
         if not err:
             return _OK
+        if err == _ST_STALE:  # nothing moved: the engine refreshes the descriptor and uses a batch
+            return None
         state = TransferState.TIMEOUT if err == _native.ST_TIMEOUT else TransferState.FAILED
         return TransferStatus(state, 0, _native.status_text(err))
