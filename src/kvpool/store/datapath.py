@@ -211,7 +211,17 @@ class DataPath:
 
     def sync(self, segment: str, local: int, remote: int, length: int, op: OpCode) -> bool:
         """One transfer in this thread; False on failure (the caller reports or fails over)."""
-        return self.sync_ranges(segment, [local], [remote], [length], op)
+        for attempt in (0, 1):
+            try:
+                self.engine.transfer_sync(segment, local, remote, length, op)
+                return True
+            except RemoteAccessError:
+                if attempt:
+                    return False
+                self.refresh(segment)  # the owner mounted fresh memory: fetch its descriptor again
+            except KvpoolError:
+                return False
+        return False
 
     def sync_ranges(
         self, segment: str, locs: list[int], rems: list[int], lens: list[int], op: OpCode
