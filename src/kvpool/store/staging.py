@@ -60,8 +60,8 @@ class Staging:
     def sink(self, size: int) -> tuple[int, bytes, Any]:
         """(address, result, token) to READ a big value into: a fresh ``bytes`` object filled in place."""
         obj, addr = _native.new_bytes(size)
-        self.engine.register_local_memory(addr, size, remote_accessible=False)
-        return addr, obj, ("registered", addr)
+        self.engine.register_host_scratch(addr, size)
+        return addr, obj, ("scratch", addr)
 
     def give(self, token: Any) -> None:
         """Return a region taken with :meth:`take`, :meth:`source` or :meth:`sink`."""
@@ -73,6 +73,9 @@ class Staging:
         if isinstance(token, int):
             with self.lock:
                 self.alloc.free(token)
+            return
+        if token[0] == "scratch":
+            self.engine.unregister_host_scratch(token[1])
             return
         if token[0] == "registered":
             self.engine.unregister_local_memory(token[1])

@@ -303,6 +303,30 @@ class TransferEngine:
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
         return addr
 
+    def register_host_scratch(self, addr: int, length: int) -> None:
+        """Register ``length`` writable host bytes at ``addr`` local-only (a READ destination for
+        one call): :meth:`register_local_memory` with ``location="cpu:0"`` and
+        ``remote_accessible=False`` for an int address, without its argument parsing (same native
+        registration, bookkeeping and transports). Undo with :meth:`unregister_host_scratch`."""
+        if length <= 0:
+            raise InvalidArgument("cannot register an empty buffer")
+        slot, gen = self._native.register_memory(addr, length, False, False)
+        desc = BufferDescriptor(addr, length, "cpu:0", False, fence_slot=slot, fence_gen=gen)
+        reg = Registration(desc, None)
+        self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
+
+    def unregister_host_scratch(self, addr: int) -> None:
+        """Undo :meth:`register_host_scratch` (host, local-only: nothing to publish)."""
+        reg = self._registry.get(addr)
+        if reg is None or reg.gpu or reg.desc.remote_accessible:
+            self.unregister_local_memory(addr)  # not one of ours: the general path
+            return
+        self._native.unregister_memory(addr)  # waits for in-flight access to the range
+        for t in self._transports:
+            if "cpu" in t.locations:
+                t.unregister(addr)
+        self._registry.remove(addr)
+
     def is_gpu_memory(self, addr: int, length: int) -> bool:
         """Whether ``[addr, addr+length)`` starts in memory registered here as ``cuda:N`` (host
         code must not touch it directly; copy through :attr:`device_runtime`)."""
