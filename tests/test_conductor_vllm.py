@@ -157,3 +157,34 @@ def test_request_beyond_the_slo_is_refused_before_prefill(cluster) -> None:  # t
         assert code == 429, body
         assert "refused before prefill" in body["error"]["message"]
         assert [s.metric("vllm:prompt_tokens") for s in servers] == before
+
+
+def test_calibrate_against_a_real_server(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``kvpool conductor calibrate`` on one real server: the fit predicts a held-out prompt length's
+    TTFT within 2x of a measurement, and the saved report loads as a CostModel."""
+    import asyncio
+    import statistics
+    import time
+
+    from kvpool.conductor.calibrate import calibrate
+    from kvpool.conductor.cost import CostModel
+
+    url = cluster[0][0].url
+    report = asyncio.run(
+        calibrate([url], prefill_lengths=(32, 256, 1024, 2048), cached_lengths=(1024,), cached_extra=128,
+                  batches=(1, 2, 4), decode_contexts=(64, 512), decode_tokens=8, repeats=2, max_token_id=700)
+    )  # fmt: skip
+    cm: CostModel = report.pop("cost_model")
+    out = tmp_path / "cm.json"
+    cm.save(out, extra=report)
+    assert CostModel.load(out) == cm
+    held = 768  # not a probed length; fresh random ids (no prefix hit)
+    ttfts = []
+    for k in range(3):
+        ids = [(7 * k + 13 * i) % 690 + 5 for i in range(held)]
+        t0 = time.perf_counter()
+        status, _ = post(url + "/v1/completions", {"model": report["model"], "prompt": ids, "max_tokens": 1})
+        ttfts.append(time.perf_counter() - t0)
+        assert status == 200
+    measured = statistics.median(ttfts)
+    assert measured / 2 <= cm.prefill_s(held) <= measured * 2, (cm, measured)

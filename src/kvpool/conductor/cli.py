@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpool.cli_errors import UsageError, number_arg
 
-__all__ = ["add_commands", "cmd_simulate"]
+__all__ = ["add_calibrate", "add_commands", "cmd_calibrate", "cmd_simulate"]
 
 SIM_POLICIES = ("random", "round-robin", "load", "cache", "conductor")
 
@@ -112,6 +112,49 @@ def add_commands(sub: Any) -> None:
     )
     sm.add_argument("--json", action="store_true", help="print the summaries as JSON")
     sm.set_defaults(func=cmd_simulate)
+    add_calibrate(sub)
+
+
+def add_calibrate(sub: Any) -> None:
+    """Add ``conductor calibrate`` (fit a cost model against real OpenAI-compatible servers)."""
+    pos = number_arg
+    cd = sub.add_parser("conductor", help="conductor tools: calibrate")
+    csub = cd.add_subparsers(dest="conductor", required=True, metavar="TOOL")
+    cal = csub.add_parser(
+        "calibrate", help="fit a cost model from streaming /v1/completions probes of real servers",
+        description="Measures TTFT per prompt length (and with a cached prefix) and time between "
+        "tokens per batch size and context, fits the CostModel terms and prints or saves the model "
+        "with its measurements and relative errors. Load it with --cost-model.",
+    )  # fmt: skip
+    cal.add_argument("--backends", nargs="+", required=True, metavar="URL", help="server base URLs")
+    cal.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    cal.add_argument("--prefill-lengths", nargs="+", type=pos("--prefill-lengths"),
+                     default=[32, 128, 512, 1024, 2048], metavar="N", help="new-token lengths")  # fmt: skip
+    cal.add_argument("--cached-lengths", nargs="+", type=pos("--cached-lengths"), default=[512, 1024],
+                     metavar="N", help="cached-prefix lengths (128 new tokens after each)")  # fmt: skip
+    cal.add_argument("--batches", nargs="+", type=pos("--batches"), default=[1, 2, 4, 8], metavar="N",
+                     help="concurrent decode streams (default 1 2 4 8)")  # fmt: skip
+    cal.add_argument("--decode-contexts", nargs="+", type=pos("--decode-contexts"), default=[64, 1024],
+                     metavar="N", help="prompt lengths of the decode probes")  # fmt: skip
+    cal.add_argument("--decode-tokens", type=pos("--decode-tokens", minimum=3), default=32, metavar="N",
+                     help="tokens generated per decode stream (default 32)")  # fmt: skip
+    cal.add_argument("--repeats", type=pos("--repeats"), default=3, metavar="N",
+                     help="repeats per probe; the median is used (default 3)")  # fmt: skip
+    cal.add_argument("--max-token-id", type=pos("--max-token-id", minimum=2), default=30000, metavar="N",
+                     help="prompt ids are below N, at most the vocab size (default 30000)")  # fmt: skip
+    cal.add_argument("--transfer-gbps", type=pos("--transfer-gbps", float), default=None, metavar="GBPS",
+                     help="KV transfer rate (not measured; default: the CostModel default)")  # fmt: skip
+    cal.add_argument("--kv-bytes-per-token", type=pos("--kv-bytes-per-token"), default=None, metavar="N",
+                     help="KV bytes per token (not measured; default: the CostModel default)")  # fmt: skip
+    cal.add_argument("--out", default=None, metavar="FILE", help="save the report here (default: print JSON)")
+    cal.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Run ``kvpool conductor calibrate``."""
+    from kvpool.conductor.calibrate import run_calibrate
+
+    return run_calibrate(args)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

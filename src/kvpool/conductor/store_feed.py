@@ -182,4 +182,3 @@ class StoreFeed(threading.Thread):
         elif blocks is not None:
             blocks.pop(dig, None)
             self.stats["removes"] += 1
-
