@@ -174,7 +174,18 @@ def _errors(cost: CostModel, prefill: list[dict[str, Any]], decode: list[dict[st
 
 def run_calibrate(args: Any) -> int:
     """Entry point of ``kvpool conductor calibrate`` (parsed arguments from :mod:`.cli`)."""
-    report = asyncio.run(
+    import aiohttp
+
+    try:
+        report = _run(args)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise ConfigError(f"cannot reach the backends {args.backends}: {exc!r}") from None
+    cost: CostModel = report.pop("cost_model")
+    return _finish(args, report, cost)
+
+
+def _run(args: Any) -> dict[str, Any]:
+    return asyncio.run(
         calibrate(
             args.backends, model=args.model, prefill_lengths=tuple(args.prefill_lengths),
             cached_lengths=tuple(args.cached_lengths), batches=tuple(args.batches),
@@ -182,7 +193,9 @@ def run_calibrate(args: Any) -> int:
             repeats=args.repeats, max_token_id=args.max_token_id,
         )
     )  # fmt: skip
-    cost: CostModel = report.pop("cost_model")
+
+
+def _finish(args: Any, report: dict[str, Any], cost: CostModel) -> int:
     upd = {k: getattr(args, k) for k in ("transfer_gbps", "kv_bytes_per_token") if getattr(args, k, None)}
     if upd:
         cost = cost.model_copy(update=upd)
