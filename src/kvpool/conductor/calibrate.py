@@ -138,8 +138,10 @@ async def calibrate(
                         runs = await asyncio.gather(
                             *[_stream(s, url, name, ids(ctx), decode_tokens) for _ in range(b)]
                         )
-                        # steady-state gaps only: skip the first token (prefill of the batch)
-                        gaps = [(r[-1] - r[1]) / (len(r) - 2) for r in runs if len(r) > 2]
+                        # Steady state, first token to last: ignore_eos makes every stream exactly
+                        # decode_tokens long, so divide by the known step count, not by the chunks
+                        # seen (vLLM may stream several tokens in one chunk: gaps near 0 between them).
+                        gaps = [(r[-1] - r[0]) / (decode_tokens - 1) for r in runs if len(r) >= 2]
                         if gaps:
                             t.append(statistics.median(gaps))
                     if t:
