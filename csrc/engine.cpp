@@ -665,24 +665,31 @@ void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_
   resolved->resize(n);
   std::shared_lock lk(reg_.mutex());
   for (size_t i = 0; i < n; ++i) {
-    std::string at = " (request " + std::to_string(i) + ")";
-    if (ops[i] != OP_WRITE && ops[i] != OP_READ) throw KvError(E_INVALID, "opcode must be READ or WRITE" + at);
-    if (lens[i] == 0) throw KvError(E_INVALID, "length must be positive" + at);
+    auto at = [i] { return " (request " + std::to_string(i) + ")"; };  // only built for an error
+    if (ops[i] != OP_WRITE && ops[i] != OP_READ) throw KvError(E_INVALID, "opcode must be READ or WRITE" + at());
+    if (lens[i] == 0) throw KvError(E_INVALID, "length must be positive" + at());
     if (!reg_.contains_locked(locals[i], lens[i], false, ops[i] == OP_READ))
       throw KvError(E_NOT_REGISTERED,
                     reg_.contains_locked(locals[i], lens[i], false)
-                        ? "local range is registered read-only: it cannot receive a READ" + at
-                        : "local range is not inside registered memory; call register_local_memory first" + at);
+                        ? "local range is registered read-only: it cannot receive a READ" + at()
+                        : "local range is not inside registered memory; call register_local_memory first" + at());
+    if (i > 0 && peers[i] == peers[i - 1]) {
+      if (!(*resolved)[i - 1]->remote_ok(remotes[i], lens[i]))
+        throw KvError(E_REMOTE_ACCESS,
+                      "remote range is outside the segment's remote-accessible buffers" + at());
+      (*resolved)[i] = (*resolved)[i - 1];
+      continue;
+    }
     auto& p = cache[peers[i]];
     if (!p) {
       std::lock_guard pk(peers_mu_);
       auto it = peers_.find(peers[i]);
-      if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle" + at);
+      if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle" + at());
       p = it->second;
     }
     if (!p->remote_ok(remotes[i], lens[i]))
       throw KvError(E_REMOTE_ACCESS,
-                    "remote range is outside the segment's remote-accessible buffers" + at);
+                    "remote range is outside the segment's remote-accessible buffers" + at());
     (*resolved)[i] = p;
   }
 }
@@ -696,22 +703,29 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
   size_t n = ops.size();
   const uint64_t ss = opt_.slice_size;
   uint32_t base = take_slots(*b, batches_mu_, lens, ss);
-  for (size_t i = 0; i < n; ++i) {
+  // A run of requests to the same peer is queued under one hold of its queue lock and the
+  // workers are woken once at its end, so a worker takes the run as large groups (one
+  // process_vm_readv/writev or one frame per group) instead of racing the submitter slice by slice.
+  for (size_t i = 0; i < n;) {
     Peer* p = resolved[i].get();
     uint64_t inc = p->incarnation.load();
     std::unique_lock lk(p->qmu);
-    for (uint64_t off = 0; off < lens[i]; off += ss) {
-      // Back-pressure: wait for room rather than reject a big batch.
-      p->qspace.wait(lk, [&] { return p->queue.size() < opt_.max_queue || p->stopping; });
-      if (p->stopping) {
-        lk.unlock();
-        b->finish_slice(base + i, 0, ST_CANCELED);
-        lk.lock();
-        continue;
+    for (; i < n && resolved[i].get() == p; ++i) {
+      for (uint64_t off = 0; off < lens[i]; off += ss) {
+        if (p->queue.size() >= opt_.max_queue && !p->stopping) {
+          // Back-pressure: wake the workers and wait for room rather than reject a big batch.
+          p->qcv.notify_all();
+          p->qspace.wait(lk, [&] { return p->queue.size() < opt_.max_queue || p->stopping; });
+        }
+        if (p->stopping) {
+          lk.unlock();
+          b->finish_slice(base + i, 0, ST_CANCELED);
+          lk.lock();
+          continue;
+        }
+        p->queue.push_back(Slice{b, static_cast<uint32_t>(base + i), ops[i], locals[i] + off, remotes[i] + off,
+                                 std::min(ss, lens[i] - off), inc});
       }
-      p->queue.push_back(Slice{b, static_cast<uint32_t>(base + i), ops[i], locals[i] + off, remotes[i] + off,
-                               std::min(ss, lens[i] - off), inc});
-      if (p->queue.size() == 1 || (p->queue.size() & 63) == 0) p->qcv.notify_one();
     }
     lk.unlock();
     p->qcv.notify_all();
@@ -970,36 +984,45 @@ size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
       continue;
     }
     // Consecutive slices of the same op inside the same fenced region, not in a mapped buffer: one
-    // process_vm_readv/writev over up to kMaxIov iovecs instead of a system call per slice (the
-    // scattered head slices of a resharded KV load are thousands of 8-32 KiB ranges). The kernel
-    // never splits an iovec element, so the bytes it reports cover whole slices; anything short
-    // of that, and every error, is left to the one-slice path below.
+    // process_vm_readv/writev instead of a system call per slice (the scattered head slices of a
+    // resharded KV load are thousands of 8-32 KiB ranges). Slices adjacent on one side share an
+    // iovec element there, so a gather from one contiguous remote run into scattered local blocks
+    // pins the remote pages once per run, not once per slice. The bytes the kernel reports are
+    // in slice order; slices it covered whole are done, the rest (and every error) is left to the
+    // one-slice path below.
     {
-      constexpr size_t kMaxIov = 512;
-      size_t j = i + 1;
-      while (j < group.size() && j - i < kMaxIov) {
+      constexpr size_t kMaxIov = 1024;  // UIO_MAXIOV
+      constexpr size_t kMaxSlices = 8192;
+      iovec liov[kMaxIov], riov[kMaxIov];
+      size_t nl = 0, nr = 0, j = i;
+      while (j < group.size() && j - i < kMaxSlices) {
         const Slice& t = group[j];
-        if (t.op != s.op || t.incarnation != s.incarnation || t.remote < fr->addr ||
-            t.remote + t.len > fr->addr + fr->len)
-          break;
-        bool mapped = false;
-        for (auto& m : p->maps)
-          if (t.remote >= m.remote && t.remote + t.len <= m.remote + m.len) mapped = true;
-        if (mapped) break;
+        if (j > i) {
+          if (t.op != s.op || t.incarnation != s.incarnation || t.remote < fr->addr ||
+              t.remote + t.len > fr->addr + fr->len)
+            break;
+          bool mapped = false;
+          for (auto& m : p->maps)
+            if (t.remote >= m.remote && t.remote + t.len <= m.remote + m.len) mapped = true;
+          if (mapped) break;
+        }
+        auto* lp = reinterpret_cast<char*>(t.local);
+        auto* rp = reinterpret_cast<char*>(t.remote);
+        bool lmerge = nl > 0 && static_cast<char*>(liov[nl - 1].iov_base) + liov[nl - 1].iov_len == lp;
+        bool rmerge = nr > 0 && static_cast<char*>(riov[nr - 1].iov_base) + riov[nr - 1].iov_len == rp;
+        if ((!lmerge && nl == kMaxIov) || (!rmerge && nr == kMaxIov)) break;
+        if (lmerge) liov[nl - 1].iov_len += t.len;
+        else liov[nl++] = iovec{lp, t.len};
+        if (rmerge) riov[nr - 1].iov_len += t.len;
+        else riov[nr++] = iovec{rp, t.len};
         ++j;
       }
-      if (j - i >= 2) {
-        iovec liov[kMaxIov], riov[kMaxIov];
-        size_t k = j - i;
-        for (size_t q = 0; q < k; ++q) {
-          const Slice& t = group[i + q];
-          liov[q] = iovec{reinterpret_cast<void*>(t.local), t.len};
-          riov[q] = iovec{reinterpret_cast<void*>(t.remote), t.len};
-        }
+      const size_t k = j - i;
+      if (k >= 2) {
         ssize_t n;
         do {
-          n = s.op == OP_WRITE ? process_vm_writev(pid, liov, k, riov, k, 0)
-                               : process_vm_readv(pid, liov, k, riov, k, 0);
+          n = s.op == OP_WRITE ? process_vm_writev(pid, liov, nl, riov, nr, 0)
+                               : process_vm_readv(pid, liov, nl, riov, nr, 0);
         } while (n < 0 && errno == EINTR);
         size_t whole = 0;
         uint64_t covered = 0;

@@ -6,11 +6,12 @@ import asyncio
 import random
 import threading
 
+import numpy as np
 import pytest
 import xxhash
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
-from kvpool.errors import RemoteAccessError, TransferError
+from kvpool.errors import InvalidArgument, RemoteAccessError, TransferError
 from kvpool.transfer.peer import PeerProcess
 
 SIZES = [1, 7, 4096, 65537, 1 << 20, (4 << 20) + 3, 64 << 20]
@@ -189,6 +190,45 @@ def test_scattered_ranges_from_several_peers_at_once(protocol: str) -> None:
         bad = (p2.segment, [d], [p2.addr + (9 << 20)], [64])  # outside p2's buffer
         with pytest.raises(RemoteAccessError):
             eng.batch_transfer_sync_multi([parts[0], bad], OpCode.READ)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+@pytest.mark.parametrize("columns", ["lists", "numpy"])
+def test_gather_and_scatter_between_one_run_and_strided_blocks(protocol: str, columns: str) -> None:
+    """Many ranges contiguous on one side and strided on the other (a resharded load's head
+    slices: one prefill run into every other half-block here; the same host shares one iovec
+    per side's run) land byte-exact both ways, as lists or numpy columns; bad columns are a
+    typed error before anything moves."""
+    n, size = 700, 12 << 10
+    with PeerProcess(32 << 20) as peer, TransferEngine(protocol=protocol) as eng:
+        peer.fill(3)
+        ref = bytearray(32 << 20)
+        _native.fill_pattern(_native.buffer_address(ref)[0], len(ref), 3)
+        dst = bytearray(2 * n * size)
+        d = eng.register_local_memory(dst)
+        locs = [d + 2 * i * size + size for i in range(n)]  # the second half of every block
+        rems = [peer.addr + 4096 + i * size for i in range(n)]  # one run on the peer
+        lens = [size] * n
+        cols = (locs, rems, lens) if columns == "lists" else tuple(np.array(c, np.uint64) for c in (locs, rems, lens))
+        assert eng.batch_transfer_sync(peer.segment, *cols, OpCode.READ) == n * size
+        for i in range(n):
+            assert dst[2 * i * size : 2 * i * size + size] == bytes(size), f"block {i}: first half touched"
+            got = dst[2 * i * size + size : 2 * (i + 1) * size]
+            assert got == ref[4096 + i * size : 4096 + (i + 1) * size], f"block {i}: wrong bytes"
+        # and back: the strided halves written as one run elsewhere on the peer
+        back = [peer.addr + (16 << 20) + i * size for i in range(n)]
+        rcols = (locs, back, lens) if columns == "lists" else (cols[0], np.array(back, np.uint64), cols[2])
+        assert eng.batch_transfer_sync(peer.segment, *rcols, OpCode.WRITE) == n * size
+        assert peer.checksum(16 << 20, n * size) == xxhash.xxh3_64_hexdigest(bytes(ref[4096 : 4096 + n * size]))
+        for bad in (
+            (np.array(locs, np.float64), rems, lens),  # not integers
+            (locs, rems, [size] * (n - 1) + [0]),  # an empty range
+            (locs, [-1] + rems[1:], lens),  # a negative address
+        ):
+            with pytest.raises(InvalidArgument):
+                eng.batch_transfer_sync(peer.segment, *bad, OpCode.READ)
+        with pytest.raises(RemoteAccessError):  # the last range past the peer's buffer
+            eng.batch_transfer_sync(peer.segment, locs, rems[:-1] + [peer.addr + (32 << 20) - 100], lens, OpCode.READ)
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "auto"])

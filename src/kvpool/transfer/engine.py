@@ -64,6 +64,40 @@ __all__ = ["TransferEngine", "buffer_range", "split_host_port"]
 log = logging.getLogger("kvpool.transfer")
 
 _INLINE_MAX = 16  # requests a transfer_sync/batch_transfer_sync may do in the calling thread
+_U64 = np.dtype(np.uint64)
+
+
+def _int_columns(cols: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+    """(locals, remotes, lengths) as lists of int, checked: lengths positive, addresses >= 0."""
+    try:
+        locs, rems, lens = (list(map(int, c)) for c in cols)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"bad transfer request: {exc}") from None
+    if locs and (min(lens) <= 0 or min(locs) < 0 or min(rems) < 0):
+        raise InvalidArgument("lengths must be positive and addresses non-negative")
+    return locs, rems, lens
+
+
+def _u64_columns(cols: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(locals, remotes, lengths) as contiguous uint64 arrays, checked like :func:`_int_columns`:
+    free for uint64 arrays, one C-speed pass for lists and other integer arrays."""
+    out = []
+    for c in cols:
+        try:
+            if isinstance(c, np.ndarray):
+                if c.dtype.kind not in "iu":
+                    raise TypeError(f"columns must be integers, not {c.dtype}")
+                a = c
+            else:
+                a = np.fromiter(c, dtype=np.int64, count=len(c))
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InvalidArgument(f"bad transfer request: {exc}") from None
+        if a.dtype != _U64 and len(a) and a.min() < 0:
+            raise InvalidArgument("lengths must be positive and addresses non-negative")
+        out.append(np.ascontiguousarray(a, dtype=_U64))
+    if len(out[2]) and out[2].min() == 0:
+        raise InvalidArgument("lengths must be positive and addresses non-negative")
+    return out[0], out[1], out[2]
 _NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}  # IntEnum keys: plain 0/1 find them too
 
 
@@ -761,22 +795,12 @@ class TransferEngine:
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
-        if getattr(t, "takes_arrays", False) and all(isinstance(c, np.ndarray) for c in arrays):
-            # numpy columns straight through (the CUDA IPC path): no per-request Python
-            if (lengths <= 0).any() or (local_addrs < 0).any() or (remote_addrs < 0).any():  # type: ignore[operator]
-                raise InvalidArgument("lengths must be positive and addresses non-negative")
-            cols = [np.ascontiguousarray(c, dtype=np.uint64) for c in arrays]
-            return self._run_sync(handle.id, op, *cols)  # type: ignore[arg-type]
-        try:
-            locs, rems, lens = (
-                list(map(int, local_addrs)),
-                list(map(int, remote_addrs)),
-                list(map(int, lengths)),
-            )
-        except (ValueError, TypeError) as exc:
-            raise InvalidArgument(f"bad transfer request: {exc}") from None
-        if min(lens) <= 0 or min(locs) < 0 or min(rems) < 0:
-            raise InvalidArgument("lengths must be positive and addresses non-negative")
+        gpu_ok = "cuda" in t.locations or not self._registry.gpu_count  # else staging needs lists
+        cuda_cols = "cuda" in t.locations and all(isinstance(c, np.ndarray) for c in arrays)
+        if t.takes_arrays and gpu_ok and (n > _INLINE_MAX or cuda_cols):
+            # columns straight through: no per-request Python objects
+            return self._run_sync(handle.id, op, *_u64_columns(arrays))  # type: ignore[arg-type]
+        locs, rems, lens = _int_columns(arrays)
         st = self._inline(handle.id, op, locs, rems, lens)
         if st is not None:
             if st.ok:
@@ -803,16 +827,13 @@ class TransferEngine:
         op = _native_op(opcode)
         reqs = []
         for target, local_addrs, remote_addrs, lengths in parts:
-            try:
-                locs, rems, lens = (list(map(int, local_addrs)), list(map(int, remote_addrs)),
-                                    list(map(int, lengths)))  # fmt: skip
-            except (ValueError, TypeError) as exc:
-                raise InvalidArgument(f"bad transfer request: {exc}") from None
-            if len(rems) != len(locs) or len(lens) != len(locs):
+            if len(remote_addrs) != len(local_addrs) or len(lengths) != len(local_addrs):
                 raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
-            if locs and (min(lens) <= 0 or min(locs) < 0 or min(rems) < 0):
-                raise InvalidArgument("lengths must be positive and addresses non-negative")
             hid = self.open_segment(target).id
+            if self._route(hid).takes_arrays:
+                locs, rems, lens = _u64_columns((local_addrs, remote_addrs, lengths))
+            else:
+                locs, rems, lens = _int_columns((local_addrs, remote_addrs, lengths))
             reqs.append(Requests([op] * len(locs), locs, [hid] * len(locs), rems, lens))
         n = sum(len(r.locs) for r in reqs)
         if n == 0:
@@ -821,7 +842,7 @@ class TransferEngine:
         try:
             try:
                 for r in reqs:
-                    if r.locs:
+                    if len(r.locs):
                         self._submit(bid, r)
             finally:
                 st = self.wait_batch(bid)  # what was submitted finishes before anything is raised

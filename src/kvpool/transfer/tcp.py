@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvpool import _native
 from kvpool.transfer.transport import Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor, TransferState, TransferStatus
@@ -30,8 +32,18 @@ class TcpTransport(Transport):
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
         return local == remote == "cpu" and "tcp" in desc.protocols
 
+    takes_arrays = True
+
     def submit(self, batch_id: int, reqs: Requests) -> None:
-        self.native.submit(batch_id, *reqs)  # validates all, then queues
+        ops, locs, peers, rems, lens = reqs
+        if isinstance(locs, np.ndarray):
+            n = len(lens)
+            if ops.count(ops[0]) == n and peers.count(peers[0]) == n:
+                # one op, one segment: the columns go over in one copy each
+                self.native.submit_cols(batch_id, ops[0], locs, peers[0], rems, lens)
+                return
+            locs, rems, lens = locs.tolist(), rems.tolist(), lens.tolist()
+        self.native.submit(batch_id, ops, locs, peers, rems, lens)  # validates all, then queues
 
     def transfer_inline(
         self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]

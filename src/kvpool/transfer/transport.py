@@ -35,7 +35,9 @@ class Requests(NamedTuple):
     addresses), ``peers`` (segment handle ids), ``rems`` (remote addresses), ``lens`` (bytes).
 
     The engine type-checked every column (ints, positive lengths); addresses and lengths are not yet
-    checked against registrations: that is the transport's job, all or nothing.
+    checked against registrations: that is the transport's job, all or nothing. ``locs``, ``rems``
+    and ``lens`` are numpy uint64 arrays (not lists) only for a transport that
+    :attr:`~Transport.takes_arrays`.
     """
 
     ops: list[int]
@@ -65,6 +67,10 @@ class Transport(ABC):
 
     locations: ClassVar[frozenset[str]] = frozenset({"cpu"})
     """Memory kinds (``"cpu"``, ``"cuda"``) it reads and writes directly, locally and remotely."""
+
+    takes_arrays: ClassVar[bool] = False
+    """Whether :meth:`submit` accepts ``locs``/``rems``/``lens`` as contiguous numpy uint64 arrays
+    (the engine then passes big batches as columns, with no per-request Python objects)."""
 
     def describe(self) -> dict[str, Any]:
         """Extra :class:`SegmentDescriptor` fields this transport publishes (e.g. ``{"rdma": ...}``).

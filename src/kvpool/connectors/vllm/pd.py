@@ -578,7 +578,7 @@ class _PdWorker:
 
         # Every source in flight at once (one wait): the load is done only when all completed; a
         # failed range fails the whole load (never a partial load marked ready).
-        parts = [(rem.segment, *(c.tolist() for c in cols)) for rem, cols in batches]
+        parts = [(rem.segment, *cols) for rem, cols in batches]  # numpy columns: no per-range objects
         engine.batch_transfer_sync_multi(parts, OpCode.READ)
         return sum(int(lens.sum()) for _, (_, _, lens) in batches)
 

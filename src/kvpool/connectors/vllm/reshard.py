@@ -239,21 +239,22 @@ def plan_columns(
     if len(t_len) == 0 or len(lb) == 0:
         return empty, empty, empty
     dbb, pbb = decode.block_bytes(), prefill.block_bytes()
-    locs, rems, lens = [], [], []
-    for dr, pr in regions:
-        if dr.stride < dbb or pr.stride < pbb:
-            raise ReshardError(
-                f"region stride {dr.stride}/{pr.stride} below the layout's block size {dbb}/{pbb} bytes "
-                "(the layout handshake does not describe this KV cache)"
-            )
-        if lb.min() < 0 or rb.min() < 0 or lb.max() >= dr.num_blocks or rb.max() >= pr.num_blocks:
-            raise ReshardError("block ids out of range of the KV cache")
-        base_l = dr.addr + lb * dr.stride
-        base_r = pr.addr + rb * pr.stride
-        locs.append((base_l[:, None] + t_loc[None, :]).ravel())
-        rems.append((base_r[:, None] + t_rem[None, :]).ravel())
-        lens.append(np.broadcast_to(t_len, (len(lb), len(t_len))).ravel())
-    return merge_ranges(np.concatenate(locs), np.concatenate(rems), np.concatenate(lens))
+    # every region at once: (regions, blocks, template ranges), no Python loop over layers
+    d = np.array([(dr.addr, dr.stride, dr.num_blocks) for dr, _ in regions], np.int64).reshape(-1, 3)
+    p = np.array([(pr.addr, pr.stride, pr.num_blocks) for _, pr in regions], np.int64).reshape(-1, 3)
+    if len(d) == 0:
+        return empty, empty, empty
+    if d[:, 1].min() < dbb or p[:, 1].min() < pbb:
+        raise ReshardError(
+            f"region stride {d[:, 1].min()}/{p[:, 1].min()} below the layout's block size {dbb}/{pbb} bytes "
+            "(the layout handshake does not describe this KV cache)"
+        )
+    if lb.min() < 0 or rb.min() < 0 or lb.max() >= d[:, 2].min() or rb.max() >= p[:, 2].min():
+        raise ReshardError("block ids out of range of the KV cache")
+    locs = (d[:, 0, None, None] + lb[None, :, None] * d[:, 1, None, None] + t_loc[None, None, :]).ravel()
+    rems = (p[:, 0, None, None] + rb[None, :, None] * p[:, 1, None, None] + t_rem[None, None, :]).ravel()
+    lens = np.broadcast_to(t_len, (len(d), len(lb), len(t_len))).ravel()
+    return merge_ranges(locs, rems, lens)
 
 
 def layout_from_vllm(vllm_config: Any, tp_rank: int, tp_size: int, head_token_bytes: int) -> KvLayout:
