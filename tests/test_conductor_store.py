@@ -73,7 +73,7 @@ def test_feed_follows_puts_and_removes(store: tuple[MasterProcess, Store]) -> No
         _wait(lambda: feed.leading_blocks(TOKENS, "tiny/model") == 8, "8 stored blocks")
         assert feed.namespaces("tiny/model") == [NS]
         assert feed.leading_blocks(TOKENS, "another-model") == 8  # the only model in the store
-        assert feed.leading_blocks(TOKENS[:BS * 3], "tiny/model") == 3
+        assert feed.leading_blocks(TOKENS[: BS * 3], "tiny/model") == 3
         other = list(TOKENS)
         other[BS * 2] += 1  # differs in block 2: the chain breaks there
         assert feed.leading_blocks(other, "tiny/model") == 2

@@ -209,7 +209,9 @@ def test_gather_and_scatter_between_one_run_and_strided_blocks(protocol: str, co
         locs = [d + 2 * i * size + size for i in range(n)]  # the second half of every block
         rems = [peer.addr + 4096 + i * size for i in range(n)]  # one run on the peer
         lens = [size] * n
-        cols = (locs, rems, lens) if columns == "lists" else tuple(np.array(c, np.uint64) for c in (locs, rems, lens))
+        cols = (locs, rems, lens)
+        if columns == "numpy":
+            cols = tuple(np.array(c, np.uint64) for c in cols)
         assert eng.batch_transfer_sync(peer.segment, *cols, OpCode.READ) == n * size
         for i in range(n):
             assert dst[2 * i * size : 2 * i * size + size] == bytes(size), f"block {i}: first half touched"
@@ -219,7 +221,8 @@ def test_gather_and_scatter_between_one_run_and_strided_blocks(protocol: str, co
         back = [peer.addr + (16 << 20) + i * size for i in range(n)]
         rcols = (locs, back, lens) if columns == "lists" else (cols[0], np.array(back, np.uint64), cols[2])
         assert eng.batch_transfer_sync(peer.segment, *rcols, OpCode.WRITE) == n * size
-        assert peer.checksum(16 << 20, n * size) == xxhash.xxh3_64_hexdigest(bytes(ref[4096 : 4096 + n * size]))
+        want = xxhash.xxh3_64_hexdigest(bytes(ref[4096 : 4096 + n * size]))
+        assert peer.checksum(16 << 20, n * size) == want
         for bad in (
             (np.array(locs, np.float64), rems, lens),  # not integers
             (locs, rems, [size] * (n - 1) + [0]),  # an empty range
@@ -228,7 +231,8 @@ def test_gather_and_scatter_between_one_run_and_strided_blocks(protocol: str, co
             with pytest.raises(InvalidArgument):
                 eng.batch_transfer_sync(peer.segment, *bad, OpCode.READ)
         with pytest.raises(RemoteAccessError):  # the last range past the peer's buffer
-            eng.batch_transfer_sync(peer.segment, locs, rems[:-1] + [peer.addr + (32 << 20) - 100], lens, OpCode.READ)
+            past = rems[:-1] + [peer.addr + (32 << 20) - 100]
+            eng.batch_transfer_sync(peer.segment, locs, past, lens, OpCode.READ)
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "auto"])

@@ -98,6 +98,8 @@ def _u64_columns(cols: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     if len(out[2]) and out[2].min() == 0:
         raise InvalidArgument("lengths must be positive and addresses non-negative")
     return out[0], out[1], out[2]
+
+
 _NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}  # IntEnum keys: plain 0/1 find them too
 
 
