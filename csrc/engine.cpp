@@ -703,8 +703,8 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
   size_t n = ops.size();
   const uint64_t ss = opt_.slice_size;
   uint32_t base = take_slots(*b, batches_mu_, lens, ss);
-  // A run of requests to the same peer is queued under one hold of its queue lock and the
-  // workers are woken once at its end, so a worker takes the run as large groups (one
+  // A run of requests to the same peer is queued under its queue lock and a worker is woken per
+  // whole group queued (and at the end), so workers take the run as large groups (one
   // process_vm_readv/writev or one frame per group) instead of racing the submitter slice by slice.
   for (size_t i = 0; i < n;) {
     Peer* p = resolved[i].get();
@@ -725,6 +725,11 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
         }
         p->queue.push_back(Slice{b, static_cast<uint32_t>(base + i), ops[i], locals[i] + off, remotes[i] + off,
                                  std::min(ss, lens[i] - off), inc});
+        if (p->queue.size() % kMaxGroup == 0) {  // a whole group is ready: let a worker start on it
+          lk.unlock();
+          p->qcv.notify_one();
+          lk.lock();
+        }
       }
     }
     lk.unlock();
