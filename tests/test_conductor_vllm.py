@@ -191,3 +191,24 @@ def test_calibrate_against_a_real_server(cluster, tmp_path: Path) -> None:  # ty
     # the decode fit explains its own probes (per-stream token gaps at several batches/contexts)
     print("calibrate errors:", report["errors"], "cost model:", cm)
     assert report["errors"]["decode"]["mean_rel_err"] <= 0.5, report["errors"]
+
+
+def test_a_hot_prefix_is_copied_to_a_second_server(cluster) -> None:  # type: ignore[no-untyped-def]
+    """One prompt asked for again and again: the conductor warms a spare server with its prefix
+    (a background ``max_tokens=1`` request), and that server's own KV events then show it holding
+    the prefix's blocks: two holders. Runs last (the copy is prefill work on a server)."""
+    servers, mirror, proxy, model = cluster
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    prompt = conversation(9, 0)
+    ids = tok(prompt)["input_ids"]
+    for _ in range(24):
+        code, _ = complete(proxy.url, prompt, max_tokens=1)
+        assert code == 200
+        if get_json(proxy.url + "/health")["router"]["hot_copies"] >= 1:
+            break
+    assert wait_until(lambda: get_json(proxy.url + "/health")["router"]["hot_copies_in_flight"] == 0)
+    st = get_json(proxy.url + "/health")["router"]
+    assert st["hot_copies"] == 1 and st["hot_copies_failed"] == 0, st
+    assert wait_until(lambda: len(mirror.holder_of(ids[:BLOCK])) >= 2), mirror.holder_of(ids[:BLOCK])

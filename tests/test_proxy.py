@@ -615,6 +615,58 @@ def test_router_slo_gate_refuses_with_429_before_any_backend_work() -> None:
     run(go)
 
 
+def test_conductor_copies_a_hot_prefix_to_one_spare_instance_once() -> None:
+    """A prefix asked for again and again becomes hot: the conductor warms one spare instance with
+    a background ``max_tokens=1`` request of exactly the prefix's full blocks, once (the spare then
+    holds it: two holders are enough); with P/D roles nothing is copied."""
+    from kvpool.conductor.live import RouterConfig
+
+    prompt = [7000 + i for i in range(66)]  # 16 full blocks of 4, and 2 tokens more
+
+    async def go() -> None:
+        fakes = [FakeVllm(f"b{k}", "decode") for k in range(3)]
+        async with running(fakes, [], router=RouterConfig(policy="conductor", block_size=4)) as (
+            proxy,
+            client,
+        ):
+            served = []
+            for _ in range(14):
+                async with client.post(
+                    f"{proxy.url}/v1/completions", json={"prompt": prompt, "model": "m"}
+                ) as r:
+                    assert r.status == 200
+                    served.append(_who(await r.json()))
+            for _ in range(100):  # the copy runs in the background
+                async with client.get(f"{proxy.url}/health") as r:
+                    st = (await r.json())["router"]
+                if st["hot_copies"] and not st["hot_copies_in_flight"]:
+                    break
+                await asyncio.sleep(0.05)
+            copies = [(f.name, b) for f in fakes for b in f.bodies if b.get("max_tokens") == 1]
+            assert len(copies) == 1, copies
+            name, body = copies[0]
+            assert body == {"prompt": prompt[:64], "max_tokens": 1, "model": "m"}
+            assert name != served[0]  # a spare, not the holder
+            assert st["hot_copies"] == 1 and st["hot_copies_failed"] == 0
+            async with client.get(f"{proxy.url}/metrics") as r:
+                assert 'kvpool_conductor_hot_copies_total{outcome="started"} 1.0' in await r.text()
+        # P/D: a prefill instance would hold the copy's blocks for a decode that never comes
+        pre = [FakeVllm(f"p{k}", "prefill") for k in range(3)]
+        dec = [FakeVllm("d0", "decode")]
+        async with running(pre, dec, router=RouterConfig(policy="conductor", block_size=4)) as (
+            proxy,
+            client,
+        ):
+            for _ in range(14):
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": prompt}) as r:
+                    assert r.status == 200
+            async with client.get(f"{proxy.url}/health") as r:
+                assert (await r.json())["router"]["hot_copies"] == 0
+            assert sum(len(f.bodies) for f in pre) == 14
+
+    run(go)
+
+
 def test_router_follows_kv_events_published_over_zmq() -> None:
     import msgpack
     import zmq

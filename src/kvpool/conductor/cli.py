@@ -317,7 +317,7 @@ def add_proxy_options(px: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="cost model JSON from 'kvpool conductor calibrate' (default: the paper-shaped model)",
     )
-    g.add_argument("--no-hot", action="store_true", help="no hot-prefix spreading (conductor policy)")
+    g.add_argument("--no-hot", action="store_true", help="no hot-prefix spreading or copies")
     g.add_argument("--store-master", default=None, metavar="HOST:PORT",
                    help="the kvpool store master the instances' KvpoolStoreConnector use: the router "
                    "follows its key feed and counts a prefix the store holds as loadable by every "

@@ -11,6 +11,12 @@ Who calls what:
 * one :class:`EventSubscriber` thread per instance with ``--kv-events`` feeds the index (the
   native ingest releases the GIL); instances without events are tracked approximately
   (:class:`~kvpool.conductor.index.ApproxTracker`, what was routed there, forgotten after a TTL);
+* hot prefixes (conductor policy): when a prefix is hot and fewer instances than
+  ``HotPrefixes.replicas`` hold it, :meth:`LiveRouter.plan_copy` (right after ``dispatched``)
+  names a spare instance and the prefix's token ids; the proxy sends that instance a background
+  ``max_tokens=1`` request of the prefix (it computes it, or loads it from the kvpool store when
+  its ``KvpoolStoreConnector`` finds it there) and reports the end with
+  :meth:`LiveRouter.copy_done`; the index learns the new holder from that instance's KV events;
 * with ``--store-master``, a :class:`~kvpool.conductor.store_feed.StoreFeed` thread follows the
   kvpool store's key feed: a prefix the store holds can be loaded by every instance running
   ``KvpoolStoreConnector``, so the conductor weighs loading it (transfer) against recomputing.
@@ -48,6 +54,10 @@ __all__ = ["EventSubscriber", "LiveRouter", "RouterConfig", "request_text"]
 _log = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_TOKENS = 256
+MAX_HOT_COPIES = 2
+"""Hot-prefix copies in flight at once (each is one background prefill on a spare instance)."""
+HOT_COPY_COOLDOWN_S = 30.0
+"""A prefix is copied to the same instance at most once per this many seconds."""
 
 
 @dataclass
@@ -232,6 +242,8 @@ class LiveRouter:
         self.ttft_err: list[float] = []  # predicted - actual, seconds (last 1000)
         self.hash_mismatch = 0
         self._sweep_task: asyncio.Task[None] | None = None
+        self._copies: set[str] = set()  # hot-prefix copies in flight (request ids)
+        self._copied: dict[tuple[int, int], float] = {}  # (prefix hash, instance) -> cooldown end
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -336,6 +348,47 @@ class LiveRouter:
             self.approx.routed(d.prefill.gpu, req.hashes, now)
         self._pending[req.rid] = _Pending(req, d, now)
 
+    def plan_copy(
+        self, d: Decision, req: RequestInfo, tokens: Sequence[int] | None
+    ) -> tuple[Instance, list[int], str] | None:
+        """The hot-prefix copy this decision asks for, as (instance, prefix token ids, copy request
+        id), or None. Called by the proxy on its event loop right after :meth:`dispatched`, once
+        per request; microseconds. Only aggregated instances (prefill and decode roles) get copies
+        (a P/D prefill instance would hold the blocks for a decode that never comes); at most
+        :data:`MAX_HOT_COPIES` in flight and one per prefix and instance per
+        :data:`HOT_COPY_COOLDOWN_S`. The copy counts as a prefill on that instance until
+        :meth:`copy_done`."""
+        if not d.replicate_to or not tokens or d.best_blocks < 1 or len(req.hashes) < d.best_blocks:
+            return None
+        inst = d.replicate_to[0]
+        n = d.best_blocks * self.index.block_size
+        if not (inst.prefill and inst.decode and inst.healthy and inst.url) or n > len(tokens):
+            return None
+        now = time.monotonic()
+        key = (req.hashes[d.best_blocks - 1], inst.index)
+        if len(self._copies) >= MAX_HOT_COPIES or self._copied.get(key, 0.0) > now:
+            self._count("hot_copy_skipped")
+            return None
+        if len(self._copied) > 4096:
+            self._copied = {k: t for k, t in self._copied.items() if t > now}
+        self._copied[key] = now + HOT_COPY_COOLDOWN_S
+        rid = f"hot-copy-{req.rid}"
+        copy = RequestInfo(rid, n, req.hashes[: d.best_blocks], 1)
+        inst.start_prefill(rid, self.cost.prefill_s(n), now)
+        if not self.has_events[inst.index] and inst.gpu is not None:
+            self.approx.routed(inst.gpu, copy.hashes, now)
+        self._pending[rid] = _Pending(copy, Decision("hot-copy", inst, None), now)
+        self._copies.add(rid)
+        self._count("hot_copies")
+        return inst, list(tokens[:n]), rid
+
+    def copy_done(self, rid: str, ok: bool) -> None:
+        """A hot-prefix copy from :meth:`plan_copy` is over (the proxy's background request)."""
+        self._copies.discard(rid)
+        if not ok:
+            self._count("hot_copy_failed")
+        self.finished(rid, ok)
+
     def first_token(self, rid: str) -> None:
         """The prefill is over (first token streamed, or the prefill backend answered)."""
         p = self._pending.get(rid)
@@ -415,6 +468,9 @@ class LiveRouter:
             "in_flight": len(self._pending),
             "store": self.store_feed.snapshot() if self.store_feed is not None else None,
             "store_fetch_decisions": self.counts.get("fetch_store", 0),
+            "hot_copies": self.counts.get("hot_copies", 0),
+            "hot_copies_failed": self.counts.get("hot_copy_failed", 0),
+            "hot_copies_in_flight": len(self._copies),
         }
 
     def metrics(self) -> list[Any]:
@@ -459,6 +515,12 @@ class LiveRouter:
             out.append(GaugeMetricFamily("kvpool_conductor_store_feed_lag",
                                          "Store key changes not applied yet",
                                          value=st["store"]["lag"]))  # fmt: skip
+        m = CounterMetricFamily(
+            "kvpool_conductor_hot_copies", "Hot-prefix copies to spare instances", labels=["outcome"]
+        )
+        m.add_metric(["started"], st["hot_copies"])
+        m.add_metric(["failed"], st["hot_copies_failed"])
+        out.append(m)
         out.append(CounterMetricFamily("kvpool_conductor_hash_mismatch",
                                        "Completed requests whose blocks never showed in the index",
                                        value=st["hash_mismatch"]))  # fmt: skip

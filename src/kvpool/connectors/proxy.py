@@ -314,6 +314,7 @@ class PDProxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._copy_tasks: set[asyncio.Task[None]] = set()
         self._counts: dict[str, int] = {}
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)  # type: ignore[arg-type]  # collect() below
@@ -384,6 +385,8 @@ class PDProxy:
 
     async def close(self) -> None:
         """Stop listening, stop health polling and close backend connections."""
+        for task in list(self._copy_tasks):
+            task.cancel()
         if self.router is not None:
             await self.router.close()
         if self._health_task is not None:
@@ -569,9 +572,36 @@ class PDProxy:
             self._count("rejected_" + d.reject)
             return _error_response(status, f"request refused before prefill: {d.reject_reason}", request_id)
         router.dispatched(d, req)
+        copy = router.plan_copy(d, req, tokens)
+        if copy is not None:  # a hot prefix: warm a spare instance in the background
+            task = asyncio.create_task(self._copy_prefix(*copy, body.get("model")), name="kvpool-hot-copy")
+            self._copy_tasks.add(task)
+            task.add_done_callback(self._copy_tasks.discard)
         pb = self._by_url.get(d.prefill.url) if d.prefill is not None else None
         db = self._by_url.get(d.decode.url) if d.decode is not None else None
         return d, pb, db
+
+    async def _copy_prefix(self, inst: Any, ids: list[int], rid: str, model: Any) -> None:
+        """One hot-prefix copy (see ``LiveRouter.plan_copy``): a ``max_tokens=1`` completion of the
+        prefix's token ids on ``inst``, which then holds the prefix's blocks (computed, or loaded
+        from the kvpool store by its ``KvpoolStoreConnector``). Runs as a background task."""
+        ok = False
+        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1}
+        if isinstance(model, str):
+            body["model"] = model
+        try:
+            assert self._session is not None
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.connect_timeout_s)
+            headers = {"X-Request-Id": rid}
+            async with self._session.post(f"{inst.url}/v1/completions", json=body, timeout=timeout,
+                                          headers=headers) as resp:  # fmt: skip
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            _log.info("hot-prefix copy %s to %s failed: %s", rid, inst.url, exc)
+        finally:
+            if self.router is not None:
+                self.router.copy_done(rid, ok)
 
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
