@@ -128,16 +128,17 @@ def run_setup(
     if name == "single":
         servers = [VllmServer(model, logs, name="single", cpu=0, **common)]
     else:
-        if name == "kvpool":
+        if name in ("kvpool", "kvpool-nostats"):
             side = free_port()
+            off = {"stats": False} if name == "kvpool-nostats" else {}  # the stats-overhead baseline
             pa = kv_args(
                 "KvpoolConnector",
                 "kv_producer",
                 "kvpool.connectors.vllm",
-                {"side_channel_port": side, "protocol": args.protocol},
+                {"side_channel_port": side, "protocol": args.protocol, **off},
             )
             da = kv_args(
-                "KvpoolConnector", "kv_consumer", "kvpool.connectors.vllm", {"protocol": args.protocol}
+                "KvpoolConnector", "kv_consumer", "kvpool.connectors.vllm", {"protocol": args.protocol, **off}
             )
             env: dict[str, str] = {}
         elif name == "nixl":
@@ -175,7 +176,7 @@ def run_setup(
         time.sleep(settle)
         out: dict[str, Any] = {
             "setup": name,
-            "protocol": args.protocol if name == "kvpool" else None,
+            "protocol": args.protocol if name.startswith("kvpool") else None,
             "lengths": {},
         }
         texts: dict[tuple[int, int], str] = {}
@@ -216,7 +217,10 @@ def run_setup(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--setups", nargs="+", default=["single", "kvpool"], choices=["single", "kvpool", "nixl", "mooncake"]
+        "--setups",
+        nargs="+",
+        default=["single", "kvpool"],
+        choices=["single", "kvpool", "kvpool-nostats", "nixl", "mooncake"],
     )
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4096])
     ap.add_argument("--requests", type=int, default=5)

@@ -40,6 +40,36 @@ def test_record_aggregate_reduce_and_pickle() -> None:
     assert empty.is_empty() and empty.reduce()["Num successful transfers"] == 0
 
 
+def test_stats_can_be_switched_off_in_the_connector_config() -> None:
+    """``stats: false`` (the baseline of the stats-overhead benchmark): the halves record nothing
+    and hand vLLM None every step; the key is validated like every other."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.stats import make_stats
+    from kvpool.errors import ConfigError
+
+    def cfg(extra: dict) -> VllmConnectorConfig:
+        ktc = SimpleNamespace(kv_connector_extra_config=extra)
+        return VllmConnectorConfig.from_vllm(SimpleNamespace(kv_transfer_config=ktc))
+
+    assert cfg({}).stats is True and cfg({"stats": False}).stats is False
+    with pytest.raises(ConfigError):
+        cfg({"stats": "sometimes"})
+    on, off = make_stats(True), make_stats(False)
+    for st in (on, off):
+        st.record_transfer(0.002, 4 << 20, 16)
+        st.record_failure("TransferTimeout")
+        st.record_hits(3)
+        st.record_misses("evicted", 2)
+        st.record_saved(1)
+    assert off.clone_and_reset() is None and off.is_empty()
+    got = on.clone_and_reset()
+    assert got is not None and got.reduce()["Num successful transfers"] == 1
+
+
 def test_prom_metrics_observe() -> None:
     reg = CollectorRegistry()
     kinds = {cls: functools.partial(cls, registry=reg) for cls in (Gauge, Counter, Histogram)}

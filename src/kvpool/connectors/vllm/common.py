@@ -96,6 +96,9 @@ class VllmConnectorConfig(_ConfigBase):
         layerwise: store connector: move KV per attention layer inside the forward pass (saves
             while the next layer computes; in-forward loads per layer when ``load_async`` is
             false) instead of per request (see ``connectors/vllm/layerwise.py``).
+        stats: report transfer and store statistics to vLLM (``KVConnectorStats``: its log lines
+            and the ``vllm:kvpool_*`` series on ``/metrics``); false records nothing (the
+            baseline for measuring what the stats cost).
     """
 
     hostname: str = "127.0.0.1"
@@ -117,6 +120,7 @@ class VllmConnectorConfig(_ConfigBase):
     store_retry_s: float = Field(default=10.0, gt=0)
     store_rpc_timeout_s: float | None = Field(default=None, gt=0)
     layerwise: bool = False
+    stats: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> VllmConnectorConfig:

@@ -43,7 +43,7 @@ from kvpool.connectors.vllm.reshard import (
     plan_columns,
     plan_sources,
 )
-from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats
+from kvpool.connectors.vllm.stats import make_stats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -310,7 +310,7 @@ class _PdWorker:
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
         self.loaded_bytes = 0
-        self.stats = KvpoolKVConnectorStats()
+        self.stats = make_stats(cfg.stats)
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

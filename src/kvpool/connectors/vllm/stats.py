@@ -138,6 +138,34 @@ class KvpoolKVConnectorStats(KVConnectorStats):
         self._lock = threading.Lock()
 
 
+class DisabledStats(KvpoolKVConnectorStats):
+    """``stats: false`` in the connector config: records nothing and reports nothing (vLLM gets
+    None each step): the baseline for measuring what the stats cost."""
+
+    def record_transfer(self, seconds: float, nbytes: int, nblocks: int) -> None:
+        pass
+
+    def record_failure(self, reason: str) -> None:
+        pass
+
+    def record_hits(self, nblocks: int) -> None:
+        pass
+
+    def record_misses(self, reason: str, nblocks: int) -> None:
+        pass
+
+    def record_saved(self, nblocks: int) -> None:
+        pass
+
+    def clone_and_reset(self) -> None:
+        return None
+
+
+def make_stats(enabled: bool) -> KvpoolKVConnectorStats:
+    """A connector half's stats object (``VllmConnectorConfig.stats``)."""
+    return KvpoolKVConnectorStats() if enabled else DisabledStats()
+
+
 class KvpoolPromMetrics(KVConnectorPromMetrics):
     """kvpool's series on vLLM's ``/metrics`` (see the module docstring)."""
 

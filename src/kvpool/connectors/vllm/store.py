@@ -42,7 +42,7 @@ from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
 from kvpool.connectors.vllm.layerwise import LayerLoads, LayerSaves, LayerwiseSaveScheduler
 from kvpool.connectors.vllm.nonblocking import AsyncLookups, Breaker, Lookup
-from kvpool.connectors.vllm.stats import KvpoolKVConnectorStats, StoreEvents
+from kvpool.connectors.vllm.stats import StoreEvents, make_stats
 from kvpool.errors import ConfigError, KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ class _StoreScheduler:
         self.loading: set[str] = set()  # asynchronous loads not yet reported finished
         self.lookups = 0
         self.hit_blocks = 0
-        self.stats = KvpoolKVConnectorStats()
+        self.stats = make_stats(cfg.stats)
         self._lw = LayerwiseSaveScheduler(self.block_size) if cfg.layerwise else None
         self._reqs: dict[str, Any] = {}  # layer-wise: req -> its Request (keys of its blocks)
         self.events = StoreEvents(vllm_config)
@@ -421,7 +421,7 @@ class _StoreWorker:
         self.layer_loads = LayerLoads(self._loads.put, self._get_layer)
         self.saved_blocks = 0
         self.loaded_blocks = 0
-        self.stats = KvpoolKVConnectorStats()
+        self.stats = make_stats(cfg.stats)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.regions, tensors = kv_regions(kv_caches, self.num_blocks)
