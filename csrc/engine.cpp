@@ -673,24 +673,23 @@ void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_
                     reg_.contains_locked(locals[i], lens[i], false)
                         ? "local range is registered read-only: it cannot receive a READ" + at()
                         : "local range is not inside registered memory; call register_local_memory first" + at());
+    std::shared_ptr<Peer> p;
     if (i > 0 && peers[i] == peers[i - 1]) {
-      if (!(*resolved)[i - 1]->remote_ok(remotes[i], lens[i]))
-        throw KvError(E_REMOTE_ACCESS,
-                      "remote range is outside the segment's remote-accessible buffers" + at());
-      (*resolved)[i] = (*resolved)[i - 1];
-      continue;
-    }
-    auto& p = cache[peers[i]];
-    if (!p) {
-      std::lock_guard pk(peers_mu_);
-      auto it = peers_.find(peers[i]);
-      if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle" + at());
-      p = it->second;
+      p = (*resolved)[i - 1];  // the common case, one segment: no lookup
+    } else {
+      auto& cached = cache[peers[i]];
+      if (!cached) {
+        std::lock_guard pk(peers_mu_);
+        auto it = peers_.find(peers[i]);
+        if (it == peers_.end()) throw KvError(E_SEGMENT_NOT_FOUND, "unknown segment handle" + at());
+        cached = it->second;
+      }
+      p = cached;
     }
     if (!p->remote_ok(remotes[i], lens[i]))
       throw KvError(E_REMOTE_ACCESS,
                     "remote range is outside the segment's remote-accessible buffers" + at());
-    (*resolved)[i] = p;
+    (*resolved)[i] = std::move(p);
   }
 }
 
