@@ -202,6 +202,38 @@ PYBIND11_MODULE(_native, m) {
     auto addr = reinterpret_cast<uintptr_t>(PyBytes_AS_STRING(o));
     return py::make_tuple(py::reinterpret_steal<py::object>(o), addr);
   });
+  m.def("committed_many", [](py::list shards, uint64_t mask, py::list keys) {
+    // The store master's batch_exists (kvpool.store.objects.KeyTable): per key, its shard
+    // shards[hash(key) & mask] (a dict), the object there and its `committed` flag; False where
+    // the key is absent. Python's own hash and dict lookup, without a bytecode loop per key.
+    static PyObject* name = PyUnicode_InternFromString("committed");
+    const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+    const auto nshards = static_cast<uint64_t>(PyList_GET_SIZE(shards.ptr()));
+    if (nshards == 0 || mask >= nshards) throw py::value_error("mask outside the shard list");
+    py::list out(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+      Py_hash_t h = PyObject_Hash(k);
+      if (h == -1 && PyErr_Occurred()) throw py::error_already_set();
+      PyObject* d = PyList_GET_ITEM(shards.ptr(), static_cast<Py_ssize_t>(static_cast<uint64_t>(h) & mask));
+      if (!PyDict_Check(d)) throw py::type_error("shards must be dicts");
+      PyObject* o = PyDict_GetItemWithError(d, k);  // borrowed
+      int c = 0;
+      if (o != nullptr) {
+        PyObject* a = PyObject_GetAttr(o, name);
+        if (a == nullptr) throw py::error_already_set();
+        c = PyObject_IsTrue(a);
+        Py_DECREF(a);
+        if (c < 0) throw py::error_already_set();
+      } else if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      PyObject* b = c ? Py_True : Py_False;
+      Py_INCREF(b);
+      PyList_SET_ITEM(out.ptr(), i, b);
+    }
+    return out;
+  }, "[shards[hash(k) & mask].get(k).committed (False if absent) for k in keys], in C");
   m.def("cuda_init", &cuda::init, G(), "Load the CUDA driver for the server's GPU staging (path '' = libcuda.so.1)");
   m.def("fill_pattern", &fill_pattern, G(), "Fill memory with a deterministic pseudo-random pattern");
   m.def("status_text", [](int st) { return std::string(status_text(st)); });

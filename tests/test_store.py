@@ -447,3 +447,24 @@ def test_key_table_same_answers_before_and_after_split() -> None:
     keys = [f"k{j}" for j in range(900)]
     assert table.get_many(keys) == [ref.get(k) for k in keys]
     assert all(table[k] == v for k, v in ref.items())
+
+
+def test_key_table_committed_many_matches_a_python_lookup() -> None:
+    """``batch_exists`` in C (``KeyTable.committed_many``): True exactly for keys holding a
+    committed object, before and after the split; a key that cannot be hashed is a TypeError
+    (the master answers INVALID), not a crash."""
+    from types import SimpleNamespace
+
+    from kvpool.store.objects import KeyTable
+
+    table = KeyTable()
+    table.SPLIT_AT = 200  # type: ignore[misc]
+    keys = [f"c{j}" for j in range(600)] + ["", "é"]
+    for n in (150, 400):  # below and above SPLIT_AT
+        for j in range(n):
+            table[f"c{j}"] = SimpleNamespace(committed=j % 3 != 0)  # type: ignore[assignment]
+        want = [k in table and table[k].committed for k in keys]
+        assert table.committed_many(keys) == want and any(want) and not all(want)
+    assert table._mask == KeyTable.SHARDS - 1
+    with pytest.raises(TypeError):
+        table.committed_many([["not", "hashable"]])

@@ -59,6 +59,7 @@ VERSION = 1
 PRE_AUTH_MAX = 4096  # bytes a connection may send before it has authenticated
 RECV_CHUNK = 64 << 10  # small: recv(n) allocates n bytes up front
 _LEN = struct.Struct("<I")
+_TIMEVAL = struct.Struct("@ll")
 
 
 class UnknownClient(errors.MasterUnavailable):
@@ -200,6 +201,7 @@ class RpcClient:
         self._rbuf = bytearray()
         self._last_io = 0.0
         self._tmo = 0.0  # the socket's timeout as last set (see _deadline)
+        self._kernel = False  # whether the kernel keeps it (after the handshake) or Python does
 
     # ------------------------------------------------------------------ connection
     def _unavailable(self, detail: str) -> errors.KvpoolError:
@@ -278,6 +280,7 @@ class RpcClient:
                 if not isinstance(reply, dict) or not reply.get("ok"):
                     r = reply if isinstance(reply, dict) else {}
                     raise_for(r.get("err", "ERROR"), r.get("msg", "attach refused"))
+            self._kernel_timeouts(s, deadline)
         except errors.KvpoolError:
             self._reset()
             raise
@@ -326,6 +329,15 @@ class RpcClient:
             )
         return self._recv(deadline, PRE_AUTH_MAX)
 
+    def _kernel_timeouts(self, sock: socket.socket, deadline: float) -> None:
+        """After the handshake: a blocking socket whose timeouts the kernel keeps (SO_RCVTIMEO,
+        SO_SNDTIMEO), so that a call is one send and one receive system call, without the poll
+        that Python's own socket timeout adds before each (see _deadline)."""
+        sock.settimeout(None)
+        self._kernel = True
+        self._tmo = 0.0
+        self._deadline(sock, deadline)
+
     def _deadline(self, sock: socket.socket, deadline: float) -> None:
         """Make the socket's timeout end at ``deadline`` or up to a tenth of the time left before
         it (never after it), without a system call per request: the timeout is set again only
@@ -334,14 +346,23 @@ class RpcClient:
         if left <= 0:
             raise TimeoutError("deadline passed")
         if not 0.9 * left <= self._tmo <= left:
-            sock.settimeout(left)
+            if self._kernel:
+                sec = int(left)
+                tv = _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6)))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            else:
+                sock.settimeout(left)
             self._tmo = left
 
     def _sendall(self, data: bytes, deadline: float | None = None) -> None:
         assert self._sock is not None
         if deadline is not None:
             self._deadline(self._sock, deadline)
-        self._sock.sendall(data)
+        try:
+            self._sock.sendall(data)
+        except BlockingIOError:
+            raise TimeoutError("send timed out") from None  # SO_SNDTIMEO (see _kernel_timeouts)
         self._last_io = time.monotonic()
 
     def _recv(self, deadline: float, limit: int) -> Any:
@@ -364,11 +385,11 @@ class RpcClient:
             self._deadline(sock, deadline)
             try:
                 data = sock.recv(max(RECV_CHUNK, need - len(buf)))
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO fired
                 if time.monotonic() < deadline:
                     self._tmo = 0.0  # fired early (inside the band): wait for the rest
                     continue
-                raise
+                raise TimeoutError("receive timed out") from None
             if not data:
                 raise ConnectionResetError("connection closed by the server")
             buf += data
@@ -381,16 +402,11 @@ class RpcClient:
             rid = next(self._ids)
             args["op"] = op
             args["id"] = rid
-            self._socket(deadline)
+            sock = self._socket(deadline)
             data = self._frame(args)
             try:
                 self._sendall(data, deadline)
-                while True:
-                    reply = self._recv(deadline, 1 << 31)
-                    if isinstance(reply, dict) and reply.get("id") == rid:
-                        break
-                    if isinstance(reply, dict) and reply.get("id") is None and not reply.get("ok", True):
-                        break  # the server refused the stream (e.g. a message over its limit)
+                reply = self._reply(sock, rid, deadline)
             except (OSError, ValueError) as exc:
                 self._reset()
                 what = (
@@ -402,6 +418,38 @@ class RpcClient:
         if not reply.get("ok"):
             raise_for(reply.get("err", "ERROR"), reply.get("msg", "error"))
         return reply
+
+    @staticmethod
+    def _answers(reply: Any, rid: int) -> bool:
+        """Whether ``reply`` ends the call ``rid``: its reply, or the server refusing the stream
+        (e.g. a message over its limit). Replies to other ids (an abandoned call) are skipped."""
+        if not isinstance(reply, dict):
+            return False
+        got = reply.get("id")
+        return got == rid or (got is None and not reply.get("ok", True))
+
+    def _reply(self, sock: socket.socket, rid: int, deadline: float) -> dict[str, Any]:
+        """The reply to call ``rid``. The common case, nothing buffered and the whole reply in
+        one receive, is one recv and one decode; anything else goes through :meth:`_recv`."""
+        if not self._rbuf:
+            try:
+                data: bytes | None = sock.recv(RECV_CHUNK)  # the timeout _sendall set holds
+            except (TimeoutError, BlockingIOError):
+                data = None  # fired early, inside the band: the loop below waits for the rest
+            if data is not None:
+                if not data:
+                    raise ConnectionResetError("connection closed by the server")
+                if len(data) >= 4 and _LEN.unpack_from(data)[0] == len(data) - 4:
+                    self._last_io = time.monotonic()
+                    reply = unpack(data[4:])
+                    if self._answers(reply, rid):
+                        return reply
+                else:
+                    self._rbuf += data
+        while True:
+            reply = self._recv(deadline, 1 << 31)
+            if self._answers(reply, rid):
+                return reply
 
     def send(self, op: str, **args: Any) -> None:
         """One-way request (the server sends no reply)."""
@@ -458,6 +506,8 @@ class RpcClient:
             self._sock.close()
             self._sock = None
         self._rbuf = bytearray()
+        self._kernel = False
+        self._tmo = 0.0
 
     def close(self) -> None:
         """Close the connection."""
@@ -721,6 +771,15 @@ class RpcServer:
         now = time.monotonic()
         conn.last_io = now
         if not conn.inbuf:
+            if (
+                conn.authed
+                and not conn.out
+                and not conn.closing
+                and len(data) >= 4
+                and _LEN.unpack_from(data)[0] == len(data) - 4 <= self.limits.max_message
+            ):
+                self._single(conn, data)  # the common case: one whole request in one read
+                return
             conn.frame_since = now
         conn.inbuf += data
         self._in_total += len(data)
@@ -775,6 +834,37 @@ class RpcServer:
         if handled >= self.limits.frames_per_event and _complete(buf):
             self._ready.add(conn.sock)  # more complete frames wait: served in the next loop round
 
+    def _single(self, conn: Connection, data: bytes) -> None:
+        """One whole request that arrived alone on an authenticated connection with nothing
+        buffered either way: what :meth:`_frames` and :meth:`_flush` would do, minus the
+        buffering (the reply goes to the socket at once; what it does not take is queued)."""
+        t0 = time.perf_counter()
+        try:
+            req = unpack(data[4:])
+        except Exception as exc:  # noqa: BLE001 - not msgpack: answer and hang up
+            self._refuse(conn, "INVALID", f"malformed message: {exc}")
+            return
+        out = self._answer(req, conn)
+        dt = time.perf_counter() - t0
+        if dt > self.max_frame_s:
+            self.max_frame_s = dt
+        if out is None or conn.sock not in self._conns:
+            return
+        if conn.out or conn.closing:  # the handler queued something itself: keep the order
+            self._queue(conn, out)
+            self._flush(conn)
+            return
+        try:
+            n = conn.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._close(conn)
+            return
+        if n < len(out):
+            self._queue(conn, out[n:])
+            self._flush(conn)  # sets the deadline for the rest and asks for EVENT_WRITE
+
     def _authenticate(self, conn: Connection, req: Any) -> bool:
         if not isinstance(req, dict):
             self._refuse(conn, "INVALID", "malformed handshake")
@@ -799,6 +889,12 @@ class RpcServer:
         return True
 
     def _dispatch(self, conn: Connection, req: Any) -> None:
+        out = self._answer(req, conn)
+        if out is not None:
+            self._queue(conn, out)
+
+    def _answer(self, req: Any, conn: Connection) -> bytes | None:
+        """The reply frame to one request (None: a one-way request, or the handler answers none)."""
         rid = req.get("id") if isinstance(req, dict) else None
         try:
             if not isinstance(req, dict):
@@ -808,13 +904,12 @@ class RpcServer:
             log.exception("RPC handler failed")
             out = {"ok": False, "err": "ERROR", "msg": f"server error: {exc!r}"}
         if out is None or (isinstance(req, dict) and req.get("oneway")):
-            return
+            return None
         out["id"] = rid
         try:
-            data = frame(out)
+            return frame(out)
         except Exception as exc:  # noqa: BLE001 - a reply msgpack cannot encode
-            data = frame({"id": rid, "ok": False, "err": "ERROR", "msg": f"unencodable reply: {exc!r}"})
-        self._queue(conn, data)
+            return frame({"id": rid, "ok": False, "err": "ERROR", "msg": f"unencodable reply: {exc!r}"})
 
     # ------------------------------------------------------------------ output
     def _queue(self, conn: Connection, data: bytes) -> None:

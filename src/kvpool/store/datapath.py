@@ -41,6 +41,7 @@ from kvpool.store.layout import (
     header_mismatch,
     key_hash,
     pack_header,
+    pack_header_into,
 )
 from kvpool.store.staging import DIRECT_MIN, Staging
 from kvpool.transfer.engine import TransferEngine
@@ -343,21 +344,21 @@ class DataPath:
     def _write_one(self, epoch: int, job: WriteJob) -> None:
         """One object to one replica, in this thread: a small one as header + value from
         staging, a big one from where it is, then its header."""
-        value = self._value(job)
+        value = job.src if type(job.src) is memoryview else self._value(job)
         size = job.size
         if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
             job.csum = checksum(value)
-        hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
         seg, raddr = job.replicas[0][0], job.replicas[0][1]
         tokens: list[Any] = []
         try:
             if size <= DIRECT_MIN:
                 addr, region, token = self.staging.take(HEADER_SIZE + size)
                 tokens.append(token)
-                region[:HEADER_SIZE] = hdr
+                pack_header_into(region, epoch, job.gen, key_hash(job.key), size, job.csum)
                 region[HEADER_SIZE:] = value
                 ok = self.sync(seg, addr, raddr, HEADER_SIZE + size, OpCode.WRITE)
             else:
+                hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
                 if isinstance(job.src, tuple):
                     vaddr = job.src[0]
                 else:

@@ -44,6 +44,13 @@ def pack_header(epoch: int, gen: int, khash: int, length: int, csum: int | None)
     return HEADER.pack(MAGIC, flags, epoch, gen, khash, length, csum or 0)
 
 
+def pack_header_into(buf: bytearray | memoryview, epoch: int, gen: int, khash: int, length: int,
+                     csum: int | None) -> None:  # fmt: skip
+    """:func:`pack_header` written straight into the first 64 bytes of ``buf``."""
+    flags = FLAG_CHECKSUM if csum is not None else 0
+    HEADER.pack_into(buf, 0, MAGIC, flags, epoch, gen, khash, length, csum or 0)
+
+
 def header_mismatch(
     buf: bytes | bytearray | memoryview, epoch: int, gen: int, khash: int, length: int, csum: int | None
 ) -> str | None:

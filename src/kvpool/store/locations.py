@@ -23,6 +23,14 @@ class Loc(NamedTuple):
     since: float  # collector stops tracking, so 100,000s of entries do not slow its full passes
 
 
+def _written(segments: Sequence[str], replicas: list[list[Any]]) -> tuple[tuple[str, int], ...]:
+    """(segment, address) of the replicas written completely (their segment in ``segments``)."""
+    if len(replicas) == 1:
+        r = replicas[0]
+        return ((r[0], r[1]),) if r[0] in segments else ()
+    return tuple((r[0], r[1]) for r in replicas if r[0] in segments)
+
+
 class LocationCache:
     """LRU of :class:`Loc` by key: at most ``capacity`` entries, each used for ``ttl_s``."""
 
@@ -34,8 +42,20 @@ class LocationCache:
 
     def remember(self, key: str, epoch: int, gen: int, size: int, csum: int | None,
                  segments: Sequence[str], replicas: list[list[Any]]) -> None:  # fmt: skip
-        """A committed object (only small ones with a checksum are kept), on ``segments``."""
-        self.remember_many(epoch, [(key, gen, size, csum, segments, replicas)])
+        """A committed object (only small ones with a checksum are kept), on ``segments``. Called
+        after every small put: one entry without :meth:`remember_many`'s lists."""
+        if self.capacity <= 0 or csum is None or size > CHECKSUM_ALWAYS_MAX:
+            return
+        reps = _written(segments, replicas)
+        if not reps:
+            return
+        entry = Loc(epoch, gen, size, csum, reps, time.monotonic())
+        loc = self._loc
+        with self._lock:
+            loc[key] = entry
+            loc.move_to_end(key)
+            while len(loc) > self.capacity:
+                loc.popitem(last=False)
 
     def remember_many(self, epoch: int, items: Sequence[tuple[str, int, int, int | None, Sequence[str],
                                                              list[list[Any]]]]) -> None:  # fmt: skip
@@ -47,10 +67,7 @@ class LocationCache:
         for key, gen, size, csum, segments, replicas in items:
             if csum is None or size > CHECKSUM_ALWAYS_MAX:
                 continue
-            if len(replicas) == 1:
-                reps = ((replicas[0][0], replicas[0][1]),) if replicas[0][0] in segments else ()
-            else:
-                reps = tuple((r[0], r[1]) for r in replicas if r[0] in segments)
+            reps = _written(segments, replicas)
             if reps:
                 new.append((key, Loc(epoch, gen, size, csum, reps, now)))
         if not new:

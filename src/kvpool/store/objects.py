@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool import _native
 from kvpool.store.allocator import RangeAllocator
 from kvpool.store.layout import HEADER_SIZE
 
@@ -174,6 +175,12 @@ class KeyTable:
         if not mask:
             return list(map(d[0].get, keys))
         return [d[hash(k) & mask].get(k) for k in keys]
+
+    def committed_many(self, keys: list[str]) -> list[bool]:
+        """Whether each key holds a committed object (``batch_exists``), in C: the shard, lookup
+        and flag per key without Python bytecode (a 1,000-key lookup in the split table costs
+        about what one dict's list comprehension did)."""
+        return _native.committed_many(self._d, self._mask, keys)
 
     def __getitem__(self, key: str) -> Obj:
         return self._d[hash(key) & self._mask][key]

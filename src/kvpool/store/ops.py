@@ -236,7 +236,7 @@ class ObjectOps(_Base):
     def _op_exists(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         keys = req["keys"]
         self._check_batch(len(keys))
-        return {"results": [o is not None and o.committed for o in self.objects.get_many(keys)]}
+        return {"results": self.objects.committed_many(keys)}
 
     def _op_remove(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         keys = req["keys"]

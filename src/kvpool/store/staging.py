@@ -49,8 +49,9 @@ class Staging:
         """(address, token) to WRITE a big ``value`` from: registered in place for the call
         (read-only, local: no copy), or copied into staging when that fails."""
         try:
-            addr = self.engine.register_local_memory(value, remote_accessible=False)
-            return addr, ("registered", addr)
+            addr = _native.buffer_address(value, True)[0]
+            self.engine.register_host_scratch(addr, value.nbytes, read_only=True)
+            return addr, ("scratch", addr)
         except KvpoolError:
             pass  # e.g. the same object is being put by another thread: copy it
         addr, view, token = self.take(value.nbytes)

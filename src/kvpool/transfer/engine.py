@@ -339,16 +339,17 @@ class TransferEngine:
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
         return addr
 
-    def register_host_scratch(self, addr: int, length: int) -> None:
-        """Register ``length`` writable host bytes at ``addr`` local-only (a READ destination for
-        one call): :meth:`register_local_memory` with ``location="cpu:0"`` and
-        ``remote_accessible=False`` for an int address, without its argument parsing (same native
-        registration, bookkeeping and transports). Undo with :meth:`unregister_host_scratch`."""
+    def register_host_scratch(self, addr: int, length: int, read_only: bool = False) -> None:
+        """Register ``length`` host bytes at ``addr`` local-only for one call: a READ destination,
+        or with ``read_only`` a WRITE source only (e.g. an immutable ``bytes`` being put). It is
+        :meth:`register_local_memory` with ``location="cpu:0"`` and ``remote_accessible=False``
+        for an int address, without its argument parsing (same native registration, bookkeeping,
+        overlap refusal and transports). Undo with :meth:`unregister_host_scratch`."""
         if length <= 0:
             raise InvalidArgument("cannot register an empty buffer")
-        slot, gen = self._native.register_memory(addr, length, False, False)
+        slot, gen = self._native.register_memory(addr, length, False, read_only)
         desc = BufferDescriptor(addr, length, "cpu:0", False, fence_slot=slot, fence_gen=gen)
-        reg = Registration(desc, None)
+        reg = Registration(desc, None, read_only)
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
 
     def unregister_host_scratch(self, addr: int) -> None:
@@ -744,26 +745,33 @@ class TransferEngine:
         if length <= 0:
             raise InvalidArgument("length must be a positive integer")
         op = WRITE if opcode is OpCode.WRITE else READ if opcode is OpCode.READ else _native_op(opcode)
-        # The cached segment without open_segment's native freshness call: the native transfer
-        # answers ST_STALE instead (nothing moved; transfer_inline then returns None and the batch
-        # path below opens the segment again).
-        cached = self._segments.get(target_name)
-        t = self._routes.get(cached[0].id) if cached is not None else None
-        if t is None or t.peer_gone(cached[0].id):  # type: ignore[index]
-            hid = self.open_segment(target_name).id
-            t = self._routes.get(hid) or self._route(hid)
-        else:
-            hid = cached[0].id  # type: ignore[index]
-        reg = self._registry
-        st = None  # GPU memory here: a batch (staged or CUDA IPC) moves it
-        if not (reg.gpu_count and reg.gpu_region(local_addr, length) is not None):
-            st = t.transfer_inline(op, hid, (local_addr,), (remote_addr,), (length,))
+        st = self._inline_cached(target_name, op, (local_addr,), (remote_addr,), (length,))
         if st is None:
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         if not st.ok:
             cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
             raise cls(f"{OpCode(opcode).name} of {length} bytes to {target_name}: {st.error}")
         return length
+
+    def _inline_cached(
+        self, target_name: str, op: int, locs: Sequence[int], rems: Sequence[int], lens: Sequence[int]
+    ) -> TransferStatus | None:
+        """A few checked host ranges done in this thread by the transport of the *cached* segment,
+        without open_segment's native freshness call: a stale descriptor makes the native transfer
+        answer ST_STALE (nothing moved; the transport returns None). None wherever this path does
+        not apply (segment not open yet, its peer gone, GPU memory here, no inline path): the
+        caller then takes the batch path, which opens the segment again."""
+        cached = self._segments.get(target_name)
+        if cached is None:
+            return None
+        hid = cached[0].id
+        t = self._routes.get(hid)
+        if t is None or t.peer_gone(hid):
+            return None
+        reg = self._registry
+        if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
+            return None  # GPU memory here: a batch (staged or CUDA IPC) moves it
+        return t.transfer_inline(op, hid, locs, rems, lens)
 
     def _inline(
         self, hid: int, op: int, locs: Sequence[int], rems: Sequence[int], lens: Sequence[int]
@@ -794,6 +802,15 @@ class TransferEngine:
         if n == 0:
             return 0
         op = _native_op(opcode)
+        if n <= _INLINE_MAX and not isinstance(lengths, np.ndarray):
+            # a few ranges (e.g. a value and its header): in this thread on the cached segment
+            locs, rems, lens = _int_columns((local_addrs, remote_addrs, lengths))
+            st = self._inline_cached(target_name, op, locs, rems, lens)
+            if st is not None:
+                if st.ok:
+                    return sum(lens)
+                cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
+                raise cls(f"{OpCode(opcode).name} of {n} ranges to {target_name}: {st.error}")
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
