@@ -468,3 +468,42 @@ def test_key_table_committed_many_matches_a_python_lookup() -> None:
     assert table._mask == KeyTable.SHARDS - 1
     with pytest.raises(TypeError):
         table.committed_many([["not", "hashable"]])
+
+
+def test_location_cache_entries_round_trip_and_leave_nothing_for_the_gc() -> None:
+    """The client's location cache (small objects read without asking the master): entries come
+    back as remembered (only the replicas written completely), are refused under another master
+    epoch or after their TTL, the oldest go past the capacity — and an entry is one packed
+    ``bytes`` record, so 20,000 puts leave no objects behind that the garbage collector tracks
+    (tuples did: the collector then ran every few batch puts)."""
+    import gc
+    import time
+
+    from kvpool.store.locations import LocationCache
+
+    cache = LocationCache(capacity=30_000, ttl_s=60.0)
+    cache.remember("a", 7, 11, 4096, 99, ["s1", "s3"], [["s1", 1000], ["s2", 2000], ["s3", 3000]])
+    loc = cache.get("a", 7)
+    assert loc is not None and (loc.epoch, loc.gen, loc.size, loc.csum) == (7, 11, 4096, 99)
+    assert loc.replicas == (("s1", 1000), ("s3", 3000))  # s2 was not written: not a replica to read
+    assert cache.get("a", 8) is None and cache.get("a", 7) is None  # another master: forgotten
+    cache.remember("b", 7, 12, 100, None, ["s1"], [["s1", 5]])  # no checksum: not kept
+    cache.remember("c", 7, 13, 100, 5, ["s9"], [["s1", 5]])  # nothing written: not kept
+    assert cache.get("b", 7) is None and cache.get("c", 7) is None
+    short = LocationCache(capacity=2, ttl_s=0.05)
+    short.remember_many(1, [(k, i, 10, 1, ["s"], [["s", i]]) for i, k in enumerate("xyz")])
+    assert short.get("x", 1) is None and short.get("y", 1).replicas == (("s", 1),)  # type: ignore[union-attr]
+    time.sleep(0.06)
+    assert short.get("z", 1) is None  # past its TTL
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        for i in range(10_000):
+            cache.remember(f"k{i}", 7, i, 4096, i, ["s1"], [["s1", i * 4160]])
+        cache.remember_many(7, [(f"m{i}", i, 64, i, ["s1"], [["s1", i]]) for i in range(10_000)])
+        grown = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert grown < 200, grown
+    assert cache.get("k9999", 7).replicas == (("s1", 9999 * 4160),)  # type: ignore[union-attr]

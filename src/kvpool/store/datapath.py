@@ -291,17 +291,17 @@ class DataPath:
             spos = hpos = 0
             for job in jobs:
                 size = job.size
-                value = self._value(job)
+                value = job.src if type(job.src) is memoryview else self._value(job)
                 if job.verify or size <= CHECKSUM_ALWAYS_MAX or checksum_all:
                     job.csum = checksum(value)
-                hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
                 if size <= DIRECT_MIN:
                     mid, end = spos + HEADER_SIZE, spos + HEADER_SIZE + size
-                    sview[spos:mid] = hdr
+                    pack_header_into(sview, epoch, job.gen, key_hash(job.key), size, job.csum, spos)
                     sview[mid:end] = value
                     parts: tuple[tuple[int, int, int], ...] = ((sbase + spos, 0, HEADER_SIZE + size),)
                     spos = end
                 else:
+                    hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
                     if isinstance(job.src, tuple):
                         vaddr = job.src[0]
                     else:

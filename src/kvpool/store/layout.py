@@ -45,10 +45,10 @@ def pack_header(epoch: int, gen: int, khash: int, length: int, csum: int | None)
 
 
 def pack_header_into(buf: bytearray | memoryview, epoch: int, gen: int, khash: int, length: int,
-                     csum: int | None) -> None:  # fmt: skip
-    """:func:`pack_header` written straight into the first 64 bytes of ``buf``."""
+                     csum: int | None, offset: int = 0) -> None:  # fmt: skip
+    """:func:`pack_header` written straight into the 64 bytes of ``buf`` at ``offset``."""
     flags = FLAG_CHECKSUM if csum is not None else 0
-    HEADER.pack_into(buf, 0, MAGIC, flags, epoch, gen, khash, length, csum or 0)
+    HEADER.pack_into(buf, offset, MAGIC, flags, epoch, gen, khash, length, csum or 0)
 
 
 def header_mismatch(

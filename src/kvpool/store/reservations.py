@@ -3,7 +3,6 @@ its reservations (allocations granted ahead of puts of one size and config)."""
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ class WriteFloor:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.epoch = 0
-        self.inflight: collections.Counter[int] = collections.Counter()
+        self.inflight: dict[int, int] = {}  # generation -> writes into it not yet ended
         self.max_seen = 0
 
     def begin(self, epoch: int, gens: Sequence[int]) -> None:
@@ -35,21 +34,24 @@ class WriteFloor:
             if epoch != self.epoch:
                 self.epoch, self.max_seen = epoch, 0
                 self.inflight.clear()
+            inflight = self.inflight
             for g in gens:
-                self.inflight[g] += 1
-                self.max_seen = max(self.max_seen, g)
+                inflight[g] = inflight.get(g, 0) + 1
+            if gens:
+                self.max_seen = max(self.max_seen, max(gens))
 
     def end(self, epoch: int, gens: Sequence[int]) -> None:
         """Allocations this client will not write into any more."""
         with self.lock:
             if epoch != self.epoch:
                 return
+            inflight = self.inflight
             for g in gens:
-                n = self.inflight[g] - 1
+                n = inflight.get(g, 0) - 1
                 if n > 0:
-                    self.inflight[g] = n
+                    inflight[g] = n
                 else:
-                    self.inflight.pop(g, None)
+                    inflight.pop(g, None)
 
     def floor(self) -> int:
         """Every allocation older than this is done with."""
