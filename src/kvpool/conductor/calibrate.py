@@ -7,8 +7,10 @@ prompts are lists of random token ids (no accidental prefix-cache hits):
   repeated-prefix probes (a prefix is sent once to warm the cache, then prefix + extra tokens) for
   the cached-context term. HTTP and scheduling overhead is *kept* in ``prefill_base_s`` (the router
   sees it too), not subtracted.
-* decode: mean time between tokens with ``batch`` concurrent streams (``ignore_eos``) at a couple
-  of context lengths, fitting ``decode_base_s``, ``decode_per_seq_s`` and ``decode_per_kv_token_s``.
+* decode: mean time per step with ``batch`` concurrent streams (``ignore_eos``) at a couple of
+  context lengths — (last token of ``decode_tokens``-long streams − first token of one-token
+  streams of the same shape) / (``decode_tokens`` − 1), immune to tokens streamed in one chunk —
+  fitting ``decode_base_s``, ``decode_per_seq_s`` and ``decode_per_kv_token_s``.
 
 Each probe runs ``repeats`` times and the median is used. Transfer terms are not measured: they
 come from ``--transfer-gbps`` / ``--kv-bytes-per-token`` or stay at the defaults.
@@ -135,15 +137,18 @@ async def calibrate(
                 for b in batches:
                     t = []
                     for _ in range(repeats):
+                        # From end times, not from gaps between chunks: vLLM may stream several
+                        # tokens in one chunk (a loaded API server can send a short stream's tokens
+                        # all at once, gaps ~0), but a stream's last chunk comes when its last step
+                        # is done. ignore_eos makes every stream exactly decode_tokens long; b
+                        # one-token streams of the same shape give the time to the first token.
                         runs = await asyncio.gather(
                             *[_stream(s, url, name, ids(ctx), decode_tokens) for _ in range(b)]
                         )
-                        # Steady state, first token to last: ignore_eos makes every stream exactly
-                        # decode_tokens long, so divide by the known step count, not by the chunks
-                        # seen (vLLM may stream several tokens in one chunk: gaps near 0 between them).
-                        gaps = [(r[-1] - r[0]) / (decode_tokens - 1) for r in runs if len(r) >= 2]
-                        if gaps:
-                            t.append(statistics.median(gaps))
+                        ones = await asyncio.gather(*[_stream(s, url, name, ids(ctx), 1) for _ in range(b)])
+                        steps = statistics.median(r[-1] for r in runs) - statistics.median(r[0] for r in ones)
+                        if steps > 0:
+                            t.append(steps / (decode_tokens - 1))
                     if t:
                         kv = b * (ctx + decode_tokens / 2)
                         decode_rows.append({"backend": url, "batch": b, "context": ctx, "kv": kv,
