@@ -86,8 +86,10 @@ class Lookup:
 class AsyncLookups:
     """A background thread that answers :class:`Lookup` s with ``exists(keys) -> list[bool]``.
 
-    ``connect`` (called on that thread, again after a failure) makes the client the first time
-    it is needed, so a master that is down at start-up does not stop the engine either. At most
+    ``connect`` (called on that thread) makes the client as soon as the thread starts, so that the
+    first request's lookup does not pay for it (under load a connection took over a second: the
+    lookup timed out, the breaker opened and the request's blocks were not saved); when that fails
+    (a master down at start-up does not stop the engine either), each lookup tries again. At most
     ``max_keys`` keys go to the master per round trip.
     """
 
@@ -134,7 +136,20 @@ class AsyncLookups:
                 n += len(lk.keys)
             return batch
 
+    def _connect_early(self) -> None:
+        try:
+            client = self._connect()
+        except Exception as exc:  # noqa: BLE001 - the first lookup tries again
+            log.info("kvpool: store not reachable at start-up (%s); trying again at the first lookup", exc)
+            return
+        with self._cv:
+            if not self._stop:
+                self.client = client
+                return
+        client.close()  # closed meanwhile: the owner did not see this client
+
     def _loop(self) -> None:
+        self._connect_early()
         while (batch := self._take()) is not None:
             try:
                 if self.client is None:
