@@ -291,7 +291,7 @@ class DataPath:
             spos = hpos = 0
             for job in jobs:
                 size = job.size
-                value = job.src if type(job.src) is memoryview else self._value(job)
+                value = self._value(job)
                 if job.verify or size <= CHECKSUM_ALWAYS_MAX or checksum_all:
                     job.csum = checksum(value)
                 if size <= DIRECT_MIN:
@@ -344,7 +344,7 @@ class DataPath:
     def _write_one(self, epoch: int, job: WriteJob) -> None:
         """One object to one replica, in this thread: a small one as header + value from
         staging, a big one from where it is, then its header."""
-        value = job.src if type(job.src) is memoryview else self._value(job)
+        value = self._value(job)
         size = job.size
         if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
             job.csum = checksum(value)

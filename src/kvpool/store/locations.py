@@ -70,14 +70,8 @@ class LocationCache:
         if self.capacity <= 0 or csum is None or size > CHECKSUM_ALWAYS_MAX:
             return
         rec = self._record(epoch, gen, size, csum, time.monotonic(), segments, replicas)
-        if rec is None:
-            return
-        loc = self._loc
-        with self._lock:
-            loc[key] = rec
-            loc.move_to_end(key)
-            while len(loc) > self.capacity:
-                loc.popitem(last=False)
+        if rec is not None:
+            self._insert(((key, rec),))
 
     def remember_many(self, epoch: int, items: Sequence[tuple[str, int, int, int | None, Sequence[str],
                                                              list[list[Any]]]]) -> None:  # fmt: skip
@@ -92,11 +86,14 @@ class LocationCache:
             rec = self._record(epoch, gen, size, csum, now, segments, replicas)
             if rec is not None:
                 new.append((key, rec))
-        if not new:
-            return
+        if new:
+            self._insert(new)
+
+    def _insert(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        """Add (key, record) entries as the most recent; the oldest go beyond ``capacity``."""
         loc = self._loc
         with self._lock:
-            for key, rec in new:
+            for key, rec in entries:
                 loc[key] = rec
                 loc.move_to_end(key)
             while len(loc) > self.capacity:

@@ -78,9 +78,6 @@ class Staging:
         if token[0] == "scratch":
             self.engine.unregister_host_scratch(token[1])
             return
-        if token[0] == "registered":
-            self.engine.unregister_local_memory(token[1])
-            return
         _tmp, view = token
         self.engine.unregister_local_memory(addr_of(view))  # the mapping goes with its last view
 

@@ -100,6 +100,12 @@ def _u64_columns(cols: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return out[0], out[1], out[2]
 
 
+def _failed(st: TransferStatus, what: str) -> KvpoolError:
+    """The typed error of a failed in-thread transfer: TransferTimeout or TransferError."""
+    cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
+    return cls(f"{what}: {st.error}")
+
+
 _NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}  # IntEnum keys: plain 0/1 find them too
 
 
@@ -749,8 +755,7 @@ class TransferEngine:
         if st is None:
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
         if not st.ok:
-            cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
-            raise cls(f"{OpCode(opcode).name} of {length} bytes to {target_name}: {st.error}")
+            raise _failed(st, f"{OpCode(opcode).name} of {length} bytes to {target_name}")
         return length
 
     def _inline_cached(
@@ -809,8 +814,7 @@ class TransferEngine:
             if st is not None:
                 if st.ok:
                     return sum(lens)
-                cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
-                raise cls(f"{OpCode(opcode).name} of {n} ranges to {target_name}: {st.error}")
+                raise _failed(st, f"{OpCode(opcode).name} of {n} ranges to {target_name}")
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
@@ -824,8 +828,7 @@ class TransferEngine:
         if st is not None:
             if st.ok:
                 return sum(lens)
-            cls = TransferTimeout if st.state == TransferState.TIMEOUT else TransferError
-            raise cls(f"{OpCode(opcode).name} of {n} ranges to {target_name}: {st.error}")
+            raise _failed(st, f"{OpCode(opcode).name} of {n} ranges to {target_name}")
         if self._registry.gpu_count and "cuda" not in t.locations and self._staging.needed(locs, lens):
             # staged: rounds whose staged bytes fit the pool, waiting for staging others hold
             rounds = self._staging.rounds(locs, rems, lens)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,23 +65,25 @@ def buffer_range(obj: Any, length: int | None = None, allow_read_only: bool = Fa
     return addr, n, view
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Registration:
-    """One registered range: its published form, what keeps it alive, and how it may be used.
-    ``start``, ``end`` and ``gpu`` are derived once (looked up on every transfer's checks)."""
+    """One registered range: its published form, what keeps it alive, and how it may be used."""
 
     desc: BufferDescriptor
     keep: Any
     read_only: bool = False
-    start: int = field(init=False)
-    end: int = field(init=False)
-    gpu: bool = field(init=False)
 
-    def __post_init__(self) -> None:
-        d = self.desc
-        object.__setattr__(self, "start", d.addr)
-        object.__setattr__(self, "end", d.addr + d.length)
-        object.__setattr__(self, "gpu", d.location.startswith("cuda"))
+    @property
+    def start(self) -> int:
+        return self.desc.addr
+
+    @property
+    def end(self) -> int:
+        return self.desc.addr + self.desc.length
+
+    @property
+    def gpu(self) -> bool:
+        return self.desc.location.startswith("cuda")
 
 
 class LocalRegistry:
