@@ -892,6 +892,25 @@ int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint6
   return transfer_queued(op, locals, peer, remotes, lens);
 }
 
+int Engine::transfer_sync_scratch(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
+                                  const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens,
+                                  uint64_t scratch, uint64_t scratch_len, bool read_only) {
+  reg_.add(scratch, scratch_len, false, read_only);
+  // Unregistered on every way out; remove() waits for accesses still inside a syscall, as the
+  // Python-side unregister would.
+  struct Unregister {
+    Registry& reg;
+    uint64_t addr;
+    ~Unregister() {
+      try {
+        reg.remove(addr);
+      } catch (...) {  // local-only: no fence to retire, nothing that can fail after the erase
+      }
+    }
+  } undo{reg_, scratch};
+  return transfer_sync(op, locals, peer, remotes, lens);
+}
+
 int Engine::transfer_queued(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
                             const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens) {
   const size_t n = lens.size();

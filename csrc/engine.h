@@ -252,6 +252,13 @@ class Engine {
   // Returns ST_OK or the first failed request's Status.
   int transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
                     const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens);
+  // transfer_sync with one more host range, [scratch, scratch+scratch_len), registered local-only
+  // (read-only when asked) for the call's duration only: a fresh result buffer or a value being
+  // put, without a registration round trip through Python. Registration errors (an overlap: the
+  // same value is being put by another thread) raise before anything moves.
+  int transfer_sync_scratch(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,
+                            const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens,
+                            uint64_t scratch, uint64_t scratch_len, bool read_only);
   // Slots completed outside the native data path (transports written in Python, wrappers):
   // reserve_slots takes the next lens.size() free slots of a batch as PENDING (one completion
   // each) and returns the first index; finish_slot completes one of them once (ST_OK or an error

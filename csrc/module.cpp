@@ -163,6 +163,7 @@ PYBIND11_MODULE(_native, m) {
           },
           G())
       .def("transfer_sync_ranges", &Engine::transfer_sync, G())
+      .def("transfer_sync_scratch", &Engine::transfer_sync_scratch, G())
       .def("reserve_slots", &Engine::reserve_slots)
       .def("finish_slot", &Engine::finish_slot)
       .def("finish_range", &Engine::finish_range)

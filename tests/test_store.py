@@ -17,6 +17,7 @@ from kvpool.errors import (
     ObjectBusy,
     ObjectExists,
     ObjectNotFound,
+    RegistrationError,
     StoreFull,
 )
 from kvpool.store.procs import MasterProcess, StorageProcess, free_port
@@ -101,6 +102,25 @@ def test_batch_operations_return_per_key_results(client: Store) -> None:
     assert client.batch_put_from(["pf1", "pf2"], [addr, addr + 1024], [1024, 2048]) == [None, None]
     assert client.get("pf2") == bytes(src[1024:3072])
     client.unregister_buffer(addr)
+
+
+def test_a_big_value_registered_elsewhere_is_put_through_a_copy(client: Store) -> None:
+    """A big put moves the value from where it is, registered for that call only; when its range
+    is registered already (e.g. another thread is putting the same bytes object), the value is
+    copied into staging instead: the put succeeds with the right bytes and the other
+    registration is left as it was."""
+    value = pattern(1 << 20, 77)
+    addr = _native.buffer_address(value, True)[0]
+    client.engine.register_local_memory(addr, len(value))
+    try:
+        client.put("held-elsewhere", value)
+        assert client.get("held-elsewhere") == value
+        with pytest.raises(RegistrationError):  # still registered: the put did not undo it
+            client.engine.register_local_memory(addr, len(value))
+    finally:
+        client.engine.unregister_local_memory(addr)
+    client.put("held-elsewhere-2", value)  # in place again
+    assert client.get("held-elsewhere-2") == value
 
 
 def test_concurrent_puts_of_one_key_have_exactly_one_outcome(

@@ -5,13 +5,20 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 import xxhash
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
-from kvpool.errors import InvalidArgument, RemoteAccessError, TransferError
+from kvpool.errors import (
+    AddressNotRegistered,
+    InvalidArgument,
+    RegistrationError,
+    RemoteAccessError,
+    TransferError,
+)
 from kvpool.transfer.peer import PeerProcess
 
 SIZES = [1, 7, 4096, 65537, 1 << 20, (4 << 20) + 3, 64 << 20]
@@ -276,6 +283,57 @@ def test_a_few_ranges_in_the_calling_thread_land_in_order(peer: PeerProcess, pro
         for t in threads:
             t.join()
         assert not errors, errors
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+@pytest.mark.parametrize("path", ["in_thread", "batch"])
+def test_scratch_memory_is_registered_for_one_call_only(peer: PeerProcess, protocol: str, path: str) -> None:
+    """``batch_transfer_sync(..., scratch=)`` (the store's big put and get: a value being put, a
+    fresh result) registers unregistered host memory for that call alone, inside the native call
+    on the in-thread path and through register_host_scratch on the batch path (segment not open
+    yet, numpy columns): the bytes move; before and after, the range is not registered (a plain
+    call fails, a normal registration of it succeeds); a read-only scratch never receives a READ;
+    one that overlaps a registration raises RegistrationError and nothing moves."""
+    mib = 1 << 20
+    with TransferEngine(protocol=protocol, timeout_s=5.0) as eng:
+        hdr = bytearray(64)
+        h = eng.register_local_memory(hdr)
+        hdr[:] = bytes(range(64))
+        base, off = peer.addr + (8 << 20), 8 << 20
+        value = bytes(range(256)) * 4096
+        v = _native.buffer_address(value, True)[0]
+        if path == "in_thread":
+            eng.open_segment(peer.segment)  # cached: the ranges go in this thread
+
+        def cols(*c: list[int]) -> list[Any]:
+            return [np.array(x, dtype=np.uint64) for x in c] if path == "batch" else list(c)
+
+        with pytest.raises(AddressNotRegistered):  # not registered: a plain call is refused
+            eng.batch_transfer_sync(peer.segment, *cols([v, h], [base + 64, base], [mib, 64]))
+        n = eng.batch_transfer_sync(
+            peer.segment, *cols([v, h], [base + 64, base], [mib, 64]), OpCode.WRITE, (v, mib, True)
+        )
+        assert n == mib + 64
+        assert peer.checksum(off, 64 + mib) == xxhash.xxh3_64_hexdigest(bytes(range(64)) + value)
+        out, o = _native.new_bytes(mib)
+        hdr[:] = bytes(64)
+        n = eng.batch_transfer_sync(
+            peer.segment, *cols([o, h], [base + 64, base], [mib, 64]), OpCode.READ, (o, mib, False)
+        )
+        assert n == mib + 64 and out == value and bytes(hdr) == bytes(range(64))
+        zeros = bytes(mib)
+        z = _native.buffer_address(zeros, True)[0]
+        with pytest.raises(AddressNotRegistered, match="read-only"):  # never written
+            eng.batch_transfer_sync(peer.segment, *cols([z], [base], [mib]), OpCode.READ, (z, mib, True))
+        assert zeros == bytes(mib)
+        with pytest.raises(RegistrationError):  # overlaps the header's registration: nothing moves
+            eng.batch_transfer_sync(peer.segment, *cols([h], [base], [64]), OpCode.READ, (h, 64, False))
+        assert peer.checksum(off, 64) == xxhash.xxh3_64_hexdigest(bytes(range(64)))
+        for addr in (v, o, z):  # none of them is left registered, natively or in the engine's table
+            with pytest.raises(AddressNotRegistered):
+                eng.batch_transfer_sync(peer.segment, [addr], [base], [64], OpCode.WRITE)
+            eng.register_local_memory(addr, mib)
+            eng.unregister_local_memory(addr)
 
 
 def test_requests_to_several_segments_in_one_batch(tcp_engine: TransferEngine) -> None:

@@ -31,6 +31,7 @@ from kvpool.errors import (
     KvpoolError,
     ObjectChanged,
     ObjectCorrupt,
+    RegistrationError,
     RemoteAccessError,
     TransferError,
 )
@@ -225,18 +226,30 @@ class DataPath:
         return False
 
     def sync_ranges(
-        self, segment: str, locs: list[int], rems: list[int], lens: list[int], op: OpCode
+        self,
+        segment: str,
+        locs: list[int],
+        rems: list[int],
+        lens: list[int],
+        op: OpCode,
+        scratch: tuple[int, int, bool] | None = None,
     ) -> bool:
         """A few ranges of one segment, in order, in this thread when a lane is free (one frame
-        exchange over TCP); False on failure (the caller reports or fails over)."""
+        exchange over TCP); False on failure (the caller reports or fails over). ``scratch``:
+        unregistered host memory the ranges use, registered for the call alone (see
+        :meth:`TransferEngine.batch_transfer_sync`); a RegistrationError for it raises."""
         for attempt in (0, 1):
             try:
-                self.engine.batch_transfer_sync(segment, locs, rems, lens, op)
+                self.engine.batch_transfer_sync(segment, locs, rems, lens, op, scratch)
                 return True
             except RemoteAccessError:
                 if attempt:
                     return False
                 self.refresh(segment)  # the owner mounted fresh memory: fetch its descriptor again
+            except RegistrationError:
+                if scratch is None:
+                    return False
+                raise
             except KvpoolError:
                 return False
         return False
@@ -358,19 +371,23 @@ class DataPath:
                 region[HEADER_SIZE:] = value
                 ok = self.sync(seg, addr, raddr, HEADER_SIZE + size, OpCode.WRITE)
             else:
-                hdr = pack_header(epoch, job.gen, key_hash(job.key), size, job.csum)
-                if isinstance(job.src, tuple):
-                    vaddr = job.src[0]
-                else:
-                    vaddr, token = self.staging.source(value)
-                    tokens.append(token)
                 haddr, hregion, token = self.staging.take(HEADER_SIZE)
                 tokens.append(token)
-                hregion[:] = hdr
+                pack_header_into(hregion, epoch, job.gen, key_hash(job.key), size, job.csum)
                 # the value, then its header: in this order, in one exchange
-                ok = self.sync_ranges(
-                    seg, [vaddr, haddr], [raddr + HEADER_SIZE, raddr], [size, HEADER_SIZE], OpCode.WRITE
-                )
+                rems, lens = [raddr + HEADER_SIZE, raddr], [size, HEADER_SIZE]
+                if isinstance(job.src, tuple):
+                    ok = self.sync_ranges(seg, [job.src[0], haddr], rems, lens, OpCode.WRITE)
+                else:
+                    # the value where it is, registered read-only for the call by the native call
+                    vaddr = _native.buffer_address(value, True)[0]
+                    try:
+                        scratch = (vaddr, size, True)
+                        ok = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.WRITE, scratch)
+                    except RegistrationError:  # e.g. the same value is being put by another thread
+                        vaddr, token = self.staging.source(value)
+                        tokens.append(token)
+                        ok = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.WRITE)
         finally:
             for t in tokens:
                 self.staging.give(t)
@@ -409,16 +426,17 @@ class DataPath:
                 good = self.sync(seg, addr, raddr, HEADER_SIZE + j.size, OpCode.READ)
                 sink: Any = ("small", region)
             else:
+                scratch = None
                 if j.dest is not None:
                     vaddr, out = j.dest[0], None
                 else:
-                    vaddr, out, token = self.staging.sink(j.size)
-                    tokens.append(token)
+                    # a fresh bytes object, registered for the call by the native call itself
+                    out, vaddr = _native.new_bytes(j.size)
+                    scratch = (vaddr, j.size, False)
                 haddr, hregion, token = self.staging.take(HEADER_SIZE)
                 tokens.append(token)
-                good = self.sync_ranges(
-                    seg, [vaddr, haddr], [raddr + HEADER_SIZE, raddr], [j.size, HEADER_SIZE], OpCode.READ
-                )
+                rems, lens = [raddr + HEADER_SIZE, raddr], [j.size, HEADER_SIZE]
+                good = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.READ, scratch)
                 sink = ("big", hregion, vaddr, out)
             self._check(epoch, j, j.replicas[idx], sink, good, time.monotonic())
         except KvpoolError as exc:

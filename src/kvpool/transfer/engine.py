@@ -759,7 +759,13 @@ class TransferEngine:
         return length
 
     def _inline_cached(
-        self, target_name: str, op: int, locs: Sequence[int], rems: Sequence[int], lens: Sequence[int]
+        self,
+        target_name: str,
+        op: int,
+        locs: Sequence[int],
+        rems: Sequence[int],
+        lens: Sequence[int],
+        scratch: tuple[int, int, bool] | None = None,
     ) -> TransferStatus | None:
         """A few checked host ranges done in this thread by the transport of the *cached* segment,
         without open_segment's native freshness call: a stale descriptor makes the native transfer
@@ -776,7 +782,7 @@ class TransferEngine:
         reg = self._registry
         if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
             return None  # GPU memory here: a batch (staged or CUDA IPC) moves it
-        return t.transfer_inline(op, hid, locs, rems, lens)
+        return t.transfer_inline(op, hid, locs, rems, lens, scratch)
 
     def _inline(
         self, hid: int, op: int, locs: Sequence[int], rems: Sequence[int], lens: Sequence[int]
@@ -799,8 +805,15 @@ class TransferEngine:
         remote_addrs: Sequence[int],
         lengths: Sequence[int],
         opcode: OpCode = OpCode.WRITE,
+        scratch: tuple[int, int, bool] | None = None,
     ) -> int:
-        """Move many ranges to/from one segment and wait; returns total bytes or raises."""
+        """Move many ranges to/from one segment and wait; returns total bytes or raises.
+
+        ``scratch``: (address, length, read_only) of host memory that local ranges lie in and
+        that is not registered (a fresh result buffer, a value being put): it is registered
+        local-only (read-only when asked) for this call alone, inside the native call where the
+        ranges go in this thread (:meth:`register_host_scratch` otherwise). A RegistrationError
+        (it overlaps a registration) raises before anything moves."""
         n = len(local_addrs)
         if len(remote_addrs) != n or len(lengths) != n:
             raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
@@ -810,11 +823,17 @@ class TransferEngine:
         if n <= _INLINE_MAX and not isinstance(lengths, np.ndarray):
             # a few ranges (e.g. a value and its header): in this thread on the cached segment
             locs, rems, lens = _int_columns((local_addrs, remote_addrs, lengths))
-            st = self._inline_cached(target_name, op, locs, rems, lens)
+            st = self._inline_cached(target_name, op, locs, rems, lens, scratch)
             if st is not None:
                 if st.ok:
                     return sum(lens)
                 raise _failed(st, f"{OpCode(opcode).name} of {n} ranges to {target_name}")
+        if scratch is not None:
+            self.register_host_scratch(*scratch)
+            try:
+                return self.batch_transfer_sync(target_name, local_addrs, remote_addrs, lengths, opcode)
+            finally:
+                self.unregister_host_scratch(scratch[0])
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)

@@ -62,10 +62,16 @@ class SameHostTransport(TcpTransport):
             raise
 
     def transfer_inline(
-        self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
+        self,
+        op: int,
+        handle: int,
+        locals_: Sequence[int],
+        remotes: Sequence[int],
+        lens: Sequence[int],
+        scratch: tuple[int, int, bool] | None = None,
     ) -> TransferStatus | None:
         try:
-            return super().transfer_inline(op, handle, locals_, remotes, lens)
+            return super().transfer_inline(op, handle, locals_, remotes, lens, scratch)
         except RemoteAccessError:
             if self._exited([handle]):
                 raise SegmentNotFound("the segment's process exited; open the segment again") from None

@@ -46,9 +46,17 @@ class TcpTransport(Transport):
         self.native.submit(batch_id, ops, locs, peers, rems, lens)  # validates all, then queues
 
     def transfer_inline(
-        self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
+        self,
+        op: int,
+        handle: int,
+        locals_: Sequence[int],
+        remotes: Sequence[int],
+        lens: Sequence[int],
+        scratch: tuple[int, int, bool] | None = None,
     ) -> TransferStatus | None:
-        if len(lens) == 1:  # in this thread if a lane is idle
+        if scratch is not None:  # registered and unregistered around the transfer, natively
+            err = self.native.transfer_sync_scratch(op, locals_, handle, remotes, lens, *scratch)
+        elif len(lens) == 1:  # in this thread if a lane is idle
             err = self.native.transfer_sync(op, locals_[0], handle, remotes[0], lens[0])
         else:
             err = self.native.transfer_sync_ranges(op, locals_, handle, remotes, lens)

@@ -131,13 +131,22 @@ class Transport(ABC):
         """
 
     def transfer_inline(
-        self, op: int, handle: int, locals_: Sequence[int], remotes: Sequence[int], lens: Sequence[int]
+        self,
+        op: int,
+        handle: int,
+        locals_: Sequence[int],
+        remotes: Sequence[int],
+        lens: Sequence[int],
+        scratch: tuple[int, int, bool] | None = None,
     ) -> TransferStatus | None:
         """Optional fast path for a few requests of one opcode to one segment, done in the
         calling thread and waited for (``transfer_sync``, short ``batch_transfer_sync``).
 
-        Returns the final status (the first failure's, if any), or None when the transport has
-        no such path (the engine then uses a batch). Validation errors raise as in :meth:`submit`.
+        ``scratch``: (address, length, read_only) of host memory some local ranges lie in that
+        is not registered yet; the transport registers it local-only for this call alone (or
+        returns None). Returns the final status (the first failure's, if any), or None when the
+        transport has no such path (the engine then uses a batch). Validation errors raise as in
+        :meth:`submit`.
         """
         return None
 
