@@ -1,8 +1,11 @@
 """SGLang HiCache with the kvpool backend in a plain process (run by the SGLang interpreter):
-SGLang's real MHATokenToKVPoolHost (page_first, bf16) and StorageBackendFactory ("dynamic"),
-kvpool's KvpoolHiCacheStorage against a kvpool master in another process. Prints one JSON line.
+SGLang's real host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost) and StorageBackendFactory
+("dynamic"), kvpool's KvpoolHiCacheStorage against a kvpool master in another process. Prints one
+JSON line.
 
     python tests/sglang_hicache_proc.py write|read <master> <n_pages>
+    python tests/sglang_hicache_proc.py pages-write|pages-read <master> <n_pages> mha|mla <layout> \
+        <tp_rank> <tp_size>
 """
 
 from __future__ import annotations
@@ -13,15 +16,17 @@ import sys
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 L, PAGE, H, D = 4, 16, 2, 64
+LORA, ROPE = 32, 16  # MLA: latent and rope widths of one token's row
 
 
-def host_pool(dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
+def host_pool(dtype: torch.dtype = torch.bfloat16, layout: str = "page_first") -> MHATokenToKVPoolHost:
     tokens = 64 * PAGE
     k = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
     v = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
@@ -43,12 +48,43 @@ def host_pool(dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
         2.0,
         0,
         PAGE,
-        "page_first",
+        layout,
         pin_memory=False,
         device="cpu",
         device_capacity_tokens=tokens,
         start_layer=0,
         end_layer=L,
+    )
+
+
+def mla_pool(layout: str) -> MLATokenToKVPoolHost:
+    """SGLang's MLA host pool over L layers of one latent row (LORA + ROPE) per token."""
+    tokens = 64 * PAGE
+    rows = tuple(torch.zeros(tokens + PAGE, 1, LORA + ROPE, dtype=torch.bfloat16) for _ in range(L))
+    info = MLABufferInfo(
+        buffers=rows,
+        data_ptrs=torch.tensor([r.data_ptr() for r in rows], dtype=torch.uint64),
+        layer_indices=tuple(range(L)),
+        device_layer_num=L,
+        page_size=PAGE,
+        kv_lora_rank=LORA,
+        qk_rope_head_dim=ROPE,
+        kv_cache_dim=LORA + ROPE,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=L,
+        target_layer_num=L,
     )
 
 
@@ -61,25 +97,26 @@ def page_keys(n: int) -> list[str]:
     return keys
 
 
-def page_digests(hp: MHATokenToKVPoolHost, indices: torch.Tensor) -> list[str]:
+def page_digests(hp: MHATokenToKVPoolHost | MLATokenToKVPoolHost, indices: torch.Tensor) -> list[str]:
     ptrs, sizes = hp.get_page_buffer_meta(indices)
     base = hp.kv_buffer.data_ptr()
     raw = hp.kv_buffer.reshape(-1).view(torch.uint8).numpy()
     return [xxhash.xxh3_64_hexdigest(raw[p - base : p - base + s]) for p, s in zip(ptrs, sizes, strict=True)]
 
 
-def main() -> None:
-    role, master, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    cfg = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
+def storage_config(
+    master: str, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, page_first: bool = True
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         pp_rank=0,
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
-        is_page_first_layout=True,
+        is_page_first_layout=page_first,
         model_name="tiny-test",
         extra_config={
             "backend_name": "kvpool",
@@ -89,6 +126,40 @@ def main() -> None:
             "master": master,
         },
     )
+
+
+def pages(role: str, master: str, n: int, kind: str, layout: str, tp_rank: int, tp_size: int) -> dict:
+    """One rank of a TP group writes or reads ``n`` pages through the v1 interface."""
+    hp = mla_pool(layout) if kind == "mla" else host_pool(layout=layout)
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page")), hp
+    )
+    backend.register_mem_pool_host(hp)
+    keys = page_keys(n)
+    out: dict = {"parts": list(backend._parts), "before": backend.batch_exists(keys)}
+    if role == "pages-write":
+        idx = hp.alloc(n * PAGE)
+        g = torch.Generator().manual_seed(7 + tp_rank)
+        hp.kv_buffer.copy_(torch.randn(hp.kv_buffer.shape, generator=g).to(hp.kv_buffer.dtype))
+        out["set"] = backend.batch_set_v1(keys, idx)
+    else:
+        hp.alloc(3 * PAGE)  # other host slots than the writer's
+        idx = hp.alloc(n * PAGE)
+        out["get"] = backend.batch_get_v1(keys, idx)
+    out["exists"] = backend.batch_exists(keys)
+    out["digests"] = page_digests(hp, idx)
+    out["objects"] = len(backend._names(keys))
+    backend.close()
+    return out
+
+
+def main() -> None:
+    role, master, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if role.startswith("pages-"):
+        kind, layout, rank, size = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
+        print(json.dumps(pages(role, master, n, kind, layout, rank, size)), flush=True)
+        return
+    cfg = storage_config(master)
     hp = host_pool()
     backend = StorageBackendFactory.create_backend("dynamic", cfg, hp)
     backend.register_mem_pool_host(hp)  # as SGLang's cache controller does after construction

@@ -22,10 +22,14 @@ def master() -> Iterator[str]:
         yield m.address
 
 
-def run(role: str, master: str, n: int) -> dict:
+def run(role: str, master: str, n: int, *more: object) -> dict:
     env = dict(os.environ, **SGLANG_ENV)
     out = subprocess.run(
-        [sglang_python(), PROC, role, master, str(n)], capture_output=True, text=True, env=env, timeout=240
+        [sglang_python(), PROC, role, master, str(n), *map(str, more)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -44,6 +48,33 @@ def test_hicache_pages_written_by_one_process_are_read_by_another(master: str) -
     assert r["missing"] == [False]
     assert r["other_layout_exists"] == 0  # fp16 pool vs bf16 objects: the layout is in the key
     assert r["short"] == [False, True]  # a shorter object fails its page only
+
+
+def test_mla_pages_are_stored_once_for_all_tp_ranks(master: str) -> None:
+    """SGLang's MLA host pool (one latent row per token, the same on every TP rank): rank 0 of 2
+    writes each page as one object; rank 1, in another process, finds every page already stored
+    (nothing to write: the cache is moved and stored once, not per rank) and reads back the very
+    bytes rank 0 wrote into other host slots."""
+    w = run("pages-write", master, 6, "mla", "page_first", 0, 2)
+    assert w["parts"] == ["_k"] and w["objects"] == 6  # one object per page
+    assert w["before"] == 0 and w["set"] == [True] * 6 and w["exists"] == 6
+    r = run("pages-read", master, 6, "mla", "page_first", 1, 2)
+    assert r["before"] == 6  # rank 1 sees rank 0's pages
+    assert r["get"] == [True] * 6 and r["digests"] == w["digests"]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_layer_first_host_pools_store_every_buffer_of_a_page(master: str, kind: str) -> None:
+    """A layer-first host pool gives one buffer per layer (and K/V half) for each page: every
+    one is its own object, so all of a page's bytes go to the store and come back (before, only
+    two per page were named and such pools failed every page)."""
+    n = 4
+    w = run("pages-write", master, n, kind, "layer_first", 0, 1)
+    per = 4 * (1 if kind == "mla" else 2)  # 4 layers in the test pools
+    assert w["parts"] == [f"_p{i}" for i in range(per)] and w["objects"] == n * per
+    assert w["set"] == [True] * n and w["exists"] == n
+    r = run("pages-read", master, n, kind, "layer_first", 0, 1)
+    assert r["get"] == [True] * n and r["digests"] == w["digests"]  # every layer of every page
 
 
 def test_hicache_backend_needs_a_master() -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvpool.errors import ConfigError, KvpoolError, ObjectExists
+from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, ObjectExists
 from kvpool.store.client import Store
 
 log = logging.getLogger("kvpool.connectors.sglang")
@@ -43,6 +43,24 @@ def host_layout(hp: Any) -> str:
     dtype = str(getattr(hp, "dtype", "?")).replace("torch.", "")
     layout = str(getattr(hp, "layout", "?"))
     return f"{dtype}-{layout}-p{getattr(hp, 'page_size', '?')}-t{getattr(hp, 'size_per_token', '?')}"
+
+
+def page_parts(hp: Any, is_mla: bool) -> tuple[str, ...]:
+    """Name suffixes of one page's objects: one per buffer the host pool gives for a page in
+    ``get_page_buffer_meta`` (the v1 interface moves each buffer as one object). ``_k``/``_v``
+    for the usual two (one for MLA's latent row in page-first layouts), ``_p<i>`` otherwise
+    (layer-first layouts: a buffer per layer and half; MLA split layouts: latent, rope, index)."""
+    page = int(getattr(hp, "logical_page_size", 0) or hp.page_size)
+    try:
+        n = len(hp.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))[0])
+    except Exception as exc:  # noqa: BLE001 - a layout without zero-copy pages: the v1 calls fail as SGLang's do
+        log.warning("kvpool HiCache: %s has no zero-copy page buffers (%s)", type(hp).__name__, exc)
+        n = 1 if is_mla else 2
+    if n == 1:
+        return ("_k",)
+    if n == 2 and not is_mla:
+        return ("_k", "_v")
+    return tuple(f"_p{i}" for i in range(n))
 
 
 def _sizes_ok(res: list[Any], sizes: list[int]) -> list[bool]:
@@ -76,6 +94,10 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self.suffix = f"_{rank}"
         self.mem_pool_host: Any = None
         self._registered = False
+        # Objects per page of the legacy (copying) interface: its page tensors are split into
+        # K and V halves (one latent part for MLA). The v1 path's parts come from the host pool.
+        self._legacy_parts = ("_k",) if self.is_mla else ("_k", "_v")
+        self._parts = self._legacy_parts
 
     # ------------------------------------------------------------------ memory
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -83,17 +105,29 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         buf = mem_pool_host.kv_buffer
         self.prefix = self._base + host_layout(mem_pool_host) + "/"
+        self._parts = page_parts(mem_pool_host, self.is_mla)
         if not self._registered:
             self.store.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
             self._registered = True
 
-    def _names(self, keys: list[str]) -> list[str]:
-        halves = ("_k",) if self.is_mla else ("_k", "_v")
-        return [f"{self.prefix}{k}{self.suffix}{h}" for k in keys for h in halves]
+    def _names(self, keys: list[str], parts: tuple[str, ...] | None = None) -> list[str]:
+        """Object names of ``keys``' pages: one per part (the v1 parts unless ``parts``)."""
+        return [f"{self.prefix}{k}{self.suffix}{h}" for k in keys for h in parts or self._parts]
 
     @property
     def _per_page(self) -> int:
-        return 1 if self.is_mla else 2
+        return len(self._parts)
+
+    def _meta(self, keys: list[str], host_indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The host pool's (pointers, sizes) for ``keys``' pages: ``len(self._parts)`` per page,
+        else InvalidArgument (nothing is read or written)."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if len(ptrs) != len(keys) * self._per_page or len(sizes) != len(ptrs):
+            raise InvalidArgument(
+                f"host pool gave {len(ptrs)} buffers for {len(keys)} pages, "
+                f"expected {self._per_page} per page"
+            )
+        return list(ptrs), list(sizes)
 
     # ------------------------------------------------------------------ v1 (zero copy)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -115,23 +149,23 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         """Read pages into the host pool slots ``host_indices``; per page success."""
         if not keys:
             return []
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         try:
+            ptrs, sizes = self._meta(keys, host_indices)
             res = self.store.batch_get_into(self._names(keys), ptrs, sizes)
         except KvpoolError as exc:
             log.warning("kvpool HiCache: get failed: %s", exc)
             return [False] * len(keys)
         per = self._per_page
-        ok = _sizes_ok(res, list(sizes))
+        ok = _sizes_ok(res, sizes)
         return [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Write pages from the host pool slots ``host_indices``; pages already stored count as done."""
         if not keys:
             return []
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         names = self._names(keys)
         try:
+            ptrs, sizes = self._meta(keys, host_indices)
             have = self.store.batch_exists(names)
             todo = [i for i, h in enumerate(have) if not h]
             res: list[Any] = [None] * len(names)
@@ -150,7 +184,12 @@ class KvpoolHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ legacy interface
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        """Legacy interface: whether the page stored through it (:meth:`set`) exists."""
+        try:
+            return all(self.store.batch_exists(self._names([key], self._legacy_parts)))
+        except KvpoolError as exc:
+            log.warning("kvpool HiCache: exists failed: %s", exc)
+            return False
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         """One page into ``target_location`` (a tensor or a host-pool index tensor)."""
@@ -161,9 +200,9 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         """Legacy path: ``target_locations`` are flat tensors of one page each (K then V halves)."""
         if target_locations is None:
             return [None] * len(keys)
-        names = self._names(keys)
+        names = self._names(keys, self._legacy_parts)
         views, sizes = [], []
-        per = self._per_page
+        per = len(self._legacy_parts)
         for t in target_locations:
             flat = t.reshape(-1).view(torch.uint8)
             half = flat.numel() // per
@@ -183,8 +222,8 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         """Legacy path: each value a tensor holding one page (K then V halves)."""
         if values is None:
             return False
-        names, payloads = self._names(keys), []
-        per = self._per_page
+        names, payloads = self._names(keys, self._legacy_parts), []
+        per = len(self._legacy_parts)
         for t in values:
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             half = len(raw) // per
