@@ -11,7 +11,9 @@ prefix-cache hits) for every setup. Setups:
 
 Prefill and decode servers are pinned to cores 0 and 1. Transfer time is the decode side's own
 figure: kvpool logs ``loaded N blocks ... in X ms``; NIXL's is read from vLLM's periodic KV
-transfer metrics log lines when present.
+transfer metrics log lines when present. ``xfer_stats_ms`` is, for every connector, the mean that
+vLLM's connector stats report (those log lines: the connector's ``reduce()``), the like-for-like
+figure between kvpool and NIXL.
 
     python benchmarks/vllm_pd.py --setups single kvpool --lengths 128 1024 4096 --requests 5
     python benchmarks/vllm_pd.py --setups nixl --python /tmp/vllmenv/bin/python --ucx-tls tcp,self,sm
@@ -101,17 +103,25 @@ def prompts(lengths: list[int], n: int, seed: int = 1) -> dict[int, list[list[in
     return {length: [[rng.randrange(4, 760) for _ in range(length)] for _ in range(n)] for length in lengths}
 
 
-def transfer_ms(log: Path, since: int) -> list[float]:
-    """Per-transfer times (kvpool's log lines) or, for NIXL, the mean over vLLM's periodic
-    ``KV Transfer metrics`` lines (weighted by their transfer counts)."""
+def stats_ms(text: str) -> float | None:
+    """Mean transfer time reported through vLLM's connector stats: its periodic ``KV Transfer
+    metrics`` log lines (the connector's ``reduce()``: NIXL's, or kvpool's with the same keys),
+    weighted by their transfer counts."""
+    stats = re.findall(r"Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)", text)
+    n = sum(int(c) for c, _ in stats)
+    return sum(int(c) * float(t) for c, t in stats) / n if n else None
+
+
+def transfer_ms(log: Path, since: int) -> tuple[list[float], float | None]:
+    """(per-transfer times from kvpool's own log lines, or for NIXL the stats mean; the stats
+    mean) of what the decode server logged after ``since``."""
     text = log.read_text(errors="replace")[since:]
     pat = r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for \S+ in ([\d.]+) ms"
     ms = [float(x) for x in re.findall(pat, text)]
+    via_stats = stats_ms(text)
     if ms:
-        return ms
-    stats = re.findall(r"Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+)", text)
-    n = sum(int(c) for c, _ in stats)
-    return [sum(int(c) * float(t) for c, t in stats) / n] if n else []
+        return ms, via_stats
+    return ([via_stats] if via_stats is not None else []), via_stats
 
 
 def run_setup(
@@ -171,8 +181,9 @@ def run_setup(
             url = proxy.url
         decode_log = servers[-1].log_path
         stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
-        # vLLM logs NIXL's transfer statistics every 10 s: keep each prompt length in its own window.
-        settle = 11.0 if name == "nixl" else 0.5
+        # vLLM logs connector transfer statistics every 10 s: keep each prompt length in its own
+        # window (kvpool-nostats has none to wait for).
+        settle = 11.0 if name in ("nixl", "kvpool") else 0.5
         time.sleep(settle)
         out: dict[str, Any] = {
             "setup": name,
@@ -192,12 +203,13 @@ def run_setup(
                 if ref is not None and ref.get((length, i)) != text:
                     mismatches += 1
             time.sleep(settle)
-            xfer = transfer_ms(decode_log, since)
+            xfer, via_stats = transfer_ms(decode_log, since)
             out["lengths"][length] = {
                 "kv_mb": length * 2 * 2 * 2 * 64 * 4 / 1e6,  # layers * (K,V) * kv heads * head * fp32
                 "ttft_ms": statistics.median(ttfts) * 1e3,
                 "tpot_ms": statistics.median(tpots) * 1e3,
                 "xfer_ms": statistics.median(xfer) if xfer else None,
+                "xfer_stats_ms": via_stats,  # the mean vLLM's connector stats report
             }
         out["mismatches"] = mismatches
         out["texts"] = texts
@@ -249,20 +261,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results))
         return 0
     print(
-        "| setup | prompt tokens | KV MB | transfer ms | TTFT ms | per-token ms | outputs differ "
-        "| idle cores |"
+        "| setup | prompt tokens | KV MB | transfer ms | transfer ms (vLLM stats, mean) | TTFT ms "
+        "| per-token ms | outputs differ | idle cores |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['setup']} | – | – | – | – | – | – | failed: {r['error'][:120]} |")
+            print(f"| {r['setup']} | – | – | – | – | – | – | – | failed: {r['error'][:120]} |")
             continue
         label = r["setup"] + (f" ({r['protocol']})" if r.get("protocol") else "")
         for length, m in r["lengths"].items():
             x = "–" if m["xfer_ms"] is None else f"{m['xfer_ms']:.2f}"
+            xs = "–" if m.get("xfer_stats_ms") is None else f"{m['xfer_stats_ms']:.2f}"
             print(
-                f"| {label} | {length} | {m['kv_mb']:.2f} | {x} | {m['ttft_ms']:.1f} | {m['tpot_ms']:.2f} | "
-                f"{r['mismatches']} | {r['idle_cores']:.3f} |"
+                f"| {label} | {length} | {m['kv_mb']:.2f} | {x} | {xs} | {m['ttft_ms']:.1f} | "
+                f"{m['tpot_ms']:.2f} | {r['mismatches']} | {r['idle_cores']:.3f} |"
             )
     return 0
 
