@@ -43,9 +43,9 @@ def kv_config(connector: str, role: str, short_name: bool = False, **extra: obje
 class ProxyProcess(ChildProcess):
     """``kvpool proxy`` in a child process (stopped by SIGTERM)."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        cmd = [sys.executable, "-m", "kvpool.cli", "proxy", "--port", "0", "--health-interval-s", "1",
-               "--prefill", *prefill, "--decode", *decode]  # fmt: skip
+    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0) -> None:
+        cmd = [sys.executable, "-m", "kvpool.cli", "proxy", "--port", "0", "--health-interval-s",
+               str(health_interval_s), "--prefill", *prefill, "--decode", *decode]  # fmt: skip
         super().__init__(cmd, stdin=False)
         self.url = f"http://127.0.0.1:{self.info['port']}"
 
