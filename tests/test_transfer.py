@@ -326,6 +326,9 @@ def test_scratch_memory_is_registered_for_one_call_only(peer: PeerProcess, proto
         with pytest.raises(AddressNotRegistered, match="read-only"):  # never written
             eng.batch_transfer_sync(peer.segment, *cols([z], [base], [mib]), OpCode.READ, (z, mib, True))
         assert zeros == bytes(mib)
+        for bad in ((v, 0, True), ("x", mib, True), (v, mib), (v, mib, "yes"), None.__class__):
+            with pytest.raises(InvalidArgument):  # a malformed scratch: typed, before anything moves
+                eng.batch_transfer_sync(peer.segment, *cols([v], [base], [mib]), OpCode.WRITE, bad)
         with pytest.raises(RegistrationError):  # overlaps the header's registration: nothing moves
             eng.batch_transfer_sync(peer.segment, *cols([h], [base], [64]), OpCode.READ, (h, 64, False))
         assert peer.checksum(off, 64) == xxhash.xxh3_64_hexdigest(bytes(range(64)))

@@ -106,6 +106,17 @@ def _failed(st: TransferStatus, what: str) -> KvpoolError:
     return cls(f"{what}: {st.error}")
 
 
+def _scratch(s: Any) -> tuple[int, int, bool]:
+    """A ``scratch`` argument of :meth:`TransferEngine.batch_transfer_sync`, checked."""
+    try:
+        addr, n, read_only = s
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"scratch must be (address, length, read_only), got {s!r}") from None
+    if type(addr) is not int or type(n) is not int or addr <= 0 or n <= 0 or not isinstance(read_only, bool):
+        raise InvalidArgument(f"scratch must be (positive int address, positive int length, bool), got {s!r}")
+    return addr, n, read_only
+
+
 _NATIVE_OP = {OpCode.READ: READ, OpCode.WRITE: WRITE}  # IntEnum keys: plain 0/1 find them too
 
 
@@ -817,6 +828,8 @@ class TransferEngine:
         n = len(local_addrs)
         if len(remote_addrs) != n or len(lengths) != n:
             raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
+        if scratch is not None:
+            scratch = _scratch(scratch)
         if n == 0:
             return 0
         op = _native_op(opcode)
