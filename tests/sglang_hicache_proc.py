@@ -26,6 +26,23 @@ L, PAGE, H, D = 4, 16, 2, 64
 LORA, ROPE = 32, 16  # MLA: latent and rope widths of one token's row
 
 
+def pool_args(layout: str) -> tuple:
+    """Positional arguments every SGLang host pool takes: host/device ratio 2, no fixed host
+    size, the page size, the layout."""
+    return (2.0, 0, PAGE, layout)
+
+
+def pool_kwargs(tokens: int) -> dict:
+    """Keyword arguments every SGLang host pool of these tests takes: plain CPU memory, all L layers."""
+    return {
+        "pin_memory": False,
+        "device": "cpu",
+        "device_capacity_tokens": tokens,
+        "start_layer": 0,
+        "end_layer": L,
+    }
+
+
 def host_pool(dtype: torch.dtype = torch.bfloat16, layout: str = "page_first") -> MHATokenToKVPoolHost:
     tokens = 64 * PAGE
     k = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
@@ -43,18 +60,7 @@ def host_pool(dtype: torch.dtype = torch.bfloat16, layout: str = "page_first") -
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=L,
-    )
+    return MHATokenToKVPoolHost(info, *pool_args(layout), **pool_kwargs(tokens))
 
 
 def mla_pool(layout: str) -> MLATokenToKVPoolHost:
@@ -73,19 +79,7 @@ def mla_pool(layout: str) -> MLATokenToKVPoolHost:
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
     )
-    return MLATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=L,
-        target_layer_num=L,
-    )
+    return MLATokenToKVPoolHost(info, *pool_args(layout), **pool_kwargs(tokens), target_layer_num=L)
 
 
 def page_keys(n: int) -> list[str]:
