@@ -95,6 +95,43 @@ def test_prefill_frees_blocks_after_abort_timeout(tiny_llama: Path) -> None:  # 
         p.close()
 
 
+def test_a_read_after_the_prefill_freed_the_blocks_fails_the_load(tiny_llama: Path) -> None:  # noqa: F811
+    """The prefill gave up on the decode (abort_timeout_s) and freed the blocks, another request
+    wrote its KV into them; a decode that reads them late must not use that KV: its "done" notice
+    is answered "expired" and the load fails (the read itself succeeds: the memory is there)."""
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer",
+                 {"side_channel_port": free_port(), "abort_timeout_s": 0.3})  # fmt: skip
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    try:
+        params = prefill(p)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free, timeout=5)  # freed unread
+        other = [(i * 11) % 450 + 5 for i in range(90)]
+        prefill(p, "p2", other)  # may reuse the freed blocks
+        d.add("late", PROMPT, 2, params)
+        outputs = d.run_until(lambda o: "late" in o, timeout=20)
+        assert d.worker._worker.loaded_blocks == 3  # the bytes were read ...
+        assert outputs["late"].finish_reason is not None  # ... and refused (policy "fail")
+        assert not outputs["late"].new_token_ids
+        stats = d.worker._worker.stats.data
+        assert stats["failures"] == {"PrefillFreed": 1}
+        d.run_until(lambda o: d.free_blocks() == d.idle_free)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_read_from_another_instance_on_that_port_fails_the_load(pd: tuple[Instance, Instance]) -> None:
+    """The params name an engine that is no longer the one on that side channel (the prefill
+    restarted there): the bytes read are not that request's, so the load fails."""
+    p, d = pd
+    params = dict(prefill(p), remote_engine_id="the-instance-before-a-restart")
+    d.add("moved", PROMPT, 2, params)
+    outputs = d.run_until(lambda o: "moved" in o, timeout=20)
+    assert outputs["moved"].finish_reason is not None and not outputs["moved"].new_token_ids
+    assert d.worker._worker.stats.data["failures"] == {"Unconfirmed": 1}
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill was still told "done"
+
+
 def test_load_from_dead_prefill_reports_failed_blocks(pd: tuple[Instance, Instance]) -> None:
     p, d = pd
     params = prefill(p)

@@ -120,7 +120,7 @@ def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
         for d, _ in D:
             d._load(_job("r1", local, remote, pport, ptp))
             assert d.take_load_errors() == set()
-            assert d.get_finished()[1] == {"r1"}
+            assert d.get_finished()[1] is None  # read; finished once the prefill confirms (_notify)
         for d, caches in D:
             per = HEADS // dtp
             h0 = d.tp_rank * per
@@ -133,10 +133,12 @@ def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
         # prefill ranks free their blocks only after every decode rank's notice
         for d, _ in D[:-1]:
             d._notify([_job("r1", local, remote, pport, ptp)])
+            assert d.get_finished()[1] == {"r1"} and d.take_load_errors() == set()
         for p, _ in P:
             if dtp > 1 and ptp != dtp:  # (equal TP: rank r hears from decode rank r alone)
                 assert p.get_finished()[0] is None
         D[-1][0]._notify([_job("r1", local, remote, pport, ptp)])
+        assert D[-1][0].get_finished()[1] == {"r1"} and D[-1][0].take_load_errors() == set()
         for p, _ in P:
             assert p.get_finished()[0] == {"r1"}
 
@@ -151,6 +153,7 @@ def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPat
         assert len(P) == 2
         d, caches = D[0]
         d._load(_job("r0", [0], [0], pport, 2))  # both ranks' layouts known, segments open
+        d._notify([_job("r0", [0], [0], pport, 2)])
         assert d.take_load_errors() == set()
         # prefill rank 1's regions as cached by the decode now point outside its registered memory
         # (as after a restart there): its engine refuses the READs, rank 0's succeed

@@ -4,7 +4,9 @@ Decode pulls. A prefill instance computes the prompt, keeps the request's blocks
 (``request_finished`` returns ``delay_free=True``) and hands the proxy ``kv_transfer_params``
 naming its blocks and side channel. The decode instance allocates its own blocks, READs the
 prefill blocks into them with one transfer batch (contiguous block runs merged, every layer in
-the same batch), then tells the prefill side channel "done" so the blocks are freed there.
+the same batch), then tells the prefill side channel "done" so the blocks are freed there; the
+load is reported finished only after that notice is answered "still held" (the fence against a
+read of blocks the prefill already freed: :meth:`_PdWorker._notify`).
 
 Why pull: only the decode side knows which of its blocks receive the KV and when they exist
 (blocks are allocated when the decode scheduler admits the request). With pull the prefill never
@@ -13,7 +15,8 @@ comes costs blocks for ``abort_timeout_s`` only. The same choice as vLLM's NixlC
 
 Side channel (one per prefill TP rank, msgpack over TCP, ``side_channel_port + rank``):
 ``layout`` returns the engine's segment name and the KV block regions; ``done`` carries the
-request ids whose blocks were read (or given up on).
+request ids whose blocks were read (or given up on) and answers which of them it had freed unread.
+The scheduler half lives in :mod:`kvpool.connectors.vllm.pd_scheduler`.
 """
 
 from __future__ import annotations
@@ -22,10 +25,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from dataclasses import dataclass
+from typing import Any
 
 from kvpool._rpc import RpcClient, RpcServer
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
@@ -35,6 +36,7 @@ from kvpool.connectors.vllm.common import (
     block_runs,
     kv_regions,
 )
+from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob, _PdScheduler, _tp
 from kvpool.connectors.vllm.reshard import (
     KvLayout,
     RegionAddr,
@@ -48,48 +50,16 @@ from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("kvpool.connectors.vllm")
 
-_REMOTE_KEYS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
 # Load threads per decode worker: one per prefill peer up to this many, then peers share them.
 MAX_PEER_THREADS = 32
 # A lane sends its pending "done" notices after at most this many loads in a row.
 _LOADS_BEFORE_NOTICES = 8
-
-
-@dataclass
-class RecvJob:
-    """Decode side: read ``remote_block_ids`` of a prefill instance into ``local_block_ids``."""
-
-    req_id: str
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-    remote_host: str
-    remote_port: int
-    remote_request_id: str
-    remote_engine_id: str | None = None
-    remote_tp_size: int = 1
-
-
-@dataclass
-class KvpoolConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step: loads to start, blocks to hold for a decode."""
-
-    recv: dict[str, RecvJob] = field(default_factory=dict)
-    send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
-
-
-def _tp(vllm_config: Any) -> tuple[int, int]:
-    size = int(vllm_config.parallel_config.tensor_parallel_size)
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank(), size
-    except Exception:  # noqa: BLE001 - not initialised (scheduler process, tests)
-        return 0, size
+# A prefill remembers the requests it freed unread (abort_timeout_s) this long / this many, to
+# answer a late decode's "done" notice with "expired".
+_EXPIRED_KEEP_S = 3600.0
+_EXPIRED_MAX = 1 << 16
 
 
 class KvpoolConnector(KvpoolConnectorBase):
@@ -106,109 +76,6 @@ class KvpoolConnector(KvpoolConnectorBase):
     def _make_worker(self, vllm_config: Any, kv_cache_config: Any) -> _PdWorker:
         return _PdWorker(
             self.cfg, vllm_config, str(vllm_config.kv_transfer_config.engine_id), kv_cache_config
-        )
-
-
-# ====================================================================== scheduler side
-class _PdScheduler:
-    def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str) -> None:
-        self.cfg = cfg
-        self.engine_id = engine_id
-        self.block_size = int(vllm_config.cache_config.block_size)
-        _, self.tp_size = _tp(vllm_config)
-        self._recv: dict[str, RecvJob] = {}
-        self._send: dict[str, float] = {}
-        # Requests whose blocks a worker may still be writing: they are never freed before the
-        # worker reports them in finished_recving (abort or failure included).
-        self._loading: set[str] = set()
-
-    def loads_done(self, req_ids: Any) -> None:
-        self._loading.difference_update(req_ids)
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
-            if not all(params.get(k) is not None for k in _REMOTE_KEYS):
-                log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
-                            request.request_id, params)  # fmt: skip
-                return 0, False
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return
-        params["do_remote_prefill"] = False  # one transfer per request
-        if not all(params.get(k) is not None for k in _REMOTE_KEYS):
-            return
-        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        remote = list(params["remote_block_ids"])
-        if len(local) > len(remote):
-            log.warning("request %s: %d local blocks for %d remote ones; computing locally",
-                        request.request_id, len(local), len(remote))  # fmt: skip
-            local = []
-        # A local prefix-cache hit covers the leading blocks: read only the tail.
-        remote = remote[len(remote) - len(local) :] if local else []
-        if local:
-            self._loading.add(request.request_id)
-        self._recv[request.request_id] = RecvJob(
-            req_id=request.request_id,
-            local_block_ids=list(local),
-            remote_block_ids=remote,
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
-            remote_request_id=str(params["remote_request_id"]),
-            remote_engine_id=params.get("remote_engine_id"),
-            remote_tp_size=int(params.get("tp_size") or 1),
-        )
-
-    def close(self) -> None:
-        return None
-
-    def build_meta(self) -> KvpoolConnectorMetadata:
-        meta = KvpoolConnectorMetadata(recv=self._recv, send=self._send)
-        self._recv, self._send = {}, {}
-        return meta
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
-        if request.request_id in self._loading:
-            # Finished (aborted, or failed by vLLM's load-failure policy) while its blocks are being
-            # written: they are freed when the worker reports the load finished.
-            return True, None
-        params = request.kv_transfer_params
-        if not params:
-            return False, None
-        if params.get("do_remote_prefill"):
-            # Aborted before its blocks were allocated: still tell the prefill to free its blocks.
-            params["do_remote_prefill"] = False
-            if all(params.get(k) is not None for k in _REMOTE_KEYS):
-                self._recv[request.request_id] = RecvJob(
-                    request.request_id, [], [], str(params["remote_host"]), int(params["remote_port"]),
-                    str(params["remote_request_id"]),
-                )  # fmt: skip
-            return False, None
-        if not params.get("do_remote_decode"):
-            return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted prefill: free at once, no decode will read
-        if not block_ids:
-            return False, None
-        self._send[request.request_id] = self.cfg.abort_timeout_s
-        return True, dict(
-            do_remote_prefill=True,
-            do_remote_decode=False,
-            remote_block_ids=list(block_ids),
-            remote_engine_id=self.engine_id,
-            remote_request_id=request.request_id,
-            remote_host=self.cfg.hostname,
-            remote_port=self.cfg.side_channel_port,
-            remote_num_tokens=int(request.num_computed_tokens),
-            tp_size=self.tp_size,
         )
 
 
@@ -300,6 +167,8 @@ class _PdWorker:
         self._lock = threading.Lock()
         self._pending_send: dict[str, float] = {}  # req id -> deadline (monotonic)
         self._notified: dict[str, float] = {}  # "done" seen -> when (may precede the metadata)
+        self._expired: dict[str, float] = {}  # freed by abort_timeout_s unread -> when (bounded)
+        self._confirming: set[str] = set()  # read, waiting for the prefill to confirm it held them
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self._remotes: dict[tuple[str, int], _Remote] = {}
@@ -404,11 +273,18 @@ class _PdWorker:
                 "kv_layout": self.kv_layout.wire() if self.kv_layout is not None else None,
             }  # fmt: skip
         if op == "done":
+            # The answer fences late reads: "expired" names the requests freed unread after
+            # abort_timeout_s (their blocks may hold another request's KV now); "engine_id" tells a
+            # restarted instance (that never held the blocks) from the one that did.
             now = time.monotonic()
             of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
+            expired: list[str] = []
             with self._lock:
                 for r in req.get("req_ids") or ():
                     r = str(r)
+                    if r in self._expired:
+                        expired.append(r)
+                        continue
                     if of > 1:
                         n = self._notice_counts.get(r, 0) + 1
                         if n < of and len(self._notice_counts) < 1 << 16:
@@ -416,7 +292,7 @@ class _PdWorker:
                             continue
                         self._notice_counts.pop(r, None)
                     self._notified[r] = now
-            return {"id": rid, "ok": True}
+            return {"id": rid, "ok": True, "expired": expired, "engine_id": self.engine_id}
         return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
 
     # ------------------------------------------------------------------ per step
@@ -470,6 +346,13 @@ class _PdWorker:
                     log.warning("kvpool connector: request %s was not read by a decode instance within "
                                 "%.0fs; freeing its blocks", rid, self.cfg.abort_timeout_s)  # fmt: skip
                     sending.add(rid)
+                    # Fence: a decode that read these blocks late is told so by its "done" notice
+                    # and fails its load instead of using blocks vLLM may already have reused.
+                    self._expired[rid] = now
+            for rid, t in list(self._expired.items()):  # oldest first
+                if now - t <= _EXPIRED_KEEP_S and len(self._expired) <= _EXPIRED_MAX:
+                    break
+                del self._expired[rid]
             for rid in sending:
                 del self._pending_send[rid]
                 self._notified.pop(rid, None)
@@ -584,8 +467,15 @@ class _PdWorker:
 
     def _notify(self, jobs: list[RecvJob]) -> None:
         """Tell prefill side channels their blocks may go (read or given up on), one RPC per
-        peer; best effort: they time out there anyway. Runs on the peer's lane only."""
-        by_peer: dict[tuple[str, int, int], list[str]] = {}
+        peer, and complete the loads among ``jobs``. Runs on the peer's lane only.
+
+        The notice is also the fence of a read: a load is reported finished only when every
+        prefill rank it read from answers that it still held the blocks when the notice came
+        (after the read). Blocks freed unread after ``abort_timeout_s``, an undeliverable notice,
+        or an answer from another instance (the prefill restarted on that port) fail the load:
+        those blocks may hold another request's KV by now.
+        """
+        by_peer: dict[tuple[str, int, int], list[RecvJob]] = {}
         for job in jobs:
             if job.remote_tp_size == self.tp_size:
                 peers = [(job.remote_host, job.remote_port + self.tp_rank, 1)]
@@ -594,12 +484,36 @@ class _PdWorker:
                     (job.remote_host, job.remote_port + p, self.tp_size) for p in range(job.remote_tp_size)
                 ]
             for peer in peers:
-                by_peer.setdefault(peer, []).append(job.remote_request_id)
-        for (host, port, of), ids in by_peer.items():
+                by_peer.setdefault(peer, []).append(job)
+        bad: dict[str, str] = {}  # remote request id -> why its load fails
+        for (host, port, of), pjobs in by_peer.items():
+            ids = [j.remote_request_id for j in pjobs]
             try:
-                self._rpc(host, port).call("done", req_ids=ids, of=of)
+                reply = self._rpc(host, port).call("done", req_ids=ids, of=of)
             except KvpoolError as exc:
                 log.debug("done notice for %s not delivered: %s", ids, exc)
+                for j in pjobs:
+                    bad[j.remote_request_id] = f"the read could not be confirmed by {host}:{port} ({exc})"
+                continue
+            for r in reply.get("expired") or ():
+                bad[r] = f"{host}:{port} freed the blocks unread after its abort_timeout_s"
+            engine = reply.get("engine_id")
+            for j in pjobs:
+                if engine and j.remote_engine_id and engine != j.remote_engine_id:
+                    bad[j.remote_request_id] = f"{host}:{port} is another instance now ({engine}, restarted?)"
+        for job in jobs:
+            with self._lock:
+                if job.req_id not in self._confirming:
+                    continue  # only a notice (aborted, failed): nothing waits on it
+                self._confirming.discard(job.req_id)
+                why = bad.get(job.remote_request_id)
+                if why is not None:
+                    self._load_errors.update(job.local_block_ids)
+                self._recv_done.add(job.req_id)
+            if why is not None:
+                self.stats.record_failure("PrefillFreed" if "abort_timeout_s" in why else "Unconfirmed")
+                log.warning("kvpool connector: KV of %s read but not confirmed: %s; blocks reported to vLLM "
+                            "(kv_load_failure_policy: recompute or fail)", job.req_id, why)  # fmt: skip
 
     def _load(self, job: RecvJob) -> None:
         t0 = time.perf_counter()
@@ -640,6 +554,8 @@ class _PdWorker:
         if not job.local_block_ids:
             return  # only a notice for the prefill: vLLM is not waiting for this request
         with self._lock:
-            if not ok:
+            if ok:
+                self._confirming.add(job.req_id)  # finished once the prefill confirms (_notify)
+            else:
                 self._load_errors.update(job.local_block_ids)
-            self._recv_done.add(job.req_id)
+                self._recv_done.add(job.req_id)
