@@ -4,7 +4,8 @@ Real ``_PdWorker`` halves (one per simulated TP rank, each with its own transfer
 channel on loopback, all in this process) move the KV of one request of ``--tokens`` tokens of a
 Llama-like layout (``--layers`` layers, ``--heads`` KV heads of ``--head-size``, fp16, CPU backend
 block layout). Reports the median decode-side load time of P1->D1 (the equal-TP figure), P2->D1 and
-P1->D2 (the slowest decode rank; ranks load one after another here), and their ratios.
+P1->D2 (the slowest decode rank; ranks load one after another here), and their ratios, and the
+median time of the "done" round trip that confirms each read before the load is reported finished.
 
     python benchmarks/vllm_hetero_tp.py --tokens 4096 --reps 20
 """
@@ -82,24 +83,32 @@ def main() -> None:
     remote = list(range(nblocks))
     local = list(range(nblocks, 2 * nblocks))
     results: dict[str, list[float]] = {"P1->D1": [], "P2->D1": [], "P1->D2": []}
+    fence: dict[str, list[float]] = {case: [] for case in results}
     for rep in range(a.reps + 2):
         for case in results:
             p, d = case.split("->")
-            dt = 0.0
+            dt = df = 0.0
             for w in inst[d]:  # decode ranks run in parallel processes in vLLM: the slowest counts
+                job = RecvJob(f"r{rep}", local, remote, "127.0.0.1", ports[p], f"r{rep}", None, tp_of[p])
                 t0 = time.perf_counter()
-                w._load(RecvJob(f"r{rep}", local, remote, "127.0.0.1", ports[p], f"r{rep}", None, tp_of[p]))
-                dt = max(dt, time.perf_counter() - t0)
+                w._load(job)
+                t1 = time.perf_counter()
+                w._notify([job])  # the "done" notice that confirms the read (the fence)
+                df = max(df, time.perf_counter() - t1)
+                dt = max(dt, t1 - t0)
                 assert w.take_load_errors() == set(), case
-                w.get_finished()
+                assert w.get_finished()[1] == {job.req_id}, case
             if rep >= 2:  # first two: handshakes, segment opens
                 results[case].append(dt)
+                fence[case].append(df)
     nbytes = a.layers * nblocks * a.heads * a.block_size * 2 * a.head_size * 2
     eq = statistics.median(results["P1->D1"])
     print(f"{a.tokens} tokens, {nbytes / 2**20:.1f} MiB per request, median of {a.reps}:")
     for case, xs in results.items():
         m = statistics.median(xs)
-        print(f"  {case}: {m * 1e3:.2f} ms ({nbytes / m / 2**30:.2f} GiB/s)  ratio to equal TP {m / eq:.2f}")
+        f = statistics.median(fence[case])
+        print(f"  {case}: {m * 1e3:.2f} ms ({nbytes / m / 2**30:.2f} GiB/s)  ratio to equal TP {m / eq:.2f}"
+              f"  + confirmation (done round trip) {f * 1e3:.3f} ms")  # fmt: skip
     for ws in inst.values():
         for w in ws:
             w.close()
