@@ -110,7 +110,8 @@ def prefill(port: int, scenario: str) -> None:
     np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
     server = get_kv_class(backend, T.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
     mgr = mgr_cls(kv_args(), Mode.PREFILL, sa, False)
-    out(event="ready", manager=type(mgr).__name__, sender=get_kv_class(backend, T.SENDER).__name__)
+    out(event="ready", manager=type(mgr).__name__, sender=get_kv_class(backend, T.SENDER).__name__,
+        rank_port=mgr.rank_port)  # fmt: skip
     rooms = ROOMS if scenario == "main" else {1: ROOMS[1]}
     senders = {
         r: get_kv_class(backend, T.SENDER)(mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=r)
@@ -130,9 +131,13 @@ def prefill(port: int, scenario: str) -> None:
         for r in sorted(pending):
             s = senders[r].poll()
             if s == KVPoll.WaitingForInput and r not in started:
+                if scenario == "abort-inflight":  # the test stops the decode, then says go
+                    out(event="waiting-go", room=r)
+                    while not os.path.exists(os.environ["KVPOOL_TEST_GO"]):
+                        time.sleep(0.01)
                 started.add(r)
                 senders[r].init(len(src_pages[r]), 2)
-                chunks = CHUNKS if r == 1 else (len(src_pages[r]),)
+                chunks = (len(src_pages[r]),) if r != 1 or scenario == "abort-inflight" else CHUNKS
                 i = 0
                 for j, n in enumerate(chunks):
                     senders[r].send(src_pages[r][i : i + n])
@@ -151,7 +156,8 @@ def prefill(port: int, scenario: str) -> None:
                 out(event="done", room=r, status=int(s), reason=reason, calls=mgr.transfer_calls)
                 pending.discard(r)
         time.sleep(0.01)
-    time.sleep(1.0)
+    # abort-inflight: the room failed at the abort, its WRITE still runs; stay up until it drained.
+    time.sleep(30.0 if scenario == "abort-inflight" else 1.0)
     server.close()
 
 

@@ -133,6 +133,49 @@ def test_prefill_to_decode_transfer_abort_and_tp_mismatch(roles: list[Role]) -> 
     assert "equal attention TP sizes" in p.wait_for("done", room=3)["reason"]
 
 
+def test_an_abort_is_acked_only_after_the_write_in_flight_finished(
+    roles: list[Role], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's deferred decode KV release: a decode that aborts a room keeps its pages until the
+    prefill acks; the ack must wait for a WRITE of that room still in flight, or the write lands
+    in pages already given to another request. The decode process is stopped (SIGSTOP) so the
+    prefill's TCP WRITE cannot complete; the ABORT comes from this test, which also takes the ack."""
+    import zmq
+
+    go = tmp_path / "go"
+    monkeypatch.setenv("KVPOOL_PROTOCOL", "tcp")
+    monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
+    port = free_port()
+    p = Role("prefill", port, "abort-inflight")
+    roles.append(p)
+    rank_port = p.wait_for("ready")["rank_port"]
+    d = Role("decode", port, "abort-inflight")
+    roles.append(d)
+    p.wait_for("waiting-go", room=1)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    ctx = zmq.Context()
+    acks = ctx.socket(zmq.PULL)
+    ack_port = acks.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{rank_port}")
+    try:
+        go.touch()  # the prefill writes room 1 into the stopped decode: the WRITE cannot finish
+        time.sleep(1.0)
+        push.send_multipart([b"ABORT", b"1", b"127.0.0.1", str(ack_port).encode(), b"7"])
+        assert acks.poll(2000) == 0  # no ack while the write is in flight
+        os.kill(d.proc.pid, signal.SIGCONT)
+        assert acks.poll(20000) != 0
+        # SGLang's AbortAck: room, this prefill rank, the decode's generation.
+        assert acks.recv_multipart() == [b"ABORT_ACK", b"1", b"0", b"7"]
+        got = p.wait_for("done", room=1)
+        assert got["status"] == FAILED and "Aborted by the decode instance" in got["reason"]
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        push.close(0)
+        acks.close(0)
+        ctx.term()
+
+
 def test_prefill_killed_mid_transfer_fails_decode_with_reason(roles: list[Role]) -> None:
     port = free_port()
     p = Role("prefill", port, "kill")

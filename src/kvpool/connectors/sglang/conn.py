@@ -34,7 +34,9 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_ACK_TAG,
     ABORT_TAG,
+    AbortAck,
     AbortNotification,
+    AckTarget,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
@@ -103,6 +105,10 @@ class KvpoolKVManager(CommonKVManager):
     """Registers SGLang's KV/aux/state buffers with a kvpool transfer engine and moves pages."""
 
     kv_status_msg_carries_reason = True
+    # A decode that aborts a room keeps its pages until every prefill rank acks that no WRITE of
+    # the room is still in flight (SGLang's deferred decode KV release): no late write lands in
+    # pages given to another request. The ack is sent when the room's running chunk finished.
+    supports_deferred_decode_kv_release = True
 
     def __init__(
         self,
@@ -120,6 +126,10 @@ class KvpoolKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.peers: dict[str, PeerArgs] = {}
             self._peer_lock = threading.Lock()
+            # Rooms with a chunk being written, and the abort acks that wait for them to drain.
+            self._room_lock = threading.Lock()
+            self._in_flight: dict[int, int] = {}
+            self._acks_waiting: dict[int, dict[tuple[str, int], AckTarget]] = {}
             n = max(1, int(os.environ.get("KVPOOL_SGLANG_WORKERS", "2")))
             self._queues: list[queue.Queue[Chunk | None]] = [queue.Queue() for _ in range(n)]
             threading.Thread(target=self._prefill_control, name="kvpool-sgl-ctl", daemon=True).start()
@@ -306,17 +316,35 @@ class KvpoolKVManager(CommonKVManager):
         n = AbortNotification.from_zmq(msg)
         if n is None:
             return
-        status = self.request_status.get(n.room)
-        if status is not None and status != KVPoll.Success:
-            self.record_failure(n.room, "Aborted by the decode instance")
-            self.update_status(n.room, KVPoll.Failed)
-        if n.decode_ip is not None and n.decode_port is not None:
-            try:
-                self._send_multipart_locked(
-                    f"tcp://{n.decode_ip}:{n.decode_port}", [ABORT_ACK_TAG, str(n.room).encode("ascii")]
-                )
-            except Exception as exc:  # noqa: BLE001 - best effort, as SGLang's own backends
-                log.debug("ABORT_ACK for room %s not sent: %s", n.room, exc)
+        target = n.deferred_ack_target() if self.enable_deferred_decode_kv_release else None
+        with self._room_lock:
+            # Failed first (under the lock _send_chunk checks it with): no chunk of the room starts
+            # after this; one already writing is waited for before the ack.
+            status = self.request_status.get(n.room)
+            if status is not None and status != KVPoll.Success:
+                self.record_failure(n.room, "Aborted by the decode instance")
+                self.update_status(n.room, KVPoll.Failed)
+            if target is not None and self._in_flight.get(n.room):
+                self._acks_waiting.setdefault(n.room, {})[(target.ip, target.port)] = target
+                return
+        if target is not None:
+            self._ack(n.room, [target])
+        elif n.decode_ip is not None and n.decode_port is not None:
+            # A decode that does not wait for acks (SGLang's legacy format: room only).
+            self._send_ack(n.room, n.decode_ip, n.decode_port, [ABORT_ACK_TAG, str(n.room).encode("ascii")])
+
+    def _ack(self, room: int, targets: Any) -> None:
+        """Tell each aborting decode rank that no WRITE of ``room`` from this rank is in flight."""
+        for t in targets:
+            self._send_ack(
+                room, t.ip, t.port, AbortAck(room, self._prefill_unique_rank(), t.generation).to_zmq()
+            )
+
+    def _send_ack(self, room: int, ip: str, port: int, frames: list[bytes]) -> None:
+        try:
+            self._send_multipart_locked(f"tcp://{ip}:{port}", frames)
+        except Exception as exc:  # noqa: BLE001 - best effort, as SGLang's own backends
+            log.debug("ABORT_ACK for room %s not sent: %s", room, exc)
 
     # ------------------------------------------------------------------ prefill: transfers
     def add_transfer_request(
@@ -357,8 +385,29 @@ class KvpoolKVManager(CommonKVManager):
 
     def _send_chunk(self, chunk: Chunk) -> None:
         room = chunk.room
-        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
-            return
+        with self._room_lock:
+            if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+                return
+            self._in_flight[room] = self._in_flight.get(room, 0) + 1
+        drained = False
+        try:
+            self._write_chunk(chunk)
+            drained = True
+        finally:
+            with self._room_lock:
+                left = self._in_flight.pop(room) - 1
+                if left:
+                    self._in_flight[room] = left
+                    waiting = None
+                else:
+                    waiting = self._acks_waiting.pop(room, None)
+            # A chunk that failed mid-write may still land: no ack then (the decode releases its
+            # pages after SGLang's own timeout), as SGLang's backends do.
+            if waiting and drained:
+                self._ack(room, waiting.values())
+
+    def _write_chunk(self, chunk: Chunk) -> None:
+        room = chunk.room
         if (
             chunk.state_indices is not None
             and len(chunk.state_indices)
@@ -389,6 +438,8 @@ class KvpoolKVManager(CommonKVManager):
                 self._run(peer.session, cols)
             targets.append((info.endpoint, info.dst_port))
         if chunk.is_last:
+            if self.request_status.get(room) in (None, KVPoll.Failed):
+                return  # aborted (and maybe cleared) while this chunk was written: no Success
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets or None)
             self.transfer_infos.pop(room, None)
 
