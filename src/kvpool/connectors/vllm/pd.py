@@ -349,7 +349,8 @@ class _PdWorker:
                     # Fence: a decode that read these blocks late is told so by its "done" notice
                     # and fails its load instead of using blocks vLLM may already have reused.
                     self._expired[rid] = now
-            for rid, t in list(self._expired.items()):  # oldest first
+            while self._expired:  # oldest first; once per step, so no copy of the whole dict
+                rid, t = next(iter(self._expired.items()))
                 if now - t <= _EXPIRED_KEEP_S and len(self._expired) <= _EXPIRED_MAX:
                     break
                 del self._expired[rid]
