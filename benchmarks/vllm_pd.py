@@ -5,12 +5,17 @@ prefix-cache hits) for every setup. Setups:
 
 * ``single``: one ordinary server (reference, and the greedy outputs every P/D run must match);
 * ``kvpool``: KvpoolConnector prefill + decode + ``kvpool proxy`` (``--protocol auto|tcp``);
+* ``kvpool-p2d1`` / ``kvpool-p1d2``: the same with a TP=2 prefill or a TP=2 decode (heterogeneous
+  TP: each decode rank reads the KV heads it holds from the prefill ranks that hold them); a TP=2
+  server's two ranks share its core (``VLLM_CPU_OMP_THREADS_BIND="c|c"``, docs/vllm.md: spinning
+  vLLM ranks on both cores starve the other server on this 2-core VM);
 * ``nixl``: vLLM's NixlConnector (``UCX_TLS`` as given), same proxy (it speaks vLLM's P/D
   convention), run with ``--python`` pointing at an interpreter that has ``nixl`` installed;
 * ``mooncake``: vLLM's built-in MooncakeConnector (records the error it fails with on CPU).
 
 Prefill and decode servers are pinned to cores 0 and 1. Transfer time is the decode side's own
-figure: kvpool logs ``loaded N blocks ... in X ms``; NIXL's is read from vLLM's periodic KV
+figure: kvpool logs ``loaded N blocks ... in X ms`` per decode rank (a request's time is its slowest
+rank's); NIXL's is read from vLLM's periodic KV
 transfer metrics log lines when present. ``xfer_stats_ms`` is, for every connector, the mean that
 vLLM's connector stats report (those log lines: the connector's ``reduce()``), the like-for-like
 figure between kvpool and NIXL.
@@ -116,8 +121,11 @@ def transfer_ms(log: Path, since: int) -> tuple[list[float], float | None]:
     """(per-transfer times from kvpool's own log lines, or for NIXL the stats mean; the stats
     mean) of what the decode server logged after ``since``."""
     text = log.read_text(errors="replace")[since:]
-    pat = r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for \S+ in ([\d.]+) ms"
-    ms = [float(x) for x in re.findall(pat, text)]
+    pat = r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for (\S+) in ([\d.]+) ms"
+    per_request: dict[str, float] = {}
+    for rid, x in re.findall(pat, text):  # one line per decode rank: the slowest rank's time
+        per_request[rid] = max(per_request.get(rid, 0.0), float(x))
+    ms = list(per_request.values())
     via_stats = stats_ms(text)
     if ms:
         return ms, via_stats
@@ -138,7 +146,7 @@ def run_setup(
     if name == "single":
         servers = [VllmServer(model, logs, name="single", cpu=0, **common)]
     else:
-        if name in ("kvpool", "kvpool-nostats"):
+        if name.startswith("kvpool"):
             side = free_port()
             off = {"stats": False} if name == "kvpool-nostats" else {}  # the stats-overhead baseline
             pa = kv_args(
@@ -161,6 +169,11 @@ def run_setup(
             env = {}
         env_p = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
         env_d = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        tp = {"kvpool-p2d1": (2, 1), "kvpool-p1d2": (1, 2)}.get(name, (1, 1))
+        for core, (e, a) in enumerate(((env_p, pa), (env_d, da))):
+            if tp[core] == 2:  # both ranks on the server's core
+                e.update(VLLM_CPU_OMP_THREADS_BIND=f"{core}|{core}", OMP_NUM_THREADS="1")
+                a += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
         servers = [
             VllmServer(model, logs, name=f"{name}-prefill", cpu=0, extra_args=pa, env=env_p, **common),
             VllmServer(model, logs, name=f"{name}-decode", cpu=1, extra_args=da, env=env_d, **common),
@@ -183,7 +196,7 @@ def run_setup(
         stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
         # vLLM logs connector transfer statistics every 10 s: keep each prompt length in its own
         # window (kvpool-nostats has none to wait for).
-        settle = 11.0 if name in ("nixl", "kvpool") else 0.5
+        settle = 11.0 if name == "nixl" or (name.startswith("kvpool") and name != "kvpool-nostats") else 0.5
         time.sleep(settle)
         out: dict[str, Any] = {
             "setup": name,
@@ -232,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "--setups",
         nargs="+",
         default=["single", "kvpool"],
-        choices=["single", "kvpool", "kvpool-nostats", "nixl", "mooncake"],
+        choices=["single", "kvpool", "kvpool-nostats", "kvpool-p2d1", "kvpool-p1d2", "nixl", "mooncake"],
     )
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4096])
     ap.add_argument("--requests", type=int, default=5)

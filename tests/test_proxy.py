@@ -388,7 +388,9 @@ def test_health_follows_backend_health_checks() -> None:
     run(go)
 
 
-def test_prefill_4xx_is_passed_back_and_5xx_is_502() -> None:
+def test_prefill_4xx_is_passed_back_and_5xx_is_502(caplog: Any) -> None:
+    import logging
+
     async def go() -> None:
         p, d = FakeVllm("p0", "prefill", status=400), FakeVllm("d0", "decode")
         async with running([p], [d]) as (proxy, client):
@@ -396,10 +398,15 @@ def test_prefill_4xx_is_passed_back_and_5xx_is_502() -> None:
                 assert r.status == 400
                 assert (await r.json())["error"]["message"] == "p0 says no"
             p.status = 500
-            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
-                assert r.status == 502
-                msg = (await r.json())["error"]["message"]
+            with caplog.at_level(logging.WARNING, logger="kvpool.connectors.proxy"):
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 502
+                    msg = (await r.json())["error"]["message"]
+                    rid = r.headers["X-Request-Id"]
             assert "prefill" in msg and p.url in msg and "500" in msg
+            # The operator sees what the client saw (the 400 above is not logged as a failure).
+            logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert logged == [f"request {rid} answered 502: {msg}"], logged
             assert d.bodies == []
             async with client.post(f"{proxy.url}/v1/completions", data=b"{not json") as r:
                 assert r.status == 400

@@ -53,8 +53,12 @@ class ProxyProcess(ChildProcess):
 def post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:  # say which backend failed and how (the proxy's body)
+        body = exc.read()[:2000].decode(errors="replace")
+        raise urllib.error.HTTPError(url, exc.code, f"{exc.reason}: {body}", exc.headers, None) from exc
 
 
 def completion(base: str, prompt: list[int], **kw: object) -> dict:

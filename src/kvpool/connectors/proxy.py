@@ -194,6 +194,8 @@ def _normalize_url(url: str) -> str:
 
 
 def _error_response(status: int, message: str, request_id: str | None = None) -> web.Response:
+    if status >= 500:  # the operator's only trace of a backend failure the client saw
+        _log.warning("request %s answered %d: %s", request_id or "-", status, message)
     headers = {"X-Request-Id": request_id} if request_id else None
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "code": status}}
     return web.json_response(body, status=status, headers=headers)
