@@ -169,15 +169,13 @@ def run_setup(
             env = {}
         env_p = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
         env_d = dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
-        tp = {"kvpool-p2d1": (2, 1), "kvpool-p1d2": (1, 2)}.get(name, (1, 1))
-        for core, (e, a) in enumerate(((env_p, pa), (env_d, da))):
-            if tp[core] == 2:  # both ranks on the server's core
-                e.update(VLLM_CPU_OMP_THREADS_BIND=f"{core}|{core}", OMP_NUM_THREADS="1")
-                a += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
-        servers = [
-            VllmServer(model, logs, name=f"{name}-prefill", cpu=0, extra_args=pa, env=env_p, **common),
-            VllmServer(model, logs, name=f"{name}-decode", cpu=1, extra_args=da, env=env_d, **common),
-        ]
+        tp_p, tp_d = {"kvpool-p2d1": (2, 1), "kvpool-p1d2": (1, 2)}.get(name, (1, 1))
+        servers = [  # a TP=2 server's ranks all on its core (VllmServer's tensor_parallel)
+            VllmServer(model, logs, name=f"{name}-prefill", cpu=0, tensor_parallel=tp_p, extra_args=pa,
+                       env=env_p, **common),
+            VllmServer(model, logs, name=f"{name}-decode", cpu=1, tensor_parallel=tp_d, extra_args=da,
+                       env=env_d, **common),
+        ]  # fmt: skip
     for s in servers:
         s.start()
     proxy = None

@@ -338,6 +338,9 @@ class VllmServer:
     by the EngineCore and worker processes) and bind the worker's OpenMP threads to it
     (``VLLM_CPU_OMP_THREADS_BIND``).  Without it, OpenMP binding is left to vLLM (``auto``: the last
     core is reserved for the EngineCore, the others run the model).
+    ``tensor_parallel``: ranks (multiproc executor). With ``cpu`` every rank is bound to that core
+    (``"c|c"``): while a vLLM server holds a request its ranks spin in ``sched_yield()``, and ranks
+    spread over this 2-core VM's cores starve any other server (docs/vllm.md).
     ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB); ``kv_cache_bytes`` instead passes
     ``--kv-cache-memory-bytes`` (finer; one token of the tiny model's KV takes 2 KiB per layer).
     ``extra_args`` are appended to the command line (e.g. ``["--kv-transfer-config", json]``);
@@ -355,6 +358,7 @@ class VllmServer:
         *,
         port: int | None = None,
         cpu: int | None = None,
+        tensor_parallel: int = 1,
         extra_args: Iterable[str] = (),
         env: Mapping[str, str] | None = None,
         name: str = "vllm",
@@ -391,6 +395,9 @@ class VllmServer:
             self.cmd.append("--enforce-eager")
         if kv_cache_bytes is not None:
             self.cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        if tensor_parallel > 1:
+            self.cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+            self.cmd += ["--distributed-executor-backend", "mp"]
         self.cmd += list(extra_args)
         self.env = dict(os.environ)
         self.env.update(OFFLINE_ENV)
@@ -408,7 +415,7 @@ class VllmServer:
             }
         )
         if cpu is not None:
-            self.env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(cpu)] * tensor_parallel)
             self.env["OMP_NUM_THREADS"] = "1"
         if env:
             self.env.update(env)
