@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +167,10 @@ class _PdWorker:
         self._lock = threading.Lock()
         self._pending_send: dict[str, float] = {}  # req id -> deadline (monotonic)
         self._notified: dict[str, float] = {}  # "done" seen -> when (may precede the metadata)
-        self._expired: dict[str, float] = {}  # freed by abort_timeout_s unread -> when (bounded)
+        # Freed by abort_timeout_s unread -> when (bounded). Ordered: get_finished drops the oldest
+        # from the front each step, O(1) each (a plain dict's first item is found by skipping the
+        # slots of earlier deletions: a burst of expiries cost O(n^2) in one step).
+        self._expired: OrderedDict[str, float] = OrderedDict()
         self._confirming: set[str] = set()  # read, waiting for the prefill to confirm it held them
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
@@ -353,7 +356,7 @@ class _PdWorker:
                 rid, t = next(iter(self._expired.items()))
                 if now - t <= _EXPIRED_KEEP_S and len(self._expired) <= _EXPIRED_MAX:
                     break
-                del self._expired[rid]
+                self._expired.popitem(last=False)
             for rid in sending:
                 del self._pending_send[rid]
                 self._notified.pop(rid, None)
