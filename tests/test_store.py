@@ -491,7 +491,7 @@ def test_key_table_committed_many_matches_a_python_lookup() -> None:
 
 
 def test_location_cache_entries_round_trip_and_leave_nothing_for_the_gc() -> None:
-    """The client's location cache (small objects read without asking the master): entries come
+    """The client's location cache (objects read without asking the master): entries come
     back as remembered (only the replicas written completely), are refused under another master
     epoch or after their TTL, the oldest go past the capacity — and an entry is one packed
     ``bytes`` record, so 20,000 puts leave no objects behind that the garbage collector tracks
@@ -499,7 +499,7 @@ def test_location_cache_entries_round_trip_and_leave_nothing_for_the_gc() -> Non
     import gc
     import time
 
-    from kvpool.store.locations import LocationCache
+    from kvpool.store.locations import COMMITTED, LOCAL, SEEN, LocationCache
 
     cache = LocationCache(capacity=30_000, ttl_s=60.0)
     cache.remember("a", 7, 11, 4096, 99, ["s1", "s3"], [["s1", 1000], ["s2", 2000], ["s3", 3000]])
@@ -510,6 +510,17 @@ def test_location_cache_entries_round_trip_and_leave_nothing_for_the_gc() -> Non
     cache.remember("b", 7, 12, 100, None, ["s1"], [["s1", 5]])  # no checksum: not kept
     cache.remember("c", 7, 13, 100, 5, ["s9"], [["s1", 5]])  # nothing written: not kept
     assert cache.get("b", 7) is None and cache.get("c", 7) is None
+    # Big objects without a committed checksum: noted on the first read, the reader's own
+    # checksum on the second; a put of the key without a checksum drops the entry.
+    cache.remember_read("big", 7, 20, 1 << 20, None, ["s1"], [["s1", 9]])
+    assert cache.get("big", 7).kind == SEEN  # type: ignore[union-attr]
+    cache.remember_read("big", 7, 20, 1 << 20, 1234, ["s1"], [["s1", 9]])
+    big = cache.get("big", 7)
+    assert big is not None and (big.csum, big.kind) == (1234, LOCAL)
+    cache.remember("big", 7, 21, 1 << 20, None, ["s1"], [["s1", 9]])
+    assert cache.get("big", 7) is None
+    cache.remember("huge", 7, 22, 8 << 20, 77, ["s1"], [["s1", 9]])  # committed checksum: any size
+    assert cache.get("huge", 7).kind == COMMITTED  # type: ignore[union-attr]
     short = LocationCache(capacity=2, ttl_s=0.05)
     short.remember_many(1, [(k, i, 10, 1, ["s"], [["s", i]]) for i, k in enumerate("xyz")])
     assert short.get("x", 1) is None and short.get("y", 1).replicas == (("s", 1),)  # type: ignore[union-attr]
@@ -527,3 +538,70 @@ def test_location_cache_entries_round_trip_and_leave_nothing_for_the_gc() -> Non
         gc.enable()
     assert grown < 200, grown
     assert cache.get("k9999", 7).replicas == (("s1", 9999 * 4160),)  # type: ignore[union-attr]
+
+
+def test_big_objects_read_twice_are_then_read_without_the_master() -> None:
+    """An object above 64 KiB without a committed checksum: the first get is noted, the second
+    (leased, header-checked) gives the reader its own checksum, later gets (get, get_into,
+    batch_get) skip the master and are checked against it. Bytes changed in place make the next
+    get ask the master again (a read without the master never returns them unchecked); a key
+    removed and put again elsewhere is never read at its old place; the reader's own remove
+    forgets the location."""
+    import ctypes
+    import functools
+
+    from kvpool.store.layout import HEADER_SIZE
+
+    size = (256 << 10) + 3
+    v1, v2 = pattern(size, 1), pattern(size, 2)
+    with (
+        Store.connect(segment_size=8 << 20, buffer_size=2 << 20) as a,  # embedded master, segment here
+        Store.connect(master=a.master_address, segment_size=0, buffer_size=2 << 20) as b,
+    ):
+        lookups = []
+        orig = b._lookup
+
+        @functools.wraps(orig)
+        def counting(keys):  # type: ignore[no-untyped-def]
+            lookups.append(list(keys))
+            return orig(keys)
+
+        b._lookup = counting  # type: ignore[method-assign]
+        a.put("big", v1)
+        assert b.get("big") == v1 and b.get("big") == v1
+        assert len(lookups) == 2  # read once: only noted; read twice: checksummed by b
+        buf = bytearray(size)
+        for _ in range(3):
+            assert b.get("big") == v1
+        assert b.get_into("big", buf) == size and bytes(buf) == v1
+        assert b.batch_get(["big"]) == [v1]
+        assert len(lookups) == 2, "gets after the second one still asked the master"
+
+        # A byte of the value changed in place (no committed checksum, so the master cannot
+        # tell): b's checksum catches it and b asks the master (which serves what is there).
+        seg, addr = a.info("big")["replicas"][0][:2]
+        ctypes.memmove(addr + HEADER_SIZE + 1000, b"\xff", 1)
+        bad = bytearray(v1)
+        bad[1000] = 0xFF
+        assert b.get("big") == bytes(bad)
+        assert len(lookups) == 3
+        ctypes.memmove(addr + HEADER_SIZE + 1000, v1[1000:1001], 1)
+
+        # Removed and put again by another client: b's cached place now holds another object (or
+        # nothing): the header check sends b to the master, which names the new place.
+        for _ in range(2):
+            assert b.get("big") == v1
+        n = len(lookups)
+        a.remove("big", force=True)  # b's read leases end with its next request
+        a.put("filler", v2)  # best fit: likely the freed range
+        a.put("big", v2)
+        assert a.info("filler")["replicas"][0][1] == addr  # the freed range was reused
+        assert b.get("big") == v2
+        assert len(lookups) == n + 1
+
+        # b's own remove forgets the place at once.
+        for _ in range(2):
+            assert b.get("filler") == v2
+        b.remove("filler")
+        with pytest.raises(ObjectNotFound):
+            b.get("filler")

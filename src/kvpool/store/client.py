@@ -42,9 +42,9 @@ from kvpool.errors import (
     StoreError,
     TransferError,
 )
-from kvpool.store.datapath import DataPath, ReadJob, WriteJob, copy_out
-from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
-from kvpool.store.locations import Loc, LocationCache
+from kvpool.store.datapath import DataPath, ReadJob, WriteJob, copy_out, host_view
+from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, checksum, header_mismatch, key_hash
+from kvpool.store.locations import COMMITTED, LOCAL, SEEN, Loc, LocationCache
 from kvpool.store.reservations import RESERVE_MAX, ReservationPool, WriteFloor, reserve_count
 from kvpool.store.ssd import read_ssd_file
 from kvpool.store.staging import Staging, addr_of
@@ -585,9 +585,15 @@ class Store:
         epoch = self.master_incarnation or 0
         for i in todo:
             loc = self._loc.get(keys[i], self.master_incarnation)
-            if loc is not None and (dests[i] is None or dests[i][1] >= loc.size):  # type: ignore[index]
-                cached.append((i, ReadJob(keys[i], loc.size, loc.gen, loc.csum, loc.replicas, dests[i],
-                                          float("inf"))))  # fmt: skip
+            if loc is None or loc.kind == SEEN:
+                continue
+            dest = dests[i]
+            if dest is not None and (
+                dest[1] < loc.size or (loc.kind == LOCAL and self.engine.is_gpu_memory(dest[0], loc.size))
+            ):
+                continue  # too small (the master's answer says so); GPU: no copy back for a checksum
+            cached.append((i, ReadJob(keys[i], loc.size, loc.gen, loc.csum, loc.replicas, dest, float("inf"),
+                                      local_csum=loc.kind == LOCAL)))  # fmt: skip
         if cached:
             self._data.read(epoch, [j for _, j in cached])
             done = set()
@@ -626,10 +632,8 @@ class Store:
         for i, j, info in jobs:
             if j.error is None:
                 out[i] = j.result
-                if j.served_by is not None and j.csum is not None:
-                    self._loc.remember(
-                        j.key, epoch, j.gen, j.size, j.csum, [r[0] for r in j.replicas], j.replicas
-                    )
+                if j.served_by is not None:
+                    self._remember_read(j, epoch)
             elif j.retry and not last:
                 again.append(i)
             elif info["ssd"] is not None and not j.retry:
@@ -645,6 +649,26 @@ class Store:
             if flush:
                 self._flush_releases(self._rpc)
         return again
+
+    def _remember_read(self, j: ReadJob, epoch: int) -> None:
+        """Keep the location of an object read through the master (see :mod:`.locations`): with its
+        committed checksum; else noted on the first read and checksummed here on the second (the
+        bytes were read under a lease and header-checked: they are the object's)."""
+        segs = [r[0] for r in j.replicas]
+        if j.csum is not None:
+            self._loc.remember(j.key, epoch, j.gen, j.size, j.csum, segs, j.replicas)
+            return
+        prev = self._loc.get(j.key, epoch)
+        if prev is None or prev.gen != j.gen:
+            self._loc.remember_read(j.key, epoch, j.gen, j.size, None, segs, j.replicas)
+        elif prev.kind == SEEN:
+            if isinstance(j.result, bytes):
+                value: Any = j.result
+            elif j.dest is not None and not self.engine.is_gpu_memory(j.dest[0], j.size):
+                value = host_view(self.engine, j.dest[0], j.size)
+            else:
+                return  # a GPU destination: not copied back to host for a checksum
+            self._loc.remember_read(j.key, epoch, j.gen, j.size, checksum(value), segs, j.replicas)
 
     def _flush_releases_idle(self) -> None:
         """The heartbeat thread: report ended read leases on the *main* connection when it is idle
@@ -693,7 +717,7 @@ class Store:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
         _check_key(key)
         loc = self._loc.get(key, self.master_incarnation)
-        if loc is not None:
+        if loc is not None and loc.kind == COMMITTED and loc.size <= CHECKSUM_ALWAYS_MAX:
             data = self._get_cached(key, loc)
             if data is not None:
                 return data

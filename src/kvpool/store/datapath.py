@@ -84,6 +84,7 @@ class ReadJob:
     error: KvpoolError | None = None
     retry: bool = False  # the error means: look the object up again and read again
     served_by: str | None = None
+    local_csum: bool = False  # ``csum`` is the reading client's own (not in the header)
 
 
 def _mem(addr: int, size: int) -> memoryview:
@@ -513,7 +514,7 @@ class DataPath:
             hdr, value = region[:HEADER_SIZE], region[HEADER_SIZE:]
         else:
             hdr, value = sink[1], None
-        why = header_mismatch(hdr, epoch, j.gen, key_hash(j.key), j.size, j.csum)
+        why = header_mismatch(hdr, epoch, j.gen, key_hash(j.key), j.size, None if j.local_csum else j.csum)
         if why is not None:
             j.error, j.retry = ObjectChanged(f"{j.key!r} at {seg}: {why}"), True
             return
@@ -521,6 +522,14 @@ class DataPath:
             if value is None:
                 value = host_view(self.engine, sink[2], j.size)
             if checksum(value) != j.csum:
+                if j.local_csum:
+                    # Not the bytes this client read under a lease before: changed under a read
+                    # without the master (space reused), or corrupt. The caller asks the master.
+                    j.error, j.retry = (
+                        ObjectChanged(f"{j.key!r} at {seg}: bytes differ from the last read"),
+                        True,
+                    )
+                    return
                 j.error = ObjectCorrupt(f"{j.key!r} at {seg}: bytes do not match the object's checksum")
                 self.report(seg, "corrupt", j.key, j.gen)
                 return
