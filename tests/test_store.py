@@ -540,7 +540,7 @@ def test_location_cache_entries_round_trip_and_leave_nothing_for_the_gc() -> Non
     assert cache.get("k9999", 7).replicas == (("s1", 9999 * 4160),)  # type: ignore[union-attr]
 
 
-def test_big_objects_read_twice_are_then_read_without_the_master() -> None:
+def test_big_objects_read_twice_are_then_read_without_the_master(monkeypatch: pytest.MonkeyPatch) -> None:
     """An object above 64 KiB without a committed checksum: the first get is noted, the second
     (leased, header-checked) gives the reader its own checksum, later gets (get, get_into,
     batch_get) skip the master and are checked against it. Bytes changed in place make the next
@@ -576,6 +576,9 @@ def test_big_objects_read_twice_are_then_read_without_the_master() -> None:
         assert b.get_into("big", buf) == size and bytes(buf) == v1
         assert b.batch_get(["big"]) == [v1]
         assert len(lookups) == 2, "gets after the second one still asked the master"
+        # A get that asks the master anyway reads such an object under its lease (no checksum).
+        assert b.batch_get(["big", "nope"]) == [v1, None]
+        assert lookups[-1] == ["big", "nope"]
 
         # A byte of the value changed in place (no committed checksum, so the master cannot
         # tell): b's checksum catches it and b asks the master (which serves what is there).
@@ -584,7 +587,7 @@ def test_big_objects_read_twice_are_then_read_without_the_master() -> None:
         bad = bytearray(v1)
         bad[1000] = 0xFF
         assert b.get("big") == bytes(bad)
-        assert len(lookups) == 3
+        assert len(lookups) == 4
         ctypes.memmove(addr + HEADER_SIZE + 1000, v1[1000:1001], 1)
 
         # Removed and put again by another client: b's cached place now holds another object (or
@@ -605,3 +608,12 @@ def test_big_objects_read_twice_are_then_read_without_the_master() -> None:
         b.remove("filler")
         with pytest.raises(ObjectNotFound):
             b.get("filler")
+
+        # Above LOCAL_READ_MAX checksumming costs more than the round trip: always the master.
+        import kvpool.store.client as store_client
+
+        monkeypatch.setattr(store_client, "LOCAL_READ_MAX", size - 1)
+        n = len(lookups)
+        for _ in range(4):
+            assert b.get("big") == v2
+        assert len(lookups) == n + 4

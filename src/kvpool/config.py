@@ -249,8 +249,9 @@ class StoreConfig(_ConfigBase):
         transfer_timeout_s: transfer engine timeout (at most the master's ``quarantine_s``).
         checksum: give every object an xxh3-64 checksum, checked on every read (objects up to
             64 KiB, and objects the master places in suspect space, always have one).
-        location_cache: small objects (up to 64 KiB) whose location this client keeps, to read
-            them without asking the master (checked by header and checksum; 0 turns it off).
+        location_cache: objects whose location this client keeps, to read them without asking
+            the master (checked by header and checksum; 0 turns it off): every object up to
+            64 KiB, bigger ones after their second read (see docs/store.md).
         location_cache_ttl_s: a cached location is used for this long. Until then a get may
             return a value that was removed (but never another key's or a torn one).
         get_retries: times a read whose object changed under it is looked up and read again.
