@@ -617,3 +617,6 @@ def test_big_objects_read_twice_are_then_read_without_the_master(monkeypatch: py
         for _ in range(4):
             assert b.get("big") == v2
         assert len(lookups) == n + 4
+        a.put("fresh", v1)
+        assert b.get("fresh") == v1 and b.get("fresh") == v1
+        assert b._loc.get("fresh", b.master_incarnation) is None  # not even noted: no checksum for nothing

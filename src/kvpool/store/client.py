@@ -641,11 +641,14 @@ class Store:
                 jobs.append((i, ReadJob(keys[i], size, info["gen"], info["checksum"], info["replicas"], dest,
                                         deadline), info))  # fmt: skip
         self._data.read(epoch, [j for _, j, _ in jobs])
+        # Objects without a committed checksum are remembered only from gets small enough to be
+        # read without the master later (see _get): no checksum is computed for nothing.
+        local_ok = sum(j.size for _, j, _ in jobs) <= LOCAL_READ_MAX
         again: list[int] = []
         for i, j, info in jobs:
             if j.error is None:
                 out[i] = j.result
-                if j.served_by is not None:
+                if j.served_by is not None and (local_ok or j.csum is not None):
                     self._remember_read(j, epoch)
             elif j.retry and not last:
                 again.append(i)
@@ -671,8 +674,6 @@ class Store:
         if j.csum is not None:
             self._loc.remember(j.key, epoch, j.gen, j.size, j.csum, segs, j.replicas)
             return
-        if j.size > LOCAL_READ_MAX:
-            return  # never read without the master (see _get)
         prev = self._loc.get(j.key, epoch)
         if prev is None or prev.gen != j.gen:
             self._loc.remember_read(j.key, epoch, j.gen, j.size, None, segs, j.replicas)
