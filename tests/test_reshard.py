@@ -16,6 +16,7 @@ from kvpool.connectors.vllm.reshard import (
     check_compatible,
     plan_columns,
     plan_sources,
+    region_pairs,
 )
 
 LAYERS, BLOCKS, BS, HTB = 2, 6, 4, 8  # layers, blocks per rank, tokens per block, bytes per head-token
@@ -65,8 +66,11 @@ def run_transfer(ptp: int, dtp: int, heads: int, kind: str, order: str, perm: np
         for p in srcs:
             pmem = rank_memory(ref, P[p])
             pbase = 1 << 40  # remote addresses live elsewhere than local ones
-            cols = plan_columns(P[p], D, list(zip(regions(D, 0), regions(P[p], pbase), strict=True)),
-                                perm, remote_blocks)  # fmt: skip
+            pairs = list(zip(regions(D, 0), regions(P[p], pbase), strict=True))
+            cols = plan_columns(P[p], D, pairs, perm, remote_blocks)
+            # the region arrays kept for later loads (pd.py) and short Python lists plan the same
+            kept = plan_columns(P[p], D, region_pairs(P[p], D, pairs), list(perm), list(remote_blocks))
+            assert all(np.array_equal(a, b) for a, b in zip(cols, kept, strict=True))
             for lo, ro, n in zip(*cols, strict=True):
                 assert 0 <= ro - pbase and ro - pbase + n <= len(pmem)
                 mem[lo : lo + n] = pmem[ro - pbase : ro - pbase + n]

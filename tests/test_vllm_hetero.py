@@ -160,6 +160,7 @@ def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPat
         rem1 = d._remotes[("127.0.0.1", pport + 1)]
         for name, r in list(rem1.regions.items()):
             rem1.regions[name] = dataclasses.replace(r, addr=r.addr + (1 << 44))
+        rem1.pairs = None  # the region arrays kept from the first load are derived again from those
         d._load(_job("r1", [1, 2], [1, 2], pport, 2))
         assert d.take_load_errors() == {1, 2}  # every block failed, not only rank 1's half
         assert d.get_finished()[1] == {"r0", "r1"}  # finished (as failed): vLLM recomputes or fails

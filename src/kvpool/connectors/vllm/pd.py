@@ -40,10 +40,12 @@ from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob
 from kvpool.connectors.vllm.reshard import (
     KvLayout,
     RegionAddr,
+    RegionPairs,
     ReshardError,
     layout_from_vllm,
     plan_columns,
     plan_sources,
+    region_pairs,
 )
 from kvpool.connectors.vllm.stats import make_stats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
@@ -60,6 +62,8 @@ _LOADS_BEFORE_NOTICES = 8
 # answer a late decode's "done" notice with "expired".
 _EXPIRED_KEEP_S = 3600.0
 _EXPIRED_MAX = 1 << 16
+# A resharded load whose sources each need at most this many ranges reads them in this thread.
+_INLINE_RANGES = 16
 
 
 class KvpoolConnector(KvpoolConnectorBase):
@@ -89,6 +93,8 @@ class _Remote:
     kv_layout: dict[str, Any] | None = None
     layout: KvLayout | None = None
     """``kv_layout`` parsed (once, on the first resharded load)."""
+    pairs: RegionPairs | None = None
+    """This decode rank's regions paired with this prefill rank's (once, on the first resharded load)."""
 
 
 def _addr(r: Region) -> RegionAddr:
@@ -457,8 +463,11 @@ class _PdWorker:
                 )
             if set(rem.regions) != {r.name for r in self.regions}:
                 raise ReshardError("prefill and decode KV cache layers differ (same model and layout needed)")
-            pairs = [(_addr(r), _addr(rem.regions[r.name])) for r in self.regions]
-            cols = plan_columns(pl, self.kv_layout, pairs, job.local_block_ids, job.remote_block_ids)
+            if rem.pairs is None:
+                rem.pairs = region_pairs(
+                    pl, self.kv_layout, [(_addr(r), _addr(rem.regions[r.name])) for r in self.regions]
+                )
+            cols = plan_columns(pl, self.kv_layout, rem.pairs, job.local_block_ids, job.remote_block_ids)
             batches.append((rem, cols))
         engine = self.engine
         assert engine is not None
@@ -466,7 +475,14 @@ class _PdWorker:
         # Every source in flight at once (one wait): the load is done only when all completed; a
         # failed range fails the whole load (never a partial load marked ready).
         parts = [(rem.segment, *cols) for rem, cols in batches]  # numpy columns: no per-range objects
-        engine.batch_transfer_sync_multi(parts, OpCode.READ)
+        if all(len(c[2]) <= _INLINE_RANGES for _, c in batches):
+            # A few ranges per source (short prompts): each source in this thread, one after the
+            # other, is faster than a batch's hand-off to the engine's threads; the first failure
+            # raises before the load is reported (the same all-or-nothing outcome).
+            for seg, locs, rems, lens in parts:
+                engine.batch_transfer_sync(seg, locs.tolist(), rems.tolist(), lens.tolist(), OpCode.READ)
+        else:
+            engine.batch_transfer_sync_multi(parts, OpCode.READ)
         return sum(int(lens.sum()) for _, (_, _, lens) in batches)
 
     def _notify(self, jobs: list[RecvJob]) -> None:

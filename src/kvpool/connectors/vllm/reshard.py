@@ -216,45 +216,79 @@ class RegionAddr:
     num_blocks: int
 
 
-def plan_columns(
-    prefill: KvLayout,
-    decode: KvLayout,
-    regions: list[tuple[RegionAddr, RegionAddr]],
-    local_blocks: list[int] | np.ndarray,
-    remote_blocks: list[int] | np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The READ columns (local addresses, remote addresses, lengths) from one prefill rank.
+@dataclass(frozen=True)
+class RegionPairs:
+    """The region arrays of one (decode rank, prefill rank) pair, built and checked once per
+    handshake (regions do not move while both sides live): rows of (addr, stride, num_blocks)."""
 
-    ``regions`` pairs each decode region with the same layer's region on that prefill rank.
-    Raises :class:`ReshardError` for block ids out of range or region sizes that contradict the
-    layouts (before any byte moves).
-    """
-    check_compatible(prefill, decode)
-    lb = np.asarray(local_blocks, np.int64)
-    rb = np.asarray(remote_blocks, np.int64)
-    if lb.shape != rb.shape:
-        raise ReshardError(f"{len(lb)} local blocks for {len(rb)} remote blocks")
-    t_loc, t_rem, t_len = block_template(prefill, decode)
-    empty = np.zeros(0, np.int64)
-    if len(t_len) == 0 or len(lb) == 0:
-        return empty, empty, empty
-    dbb, pbb = decode.block_bytes(), prefill.block_bytes()
-    # every region at once: (regions, blocks, template ranges), no Python loop over layers
+    d: np.ndarray
+    p: np.ndarray
+    d_blocks: int  # blocks in the smallest decode / prefill region
+    p_blocks: int
+
+
+def region_pairs(
+    prefill: KvLayout, decode: KvLayout, regions: list[tuple[RegionAddr, RegionAddr]]
+) -> RegionPairs:
+    """``regions`` (each decode region with the same layer's region on the prefill rank) as
+    :class:`RegionPairs`; :class:`ReshardError` when a stride contradicts the layouts."""
     d = np.array([(dr.addr, dr.stride, dr.num_blocks) for dr, _ in regions], np.int64).reshape(-1, 3)
     p = np.array([(pr.addr, pr.stride, pr.num_blocks) for _, pr in regions], np.int64).reshape(-1, 3)
     if len(d) == 0:
-        return empty, empty, empty
+        return RegionPairs(d, p, 0, 0)
+    dbb, pbb = decode.block_bytes(), prefill.block_bytes()
     if d[:, 1].min() < dbb or p[:, 1].min() < pbb:
         raise ReshardError(
             f"region stride {d[:, 1].min()}/{p[:, 1].min()} below the layout's block size {dbb}/{pbb} bytes "
             "(the layout handshake does not describe this KV cache)"
         )
-    if lb.min() < 0 or rb.min() < 0 or lb.max() >= d[:, 2].min() or rb.max() >= p[:, 2].min():
+    for a in (d, p):
+        a.setflags(write=False)
+    return RegionPairs(d, p, int(d[:, 2].min()), int(p[:, 2].min()))
+
+
+def plan_columns(
+    prefill: KvLayout,
+    decode: KvLayout,
+    regions: list[tuple[RegionAddr, RegionAddr]] | RegionPairs,
+    local_blocks: list[int] | np.ndarray,
+    remote_blocks: list[int] | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The READ columns (local addresses, remote addresses, lengths) from one prefill rank.
+
+    ``regions`` pairs each decode region with the same layer's region on that prefill rank (or is
+    their :func:`region_pairs`, kept by the caller for the next load). Raises
+    :class:`ReshardError` for block ids out of range or region sizes that contradict the layouts
+    (before any byte moves).
+    """
+    check_compatible(prefill, decode)
+    if len(local_blocks) != len(remote_blocks):
+        raise ReshardError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+    rp = regions if isinstance(regions, RegionPairs) else region_pairs(prefill, decode, regions)
+    t_loc, t_rem, t_len = block_template(prefill, decode)
+    if len(t_len) == 0 or len(local_blocks) == 0 or len(rp.d) == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    # min/max of the block ids: Python's over short lists, numpy's over arrays and long lists
+    lo_l, hi_l = _bounds(local_blocks)
+    lo_r, hi_r = _bounds(remote_blocks)
+    if lo_l < 0 or lo_r < 0 or hi_l >= rp.d_blocks or hi_r >= rp.p_blocks:
         raise ReshardError("block ids out of range of the KV cache")
+    lb = np.asarray(local_blocks, np.int64)
+    rb = np.asarray(remote_blocks, np.int64)
+    d, p = rp.d, rp.p
+    # every region at once: (regions, blocks, template ranges), no Python loop over layers
     locs = (d[:, 0, None, None] + lb[None, :, None] * d[:, 1, None, None] + t_loc[None, None, :]).ravel()
     rems = (p[:, 0, None, None] + rb[None, :, None] * p[:, 1, None, None] + t_rem[None, None, :]).ravel()
     lens = np.broadcast_to(t_len, (len(d), len(lb), len(t_len))).ravel()
     return merge_ranges(locs, rems, lens)
+
+
+def _bounds(blocks: list[int] | np.ndarray) -> tuple[int, int]:
+    if isinstance(blocks, np.ndarray) or len(blocks) > 64:
+        a = np.asarray(blocks, np.int64)
+        return int(a.min()), int(a.max())
+    return min(blocks), max(blocks)
 
 
 def layout_from_vllm(vllm_config: Any, tp_rank: int, tp_size: int, head_token_bytes: int) -> KvLayout:
