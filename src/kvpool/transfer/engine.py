@@ -59,11 +59,11 @@ from kvpool.transfer.types import (
     host_id,
 )
 
-__all__ = ["TransferEngine", "buffer_range", "split_host_port"]
+__all__ = ["INLINE_MAX", "TransferEngine", "buffer_range", "split_host_port"]
 
 log = logging.getLogger("kvpool.transfer")
 
-_INLINE_MAX = 16  # requests a transfer_sync/batch_transfer_sync may do in the calling thread
+INLINE_MAX = 16  # requests a transfer_sync/batch_transfer_sync may do in the calling thread
 _U64 = np.dtype(np.uint64)
 
 
@@ -801,7 +801,7 @@ class TransferEngine:
         """A few host-memory requests to one segment in this thread (the transport's
         ``transfer_inline``), or None where a batch must do them (GPU memory here, a transport
         without the path, too many requests)."""
-        if len(lens) > _INLINE_MAX:
+        if len(lens) > INLINE_MAX:
             return None
         reg = self._registry
         if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
@@ -833,7 +833,7 @@ class TransferEngine:
         if n == 0:
             return 0
         op = _native_op(opcode)
-        if n <= _INLINE_MAX and not isinstance(lengths, np.ndarray):
+        if n <= INLINE_MAX and not isinstance(lengths, np.ndarray):
             # a few ranges (e.g. a value and its header): in this thread on the cached segment
             locs, rems, lens = _int_columns((local_addrs, remote_addrs, lengths))
             st = self._inline_cached(target_name, op, locs, rems, lens, scratch)
@@ -852,7 +852,7 @@ class TransferEngine:
         arrays = (local_addrs, remote_addrs, lengths)
         gpu_ok = "cuda" in t.locations or not self._registry.gpu_count  # else staging needs lists
         cuda_cols = "cuda" in t.locations and all(isinstance(c, np.ndarray) for c in arrays)
-        if t.takes_arrays and gpu_ok and (n > _INLINE_MAX or cuda_cols):
+        if t.takes_arrays and gpu_ok and (n > INLINE_MAX or cuda_cols):
             # columns straight through: no per-request Python objects
             return self._run_sync(handle.id, op, *_u64_columns(arrays))  # type: ignore[arg-type]
         locs, rems, lens = _int_columns(arrays)

@@ -49,7 +49,7 @@ from kvpool.connectors.vllm.reshard import (
 )
 from kvpool.connectors.vllm.stats import make_stats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
-from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.engine import INLINE_MAX, TransferEngine
 from kvpool.transfer.types import OpCode
 
 log = logging.getLogger("kvpool.connectors.vllm")
@@ -62,8 +62,6 @@ _LOADS_BEFORE_NOTICES = 8
 # answer a late decode's "done" notice with "expired".
 _EXPIRED_KEEP_S = 3600.0
 _EXPIRED_MAX = 1 << 16
-# A resharded load whose sources each need at most this many ranges reads them in this thread.
-_INLINE_RANGES = 16
 
 
 class KvpoolConnector(KvpoolConnectorBase):
@@ -475,10 +473,11 @@ class _PdWorker:
         # Every source in flight at once (one wait): the load is done only when all completed; a
         # failed range fails the whole load (never a partial load marked ready).
         parts = [(rem.segment, *cols) for rem, cols in batches]  # numpy columns: no per-range objects
-        if all(len(c[2]) <= _INLINE_RANGES for _, c in batches):
-            # A few ranges per source (short prompts): each source in this thread, one after the
-            # other, is faster than a batch's hand-off to the engine's threads; the first failure
-            # raises before the load is reported (the same all-or-nothing outcome).
+        if all(len(c[2]) <= INLINE_MAX for _, c in batches):
+            # A few ranges per source (short prompts; as many as the engine moves in the calling
+            # thread): each source in this thread, one after the other, is faster than a batch's
+            # hand-off to the engine's threads; the first failure raises before the load is
+            # reported (the same all-or-nothing outcome).
             for seg, locs, rems, lens in parts:
                 engine.batch_transfer_sync(seg, locs.tolist(), rems.tolist(), lens.tolist(), OpCode.READ)
         else:
