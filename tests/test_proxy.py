@@ -34,7 +34,9 @@ class FakeVllm:
 
     ``status`` makes the generation routes answer that status with an error body; ``delay_s`` delays
     their answer; ``chunk_delay_s`` spaces the SSE chunks; ``kv_params=False`` leaves
-    ``kv_transfer_params`` out of the prefill answer; ``healthy=False`` makes ``/health`` answer 503.
+    ``kv_transfer_params`` out of the prefill answer; ``healthy=False`` makes ``/health`` answer 503;
+    ``drop_next`` closes the connection of that many next generation requests unanswered (as uvicorn
+    does to a kept-alive connection whose timeout ends as a request arrives).
     """
 
     def __init__(
@@ -54,6 +56,8 @@ class FakeVllm:
         self.chunk_delay_s = chunk_delay_s
         self.kv_params = kv_params
         self.healthy = True
+        self.drop_next = 0
+        self.dropped = 0
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[CIMultiDict[str]] = []
         self.paths: list[str] = []
@@ -105,6 +109,11 @@ class FakeVllm:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if self.drop_next > 0 and request.transport is not None:
+            self.drop_next -= 1
+            self.dropped += 1
+            request.transport.close()
+            raise asyncio.CancelledError  # nothing more on this connection
         body = await request.json()
         n = len(self.bodies)
         self.bodies.append(body)
@@ -350,6 +359,33 @@ def test_connection_failure_fails_over_to_other_decode() -> None:
                 assert r.status == 200
                 states = {b["url"]: b["healthy"] for b in (await r.json())["decode"]}
             assert states == {d0.url: True, d1.url: False}
+
+    run(go)
+
+
+def test_request_closed_unanswered_on_a_kept_alive_connection_is_sent_once_more() -> None:
+    """A server may close an idle kept-alive connection just as the proxy sends on it (uvicorn after
+    5 s): the request is sent once more on a new connection, not failed with 502.  Twice in a row is
+    a failure (502 naming the backend), not a loop."""
+
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            req = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            for _ in range(2):  # the second request goes out on the kept-alive connections
+                async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                    assert r.status == 200, await r.text()
+            p.drop_next = d.drop_next = 1
+            async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["served_by"] == "d0"
+            assert p.dropped == d.dropped == 1
+            assert len(p.bodies) == len(d.bodies) == 3  # each request handled once
+            p.drop_next = 2
+            async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                assert r.status == 502
+                assert p.url in (await r.json())["error"]["message"]
+            assert p.dropped == 3 and len(p.bodies) == 3 and len(d.bodies) == 3  # no third try
 
     run(go)
 

@@ -86,6 +86,11 @@ _CLIENT_GONE: tuple[type[BaseException], ...] = (ConnectionResetError,) + (
     (aiohttp.ClientConnectionResetError,) if hasattr(aiohttp, "ClientConnectionResetError") else ()
 )
 
+#: How long an idle backend connection is kept for reuse: below uvicorn's (so vLLM's and SGLang's)
+#: default ``timeout_keep_alive`` of 5 s, so the proxy drops an idle connection before the server does.
+#: A request the server closes unanswered anyway is sent once more (``PDProxy._request``).
+KEEPALIVE_S = 4.0
+
 #: Deepest JSON nesting accepted in a request body (deeper bodies get 400, not a RecursionError).
 MAX_BODY_DEPTH = 64
 _STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -356,7 +361,9 @@ class PDProxy:
         background polling; return the bound port."""
         if self._runner is not None:
             raise RuntimeError("proxy already started")
-        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -809,7 +816,7 @@ class PDProxy:
             tried.append(backend)
             backend.requests += 1
             try:
-                resp = await self._session.request(method, backend.url + path, json=body, headers=headers)
+                resp = await self._request(method, backend, path, body, headers)
             except _CONNECT_ERRORS as exc:
                 backend.failures += 1
                 reason = _error_text(exc)
@@ -832,6 +839,21 @@ class PDProxy:
                 )
             backend.in_flight += 1
             return resp, backend
+
+    async def _request(
+        self, method: str, backend: Backend, path: str, body: dict[str, Any] | None, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """One request to ``backend``, sent twice if the first is closed before any answer: a
+        kept-alive connection the server closed (its keep-alive timeout) as the request went out
+        looks just like that, and the request never reached the server's handler."""
+        assert self._session is not None, "proxy not started"
+        try:
+            return await self._session.request(method, backend.url + path, json=body, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            _log.info(
+                "%s backend %s closed the connection unanswered; sending once more", backend.role, backend.url
+            )
+        return await self._session.request(method, backend.url + path, json=body, headers=headers)
 
     async def _read(self, resp: aiohttp.ClientResponse, backend: Backend) -> bytes:
         """The whole body of ``resp``, or :class:`BackendError` (504 on timeout, 502 otherwise)."""
