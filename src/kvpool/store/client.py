@@ -47,7 +47,7 @@ from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, checksum, head
 from kvpool.store.locations import COMMITTED, LOCAL, SEEN, Loc, LocationCache
 from kvpool.store.reservations import RESERVE_MAX, ReservationPool, WriteFloor, reserve_count
 from kvpool.store.ssd import read_ssd_file
-from kvpool.store.staging import Staging, addr_of
+from kvpool.store.staging import DIRECT_MIN, Staging, addr_of
 from kvpool.store.tasks import run_task
 from kvpool.transfer.device import device_buffer
 from kvpool.transfer.engine import TransferEngine, buffer_range
@@ -487,16 +487,24 @@ class Store:
         """Put through a reservation: write, then one `commit`. False when none is usable."""
         if not isinstance(key, str) or not key:
             return False  # the master explains what is wrong with the key
-        entry = self._resv.take(self._resv_key(view.nbytes, config), view.nbytes, config)
+        size = view.nbytes
+        entry = self._resv.take(self._resv_key(size, config), size, config)
         if entry is None:
             return False
+        replicas = entry.replicas
+        small = len(replicas) == 1 and size <= DIRECT_MIN  # the common case, with fewer layers
         try:
-            job = WriteJob(key, view.nbytes, view, entry.gen, entry.verify, entry.replicas)
-            self._data.write(entry.epoch, [job])
-            if len(job.written) < len(entry.replicas):
+            if small:
+                csum = self._data.write_small(entry.epoch, key, entry.gen, view, *replicas[0][:2])
+                written = [] if csum is None else [replicas[0][0]]
+            else:
+                job = WriteJob(key, size, view, entry.gen, entry.verify, replicas)
+                self._data.write(entry.epoch, [job])
+                csum, written = job.csum, job.written
+            if len(written) < len(replicas):
                 self._call("put_revoke", items=[[entry.gen, True]], epoch=entry.epoch)
                 raise TransferError(f"writing {key!r} to a replica failed")
-            res = self._call("commit", items=[[key, entry.gen, job.csum]], epoch=entry.epoch)
+            res = self._call("commit", items=[[key, entry.gen, csum]], epoch=entry.epoch)
             code, msg = res["results"][0]
         except Fenced:
             return False  # the master restarted meanwhile: put the normal way
@@ -509,7 +517,10 @@ class Store:
             # reservation's space can be given back at once.
             self._call("put_revoke", items=[[entry.gen, False]], epoch=entry.epoch)
             raise _err(code, msg)
-        self._loc.remember(key, entry.epoch, entry.gen, job.size, job.csum, job.written, entry.replicas)
+        if small:
+            self._loc.remember_one(key, entry.epoch, entry.gen, size, csum, replicas[0][0], replicas[0][1])  # type: ignore[arg-type]
+        else:
+            self._loc.remember(key, entry.epoch, entry.gen, size, csum, written, replicas)
         return True
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:

@@ -355,6 +355,30 @@ class DataPath:
         for seg in bad_segs:
             self.report(seg, "unreachable", None, None)
 
+    def write_small(
+        self, epoch: int, key: str, gen: int, value: memoryview, seg: str, raddr: int
+    ) -> int | None:
+        """Write one small host ``value`` (at most ``DIRECT_MIN`` bytes) with its header to one
+        replica, in this thread: :meth:`write` of that one job with fewer layers, for the
+        reserved put (its most common caller, once per put). Returns the value's checksum, or
+        None when the write failed (the segment is reported)."""
+        size = value.nbytes
+        csum = checksum(value)
+        n = HEADER_SIZE + size
+        addr, region, token = self.staging.take(n)
+        try:
+            pack_header_into(region, epoch, gen, key_hash(key), size, csum)
+            region[HEADER_SIZE:] = value
+            ok = self.engine.write_inline(seg, addr, raddr, n)
+            if not ok:  # not cached, or failed: the full path (refreshes the segment, once more)
+                ok = self.sync(seg, addr, raddr, n, OpCode.WRITE)
+        finally:
+            self.staging.give(token)
+        if ok:
+            return csum
+        self.report(seg, "unreachable", None, None)
+        return None
+
     def _write_one(self, epoch: int, job: WriteJob) -> None:
         """One object to one replica, in this thread: a small one as header + value from
         staging, a big one from where it is, then its header."""

@@ -29,6 +29,7 @@ SEEN = 2  # read once through the master, no checksum: not usable for a read wit
 
 _HEAD = struct.Struct("<QQQQdB")  # epoch, gen, size, checksum, since, kind
 _REP = struct.Struct("<IQ")  # segment number (see LocationCache._seg_ids), address
+_ONE = struct.Struct(_HEAD.format + _REP.format[1:])  # an entry of one replica, packed at once
 
 
 class Loc(NamedTuple):
@@ -86,6 +87,24 @@ class LocationCache:
         rec = self._record(epoch, gen, size, csum, time.monotonic(), segments, replicas)
         if rec is not None:
             self._insert(((key, rec),))
+
+    def remember_one(self, key: str, epoch: int, gen: int, size: int, csum: int, seg: str, addr: int) -> None:
+        """:meth:`remember` of an object with one replica, written completely (the small put)."""
+        if self.capacity <= 0:
+            return
+        sid = self._seg_ids.get(seg)
+        if sid is None:
+            with self._lock:
+                sid = self._seg_ids.setdefault(seg, len(self._seg_names))
+                if sid == len(self._seg_names):
+                    self._seg_names.append(seg)
+        rec = _ONE.pack(epoch, gen, size, csum, time.monotonic(), COMMITTED, sid, addr)
+        loc = self._loc
+        with self._lock:
+            loc[key] = rec
+            loc.move_to_end(key)
+            if len(loc) > self.capacity:
+                loc.popitem(last=False)
 
     def remember_read(self, key: str, epoch: int, gen: int, size: int, csum: int | None,
                       segments: Sequence[str], replicas: list[list[Any]]) -> None:  # fmt: skip

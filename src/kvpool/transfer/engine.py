@@ -769,6 +769,14 @@ class TransferEngine:
             raise _failed(st, f"{OpCode(opcode).name} of {length} bytes to {target_name}")
         return length
 
+    def write_inline(self, target_name: str, local_addr: int, remote_addr: int, length: int) -> bool | None:
+        """WRITE one host range (int arguments, checked by the caller) in this thread through the
+        *cached* segment: True when it landed, False when it failed, None where this path does not
+        apply — the caller then uses :meth:`transfer_sync`, which opens the segment again. For
+        callers that put one small object per call (the store's put); nothing else differs."""
+        st = self._inline_cached(target_name, WRITE, (local_addr,), (remote_addr,), (length,))
+        return None if st is None else st.ok
+
     def _inline_cached(
         self,
         target_name: str,
