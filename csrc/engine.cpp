@@ -412,7 +412,40 @@ void Peer::unmap_all() {
   std::unique_lock lk(maps_mu);
   for (auto& m : maps) munmap(m.local, m.len);
   maps.clear();
+  ++maps_gen;
 }
+
+namespace {
+
+// Mappings up to this size are populated by mmap itself; bigger ones in the background, so that
+// the first same-host transfer to a big segment (1 GiB: ~100 ms of page-table setup) does not
+// wait for all of it.
+constexpr uint64_t kPopulateInline = 64ull << 20;
+constexpr uint64_t kPopulateChunk = 16ull << 20;
+
+// Prefault ``p``'s mappings of generation ``gen`` chunk by chunk, under the shared maps lock
+// (copies go on meanwhile); stops when they are replaced or unmapped, or where the kernel lacks
+// MADV_POPULATE_WRITE (then pages fault in on first use, as any mapping's do).
+void populate_maps(std::shared_ptr<Peer> p, uint64_t gen) {
+#ifdef MADV_POPULATE_WRITE
+  for (size_t i = 0;; ++i) {
+    for (uint64_t off = 0;; off += kPopulateChunk) {
+      std::shared_lock lk(p->maps_mu);
+      if (p->maps_gen != gen || i >= p->maps.size()) return;
+      const ShmMap& m = p->maps[i];
+      if (off >= m.len) break;
+      if (m.len <= kPopulateInline) break;  // mmap populated it
+      uint64_t n = std::min(kPopulateChunk, m.len - off);
+      if (madvise(m.local + off, n, MADV_POPULATE_WRITE) != 0 && errno != EINTR) return;
+    }
+  }
+#else
+  (void)p;
+  (void)gen;
+#endif
+}
+
+}  // namespace
 
 bool Peer::remote_ok(uint64_t addr, uint64_t len) {
   if (len == 0 || addr + len < addr) return false;
@@ -533,16 +566,23 @@ int Engine::set_peer_shm(uint64_t id, int pid,
     if (local_fd < 0) continue;  // not allowed here: stay on process_vm / TCP
     struct stat st{};
     void* addr = MAP_FAILED;
+    int flags = MAP_SHARED | (len <= kPopulateInline ? MAP_POPULATE : 0);
     if (fstat(local_fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= len)
-      addr = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, local_fd, 0);
+      addr = mmap(nullptr, len, PROT_READ | PROT_WRITE, flags, local_fd, 0);
     ::close(local_fd);
     if (addr == MAP_FAILED) continue;
     maps.push_back(ShmMap{remote, len, static_cast<char*>(addr)});
   }
   int n = static_cast<int>(maps.size());
-  std::unique_lock lk(p->maps_mu);
-  for (auto& m : p->maps) munmap(m.local, m.len);
-  p->maps.swap(maps);
+  bool big = std::any_of(maps.begin(), maps.end(), [](const ShmMap& m) { return m.len > kPopulateInline; });
+  uint64_t gen;
+  {
+    std::unique_lock lk(p->maps_mu);
+    for (auto& m : p->maps) munmap(m.local, m.len);
+    p->maps.swap(maps);
+    gen = ++p->maps_gen;
+  }
+  if (big) std::thread(populate_maps, p, gen).detach();  // ends when done or when replaced
   return n;
 }
 

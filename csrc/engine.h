@@ -182,6 +182,7 @@ struct Peer {
   std::vector<std::thread> workers;
   std::shared_mutex maps_mu;  // held shared while copying on the same-host path
   std::vector<ShmMap> maps;
+  uint64_t maps_gen = 0;  // changed (under maps_mu) whenever maps are replaced or unmapped
   std::unique_ptr<Fence> fence;  // the target's fence table; no fence, no same-host path
   std::vector<FenceRegion> fregions;
   std::atomic<uint64_t> fence_refused{0};

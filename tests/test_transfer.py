@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -410,6 +411,41 @@ def test_shared_memory_segment_is_mapped_and_copied_into(size: int) -> None:
             # Out-of-bounds ranges are refused before any copy, mapping or not.
             with pytest.raises(Exception, match="outside"):
                 eng.transfer_sync(p.segment, sa, p.addr + (8 << 20) - 1, 2, OpCode.WRITE)
+
+
+def _mapped_kib(size: int) -> list[int]:
+    """Rss (KiB) of every shared-memory (memfd) mapping of ``size`` bytes in this process."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: "start-end perms ..."
+                cur = line
+            elif head[0] == "Size:" and int(head[1]) * 1024 != size:
+                cur = None
+            elif head[0] == "Rss:" and cur is not None and "memfd:" in cur:
+                out.append(int(head[1]))
+    return out
+
+
+def test_a_big_shared_memory_segment_is_populated_in_the_background() -> None:
+    """A same-host segment over 64 MiB is mapped without waiting for its page tables (a 1 GiB
+    one took ~100 ms on the first transfer): a background thread fills them in while transfers
+    into it already land right, and in the end every page is mapped."""
+    size = 192 << 20
+    with PeerProcess(size, shm=True) as p, TransferEngine(protocol="auto") as eng:
+        src = bytearray(1 << 20)
+        sa = eng.register_local_memory(src)
+        _native.fill_pattern(sa, len(src), 7)
+        h = eng.open_segment(p.segment)
+        assert eng.shared_buffers_mapped(h) == 1
+        for off in (size - len(src), 0, size // 2 + 4096 * 3 + 5):  # ahead of the population too
+            eng.transfer_sync(p.segment, sa, p.addr + off, len(src), OpCode.WRITE)
+            assert p.checksum(off, len(src)) == xxhash.xxh3_64_hexdigest(src)
+        deadline = time.monotonic() + 30
+        while (rss := _mapped_kib(size)) != [size >> 10] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rss == [size >> 10], rss  # every page of the mapping present
 
 
 def test_a_closed_engine_holds_no_descriptors() -> None:
