@@ -67,6 +67,10 @@ INLINE_MAX = 16  # requests a transfer_sync/batch_transfer_sync may do in the ca
 _U64 = np.dtype(np.uint64)
 
 
+#: madvise(2) advice that maps pages writable at once (Linux 5.14; Python names it from 3.12 on).
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
 def _int_columns(cols: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
     """(locals, remotes, lengths) as lists of int, checked: lengths positive, addresses >= 0."""
     try:
@@ -463,11 +467,14 @@ class TransferEngine:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mem = mmap.mmap(fd, size, flags=flags)
+            mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             os.close(fd)
             raise InvalidArgument(f"cannot allocate {size} bytes of shared memory: {exc}") from None
+        try:  # every page mapped writable now (MAP_POPULATE maps a shared mapping read-only,
+            mem.madvise(MADV_POPULATE_WRITE)  # and each first write would still fault)
+        except OSError:
+            pass  # Linux < 5.14: pages come on first use
         view = memoryview(mem)
         addr = _native.buffer_address(view)[0]
         slot, gen = self._native.register_memory(addr, size, True, False)
