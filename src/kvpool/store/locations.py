@@ -55,6 +55,16 @@ class LocationCache:
         self._seg_ids: dict[str, int] = {}  # segment name -> number in the records (only grows:
         self._seg_names: list[str] = []  # one entry per segment this client ever wrote to or read)
 
+    def _seg_id(self, seg: str) -> int:
+        """The number of segment ``seg`` in the records (given on first use, never reused)."""
+        sid = self._seg_ids.get(seg)
+        if sid is None:
+            with self._lock:
+                sid = self._seg_ids.setdefault(seg, len(self._seg_names))
+                if sid == len(self._seg_names):
+                    self._seg_names.append(seg)
+        return sid
+
     def _record(self, epoch: int, gen: int, size: int, csum: int, since: float, segments: Sequence[str],
                 replicas: list[list[Any]], kind: int = COMMITTED) -> bytes | None:  # fmt: skip
         """The packed entry of the replicas written completely (segment in ``segments``)."""
@@ -63,13 +73,7 @@ class LocationCache:
             seg = r[0]
             if seg not in segments:
                 continue
-            sid = self._seg_ids.get(seg)
-            if sid is None:
-                with self._lock:
-                    sid = self._seg_ids.setdefault(seg, len(self._seg_names))
-                    if sid == len(self._seg_names):
-                        self._seg_names.append(seg)
-            reps += _REP.pack(sid, r[1])
+            reps += _REP.pack(self._seg_id(seg), r[1])
         if not reps:
             return None
         return _HEAD.pack(epoch, gen, size, csum, since, kind) + reps
@@ -92,13 +96,7 @@ class LocationCache:
         """:meth:`remember` of an object with one replica, written completely (the small put)."""
         if self.capacity <= 0:
             return
-        sid = self._seg_ids.get(seg)
-        if sid is None:
-            with self._lock:
-                sid = self._seg_ids.setdefault(seg, len(self._seg_names))
-                if sid == len(self._seg_names):
-                    self._seg_names.append(seg)
-        rec = _ONE.pack(epoch, gen, size, csum, time.monotonic(), COMMITTED, sid, addr)
+        rec = _ONE.pack(epoch, gen, size, csum, time.monotonic(), COMMITTED, self._seg_id(seg), addr)
         loc = self._loc
         with self._lock:
             loc[key] = rec
