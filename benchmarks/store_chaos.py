@@ -1,7 +1,8 @@
 """Bounded chaos soak of the store: real processes, faults, every value verified.
 
 One ``kvpool master``, ``--storage`` ``kvpool store-server`` processes and ``--writers`` +
-``--readers`` client processes on loopback; all puts use ``replicas=2``. Values describe
+``--readers`` client processes on loopback; all puts use ``replicas=2`` (``--replicas 1``: one
+copy, the small-put fast path; objects a storage fault took away are then expected to go). Values describe
 themselves (a 16-byte prefix: xxh3 of the key, xxh3 of the rest; the size follows from the key),
 so a reader knows the bytes it got are exactly the ones put under that key.
 
@@ -89,8 +90,8 @@ from kvpool import ReplicateConfig, Store
 from kvpool.errors import KvpoolError, ObjectNotFound
 role, wid, master, state_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 opts = json.loads(sys.argv[5])
+cfg = ReplicateConfig(replicas=opts.pop("replicas"))
 st = Store.connect(master=master, segment_size=0, **opts)
-cfg = ReplicateConfig(replicas=2)
 stats = {"ops": 0, "wrong": 0, "miss": 0, "errors": {}}
 acked = []
 last = time.monotonic()
@@ -149,9 +150,10 @@ st.close()
 class Worker:
     """A writer or reader process; its JSON lines are collected by a thread."""
 
-    def __init__(self, role: str, wid: int, master: str, state_dir: str) -> None:
+    def __init__(self, role: str, wid: int, master: str, state_dir: str, replicas: int = 2) -> None:
         self.role, self.wid = role, wid
-        cmd = [sys.executable, "-c", WORKER, role, str(wid), master, state_dir, json.dumps(CLIENT_OPTS)]
+        opts = json.dumps({**CLIENT_OPTS, "replicas": replicas})
+        cmd = [sys.executable, "-c", WORKER, role, str(wid), master, state_dir, opts]
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self.lines: collections.deque[dict[str, Any]] = collections.deque()
         self.t = threading.Thread(target=self._read, daemon=True)
@@ -204,8 +206,11 @@ def _recovery(events: list[tuple[float, bool]], t0: float, t1: float) -> float |
 
 
 def run(duration: float, round_s: float, writers: int, readers: int, storage: int,
-        segment_size: int = 384 << 20, rounds: int | None = None) -> dict[str, Any]:  # fmt: skip
-    """Run the soak (rounds start until ``duration`` passed, or exactly ``rounds``); returns the summary."""
+        segment_size: int = 384 << 20, rounds: int | None = None,
+        replicas: int = 2) -> dict[str, Any]:  # fmt: skip
+    """Run the soak (rounds start until ``duration`` passed, or exactly ``rounds``); returns the
+    summary. ``replicas=1``: objects on a storage server that a fault took away are expected to go
+    (counted as ``lost_single_copy``, not lost); wrong bytes still count."""
     ns: dict[str, Any] = {}
     exec(textwrap.dedent(VALUES), ns)  # noqa: S102 - the same value functions the workers use
     good = ns["good"]
@@ -220,11 +225,12 @@ def run(duration: float, round_s: float, writers: int, readers: int, storage: in
 
     publish()
     summary: dict[str, Any] = {"rounds": [], "errors": collections.Counter(), "wrong": 0, "lost": 0,
-                               "dropped_by_master_restart": 0, "ops": 0, "misses": 0}  # fmt: skip
+                               "dropped_by_master_restart": 0, "ops": 0, "misses": 0,
+                               "lost_single_copy": 0}  # fmt: skip
     master = MasterProcess(port=port, **MASTER_OPTS)
     servers = [StorageProcess(master.address, segment_size, **CLIENT_OPTS) for _ in range(storage)]
-    workers = [Worker("w", i, master.address, state_dir) for i in range(writers)]
-    workers += [Worker("r", i, master.address, state_dir) for i in range(readers)]
+    workers = [Worker("w", i, master.address, state_dir, replicas) for i in range(writers)]
+    workers += [Worker("r", i, master.address, state_dir, replicas) for i in range(readers)]
     checker = Store.connect(master=master.address, segment_size=0, location_cache=0, **CLIENT_OPTS)
     events: list[tuple[float, bool]] = []
     stop_probe = threading.Event()
@@ -316,6 +322,9 @@ def run(duration: float, round_s: float, writers: int, readers: int, storage: in
             if fault == "kill-master":
                 summary["dropped_by_master_restart"] += lost
                 lost_shown = 0
+            elif replicas == 1 and fault in ("kill-storage", "stop-storage"):
+                summary["lost_single_copy"] += lost  # their only copy went with the server
+                lost_shown = 0
             else:
                 summary["lost"] += lost
                 lost_shown = lost
@@ -385,16 +394,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readers", type=int, default=3)
     ap.add_argument("--storage", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=None, help="run exactly this many rounds")
+    ap.add_argument("--replicas", type=int, default=2, help="1: one copy (the small-put fast path)")
     ap.add_argument("--json", action="store_true")
     a = shorten(ap.parse_args(argv), rounds=1, round_s=6.5, writers=1, readers=1)
     t0 = time.monotonic()
-    res = run(a.duration, a.round_s, a.writers, a.readers, a.storage, rounds=a.rounds)
+    res = run(a.duration, a.round_s, a.writers, a.readers, a.storage, rounds=a.rounds, replicas=a.replicas)
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
     if a.json:
         print(json.dumps(res))
         return 0
     print(f"ops {res['ops']:,}  wrong bytes returned {res['wrong']}  objects lost {res['lost']}")
-    print(f"dropped by master restart {res['dropped_by_master_restart']}  misses {res['misses']:,}")
+    print(f"dropped by master restart {res['dropped_by_master_restart']}  misses {res['misses']:,}"
+          f"  lost with their only copy (replicas=1) {res['lost_single_copy']}")  # fmt: skip
     print(f"typed errors: {json.dumps(res['errors'])}")
     print("| round | fault | keys checked | lost | evictions | recovery s |\n|---|---|---|---|---|---|")
     for r in res["rounds"]:
