@@ -303,9 +303,10 @@ class DataPath:
         try:
             (sbase, sview), (hbase, hview) = self._regions(jobs, tokens)
             spos = hpos = 0
+            last_seg, last_hid = None, None
             for job in jobs:
                 size = job.size
-                value = self._value(job)
+                value = job.src if not isinstance(job.src, tuple) else self._value(job)
                 if job.verify or size <= CHECKSUM_ALWAYS_MAX or checksum_all:
                     job.csum = checksum(value)
                 if size <= DIRECT_MIN:
@@ -325,7 +326,9 @@ class DataPath:
                     parts = ((vaddr, HEADER_SIZE, size), (hbase + hpos, 0, HEADER_SIZE))
                     hpos += HEADER_SIZE
                 for seg, raddr in job.replicas:
-                    hid = handles.get(seg)
+                    if seg != last_seg:  # most jobs of a batch go to the segment of the one before
+                        last_seg, last_hid = seg, handles.get(seg)
+                    hid = last_hid
                     k = len(pairs)
                     pairs.append((job, seg))
                     good.append(hid is not None)

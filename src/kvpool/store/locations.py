@@ -99,8 +99,9 @@ class LocationCache:
         rec = _ONE.pack(epoch, gen, size, csum, time.monotonic(), COMMITTED, self._seg_id(seg), addr)
         loc = self._loc
         with self._lock:
+            if key in loc:
+                loc.move_to_end(key)
             loc[key] = rec
-            loc.move_to_end(key)
             if len(loc) > self.capacity:
                 loc.popitem(last=False)
 
@@ -126,7 +127,11 @@ class LocationCache:
             if csum is None:
                 self.forget(key)
                 continue
-            rec = self._record(epoch, gen, size, csum, now, segments, replicas)
+            if len(replicas) == 1 and len(segments) == 1:  # one replica, written (the usual case)
+                seg, addr = replicas[0][0], replicas[0][1]
+                rec = _ONE.pack(epoch, gen, size, csum, now, COMMITTED, self._seg_id(seg), addr)
+            else:
+                rec = self._record(epoch, gen, size, csum, now, segments, replicas)
             if rec is not None:
                 new.append((key, rec))
         if new:
@@ -137,8 +142,9 @@ class LocationCache:
         loc = self._loc
         with self._lock:
             for key, rec in entries:
+                if key in loc:
+                    loc.move_to_end(key)  # a new key goes to the end by itself
                 loc[key] = rec
-                loc.move_to_end(key)
             while len(loc) > self.capacity:
                 loc.popitem(last=False)
 
