@@ -425,15 +425,17 @@ constexpr uint64_t kPopulateChunk = 16ull << 20;
 
 // Map every page of [addr, addr + len) writable now. MAP_POPULATE would map a shared mapping's
 // pages read-only, and every first write to a page would still fault (256 faults per MiB).
-// Without MADV_POPULATE_WRITE (Linux < 5.14) pages fault in on first use.
+// Without MADV_POPULATE_WRITE (Linux < 5.14) one read per page maps them as MAP_POPULATE did.
 void populate_write(char* addr, uint64_t len) {
+  int rc = -1;
 #ifdef MADV_POPULATE_WRITE
-  while (madvise(addr, len, MADV_POPULATE_WRITE) != 0 && errno == EINTR) {
+  while ((rc = madvise(addr, len, MADV_POPULATE_WRITE)) != 0 && errno == EINTR) {
   }
-#else
-  (void)addr;
-  (void)len;
 #endif
+  if (rc != 0) {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    for (uint64_t off = 0; off < len; off += page) (void)*static_cast<volatile char*>(addr + off);
+  }
 }
 
 // Prefault ``p``'s mappings of generation ``gen`` chunk by chunk, under the shared maps lock

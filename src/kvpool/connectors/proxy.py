@@ -845,7 +845,7 @@ class PDProxy:
     ) -> aiohttp.ClientResponse:
         """One request to ``backend``, sent twice if the first is closed before any answer: a
         kept-alive connection the server closed (its keep-alive timeout) as the request went out
-        looks just like that, and the request never reached the server's handler."""
+        looks just like that (the request then never reached the server's handler)."""
         assert self._session is not None, "proxy not started"
         try:
             return await self._session.request(method, backend.url + path, json=body, headers=headers)

@@ -518,7 +518,8 @@ class Store:
             self._call("put_revoke", items=[[entry.gen, False]], epoch=entry.epoch)
             raise _err(code, msg)
         if small:
-            self._loc.remember_one(key, entry.epoch, entry.gen, size, csum, replicas[0][0], replicas[0][1])  # type: ignore[arg-type]
+            assert csum is not None  # a small value always has one
+            self._loc.remember_one(key, entry.epoch, entry.gen, size, csum, replicas[0][0], replicas[0][1])
         else:
             self._loc.remember(key, entry.epoch, entry.gen, size, csum, written, replicas)
         return True

@@ -216,6 +216,8 @@ class DataPath:
         """One transfer in this thread; False on failure (the caller reports or fails over)."""
         for attempt in (0, 1):
             try:
+                if op is OpCode.WRITE and self.engine.write_inline(segment, local, remote, length):
+                    return True
                 self.engine.transfer_sync(segment, local, remote, length, op)
                 return True
             except RemoteAccessError:
@@ -372,9 +374,7 @@ class DataPath:
         try:
             pack_header_into(region, epoch, gen, key_hash(key), size, csum)
             region[HEADER_SIZE:] = value
-            ok = self.engine.write_inline(seg, addr, raddr, n)
-            if not ok:  # not cached, or failed: the full path (refreshes the segment, once more)
-                ok = self.sync(seg, addr, raddr, n, OpCode.WRITE)
+            ok = self.sync(seg, addr, raddr, n, OpCode.WRITE)
         finally:
             self.staging.give(token)
         if ok:

@@ -776,13 +776,18 @@ class TransferEngine:
             raise _failed(st, f"{OpCode(opcode).name} of {length} bytes to {target_name}")
         return length
 
-    def write_inline(self, target_name: str, local_addr: int, remote_addr: int, length: int) -> bool | None:
+    def write_inline(self, target_name: str, local_addr: int, remote_addr: int, length: int) -> bool:
         """WRITE one host range (int arguments, checked by the caller) in this thread through the
-        *cached* segment: True when it landed, False when it failed, None where this path does not
-        apply — the caller then uses :meth:`transfer_sync`, which opens the segment again. For
-        callers that put one small object per call (the store's put); nothing else differs."""
+        *cached* segment, with fewer checks than :meth:`transfer_sync`: True when it landed; False
+        where this path does not apply (the caller then uses :meth:`transfer_sync`, which opens the
+        segment again); a failure raises the typed error :meth:`transfer_sync` raises. For the
+        store's small puts (one per put)."""
         st = self._inline_cached(target_name, WRITE, (local_addr,), (remote_addr,), (length,))
-        return None if st is None else st.ok
+        if st is None:
+            return False
+        if not st.ok:
+            raise _failed(st, f"WRITE of {length} bytes to {target_name}")
+        return True
 
     def _inline_cached(
         self,
