@@ -113,6 +113,11 @@ def test_layerwise_saves_during_prefill_and_loads_per_layer_byte_exact(tiny_llam
         # Saved and committed while the request still runs (per-request mode saves at its end).
         _wait_exists(a, keys, True)
         assert a.scheduler.requests["a1"].status.name == "RUNNING"
+        # The save thread counts a block once its marker's put has returned, a moment after the
+        # marker became visible to the lookup above.
+        deadline = time.monotonic() + 10
+        while a.worker._worker.saved_blocks < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert a.worker._worker.saved_blocks == 2
         # Decode steps complete no prompt block: nothing more is saved.
         for _ in range(3):
