@@ -517,11 +517,7 @@ class Store:
             # reservation's space can be given back at once.
             self._call("put_revoke", items=[[entry.gen, False]], epoch=entry.epoch)
             raise _err(code, msg)
-        if small:
-            assert csum is not None  # a small value always has one
-            self._loc.remember_one(key, entry.epoch, entry.gen, size, csum, replicas[0][0], replicas[0][1])
-        else:
-            self._loc.remember(key, entry.epoch, entry.gen, size, csum, written, replicas)
+        self._loc.remember(key, entry.epoch, entry.gen, size, csum, written, replicas)
         return True
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:

@@ -384,38 +384,36 @@ class DataPath:
 
     def _write_one(self, epoch: int, job: WriteJob) -> None:
         """One object to one replica, in this thread: a small one as header + value from
-        staging, a big one from where it is, then its header."""
+        staging (:meth:`write_small`), a big one from where it is, then its header."""
         value = self._value(job)
         size = job.size
+        seg, raddr = job.replicas[0][0], job.replicas[0][1]
+        if size <= DIRECT_MIN:  # checksummed always (DIRECT_MIN <= CHECKSUM_ALWAYS_MAX)
+            job.csum = self.write_small(epoch, job.key, job.gen, value, seg, raddr)
+            if job.csum is not None:
+                job.written.append(seg)
+            return
         if job.verify or size <= CHECKSUM_ALWAYS_MAX or self.checksum_all:
             job.csum = checksum(value)
-        seg, raddr = job.replicas[0][0], job.replicas[0][1]
         tokens: list[Any] = []
         try:
-            if size <= DIRECT_MIN:
-                addr, region, token = self.staging.take(HEADER_SIZE + size)
-                tokens.append(token)
-                pack_header_into(region, epoch, job.gen, key_hash(job.key), size, job.csum)
-                region[HEADER_SIZE:] = value
-                ok = self.sync(seg, addr, raddr, HEADER_SIZE + size, OpCode.WRITE)
+            haddr, hregion, token = self.staging.take(HEADER_SIZE)
+            tokens.append(token)
+            pack_header_into(hregion, epoch, job.gen, key_hash(job.key), size, job.csum)
+            # the value, then its header: in this order, in one exchange
+            rems, lens = [raddr + HEADER_SIZE, raddr], [size, HEADER_SIZE]
+            if isinstance(job.src, tuple):
+                ok = self.sync_ranges(seg, [job.src[0], haddr], rems, lens, OpCode.WRITE)
             else:
-                haddr, hregion, token = self.staging.take(HEADER_SIZE)
-                tokens.append(token)
-                pack_header_into(hregion, epoch, job.gen, key_hash(job.key), size, job.csum)
-                # the value, then its header: in this order, in one exchange
-                rems, lens = [raddr + HEADER_SIZE, raddr], [size, HEADER_SIZE]
-                if isinstance(job.src, tuple):
-                    ok = self.sync_ranges(seg, [job.src[0], haddr], rems, lens, OpCode.WRITE)
-                else:
-                    # the value where it is, registered read-only for the call by the native call
-                    vaddr = _native.buffer_address(value, True)[0]
-                    try:
-                        scratch = (vaddr, size, True)
-                        ok = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.WRITE, scratch)
-                    except RegistrationError:  # e.g. the same value is being put by another thread
-                        vaddr, token = self.staging.source(value)
-                        tokens.append(token)
-                        ok = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.WRITE)
+                # the value where it is, registered read-only for the call by the native call
+                vaddr = _native.buffer_address(value, True)[0]
+                try:
+                    scratch = (vaddr, size, True)
+                    ok = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.WRITE, scratch)
+                except RegistrationError:  # e.g. the same value is being put by another thread
+                    vaddr, token = self.staging.source(value)
+                    tokens.append(token)
+                    ok = self.sync_ranges(seg, [vaddr, haddr], rems, lens, OpCode.WRITE)
         finally:
             for t in tokens:
                 self.staging.give(t)

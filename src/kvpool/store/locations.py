@@ -68,6 +68,11 @@ class LocationCache:
     def _record(self, epoch: int, gen: int, size: int, csum: int, since: float, segments: Sequence[str],
                 replicas: list[list[Any]], kind: int = COMMITTED) -> bytes | None:  # fmt: skip
         """The packed entry of the replicas written completely (segment in ``segments``)."""
+        if len(replicas) == 1:  # the usual case: one replica, packed at once
+            seg = replicas[0][0]
+            if seg not in segments:
+                return None
+            return _ONE.pack(epoch, gen, size, csum, since, kind, self._seg_id(seg), replicas[0][1])
         reps = b""
         for r in replicas:
             seg = r[0]
@@ -92,19 +97,6 @@ class LocationCache:
         if rec is not None:
             self._insert(((key, rec),))
 
-    def remember_one(self, key: str, epoch: int, gen: int, size: int, csum: int, seg: str, addr: int) -> None:
-        """:meth:`remember` of an object with one replica, written completely (the small put)."""
-        if self.capacity <= 0:
-            return
-        rec = _ONE.pack(epoch, gen, size, csum, time.monotonic(), COMMITTED, self._seg_id(seg), addr)
-        loc = self._loc
-        with self._lock:
-            if key in loc:
-                loc.move_to_end(key)
-            loc[key] = rec
-            if len(loc) > self.capacity:
-                loc.popitem(last=False)
-
     def remember_read(self, key: str, epoch: int, gen: int, size: int, csum: int | None,
                       segments: Sequence[str], replicas: list[list[Any]]) -> None:  # fmt: skip
         """A big object read through the master, without a committed checksum: ``csum`` is this
@@ -127,11 +119,7 @@ class LocationCache:
             if csum is None:
                 self.forget(key)
                 continue
-            if len(replicas) == 1 and len(segments) == 1:  # one replica, written (the usual case)
-                seg, addr = replicas[0][0], replicas[0][1]
-                rec = _ONE.pack(epoch, gen, size, csum, now, COMMITTED, self._seg_id(seg), addr)
-            else:
-                rec = self._record(epoch, gen, size, csum, now, segments, replicas)
+            rec = self._record(epoch, gen, size, csum, now, segments, replicas)
             if rec is not None:
                 new.append((key, rec))
         if new:
