@@ -16,6 +16,7 @@ from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _nati
 from kvpool.errors import (
     AddressNotRegistered,
     InvalidArgument,
+    KvpoolError,
     RegistrationError,
     RemoteAccessError,
     TransferError,
@@ -446,6 +447,27 @@ def test_a_big_shared_memory_segment_is_populated_in_the_background() -> None:
         while (rss := _mapped_kib(size)) != [size >> 10] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rss == [size >> 10], rss  # every page of the mapping present
+
+
+def test_write_inline_writes_through_a_cached_segment_and_leaves_the_rest_to_transfer_sync() -> None:
+    """``write_inline`` (the store's small-put write): lands through an opened segment; False, with
+    nothing moved, for a segment not opened yet or arguments it does not take (``transfer_sync``
+    then opens the segment or names the mistake with a typed error); a range outside the peer's
+    memory raises what ``transfer_sync`` raises."""
+    with PeerProcess(1 << 20, shm=True) as p, TransferEngine(protocol="auto") as eng:
+        src = bytearray(4096)
+        sa = eng.register_local_memory(src)
+        _native.fill_pattern(sa, len(src), 3)
+        assert eng.write_inline(p.segment, sa, p.addr, 4096) is False  # not opened yet
+        eng.open_segment(p.segment)
+        for bad in ((-1, p.addr, 16), (sa, p.addr, 0), (float(sa), p.addr, 16), (sa, p.addr, True)):
+            assert eng.write_inline(p.segment, *bad) is False  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            eng.transfer_sync(p.segment, -1, p.addr, 16, OpCode.WRITE)
+        assert eng.write_inline(p.segment, sa, p.addr + 5, 4096) is True
+        assert p.checksum(5, 4096) == xxhash.xxh3_64_hexdigest(src)
+        with pytest.raises(KvpoolError):
+            eng.write_inline(p.segment, sa, p.addr + (1 << 20) - 8, 16)
 
 
 def test_a_closed_engine_holds_no_descriptors() -> None:

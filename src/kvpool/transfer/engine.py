@@ -779,9 +779,12 @@ class TransferEngine:
     def write_inline(self, target_name: str, local_addr: int, remote_addr: int, length: int) -> bool:
         """WRITE one host range (int arguments, checked by the caller) in this thread through the
         *cached* segment, with fewer checks than :meth:`transfer_sync`: True when it landed; False
-        where this path does not apply (the caller then uses :meth:`transfer_sync`, which opens the
-        segment again); a failure raises the typed error :meth:`transfer_sync` raises. For the
-        store's small puts (one per put)."""
+        where this path does not apply, arguments it does not take included (the caller then uses
+        :meth:`transfer_sync`, which opens the segment again or names what is wrong); a failure
+        raises the typed error :meth:`transfer_sync` raises. For the store's small puts."""
+        exact = type(local_addr) is type(remote_addr) is type(length) is int
+        if not (exact and local_addr >= 0 <= remote_addr and length > 0):
+            return False
         st = self._inline_cached(target_name, WRITE, (local_addr,), (remote_addr,), (length,))
         if st is None:
             return False
