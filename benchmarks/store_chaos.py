@@ -2,7 +2,8 @@
 
 One ``kvpool master``, ``--storage`` ``kvpool store-server`` processes and ``--writers`` +
 ``--readers`` client processes on loopback; all puts use ``replicas=2`` (``--replicas 1``: one
-copy, the small-put fast path; objects a storage fault took away are then expected to go). Values describe
+copy, the small-put fast path; objects a storage fault took away are then expected to go); even-numbered
+writers put one key at a time, odd-numbered ones batches of 16 keys (grouped by size). Values describe
 themselves (a 16-byte prefix: xxh3 of the key, xxh3 of the rest; the size follows from the key),
 so a reader knows the bytes it got are exactly the ones put under that key.
 
@@ -107,7 +108,24 @@ s = state()
 while not s.get("stop"):
     rnd = s["round"]
     try:
-        if role == "w":
+        if role == "w" and wid % 2:
+            # Odd writers put batches: 16 keys at a time, those of one size together (a batch of
+            # equal sizes is written into reservations and committed with one round trip).
+            keys = [f"r{rnd}-w{wid}-{i + j}" for j in range(16)]
+            i += 16
+            groups = {}
+            for key in keys:
+                groups.setdefault(size_of(key), []).append(key)
+            for group in groups.values():
+                for key, err in zip(group, st.batch_put(group, [make(k) for k in group], cfg)):
+                    if err is None:
+                        acked.append(key)
+                    else:
+                        name = type(err).__name__
+                        stats["errors"][name] = stats["errors"].get(name, 0) + 1
+            stats["ops"] += len(keys) - 1
+            time.sleep(0.02 * len(keys))
+        elif role == "w":
             key = f"r{rnd}-w{wid}-{i}"
             i += 1
             st.put(key, make(key), cfg)

@@ -99,6 +99,22 @@ def test_unknown_op_and_unknown_client(master: Driver) -> None:
     assert master.m.handle([1, 2], Conn())["err"] == "INVALID"  # type: ignore[index]
 
 
+def test_commit_brings_new_reservations_and_refuses_a_bad_ask_before_committing(master: Driver) -> None:
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k0"], "sizes": [4096], "reserve": 4})
+    assert len(r["reserved"]) == 4 and r["results"][0][0] is None
+    gens = [g[0] for g in r["reserved"]]
+    items = [[f"k{i + 1}", gen, 7] for i, gen in enumerate(gens)]
+    for bad in ({"reserve": "many", "size": 4096}, {"reserve": 4, "size": -1}, {"reserve": 4}):
+        out = master.handle({"op": "commit", "client": "r", "items": items, **bad})
+        assert out["err"] == "INVALID", bad
+        assert "k1" not in master.m.objects  # nothing was committed
+    out = master.handle({"op": "commit", "client": "r", "items": items, "reserve": 3, "size": 4096,
+                         "epoch": r["epoch"]})  # fmt: skip
+    assert out["results"] == [[None, None]] * 4 and len(out["reserved"]) == 3
+    assert all(master.m.objects[f"k{i + 1}"].committed for i in range(4))
+    assert master.handle({"op": "commit", "client": "r", "items": items})["results"][0][0] == "NOT_FOUND"
+
+
 def test_identity_is_the_connection_not_what_a_request_says(master: Driver) -> None:
     m = master.m
     a, r = master.conns["a"], master.conns["r"]

@@ -315,6 +315,49 @@ def test_small_puts_use_reservations_which_close_returns(
         st.remove_all()
 
 
+def test_equal_sized_batch_puts_commit_through_reservations_in_one_round_trip(
+    cluster: tuple[MasterProcess, StorageProcess],
+) -> None:
+    """A batch of equal-sized values is written into reservations and committed with one `commit`
+    that also brings the next batch's reservations; a taken key fails alone; reservations the
+    master took back (as it does after put_timeout_s) send their keys the normal way."""
+    with Store.connect(master=cluster[0].address, segment_size=0) as st:
+
+        def rpcs() -> dict[str, int]:
+            return {
+                op: st.stats()["rpc"].get(op, [0])[0] for op in ("put_start", "put_end", "commit", "reserve")
+            }
+
+        st.put("taken", b"old" * 1000)
+        before = rpcs()
+        values = {f"bat-{b}-{j}": pattern(3000, 100 * b + j) for b in range(6) for j in range(32)}
+        keys = list(values)
+        for b in range(6):
+            assert (
+                st.batch_put(keys[32 * b : 32 * b + 32], [values[k] for k in keys[32 * b : 32 * b + 32]])
+                == [None] * 32
+            )
+        after = rpcs()
+        # The first batch gets its allocations (and the next batch's reservations) with put_start;
+        # each later one is written into reservations and committed with one round trip.
+        assert after["put_start"] - before["put_start"] == 1 and after["put_end"] - before["put_end"] == 1
+        assert after["commit"] - before["commit"] == 5 and after["reserve"] == before["reserve"]
+        res = st.batch_put(["b-x0", "taken", "b-x2"], [b"n" * 3000] * 3)
+        assert res[0] is None and isinstance(res[1], ObjectExists) and res[2] is None
+        assert rpcs()["commit"] == after["commit"] + 1
+        # The master takes the held reservations back (written: they stay fenced till the floor).
+        held = st._resv.held()
+        assert len(held) >= 3
+        st._call("put_revoke", items=[[e.gen, True] for e in held], epoch=held[0].epoch)
+        late = {f"late-{j}": pattern(3000, 7000 + j) for j in range(3)}
+        assert st.batch_put(list(late), list(late.values())) == [None] * 3
+        assert rpcs()["put_start"] == after["put_start"] + 1  # their keys went the normal way
+        with Store.connect(master=cluster[0].address, segment_size=0) as other:
+            for k, v in {**values, **late, "b-x0": b"n" * 3000, "taken": b"old" * 1000}.items():
+                assert other.get(k) == v, k
+        st.remove_all()
+
+
 def test_abandoned_put_is_revoked_and_space_freed_once_the_writer_is_done() -> None:
     with Store.connect(segment_size=8 << 20, heartbeat_s=0.1) as st:
         assert st._master is not None

@@ -45,7 +45,14 @@ from kvpool.errors import (
 from kvpool.store.datapath import DataPath, ReadJob, WriteJob, copy_out, host_view
 from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, checksum, header_mismatch, key_hash
 from kvpool.store.locations import COMMITTED, LOCAL, SEEN, Loc, LocationCache
-from kvpool.store.reservations import RESERVE_MAX, ReservationPool, WriteFloor, reserve_count
+from kvpool.store.reservations import (
+    RESERVE_BATCH_MAX,
+    RESERVE_BYTES,
+    RESERVE_MAX,
+    ReservationPool,
+    WriteFloor,
+    reserve_count,
+)
 from kvpool.store.ssd import read_ssd_file
 from kvpool.store.staging import DIRECT_MIN, Staging, addr_of
 from kvpool.store.tasks import run_task
@@ -406,7 +413,14 @@ class Store:
         return out
 
     def _put_chunk(self, keys: list[str], sources: list[Any], sizes: list[int],
-                   config: ReplicateConfig | None, reserve: int) -> list[KvpoolError | None]:  # fmt: skip
+                   config: ReplicateConfig | None, reserve: int,
+                   batch_reserved: bool = True) -> list[KvpoolError | None]:  # fmt: skip
+        if batch_reserved and reserve == 0 and 2 <= len(keys) <= RESERVE_BATCH_MAX and len(set(sizes)) == 1:
+            if sizes[0] * len(keys) <= RESERVE_BYTES:
+                done = self._put_batch_reserved(keys, sources, sizes[0], config)
+                if done is not None:
+                    return done
+                reserve = len(keys)  # space for the next batch of this shape comes with this one
         cfg = None if config is None else config.wire()
         t0 = time.monotonic()
         reply = self._call("put_start", keys=keys, sizes=sizes, config=cfg, reserve=reserve)
@@ -455,6 +469,69 @@ class Store:
                 self._loc.remember_many(epoch, known)
         finally:
             self._writes.end(epoch, gens)
+        return out
+
+    def _put_batch_reserved(self, keys: list[str], sources: list[Any], size: int,
+                            config: ReplicateConfig | None) -> list[KvpoolError | None] | None:  # fmt: skip
+        """A batch of equal-sized values through reservations: write them all, then one ``commit``
+        that also asks for the next batch's reservations (one round trip per batch instead of
+        two). None when too few reservations are held or the master restarted meanwhile: nothing
+        was committed, the caller puts the normal way. Keys whose reservation expired before the
+        commit are put the normal way here."""
+        ck = self._resv_key(size, config)
+        got = self._resv.take_many(ck, len(keys))
+        if got is None:
+            return None
+        entries, left = got
+        epoch = entries[0].epoch
+        gens = [e.gen for e in entries]
+        out: list[KvpoolError | None] = [None] * len(keys)
+        retry: list[int] = []
+        try:
+            if any(e.epoch != epoch for e in entries):
+                return None
+            jobs = [WriteJob(k, size, src, e.gen, e.verify, e.replicas)
+                    for k, src, e in zip(keys, sources, entries, strict=True)]  # fmt: skip
+            self._data.write(epoch, jobs)
+            whole = [len(j.written) == len(j.replicas) for j in jobs]
+            if not all(whole):
+                failed = [[j.gen, True] for j, ok in zip(jobs, whole, strict=True) if not ok]
+                self._call("put_revoke", items=failed, epoch=epoch)
+            for i, ok in enumerate(whole):
+                if not ok:
+                    out[i] = TransferError(f"writing {keys[i]!r} to a replica failed")
+            todo = [i for i, ok in enumerate(whole) if ok]
+            if not todo:
+                return out
+            cfg = None if config is None else config.wire()
+            want = len(keys) if left < len(keys) else 0
+            t0 = time.monotonic()
+            items = [[keys[i], jobs[i].gen, jobs[i].csum] for i in todo]
+            reply = self._call("commit", items=items, epoch=epoch, reserve=want, size=size, config=cfg)
+        except Fenced:
+            return None  # the master restarted: nothing of this batch was committed
+        finally:
+            self._writes.end(epoch, gens)
+        if reply.get("reserved"):
+            self._resv.add(ck, epoch, reply["reserved"], t0 + self._write_window_s, self.master_incarnation)
+        known, unused = [], []
+        for i, (code, msg) in zip(todo, reply["results"], strict=True):
+            j = jobs[i]
+            if code is None:
+                known.append((j.key, j.gen, size, j.csum, j.written, j.replicas))
+            elif code == "NOT_FOUND":
+                retry.append(i)  # the reservation expired meanwhile
+            else:
+                unused.append([j.gen, False])  # e.g. ObjectExists; the write is over: free at once
+                out[i] = _err(code, msg)
+        if unused:
+            self._call("put_revoke", items=unused, epoch=epoch)
+        self._loc.remember_many(epoch, known)
+        if retry:
+            again = self._put_chunk([keys[i] for i in retry], [sources[i] for i in retry],
+                                    [size] * len(retry), config, 0, batch_reserved=False)  # fmt: skip
+            for i, err in zip(retry, again, strict=True):
+                out[i] = err
         return out
 
     @staticmethod

@@ -100,11 +100,17 @@ class ObjectOps(_Base):
         return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s, "epoch": self.incarnation}
 
     def _op_commit(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """Commit reservations (written by the caller) under keys: ``items`` = [[key, gen, checksum]]."""
+        """Commit reservations (written by the caller) under keys: ``items`` = [[key, gen, checksum]];
+        with ``reserve`` (a count), ``size`` and ``config``, new reservations come with the reply."""
         caller = self._client(req, sess)
         self._check_epoch(req)
         items = req["items"]
         self._check_batch(len(items))
+        count, size = req.get("reserve") or 0, req.get("size")
+        if count:  # checked before anything is committed
+            if type(count) is not int or type(size) is not int or size <= 0:
+                raise _Err("INVALID", "reserve and size must be ints, size > 0")
+            pl = Placement.parse(req.get("config") or {})
         now = time.monotonic()
         out: list[list[Any]] = []
         for key, gen, csum in items:
@@ -124,7 +130,11 @@ class ObjectOps(_Base):
                 self.objects[key] = robj
                 self._commit(robj, csum, now)
                 out.append([None, None])
-        return {"results": out}
+        reply: dict[str, Any] = {"results": out}
+        if count:  # a batch's reservations for the next batch of its shape
+            reply["reserved"] = self._reserve(caller, size, pl, count, now)
+            reply["reserve_ttl_s"] = self.config.put_timeout_s
+        return reply
 
     def _op_put_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Commit pending puts of the caller: ``items`` = [[key, gen, checksum, written segments]];

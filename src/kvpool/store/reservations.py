@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
 RESERVE_BYTES = 16 << 20  # bytes of reservations asked for at a time, per (size, config)
 RESERVE_LOW = 6  # below this many left, a pool is refilled in the background
+RESERVE_BATCH_MAX = 64  # batch puts of up to this many equal-sized values use reservations
 
 
 def reserve_count(size: int) -> int:
@@ -113,6 +114,26 @@ class ReservationPool:
         for e in expired:
             self.writes.end(e.epoch, [e.gen])
         return entry
+
+    def take_many(self, key: tuple[Any, ...], n: int) -> tuple[list[Resv], int] | None:
+        """``n`` reservations still open for writing and how many are left after them, or None
+        (nothing taken) when fewer are held. The caller ends the ones taken in the floor; a pool
+        running low is not marked for refill here (a batch asks for more with its commit)."""
+        now = time.monotonic()
+        expired: list[Resv] = []
+        with self.lock:
+            pool = self._pools.get(key)
+            while pool and pool[-1].deadline < now:
+                expired.append(pool.pop())
+            if pool is None or len(pool) < n:
+                taken = None
+            else:
+                taken = pool[-n:]
+                del pool[-n:]
+                left = len(pool)
+        for e in expired:
+            self.writes.end(e.epoch, [e.gen])
+        return None if taken is None else (taken, left)
 
     def expire(self) -> None:
         """Let go of reservations past their deadline."""
