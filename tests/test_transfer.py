@@ -449,6 +449,42 @@ def test_a_big_shared_memory_segment_is_populated_in_the_background() -> None:
         assert rss == [size >> 10], rss  # every page of the mapping present
 
 
+def test_a_dead_peers_shared_memory_is_unmapped() -> None:
+    """A mapping of a same-host peer's memfd keeps that memory allocated after the peer died: it
+    is let go of when another segment is opened (a restarted peer under a new name) or when
+    ``release_exited_peers`` is called (a store client's heartbeat); a live peer's stays."""
+    size = 48 << 20
+    with TransferEngine(protocol="auto") as eng:
+        src = bytearray(4096)
+        sa = eng.register_local_memory(src)
+        a, b, c = PeerProcess(size, shm=True), PeerProcess(size, shm=True), PeerProcess(size, shm=True)
+        try:
+            handles = {}
+            for p in (a, b):
+                eng.transfer_sync(p.segment, sa, p.addr, 4096, OpCode.WRITE)
+                handles[p] = eng.open_segment(p.segment)
+                assert eng.shared_buffers_mapped(handles[p]) == 1
+            assert len(_mapped_kib(size)) == 2
+            a.proc.kill()
+            a.proc.wait()
+            eng.transfer_sync(c.segment, sa, c.addr, 4096, OpCode.WRITE)  # opening c lets a go
+            assert eng.shared_buffers_mapped(handles[a]) == 0
+            assert eng.shared_buffers_mapped(handles[b]) == 1
+            assert len(_mapped_kib(size)) == 2  # b's and c's
+            b.proc.kill()
+            b.proc.wait()
+            assert eng.release_exited_peers() == 1
+            assert eng.shared_buffers_mapped(handles[b]) == 0 and len(_mapped_kib(size)) == 1
+            assert eng.release_exited_peers() == 0
+            eng.transfer_sync(c.segment, sa, c.addr + 4096, 4096, OpCode.WRITE)  # c is untouched
+            assert c.checksum(4096, 4096) == xxhash.xxh3_64_hexdigest(src)
+            with pytest.raises(KvpoolError):
+                eng.transfer_sync(b.segment, sa, b.addr, 4096, OpCode.WRITE)  # gone: a typed error
+        finally:
+            for p in (a, b, c):
+                p.close()
+
+
 def test_write_inline_writes_through_a_cached_segment_and_leaves_the_rest_to_transfer_sync() -> None:
     """``write_inline`` (the store's small-put write): lands through an opened segment; False, with
     nothing moved, for a segment not opened yet or arguments it does not take (``transfer_sync``

@@ -339,6 +339,7 @@ class Store:
             try:
                 self._resv.expire()
                 self._flush_releases_idle()
+                self.engine.release_exited_peers()  # a dead storage server's memory is let go
                 reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
@@ -476,8 +477,8 @@ class Store:
         """A batch of equal-sized values through reservations: write them all, then one ``commit``
         that also asks for the next batch's reservations (one round trip per batch instead of
         two). None when too few reservations are held or the master restarted meanwhile: nothing
-        was committed, the caller puts the normal way. Keys whose reservation expired before the
-        commit are put the normal way here."""
+        was committed, the caller puts the normal way. Keys whose write failed, or whose
+        reservation the master took back before the commit, are put the normal way here."""
         ck = self._resv_key(size, config)
         got = self._resv.take_many(ck, len(keys))
         if got is None:
@@ -486,53 +487,60 @@ class Store:
         epoch = entries[0].epoch
         gens = [e.gen for e in entries]
         out: list[KvpoolError | None] = [None] * len(keys)
-        retry: list[int] = []
+        reply: dict[str, Any] | None = None
         try:
             if any(e.epoch != epoch for e in entries):
                 return None
             jobs = [WriteJob(k, size, src, e.gen, e.verify, e.replicas)
                     for k, src, e in zip(keys, sources, entries, strict=True)]  # fmt: skip
             self._data.write(epoch, jobs)
-            whole = [len(j.written) == len(j.replicas) for j in jobs]
-            if not all(whole):
-                failed = [[j.gen, True] for j, ok in zip(jobs, whole, strict=True) if not ok]
-                self._call("put_revoke", items=failed, epoch=epoch)
-            for i, ok in enumerate(whole):
-                if not ok:
-                    out[i] = TransferError(f"writing {keys[i]!r} to a replica failed")
-            todo = [i for i, ok in enumerate(whole) if ok]
-            if not todo:
-                return out
-            cfg = None if config is None else config.wire()
-            want = len(keys) if left < len(keys) else 0
-            t0 = time.monotonic()
-            items = [[keys[i], jobs[i].gen, jobs[i].csum] for i in todo]
-            reply = self._call("commit", items=items, epoch=epoch, reserve=want, size=size, config=cfg)
+            retry = [i for i, j in enumerate(jobs) if len(j.written) < len(j.replicas)]
+            if retry:
+                self._revoke_failed(epoch, [(jobs[i].gen, jobs[i].replicas, jobs[i].written) for i in retry])
+            todo = [i for i, j in enumerate(jobs) if len(j.written) == len(j.replicas)]
+            if todo:
+                cfg = None if config is None else config.wire()
+                want = len(keys) if left < len(keys) else 0
+                t0 = time.monotonic()
+                items = [[keys[i], jobs[i].gen, jobs[i].csum] for i in todo]
+                reply = self._call("commit", items=items, epoch=epoch, reserve=want, size=size, config=cfg)
         except Fenced:
             return None  # the master restarted: nothing of this batch was committed
         finally:
             self._writes.end(epoch, gens)
-        if reply.get("reserved"):
-            self._resv.add(ck, epoch, reply["reserved"], t0 + self._write_window_s, self.master_incarnation)
-        known, unused = [], []
-        for i, (code, msg) in zip(todo, reply["results"], strict=True):
-            j = jobs[i]
-            if code is None:
-                known.append((j.key, j.gen, size, j.csum, j.written, j.replicas))
-            elif code == "NOT_FOUND":
-                retry.append(i)  # the reservation expired meanwhile
-            else:
-                unused.append([j.gen, False])  # e.g. ObjectExists; the write is over: free at once
-                out[i] = _err(code, msg)
-        if unused:
-            self._call("put_revoke", items=unused, epoch=epoch)
-        self._loc.remember_many(epoch, known)
+        if reply is not None:
+            if reply.get("reserved"):
+                deadline = t0 + self._write_window_s
+                self._resv.add(ck, epoch, reply["reserved"], deadline, self.master_incarnation)
+            known, unused = [], []
+            for i, (code, msg) in zip(todo, reply["results"], strict=True):
+                j = jobs[i]
+                if code is None:
+                    known.append((j.key, j.gen, size, j.csum, j.written, j.replicas))
+                elif code == "NOT_FOUND":
+                    retry.append(i)  # the reservation expired meanwhile
+                else:
+                    unused.append([j.gen, False])  # e.g. ObjectExists; the write is over: free at once
+                    out[i] = _err(code, msg)
+            if unused:
+                self._call("put_revoke", items=unused, epoch=epoch)
+            self._loc.remember_many(epoch, known)
         if retry:
             again = self._put_chunk([keys[i] for i in retry], [sources[i] for i in retry],
                                     [size] * len(retry), config, 0, batch_reserved=False)  # fmt: skip
             for i, err in zip(retry, again, strict=True):
                 out[i] = err
         return out
+
+    def _revoke_failed(self, epoch: int, failed: list[tuple[int, list[list[Any]], list[str]]]) -> None:
+        """Writes into reservations failed (``failed``: generation, replicas, segments written):
+        revoke them (fenced: bytes may still land) and, freed at once, the pool's unused
+        reservations on the segments that failed, which would fail the same way."""
+        bad = {r[0] for _, reps, written in failed for r in reps if r[0] not in written}
+        items = [[gen, True] for gen, _, _ in failed]
+        items += [[e.gen, False] for e in self._resv.drop_on(bad) if e.epoch == epoch]
+        for a, b in self._chunks(len(items)):
+            self._call("put_revoke", items=items[a:b], epoch=epoch)
 
     @staticmethod
     def _view(value: Any) -> memoryview:
@@ -579,8 +587,8 @@ class Store:
                 self._data.write(entry.epoch, [job])
                 csum, written = job.csum, job.written
             if len(written) < len(replicas):
-                self._call("put_revoke", items=[[entry.gen, True]], epoch=entry.epoch)
-                raise TransferError(f"writing {key!r} to a replica failed")
+                self._revoke_failed(entry.epoch, [(entry.gen, replicas, written)])
+                return False  # e.g. the segment's server died: the master places the put anew
             res = self._call("commit", items=[[key, entry.gen, csum]], epoch=entry.epoch)
             code, msg = res["results"][0]
         except Fenced:

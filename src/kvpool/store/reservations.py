@@ -135,6 +135,20 @@ class ReservationPool:
             self.writes.end(e.epoch, [e.gen])
         return None if taken is None else (taken, left)
 
+    def drop_on(self, segments: set[str]) -> list[Resv]:
+        """Take out the reservations with a replica on any of ``segments`` (writes there failed)
+        and end them in the floor; the caller revokes them (nothing was written into them)."""
+        out: list[Resv] = []
+        with self.lock:
+            for pool in self._pools.values():
+                bad = [e for e in pool if any(r[0] in segments for r in e.replicas)]
+                if bad:
+                    out += bad
+                    pool[:] = [e for e in pool if not any(r[0] in segments for r in e.replicas)]
+        for e in out:
+            self.writes.end(e.epoch, [e.gen])
+        return out
+
     def expire(self) -> None:
         """Let go of reservations past their deadline."""
         now = time.monotonic()

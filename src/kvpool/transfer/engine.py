@@ -618,6 +618,13 @@ class TransferEngine:
             route.detach(hid)
         self._native.remove_peer(hid)
 
+    def release_exited_peers(self) -> int:
+        """Let go of the memory mapped from peers whose process exited (see
+        :meth:`Transport.release_exited`); how many. Called by a store client's heartbeat
+        thread; cheap (one poll per same-host peer)."""
+        with self._lock:
+            return sum(len(t.release_exited()) for t in set(self._routes.values()))
+
     def uses_same_host_path(self, handle: SegmentHandle | int) -> bool:
         """True when transfers to this segment take the same-host single-copy path."""
         return bool(self._native.peer_same_host(int(handle)))

@@ -25,6 +25,15 @@ from kvpool.transfer.transport import Requests
 from kvpool.transfer.types import SegmentDescriptor, TransferStatus, host_id
 
 
+def _has_exited(pidfd: int) -> bool:
+    """Whether the process behind a pidfd exited (poll: pidfds may be past select's 1,024)."""
+    if pidfd < 0:
+        return False
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
 class SameHostTransport(TcpTransport):
     """Requests to a segment on this host go by single kernel copies (see the module docstring)."""
 
@@ -45,9 +54,20 @@ class SameHostTransport(TcpTransport):
         gone = False
         for h in set(handles):
             st = self._pid_state(h)
-            if st is not None and st[0] >= 0 and select.select([st[0]], [], [], 0)[0]:
+            if st is not None and _has_exited(st[0]):
                 st[1] = gone = True
         return gone
+
+    def release_exited(self) -> list[int]:
+        """Unmap the shared memory and fence of peers whose process exited: a mapping here keeps
+        a dead peer's memory allocated (a storage server restarted under a new name would
+        otherwise stay in every client that wrote to it). The next open re-fetches them."""
+        out = [h for h, st in self._pids.items() if not st[1] and _has_exited(st[0])]
+        for h in out:
+            self._pids[h][1] = True
+            self.native.set_peer_shm(h, 0, [])
+            self.native.set_peer_fence(h, 0, -1, [])
+        return out
 
     def peer_gone(self, handle: int) -> bool:
         st = self._pids.get(handle)
@@ -85,6 +105,7 @@ class SameHostTransport(TcpTransport):
         return {"fence_fd": self.native.fence_fd}
 
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
+        self.release_exited()  # a new peer is often a dead one's successor
         self.native.update_peer(handle, desc.incarnation, desc.pid, desc.remote_regions())
         shm = [(b.addr, b.length, b.shm_fd) for b in desc.buffers if b.shm_fd >= 0 and b.remote_accessible]
         self.native.set_peer_shm(handle, desc.pid, shm)

@@ -114,6 +114,14 @@ class Transport(ABC):
         ``open_segment`` on every cached open, so it must be cheap; True makes it re-fetch."""
         return False
 
+    def release_exited(self) -> list[int]:
+        """Let go of what this transport holds of peers whose process exited (e.g. a dead peer's
+        shared memory, which stays allocated while it is mapped here); returns their handles,
+        which ``open_segment`` re-fetches on their next use. Called by the engine under its lock
+        when a segment is attached and by :meth:`TransferEngine.release_exited_peers` (a store
+        client's heartbeat); cheap when nothing exited."""
+        return []
+
     @abstractmethod
     def submit(self, batch_id: int, reqs: Requests) -> None:
         """Queue requests into the next free slots of batch ``batch_id``, in order, and complete
