@@ -40,6 +40,33 @@ def test_record_aggregate_reduce_and_pickle() -> None:
     assert empty.is_empty() and empty.reduce()["Num successful transfers"] == 0
 
 
+def test_every_kind_of_record_is_reported_once_by_the_per_step_clone() -> None:
+    """The per-step ``clone_and_reset`` reads a flag when nothing was recorded; every recording
+    sets it, so each observation is handed to vLLM exactly once."""
+    st = KvpoolKVConnectorStats()
+    records = [
+        lambda: st.record_transfer(0.001, 1 << 20, 4),
+        lambda: st.record_failure("TransferError"),
+        lambda: st.record_hits(2),
+        lambda: st.record_misses("evicted", 1),
+        lambda: st.record_saved(3),
+    ]
+    for record in records:
+        assert st.clone_and_reset() is None
+        record()
+        got = st.clone_and_reset()
+        assert got is not None and not got.is_empty()
+        assert st.clone_and_reset() is None and st.is_empty()
+    st.record_misses("evicted", 0)  # counts nothing
+    assert st.clone_and_reset() is None
+    # Built from data (the scheduler's side, or unpickled): reported too.
+    st.record_saved(1)
+    again = pickle.loads(pickle.dumps(st))
+    assert again.clone_and_reset() is not None and again.clone_and_reset() is None
+    built = KvpoolConnector.build_kv_connector_stats({"store_saved": 2})
+    assert built.clone_and_reset() is not None
+
+
 def test_stats_can_be_switched_off_in_the_connector_config() -> None:
     """``stats: false`` (the baseline of the stats-overhead benchmark): the halves record nothing
     and hand vLLM None every step; the key is validated like every other."""

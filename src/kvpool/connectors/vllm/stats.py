@@ -48,9 +48,11 @@ class KvpoolKVConnectorStats(KVConnectorStats):
         if not self.data:
             self.reset()
         self._lock = threading.Lock()
+        self._dirty = not self._empty_locked()  # anything recorded since the last clone
 
     def reset(self) -> None:
         self.data = _empty()
+        self._dirty = False
 
     # ------------------------------------------------------------------ recording (any thread)
     def record_transfer(self, seconds: float, nbytes: int, nblocks: int) -> None:
@@ -58,6 +60,7 @@ class KvpoolKVConnectorStats(KVConnectorStats):
             self.data["transfer_duration"].append(float(seconds))
             self.data["bytes_transferred"].append(int(nbytes))
             self.data["num_blocks"].append(int(nblocks))
+            self._dirty = True
 
     def record_failure(self, reason: str) -> None:
         self._count("failures", reason, 1)
@@ -65,6 +68,7 @@ class KvpoolKVConnectorStats(KVConnectorStats):
     def record_hits(self, nblocks: int) -> None:
         with self._lock:
             self.data["store_hits"] += int(nblocks)
+            self._dirty = True
 
     def record_misses(self, reason: str, nblocks: int) -> None:
         if nblocks > 0:
@@ -73,15 +77,22 @@ class KvpoolKVConnectorStats(KVConnectorStats):
     def record_saved(self, nblocks: int) -> None:
         with self._lock:
             self.data["store_saved"] += int(nblocks)
+            self._dirty = True
 
     def _count(self, key: str, reason: str, n: int) -> None:
         with self._lock:
             d = self.data[key]
             d[reason] = d.get(reason, 0) + int(n)
+            self._dirty = True
 
     def clone_and_reset(self) -> KvpoolKVConnectorStats | None:
-        """This interval's observations (None when there are none), and a fresh interval."""
+        """This interval's observations (None when there are none), and a fresh interval. Called
+        by vLLM's model runner after every step: when nothing was recorded (most steps) it reads
+        one flag, without the lock or a scan of the fields."""
+        if not self._dirty:
+            return None
         with self._lock:
+            self._dirty = False
             if self._empty_locked():
                 return None
             old = KvpoolKVConnectorStats(data=self.data)
@@ -106,6 +117,7 @@ class KvpoolKVConnectorStats(KVConnectorStats):
                 mine[reason] = mine.get(reason, 0) + n
         for k in _TOTALS:
             self.data[k] = self.data.get(k, 0) + o.get(k, 0)
+        self._dirty = not self._empty_locked()
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -136,6 +148,7 @@ class KvpoolKVConnectorStats(KVConnectorStats):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.data = state["data"]
         self._lock = threading.Lock()
+        self._dirty = not self._empty_locked()
 
 
 class DisabledStats(KvpoolKVConnectorStats):
