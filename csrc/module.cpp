@@ -1,9 +1,11 @@
 // Python bindings of the native data path (kvpool._native). Every call that waits or moves
 // bytes releases the GIL.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 
 #include "cuda.h"
 #include "engine.h"
@@ -71,6 +73,97 @@ void fill_pattern(uint64_t addr, uint64_t len, uint64_t seed) {
     std::memcpy(p + i, &v, 8);
   }
   for (; i < len; ++i) p[i] = static_cast<unsigned char>(x >> (8 * (i & 7)));
+}
+
+
+// int64 values of a list or tuple of ints, or of anything numpy reads as a 1-D integer array.
+std::vector<int64_t> i64_values(py::handle h) {
+  std::vector<int64_t> v;
+  if (PyList_Check(h.ptr()) || PyTuple_Check(h.ptr())) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(h.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(h.ptr());
+    v.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      long long x = PyLong_AsLongLong(items[i]);
+      if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+      v[static_cast<size_t>(i)] = x;
+    }
+    return v;
+  }
+  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(h);
+  if (!a || a.ndim() != 1) throw KvError(E_INVALID, "expected a 1-D sequence of integers");
+  v.assign(a.data(), a.data() + a.size());
+  return v;
+}
+
+py::array_t<int64_t> i64_array(const std::vector<int64_t>& v) {
+  py::array_t<int64_t> a(static_cast<py::ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * 8);
+  return a;
+}
+
+// The byte ranges of a resharded KV load (kvpool.connectors.vllm.reshard.plan_columns): for every
+// region pair (rows of (addr, stride, num_blocks) on each side), every block pair and every range
+// of the per-block template, local = d.addr + lb * d.stride + t_loc, remote = p.addr + rb *
+// p.stride + t_rem, length t_len; in that order, a range merged into the previous one where both
+// sides continue it. Block ids outside any region raise before anything is returned. Returns
+// (locals, remotes, lengths, total bytes). Called once per load and source rank.
+py::tuple reshard_ranges(py::handle d_rows, py::handle p_rows, py::handle lblocks, py::handle rblocks,
+                         py::handle t_loc, py::handle t_rem, py::handle t_len) {
+  using Rows = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  Rows d = Rows::ensure(d_rows), p = Rows::ensure(p_rows);
+  if (!d || !p || d.ndim() != 2 || p.ndim() != 2 || d.shape(1) != 3 || p.shape(1) != 3 ||
+      d.shape(0) != p.shape(0))
+    throw KvError(E_INVALID, "region rows must be two (n, 3) integer arrays of the same length");
+  const std::vector<int64_t> lb = i64_values(lblocks), rb = i64_values(rblocks);
+  const std::vector<int64_t> tl = i64_values(t_loc), tr = i64_values(t_rem), tn = i64_values(t_len);
+  if (lb.size() != rb.size()) throw KvError(E_INVALID, "local and remote block lists differ in length");
+  if (tl.size() != tr.size() || tl.size() != tn.size()) throw KvError(E_INVALID, "template columns differ in length");
+  const size_t nr = static_cast<size_t>(d.shape(0));
+  const int64_t* dr = d.data();
+  const int64_t* pr = p.data();
+  std::vector<int64_t> lo, ro, ln;
+  int64_t total = 0;
+  bool bad = false;
+  {
+    // Short plans keep the GIL: giving it up and taking it back costs more than the loop, and
+    // in a busy engine process the load thread may wait a switch interval to get it back.
+    std::optional<py::gil_scoped_release> rel;
+    if (nr * lb.size() * tn.size() >= (1u << 16)) rel.emplace();
+    int64_t lmin = 0, lmax = -1, rmin = 0, rmax = -1;
+    for (size_t b = 0; b < lb.size(); ++b) {
+      if (b == 0 || lb[b] < lmin) lmin = lb[b];
+      if (b == 0 || lb[b] > lmax) lmax = lb[b];
+      if (b == 0 || rb[b] < rmin) rmin = rb[b];
+      if (b == 0 || rb[b] > rmax) rmax = rb[b];
+    }
+    for (size_t r = 0; r < nr && !lb.empty(); ++r)
+      bad = bad || lmin < 0 || rmin < 0 || lmax >= dr[3 * r + 2] || rmax >= pr[3 * r + 2];
+    if (!bad) {
+      const size_t cap = nr * lb.size() * tn.size();
+      lo.reserve(cap);
+      ro.reserve(cap);
+      ln.reserve(cap);
+      for (size_t r = 0; r < nr; ++r)
+        for (size_t b = 0; b < lb.size(); ++b) {
+          const int64_t lbase = dr[3 * r] + lb[b] * dr[3 * r + 1], rbase = pr[3 * r] + rb[b] * pr[3 * r + 1];
+          for (size_t t = 0; t < tn.size(); ++t) {
+            if (tn[t] <= 0) continue;
+            const int64_t l = lbase + tl[t], m = rbase + tr[t];
+            total += tn[t];
+            if (!ln.empty() && lo.back() + ln.back() == l && ro.back() + ln.back() == m) {
+              ln.back() += tn[t];
+            } else {
+              lo.push_back(l);
+              ro.push_back(m);
+              ln.push_back(tn[t]);
+            }
+          }
+        }
+    }
+  }
+  if (bad) throw KvError(E_INVALID, "block ids out of range of the KV cache");
+  return py::make_tuple(i64_array(lo), i64_array(ro), i64_array(ln), total);
 }
 
 }  // namespace
@@ -235,6 +328,9 @@ PYBIND11_MODULE(_native, m) {
     }
     return out;
   }, "[shards[hash(k) & mask].get(k).committed (False if absent) for k in keys], in C");
+  m.def("reshard_ranges", &reshard_ranges, py::arg("d_rows"), py::arg("p_rows"), py::arg("local_blocks"),
+        py::arg("remote_blocks"), py::arg("t_loc"), py::arg("t_rem"), py::arg("t_len"),
+        "(locals, remotes, lengths, total bytes) of a resharded KV load from one source rank, merged");
   m.def("cuda_init", &cuda::init, G(), "Load the CUDA driver for the server's GPU staging (path '' = libcuda.so.1)");
   m.def("fill_pattern", &fill_pattern, G(), "Fill memory with a deterministic pseudo-random pattern");
   m.def("status_text", [](int st) { return std::string(status_text(st)); });

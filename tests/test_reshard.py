@@ -176,3 +176,44 @@ def test_unsupported_layouts_name_the_model_type() -> None:
 def test_wire_roundtrip_ignores_unknown_keys() -> None:
     L = layout("heads", 2, 1, 4)
     assert KvLayout.from_wire({**L.wire(), "future": 1}) == L
+
+
+def _expand_reference(d, p, lb, rb, t):
+    """What kvpool._native.reshard_ranges computes, in plain Python (region, block, template order,
+    merged where both sides continue the previous range)."""
+    out: list[list[int]] = []
+    for (da, ds, _), (pa, ps, _) in zip(d, p, strict=True):
+        for lbk, rbk in zip(lb, rb, strict=True):
+            for tl, tr, tn in zip(*t, strict=True):
+                lo, ro = da + lbk * ds + tl, pa + rbk * ps + tr
+                if out and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == ro:
+                    out[-1][2] += tn
+                else:
+                    out.append([lo, ro, tn])
+    return out
+
+
+def test_native_expansion_matches_a_python_reference_and_checks_bounds() -> None:
+    from kvpool import _native
+    from kvpool.errors import InvalidArgument
+
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        nreg, nblk = int(rng.integers(1, 4)), int(rng.integers(0, 9))
+        stride = int(rng.choice([16, 32]))
+        d = np.array([(1000 + r * 10_000, stride, 12) for r in range(nreg)], np.int64)
+        p = np.array([(1 << 40 | r * 10_000, stride, 12) for r in range(nreg)], np.int64)
+        lb = [int(x) for x in rng.integers(0, 12, nblk)]
+        rb = sorted(int(x) for x in rng.integers(0, 12, nblk)) if trial % 2 else list(range(nblk))
+        whole = trial % 3 == 0  # a template covering the whole block merges across blocks
+        t = ([0], [0], [stride]) if whole else ([0, 8], [4, 12], [4, 4])
+        locs, rems, lens, total = _native.reshard_ranges(d, p, lb if trial % 4 else np.array(lb), rb, *t)
+        exp = _expand_reference(d.tolist(), p.tolist(), lb, rb, t)
+        assert [list(x) for x in zip(locs.tolist(), rems.tolist(), lens.tolist(), strict=True)] == exp
+        assert total == sum(x[2] for x in exp) == nreg * nblk * sum(t[2])
+    d = np.array([(0, 16, 4)], np.int64)
+    for lb, rb in (([4], [0]), ([0], [4]), ([-1], [0]), ([0, 1], [0])):
+        with pytest.raises(InvalidArgument):
+            _native.reshard_ranges(d, d, lb, rb, [0], [0], [16])
+    with pytest.raises(InvalidArgument):  # rows must be (n, 3)
+        _native.reshard_ranges(np.zeros((1, 2), np.int64), d, [0], [0], [0], [0], [16])

@@ -449,7 +449,8 @@ class _PdWorker:
         if first.layout is None:
             first.layout = KvLayout.from_wire(first.kv_layout)
         sources = plan_sources(ptp, self.kv_layout, first.layout)
-        batches = []
+        lb, rb = job.local_block_ids, job.remote_block_ids
+        parts = []  # (segment, locals, remotes, lengths) per source rank, numpy columns
         for p in sources:
             rem = self._remote(job.remote_host, job.remote_port + p)
             pl = rem.layout
@@ -459,30 +460,31 @@ class _PdWorker:
                 raise ReshardError(
                     f"prefill rank {p} reports TP rank {pl.tp_rank} of {pl.tp_size}, not {p} of {ptp}"
                 )
-            if set(rem.regions) != {r.name for r in self.regions}:
-                raise ReshardError("prefill and decode KV cache layers differ (same model and layout needed)")
-            if rem.pairs is None:
+            if rem.pairs is None:  # once per handshake: the regions and layouts do not change
+                if set(rem.regions) != {r.name for r in self.regions}:
+                    raise ReshardError(
+                        "prefill and decode KV cache layers differ (same model and layout needed)"
+                    )
                 rem.pairs = region_pairs(
                     pl, self.kv_layout, [(_addr(r), _addr(rem.regions[r.name])) for r in self.regions]
                 )
-            cols = plan_columns(pl, self.kv_layout, rem.pairs, job.local_block_ids, job.remote_block_ids)
-            batches.append((rem, cols))
+            parts.append((rem.segment, *plan_columns(pl, self.kv_layout, rem.pairs, lb, rb)))
         engine = self.engine
         assert engine is not None
 
         # Every source in flight at once (one wait): the load is done only when all completed; a
         # failed range fails the whole load (never a partial load marked ready).
-        parts = [(rem.segment, *cols) for rem, cols in batches]  # numpy columns: no per-range objects
-        if all(len(c[2]) <= INLINE_MAX for _, c in batches):
+        if all(len(c[3]) <= INLINE_MAX for c in parts):
             # A few ranges per source (short prompts; as many as the engine moves in the calling
             # thread): each source in this thread, one after the other, is faster than a batch's
             # hand-off to the engine's threads; the first failure raises before the load is
             # reported (the same all-or-nothing outcome).
-            for seg, locs, rems, lens in parts:
+            return sum(
                 engine.batch_transfer_sync(seg, locs.tolist(), rems.tolist(), lens.tolist(), OpCode.READ)
-        else:
-            engine.batch_transfer_sync_multi(parts, OpCode.READ)
-        return sum(int(lens.sum()) for _, (_, _, lens) in batches)
+                for seg, locs, rems, lens in parts
+            )
+        engine.batch_transfer_sync_multi(parts, OpCode.READ)  # numpy columns: no per-range objects
+        return sum(int(lens.sum()) for *_, lens in parts)
 
     def _notify(self, jobs: list[RecvJob]) -> None:
         """Tell prefill side channels their blocks may go (read or given up on), one RPC per

@@ -3,8 +3,9 @@
 Pure functions, no I/O. The P/D connector's decode worker calls :func:`check_compatible` and
 :func:`plan_sources` once per prefill instance (after the layout handshake), and
 :func:`plan_columns` once per load and source rank, then submits each source's columns as one
-batch. Nothing here loops over bytes or blocks in Python: the per-block template is broadcast
-over the block ids with numpy and adjacent ranges are merged with numpy.
+batch. Nothing here loops over bytes or blocks in Python: the per-block template is expanded
+over the regions and block ids, and adjacent ranges merged, in one native pass
+(``kvpool._native.reshard_ranges``).
 
 Model of a KV cache (what the layout handshake carries, :class:`KvLayout`):
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool import _native
 from kvpool.errors import InvalidArgument
 
 KINDS = ("heads", "mla")
@@ -219,32 +221,34 @@ class RegionAddr:
 @dataclass(frozen=True)
 class RegionPairs:
     """The region arrays of one (decode rank, prefill rank) pair, built and checked once per
-    handshake (regions do not move while both sides live): rows of (addr, stride, num_blocks)."""
+    handshake (regions do not move while both sides live): rows of (addr, stride, num_blocks),
+    with the two layouts they were checked against and their block template."""
 
     d: np.ndarray
     p: np.ndarray
-    d_blocks: int  # blocks in the smallest decode / prefill region
-    p_blocks: int
+    prefill: KvLayout
+    decode: KvLayout
+    template: tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def region_pairs(
     prefill: KvLayout, decode: KvLayout, regions: list[tuple[RegionAddr, RegionAddr]]
 ) -> RegionPairs:
     """``regions`` (each decode region with the same layer's region on the prefill rank) as
-    :class:`RegionPairs`; :class:`ReshardError` when a stride contradicts the layouts."""
+    :class:`RegionPairs`; :class:`ReshardError` when the layouts cannot be resharded or a stride
+    contradicts them."""
+    check_compatible(prefill, decode)
     d = np.array([(dr.addr, dr.stride, dr.num_blocks) for dr, _ in regions], np.int64).reshape(-1, 3)
     p = np.array([(pr.addr, pr.stride, pr.num_blocks) for _, pr in regions], np.int64).reshape(-1, 3)
-    if len(d) == 0:
-        return RegionPairs(d, p, 0, 0)
     dbb, pbb = decode.block_bytes(), prefill.block_bytes()
-    if d[:, 1].min() < dbb or p[:, 1].min() < pbb:
+    if len(d) and (d[:, 1].min() < dbb or p[:, 1].min() < pbb):
         raise ReshardError(
             f"region stride {d[:, 1].min()}/{p[:, 1].min()} below the layout's block size {dbb}/{pbb} bytes "
             "(the layout handshake does not describe this KV cache)"
         )
     for a in (d, p):
         a.setflags(write=False)
-    return RegionPairs(d, p, int(d[:, 2].min()), int(p[:, 2].min()))
+    return RegionPairs(d, p, prefill, decode, block_template(prefill, decode))
 
 
 def plan_columns(
@@ -257,38 +261,31 @@ def plan_columns(
     """The READ columns (local addresses, remote addresses, lengths) from one prefill rank.
 
     ``regions`` pairs each decode region with the same layer's region on that prefill rank (or is
-    their :func:`region_pairs`, kept by the caller for the next load). Raises
-    :class:`ReshardError` for block ids out of range or region sizes that contradict the layouts
-    (before any byte moves).
+    their :func:`region_pairs`, kept by the caller for the next load: checked when it was built
+    for these two layouts). Raises :class:`ReshardError` for
+    block ids out of range or region sizes that contradict the layouts (before any byte moves).
     """
-    check_compatible(prefill, decode)
     if len(local_blocks) != len(remote_blocks):
         raise ReshardError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
-    rp = regions if isinstance(regions, RegionPairs) else region_pairs(prefill, decode, regions)
-    t_loc, t_rem, t_len = block_template(prefill, decode)
+    if not isinstance(regions, RegionPairs):
+        rp = region_pairs(prefill, decode, regions)
+    elif (regions.prefill is prefill or regions.prefill == prefill) and (
+        regions.decode is decode or regions.decode == decode
+    ):
+        rp = regions
+    else:
+        raise ReshardError("these region pairs were checked against other layouts")
+    t_loc, t_rem, t_len = rp.template
     if len(t_len) == 0 or len(local_blocks) == 0 or len(rp.d) == 0:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
-    # min/max of the block ids: Python's over short lists, numpy's over arrays and long lists
-    lo_l, hi_l = _bounds(local_blocks)
-    lo_r, hi_r = _bounds(remote_blocks)
-    if lo_l < 0 or lo_r < 0 or hi_l >= rp.d_blocks or hi_r >= rp.p_blocks:
-        raise ReshardError("block ids out of range of the KV cache")
-    lb = np.asarray(local_blocks, np.int64)
-    rb = np.asarray(remote_blocks, np.int64)
-    d, p = rp.d, rp.p
-    # every region at once: (regions, blocks, template ranges), no Python loop over layers
-    locs = (d[:, 0, None, None] + lb[None, :, None] * d[:, 1, None, None] + t_loc[None, None, :]).ravel()
-    rems = (p[:, 0, None, None] + rb[None, :, None] * p[:, 1, None, None] + t_rem[None, None, :]).ravel()
-    lens = np.broadcast_to(t_len, (len(d), len(lb), len(t_len))).ravel()
-    return merge_ranges(locs, rems, lens)
-
-
-def _bounds(blocks: list[int] | np.ndarray) -> tuple[int, int]:
-    if isinstance(blocks, np.ndarray) or len(blocks) > 64:
-        a = np.asarray(blocks, np.int64)
-        return int(a.min()), int(a.max())
-    return min(blocks), max(blocks)
+    try:  # one native pass: every region, block and template range, merged, bounds checked first
+        locs, rems, lens, _ = _native.reshard_ranges(
+            rp.d, rp.p, local_blocks, remote_blocks, t_loc, t_rem, t_len
+        )
+    except InvalidArgument as exc:
+        raise ReshardError(str(exc)) from None
+    return locs, rems, lens
 
 
 def layout_from_vllm(vllm_config: Any, tp_rank: int, tp_size: int, head_token_bytes: int) -> KvLayout:
