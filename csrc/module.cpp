@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <optional>
+#include <tuple>
 
 #include "cuda.h"
 #include "engine.h"
@@ -256,6 +257,21 @@ PYBIND11_MODULE(_native, m) {
           },
           G())
       .def("transfer_sync_ranges", &Engine::transfer_sync, G())
+      // Several (peer, locals, remotes, lengths) parts, each as transfer_sync_ranges, one after
+      // the other in this thread with the GIL given up once (a resharded KV load reads every
+      // source rank): (status, index of the part that failed) with the first failure's status;
+      // the parts after it are not started. (0, -1) when every part completed.
+      .def("transfer_sync_parts",
+           [](Engine& e, uint8_t op,
+              const std::vector<std::tuple<uint64_t, std::vector<uint64_t>, std::vector<uint64_t>,
+                                           std::vector<uint64_t>>>& parts) {
+             py::gil_scoped_release rel;
+             for (size_t i = 0; i < parts.size(); ++i) {
+               const auto& [peer, l, r, n] = parts[i];
+               if (int st = e.transfer_sync(op, l, peer, r, n)) return std::make_pair(st, static_cast<int>(i));
+             }
+             return std::make_pair(0, -1);
+           })
       .def("transfer_sync_scratch", &Engine::transfer_sync_scratch, G())
       .def("reserve_slots", &Engine::reserve_slots)
       .def("finish_slot", &Engine::finish_slot)

@@ -203,6 +203,70 @@ def test_scattered_ranges_from_several_peers_at_once(protocol: str) -> None:
 
 @pytest.mark.parametrize("protocol", ["tcp", "auto"])
 @pytest.mark.parametrize("columns", ["lists", "numpy"])
+def test_a_few_ranges_from_several_peers_move_in_one_native_call(
+    protocol: str, columns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch_transfer_sync_multi`` with a few ranges per peer (a short resharded KV load) runs
+    in the calling thread as one native call, no batch: READs and WRITEs land byte-exact on both
+    peers; a bad range in the second part is a typed error; a peer killed since is a typed error,
+    and the next call opens the segments again."""
+    with PeerProcess(1 << 20) as p1, PeerProcess(1 << 20) as p2, TransferEngine(protocol=protocol) as eng:
+        dst = bytearray(1 << 20)
+        d = eng.register_local_memory(dst)
+        p1.fill(11)
+        p2.fill(12)
+        ref = {}
+        for peer, seed in ((p1, 11), (p2, 12)):
+            buf = bytearray(1 << 20)
+            _native.fill_pattern(_native.buffer_address(buf)[0], len(buf), seed)
+            ref[peer.segment] = bytes(buf)
+
+        def part(peer: PeerProcess, base: int) -> tuple[str, Any, Any, Any]:
+            locs = [d + base + i * 8192 for i in range(16)]  # every other 4 KiB: 16 scattered ranges
+            rems = [peer.addr + 65536 + i * 4096 for i in range(16)]  # one contiguous run
+            lens = [4096] * 16
+            cols = (
+                (locs, rems, lens)
+                if columns == "lists"
+                else tuple(np.array(c, np.uint64) for c in (locs, rems, lens))
+            )
+            return (peer.segment, *cols)
+
+        parts = [part(p1, 0), part(p2, 4096)]
+        for seg, *_ in parts:
+            eng.open_segment(seg)
+        real_alloc = eng.allocate_batch_id
+        monkeypatch.setattr(eng, "allocate_batch_id", lambda n: pytest.fail("a batch was used"))
+        assert eng.batch_transfer_sync_multi(parts, OpCode.READ) == 2 * 16 * 4096
+        for i in range(16):
+            assert (
+                dst[i * 8192 : i * 8192 + 4096] == ref[p1.segment][65536 + i * 4096 : 65536 + (i + 1) * 4096]
+            )
+            assert (
+                dst[i * 8192 + 4096 : (i + 1) * 8192]
+                == ref[p2.segment][65536 + i * 4096 : 65536 + (i + 1) * 4096]
+            )
+        # WRITE back to other places of both peers, then read it again
+        back = [
+            (seg, [d + 0], [addr + 4096], [8192])
+            for seg, addr in ((p1.segment, p1.addr), (p2.segment, p2.addr))
+        ]
+        assert eng.batch_transfer_sync_multi(back, OpCode.WRITE) == 2 * 8192
+        assert (
+            p1.checksum(4096, 8192) == p2.checksum(4096, 8192) == xxhash.xxh3_64_hexdigest(bytes(dst[:8192]))
+        )
+        bad = (p2.segment, [d], [p2.addr + (2 << 20)], [64])  # outside p2's buffer
+        with pytest.raises(RemoteAccessError):
+            eng.batch_transfer_sync_multi([parts[0], bad], OpCode.READ)
+        monkeypatch.setattr(eng, "allocate_batch_id", real_alloc)
+        p2.proc.kill()
+        p2.proc.wait()
+        with pytest.raises(KvpoolError):
+            eng.batch_transfer_sync_multi(parts, OpCode.READ)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+@pytest.mark.parametrize("columns", ["lists", "numpy"])
 def test_gather_and_scatter_between_one_run_and_strided_blocks(protocol: str, columns: str) -> None:
     """Many ranges contiguous on one side and strided on the other (a resharded load's head
     slices: one prefill run into every other half-block here; the same host shares one iovec

@@ -909,6 +909,10 @@ class TransferEngine:
         if len(parts) == 1 or self._registry.gpu_count:  # GPU ranges may need staging rounds
             return sum(self.batch_transfer_sync(t, a, b, c, opcode) for t, a, b, c in parts)
         op = _native_op(opcode)
+        if all(len(p[3]) <= INLINE_MAX for p in parts):
+            done = self._inline_parts(op, parts)
+            if done is not None:
+                return done
         reqs = []
         for target, local_addrs, remote_addrs, lengths in parts:
             if len(remote_addrs) != len(local_addrs) or len(lengths) != len(local_addrs):
@@ -938,6 +942,41 @@ class TransferEngine:
                 self.free_batch_id(bid)
             except KvpoolError:
                 pass
+
+    def _inline_parts(
+        self, op: int, parts: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[int]]]
+    ) -> int | None:
+        """A few host ranges to each of several *cached* segments of one transport, in this
+        thread, one native call (the transport's ``transfer_inline_parts``): the bytes moved, or
+        raises the first failure. None where this path does not apply (a segment not open yet or
+        its peer gone, segments on different transports, a stale descriptor): the caller then
+        submits one batch, which opens the segments again."""
+        transport = None
+        calls = []
+        for target, local_addrs, remote_addrs, lengths in parts:
+            cached = self._segments.get(target)
+            if cached is None:
+                return None
+            hid = cached[0].id
+            t = self._routes.get(hid)
+            if t is None or t.peer_gone(hid) or (transport is not None and t is not transport):
+                return None
+            transport = t
+            cols = [
+                c.tolist() if isinstance(c, np.ndarray) else c for c in (local_addrs, remote_addrs, lengths)
+            ]
+            if len(cols[0]) != len(cols[1]) or len(cols[2]) != len(cols[0]):
+                raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
+            calls.append((hid, *_int_columns(cols)))
+        if transport is None:
+            return 0
+        st = transport.transfer_inline_parts(op, calls)
+        if st is None:
+            return None
+        if not st.ok:
+            n = sum(len(c[3]) for c in calls)
+            raise _failed(st, f"{'READ' if op == READ else 'WRITE'} of {n} ranges to {len(calls)} segments")
+        return sum(sum(c[3]) for c in calls)
 
     def _run_sync(
         self,

@@ -97,6 +97,16 @@ class SameHostTransport(TcpTransport):
                 raise SegmentNotFound("the segment's process exited; open the segment again") from None
             raise
 
+    def transfer_inline_parts(
+        self, op: int, parts: Sequence[tuple[int, Sequence[int], Sequence[int], Sequence[int]]]
+    ) -> TransferStatus | None:
+        try:
+            return super().transfer_inline_parts(op, parts)
+        except RemoteAccessError:
+            if self._exited([p[0] for p in parts]):
+                raise SegmentNotFound("a segment's process exited; open the segment again") from None
+            raise
+
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
         return local == remote == "cpu" and "same_host" in desc.protocols and desc.host_id == host_id()
 

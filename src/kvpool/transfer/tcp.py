@@ -60,9 +60,21 @@ class TcpTransport(Transport):
             err = self.native.transfer_sync(op, locals_[0], handle, remotes[0], lens[0])
         else:
             err = self.native.transfer_sync_ranges(op, locals_, handle, remotes, lens)
-        if not err:
-            return _OK
-        if err == _ST_STALE:  # nothing moved: the engine refreshes the descriptor and uses a batch
-            return None
-        state = TransferState.TIMEOUT if err == _native.ST_TIMEOUT else TransferState.FAILED
-        return TransferStatus(state, 0, _native.status_text(err))
+        return _status(err)
+
+    def transfer_inline_parts(
+        self, op: int, parts: Sequence[tuple[int, Sequence[int], Sequence[int], Sequence[int]]]
+    ) -> TransferStatus | None:
+        err, _ = self.native.transfer_sync_parts(op, parts)  # one native call, GIL given up once
+        return _status(err)
+
+
+def _status(err: int) -> TransferStatus | None:
+    """A native transfer_sync's status as the transport's answer (None: stale descriptor, nothing
+    moved by that call; the engine refreshes the descriptor and uses a batch)."""
+    if not err:
+        return _OK
+    if err == _ST_STALE:
+        return None
+    state = TransferState.TIMEOUT if err == _native.ST_TIMEOUT else TransferState.FAILED
+    return TransferStatus(state, 0, _native.status_text(err))

@@ -158,5 +158,17 @@ class Transport(ABC):
         """
         return None
 
+    def transfer_inline_parts(
+        self, op: int, parts: Sequence[tuple[int, Sequence[int], Sequence[int], Sequence[int]]]
+    ) -> TransferStatus | None:
+        """Optional: several ``(handle, locals, remotes, lengths)`` parts of one opcode, each a
+        few requests as :meth:`transfer_inline` takes, done in the calling thread one after the
+        other and waited for (a resharded KV load reads every source rank). Returns the first
+        failure's status (later parts not started) or COMPLETED, or None when the transport has
+        no such path or a descriptor was stale (the engine then uses a batch for every part;
+        parts already done are moved again, which READs and WRITEs of the same bytes allow).
+        Called by the engine's ``batch_transfer_sync_multi``."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop threads and release resources; pending requests end CANCELED or FAILED. Called once."""

@@ -49,7 +49,7 @@ from kvpool.connectors.vllm.reshard import (
 )
 from kvpool.connectors.vllm.stats import make_stats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
-from kvpool.transfer.engine import INLINE_MAX, TransferEngine
+from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
 
 log = logging.getLogger("kvpool.connectors.vllm")
@@ -472,19 +472,10 @@ class _PdWorker:
         engine = self.engine
         assert engine is not None
 
-        # Every source in flight at once (one wait): the load is done only when all completed; a
-        # failed range fails the whole load (never a partial load marked ready).
-        if all(len(c[3]) <= INLINE_MAX for c in parts):
-            # A few ranges per source (short prompts; as many as the engine moves in the calling
-            # thread): each source in this thread, one after the other, is faster than a batch's
-            # hand-off to the engine's threads; the first failure raises before the load is
-            # reported (the same all-or-nothing outcome).
-            return sum(
-                engine.batch_transfer_sync(seg, locs.tolist(), rems.tolist(), lens.tolist(), OpCode.READ)
-                for seg, locs, rems, lens in parts
-            )
-        engine.batch_transfer_sync_multi(parts, OpCode.READ)  # numpy columns: no per-range objects
-        return sum(int(lens.sum()) for *_, lens in parts)
+        # Every source in one call (short loads: one native call in this thread; longer ones: one
+        # batch in flight on the engine's threads, one wait): the load is done only when all
+        # completed; a failed range fails the whole load (never a partial load marked ready).
+        return engine.batch_transfer_sync_multi(parts, OpCode.READ)
 
     def _notify(self, jobs: list[RecvJob]) -> None:
         """Tell prefill side channels their blocks may go (read or given up on), one RPC per
