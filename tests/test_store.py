@@ -653,9 +653,9 @@ def test_big_objects_read_twice_are_then_read_without_the_master(monkeypatch: py
             b.get("filler")
 
         # Above LOCAL_READ_MAX checksumming costs more than the round trip: always the master.
-        import kvpool.store.client as store_client
+        import kvpool.store.gets as store_gets
 
-        monkeypatch.setattr(store_client, "LOCAL_READ_MAX", size - 1)
+        monkeypatch.setattr(store_gets, "LOCAL_READ_MAX", size - 1)
         n = len(lookups)
         for _ in range(4):
             assert b.get("big") == v2

@@ -12,6 +12,9 @@ Fencing, client side: allocations of a master incarnation are dropped when the m
 (reservations, cached locations), a write never starts later than half of ``put_timeout_s`` after
 its allocation was asked for, and every heartbeat reports the *floor* (the oldest allocation this
 client may still write), which lets the master reuse space taken back from it.
+
+The put machinery is in :mod:`kvpool.store.puts`, the get machinery in :mod:`kvpool.store.gets`
+(bases of :class:`Store`); this module holds the session, segments, heartbeat and public API.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool._rpc import ERRORS, RpcClient, UnknownClient
+from kvpool._rpc import RpcClient, UnknownClient
 from kvpool.config import StoreConfig
 from kvpool.errors import (
     ConfigError,
@@ -37,24 +40,22 @@ from kvpool.errors import (
     KvpoolError,
     MasterUnavailable,
     ObjectChanged,
-    ObjectNotFound,
     RegistrationError,
-    StoreError,
     TransferError,
 )
-from kvpool.store.datapath import DataPath, ReadJob, WriteJob, copy_out, host_view
-from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, checksum, header_mismatch, key_hash
-from kvpool.store.locations import COMMITTED, LOCAL, SEEN, Loc, LocationCache
+from kvpool.store.client_base import _err
+from kvpool.store.datapath import DataPath, WriteJob
+from kvpool.store.gets import GetPath
+from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, header_mismatch, key_hash
+from kvpool.store.locations import COMMITTED, LocationCache
+from kvpool.store.puts import PutPath
 from kvpool.store.reservations import (
-    RESERVE_BATCH_MAX,
-    RESERVE_BYTES,
     RESERVE_MAX,
     ReservationPool,
     WriteFloor,
     reserve_count,
 )
-from kvpool.store.ssd import read_ssd_file
-from kvpool.store.staging import DIRECT_MIN, Staging, addr_of
+from kvpool.store.staging import Staging, addr_of
 from kvpool.store.tasks import run_task
 from kvpool.transfer.device import device_buffer
 from kvpool.transfer.engine import TransferEngine, buffer_range
@@ -117,17 +118,7 @@ def _check_config(config: Any) -> None:
         raise InvalidType(f"config must be a ReplicateConfig or None, not {type(config).__name__}")
 
 
-def _err(code: str, msg: str) -> KvpoolError:
-    return ERRORS.get(code, StoreError)(msg)
-
-
-# A get reads objects known only by this client's own checksum (location cache kind LOCAL) without
-# the master when they are all it reads and total at most this: xxh3 of 8 MiB (~130 us) costs
-# about one master round trip.
-LOCAL_READ_MAX = 8 << 20
-
-
-class Store:
+class Store(PutPath, GetPath):
     """A client of the kvpool store. Create with :meth:`Store.connect`.
 
     ``master=None`` starts an embedded in-process master (the embedded default). A client with
@@ -390,168 +381,6 @@ class Store:
         self.close()
 
     # ------------------------------------------------------------------ put
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
-        step = self._max_batch
-        return [(i, min(n, i + step)) for i in range(0, n, step)]
-
-    def _put(
-        self,
-        keys: Sequence[str],
-        sources: list[tuple[int, int] | memoryview],
-        config: ReplicateConfig | None,
-        reserve: int = 0,
-    ) -> list[KvpoolError | None]:
-        sizes = [s[1] if isinstance(s, tuple) else s.nbytes for s in sources]
-        for i, n in enumerate(sizes):
-            if not isinstance(n, int) or isinstance(n, bool):
-                raise InvalidType(f"size of {keys[i]!r} must be an int, not {type(n).__name__}")
-            if n <= 0:
-                what = "is empty" if n == 0 else f"has a negative size ({n})"
-                raise InvalidArgument(f"value of {keys[i]!r} {what}: sizes must be more than 0 bytes")
-        out: list[KvpoolError | None] = []
-        for a, b in self._chunks(len(keys)):
-            out += self._put_chunk(list(keys[a:b]), sources[a:b], sizes[a:b], config, reserve)
-        return out
-
-    def _put_chunk(self, keys: list[str], sources: list[Any], sizes: list[int],
-                   config: ReplicateConfig | None, reserve: int,
-                   batch_reserved: bool = True) -> list[KvpoolError | None]:  # fmt: skip
-        if batch_reserved and reserve == 0 and 2 <= len(keys) <= RESERVE_BATCH_MAX and len(set(sizes)) == 1:
-            if sizes[0] * len(keys) <= RESERVE_BYTES:
-                done = self._put_batch_reserved(keys, sources, sizes[0], config)
-                if done is not None:
-                    return done
-                reserve = len(keys)  # space for the next batch of this shape comes with this one
-        cfg = None if config is None else config.wire()
-        t0 = time.monotonic()
-        reply = self._call("put_start", keys=keys, sizes=sizes, config=cfg, reserve=reserve)
-        epoch, results = reply["epoch"], reply["results"]
-        gens = [val[0] for code, val in results if code is None]
-        self._writes.begin(epoch, gens)
-        if reply.get("reserved"):
-            deadline = t0 + self._write_window_s
-            self._resv.add(
-                self._resv_key(sizes[0], config), epoch, reply["reserved"], deadline, self.master_incarnation
-            )
-        out: list[KvpoolError | None] = [None] * len(keys)
-        jobs: list[tuple[int, WriteJob]] = []
-        try:
-            for i, (code, val) in enumerate(results):
-                if code is not None:
-                    out[i] = _err(code, val)
-                else:
-                    jobs.append((i, WriteJob(keys[i], sizes[i], sources[i], val[0], val[1], val[2])))
-            if time.monotonic() > t0 + self._write_window_s:
-                late = [[j.gen, False] for _, j in jobs]
-                self._call("put_revoke", items=late, epoch=epoch)
-                for i, _ in jobs:
-                    out[i] = Fenced(f"put of {keys[i]!r} could not start writing within put_timeout_s / 2")
-                return out
-            self._data.write(epoch, [j for _, j in jobs])
-            items = [[j.key, j.gen, j.csum, j.written] for _, j in jobs if j.written]
-            revoke = [[j.gen, True] for _, j in jobs if not j.written]
-            for i, j in jobs:
-                if not j.written:
-                    out[i] = TransferError(f"writing {keys[i]!r} to its replicas failed")
-            if revoke:
-                self._call("put_revoke", items=revoke, epoch=epoch)
-            if items:
-                committed = [(i, j) for i, j in jobs if j.written]
-                try:
-                    ends = self._call("put_end", items=items, epoch=epoch)["results"]
-                except Fenced as exc:  # the master restarted since put_start: nothing was committed
-                    ends = [["STALE", str(exc)]] * len(items)
-                known = []
-                for (i, j), (code, msg) in zip(committed, ends, strict=True):
-                    if code is not None:
-                        out[i] = _err(code, msg)
-                    else:
-                        known.append((j.key, j.gen, j.size, j.csum, j.written, j.replicas))
-                self._loc.remember_many(epoch, known)
-        finally:
-            self._writes.end(epoch, gens)
-        return out
-
-    def _put_batch_reserved(self, keys: list[str], sources: list[Any], size: int,
-                            config: ReplicateConfig | None) -> list[KvpoolError | None] | None:  # fmt: skip
-        """A batch of equal-sized values through reservations: write them all, then one ``commit``
-        that also asks for the next batch's reservations (one round trip per batch instead of
-        two). None when too few reservations are held or the master restarted meanwhile: nothing
-        was committed, the caller puts the normal way. Keys whose write failed, or whose
-        reservation the master took back before the commit, are put the normal way here."""
-        ck = self._resv_key(size, config)
-        got = self._resv.take_many(ck, len(keys))
-        if got is None:
-            return None
-        entries, left = got
-        epoch = entries[0].epoch
-        gens = [e.gen for e in entries]
-        out: list[KvpoolError | None] = [None] * len(keys)
-        reply: dict[str, Any] | None = None
-        try:
-            if any(e.epoch != epoch for e in entries):
-                return None
-            jobs = [WriteJob(k, size, src, e.gen, e.verify, e.replicas)
-                    for k, src, e in zip(keys, sources, entries, strict=True)]  # fmt: skip
-            self._data.write(epoch, jobs)
-            retry = [i for i, j in enumerate(jobs) if len(j.written) < len(j.replicas)]
-            if retry:
-                self._revoke_failed(epoch, [(jobs[i].gen, jobs[i].replicas, jobs[i].written) for i in retry])
-            todo = [i for i, j in enumerate(jobs) if len(j.written) == len(j.replicas)]
-            if todo:
-                cfg = None if config is None else config.wire()
-                want = len(keys) if left < len(keys) else 0
-                t0 = time.monotonic()
-                items = [[keys[i], jobs[i].gen, jobs[i].csum] for i in todo]
-                reply = self._call("commit", items=items, epoch=epoch, reserve=want, size=size, config=cfg)
-        except Fenced:
-            return None  # the master restarted: nothing of this batch was committed
-        finally:
-            self._writes.end(epoch, gens)
-        if reply is not None:
-            if reply.get("reserved"):
-                deadline = t0 + self._write_window_s
-                self._resv.add(ck, epoch, reply["reserved"], deadline, self.master_incarnation)
-            known, unused = [], []
-            for i, (code, msg) in zip(todo, reply["results"], strict=True):
-                j = jobs[i]
-                if code is None:
-                    known.append((j.key, j.gen, size, j.csum, j.written, j.replicas))
-                elif code == "NOT_FOUND":
-                    retry.append(i)  # the reservation expired meanwhile
-                else:
-                    unused.append([j.gen, False])  # e.g. ObjectExists; the write is over: free at once
-                    out[i] = _err(code, msg)
-            if unused:
-                self._call("put_revoke", items=unused, epoch=epoch)
-            self._loc.remember_many(epoch, known)
-        if retry:
-            again = self._put_chunk([keys[i] for i in retry], [sources[i] for i in retry],
-                                    [size] * len(retry), config, 0, batch_reserved=False)  # fmt: skip
-            for i, err in zip(retry, again, strict=True):
-                out[i] = err
-        return out
-
-    def _revoke_failed(self, epoch: int, failed: list[tuple[int, list[list[Any]], list[str]]]) -> None:
-        """Writes into reservations failed (``failed``: generation, replicas, segments written):
-        revoke them (fenced: bytes may still land) and, freed at once, the pool's unused
-        reservations on the segments that failed, which would fail the same way."""
-        bad = {r[0] for _, reps, written in failed for r in reps if r[0] not in written}
-        items = [[gen, True] for gen, _, _ in failed]
-        items += [[e.gen, False] for e in self._resv.drop_on(bad) if e.epoch == epoch]
-        for a, b in self._chunks(len(items)):
-            self._call("put_revoke", items=items[a:b], epoch=epoch)
-
-    @staticmethod
-    def _view(value: Any) -> memoryview:
-        try:
-            mv = memoryview(value)
-        except TypeError:
-            raise InvalidArgument(f"value must be bytes-like, got {type(value).__name__}") from None
-        if not mv.c_contiguous:
-            mv = memoryview(mv.tobytes())
-        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like) under ``key``; raises ObjectExists if the key is taken."""
         _check_key(key)
@@ -564,46 +393,6 @@ class Store:
             err = self._put([key], [view], config)[0]
         if err is not None:
             raise err
-
-    def _resv_key(self, size: int, config: ReplicateConfig | None) -> tuple[Any, ...]:
-        return (size, None if config is None else tuple(config.wire().values()))
-
-    def _put_reserved(self, key: str, view: memoryview, config: ReplicateConfig | None) -> bool:
-        """Put through a reservation: write, then one `commit`. False when none is usable."""
-        if not isinstance(key, str) or not key:
-            return False  # the master explains what is wrong with the key
-        size = view.nbytes
-        entry = self._resv.take(self._resv_key(size, config), size, config)
-        if entry is None:
-            return False
-        replicas = entry.replicas
-        small = len(replicas) == 1 and size <= DIRECT_MIN  # the common case, with fewer layers
-        try:
-            if small:
-                csum = self._data.write_small(entry.epoch, key, entry.gen, view, *replicas[0][:2])
-                written = [] if csum is None else [replicas[0][0]]
-            else:
-                job = WriteJob(key, size, view, entry.gen, entry.verify, replicas)
-                self._data.write(entry.epoch, [job])
-                csum, written = job.csum, job.written
-            if len(written) < len(replicas):
-                self._revoke_failed(entry.epoch, [(entry.gen, replicas, written)])
-                return False  # e.g. the segment's server died: the master places the put anew
-            res = self._call("commit", items=[[key, entry.gen, csum]], epoch=entry.epoch)
-            code, msg = res["results"][0]
-        except Fenced:
-            return False  # the master restarted meanwhile: put the normal way
-        finally:
-            self._writes.end(entry.epoch, [entry.gen])
-        if code == "NOT_FOUND":
-            return False  # the reservation expired meanwhile: put the normal way
-        if code is not None:
-            # e.g. ObjectExists. The write finished (nothing of it is still on its way): the
-            # reservation's space can be given back at once.
-            self._call("put_revoke", items=[[entry.gen, False]], epoch=entry.epoch)
-            raise _err(code, msg)
-        self._loc.remember(key, entry.epoch, entry.gen, size, csum, written, replicas)
-        return True
 
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
         """Store ``size`` bytes at ``addr`` (memory registered with :meth:`register_buffer`)."""
@@ -635,193 +424,7 @@ class Store:
             raise InvalidArgument("keys, addrs and sizes differ in length")
         return self._put(list(keys), list(zip(addrs, sizes, strict=True)), config)
 
-    # ------------------------------------------------------------------ locations
-    def _get_cached(self, key: str, loc: Loc) -> bytes | None:
-        """One small object through its cached location: one engine READ of header + value into
-        the staging slot, checked there (the common case of :meth:`_get`, without its lists)."""
-        st = self._staging
-        if st.small_off is None or not st.small_lock.acquire(blocking=False):
-            return None
-        try:
-            off, n = st.small_off, HEADER_SIZE + loc.size
-            seg, raddr = loc.replicas[0][0], loc.replicas[0][1]
-            try:
-                self.engine.transfer_sync(seg, st.base + off, raddr, n, OpCode.READ)
-            except KvpoolError:
-                self._loc.forget(key)
-                return None
-            view = st.view[off : off + n]
-            if header_mismatch(view, loc.epoch, loc.gen, key_hash(key), loc.size, loc.csum) is not None or (
-                checksum(view[HEADER_SIZE:]) != loc.csum
-            ):
-                self._loc.forget(key)
-                return None
-            return bytes(view[HEADER_SIZE:])
-        finally:
-            st.small_lock.release()
-
-    def _lookup(self, keys: Sequence[str]) -> tuple[list[list[Any]], int, float]:
-        """Master lookups (leases taken): per-key [code, info], the epoch, and the local time by
-        which reads must have landed."""
-        t0 = time.monotonic()
-        results: list[list[Any]] = []
-        epoch = self.master_incarnation or 0
-        lease_s = self._lease_s
-        for a, b in self._chunks(len(keys)):
-            reply = self._call("get", keys=list(keys[a:b]))
-            results += reply["results"]
-            epoch, lease_s = reply["epoch"], reply["lease_s"]
-        return results, epoch, t0 + lease_s * 0.99
-
-    def _get(
-        self, keys: Sequence[str], dests: list[tuple[int, int] | None]
-    ) -> list[bytes | int | KvpoolError]:
-        """Read objects into ``dests`` (addr, capacity) or, for None, into new bytes."""
-        n = len(keys)
-        out: list[bytes | int | KvpoolError] = [ObjectNotFound("")] * n
-        todo = list(range(n))
-        cached: list[tuple[int, ReadJob]] = []
-        epoch = self.master_incarnation or 0
-        local_bytes = 0
-        for i in todo:
-            loc = self._loc.get(keys[i], self.master_incarnation)
-            if loc is None or loc.kind == SEEN:
-                continue
-            dest = dests[i]
-            if dest is not None and (
-                dest[1] < loc.size or (loc.kind == LOCAL and self.engine.is_gpu_memory(dest[0], loc.size))
-            ):
-                continue  # too small (the master's answer says so); GPU: no copy back for a checksum
-            if loc.kind == LOCAL:
-                local_bytes += loc.size
-            cached.append((i, ReadJob(keys[i], loc.size, loc.gen, loc.csum, loc.replicas, dest, float("inf"),
-                                      local_csum=loc.kind == LOCAL)))  # fmt: skip
-        if local_bytes and (len(cached) < n or local_bytes > LOCAL_READ_MAX):
-            # Objects known by this client's own checksum are read without the master only when
-            # that saves the round trip and checksumming them costs less than it does.
-            cached = [(i, j) for i, j in cached if not j.local_csum]
-        if cached:
-            self._data.read(epoch, [j for _, j in cached])
-            done = set()
-            for i, j in cached:
-                if j.error is None:
-                    out[i] = j.result  # type: ignore[assignment]
-                    done.add(i)
-                else:
-                    self._loc.forget(keys[i])  # stale: ask the master
-            todo = [i for i in todo if i not in done]
-        for attempt in range(self.config.get_retries + 1):
-            if not todo:
-                break
-            todo = self._get_from_master(keys, dests, todo, out, last=attempt == self.config.get_retries)
-        return out
-
-    def _get_from_master(self, keys: Sequence[str], dests: list[tuple[int, int] | None], todo: list[int],
-                         out: list[Any], last: bool) -> list[int]:  # fmt: skip
-        """One lookup + read round for keys ``todo``; returns the keys to try again."""
-        infos, epoch, deadline = self._lookup([keys[i] for i in todo])
-        jobs: list[tuple[int, ReadJob, dict[str, Any]]] = []
-        for i, (code, info) in zip(todo, infos, strict=True):
-            if code is not None:
-                out[i] = _err(code, info)
-                continue
-            size, dest = info["size"], dests[i]
-            if dest is not None and dest[1] < size:
-                out[i] = InvalidArgument(
-                    f"buffer of {dest[1]} bytes is too small for {keys[i]!r} ({size} bytes)"
-                )
-            else:
-                jobs.append((i, ReadJob(keys[i], size, info["gen"], info["checksum"], info["replicas"], dest,
-                                        deadline), info))  # fmt: skip
-        self._data.read(epoch, [j for _, j, _ in jobs])
-        # Objects without a committed checksum are remembered only from gets small enough to be
-        # read without the master later (see _get): no checksum is computed for nothing.
-        local_ok = sum(j.size for _, j, _ in jobs) <= LOCAL_READ_MAX
-        again: list[int] = []
-        for i, j, info in jobs:
-            if j.error is None:
-                out[i] = j.result
-                if j.served_by is not None and (local_ok or j.csum is not None):
-                    self._remember_read(j, epoch)
-            elif j.retry and not last:
-                again.append(i)
-            elif info["ssd"] is not None and not j.retry:
-                out[i] = self._get_from_ssd(keys[i], info, dests[i])
-            else:
-                out[i] = j.error
-        leases = [[keys[i], info["gen"]] for i, (code, info) in zip(todo, infos, strict=True) if code is None]
-        if leases:
-            # Reads are done: the leases end with this client's next request (or heartbeat).
-            with self._release_lock:
-                self._releases += leases
-                flush = len(self._releases) >= 1024
-            if flush:
-                self._flush_releases(self._rpc)
-        return again
-
-    def _remember_read(self, j: ReadJob, epoch: int) -> None:
-        """Keep the location of an object read through the master (see :mod:`.locations`): with its
-        committed checksum; else noted on the first read and checksummed here on the second (the
-        bytes were read under a lease and header-checked: they are the object's)."""
-        segs = [r[0] for r in j.replicas]
-        if j.csum is not None:
-            self._loc.remember(j.key, epoch, j.gen, j.size, j.csum, segs, j.replicas)
-            return
-        prev = self._loc.get(j.key, epoch)
-        if prev is None or prev.gen != j.gen:
-            self._loc.remember_read(j.key, epoch, j.gen, j.size, None, segs, j.replicas)
-        elif prev.kind == SEEN:
-            if isinstance(j.result, bytes):
-                value: Any = j.result
-            elif j.dest is not None and not self.engine.is_gpu_memory(j.dest[0], j.size):
-                value = host_view(self.engine, j.dest[0], j.size)
-            else:
-                return  # a GPU destination: not copied back to host for a checksum
-            self._loc.remember_read(j.key, epoch, j.gen, j.size, checksum(value), segs, j.replicas)
-
-    def _flush_releases_idle(self) -> None:
-        """The heartbeat thread: report ended read leases on the *main* connection when it is idle
-        (never on its own connection: the master could then see this client's next ``remove`` of
-        the object before the release and answer ObjectBusy); when busy, the caller's next request
-        carries them (``_call``)."""
-        with self._release_lock:
-            leases, self._releases = self._releases, []
-        if not leases:
-            return
-        sent = 0
-        for a in range(0, len(leases), 4 * self._max_batch):
-            if not self._rpc.try_send("release", leases=leases[a : a + 4 * self._max_batch]):
-                break
-            sent = a + 4 * self._max_batch
-        if sent < len(leases):
-            with self._release_lock:
-                self._releases = leases[sent:] + self._releases
-
-    def _flush_releases(self, rpc: RpcClient) -> None:
-        with self._release_lock:
-            leases, self._releases = self._releases, []
-        for a in range(0, len(leases), 4 * self._max_batch):
-            rpc.send("release", leases=leases[a : a + 4 * self._max_batch])
-
-    def _get_from_ssd(
-        self, key: str, info: dict[str, Any], dest: tuple[int, int] | None
-    ) -> bytes | int | KvpoolError:
-        if info["ssd"] is None:
-            return ObjectNotFound(f"object {key!r} has no readable copy")
-        path, _host, checksum = info["ssd"]
-        data = read_ssd_file(path, key, info["size"], checksum)
-        if data is None:
-            return ObjectNotFound(f"SSD copy of {key!r} is missing or corrupt (treated as a miss)")
-        if self.config.promote_on_hit:
-            try:
-                self._promote(key, data)
-            except KvpoolError as exc:
-                log.debug("promotion of %s failed: %s", key, exc)
-        if dest is None:
-            return data
-        copy_out(self.engine, dest[0], data)
-        return len(data)
-
+    # ------------------------------------------------------------------ get
     def get(self, key: str) -> bytes:
         """The object's bytes; raises :class:`ObjectNotFound` when missing."""
         _check_key(key)
