@@ -193,8 +193,9 @@ def run_setup(
         decode_log = servers[-1].log_path
         stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
         # vLLM logs connector transfer statistics every 10 s: keep each prompt length in its own
-        # window (kvpool-nostats has none to wait for).
-        settle = 11.0 if name == "nixl" or (name.startswith("kvpool") and name != "kvpool-nostats") else 0.5
+        # window. kvpool-nostats waits as long (it has no window to wait for): idle time before a
+        # measurement changes the per-token time, so the stats on/off comparison idles alike.
+        settle = 11.0 if name == "nixl" or name.startswith("kvpool") else 0.5
         time.sleep(settle)
         out: dict[str, Any] = {
             "setup": name,
