@@ -262,8 +262,8 @@ def plan_columns(
 
     ``regions`` pairs each decode region with the same layer's region on that prefill rank (or is
     their :func:`region_pairs`, kept by the caller for the next load: checked when it was built
-    for these two layouts). Raises :class:`ReshardError` for
-    block ids out of range or region sizes that contradict the layouts (before any byte moves).
+    for these two layouts). Raises :class:`ReshardError` for block ids out of range, region sizes
+    that contradict the layouts, or pairs checked against other layouts (before any byte moves).
     """
     if len(local_blocks) != len(remote_blocks):
         raise ReshardError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
