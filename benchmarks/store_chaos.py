@@ -190,18 +190,20 @@ class Worker:
 
 
 def _probe(master: str, events: list[tuple[float, bool]], stop: threading.Event) -> None:
-    """A client doing a small put + get every 50 ms; records (time, worked)."""
+    """A client doing a small put + get every 50 ms; records (time, worked). Every attempt uses
+    a fresh key: a put whose answer was lost in a fault (the master committed it while this client
+    timed out) leaves its key taken, and retrying that key would fail with ObjectExists forever."""
     st: Store | None = None
     i = 0
     while not stop.is_set():
         ok = False
+        key = f"probe-{i}"
+        i += 1
         try:
             if st is None:
                 st = Store.connect(master=master, segment_size=0, **CLIENT_OPTS)
-            key = f"probe-{i}"
             st.put(key, key.encode() * 8)
             ok = st.get(key) == key.encode() * 8
-            i += 1
         except KvpoolError:
             pass
         events.append((time.monotonic(), ok))
