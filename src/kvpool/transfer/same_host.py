@@ -48,15 +48,17 @@ class SameHostTransport(TcpTransport):
     def _pid_state(self, handle: int) -> list[Any] | None:
         return self._pids.get(handle)
 
-    def _exited(self, handles: Any) -> bool:
+    def _raise_if_exited(self, handles: Any) -> None:
         """A refused request may name a restarted peer's new memory (outside the descriptor we
-        hold): when its process exited, say so once, so the next open_segment re-fetches."""
+        hold): when its process exited, say so once (SegmentNotFound), so the next open_segment
+        re-fetches. Called where a RemoteAccessError is caught; returns when no peer exited."""
         gone = False
         for h in set(handles):
             st = self._pid_state(h)
             if st is not None and _has_exited(st[0]):
                 st[1] = gone = True
-        return gone
+        if gone:
+            raise SegmentNotFound("the segment's process exited; open the segment again") from None
 
     def release_exited(self) -> list[int]:
         """Unmap the shared memory and fence of peers whose process exited: a mapping here keeps
@@ -77,8 +79,7 @@ class SameHostTransport(TcpTransport):
         try:
             super().submit(batch_id, reqs)
         except RemoteAccessError:
-            if self._exited(reqs.peers):
-                raise SegmentNotFound("the segment's process exited; open the segment again") from None
+            self._raise_if_exited(reqs.peers)
             raise
 
     def transfer_inline(
@@ -93,8 +94,7 @@ class SameHostTransport(TcpTransport):
         try:
             return super().transfer_inline(op, handle, locals_, remotes, lens, scratch)
         except RemoteAccessError:
-            if self._exited([handle]):
-                raise SegmentNotFound("the segment's process exited; open the segment again") from None
+            self._raise_if_exited([handle])
             raise
 
     def transfer_inline_parts(
@@ -103,8 +103,7 @@ class SameHostTransport(TcpTransport):
         try:
             return super().transfer_inline_parts(op, parts)
         except RemoteAccessError:
-            if self._exited([p[0] for p in parts]):
-                raise SegmentNotFound("a segment's process exited; open the segment again") from None
+            self._raise_if_exited([p[0] for p in parts])
             raise
 
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
