@@ -813,6 +813,18 @@ class TransferEngine:
         answer ST_STALE (nothing moved; the transport returns None). None wherever this path does
         not apply (segment not open yet, its peer gone, GPU memory here, no inline path): the
         caller then takes the batch path, which opens the segment again."""
+        route = self._cached_route(target_name)
+        if route is None:
+            return None
+        hid, t = route
+        reg = self._registry
+        if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
+            return None  # GPU memory here: a batch (staged or CUDA IPC) moves it
+        return t.transfer_inline(op, hid, locs, rems, lens, scratch)
+
+    def _cached_route(self, target_name: str) -> tuple[int, Transport] | None:
+        """(handle, transport) of a segment already open whose peer was not seen gone, without
+        open_segment's freshness call; None otherwise (the caller then takes the batch path)."""
         cached = self._segments.get(target_name)
         if cached is None:
             return None
@@ -820,10 +832,7 @@ class TransferEngine:
         t = self._routes.get(hid)
         if t is None or t.peer_gone(hid):
             return None
-        reg = self._registry
-        if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
-            return None  # GPU memory here: a batch (staged or CUDA IPC) moves it
-        return t.transfer_inline(op, hid, locs, rems, lens, scratch)
+        return hid, t
 
     def _inline(
         self, hid: int, op: int, locs: Sequence[int], rems: Sequence[int], lens: Sequence[int]
@@ -909,14 +918,15 @@ class TransferEngine:
         if len(parts) == 1 or self._registry.gpu_count:  # GPU ranges may need staging rounds
             return sum(self.batch_transfer_sync(t, a, b, c, opcode) for t, a, b, c in parts)
         op = _native_op(opcode)
+        for _, local_addrs, remote_addrs, lengths in parts:
+            if len(remote_addrs) != len(local_addrs) or len(lengths) != len(local_addrs):
+                raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
         if all(len(p[3]) <= INLINE_MAX for p in parts):
             done = self._inline_parts(op, parts)
             if done is not None:
                 return done
         reqs = []
         for target, local_addrs, remote_addrs, lengths in parts:
-            if len(remote_addrs) != len(local_addrs) or len(lengths) != len(local_addrs):
-                raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
             hid = self.open_segment(target).id
             if self._route(hid).takes_arrays:
                 locs, rems, lens = _u64_columns((local_addrs, remote_addrs, lengths))
@@ -946,27 +956,22 @@ class TransferEngine:
     def _inline_parts(
         self, op: int, parts: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[int]]]
     ) -> int | None:
-        """A few host ranges to each of several *cached* segments of one transport, in this
-        thread, one native call (the transport's ``transfer_inline_parts``): the bytes moved, or
-        raises the first failure. None where this path does not apply (a segment not open yet or
-        its peer gone, segments on different transports, a stale descriptor): the caller then
-        submits one batch, which opens the segments again."""
+        """A few host ranges (columns checked equal in length by the caller) to each of several
+        *cached* segments of one transport, in this thread, one native call (the transport's
+        ``transfer_inline_parts``): the bytes moved, or raises the first failure. None where this
+        path does not apply (a segment not open yet or its peer gone, segments on different
+        transports, a stale descriptor): the caller then submits one batch, which opens the
+        segments again."""
         transport = None
         calls = []
         for target, local_addrs, remote_addrs, lengths in parts:
-            cached = self._segments.get(target)
-            if cached is None:
+            route = self._cached_route(target)
+            if route is None or (transport is not None and route[1] is not transport):
                 return None
-            hid = cached[0].id
-            t = self._routes.get(hid)
-            if t is None or t.peer_gone(hid) or (transport is not None and t is not transport):
-                return None
-            transport = t
+            hid, transport = route
             cols = [
                 c.tolist() if isinstance(c, np.ndarray) else c for c in (local_addrs, remote_addrs, lengths)
             ]
-            if len(cols[0]) != len(cols[1]) or len(cols[2]) != len(cols[0]):
-                raise InvalidArgument("local_addrs, remote_addrs and lengths differ in length")
             calls.append((hid, *_int_columns(cols)))
         if transport is None:
             return 0
