@@ -5,6 +5,9 @@ prefix-cache hits) for every setup. Setups:
 
 * ``single``: one ordinary server (reference, and the greedy outputs every P/D run must match);
 * ``kvpool``: KvpoolConnector prefill + decode + ``kvpool proxy`` (``--protocol auto|tcp``);
+* ``kvpool-stream``: the same with ``kvpool proxy --stream-kv`` (streaming P/D: prefill and decode
+  requests sent at once, the decode reads each layer's KV while the prefill computes the next; its
+  transfer time is the time spent reading, not waiting for the prefill);
 * ``kvpool-p2d1`` / ``kvpool-p1d2``: the same with a TP=2 prefill or a TP=2 decode (heterogeneous
   TP: each decode rank reads the KV heads it holds from the prefill ranks that hold them); a TP=2
   server's two ranks share its core (``VLLM_CPU_OMP_THREADS_BIND="c|c"``, docs/vllm.md: spinning
@@ -58,7 +61,7 @@ def kv_args(connector: str, role: str, module: str | None, extra: dict[str, Any]
 class Proxy(ChildProcess):
     """``kvpool proxy`` for one prefill and one decode server."""
 
-    def __init__(self, prefill: str, decode: str) -> None:
+    def __init__(self, prefill: str, decode: str, stream_kv: bool = False) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -70,6 +73,7 @@ class Proxy(ChildProcess):
             prefill,
             "--decode",
             decode,
+            *(["--stream-kv"] if stream_kv else []),
         ]
         super().__init__(cmd, stdin=False)
         self.url = f"http://127.0.0.1:{self.info['port']}"
@@ -121,7 +125,7 @@ def transfer_ms(log: Path, since: int) -> tuple[list[float], float | None]:
     """(per-transfer times from kvpool's own log lines, or for NIXL the stats mean; the stats
     mean) of what the decode server logged after ``since``."""
     text = log.read_text(errors="replace")[since:]
-    pat = r"kvpool connector: loaded \d+ blocks \(\d+ bytes\) for (\S+) in ([\d.]+) ms"
+    pat = r"kvpool connector: (?:loaded|streamed) \d+ blocks \(\d+ bytes\) for (\S+) in ([\d.]+) ms"
     per_request: dict[str, float] = {}
     for rid, x in re.findall(pat, text):  # one line per decode rank: the slowest rank's time
         per_request[rid] = max(per_request.get(rid, 0.0), float(x))
@@ -188,7 +192,7 @@ def run_setup(
         if name == "single":
             url = servers[0].url
         else:
-            proxy = Proxy(servers[0].url, servers[1].url)
+            proxy = Proxy(servers[0].url, servers[1].url, stream_kv=name == "kvpool-stream")
             url = proxy.url
         decode_log = servers[-1].log_path
         stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
@@ -244,7 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         "--setups",
         nargs="+",
         default=["single", "kvpool"],
-        choices=["single", "kvpool", "kvpool-nostats", "kvpool-p2d1", "kvpool-p1d2", "nixl", "mooncake"],
+        choices=[
+            "single",
+            "kvpool",
+            "kvpool-stream",
+            "kvpool-nostats",
+            "kvpool-p2d1",
+            "kvpool-p1d2",
+            "nixl",
+            "mooncake",
+        ],
     )
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4096])
     ap.add_argument("--requests", type=int, default=5)

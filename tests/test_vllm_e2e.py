@@ -29,6 +29,11 @@ MAX_TOKENS = 12
 KV_BYTES = 256 << 20  # 64k tokens of the tiny model
 # Prompts as token ids (lengths 19, 100, 500 and 1500: below one block, several, many).
 PROMPTS = [[(i * k + 11) % 700 + 4 for i in range(n)] for k, n in ((3, 19), (7, 100), (13, 500), (17, 1500))]
+# Streaming P/D gets prompts of its own (the others are in both servers' prefix caches by then).
+STREAM_PROMPTS = [
+    [(i * k + 5) % 700 + 4 for i in range(n)] for k, n in ((5, 19), (9, 100), (11, 500), (19, 1500))
+]
+STREAMED = 200  # reference keys STREAMED + i of STREAM_PROMPTS
 SALTED = 99  # reference key of SALTED_PROMPT (9 full blocks), sent with cache_salt
 SALTED_PROMPT = [(i * 29 + 5) % 700 + 4 for i in range(300)]
 
@@ -43,9 +48,11 @@ def kv_config(connector: str, role: str, short_name: bool = False, **extra: obje
 class ProxyProcess(ChildProcess):
     """``kvpool proxy`` in a child process (stopped by SIGTERM)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], health_interval_s: float = 1.0, *extra: str
+    ) -> None:
         cmd = [sys.executable, "-m", "kvpool.cli", "proxy", "--port", "0", "--health-interval-s",
-               str(health_interval_s), "--prefill", *prefill, "--decode", *decode]  # fmt: skip
+               str(health_interval_s), "--prefill", *prefill, "--decode", *decode, *extra]  # fmt: skip
         super().__init__(cmd, stdin=False)
         self.url = f"http://127.0.0.1:{self.info['port']}"
 
@@ -84,6 +91,9 @@ def reference(tiny_llama: Path, logs: Path) -> dict[int, str]:  # noqa: F811
     with VllmServer(tiny_llama, logs, name="single", kv_cache_bytes=KV_BYTES) as s:
         out = {i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(PROMPTS)}
         out[SALTED] = completion(s.url, SALTED_PROMPT)["choices"][0]["text"]
+        out.update(
+            {STREAMED + i: completion(s.url, p)["choices"][0]["text"] for i, p in enumerate(STREAM_PROMPTS)}
+        )
         return out
 
 
@@ -131,6 +141,30 @@ def test_pd_outputs_match_single_server_and_kv_was_loaded(
     while prefill.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert prefill.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_streaming_pd_through_the_proxy_matches_single_server(
+    reference: dict[int, str], pd: tuple[VllmServer, VllmServer, ProxyProcess]
+) -> None:
+    """``kvpool proxy --stream-kv``: prefill and decode requests at once, the decode reads the KV
+    layer by layer while the prefill computes (after one sequential request teaches the proxy the
+    prefill's side channel)."""
+    prefill, decode, _ = pd
+    since = len(decode.log_path.read_text())
+    with ProxyProcess([prefill.url], [decode.url], 1.0, "--stream-kv") as proxy:
+        for i, p in enumerate(STREAM_PROMPTS):
+            out = completion(proxy.url, p)
+            assert out["choices"][0]["text"] == reference[STREAMED + i], (
+                f"prompt {i} ({len(p)} tokens) differs"
+            )
+    log = decode.log_path.read_text()[since:]
+    lines = [x for x in log.splitlines() if "kvpool connector" in x]
+    assert sum("kvpool connector: streamed" in x for x in lines) >= len(PROMPTS) - 1, lines
+    assert "failed" not in "\n".join(lines)
+    deadline = time.monotonic() + 10
+    while prefill.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert prefill.metric("vllm:kv_cache_usage_perc") == 0  # every stream's blocks were freed
 
 
 def test_pd_streaming_and_chat_through_the_proxy(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,10 +18,9 @@ from tests.vllm_support import tiny_llama  # noqa: F401  (fixture)
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
 
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvpool.connectors.vllm.store import block_keys  # noqa: E402
-from tests.vllm_sched import BS, LAYERS, Instance, expected_rows, pattern  # noqa: E402
+from tests.vllm_sched import BS, LAYERS, Instance, LayerInstance, expected_rows  # noqa: E402
 
 PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2 full blocks + 16 tokens
 
@@ -31,66 +29,6 @@ PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2 full blocks + 16 tokens
 def master() -> Iterator[str]:
     with MasterProcess() as m, StorageProcess(m.address, 64 << 20):
         yield m.address
-
-
-class LayerInstance(Instance):
-    """:class:`Instance` whose forward pass runs layer by layer: ``wait_for_layer_load`` before a
-    layer computes, ``save_kv_layer`` after, ``wait_for_save`` at the end -- as vLLM's attention
-    layers and model runner call them. ``stop_after``: the forward pass is cut short after that
-    many layers (an abort between layers)."""
-
-    stop_after: int | None = None
-    seen: list[tuple[str, str]]
-
-    def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
-        self.seen = []
-        out = self.scheduler.schedule()
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        # vLLM 0.32's model runner: start_load_kv before the forward pass only when the step has
-        # synchronous loads, else after it (so the layer hooks run before it)
-        after = not out.has_sync_kv_loads
-        if not after:
-            self.worker.start_load_kv(None)
-        work: list[tuple[str, int, int]] = []
-        for new in out.scheduled_new_reqs:
-            work.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            work.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
-        for li, name in enumerate(LAYERS):
-            if self.stop_after is not None and li >= self.stop_after:
-                break
-            self.worker.wait_for_layer_load(name)
-            self.seen.append(("load", name))
-            for rid, start, n in work:
-                self._compute_layer(rid, start, n, li)
-            self.worker.save_kv_layer(name, self.kv[name], None)
-            self.seen.append(("save", name))
-        if after:
-            self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(out.finished_req_ids)
-        errors = self.worker.get_block_ids_with_load_errors()
-        self.worker.clear_connector_metadata()
-        kco = KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
-        )
-        ids = [w[0] for w in work]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[token] for _ in ids],
-            kv_connector_output=kco,
-        )
-        eco = self.scheduler.update_from_output(out, mro)
-        return out, {o.request_id: o for e in eco.values() for o in e.outputs}
-
-    def _compute_layer(self, rid: str, start: int, n: int, li: int) -> None:
-        req = self.scheduler.requests[rid]
-        block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-        for t in range(start, start + n):
-            b, off = divmod(t, BS)
-            self.kv[LAYERS[li]][block_ids[b], :, off, :] = pattern(req.all_token_ids[: t + 1], li)
 
 
 def _wait_exists(inst: Instance, keys: list[str], want: bool, timeout: float = 10.0) -> None:

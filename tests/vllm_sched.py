@@ -189,6 +189,73 @@ class Instance:
         self.connector.shutdown()
 
 
+class LayerInstance(Instance):
+    """:class:`Instance` whose forward pass runs layer by layer: ``wait_for_layer_load`` before a
+    layer computes, ``save_kv_layer`` after, ``wait_for_save`` at the end -- as vLLM's attention
+    layers and model runner call them. ``stop_after``: the forward pass is cut short after that
+    many layers (an abort between layers); ``after_save(layer index)`` runs between layers."""
+
+    stop_after: int | None = None
+    after_save: Any = None  # called with the layer index after each save_kv_layer
+    seen: list[tuple[str, str]]
+
+    def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
+        self.seen = []
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        # vLLM 0.32's model runner: start_load_kv before the forward pass only when the step has
+        # synchronous loads, else after it (so the layer hooks run before it)
+        after = not out.has_sync_kv_loads
+        if not after:
+            self.worker.start_load_kv(None)
+        work: list[tuple[str, int, int]] = []
+        for new in out.scheduled_new_reqs:
+            work.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            work.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
+        for li, name in enumerate(LAYERS):
+            if self.stop_after is not None and li >= self.stop_after:
+                break
+            self.worker.wait_for_layer_load(name)
+            self.seen.append(("load", name))
+            for rid, start, n in work:
+                self._compute_layer(rid, start, n, li)
+            self.worker.save_kv_layer(name, self.kv[name], None)
+            self.seen.append(("save", name))
+            if self.after_save is not None:
+                self.after_save(li)
+        if after:
+            self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        kco = KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
+        )
+        ids = [w[0] for w in work]
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            # a prefill chunk that does not reach the end of the prompt samples nothing (as vLLM's runner)
+            sampled_token_ids=[
+                [token] if start + n >= self.scheduler.requests[rid].num_tokens else []
+                for rid, start, n in work
+            ],
+            kv_connector_output=kco,
+        )
+        eco = self.scheduler.update_from_output(out, mro)
+        return out, {o.request_id: o for e in eco.values() for o in e.outputs}
+
+    def _compute_layer(self, rid: str, start: int, n: int, li: int) -> None:
+        req = self.scheduler.requests[rid]
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        for t in range(start, start + n):
+            b, off = divmod(t, BS)
+            self.kv[LAYERS[li]][block_ids[b], :, off, :] = pattern(req.all_token_ids[: t + 1], li)
+
+
 def make_request(
     rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None, **kw: Any
 ) -> Request:

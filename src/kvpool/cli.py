@@ -503,6 +503,9 @@ def build_parser(master_options: bool = True, conductor: bool = True) -> argpars
                     help="connections to backends, total (default 1024)")  # fmt: skip
     px.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")  # fmt: skip
+    px.add_argument("--stream-kv", action="store_true",
+                    help="send prefill and decode at once: the decode reads each layer's KV while the "
+                         "prefill computes the next (KvpoolConnector streaming P/D)")  # fmt: skip
     if conductor:  # (left out only when another command is being parsed)
         from kvpool.conductor.cli import add_proxy_options
 

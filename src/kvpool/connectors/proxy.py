@@ -119,6 +119,8 @@ class Backend:
     requests: int = 0
     failures: int = 0
     in_flight: int = 0
+    kv_peer: dict[str, Any] | None = None
+    """Prefill: its KV side channel, from its last ``kv_transfer_params`` (streaming P/D)."""
 
     def mark_down(self, reason: str) -> None:
         """Take the backend out of rotation until a health check succeeds."""
@@ -275,6 +277,10 @@ class PDProxy:
         max_request_bytes: largest client request body accepted.
         router: route with a :class:`kvpool.conductor.live.LiveRouter` of this configuration
             (policy, KV events, SLOs) instead of plain round-robin.
+        stream_kv: send the prefill and the decode request at once with a ``transfer_id``: the
+            decode reads each layer's KV while the prefill computes the next (KvpoolConnector's
+            streaming P/D). A prefill whose side channel the proxy has not learnt yet (from one
+            answer of it) is used the sequential way once.
 
     With no ``decode_urls`` the ``prefill_urls`` are aggregated instances that serve whole requests.
 
@@ -292,6 +298,7 @@ class PDProxy:
         max_connections: int = 1024,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         router: Any = None,
+        stream_kv: bool = False,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
@@ -311,6 +318,7 @@ class PDProxy:
                 roles = ["prefill"] * len(roles) + ["decode"] * len(self.decode.backends)
             self.router = LiveRouter(urls, roles, router)
         self._by_url = {b.url: b for b in self.prefill.backends + self.decode.backends}
+        self.stream_kv = bool(stream_kv)
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.health_interval_s = float(health_interval_s)
@@ -321,7 +329,7 @@ class PDProxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
-        self._copy_tasks: set[asyncio.Task[None]] = set()
+        self._copy_tasks: set[asyncio.Task[Any]] = set()
         self._counts: dict[str, int] = {}
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)  # type: ignore[arg-type]  # collect() below
@@ -651,9 +659,28 @@ class PDProxy:
             if router is not None:
                 router.first_token(rkey)
 
+        ptask: asyncio.Task[None] | None = None
         try:
             if self.aggregated:
                 dresp, dbackend = await self._send(self.prefill, "POST", path, body, headers, prefer=prefer_p)
+            elif self.stream_kv and (pb := self.prefill.pick(prefer=prefer_p)) is not None and pb.kv_peer:
+                # Streaming P/D: both at once; the decode reads the KV while the prefill computes it.
+                tid = uuid.uuid4().hex
+                pbody = prefill_request_body(body)
+                pbody["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": tid}
+                decode_body = dict(body)
+                decode_body["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "transfer_id": tid,
+                    **pb.kv_peer,
+                }
+                ptask = asyncio.create_task(self._prefill_streamed(pb, path, pbody, headers, request_id))
+                dresp, dbackend = await self._send(
+                    self.decode, "POST", path, decode_body, headers, prefer=prefer_d
+                )
+                ptask.add_done_callback(
+                    lambda t, r=dresp: r.close() if not t.cancelled() and t.result() else None
+                )
             else:
                 # 1. Prefill.
                 presp, pbackend = await self._send(
@@ -695,6 +722,7 @@ class PDProxy:
                     decode_body.pop("kv_transfer_params", None)
                 else:
                     decode_body["kv_transfer_params"] = kv_params
+                    _learn_peer(pbackend, kv_params)
 
                 # 2. Decode.
                 dresp, dbackend = await self._send(
@@ -702,6 +730,8 @@ class PDProxy:
                 )
         except BackendError as exc:
             self._count("error")
+            if ptask is not None:
+                ptask.cancel()
             return _error_response(exc.status, exc.message, request_id)
 
         try:
@@ -723,6 +753,42 @@ class PDProxy:
         finally:
             dbackend.in_flight -= 1
             dresp.release()
+
+    async def _prefill_streamed(
+        self, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> str | None:
+        """The prefill half of a streaming P/D request, next to its decode: its answer only updates
+        the backend's side channel. Returns why it failed (the decode's answer is then cut off: its
+        KV never comes) or None."""
+        backend.requests += 1
+        backend.in_flight += 1
+        try:
+            resp = await self._request("POST", backend, path, body, headers)
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            backend.failures += 1
+            _log.warning(
+                "prefill backend %s failed request %s: %s", backend.url, request_id, _error_text(exc)
+            )
+            return _error_text(exc)
+        finally:
+            backend.in_flight -= 1
+        if resp.status >= 400:
+            if resp.status >= 500:
+                backend.failures += 1
+            _log.warning("prefill backend %s answered %d for request %s: %s",
+                         backend.url, resp.status, request_id, _snippet(data))  # fmt: skip
+            return f"prefill answered {resp.status}"
+        try:
+            params = json.loads(data).get("kv_transfer_params")
+        except (ValueError, RecursionError, AttributeError):
+            params = None
+        if isinstance(params, dict):
+            _learn_peer(backend, params)
+        return None
 
     async def _stream_back(
         self,
@@ -874,6 +940,14 @@ class PDProxy:
         return BackendError(502, f"{backend.role} backend {backend.url} failed{during}: {_error_text(exc)}")
 
 
+def _learn_peer(backend: Backend, params: dict[str, Any]) -> None:
+    """Keep a prefill's KV side channel (host, port, engine id, TP size) from its answer."""
+    if params.get("remote_host") is not None and params.get("remote_port") is not None:
+        backend.kv_peer = {
+            k: params.get(k) for k in ("remote_host", "remote_port", "remote_engine_id", "tp_size")
+        }
+
+
 async def _serve(proxy: PDProxy, host: str, port: int) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -924,6 +998,7 @@ def run_proxy(
     connect_timeout_s: float = 10.0,
     max_connections: int = 1024,
     router: Any = None,
+    stream_kv: bool = False,
 ) -> int:
     """Run a :class:`PDProxy` until SIGTERM/SIGINT; return the exit status (1 when it cannot bind).
 
@@ -937,6 +1012,7 @@ def run_proxy(
         health_interval_s=health_interval_s,
         max_connections=max_connections,
         router=router,
+        stream_kv=stream_kv,
     )
     return asyncio.run(_serve(proxy, host, port))
 
@@ -973,6 +1049,7 @@ def main(args: argparse.Namespace) -> int:
             connect_timeout_s=args.connect_timeout_s,
             max_connections=args.max_connections,
             router=router,
+            stream_kv=bool(getattr(args, "stream_kv", False)),
         )
     except ValueError as exc:
         print(f"kvpool: InvalidArgument: proxy: {exc}", file=sys.stderr)

@@ -33,10 +33,17 @@ from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import (
     Region,
     VllmConnectorConfig,
-    block_runs,
     kv_regions,
 )
 from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob, _PdScheduler, _tp
+from kvpool.connectors.vllm.pd_stream import (
+    POLL_MAX_S,
+    POLL_MIN_S,
+    StreamLoad,
+    StreamTable,
+    region_columns,
+    stream_round,
+)
 from kvpool.connectors.vllm.reshard import (
     KvLayout,
     RegionAddr,
@@ -80,6 +87,22 @@ class KvpoolConnector(KvpoolConnectorBase):
             self.cfg, vllm_config, str(vllm_config.kv_transfer_config.engine_id), kv_cache_config
         )
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM's model runner, once per step before the forward pass: a prefill learns the step's
+        streaming requests (their layers become final during this forward pass)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvpoolConnectorMetadata):
+            self._worker.begin_step(connector_metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """vLLM's attention layer, after writing its KV, every layer of every step: a prefill marks
+        the layer final for the step's streaming requests (nothing else moves per layer)."""
+        self._worker.layer_saved(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        """vLLM's model runner, once per step after the forward pass: every layer is final."""
+        self._worker.step_done()
+
 
 # ====================================================================== worker side
 @dataclass
@@ -109,6 +132,7 @@ class _PeerLane:
         self._cv = threading.Condition()
         self._loads: deque[RecvJob] = deque()
         self._notices: deque[RecvJob] = deque()
+        self._new: list[StreamLoad] = []
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -123,6 +147,11 @@ class _PeerLane:
             self._notices.append(job)
             self._cv.notify()
 
+    def stream(self, ld: StreamLoad) -> None:
+        with self._cv:
+            self._new.append(ld)
+            self._cv.notify()
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True
@@ -130,25 +159,42 @@ class _PeerLane:
 
     def _loop(self) -> None:
         in_a_row = 0
+        active: list[StreamLoad] = []  # streaming loads: one progress question per round
+        wait_s = POLL_MIN_S
         while True:
             with self._cv:
-                while not self._loads and not self._notices and not self._stop:
-                    self._cv.wait()
+                if active:
+                    if not (self._loads or self._notices or self._new or self._stop):
+                        self._cv.wait(wait_s)
+                else:
+                    while not (self._loads or self._notices or self._new or self._stop):
+                        self._cv.wait()
                 if self._stop:
                     return
+                active.extend(self._new)
+                self._new.clear()
                 job = None
+                notices: list[RecvJob] = []
                 if self._loads and (in_a_row < _LOADS_BEFORE_NOTICES or not self._notices):
                     job = self._loads.popleft()
                     in_a_row += 1
-                else:
+                elif self._notices:
                     notices, self._notices = list(self._notices), deque()
                     in_a_row = 0
             if job is not None:
                 self.worker._load(job)
                 with self._cv:
                     self._notices.append(job)
-            else:
+            elif notices:
                 self.worker._notify(notices)
+            if active:
+                ended, moved = stream_round(self.worker, active)
+                for ld, why in ended:
+                    active.remove(ld)
+                    if self.worker._stream_ended(ld, why):
+                        with self._cv:
+                            self._notices.append(ld.job)
+                wait_s = POLL_MIN_S if moved else min(wait_s * 2, POLL_MAX_S)
 
 
 class _PdWorker:
@@ -183,6 +229,9 @@ class _PdWorker:
         self._lanes: dict[tuple[str, int], _PeerLane] = {}
         self._lane_list: list[_PeerLane] = []
         self._server: RpcServer | None = None
+        self.streams: StreamTable | None = None  # prefill: progress of streaming requests
+        self._on_gpu = False
+        self._stream_loads: dict[str, StreamLoad] = {}  # decode: req id -> streaming load
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
         self.loaded_bytes = 0
@@ -207,6 +256,9 @@ class _PdWorker:
                     "see docs/gpu.md"
                 ) from None
         self.regions = regions
+        self._on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
+        if self.serves:
+            self.streams = StreamTable(regions)
         self.kv_layout = self._describe_layout(tensors)
         total = sum(r.stride * r.num_blocks for r in regions)
         log.info("kvpool connector: registered %d KV regions (%.1f MiB) with engine %s",
@@ -279,12 +331,17 @@ class _PdWorker:
                 "regions": [r.wire() for r in self.regions],
                 "kv_layout": self.kv_layout.wire() if self.kv_layout is not None else None,
             }  # fmt: skip
+        if op == "progress":
+            ids = req.get("ids") or []
+            streams = self.streams.progress([str(t) for t in ids]) if self.streams is not None else {}
+            return {"id": rid, "ok": True, "streams": streams, "engine_id": self.engine_id}
         if op == "done":
             # The answer fences late reads: "expired" names the requests freed unread after
             # abort_timeout_s (their blocks may hold another request's KV now); "engine_id" tells a
             # restarted instance (that never held the blocks) from the one that did.
             now = time.monotonic()
             of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
+            gens = req.get("gens") or {}  # streamed reads: the generation they were made under
             expired: list[str] = []
             with self._lock:
                 for r in req.get("req_ids") or ():
@@ -292,6 +349,9 @@ class _PdWorker:
                     if r in self._expired:
                         expired.append(r)
                         continue
+                    g = gens.get(r) if isinstance(gens, dict) else None
+                    if g is not None and self.streams is not None and not self.streams.gen_ok(r, int(g)):
+                        expired.append(r)  # preempted or aborted since that read: the bytes may be stale
                     if of > 1:
                         n = self._notice_counts.get(r, 0) + 1
                         if n < of and len(self._notice_counts) < 1 << 16:
@@ -303,15 +363,64 @@ class _PdWorker:
         return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
 
     # ------------------------------------------------------------------ per step
+    def begin_step(self, meta: KvpoolConnectorMetadata) -> None:
+        """Model thread, before the forward pass: this step's streaming requests (prefill)."""
+        if self.streams is not None:
+            self.streams.begin_step(meta, _EXPIRED_KEEP_S)
+        if meta.stream_end:
+            now = time.monotonic()
+            with self._lock:
+                for rid in meta.stream_end:  # aborted while streaming: its blocks are freed now
+                    self._expired[rid] = now
+
+    def layer_saved(self, layer_name: str, kv_layer: Any) -> None:
+        """Model thread, after each attention layer: the layer is final for this step's streams."""
+        table = self.streams
+        if table is None or not table.busy():
+            return
+        ready = None
+        if getattr(kv_layer, "is_cuda", False):  # final once the compute stream passed this point
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            ready = ev.query
+        table.layer_saved(layer_name, ready)
+
+    def step_done(self) -> None:
+        """Model thread, after the forward pass."""
+        table = self.streams
+        if table is None or not table.busy():
+            return
+        ready = None
+        if self._on_gpu:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            ready = ev.query
+        table.step_done(ready)
+
     def start(self, meta: KvpoolConnectorMetadata) -> None:
         now = time.monotonic()
         if meta.send:
             with self._lock:
                 for rid, ttl in meta.send.items():
                     self._pending_send[rid] = now + ttl
+        if meta.cancel:
+            with self._lock:
+                for rid in meta.cancel:
+                    ld = self._stream_loads.get(rid)
+                    if ld is not None:
+                        ld.cancelled = True
         for job in meta.recv.values():
             lane = self._lane(job)
-            if not job.local_block_ids:
+            if job.transfer_id is not None:
+                ld = StreamLoad(job, now + self.cfg.abort_timeout_s)
+                with self._lock:
+                    self._stream_loads[job.req_id] = ld
+                lane.stream(ld)
+            elif not job.local_block_ids:
                 lane.notice(job)  # aborted before allocation: only free the prefill's blocks
             elif self._inline(job):
                 # Small same-host reads finish faster here than after a hand-off to the load
@@ -365,6 +474,8 @@ class _PdWorker:
                 del self._pending_send[rid]
                 self._notified.pop(rid, None)
                 self._notice_counts.pop(rid, None)
+            if sending and self.streams is not None:
+                self.streams.forget(sending)
             # "done" notices for requests this worker never held (aborted, restarted) expire.
             for rid, t in list(self._notified.items()):
                 if now - t > self.cfg.abort_timeout_s and rid not in self._pending_send:
@@ -402,30 +513,10 @@ class _PdWorker:
             raise TransferError(f"block size differs: prefill {rem.block_size}, decode {self.block_size}")
         if set(rem.regions) != {r.name for r in self.regions}:
             raise TransferError("prefill and decode KV cache layers differ (same model and layout needed)")
-        locs: list[int] = []
-        rems: list[int] = []
-        lens: list[int] = []
-        runs = block_runs(job.local_block_ids, job.remote_block_ids)
+        cols: tuple[list[int], list[int], list[int]] = ([], [], [])
         for loc in self.regions:
-            rr = rem.regions[loc.name]
-            if rr.block_bytes != loc.block_bytes:
-                raise TransferError(
-                    f"layer {loc.name}: {rr.block_bytes}-byte blocks on prefill, {loc.block_bytes} on decode "
-                    "(dtype, head count or TP size differ)"
-                )
-            for lb, rb, n in runs:
-                if lb + n > loc.num_blocks or rb + n > rr.num_blocks:
-                    raise TransferError(f"block ids out of range for layer {loc.name}")
-                if loc.stride == loc.block_bytes and rr.stride == rr.block_bytes:
-                    locs.append(loc.addr + lb * loc.stride)
-                    rems.append(rr.addr + rb * rr.stride)
-                    lens.append(n * loc.block_bytes)
-                else:
-                    for i in range(n):
-                        locs.append(loc.addr + (lb + i) * loc.stride)
-                        rems.append(rr.addr + (rb + i) * rr.stride)
-                        lens.append(loc.block_bytes)
-        return locs, rems, lens
+            region_columns(loc, rem.regions[loc.name], job.local_block_ids, job.remote_block_ids, cols)
+        return cols
 
     def _load_resharded(self, job: RecvJob) -> int:
         """Decode rank, prefill TP != decode TP: READ this rank's head slices from every prefill
@@ -500,8 +591,9 @@ class _PdWorker:
         bad: dict[str, str] = {}  # remote request id -> why its load fails
         for (host, port, of), pjobs in by_peer.items():
             ids = [j.remote_request_id for j in pjobs]
+            gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
             try:
-                reply = self._rpc(host, port).call("done", req_ids=ids, of=of)
+                reply = self._rpc(host, port).call("done", req_ids=ids, of=of, gens=gens)
             except KvpoolError as exc:
                 log.debug("done notice for %s not delivered: %s", ids, exc)
                 for j in pjobs:
@@ -526,6 +618,35 @@ class _PdWorker:
                 self.stats.record_failure("PrefillFreed" if "abort_timeout_s" in why else "Unconfirmed")
                 log.warning("kvpool connector: KV of %s read but not confirmed: %s; blocks reported to vLLM "
                             "(kv_load_failure_policy: recompute or fail)", job.req_id, why)  # fmt: skip
+
+    def _stream_ended(self, ld: StreamLoad, why: str | None) -> bool:
+        """A streaming load ended on its lane (``why``: None, or why it failed). Returns whether
+        the prefill must be sent a "done" notice (it knows the request: its blocks wait for it)."""
+        job = ld.job
+        with self._lock:
+            self._stream_loads.pop(job.req_id, None)
+        if why is None:
+            job.gen = ld.gen
+            if job.local_block_ids:
+                wait_ms = (time.perf_counter() - ld.t0) * 1e3
+                self.loaded_blocks += len(job.local_block_ids)
+                self.loaded_bytes += ld.nbytes
+                self.stats.record_transfer(ld.read_s, ld.nbytes, len(job.local_block_ids))
+                log.info("kvpool connector: streamed %d blocks (%d bytes) for %s in %.2f ms of reads "
+                         "(%d rounds, %.1f ms after the decode asked)", len(job.local_block_ids), ld.nbytes,
+                         job.req_id, ld.read_s * 1e3, ld.rounds, wait_ms)  # fmt: skip
+                with self._lock:
+                    self._confirming.add(job.req_id)  # finished once the prefill confirms (_notify)
+            return True
+        self.stats.record_failure("StreamFailed")
+        log.warning("kvpool connector: streaming the KV of %s from %s:%d failed (%s); blocks reported to "
+                    "vLLM (kv_load_failure_policy: recompute or fail)",
+                    job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
+        if job.local_block_ids:
+            with self._lock:
+                self._load_errors.update(job.local_block_ids)
+                self._recv_done.add(job.req_id)
+        return bool(job.remote_request_id)
 
     def _load(self, job: RecvJob) -> None:
         t0 = time.perf_counter()

@@ -4,6 +4,12 @@ sends the workers once per step (:class:`KvpoolConnectorMetadata`: loads to star
 Runs in vLLM's scheduler process: every hook returns at once (no I/O). A decode's load is one
 :class:`RecvJob`; a prefill's finished request becomes ``kv_transfer_params`` naming its blocks and
 side channel, and its blocks are held (``delay_free``) until the worker reports them sent.
+
+Streaming (layer-wise) P/D: the proxy sends the prefill and the decode request at once with a
+``transfer_id``. The prefill's scheduler tells its worker, each step, which blocks of a streaming
+request the step computes up to which token (:class:`StreamStep`); the decode's load
+(:class:`RecvJob` with ``transfer_id``) asks the prefill side channel for that progress and reads
+each layer's final blocks while later layers are still being computed.
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ from kvpool.connectors.vllm.common import VllmConnectorConfig
 log = logging.getLogger("kvpool.connectors.vllm")
 
 _REMOTE_KEYS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+_STREAM_KEYS = ("transfer_id", "remote_host", "remote_port")
+
+
+def _streamed(params: dict[str, Any]) -> bool:
+    """A decode request whose KV streams from a prefill still computing (no block ids yet)."""
+    return params.get("remote_block_ids") is None and all(params.get(k) is not None for k in _STREAM_KEYS)
 
 
 @dataclass
@@ -33,6 +45,26 @@ class RecvJob:
     remote_request_id: str
     remote_engine_id: str | None = None
     remote_tp_size: int = 1
+    transfer_id: str | None = None
+    """Streaming load: the prefill's blocks are learnt from its side channel (``progress``)."""
+    num_tokens: int = 0
+    """Streaming load: prompt tokens; ``local_block_ids`` receive the tail of its blocks."""
+    gen: int | None = None
+    """Streaming load: the prefill stream's generation the blocks were read under (the fence)."""
+
+
+@dataclass
+class StreamStep:
+    """Prefill side, one step of a streaming request: after this step's forward pass its first
+    ``tokens`` tokens are in ``block_ids`` (``restart``: the request starts or resumed from
+    preemption in this step, with ``computed`` tokens already in its blocks)."""
+
+    transfer_id: str
+    block_ids: list[int]
+    tokens: int
+    total: int
+    restart: bool = False
+    computed: int = 0
 
 
 @dataclass
@@ -41,6 +73,9 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvJob] = field(default_factory=dict)
     send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
+    stream: dict[str, StreamStep] = field(default_factory=dict)  # prefill req id -> this step
+    stream_end: set[str] = field(default_factory=set)  # prefill req ids aborted while streaming
+    cancel: set[str] = field(default_factory=set)  # decode req ids whose streaming load ends
 
 
 def _tp(vllm_config: Any) -> tuple[int, int]:
@@ -64,6 +99,10 @@ class _PdScheduler:
         # Requests whose blocks a worker may still be writing: they are never freed before the
         # worker reports them in finished_recving (abort or failure included).
         self._loading: set[str] = set()
+        # Prefill: streaming requests -> [transfer id, prompt tokens, block ids so far].
+        self._streams: dict[str, list[Any]] = {}
+        self._stream_end: set[str] = set()
+        self._cancel: set[str] = set()
 
     def loads_done(self, req_ids: Any) -> None:
         self._loading.difference_update(req_ids)
@@ -71,7 +110,7 @@ class _PdScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
-            if not all(params.get(k) is not None for k in _REMOTE_KEYS):
+            if not _streamed(params) and not all(params.get(k) is not None for k in _REMOTE_KEYS):
                 log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
                             request.request_id, params)  # fmt: skip
                 return 0, False
@@ -82,9 +121,17 @@ class _PdScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("transfer_id"):
+            # Prefill of a streaming request: its progress goes to the worker with every step.
+            total = len(request.prompt_token_ids or ())
+            self._streams[request.request_id] = [str(params["transfer_id"]), total, []]
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        if _streamed(params):
+            self._stream_job(request, blocks, num_external_tokens, params)
+            return
         if not all(params.get(k) is not None for k in _REMOTE_KEYS):
             return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
@@ -108,13 +155,73 @@ class _PdScheduler:
             remote_tp_size=int(params.get("tp_size") or 1),
         )
 
+    def _stream_job(
+        self, request: Any, blocks: Any, num_external_tokens: int, params: dict[str, Any]
+    ) -> None:
+        """Decode: a load from a prefill that may not have started; its blocks come later."""
+        total = len(request.prompt_token_ids or ())
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        if len(local) > -(-total // self.block_size):
+            log.warning("request %s: %d local blocks for a %d-token prompt; computing locally",
+                        request.request_id, len(local), total)  # fmt: skip
+            local = []
+        if local:
+            self._loading.add(request.request_id)
+        self._recv[request.request_id] = RecvJob(
+            req_id=request.request_id,
+            local_block_ids=list(local),
+            remote_block_ids=[],
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_request_id="",
+            remote_engine_id=params.get("remote_engine_id"),
+            remote_tp_size=int(params.get("tp_size") or 1),
+            transfer_id=str(params["transfer_id"]),
+            num_tokens=total,
+        )
+
     def close(self) -> None:
         return None
 
-    def build_meta(self) -> KvpoolConnectorMetadata:
-        meta = KvpoolConnectorMetadata(recv=self._recv, send=self._send)
-        self._recv, self._send = {}, {}
+    def build_meta(self, out: Any = None) -> KvpoolConnectorMetadata:
+        """vLLM's scheduler, once per step (``out``: its ``SchedulerOutput``)."""
+        meta = KvpoolConnectorMetadata(recv=self._recv, send=self._send, cancel=self._cancel)
+        self._recv, self._send, self._cancel = {}, {}, set()
+        if self._streams and out is not None:
+            meta.stream = self._stream_steps(out)
+        if self._stream_end:
+            meta.stream_end, self._stream_end = self._stream_end, set()
         return meta
+
+    def _stream_steps(self, out: Any) -> dict[str, StreamStep]:
+        """This step's progress of every streaming prefill request it schedules."""
+        steps: dict[str, StreamStep] = {}
+        n_sched = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            st = self._streams.get(new.req_id)
+            if st is not None:
+                st[2] = list(new.block_ids[0])
+                steps[new.req_id] = StreamStep(st[0], st[2], new.num_computed_tokens + n_sched[new.req_id],
+                                               st[1], True, new.num_computed_tokens)  # fmt: skip
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._streams.get(rid)
+            if st is None:
+                continue
+            resumed = rid in cached.resumed_req_ids
+            nb = cached.new_block_ids[i]
+            if resumed:
+                st[2] = list(nb[0]) if nb else []
+            elif nb:
+                st[2] = st[2] + list(nb[0])
+            done = cached.num_computed_tokens[i]
+            steps[rid] = StreamStep(st[0], st[2], done + n_sched[rid], st[1], resumed, done)
+        for rid in getattr(out, "preempted_req_ids", None) or ():
+            st = self._streams.get(rid)
+            if st is not None and rid not in steps:  # its blocks are freed: nothing of it is final
+                st[2] = []
+                steps[rid] = StreamStep(st[0], [], 0, st[1], True, 0)
+        return steps
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -122,7 +229,9 @@ class _PdScheduler:
         if request.request_id in self._loading:
             # Finished (aborted, or failed by vLLM's load-failure policy) while its blocks are being
             # written: they are freed when the worker reports the load finished.
+            self._cancel.add(request.request_id)  # a streaming load stops waiting for the prefill
             return True, None
+        streaming = self._streams.pop(request.request_id, None) is not None
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -138,8 +247,12 @@ class _PdScheduler:
         if not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if streaming:  # a decode may be reading it: its worker fails those reads
+                self._stream_end.add(request.request_id)
             return False, None  # aborted prefill: free at once, no decode will read
         if not block_ids:
+            if streaming:
+                self._stream_end.add(request.request_id)
             return False, None
         self._send[request.request_id] = self.cfg.abort_timeout_s
         return True, dict(

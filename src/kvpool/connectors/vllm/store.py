@@ -160,10 +160,6 @@ class KvpoolStoreConnector(KvpoolConnectorBase):
     def _make_worker(self, vllm_config: Any, kv_cache_config: Any) -> _StoreWorker:
         return _StoreWorker(self.cfg, vllm_config, kv_cache_config)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        """vLLM's scheduler, once per step."""
-        return self._scheduler.build_meta(scheduler_output)
-
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's model runner, once per step before the forward pass: layer-wise mode begins the
         step's per-layer saves here -- vLLM 0.32 calls ``start_load_kv`` only after the forward

@@ -1,0 +1,321 @@
+"""Streaming (layer-wise) P/D for :class:`~kvpool.connectors.vllm.pd.KvpoolConnector`.
+
+The proxy sends a request to a prefill and a decode instance at once, with one ``transfer_id``
+(``kvpool proxy --stream-kv``). The decode allocates its blocks and its load thread asks the
+prefill's side channel ``progress`` for that id: which blocks the prefill request holds and, per
+KV region (layer, or K/V plane of a layer), up to which token the KV is final. It READs every block
+whose KV became final since its last question -- layer *i* of a chunk while layer *i+1* is being
+computed -- and the last ones when the prefill's forward pass ends. The owner of the memory still
+decides: the prefill only announces, the decode pulls, and the load's ``done`` notice is the fence.
+
+Prefill side (:class:`StreamTable`, in the worker): the scheduler sends, each step, every streaming
+request's blocks and the token count its step computes up to (``StreamStep``); ``save_kv_layer``
+(vLLM's attention layer, after writing that layer's KV) marks the layer final up to that count (on
+a GPU once an event recorded on the compute stream has completed); ``wait_for_save`` marks every
+layer. A preempted request (its blocks freed, recomputed later) bumps the stream's generation: a
+decode that read under the old one starts over, and a ``done`` notice naming an old generation is
+answered "expired" (the load fails; vLLM recomputes). An aborted request's stream is dead: the
+decode's load fails at its next question.
+
+Decode side (:func:`stream_round`, on the peer's load thread): one ``progress`` RPC per peer and
+round answers every streaming load from that peer; a load not seen by the prefill within
+``abort_timeout_s`` fails (vLLM's ``kv_load_failure_policy`` then recomputes or fails it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpool.connectors.vllm.common import Region, block_runs
+from kvpool.errors import KvpoolError, TransferError
+from kvpool.transfer.types import OpCode
+
+if TYPE_CHECKING:
+    from kvpool.connectors.vllm.pd import _PdWorker
+    from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob
+
+#: Transfer ids one ``progress`` question may name.
+MAX_PROGRESS_IDS = 64
+#: Seconds between progress questions while nothing new is final (doubles up to the maximum).
+POLL_MIN_S, POLL_MAX_S = 0.001, 0.01
+
+
+@dataclass
+class _Stream:
+    req_id: str
+    gen: int
+    blocks: list[int]
+    total: int
+    target: int
+    final: list[int]
+    dead_at: float | None = None
+    pending: list[tuple[Callable[[], bool], list[int], int]] = field(default_factory=list)
+
+
+class StreamTable:
+    """Prefill worker: the progress of its streaming requests, answered on the side channel.
+
+    ``begin_step`` (vLLM's model runner, before each forward pass), ``layer_saved`` (each attention
+    layer), ``step_done`` (after the forward pass) run on the model thread; ``progress`` and
+    ``gen_ok`` on the side-channel thread. One lock, held for a few dict operations.
+    """
+
+    def __init__(self, regions: list[Region]) -> None:
+        self.num_regions = len(regions)
+        self._layer: dict[str, list[int]] = {}
+        for i, r in enumerate(regions):
+            self._layer.setdefault(r.name.split("#")[0], []).append(i)
+        self._lock = threading.Lock()
+        self._by_tid: dict[str, _Stream] = {}
+        self._by_req: dict[str, str] = {}
+        self._step: list[_Stream] = []
+
+    def begin_step(self, meta: KvpoolConnectorMetadata, keep_dead_s: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            step = []
+            for rid, st in meta.stream.items():
+                tid = self._by_req.get(rid)
+                s = self._by_tid.get(tid) if tid is not None else None
+                if s is None or s.dead_at is not None:
+                    s = _Stream(rid, 0, [], st.total, 0, [st.computed] * self.num_regions)
+                    self._by_tid[st.transfer_id] = s
+                    self._by_req[rid] = st.transfer_id
+                elif st.restart:  # resumed after preemption: the old blocks were freed
+                    s.gen += 1
+                    s.final = [st.computed] * self.num_regions
+                    s.pending.clear()
+                s.blocks, s.target, s.total = list(st.block_ids), st.tokens, st.total
+                if st.tokens > st.computed:
+                    step.append(s)
+            self._step = step
+            for rid in meta.stream_end:
+                tid = self._by_req.get(rid)
+                if tid is not None and tid in self._by_tid:
+                    self._by_tid[tid].dead_at = now
+            for tid, s in list(self._by_tid.items()):
+                if s.dead_at is not None and now - s.dead_at > keep_dead_s:
+                    del self._by_tid[tid]
+                    self._by_req.pop(s.req_id, None)
+
+    def busy(self) -> bool:
+        """Whether the current step computes any streaming request (model thread)."""
+        return bool(self._step)
+
+    def layer_saved(self, layer_name: str, ready: Callable[[], bool] | None = None) -> None:
+        """The layer's KV of this step is written (``ready``: once that returns True)."""
+        idx = self._layer.get(layer_name)
+        if not idx or not self._step:
+            return
+        with self._lock:
+            for s in self._step:
+                if ready is None:
+                    for i in idx:
+                        s.final[i] = max(s.final[i], s.target)
+                else:
+                    s.pending.append((ready, idx, s.target))
+
+    def step_done(self, ready: Callable[[], bool] | None = None) -> None:
+        """The forward pass ended: every layer of the step is written (``ready``: once True)."""
+        with self._lock:
+            for s in self._step:
+                if ready is None:
+                    s.final = [max(f, s.target) for f in s.final]
+                    s.pending.clear()
+                else:
+                    s.pending.append((ready, list(range(self.num_regions)), s.target))
+            self._step = []
+
+    def forget(self, req_ids: set[str]) -> None:
+        """The requests' blocks were freed (read, or given up on)."""
+        with self._lock:
+            for rid in req_ids:
+                tid = self._by_req.pop(rid, None)
+                if tid is not None:
+                    self._by_tid.pop(tid, None)
+
+    def gen_ok(self, req_id: str, gen: int) -> bool:
+        """Side channel, ``done``: may a read made under ``gen`` be trusted?"""
+        with self._lock:
+            tid = self._by_req.get(req_id)
+            s = self._by_tid.get(tid) if tid is not None else None
+            return s is None or (s.gen == gen and s.dead_at is None)
+
+    def progress(self, tids: list[str]) -> dict[str, Any]:
+        """Side channel, ``progress``: per transfer id, ``pending`` (not scheduled yet), ``dead``
+        (aborted) or ``live`` with the request id, generation, blocks, tokens and per-region final
+        token counts."""
+        out: dict[str, Any] = {}
+        with self._lock:
+            for tid in tids[:MAX_PROGRESS_IDS]:
+                s = self._by_tid.get(str(tid))
+                if s is None:
+                    out[tid] = {"state": "pending"}
+                elif s.dead_at is not None:
+                    out[tid] = {"state": "dead"}
+                else:
+                    if s.pending:
+                        keep = []
+                        for ready, idx, target in s.pending:
+                            if ready():
+                                for i in idx:
+                                    s.final[i] = max(s.final[i], target)
+                            else:
+                                keep.append((ready, idx, target))
+                        s.pending = keep
+                    out[tid] = {"state": "live", "req_id": s.req_id, "gen": s.gen, "total": s.total,
+                                "blocks": s.blocks, "final": s.final}  # fmt: skip
+        return out
+
+
+@dataclass
+class StreamLoad:
+    """Decode: one streaming load in progress on a peer's load thread."""
+
+    job: RecvJob
+    deadline: float
+    t0: float = field(default_factory=time.perf_counter)
+    gen: int | None = None
+    read: dict[str, int] = field(default_factory=dict)  # region name -> next remote block index
+    nbytes: int = 0
+    read_s: float = 0.0  # time spent in READs (not waiting for the prefill)
+    rounds: int = 0
+    cancelled: bool = False
+
+
+def region_columns(
+    loc: Region, rr: Region, local: list[int], remote: list[int], cols: tuple[list[int], list[int], list[int]]
+) -> None:
+    """Append the READ columns of blocks ``remote`` of ``rr`` into blocks ``local`` of ``loc``
+    (contiguous runs merged; bounds and block sizes checked)."""
+    if rr.block_bytes != loc.block_bytes:
+        raise TransferError(
+            f"layer {loc.name}: {rr.block_bytes}-byte blocks on prefill, {loc.block_bytes} on decode "
+            "(dtype, head count or TP size differ)"
+        )
+    locs, rems, lens = cols
+    for lb, rb, n in block_runs(local, remote):
+        if lb < 0 or rb < 0 or lb + n > loc.num_blocks or rb + n > rr.num_blocks:
+            raise TransferError(f"block ids out of range for layer {loc.name}")
+        if loc.stride == loc.block_bytes and rr.stride == rr.block_bytes:
+            locs.append(loc.addr + lb * loc.stride)
+            rems.append(rr.addr + rb * rr.stride)
+            lens.append(n * loc.block_bytes)
+        else:
+            for i in range(n):
+                locs.append(loc.addr + (lb + i) * loc.stride)
+                rems.append(rr.addr + (rb + i) * rr.stride)
+                lens.append(loc.block_bytes)
+
+
+def stream_round(
+    worker: _PdWorker, loads: list[StreamLoad]
+) -> tuple[list[tuple[StreamLoad, str | None]], bool]:
+    """Decode load thread: one progress question per peer for ``loads``, then READ what became
+    final. Returns the loads that ended (with None, or why they failed) and whether any bytes moved.
+    Loads of one peer share its question; a failing peer fails only its own loads."""
+    ended: list[tuple[StreamLoad, str | None]] = []
+    moved = False
+    by_peer: dict[tuple[str, int], list[StreamLoad]] = {}
+    now = time.monotonic()
+    for ld in loads:
+        if ld.cancelled:
+            ended.append((ld, "the decode request ended before its KV arrived"))
+        elif now > ld.deadline:
+            ended.append((ld, f"the prefill did not produce the KV within {worker.cfg.abort_timeout_s:g} s"))
+        else:
+            port = ld.job.remote_port + worker.tp_rank % max(ld.job.remote_tp_size, 1)
+            by_peer.setdefault((ld.job.remote_host, port), []).append(ld)
+    for (host, port), pl in by_peer.items():
+        for i in range(0, len(pl), MAX_PROGRESS_IDS):
+            part = pl[i : i + MAX_PROGRESS_IDS]
+            try:
+                reply = worker._rpc(host, port).call("progress", ids=[ld.job.transfer_id for ld in part])
+                rem = worker._remote(host, port)
+            except KvpoolError as exc:
+                worker._remotes.pop((host, port), None)
+                ended.extend((ld, f"progress from {host}:{port}: {exc}") for ld in part)
+                continue
+            states = reply.get("streams") or {}
+            for ld in part:
+                try:
+                    done, n = _advance(worker, rem, ld, states.get(ld.job.transfer_id) or {}, reply)
+                except KvpoolError as exc:
+                    ended.append((ld, str(exc)))
+                    continue
+                moved = moved or n > 0
+                if done:
+                    ended.append((ld, None))
+    return ended, moved
+
+
+def _advance(
+    worker: _PdWorker, rem: Any, ld: StreamLoad, st: dict[str, Any], reply: dict[str, Any]
+) -> tuple[bool, int]:
+    """READ the blocks of one load that became final; True once every block of every region was read."""
+    job = ld.job
+    state = st.get("state")
+    if state == "pending":
+        return False, 0
+    if state != "live":
+        raise TransferError(f"the prefill request of transfer {job.transfer_id} ended unfinished ({state})")
+    engine = reply.get("engine_id")
+    if job.remote_engine_id and engine and engine != job.remote_engine_id:
+        raise TransferError(f"{job.remote_host}:{job.remote_port} is another instance now ({engine})")
+    bs = worker.block_size
+    total = int(st["total"])
+    if total != job.num_tokens:
+        raise TransferError(f"prefill has {total} prompt tokens, decode {job.num_tokens}")
+    nblocks = -(-total // bs)
+    blocks = [int(b) for b in st["blocks"]][:nblocks]
+    final = [int(f) for f in st["final"]]
+    job.remote_request_id = str(st["req_id"])
+    job.remote_engine_id = job.remote_engine_id or engine
+    if ld.gen != int(st["gen"]):  # first answer, or the prefill was preempted: read from the start
+        ld.gen, ld.read = int(st["gen"]), {}
+    local = job.local_block_ids
+    skip = nblocks - len(local)
+    if not local:  # nothing to read (local prefix hit, or ended before allocation): only the notice
+        return True, 0
+    if job.remote_tp_size != worker.tp_size:
+        # Heterogeneous TP: one resharded load once every layer of every block is final.
+        if len(blocks) < nblocks or min(final, default=0) < total:
+            return False, 0
+        job.remote_block_ids = blocks[skip:]
+        t = time.perf_counter()
+        ld.nbytes = worker._load_resharded(job)
+        ld.read_s += time.perf_counter() - t
+        return True, ld.nbytes
+    if rem.block_size != bs:
+        raise TransferError(f"block size differs: prefill {rem.block_size}, decode {bs}")
+    names = list(rem.regions)
+    if len(final) != len(names) or set(names) != {r.name for r in worker.regions}:
+        raise TransferError("prefill and decode KV cache layers differ (same model and layout needed)")
+    index = {n: i for i, n in enumerate(names)}
+    cols: tuple[list[int], list[int], list[int]] = ([], [], [])
+    upto: dict[str, int] = {}
+    for loc in worker.regions:
+        f = final[index[loc.name]]
+        end = min(nblocks if f >= total else f // bs, len(blocks))
+        start = ld.read.get(loc.name, skip)
+        if end > start:
+            rr = rem.regions[loc.name]
+            region_columns(loc, rr, local[start - skip : end - skip], blocks[start:end], cols)
+            upto[loc.name] = end
+    n = sum(cols[2])
+    if n:
+        assert worker.engine is not None
+        t = time.perf_counter()
+        worker.engine.batch_transfer_sync(rem.segment, *cols, OpCode.READ)
+        ld.read_s += time.perf_counter() - t
+        ld.read.update(upto)
+        ld.nbytes += n
+    ld.rounds += 1
+    if all(ld.read.get(r.name, skip) >= nblocks for r in worker.regions):
+        job.remote_block_ids = blocks[skip:]
+        return True, n
+    return False, n

@@ -1,0 +1,202 @@
+"""Streaming (layer-wise) P/D: the decode reads each layer's KV while the prefill computes the next.
+
+vLLM's real Scheduler on both sides, kvpool's real worker halves, transfer engine and side channel
+over loopback; the forward pass is the layer-by-layer test double of tests/vllm_sched.py. Plus the
+prefill's progress table on its own (generations, GPU-style readiness)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.child import free_port
+from tests.vllm_support import tiny_llama  # noqa: F401  (fixture)
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvpool.connectors.vllm.common import Region  # noqa: E402
+from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, StreamStep  # noqa: E402
+from kvpool.connectors.vllm.pd_stream import StreamTable  # noqa: E402
+from tests.vllm_sched import BS, LAYERS, LayerInstance, expected_rows  # noqa: E402
+
+PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2.5 blocks
+LONG = [(i * 53) % 500 + 3 for i in range(200)]  # 6.25 blocks
+
+
+@pytest.fixture
+def pd(tiny_llama: Path) -> Iterator[tuple[LayerInstance, LayerInstance]]:  # noqa: F811
+    p = LayerInstance(tiny_llama, "KvpoolConnector", "kv_producer",
+                      {"side_channel_port": free_port(), "abort_timeout_s": 30})  # fmt: skip
+    d = LayerInstance(tiny_llama, "KvpoolConnector", "kv_consumer",
+                      {"side_channel_port": free_port(), "abort_timeout_s": 30})  # fmt: skip
+    yield p, d
+    d.close()
+    p.close()
+
+
+def _decode_params(p: LayerInstance, tid: str) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "transfer_id": tid, "remote_host": "127.0.0.1",
+            "remote_port": p.worker._worker.cfg.side_channel_port}  # fmt: skip
+
+
+def _rows(inst: LayerInstance, blocks: list[int], layer: int, n: int) -> torch.Tensor:
+    kv = inst.kv[LAYERS[layer]]
+    return torch.stack([kv[blocks[t // BS], :, t % BS, :] for t in range(n)])
+
+
+def _chunk(inst: LayerInstance, tokens: int) -> None:
+    """Chunked prefill of at most ``tokens`` tokens per step."""
+    inst.scheduler.max_num_scheduled_tokens = tokens
+    inst.scheduler.scheduler_config.max_num_batched_tokens = tokens
+
+
+def _until(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.002)
+
+
+def test_decode_reads_each_layer_while_the_prefill_computes_the_next(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    p, d = pd
+    d.add("d1", PROMPT, 4, _decode_params(p, "t1"))  # the decode gets the request first
+    out, _ = d.step()
+    job = out.kv_connector_metadata.recv["d1"]
+    assert job.transfer_id == "t1" and job.remote_block_ids == [] and len(job.local_block_ids) == 3
+    assert d.scheduler.requests["d1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    local = job.local_block_ids
+    want = expected_rows(PROMPT, 80)
+    seen: list[tuple[bool, bool]] = []
+
+    def between_layers(li: int) -> None:
+        if li == 0:  # layer 0 is final, layer 1 not computed yet: the decode reads layer 0 now
+            _until(lambda: torch.equal(_rows(d, local, 0, 80), want[0]))
+            seen.append((torch.equal(_rows(d, local, 0, 80), want[0]), bool(_rows(d, local, 1, 80).any())))
+
+    p.after_save = between_layers
+    p.add("p1", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "t1"})
+    _, outputs = p.step()
+    assert outputs["p1"].finish_reason is not None
+    assert seen == [(True, False)]  # layer 0 arrived before layer 1 was even computed
+    outputs = d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
+    assert outputs["d1"].new_token_ids == [7]
+    for got, w in zip(d.block_values("d1", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, w)
+    assert d.worker._worker.loaded_blocks == 3
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)  # "done" freed the prefill's blocks
+
+
+def test_chunked_prefill_streams_each_chunk_and_a_local_hit_reads_only_the_tail(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    p, d = pd
+    _chunk(p, 96)  # the 200-token prompt takes three steps
+    # The decode already holds the first 64 tokens (2 blocks) from an earlier request.
+    d.add("warm", LONG[:64], 1, None)
+    d.run_until(lambda o: "warm" in o and o["warm"].finish_reason is not None)
+    d.add("d2", LONG, 2, _decode_params(p, "t2"))
+    out, _ = d.step()
+    job = out.kv_connector_metadata.recv["d2"]
+    assert len(job.local_block_ids) == 5  # 7 blocks, the first 2 are a local prefix hit
+    p.add("p2", LONG, 1, {"do_remote_decode": True, "transfer_id": "t2"})
+    _, outputs = p.step()  # tokens 0..95: blocks 0-2 final, the decode reads block 2 of them
+    assert "p2" not in outputs or outputs["p2"].finish_reason is None
+    _until(lambda: torch.equal(_rows(d, job.local_block_ids[:1], 1, BS), expected_rows(LONG, 96)[1][64:96]))
+    assert not _rows(d, job.local_block_ids[1:2], 0, BS).any()  # block 3 is not final yet
+    p.run_until(lambda o: "p2" in o and o["p2"].finish_reason is not None)
+    outputs = d.run_until(lambda o: "d2" in o and o["d2"].new_token_ids)
+    for got, w in zip(d.block_values("d2", 199), expected_rows(LONG, 199), strict=True):
+        assert torch.equal(got, w)
+    assert d.worker._worker.loaded_blocks == 5
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+
+
+def test_a_prefill_aborted_while_streaming_fails_the_decode_load(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    p, d = pd
+    _chunk(p, 96)
+    d.add("d3", LONG, 2, _decode_params(p, "t3"))
+    d.step()
+    p.add("p3", LONG, 1, {"do_remote_decode": True, "transfer_id": "t3"})
+    p.step()
+    p.scheduler.finish_requests("p3", RequestStatus.FINISHED_ABORTED)
+    p.step()  # the worker learns the stream is dead before any forward pass reuses its blocks
+    t0 = time.monotonic()
+    # vLLM's default kv_load_failure_policy is "fail": the request ends, no hang, no wrong bytes.
+    outputs = d.run_until(lambda o: "d3" in o and o["d3"].finish_reason is not None, timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert outputs["d3"].finish_reason is not None and not outputs["d3"].new_token_ids
+    d.run_until(lambda o: d.free_blocks() == d.idle_free)
+    assert p.free_blocks() == p.idle_free
+
+
+def test_a_prefill_that_never_comes_and_a_decode_abort_end_the_load(tiny_llama: Path) -> None:  # noqa: F811
+    d = LayerInstance(tiny_llama, "KvpoolConnector", "kv_consumer",
+                      {"side_channel_port": free_port(), "abort_timeout_s": 1.0})  # fmt: skip
+    p = LayerInstance(tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port()})
+    try:
+        d.add("d4", PROMPT, 2, _decode_params(p, "never"))
+        d.step()
+        t0 = time.monotonic()
+        d.run_until(lambda o: "d4" in o and o["d4"].finish_reason is not None, timeout=10)
+        assert 0.9 < time.monotonic() - t0 < 5  # the decode gave up after abort_timeout_s
+        d.run_until(lambda o: d.free_blocks() == d.idle_free)
+        # A decode request aborted while its load waits: the blocks return once the worker stopped.
+        d.add("d5", PROMPT, 2, _decode_params(p, "never2"))
+        d.step()
+        assert d.free_blocks() == d.idle_free - 3
+        d.scheduler.finish_requests("d5", RequestStatus.FINISHED_ABORTED)
+        d.step()
+        t0 = time.monotonic()
+        d.run_until(lambda o: d.free_blocks() == d.idle_free, timeout=10)
+        assert time.monotonic() - t0 < 0.5  # cancelled, not left to the deadline
+    finally:
+        d.close()
+        p.close()
+
+
+def _meta(**kw: Any) -> KvpoolConnectorMetadata:
+    return KvpoolConnectorMetadata(**kw)
+
+
+def test_progress_table_generations_and_readiness() -> None:
+    regions = [Region(f"l{i}#{k}", 0, 64, 64, 8) for i in range(2) for k in range(2)]  # K/V planes
+    t = StreamTable(regions)
+    assert t.progress(["x"]) == {"x": {"state": "pending"}}
+    t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5], 40, 60, True, 8)}), 60.0)
+    st = t.progress(["x"])["x"]
+    assert st["state"] == "live" and st["final"] == [8, 8, 8, 8] and st["gen"] == 0  # prefix hit
+    t.layer_saved("l0")
+    assert t.progress(["x"])["x"]["final"] == [40, 40, 8, 8]  # both planes of layer 0
+    gate = SimpleNamespace(done=False)
+    t.layer_saved("l1", lambda: gate.done)  # GPU: final once the recorded event completed
+    assert t.progress(["x"])["x"]["final"] == [40, 40, 8, 8]
+    gate.done = True
+    assert t.progress(["x"])["x"]["final"] == [40, 40, 40, 40]
+    t.step_done()
+    assert t.gen_ok("r", 0)
+    # Preempted: nothing of the old blocks is final, the generation moves, old reads are refused.
+    t.begin_step(_meta(stream={"r": StreamStep("x", [], 0, 60, True, 0)}), 60.0)
+    st = t.progress(["x"])["x"]
+    assert st["gen"] == 1 and st["final"] == [0, 0, 0, 0] and st["blocks"] == []
+    assert not t.gen_ok("r", 0) and t.gen_ok("r", 1)
+    t.begin_step(_meta(stream_end={"r"}), 60.0)  # aborted
+    assert t.progress(["x"])["x"] == {"state": "dead"} and not t.gen_ok("r", 1)
+    t.layer_saved("l0")  # no step in progress: nothing changes, nothing fails
+    t.begin_step(_meta(), 0.0)  # dead streams are dropped after keep_dead_s
+    assert t.progress(["x"])["x"] == {"state": "pending"}
+    t.begin_step(_meta(stream={"q": StreamStep("y", [1], 16, 16, True, 0)}), 60.0)
+    t.forget({"q"})
+    assert t.progress(["y"])["y"] == {"state": "pending"}
