@@ -61,6 +61,7 @@ class FakeVllm:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[CIMultiDict[str]] = []
         self.paths: list[str] = []
+        self.arrivals: list[float] = []
         self.last_chunk_sent_at: float | None = None
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -116,6 +117,7 @@ class FakeVllm:
             raise asyncio.CancelledError  # nothing more on this connection
         body = await request.json()
         n = len(self.bodies)
+        self.arrivals.append(time.monotonic())
         self.bodies.append(body)
         self.headers.append(request.headers.copy())
         self.paths.append(request.path)
@@ -272,6 +274,43 @@ def test_chat_completions_streaming_and_not() -> None:
             assert "stream_options" not in p.bodies[1]
             assert d.bodies[1]["stream_options"] == {"include_usage": True}
             assert d.bodies[1]["kv_transfer_params"] == p.kv_transfer_params(1)
+
+    run(go)
+
+
+def test_stream_kv_sends_prefill_and_decode_at_once_with_one_transfer_id() -> None:
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d], stream_kv=True) as (proxy, client):
+            req = {"model": "m", "prompt": "hi", "max_tokens": 3}
+            async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                assert r.status == 200  # the first one is sequential: it teaches the prefill's side channel
+            assert d.bodies[0]["kv_transfer_params"] == p.kv_transfer_params(0)
+            p.delay_s = 0.5
+            async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                assert r.status == 200
+                assert (await r.json())["served_by"] == "d0"
+            pp, dp = p.bodies[1]["kv_transfer_params"], d.bodies[1]["kv_transfer_params"]
+            assert pp == {"do_remote_decode": True, "transfer_id": dp["transfer_id"]}
+            assert len(dp["transfer_id"]) == 32
+            assert dp == {"do_remote_prefill": True, "transfer_id": pp["transfer_id"],
+                          "remote_host": "127.0.0.1", "remote_port": 5600, "remote_engine_id": "engine-p0",
+                          "tp_size": None}  # fmt: skip
+            assert d.arrivals[1] < p.arrivals[1] + 0.4  # the decode did not wait for the prefill's answer
+            # A prefill that fails never sends the KV: the decode's answer is cut off, no hang.
+            p.delay_s, p.status, d.delay_s = 0.0, 500, 5.0
+            t0 = time.monotonic()
+            async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                assert r.status == 502
+                assert "prefill backend" in (await r.json())["error"]["message"]
+            assert time.monotonic() - t0 < 3
+            # ... and so is a streamed answer that already began.
+            p.delay_s, d.delay_s, d.chunk_delay_s = 0.3, 0.0, 1.0
+            t0 = time.monotonic()
+            async with client.post(f"{proxy.url}/v1/completions", json={**req, "stream": True}) as r:
+                assert r.status == 200
+                raw = await r.text()
+            assert "[DONE]" not in raw and time.monotonic() - t0 < 3
 
     run(go)
 

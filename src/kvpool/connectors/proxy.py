@@ -659,7 +659,7 @@ class PDProxy:
             if router is not None:
                 router.first_token(rkey)
 
-        ptask: asyncio.Task[None] | None = None
+        ptask: asyncio.Task[str | None] | None = None
         try:
             if self.aggregated:
                 dresp, dbackend = await self._send(self.prefill, "POST", path, body, headers, prefer=prefer_p)
@@ -675,12 +675,9 @@ class PDProxy:
                     **pb.kv_peer,
                 }
                 ptask = asyncio.create_task(self._prefill_streamed(pb, path, pbody, headers, request_id))
-                dresp, dbackend = await self._send(
-                    self.decode, "POST", path, decode_body, headers, prefer=prefer_d
-                )
-                ptask.add_done_callback(
-                    lambda t, r=dresp: r.close() if not t.cancelled() and t.result() else None
-                )
+                self._copy_tasks.add(ptask)
+                ptask.add_done_callback(self._copy_tasks.discard)
+                dresp, dbackend = await self._decode_beside(ptask, pb, path, decode_body, headers, prefer_d)
             else:
                 # 1. Prefill.
                 presp, pbackend = await self._send(
@@ -753,6 +750,29 @@ class PDProxy:
         finally:
             dbackend.in_flight -= 1
             dresp.release()
+
+    async def _decode_beside(
+        self, ptask: asyncio.Task[str | None], pb: Backend, path: str, body: dict[str, Any],
+        headers: dict[str, str], prefer: Backend | None,
+    ) -> tuple[aiohttp.ClientResponse, Backend]:  # fmt: skip
+        """Send the decode half of a streaming P/D request while its prefill half ``ptask`` runs.
+        A failed prefill never sends the KV: the decode request is then dropped (vLLM aborts it),
+        before its answer (502 naming the prefill) or during it (the answer is cut off)."""
+        dtask = asyncio.ensure_future(self._send(self.decode, "POST", path, body, headers, prefer=prefer))
+        await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
+        why = ptask.result() if ptask.done() and not ptask.cancelled() else None
+        if why is not None:
+            dtask.cancel()
+            try:
+                dresp, dbackend = await dtask
+                dbackend.in_flight -= 1
+                dresp.close()
+            except (asyncio.CancelledError, BackendError):
+                pass
+            raise BackendError(502, f"prefill backend {pb.url} failed: {why}")
+        dresp, dbackend = await dtask
+        ptask.add_done_callback(lambda t: dresp.close() if not t.cancelled() and t.result() else None)
+        return dresp, dbackend
 
     async def _prefill_streamed(
         self, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
