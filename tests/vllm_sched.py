@@ -127,14 +127,13 @@ class Instance:
         after = not getattr(out, "has_sync_kv_loads", True)
         if not after:
             self.worker.start_load_kv(None)
-        ids: list[str] = []
+        work: list[tuple[str, int, int]] = []
         for new in out.scheduled_new_reqs:
-            self._compute(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
-            ids.append(new.req_id)
+            work.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            self._compute(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
-            ids.append(rid)
+            work.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
+        self._forward(work)
         if after:
             self.worker.start_load_kv(None)
         self.worker.wait_for_save()
@@ -144,15 +143,24 @@ class Instance:
         kco = KVConnectorOutput(
             finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
         )
+        ids = [w[0] for w in work]
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[token] for _ in ids],
+            # a prefill chunk that does not reach the end of the prompt samples nothing (as vLLM's runner)
+            sampled_token_ids=[
+                [token] if start + n >= self.scheduler.requests[rid].num_tokens else []
+                for rid, start, n in work
+            ],
             kv_connector_output=kco,
         )
         eco = self.scheduler.update_from_output(out, mro)
-        outputs = {o.request_id: o for e in eco.values() for o in e.outputs}
-        return out, outputs
+        return out, {o.request_id: o for e in eco.values() for o in e.outputs}
+
+    def _forward(self, work: list[tuple[str, int, int]]) -> None:
+        """The forward pass double over ``(request id, first token, tokens)`` of the step."""
+        for rid, start, n in work:
+            self._compute(rid, start, n)
 
     def _compute(self, rid: str, start: int, n: int) -> None:
         """The forward pass double: token t of request rid gets the value pattern(rid, t)."""
@@ -201,19 +209,9 @@ class LayerInstance(Instance):
 
     def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
         self.seen = []
-        out = self.scheduler.schedule()
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        # vLLM 0.32's model runner: start_load_kv before the forward pass only when the step has
-        # synchronous loads, else after it (so the layer hooks run before it)
-        after = not out.has_sync_kv_loads
-        if not after:
-            self.worker.start_load_kv(None)
-        work: list[tuple[str, int, int]] = []
-        for new in out.scheduled_new_reqs:
-            work.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            work.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
+        return super().step(token)
+
+    def _forward(self, work: list[tuple[str, int, int]]) -> None:
         for li, name in enumerate(LAYERS):
             if self.stop_after is not None and li >= self.stop_after:
                 break
@@ -225,28 +223,6 @@ class LayerInstance(Instance):
             self.seen.append(("save", name))
             if self.after_save is not None:
                 self.after_save(li)
-        if after:
-            self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(out.finished_req_ids)
-        errors = self.worker.get_block_ids_with_load_errors()
-        self.worker.clear_connector_metadata()
-        kco = KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
-        )
-        ids = [w[0] for w in work]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            # a prefill chunk that does not reach the end of the prompt samples nothing (as vLLM's runner)
-            sampled_token_ids=[
-                [token] if start + n >= self.scheduler.requests[rid].num_tokens else []
-                for rid, start, n in work
-            ],
-            kv_connector_output=kco,
-        )
-        eco = self.scheduler.update_from_output(out, mro)
-        return out, {o.request_id: o for e in eco.values() for o in e.outputs}
 
     def _compute_layer(self, rid: str, start: int, n: int, li: int) -> None:
         req = self.scheduler.requests[rid]
