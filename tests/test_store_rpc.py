@@ -262,3 +262,39 @@ def test_fd_limit_backs_off_accept_and_keeps_serving() -> None:
 def _cpu_s(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_deferred_reply_is_sent_from_another_thread_and_stop_wakes_the_loop() -> None:
+    parked: list[tuple[Any, Any]] = []
+
+    def handler(req: dict[str, Any], conn: Any) -> dict[str, Any] | None:
+        if req.get("op") == "later":
+            parked.append((conn, req["id"]))
+            return None  # answered later, through call_soon + reply
+        return {"ok": True, "v": req.get("v")}
+
+    srv = RpcServer("127.0.0.1", 0, handler, lambda: None, tick_s=30.0, with_connection=True)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    waiter = RpcClient(f"127.0.0.1:{srv.port}", 5.0)
+    other = RpcClient(f"127.0.0.1:{srv.port}", 5.0)
+    try:
+        got: list[Any] = []
+        th = threading.Thread(target=lambda: got.append(waiter.call("later")))
+        th.start()
+        deadline = time.monotonic() + 5
+        while not parked and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert other.call("now", v=3)["v"] == 3  # a parked question holds up no one else
+        assert th.is_alive() and not got
+        conn, rid = parked[0]
+        srv.call_soon(lambda: srv.reply(conn, rid, {"ok": True, "v": "late"}))
+        th.join(5)
+        assert got and got[0]["v"] == "late"  # woken at once (the tick is 30 s)
+    finally:
+        waiter.close()
+        other.close()
+        t0 = time.monotonic()
+        srv.stop()
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 2

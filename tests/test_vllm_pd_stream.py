@@ -174,29 +174,49 @@ def _meta(**kw: Any) -> KvpoolConnectorMetadata:
 def test_progress_table_generations_and_readiness() -> None:
     regions = [Region(f"l{i}#{k}", 0, 64, 64, 8) for i in range(2) for k in range(2)]  # K/V planes
     t = StreamTable(regions)
-    assert t.progress(["x"]) == {"x": {"state": "pending"}}
+    assert t.progress(["x"])[0] == {"x": {"state": "pending"}}
     t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5], 40, 60, True, 8)}), 60.0)
-    st = t.progress(["x"])["x"]
+    st = t.progress(["x"])[0]["x"]
     assert st["state"] == "live" and st["final"] == [8, 8, 8, 8] and st["gen"] == 0  # prefix hit
     t.layer_saved("l0")
-    assert t.progress(["x"])["x"]["final"] == [40, 40, 8, 8]  # both planes of layer 0
+    assert t.progress(["x"])[0]["x"]["final"] == [40, 40, 8, 8]  # both planes of layer 0
     gate = SimpleNamespace(done=False)
     t.layer_saved("l1", lambda: gate.done)  # GPU: final once the recorded event completed
-    assert t.progress(["x"])["x"]["final"] == [40, 40, 8, 8]
+    assert t.progress(["x"])[0]["x"]["final"] == [40, 40, 8, 8]
     gate.done = True
-    assert t.progress(["x"])["x"]["final"] == [40, 40, 40, 40]
+    assert t.progress(["x"])[0]["x"]["final"] == [40, 40, 40, 40]
     t.step_done()
     assert t.gen_ok("r", 0)
     # Preempted: nothing of the old blocks is final, the generation moves, old reads are refused.
     t.begin_step(_meta(stream={"r": StreamStep("x", [], 0, 60, True, 0)}), 60.0)
-    st = t.progress(["x"])["x"]
+    st = t.progress(["x"])[0]["x"]
     assert st["gen"] == 1 and st["final"] == [0, 0, 0, 0] and st["blocks"] == []
     assert not t.gen_ok("r", 0) and t.gen_ok("r", 1)
     t.begin_step(_meta(stream_end={"r"}), 60.0)  # aborted
-    assert t.progress(["x"])["x"] == {"state": "dead"} and not t.gen_ok("r", 1)
+    assert t.progress(["x"])[0]["x"] == {"state": "dead"} and not t.gen_ok("r", 1)
     t.layer_saved("l0")  # no step in progress: nothing changes, nothing fails
     t.begin_step(_meta(), 0.0)  # dead streams are dropped after keep_dead_s
-    assert t.progress(["x"])["x"] == {"state": "pending"}
+    assert t.progress(["x"])[0]["x"] == {"state": "pending"}
     t.begin_step(_meta(stream={"q": StreamStep("y", [1], 16, 16, True, 0)}), 60.0)
     t.forget({"q"})
-    assert t.progress(["y"])["y"] == {"state": "pending"}
+    assert t.progress(["y"])[0]["y"] == {"state": "pending"}
+
+
+def test_progress_questions_wait_at_the_prefill_until_news() -> None:
+    t = StreamTable([Region("l0", 0, 64, 64, 8)])
+    woken: list[int] = []
+    t.on_change = lambda: woken.append(t.version)
+    t.begin_step(_meta(stream={"r": StreamStep("x", [1], 32, 32, True, 0)}), 60.0)
+    _, v = t.progress(["x"])
+    assert not t.park("c0", 1, ["x"], v - 1, time.monotonic() + 1)  # news already: answer now
+    assert t.park("c1", 2, ["x"], v, time.monotonic() + 1)
+    assert t.park("c2", 3, ["x"], v, time.monotonic() - 1)  # its time is up
+    assert t.due(time.monotonic()) == [("c2", 3, ["x"])] and not woken
+    t.layer_saved("l0")  # news: the server is woken and the question answered
+    assert woken == [v + 1] and t.due(time.monotonic()) == [("c1", 2, ["x"])]
+    assert t.progress(["x"])[0]["x"]["final"] == [32] and t.due(time.monotonic()) == []
+    t.step_done()  # nothing parked: no wake-up
+    assert woken == [v + 1]
+    t.begin_step(_meta(stream={"r": StreamStep("x", [1], 32, 32, False, 0)}), 60.0)
+    t.layer_saved("l0", lambda: False)  # a GPU readiness outstanding: questions are not held
+    assert not t.park("c3", 4, ["x"], t.version, time.monotonic() + 1)

@@ -630,6 +630,12 @@ class RpcServer:
         self._stop = threading.Event()
         self.stats: collections.Counter[str] = collections.Counter()
         self.max_frame_s = 0.0
+        # call_soon: functions other threads hand to this loop, and the socket that wakes it
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
 
     # ------------------------------------------------------------------ loop
     def serve_forever(self) -> None:
@@ -643,6 +649,9 @@ class RpcServer:
                 assert isinstance(sock, socket.socket)
                 if sock is self._listen:
                     self._accept()
+                    continue
+                if sock is self._wake_r:
+                    self._run_calls()
                     continue
                 conn = self._conns.get(sock)
                 if conn is None:
@@ -674,11 +683,48 @@ class RpcServer:
         if self._accepting:
             self._sel.unregister(self._listen)
         self._listen.close()
+        self._sel.unregister(self._wake_r)
+        self._wake_r.close()
+        self._wake_w.close()
         self._sel.close()
 
     def stop(self) -> None:
-        """Make :meth:`serve_forever` return (within ``tick_s``)."""
+        """Make :meth:`serve_forever` return (soon: the loop is woken)."""
         self._stop.set()
+        self.call_soon(lambda: None)
+
+    # ------------------------------------------------------------------ deferred replies
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the server's thread soon; any thread may call this. For replies a
+        handler deferred (it returned None and kept the connection): ``fn`` sends them with
+        :meth:`reply`."""
+        self._calls.append(fn)
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # a wake-up is pending already (buffer full), or the server has stopped
+
+    def reply(self, conn: Connection, rid: Any, out: dict[str, Any]) -> None:
+        """Server thread only (a handler, ``on_tick`` or a :meth:`call_soon` function): send
+        ``out`` as the reply to request ``rid`` of ``conn``, if it is still connected."""
+        if conn.sock not in self._conns:
+            return
+        out["id"] = rid
+        self._queue(conn, frame(out))
+        self._flush(conn)
+
+    def _run_calls(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        while self._calls:
+            fn = self._calls.popleft()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a callback bug must not take the server down
+                log.exception("RPC server callback failed")
 
     @property
     def connections(self) -> int:

@@ -37,6 +37,7 @@ from kvpool.connectors.vllm.common import (
 )
 from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob, _PdScheduler, _tp
 from kvpool.connectors.vllm.pd_stream import (
+    LONG_POLL_S,
     POLL_MAX_S,
     POLL_MIN_S,
     StreamLoad,
@@ -160,6 +161,7 @@ class _PeerLane:
     def _loop(self) -> None:
         in_a_row = 0
         active: list[StreamLoad] = []  # streaming loads: one progress question per round
+        seen: dict[tuple[str, int], int] = {}  # per prefill peer: the progress version last seen
         wait_s = POLL_MIN_S
         while True:
             with self._cv:
@@ -188,13 +190,17 @@ class _PeerLane:
             elif notices:
                 self.worker._notify(notices)
             if active:
-                ended, moved = stream_round(self.worker, active)
+                with self._cv:  # wait at the prefill only when nothing else is queued here
+                    idle = not (self._loads or self._notices or self._new)
+                ended, moved, waited = stream_round(self.worker, active, seen, LONG_POLL_S if idle else 0.0)
                 for ld, why in ended:
                     active.remove(ld)
                     if self.worker._stream_ended(ld, why):
                         with self._cv:
                             self._notices.append(ld.job)
-                wait_s = POLL_MIN_S if moved else min(wait_s * 2, POLL_MAX_S)
+                wait_s = (
+                    0.0 if waited else POLL_MIN_S if moved else min(max(wait_s, POLL_MIN_S) * 2, POLL_MAX_S)
+                )
 
 
 class _PdWorker:
@@ -225,7 +231,7 @@ class _PdWorker:
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self._remotes: dict[tuple[str, int], _Remote] = {}
-        self._rpcs: dict[tuple[str, int], RpcClient] = {}
+        self._rpcs: dict[tuple[str, int, str], RpcClient] = {}
         self._lanes: dict[tuple[str, int], _PeerLane] = {}
         self._lane_list: list[_PeerLane] = []
         self._server: RpcServer | None = None
@@ -266,8 +272,12 @@ class _PdWorker:
         if self.serves and self._server is None:
             port = self.cfg.side_channel_port + self.tp_rank
             self._server = RpcServer(
-                self.cfg.hostname, port, self._handle, lambda: None, tick_s=1.0, secret=self.cfg.secret
-            )
+                self.cfg.hostname, port, self._handle, self._answer_parked, tick_s=LONG_POLL_S / 2,
+                secret=self.cfg.secret, with_connection=True,
+            )  # fmt: skip
+            if self.streams is not None:
+                server = self._server
+                self.streams.on_change = lambda: server.call_soon(self._answer_parked)
             t = threading.Thread(target=self._server.serve_forever, name="kvpool-pd-side", daemon=True)
             t.start()
             self._threads.append(t)
@@ -320,7 +330,7 @@ class _PdWorker:
             self.engine.close()
 
     # ------------------------------------------------------------------ side channel (prefill)
-    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, req: dict[str, Any], conn: Any = None) -> dict[str, Any] | None:
         rid = req.get("id")  # the connection proved the secret (kvpool._rpc handshake)
         op = req.get("op")
         if op == "layout":
@@ -332,9 +342,22 @@ class _PdWorker:
                 "kv_layout": self.kv_layout.wire() if self.kv_layout is not None else None,
             }  # fmt: skip
         if op == "progress":
-            ids = req.get("ids") or []
-            streams = self.streams.progress([str(t) for t in ids]) if self.streams is not None else {}
-            return {"id": rid, "ok": True, "streams": streams, "engine_id": self.engine_id}
+            if self.streams is None:
+                return {"id": rid, "ok": True, "streams": {}, "version": 0, "engine_id": self.engine_id}
+            ids = [str(t) for t in (req.get("ids") or ())]
+            wait = min(float(req.get("wait_s") or 0.0), LONG_POLL_S)
+            seen = req.get("seen")
+            if wait > 0 and conn is not None and isinstance(seen, int):
+                if self.streams.park(conn, rid, ids, seen, time.monotonic() + wait):
+                    return None  # answered by _answer_parked: news, or the wait is over
+            streams, version = self.streams.progress(ids)
+            return {
+                "id": rid,
+                "ok": True,
+                "streams": streams,
+                "version": version,
+                "engine_id": self.engine_id,
+            }
         if op == "done":
             # The answer fences late reads: "expired" names the requests freed unread after
             # abort_timeout_s (their blocks may hold another request's KV now); "engine_id" tells a
@@ -361,6 +384,18 @@ class _PdWorker:
                     self._notified[r] = now
             return {"id": rid, "ok": True, "expired": expired, "engine_id": self.engine_id}
         return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+
+    def _answer_parked(self) -> None:
+        """Side-channel thread (its tick, or woken by a change): answer the parked progress
+        questions that have news or waited long enough."""
+        table, server = self.streams, self._server
+        if table is None or server is None:
+            return
+        for conn, rid, ids in table.due(time.monotonic()):
+            streams, version = table.progress(ids)
+            server.reply(
+                conn, rid, {"ok": True, "streams": streams, "version": version, "engine_id": self.engine_id}
+            )
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: KvpoolConnectorMetadata) -> None:
@@ -488,8 +523,9 @@ class _PdWorker:
         return errs
 
     # ------------------------------------------------------------------ loads (decode)
-    def _rpc(self, host: str, port: int) -> RpcClient:
-        key = (host, port)
+    def _rpc(self, host: str, port: int, use: str = "") -> RpcClient:
+        """The side-channel client of a prefill rank (``use``: a separate connection)."""
+        key = (host, port, use)
         rpc = self._rpcs.get(key)
         if rpc is None:
             rpc = self._rpcs[key] = RpcClient(f"{host}:{port}", self.cfg.transfer_timeout_s, self.cfg.secret)

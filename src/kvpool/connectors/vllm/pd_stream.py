@@ -40,8 +40,11 @@ if TYPE_CHECKING:
 
 #: Transfer ids one ``progress`` question may name.
 MAX_PROGRESS_IDS = 64
-#: Seconds between progress questions while nothing new is final (doubles up to the maximum).
+#: Seconds between progress questions while nothing new is final (doubles up to the maximum),
+#: where the question cannot wait at the prefill (several peers on one load thread).
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.01
+#: How long a progress question may wait at the prefill for news (long poll), and how many may.
+LONG_POLL_S, MAX_PARKED = 0.05, 256
 
 
 @dataclass
@@ -73,6 +76,9 @@ class StreamTable:
         self._by_tid: dict[str, _Stream] = {}
         self._by_req: dict[str, str] = {}
         self._step: list[_Stream] = []
+        self.version = 0  # moves with every change a progress answer could show
+        self._parked: list[tuple[Any, Any, list[str], int, float]] = []  # (conn, id, ids, seen, until)
+        self.on_change: Callable[[], None] | None = None  # wakes the parked questions' server
 
     def begin_step(self, meta: KvpoolConnectorMetadata, keep_dead_s: float) -> None:
         now = time.monotonic()
@@ -101,6 +107,17 @@ class StreamTable:
                 if s.dead_at is not None and now - s.dead_at > keep_dead_s:
                     del self._by_tid[tid]
                     self._by_req.pop(s.req_id, None)
+            wake = self._changed() if meta.stream or meta.stream_end else False
+        self._wake(wake)
+
+    def _changed(self) -> bool:
+        """Under the lock: a change; whether parked questions wait for it."""
+        self.version += 1
+        return bool(self._parked)
+
+    def _wake(self, wake: bool) -> None:
+        if wake and self.on_change is not None:
+            self.on_change()
 
     def busy(self) -> bool:
         """Whether the current step computes any streaming request (model thread)."""
@@ -118,6 +135,8 @@ class StreamTable:
                         s.final[i] = max(s.final[i], s.target)
                 else:
                     s.pending.append((ready, idx, s.target))
+            wake = self._changed()
+        self._wake(wake)
 
     def step_done(self, ready: Callable[[], bool] | None = None) -> None:
         """The forward pass ended: every layer of the step is written (``ready``: once True)."""
@@ -128,7 +147,9 @@ class StreamTable:
                     s.pending.clear()
                 else:
                     s.pending.append((ready, list(range(self.num_regions)), s.target))
+            wake = self._changed() if self._step else False
             self._step = []
+        self._wake(wake)
 
     def forget(self, req_ids: set[str]) -> None:
         """The requests' blocks were freed (read, or given up on)."""
@@ -137,6 +158,31 @@ class StreamTable:
                 tid = self._by_req.pop(rid, None)
                 if tid is not None:
                     self._by_tid.pop(tid, None)
+            wake = self._changed()
+        self._wake(wake)
+
+    def park(self, conn: Any, rid: Any, tids: list[str], seen: int, until: float) -> bool:
+        """Side channel: hold a progress question until :attr:`version` moves past ``seen`` or
+        ``until``; False (answer now) when it moved already, a GPU readiness is outstanding, or
+        too many wait."""
+        with self._lock:
+            if seen != self.version or len(self._parked) >= MAX_PARKED:
+                return False
+            if any(self._by_tid[t].pending for t in tids if t in self._by_tid):
+                return False
+            self._parked.append((conn, rid, tids, seen, until))
+            return True
+
+    def due(self, now: float) -> list[tuple[Any, Any, list[str]]]:
+        """Side channel: the parked questions to answer now (news, or their time is up)."""
+        with self._lock:
+            if not self._parked:
+                return []
+            out, keep = [], []
+            for p in self._parked:
+                (out if p[3] != self.version or now >= p[4] else keep).append(p)
+            self._parked = keep
+        return [(c, r, t) for c, r, t, _, _ in out]
 
     def gen_ok(self, req_id: str, gen: int) -> bool:
         """Side channel, ``done``: may a read made under ``gen`` be trusted?"""
@@ -145,10 +191,10 @@ class StreamTable:
             s = self._by_tid.get(tid) if tid is not None else None
             return s is None or (s.gen == gen and s.dead_at is None)
 
-    def progress(self, tids: list[str]) -> dict[str, Any]:
+    def progress(self, tids: list[str]) -> tuple[dict[str, Any], int]:
         """Side channel, ``progress``: per transfer id, ``pending`` (not scheduled yet), ``dead``
         (aborted) or ``live`` with the request id, generation, blocks, tokens and per-region final
-        token counts."""
+        token counts; and the table's version."""
         out: dict[str, Any] = {}
         with self._lock:
             for tid in tids[:MAX_PROGRESS_IDS]:
@@ -168,8 +214,8 @@ class StreamTable:
                                 keep.append((ready, idx, target))
                         s.pending = keep
                     out[tid] = {"state": "live", "req_id": s.req_id, "gen": s.gen, "total": s.total,
-                                "blocks": s.blocks, "final": s.final}  # fmt: skip
-        return out
+                                "blocks": list(s.blocks), "final": list(s.final)}  # fmt: skip
+            return out, self.version
 
 
 @dataclass
@@ -213,11 +259,13 @@ def region_columns(
 
 
 def stream_round(
-    worker: _PdWorker, loads: list[StreamLoad]
-) -> tuple[list[tuple[StreamLoad, str | None]], bool]:
+    worker: _PdWorker, loads: list[StreamLoad], seen: dict[tuple[str, int], int], wait_s: float
+) -> tuple[list[tuple[StreamLoad, str | None]], bool, bool]:
     """Decode load thread: one progress question per peer for ``loads``, then READ what became
-    final. Returns the loads that ended (with None, or why they failed) and whether any bytes moved.
-    Loads of one peer share its question; a failing peer fails only its own loads."""
+    final. Returns the loads that ended (with None, or why they failed), whether any bytes moved,
+    and whether the question waited at the prefill for news (a long poll: ``wait_s`` > 0 and one
+    peer; ``seen`` keeps each peer's last answered version). Loads of one peer share its question;
+    a failing peer fails only its own loads."""
     ended: list[tuple[StreamLoad, str | None]] = []
     moved = False
     by_peer: dict[tuple[str, int], list[StreamLoad]] = {}
@@ -230,16 +278,26 @@ def stream_round(
         else:
             port = ld.job.remote_port + worker.tp_rank % max(ld.job.remote_tp_size, 1)
             by_peer.setdefault((ld.job.remote_host, port), []).append(ld)
+    waited = False
+    wait_s = wait_s if len(by_peer) == 1 and len(loads) <= MAX_PROGRESS_IDS else 0.0
     for (host, port), pl in by_peer.items():
         for i in range(0, len(pl), MAX_PROGRESS_IDS):
             part = pl[i : i + MAX_PROGRESS_IDS]
+            ids = [ld.job.transfer_id for ld in part]
             try:
-                reply = worker._rpc(host, port).call("progress", ids=[ld.job.transfer_id for ld in part])
                 rem = worker._remote(host, port)
+                t0 = time.monotonic()
+                # its own connection: a waiting question never holds up a load or a "done" notice
+                reply = worker._rpc(host, port, "poll").call(
+                    "progress", ids=ids, seen=seen.get((host, port), -1), wait_s=wait_s
+                )
+                waited = waited or (wait_s > 0 and time.monotonic() - t0 >= wait_s / 2)
             except KvpoolError as exc:
                 worker._remotes.pop((host, port), None)
                 ended.extend((ld, f"progress from {host}:{port}: {exc}") for ld in part)
                 continue
+            if isinstance(reply.get("version"), int):
+                seen[(host, port)] = reply["version"]
             states = reply.get("streams") or {}
             for ld in part:
                 try:
@@ -250,7 +308,7 @@ def stream_round(
                 moved = moved or n > 0
                 if done:
                     ended.append((ld, None))
-    return ended, moved
+    return ended, moved, waited
 
 
 def _advance(
