@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -196,3 +197,41 @@ def test_hybrid_models_are_refused_naming_the_model_type(monkeypatch: pytest.Mon
         d._load(_job("r1", [1], [1], pport, 2))
         assert d.take_load_errors() == {1}
         assert "jamba" in d._layout_why and "hybrid/Mamba" in d._layout_why
+
+
+def test_a_streamed_heterogeneous_load_waits_for_every_prefill_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streaming P/D (P TP=2 -> D TP=1): the decode asks one prefill rank for progress, but the
+    other rank may not have written its last layer yet (ranks meet only at the next collective):
+    nothing moves until every rank reports the prompt final."""
+    from kvpool.connectors.vllm.pd_scheduler import StreamStep
+
+    ref = _ref()
+    pport, dport = _base_port(), _base_port()
+    local, remote = [9, 3, 4], [1, 2, 7]
+    total = 3 * BS
+    with (
+        _instance(monkeypatch, 2, "kv_producer", ref, pport) as P,
+        _instance(monkeypatch, 1, "kv_consumer", None, dport) as D,
+    ):
+        for p, _ in P:  # the step computing the whole prompt begins on both ranks
+            p.begin_step(
+                pd.KvpoolConnectorMetadata(stream={"r1": StreamStep("t1", remote, total, total, True, 0)})
+            )
+        d, caches = D[0]
+        job = RecvJob("d1", local, [], "127.0.0.1", pport, "", None, 2, transfer_id="t1", num_tokens=total)
+        d.start(pd.KvpoolConnectorMetadata(recv={"d1": job}))
+        P[0][0].step_done()  # rank 0 wrote every layer, rank 1 not yet
+        time.sleep(0.3)
+        assert d.get_finished()[1] is None
+        assert not any(c.any() for c in caches.values())
+        P[1][0].step_done()
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while not done and time.monotonic() < deadline:
+            done = d.get_finished()[1] or set()
+            time.sleep(0.01)
+        assert done == {"d1"} and d.take_load_errors() == set()
+        for layer in range(LAYERS):
+            got = caches[f"model.layers.{layer}.self_attn.attn"]
+            for lb, rb in zip(local, remote, strict=True):
+                assert torch.equal(got[lb], ref[layer, rb]), (layer, lb)

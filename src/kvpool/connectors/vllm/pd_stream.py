@@ -340,8 +340,10 @@ def _advance(
     if not local:  # nothing to read (local prefix hit, or ended before allocation): only the notice
         return True, 0
     if job.remote_tp_size != worker.tp_size:
-        # Heterogeneous TP: one resharded load once every layer of every block is final.
-        if len(blocks) < nblocks or min(final, default=0) < total:
+        # Heterogeneous TP: one resharded load once every layer of every block is final on every
+        # prefill rank (one rank can mark its last layer before another wrote it: they meet only
+        # at the next collective).
+        if len(blocks) < nblocks or min(final, default=0) < total or not _all_ranks_final(worker, job):
             return False, 0
         job.remote_block_ids = blocks[skip:]
         t = time.perf_counter()
@@ -377,3 +379,22 @@ def _advance(
         job.remote_block_ids = blocks[skip:]
         return True, n
     return False, n
+
+
+def _all_ranks_final(worker: _PdWorker, job: RecvJob) -> bool:
+    """Heterogeneous TP: whether every prefill rank reports the whole prompt final."""
+    asked = job.remote_port + worker.tp_rank % job.remote_tp_size
+    for p in range(job.remote_tp_size):
+        port = job.remote_port + p
+        if port == asked:
+            continue
+        reply = worker._rpc(job.remote_host, port, "poll").call("progress", ids=[job.transfer_id])
+        st = (reply.get("streams") or {}).get(job.transfer_id) or {}
+        if st.get("state") == "dead":
+            raise TransferError(f"the prefill request of transfer {job.transfer_id} ended unfinished (dead)")
+        if (
+            st.get("state") != "live"
+            or min((int(f) for f in st.get("final") or ()), default=0) < job.num_tokens
+        ):
+            return False
+    return True
