@@ -167,6 +167,28 @@ def test_a_prefill_that_never_comes_and_a_decode_abort_end_the_load(tiny_llama: 
         p.close()
 
 
+def test_a_malformed_progress_answer_fails_the_load_and_stops_nothing_else(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    p, d = pd
+    bad = {"ok": True, "streams": {"t9": {"state": "live", "total": "many"}}, "version": 0}
+    p.worker._worker._progress = lambda ids: bad  # a buggy or hostile prefill
+    d.add("d9", PROMPT, 2, _decode_params(p, "t9"))
+    d.step()
+    outputs = d.run_until(lambda o: "d9" in o and o["d9"].finish_reason is not None, timeout=10)
+    assert not outputs["d9"].new_token_ids  # failed (vLLM's default policy), not left waiting
+    d.run_until(lambda o: d.free_blocks() == d.idle_free)
+    del p.worker._worker._progress
+    # the load thread survived: the next streamed request of that prefill still loads
+    d.add("d10", PROMPT, 4, _decode_params(p, "t10"))
+    d.step()
+    p.add("p10", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "t10"})
+    p.step()
+    outputs = d.run_until(lambda o: "d10" in o and o["d10"].new_token_ids)
+    for got, w in zip(d.block_values("d10", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, w)
+
+
 def _meta(**kw: Any) -> KvpoolConnectorMetadata:
     return KvpoolConnectorMetadata(**kw)
 

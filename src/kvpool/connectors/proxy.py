@@ -678,6 +678,8 @@ class PDProxy:
                 self._copy_tasks.add(ptask)
                 ptask.add_done_callback(self._copy_tasks.discard)
                 dresp, dbackend = await self._decode_beside(ptask, pb, path, decode_body, headers, prefer_d)
+                if dresp.status >= 400:  # the decode will not read the KV: stop the prefill too
+                    ptask.cancel()
             else:
                 # 1. Prefill.
                 presp, pbackend = await self._send(

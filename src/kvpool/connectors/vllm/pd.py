@@ -38,6 +38,7 @@ from kvpool.connectors.vllm.common import (
 from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob, _PdScheduler, _tp
 from kvpool.connectors.vllm.pd_stream import (
     LONG_POLL_S,
+    MAX_PROGRESS_IDS,
     POLL_MAX_S,
     POLL_MIN_S,
     StreamLoad,
@@ -344,20 +345,13 @@ class _PdWorker:
         if op == "progress":
             if self.streams is None:
                 return {"id": rid, "ok": True, "streams": {}, "version": 0, "engine_id": self.engine_id}
-            ids = [str(t) for t in (req.get("ids") or ())]
+            ids = [str(t) for t in (req.get("ids") or ())][:MAX_PROGRESS_IDS]
             wait = min(float(req.get("wait_s") or 0.0), LONG_POLL_S)
             seen = req.get("seen")
             if wait > 0 and conn is not None and isinstance(seen, int):
                 if self.streams.park(conn, rid, ids, seen, time.monotonic() + wait):
                     return None  # answered by _answer_parked: news, or the wait is over
-            streams, version = self.streams.progress(ids)
-            return {
-                "id": rid,
-                "ok": True,
-                "streams": streams,
-                "version": version,
-                "engine_id": self.engine_id,
-            }
+            return {"id": rid, **self._progress(ids)}
         if op == "done":
             # The answer fences late reads: "expired" names the requests freed unread after
             # abort_timeout_s (their blocks may hold another request's KV now); "engine_id" tells a
@@ -392,10 +386,13 @@ class _PdWorker:
         if table is None or server is None:
             return
         for conn, rid, ids in table.due(time.monotonic()):
-            streams, version = table.progress(ids)
-            server.reply(
-                conn, rid, {"ok": True, "streams": streams, "version": version, "engine_id": self.engine_id}
-            )
+            server.reply(conn, rid, self._progress(ids))
+
+    def _progress(self, ids: list[str]) -> dict[str, Any]:
+        """The answer to a progress question (side-channel thread)."""
+        assert self.streams is not None
+        streams, version = self.streams.progress(ids)
+        return {"ok": True, "streams": streams, "version": version, "engine_id": self.engine_id}
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: KvpoolConnectorMetadata) -> None:

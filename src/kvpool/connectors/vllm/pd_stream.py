@@ -305,6 +305,9 @@ def stream_round(
                 except KvpoolError as exc:
                     ended.append((ld, str(exc)))
                     continue
+                except Exception as exc:  # noqa: BLE001 - a malformed answer: never a load left waiting
+                    ended.append((ld, f"malformed progress from {host}:{port}: {type(exc).__name__}: {exc}"))
+                    continue
                 moved = moved or n > 0
                 if done:
                     ended.append((ld, None))
