@@ -662,24 +662,41 @@ class _PdWorker:
             job.gen = ld.gen
             if job.local_block_ids:
                 wait_ms = (time.perf_counter() - ld.t0) * 1e3
-                self.loaded_blocks += len(job.local_block_ids)
-                self.loaded_bytes += ld.nbytes
-                self.stats.record_transfer(ld.read_s, ld.nbytes, len(job.local_block_ids))
                 log.info("kvpool connector: streamed %d blocks (%d bytes) for %s in %.2f ms of reads "
                          "(%d rounds, %.1f ms after the decode asked)", len(job.local_block_ids), ld.nbytes,
                          job.req_id, ld.read_s * 1e3, ld.rounds, wait_ms)  # fmt: skip
-                with self._lock:
-                    self._confirming.add(job.req_id)  # finished once the prefill confirms (_notify)
+            self._load_done(job, True, ld.nbytes, ld.read_s)
             return True
         self.stats.record_failure("StreamFailed")
         log.warning("kvpool connector: streaming the KV of %s from %s:%d failed (%s); blocks reported to "
                     "vLLM (kv_load_failure_policy: recompute or fail)",
                     job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
-        if job.local_block_ids:
-            with self._lock:
+        self._load_done(job, False)
+        return bool(job.remote_request_id)
+
+    def _load_done(self, job: RecvJob, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """Record a load's outcome (per-request or streamed; a job without local blocks is only a
+        notice): read -> counted, finished once the prefill confirms it (``_notify``); failed ->
+        its blocks reported to vLLM and the request finished."""
+        if not job.local_block_ids:
+            return  # only a notice for the prefill: vLLM is not waiting for this request
+        if ok:
+            self.loaded_blocks += len(job.local_block_ids)
+            self.loaded_bytes += nbytes
+            self.stats.record_transfer(seconds, nbytes, len(job.local_block_ids))
+        with self._lock:
+            if ok:
+                self._confirming.add(job.req_id)
+            else:
                 self._load_errors.update(job.local_block_ids)
                 self._recv_done.add(job.req_id)
-        return bool(job.remote_request_id)
+
+    def _forget_remotes(self, job: RecvJob) -> None:
+        """After a typed failure: drop the cached layouts of every prefill rank the job reads from
+        (a restarted peer is asked again on the next load)."""
+        ranks = range(job.remote_tp_size) if job.remote_tp_size != self.tp_size else ()
+        for p in {self.tp_rank, *ranks}:
+            self._remotes.pop((job.remote_host, job.remote_port + p), None)
 
     def _load(self, job: RecvJob) -> None:
         t0 = time.perf_counter()
@@ -701,27 +718,16 @@ class _PdWorker:
         except KvpoolError as exc:
             ok, why = False, str(exc)
             self.stats.record_failure(type(exc).__name__)
-            for p in {self.tp_rank, *range(job.remote_tp_size if job.remote_tp_size != self.tp_size else 0)}:
-                self._remotes.pop((job.remote_host, job.remote_port + p), None)
+            self._forget_remotes(job)
         except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
             ok, why = False, f"{type(exc).__name__}: {exc}"
             self.stats.record_failure(type(exc).__name__)
-        ms = (time.perf_counter() - t0) * 1e3
+        seconds = time.perf_counter() - t0
         if ok and job.local_block_ids:
-            self.loaded_blocks += len(job.local_block_ids)
-            self.loaded_bytes += nbytes
-            self.stats.record_transfer(ms / 1e3, nbytes, len(job.local_block_ids))
             log.info("kvpool connector: loaded %d blocks (%d bytes) for %s in %.2f ms",
-                     len(job.local_block_ids), nbytes, job.req_id, ms)  # fmt: skip
+                     len(job.local_block_ids), nbytes, job.req_id, seconds * 1e3)  # fmt: skip
         elif not ok:
             log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); blocks reported to vLLM "
                         "(kv_load_failure_policy: recompute or fail)",
                         job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
-        if not job.local_block_ids:
-            return  # only a notice for the prefill: vLLM is not waiting for this request
-        with self._lock:
-            if ok:
-                self._confirming.add(job.req_id)  # finished once the prefill confirms (_notify)
-            else:
-                self._load_errors.update(job.local_block_ids)
-                self._recv_done.add(job.req_id)
+        self._load_done(job, ok, nbytes, seconds)
