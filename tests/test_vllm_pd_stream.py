@@ -189,6 +189,23 @@ def test_a_malformed_progress_answer_fails_the_load_and_stops_nothing_else(
         assert torch.equal(got, w)
 
 
+def test_a_typed_streaming_failure_drops_the_cached_prefill_layout(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """As a per-request load does: after a typed failure the prefill's layout is asked again (a
+    restarted prefill on that port must not be read through its predecessor's descriptor)."""
+    p, d = pd
+    port = p.worker._worker.cfg.side_channel_port
+    d.add("d11", PROMPT, 2, {**_decode_params(p, "t11"), "remote_engine_id": "an-earlier-instance"})
+    d.step()
+    p.add("p11", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "t11"})
+    p.step()
+    outputs = d.run_until(lambda o: "d11" in o and o["d11"].finish_reason is not None, timeout=10)
+    assert not outputs["d11"].new_token_ids  # "another instance now": failed, vLLM's policy decides
+    assert ("127.0.0.1", port) not in d.worker._worker._remotes
+    d.run_until(lambda o: d.free_blocks() == d.idle_free)
+
+
 def _meta(**kw: Any) -> KvpoolConnectorMetadata:
     return KvpoolConnectorMetadata(**kw)
 

@@ -303,6 +303,7 @@ def stream_round(
                 try:
                     done, n = _advance(worker, rem, ld, states.get(ld.job.transfer_id) or {}, reply)
                 except KvpoolError as exc:
+                    worker._forget_remotes(ld.job)  # a restarted prefill is asked again next time
                     ended.append((ld, str(exc)))
                     continue
                 except Exception as exc:  # noqa: BLE001 - a malformed answer: never a load left waiting
