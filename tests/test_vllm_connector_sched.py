@@ -170,6 +170,50 @@ def test_incomplete_params_compute_locally(pd: tuple[Instance, Instance]) -> Non
     assert out.num_scheduled_tokens["d5"] == len(PROMPT)
 
 
+_GOOD = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
+         "remote_port": 5555, "remote_request_id": "p1"}  # fmt: skip
+_STREAM = {"do_remote_prefill": True, "transfer_id": "t1", "remote_host": "127.0.0.1", "remote_port": 5555}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {**_GOOD, "remote_port": "x"},
+        {**_GOOD, "remote_port": 70000},
+        {**_GOOD, "remote_port": 65535, "tp_size": 2},
+        {**_GOOD, "remote_port": True},
+        {**_GOOD, "tp_size": 0},
+        {**_GOOD, "tp_size": 10**9},
+        {**_GOOD, "tp_size": "two"},
+        {**_GOOD, "remote_block_ids": "abc"},
+        {**_GOOD, "remote_block_ids": [1, "2"]},
+        {**_GOOD, "remote_block_ids": [-1]},
+        {**_GOOD, "remote_block_ids": 7},
+        {**_GOOD, "remote_host": 5},
+        {**_GOOD, "remote_host": ""},
+        {**_GOOD, "remote_request_id": ["p1"]},
+        {**_GOOD, "remote_engine_id": {"a": 1}},
+        {**_STREAM, "transfer_id": {"t": 1}},
+        {**_STREAM, "transfer_id": "t" * 300},
+        {**_STREAM, "remote_port": -1},
+    ],
+)
+def test_malformed_params_compute_locally_and_the_engine_goes_on(
+    pd: tuple[Instance, Instance], params: dict
+) -> None:
+    """A client can send any ``kv_transfer_params``; a malformed value must not raise in vLLM's
+    scheduler hooks (that ends the engine): the request computes locally."""
+    p, d = pd
+    d.add("bad", PROMPT, 1, dict(params))
+    out, _ = d.step()
+    assert "bad" not in out.kv_connector_metadata.recv
+    assert out.num_scheduled_tokens["bad"] == len(PROMPT)
+    good = prefill(p, "p2", PROMPT[:40])
+    d.add("good", PROMPT[:40], 1, good)
+    out, _ = d.step()
+    assert out.kv_connector_metadata.recv["good"].remote_request_id == "p2"  # well-formed ones still load
+
+
 def test_block_size_mismatch_fails_the_load(tiny_llama: Path, pd: tuple[Instance, Instance]) -> None:  # noqa: F811
     p, d = pd
     params = prefill(p)

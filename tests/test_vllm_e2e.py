@@ -190,6 +190,25 @@ def test_pd_streaming_and_chat_through_the_proxy(
     assert chat["choices"][0]["message"]["content"] is not None
 
 
+def test_malformed_kv_transfer_params_sent_to_the_decode_compute_locally(
+    reference: dict[int, str], pd: tuple[VllmServer, VllmServer, ProxyProcess]
+) -> None:
+    """Anyone who reaches the decode server can send ``kv_transfer_params``: a malformed one makes
+    that request compute locally (right answer) instead of raising in vLLM's scheduler, which would
+    end the engine for every request."""
+    _, decode, proxy = pd
+    bad = {"do_remote_prefill": True, "remote_block_ids": [0, 1], "remote_host": "127.0.0.1",
+           "remote_port": "not-a-port", "remote_request_id": "x"}  # fmt: skip
+    out = completion(decode.url, PROMPTS[1], kv_transfer_params=bad)
+    assert out["choices"][0]["text"] == reference[1]
+    streamed = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+                "remote_port": 1, "tp_size": 10**9}  # fmt: skip
+    assert (
+        completion(decode.url, PROMPTS[0], kv_transfer_params=streamed)["choices"][0]["text"] == reference[0]
+    )
+    assert completion(proxy.url, PROMPTS[2])["choices"][0]["text"] == reference[2]  # the engine lives on
+
+
 def test_idle_pd_servers_do_not_spin(pd: tuple[VllmServer, VllmServer, ProxyProcess]) -> None:
     from tests.vllm_support import cpu_seconds
 

@@ -24,13 +24,50 @@ from kvpool.connectors.vllm.common import VllmConnectorConfig
 
 log = logging.getLogger("kvpool.connectors.vllm")
 
-_REMOTE_KEYS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
-_STREAM_KEYS = ("transfer_id", "remote_host", "remote_port")
+_MAX_TP = 512
+_MAX_BLOCKS = 1 << 22
 
 
-def _streamed(params: dict[str, Any]) -> bool:
-    """A decode request whose KV streams from a prefill still computing (no block ids yet)."""
-    return params.get("remote_block_ids") is None and all(params.get(k) is not None for k in _STREAM_KEYS)
+def _int(x: Any, lo: int, hi: int) -> int | None:
+    if isinstance(x, str) and x.isdecimal() and len(x) <= 10:
+        x = int(x)
+    return x if isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi else None
+
+
+def _text(x: Any, limit: int = 1024) -> str | None:
+    return x if isinstance(x, str) and 0 < len(x) <= limit else None
+
+
+def remote_params(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The prefill a decode request's ``kv_transfer_params`` name, checked: they come from a client
+    (normally the proxy, but anyone who can reach the server), so a malformed value must make the
+    request compute locally, never raise in vLLM's scheduler (which would end the engine). None when
+    the parameters name no complete, well-formed prefill: a per-request load (``remote_block_ids``,
+    ``remote_request_id``) or a streaming one (``transfer_id``, blocks learnt later)."""
+    tp = 1 if params.get("tp_size") is None else _int(params["tp_size"], 1, _MAX_TP)
+    host, port = _text(params.get("remote_host"), 255), _int(params.get("remote_port"), 1, 65535)
+    engine = params.get("remote_engine_id")
+    if tp is None or host is None or port is None or port + tp - 1 > 65535:
+        return None
+    if engine is not None and _text(engine) is None:
+        return None
+    out = dict(
+        host=host, port=port, tp_size=tp, engine_id=engine, transfer_id=None, request_id="", block_ids=None
+    )
+    blocks = params.get("remote_block_ids")
+    if blocks is None:  # streaming: the prefill's blocks come from its side channel
+        out["transfer_id"] = _text(params.get("transfer_id"), 256)
+        return out if out["transfer_id"] is not None else None
+    out["request_id"] = _text(params.get("remote_request_id"))
+    if (
+        out["request_id"] is None
+        or not isinstance(blocks, list)
+        or len(blocks) > _MAX_BLOCKS
+        or not all(type(b) is int and 0 <= b < 1 << 31 for b in blocks)
+    ):
+        return None
+    out["block_ids"] = blocks
+    return out
 
 
 @dataclass
@@ -110,9 +147,10 @@ class _PdScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
-            if not _streamed(params) and not all(params.get(k) is not None for k in _REMOTE_KEYS):
-                log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
-                            request.request_id, params)  # fmt: skip
+            if remote_params(params) is None:
+                log.warning("request %s: incomplete or malformed kv_transfer_params %.300r; computing "
+                            "locally", request.request_id, params)  # fmt: skip
+                params["do_remote_prefill"] = False
                 return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
@@ -121,21 +159,22 @@ class _PdScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and params.get("transfer_id"):
+        if params and params.get("do_remote_decode") and _text(params.get("transfer_id"), 256):
             # Prefill of a streaming request: its progress goes to the worker with every step.
             total = len(request.prompt_token_ids or ())
-            self._streams[request.request_id] = [str(params["transfer_id"]), total, []]
+            self._streams[request.request_id] = [params["transfer_id"], total, []]
             return
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
-        if _streamed(params):
-            self._stream_job(request, blocks, num_external_tokens, params)
+        r = remote_params(params)
+        if r is None:
             return
-        if not all(params.get(k) is not None for k in _REMOTE_KEYS):
+        if r["block_ids"] is None:
+            self._stream_job(request, blocks, num_external_tokens, r)
             return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        remote = list(params["remote_block_ids"])
+        remote = list(r["block_ids"])
         if len(local) > len(remote):
             log.warning("request %s: %d local blocks for %d remote ones; computing locally",
                         request.request_id, len(local), len(remote))  # fmt: skip
@@ -148,16 +187,14 @@ class _PdScheduler:
             req_id=request.request_id,
             local_block_ids=list(local),
             remote_block_ids=remote,
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
-            remote_request_id=str(params["remote_request_id"]),
-            remote_engine_id=params.get("remote_engine_id"),
-            remote_tp_size=int(params.get("tp_size") or 1),
+            remote_host=r["host"],
+            remote_port=r["port"],
+            remote_request_id=r["request_id"],
+            remote_engine_id=r["engine_id"],
+            remote_tp_size=r["tp_size"],
         )
 
-    def _stream_job(
-        self, request: Any, blocks: Any, num_external_tokens: int, params: dict[str, Any]
-    ) -> None:
+    def _stream_job(self, request: Any, blocks: Any, num_external_tokens: int, r: dict[str, Any]) -> None:
         """Decode: a load from a prefill that may not have started; its blocks come later."""
         total = len(request.prompt_token_ids or ())
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
@@ -171,12 +208,12 @@ class _PdScheduler:
             req_id=request.request_id,
             local_block_ids=list(local),
             remote_block_ids=[],
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
+            remote_host=r["host"],
+            remote_port=r["port"],
             remote_request_id="",
-            remote_engine_id=params.get("remote_engine_id"),
-            remote_tp_size=int(params.get("tp_size") or 1),
-            transfer_id=str(params["transfer_id"]),
+            remote_engine_id=r["engine_id"],
+            remote_tp_size=r["tp_size"],
+            transfer_id=r["transfer_id"],
             num_tokens=total,
         )
 
@@ -238,11 +275,11 @@ class _PdScheduler:
         if params.get("do_remote_prefill"):
             # Aborted before its blocks were allocated: still tell the prefill to free its blocks.
             params["do_remote_prefill"] = False
-            if all(params.get(k) is not None for k in _REMOTE_KEYS):
+            r = remote_params(params)
+            if r is not None and r["block_ids"] is not None:
                 self._recv[request.request_id] = RecvJob(
-                    request.request_id, [], [], str(params["remote_host"]), int(params["remote_port"]),
-                    str(params["remote_request_id"]),
-                )  # fmt: skip
+                    request.request_id, [], [], r["host"], r["port"], r["request_id"]
+                )
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
