@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from kvpool import Store
-from kvpool._rpc import RpcClient, RpcLimits, RpcServer, frame, unpack
+from kvpool._rpc import RpcClient, frame, unpack
+from kvpool._rpc_server import RpcLimits, RpcServer
 from kvpool.errors import AuthenticationError, InvalidArgument, MasterUnavailable
 from kvpool.store.procs import MasterProcess
 
@@ -220,7 +221,7 @@ def test_malformed_frames_get_typed_error_and_hang_up(server: _Server) -> None:
 _FD_SERVER = textwrap.dedent(
     """
     import resource, sys, threading
-    from kvpool._rpc import RpcServer
+    from kvpool._rpc_server import RpcServer
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     srv = RpcServer("127.0.0.1", 0, lambda r: {"ok": True}, lambda: None)
     print(srv.port, flush=True)

@@ -30,7 +30,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
-from kvpool._rpc import RpcLimits, RpcServer
+from kvpool._rpc_server import RpcLimits, RpcServer
 from kvpool.config import MasterConfig
 from kvpool.store.changes import ChangeLog, ChangeOps
 from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE

@@ -28,7 +28,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool._rpc import RpcClient, RpcServer
+from kvpool._rpc import RpcClient
+from kvpool._rpc_server import RpcServer
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import (
     Region,

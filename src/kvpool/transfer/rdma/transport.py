@@ -138,7 +138,7 @@ class RdmaTransport(Transport):
         self._closed = False
         self._calls: collections.deque[Any] = collections.deque()
         self._active: list[Endpoint] = []
-        from kvpool._rpc import RpcServer
+        from kvpool._rpc_server import RpcServer
 
         self._rpc = RpcServer(hostname, 0, self._handle_rpc, lambda: None, tick_s=0.5, secret=cfg.secret)
         self._rpc_thread = threading.Thread(
