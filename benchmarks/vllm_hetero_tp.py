@@ -13,7 +13,6 @@ median time of the "done" round trip that confirms each read before the load is 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvpool.child import free_port_range
 from kvpool.connectors.vllm import pd
 from kvpool.connectors.vllm.common import VllmConnectorConfig
 from kvpool.connectors.vllm.pd import RecvJob, _PdWorker
@@ -74,7 +74,7 @@ def main() -> None:
     a = ap.parse_args()
     nblocks = a.tokens // a.block_size
     nb = 2 * nblocks + 8
-    base = random.randint(20000, 40000)
+    base = free_port_range(32)  # side channels listen on base + 10 * instance + rank
     tp_of = {"P1": 1, "P2": 2, "D1": 1, "D2": 2}
     inst = {}
     for i, (name, tp) in enumerate(tp_of.items()):

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.vllm_support import VllmServer, build_tiny_llama, cpu_seconds  # noqa: E402
 
-from kvpool.child import ChildProcess, free_port  # noqa: E402
+from kvpool.child import ChildProcess, free_port, free_port_range  # noqa: E402
 
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -151,7 +151,7 @@ def run_setup(
         servers = [VllmServer(model, logs, name="single", cpu=0, **common)]
     else:
         if name.startswith("kvpool"):
-            side = free_port()
+            side = free_port_range(2)  # a TP=2 prefill's second rank listens on side + 1
             off = {"stats": False} if name == "kvpool-nostats" else {}  # the stats-overhead baseline
             pa = kv_args(
                 "KvpoolConnector",

@@ -5,8 +5,6 @@ a decode instance with a different TP size; every decode block is checked byte f
 from __future__ import annotations
 
 import dataclasses
-import random
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpool.child import free_port_range
 from kvpool.connectors.vllm import pd
 from kvpool.connectors.vllm.common import VllmConnectorConfig
 from kvpool.connectors.vllm.pd import RecvJob, _PdWorker
@@ -37,28 +36,8 @@ def _vllm_config(tp: int, role: str, head_size: int = HS, heads: int = HEADS) ->
 
 
 def _base_port() -> int:
-    """Four consecutive free ports below the kernel's ephemeral range, so that engines binding
-    port 0 later in the test cannot take one of them (a side channel listens on base + rank)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(100):
-        base = random.randint(min(20000, low - 1000), low - 8)
-        socks = []
-        try:
-            for p in range(base, base + 4):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
+    """Four consecutive free ports (a side channel listens on base + rank)."""
+    return free_port_range(4)
 
 
 @contextmanager

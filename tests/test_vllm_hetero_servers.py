@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.child import free_port
+from kvpool.child import free_port_range
 from tests.test_vllm_e2e import KV_BYTES, ProxyProcess, completion, kv_config
 from tests.vllm_support import VllmServer, tiny_llama  # noqa: F401  (fixture)
 
@@ -33,7 +33,7 @@ PROMPTS = [[(i * k + 11) % 700 + 4 for i in range(n)] for k, n in ((3, 19), (7, 
 
 def _server(model: Path, logs: Path, name: str, tp: int, core: int, role: str) -> VllmServer:
     """A server with ``KvpoolConnector`` in ``role`` on CPU core ``core`` (all its TP ranks)."""
-    args = kv_config("KvpoolConnector", role, side_channel_port=free_port())
+    args = kv_config("KvpoolConnector", role, side_channel_port=free_port_range(tp))
     return VllmServer(
         model, logs, name=name, cpu=core, tensor_parallel=tp, kv_cache_bytes=KV_BYTES, extra_args=args
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,6 +20,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_range(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive TCP ports that were free a moment ago, below the kernel's
+    ephemeral range, so that sockets bound to port 0 later (clients, servers on port 0) cannot take
+    one of them: for servers that listen on ``base + rank`` (P/D side channels of TP ranks)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        base = random.randint(min(20000, low - 1000), low - n - 1)
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise errors.KvpoolError(f"no {n} consecutive free ports below {low}")
 
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
