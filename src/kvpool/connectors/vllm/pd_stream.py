@@ -276,8 +276,7 @@ def stream_round(
         elif now > ld.deadline:
             ended.append((ld, f"the prefill did not produce the KV within {worker.cfg.abort_timeout_s:g} s"))
         else:
-            port = ld.job.remote_port + worker.tp_rank % max(ld.job.remote_tp_size, 1)
-            by_peer.setdefault((ld.job.remote_host, port), []).append(ld)
+            by_peer.setdefault((ld.job.remote_host, _asked_port(worker, ld.job)), []).append(ld)
     waited = False
     wait_s = wait_s if len(by_peer) == 1 and len(loads) <= MAX_PROGRESS_IDS else 0.0
     for (host, port), pl in by_peer.items():
@@ -385,9 +384,14 @@ def _advance(
     return False, n
 
 
+def _asked_port(worker: _PdWorker, job: RecvJob) -> int:
+    """The side channel of the prefill rank this decode rank asks for a load's progress."""
+    return job.remote_port + worker.tp_rank % max(job.remote_tp_size, 1)
+
+
 def _all_ranks_final(worker: _PdWorker, job: RecvJob) -> bool:
     """Heterogeneous TP: whether every prefill rank reports the whole prompt final."""
-    asked = job.remote_port + worker.tp_rank % job.remote_tp_size
+    asked = _asked_port(worker, job)
     for p in range(job.remote_tp_size):
         port = job.remote_port + p
         if port == asked:
