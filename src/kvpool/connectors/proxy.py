@@ -329,7 +329,7 @@ class PDProxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
-        self._copy_tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # background tasks (_keep)
         self._counts: dict[str, int] = {}
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)  # type: ignore[arg-type]  # collect() below
@@ -402,7 +402,7 @@ class PDProxy:
 
     async def close(self) -> None:
         """Stop listening, stop health polling and close backend connections."""
-        for task in list(self._copy_tasks):
+        for task in list(self._tasks):
             task.cancel()
         if self.router is not None:
             await self.router.close()
@@ -419,6 +419,12 @@ class PDProxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        """Hold a background task (a hot-prefix copy, a streaming request's prefill half) until it
+        is done; :meth:`close` cancels those still running."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def __aenter__(self) -> PDProxy:
         if self._runner is None:
@@ -592,8 +598,7 @@ class PDProxy:
         copy = router.plan_copy(d, req, tokens)
         if copy is not None:  # a hot prefix: warm a spare instance in the background
             task = asyncio.create_task(self._copy_prefix(*copy, body.get("model")), name="kvpool-hot-copy")
-            self._copy_tasks.add(task)
-            task.add_done_callback(self._copy_tasks.discard)
+            self._keep(task)
         pb = self._by_url.get(d.prefill.url) if d.prefill is not None else None
         db = self._by_url.get(d.decode.url) if d.decode is not None else None
         return d, pb, db
@@ -675,8 +680,7 @@ class PDProxy:
                     **pb.kv_peer,
                 }
                 ptask = asyncio.create_task(self._prefill_streamed(pb, path, pbody, headers, request_id))
-                self._copy_tasks.add(ptask)
-                ptask.add_done_callback(self._copy_tasks.discard)
+                self._keep(ptask)
                 dresp, dbackend = await self._decode_beside(ptask, pb, path, decode_body, headers, prefer_d)
                 if dresp.status >= 400:  # the decode will not read the KV: stop the prefill too
                     ptask.cancel()
