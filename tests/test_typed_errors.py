@@ -12,6 +12,7 @@ import pytest
 
 from kvpool import OpCode, ReplicateConfig, Store, TransferEngine, TransferRequest
 from kvpool._rpc import PRE_AUTH_MAX, _looks_like_hello
+from kvpool.child import free_port_range
 from kvpool.errors import InvalidArgument, InvalidType, ProtocolError
 from kvpool.store.procs import MasterProcess
 
@@ -68,6 +69,23 @@ class _Http(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+@pytest.mark.parametrize("n", [0, -3, 1001, 2.5, "4"])
+def test_free_port_range_arguments(n: object) -> None:
+    with pytest.raises(InvalidArgument):
+        free_port_range(n)  # type: ignore[arg-type]
+
+
+def test_free_port_range_gives_consecutive_free_ports() -> None:
+    base = free_port_range(4)
+    socks = [socket.socket() for _ in range(4)]
+    try:
+        for i, s in enumerate(socks):
+            s.bind(("127.0.0.1", base + i))  # all four bind
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_connect_to_what_is_not_a_master() -> None:

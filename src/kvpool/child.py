@@ -26,6 +26,8 @@ def free_port_range(n: int, host: str = "127.0.0.1") -> int:
     """The first of ``n`` consecutive TCP ports that were free a moment ago, below the kernel's
     ephemeral range, so that sockets bound to port 0 later (clients, servers on port 0) cannot take
     one of them: for servers that listen on ``base + rank`` (P/D side channels of TP ranks)."""
+    if not isinstance(n, int) or not 1 <= n <= 1000:
+        raise errors.InvalidArgument(f"free_port_range needs 1 to 1000 ports, not {n!r}")
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
