@@ -189,9 +189,9 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 def cmd_proxy(args: argparse.Namespace) -> int:
     """Run the prefill/decode disaggregation proxy until SIGTERM/SIGINT."""
-    from kvpool.connectors import proxy
+    from kvpool.connectors import proxy_cli
 
-    return proxy.main(args)
+    return proxy_cli.main(args)
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:

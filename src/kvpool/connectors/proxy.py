@@ -42,17 +42,12 @@ Prometheus text counters.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import re
-import signal
-import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -60,206 +55,27 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["Backend", "BackendError", "PDProxy", "main", "run_proxy"]
+from kvpool.connectors.backends import Backend, BackendClient, BackendError, BackendPool, learn_peer
+from kvpool.connectors.openai_api import (
+    ERROR_TYPES,
+    error_response,
+    error_text,
+    parse_body,
+    prefill_request_body,
+    snippet,
+)
+
+__all__ = ["Backend", "BackendError", "PDProxy"]
 
 _log = logging.getLogger(__name__)
-
-#: ``kv_transfer_params`` sent with every prefill request.
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 #: Largest client request body accepted (long prompts and base64 images exceed aiohttp's 1 MiB).
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
-# Connection errors that prove the request never reached the backend: mark it down, try another one.
-_CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,) + (
-    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
-)
 # Errors writing to a client that went away.
 _CLIENT_GONE: tuple[type[BaseException], ...] = (ConnectionResetError,) + (
     (aiohttp.ClientConnectionResetError,) if hasattr(aiohttp, "ClientConnectionResetError") else ()
 )
-
-#: How long an idle backend connection is kept for reuse: below uvicorn's (so vLLM's and SGLang's)
-#: default ``timeout_keep_alive`` of 5 s, so the proxy drops an idle connection before the server does.
-#: A request the server closes unanswered anyway is sent once more (``PDProxy._request``).
-KEEPALIVE_S = 4.0
-
-#: Deepest JSON nesting accepted in a request body (deeper bodies get 400, not a RecursionError).
-MAX_BODY_DEPTH = 64
-_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_EMPTY_PAIR = re.compile(r"\[\]|\{\}")
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "gateway_timeout",
-}
-
-
-@dataclass
-class Backend:
-    """One vLLM server behind the proxy, with its health and counters."""
-
-    role: str
-    """``"prefill"`` or ``"decode"``."""
-    url: str
-    """Base URL without a trailing slash, e.g. ``http://127.0.0.1:8100``."""
-    healthy: bool = True
-    last_error: str | None = None
-    requests: int = 0
-    failures: int = 0
-    in_flight: int = 0
-    kv_peer: dict[str, Any] | None = None
-    """Prefill: its KV side channel, from its last ``kv_transfer_params`` (streaming P/D)."""
-
-    def mark_down(self, reason: str) -> None:
-        """Take the backend out of rotation until a health check succeeds."""
-        if self.healthy:
-            _log.warning("%s backend %s marked unhealthy: %s", self.role, self.url, reason)
-        self.healthy = False
-        self.last_error = reason
-
-    def mark_up(self) -> None:
-        """Put the backend back into rotation."""
-        if not self.healthy:
-            _log.info("%s backend %s is healthy again", self.role, self.url)
-        self.healthy = True
-        self.last_error = None
-
-    def describe(self) -> str:
-        """``URL`` or ``URL (last error)`` for messages."""
-        return f"{self.url} ({self.last_error})" if self.last_error else self.url
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly state, as shown by ``GET /health``."""
-        return {
-            "url": self.url,
-            "healthy": self.healthy,
-            "last_error": self.last_error,
-            "requests": self.requests,
-            "failures": self.failures,
-            "in_flight": self.in_flight,
-        }
-
-
-class _Pool:
-    """Backends of one role, handed out round-robin, skipping unhealthy ones."""
-
-    def __init__(self, role: str, urls: Sequence[str]) -> None:
-        if not urls:
-            raise ValueError(f"at least one {role} URL is required")
-        self.role = role
-        self.backends = [Backend(role, _normalize_url(u)) for u in urls]
-        self._next = 0
-
-    def pick(self, exclude: Sequence[Backend] = (), prefer: Backend | None = None) -> Backend | None:
-        """``prefer`` when it is healthy and not in ``exclude``, else the next healthy backend not in
-        ``exclude``, or None when there is none."""
-        if prefer is not None and prefer.healthy and prefer not in exclude:
-            return prefer
-        n = len(self.backends)
-        for i in range(n):
-            idx = (self._next + i) % n
-            b = self.backends[idx]
-            if b.healthy and b not in exclude:
-                self._next = (idx + 1) % n
-                return b
-        return None
-
-    def any_healthy(self) -> bool:
-        return any(b.healthy for b in self.backends)
-
-    def unavailable_reason(self) -> str:
-        down = ", ".join(b.describe() for b in self.backends)
-        return f"no healthy {self.role} backend: {down}"
-
-
-class BackendError(Exception):
-    """A request to a backend failed in a way the client sees as a proxy error (502/503/504)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        url = "http://" + url
-    return url
-
-
-def _error_response(status: int, message: str, request_id: str | None = None) -> web.Response:
-    if status >= 500:  # the operator's only trace of a backend failure the client saw
-        _log.warning("request %s answered %d: %s", request_id or "-", status, message)
-    headers = {"X-Request-Id": request_id} if request_id else None
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "code": status}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _error_text(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if str(exc) else text
-
-
-def _snippet(data: bytes, limit: int = 300) -> str:
-    text = data.decode("utf-8", "replace").strip()
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body; ValueError with a one-line reason for anything else
-    (invalid UTF-8 or JSON, not an object, nested deeper than :data:`MAX_BODY_DEPTH`)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("request body is not UTF-8") from None
-    try:
-        body = json.loads(text)
-    except RecursionError:
-        raise ValueError(f"request body nests deeper than {MAX_BODY_DEPTH} levels") from None
-    except ValueError as exc:
-        raise ValueError(f"request body is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
-    # json.loads stops at the interpreter's recursion limit; re-encoding a body nested nearly that
-    # deep would fail later, so bound the depth here (C-speed passes: drop strings, keep brackets,
-    # peel one level of empty pairs per pass).
-    shape = _NOT_BRACKET.sub("", _STRINGS.sub("", text))
-    for _ in range(MAX_BODY_DEPTH + 1):
-        if not shape:
-            break
-        shape = _EMPTY_PAIR.sub("", shape)
-    else:
-        raise ValueError(f"request body nests deeper than {MAX_BODY_DEPTH} levels")
-    if not isinstance(body, dict):
-        raise ValueError("request body must be a JSON object")
-    for key, kind in (("stream", bool), ("max_tokens", int), ("model", str)):
-        if key in body and body[key] is not None and not isinstance(body[key], kind):
-            raise ValueError(f"'{key}' must be a {kind.__name__}")
-    return body
-
-
-def prefill_request_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The body sent to the prefill backend for the client request ``body`` (which is not modified)."""
-    out = dict(body)  # only top-level keys change
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
-    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    return out
 
 
 class PDProxy:
@@ -300,13 +116,15 @@ class PDProxy:
         router: Any = None,
         stream_kv: bool = False,
     ) -> None:
-        if timeout_s <= 0 or connect_timeout_s <= 0:
-            raise ValueError("timeouts must be > 0")
-        if health_interval_s < 0:
-            raise ValueError("health_interval_s must be >= 0")
+        self.client = BackendClient(
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            health_interval_s=health_interval_s,
+            max_connections=max_connections,
+        )
         self.aggregated = not decode_urls
-        self.prefill = _Pool("backend" if self.aggregated else "prefill", prefill_urls)
-        self.decode = self.prefill if self.aggregated else _Pool("decode", decode_urls)
+        self.prefill = BackendPool("backend" if self.aggregated else "prefill", prefill_urls)
+        self.decode = self.prefill if self.aggregated else BackendPool("decode", decode_urls)
         self.router: Any = None
         if router is not None:
             from kvpool.conductor.live import LiveRouter
@@ -319,16 +137,11 @@ class PDProxy:
             self.router = LiveRouter(urls, roles, router)
         self._by_url = {b.url: b for b in self.prefill.backends + self.decode.backends}
         self.stream_kv = bool(stream_kv)
-        self.timeout_s = float(timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.health_interval_s = float(health_interval_s)
-        self.max_connections = int(max_connections)
+        self.timeout_s = self.client.timeout_s
         self.max_request_bytes = int(max_request_bytes)
         self.host: str | None = None
         self.port: int | None = None
-        self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self._health_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # background tasks (_keep)
         self._counts: dict[str, int] = {}
         self._registry = CollectorRegistry(auto_describe=False)
@@ -352,7 +165,7 @@ class PDProxy:
         return self.prefill.backends + self.decode.backends
 
     @property
-    def pools(self) -> list[_Pool]:
+    def pools(self) -> list[BackendPool]:
         return [self.prefill] if self.aggregated else [self.prefill, self.decode]
 
     def _app(self) -> web.Application:
@@ -369,32 +182,21 @@ class PDProxy:
         background polling; return the bound port."""
         if self._runner is not None:
             raise RuntimeError("proxy already started")
-        connector = aiohttp.TCPConnector(
-            limit=self.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s
-            ),
-            auto_decompress=True,
-        )
+        await self.client.open()
         runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
         try:
-            if self.health_interval_s > 0:
+            if self.client.health_interval_s > 0:
                 await self.check_health()  # begin with the real state (a refused connect answers at once)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
         except BaseException:
             await runner.cleanup()
-            await self._session.close()
-            self._session = None
+            await self.client.close()
             raise
         self._runner = runner
         self.host = host
         self.port = int(runner.addresses[0][1])
-        if self.health_interval_s > 0:
-            self._health_task = asyncio.create_task(self._health_loop(), name="kvpool-proxy-health")
+        self.client.start_polling(lambda: self.backends)
         if self.router is not None:
             await self.router.start()
         _log.info("kvpool proxy listening on %s", self.url)
@@ -406,19 +208,10 @@ class PDProxy:
             task.cancel()
         if self.router is not None:
             await self.router.close()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except asyncio.CancelledError:
-                pass
-            self._health_task = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.client.close()
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         """Hold a background task (a hot-prefix copy, a streaming request's prefill half) until it
@@ -434,36 +227,9 @@ class PDProxy:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- health --------------------------------------------------------------------------------------
-
     async def check_health(self) -> None:
         """Poll ``GET {url}/health`` of every backend once; mark each healthy (200) or unhealthy."""
-        await asyncio.gather(*(self._check_one(b) for b in self.backends))
-
-    async def _check_one(self, backend: Backend) -> None:
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=max(1.0, min(self.health_interval_s, 10.0)))
-        try:
-            async with self._session.get(f"{backend.url}/health", timeout=timeout) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    backend.mark_up()
-                else:
-                    backend.mark_down(f"health check answered {resp.status}")
-        except asyncio.CancelledError:
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            backend.mark_down(f"health check failed: {_error_text(exc)}")
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            try:
-                await self.check_health()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let the poller die
-                _log.exception("health check round failed")
+        await self.client.check_health(self.backends)
 
     # -- handlers ------------------------------------------------------------------------------------
 
@@ -534,14 +300,14 @@ class PDProxy:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = self._backend_headers(request, request_id)
         try:
-            resp, backend = await self._send(self.decode, "GET", "/v1/models", None, headers)
+            resp, backend = await self.client.send(self.decode, "GET", "/v1/models", None, headers)
             try:
-                data = await self._read(resp, backend)
+                data = await self.client.read(resp, backend)
             finally:
                 backend.in_flight -= 1
                 resp.release()
         except BackendError as exc:
-            return _error_response(exc.status, exc.message, request_id)
+            return error_response(exc.status, exc.message, request_id)
         return web.Response(
             body=data,
             status=resp.status,
@@ -557,7 +323,7 @@ class PDProxy:
         except ValueError as exc:
             self._count("bad_request")
             _log.info("request %s refused: %s", request_id, exc)
-            return _error_response(400, str(exc), request_id)
+            return error_response(400, str(exc), request_id)
         if self.router is not None:
             from kvpool.conductor.live import request_text
 
@@ -566,17 +332,16 @@ class PDProxy:
             except ValueError as exc:
                 self._count("bad_request")
                 _log.info("request %s refused: %s", request_id, exc)
-                return _error_response(400, str(exc), request_id)
+                return error_response(400, str(exc), request_id)
         return body
 
     async def _tokenize(self, payload: dict[str, Any]) -> Any:
         """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local)."""
-        assert self._session is not None
         b = self.prefill.pick()
         if b is None:
             return None
         timeout = aiohttp.ClientTimeout(total=min(self.timeout_s, 10.0))
-        async with self._session.post(f"{b.url}/tokenize", json=payload, timeout=timeout) as resp:
+        async with self.client.session.post(f"{b.url}/tokenize", json=payload, timeout=timeout) as resp:
             if resp.status != 200:
                 return None
             return await resp.json()
@@ -593,7 +358,7 @@ class PDProxy:
         if d.reject:
             status = 503 if d.reject == "no_instance" else 429
             self._count("rejected_" + d.reject)
-            return _error_response(status, f"request refused before prefill: {d.reject_reason}", request_id)
+            return error_response(status, f"request refused before prefill: {d.reject_reason}", request_id)
         router.dispatched(d, req)
         copy = router.plan_copy(d, req, tokens)
         if copy is not None:  # a hot prefix: warm a spare instance in the background
@@ -612,10 +377,9 @@ class PDProxy:
         if isinstance(model, str):
             body["model"] = model
         try:
-            assert self._session is not None
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.connect_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.client.connect_timeout_s)
             headers = {"X-Request-Id": rid}
-            async with self._session.post(f"{inst.url}/v1/completions", json=body, timeout=timeout,
+            async with self.client.session.post(f"{inst.url}/v1/completions", json=body, timeout=timeout,
                                           headers=headers) as resp:  # fmt: skip
                 await resp.read()
                 ok = resp.status == 200
@@ -635,7 +399,7 @@ class PDProxy:
         for pool in self.pools:
             if not pool.any_healthy():
                 self._count("unavailable")
-                return _error_response(503, pool.unavailable_reason(), request_id)
+                return error_response(503, pool.unavailable_reason(), request_id)
         prefer_p = prefer_d = None
         rkey = uuid.uuid4().hex
         if self.router is not None:
@@ -667,7 +431,9 @@ class PDProxy:
         ptask: asyncio.Task[str | None] | None = None
         try:
             if self.aggregated:
-                dresp, dbackend = await self._send(self.prefill, "POST", path, body, headers, prefer=prefer_p)
+                dresp, dbackend = await self.client.send(
+                    self.prefill, "POST", path, body, headers, prefer=prefer_p
+                )
             elif self.stream_kv and (pb := self.prefill.pick(prefer=prefer_p)) is not None and pb.kv_peer:
                 # Streaming P/D: both at once; the decode reads the KV while the prefill computes it.
                 tid = uuid.uuid4().hex
@@ -686,11 +452,11 @@ class PDProxy:
                     ptask.cancel()
             else:
                 # 1. Prefill.
-                presp, pbackend = await self._send(
+                presp, pbackend = await self.client.send(
                     self.prefill, "POST", path, prefill_request_body(body), headers, prefer=prefer_p
                 )
                 try:
-                    pdata = await self._read(presp, pbackend)
+                    pdata = await self.client.read(presp, pbackend)
                 finally:
                     pbackend.in_flight -= 1
                     presp.release()
@@ -710,7 +476,7 @@ class PDProxy:
                     raise BackendError(
                         502,
                         f"prefill backend {pbackend.url} answered {presp.status} with a body that is not "
-                        f"JSON: {_snippet(pdata)}",
+                        f"JSON: {snippet(pdata)}",
                     ) from None
                 kv_params = pjson.get("kv_transfer_params") if isinstance(pjson, dict) else None
                 decode_body = dict(body)
@@ -725,25 +491,25 @@ class PDProxy:
                     decode_body.pop("kv_transfer_params", None)
                 else:
                     decode_body["kv_transfer_params"] = kv_params
-                    _learn_peer(pbackend, kv_params)
+                    learn_peer(pbackend, kv_params)
 
                 # 2. Decode.
-                dresp, dbackend = await self._send(
+                dresp, dbackend = await self.client.send(
                     self.decode, "POST", path, decode_body, headers, prefer=prefer_d
                 )
         except BackendError as exc:
             self._count("error")
             if ptask is not None:
                 ptask.cancel()
-            return _error_response(exc.status, exc.message, request_id)
+            return error_response(exc.status, exc.message, request_id)
 
         try:
             if not stream or dresp.status != 200:
                 try:
-                    ddata = await self._read(dresp, dbackend)
+                    ddata = await self.client.read(dresp, dbackend)
                 except BackendError as exc:
                     self._count("error")
-                    return _error_response(exc.status, exc.message, request_id)
+                    return error_response(exc.status, exc.message, request_id)
                 first()
                 self._count("ok" if dresp.status < 400 else "decode_rejected")
                 return web.Response(
@@ -764,7 +530,9 @@ class PDProxy:
         """Send the decode half of a streaming P/D request while its prefill half ``ptask`` runs.
         A failed prefill never sends the KV: the decode request is then dropped (vLLM aborts it),
         before its answer (502 naming the prefill) or during it (the answer is cut off)."""
-        dtask = asyncio.ensure_future(self._send(self.decode, "POST", path, body, headers, prefer=prefer))
+        dtask = asyncio.ensure_future(
+            self.client.send(self.decode, "POST", path, body, headers, prefer=prefer)
+        )
         await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
         why = ptask.result() if ptask.done() and not ptask.cancelled() else None
         if why is not None:
@@ -789,31 +557,29 @@ class PDProxy:
         backend.requests += 1
         backend.in_flight += 1
         try:
-            resp = await self._request("POST", backend, path, body, headers)
+            resp = await self.client.request("POST", backend, path, body, headers)
             try:
                 data = await resp.read()
             finally:
                 resp.release()
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
             backend.failures += 1
-            _log.warning(
-                "prefill backend %s failed request %s: %s", backend.url, request_id, _error_text(exc)
-            )
-            return _error_text(exc)
+            _log.warning("prefill backend %s failed request %s: %s", backend.url, request_id, error_text(exc))
+            return error_text(exc)
         finally:
             backend.in_flight -= 1
         if resp.status >= 400:
             if resp.status >= 500:
                 backend.failures += 1
             _log.warning("prefill backend %s answered %d for request %s: %s",
-                         backend.url, resp.status, request_id, _snippet(data))  # fmt: skip
+                         backend.url, resp.status, request_id, snippet(data))  # fmt: skip
             return f"prefill answered {resp.status}"
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, RecursionError, AttributeError):
             params = None
         if isinstance(params, dict):
-            _learn_peer(backend, params)
+            learn_peer(backend, params)
         return None
 
     async def _stream_back(
@@ -838,8 +604,8 @@ class PDProxy:
             self._count("error")
             code = 504 if isinstance(exc, asyncio.TimeoutError) else 502
             what = f"sent nothing within {self.timeout_s:g} s" if code == 504 else "failed"
-            return _error_response(
-                code, f"decode backend {dbackend.url} {what}: {_error_text(exc)}", request_id
+            return error_response(
+                code, f"decode backend {dbackend.url} {what}: {error_text(exc)}", request_id
             )
         out = web.StreamResponse(
             status=dresp.status,
@@ -866,10 +632,10 @@ class PDProxy:
             dbackend.failures += 1
             self._count("error")
             kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else "failed"
-            message = f"decode backend {dbackend.url} {kind} during the stream: {_error_text(exc)}"
+            message = f"decode backend {dbackend.url} {kind} during the stream: {error_text(exc)}"
             _log.warning("%s (request %s)", message, request_id)
             code = 504 if isinstance(exc, asyncio.TimeoutError) else 502
-            event = {"error": {"message": message, "type": _ERROR_TYPES[code], "code": code}}
+            event = {"error": {"message": message, "type": ERROR_TYPES[code], "code": code}}
             try:
                 await out.write(f"data: {json.dumps(event)}\n\n".encode())
             except _CLIENT_GONE:
@@ -880,203 +646,3 @@ class PDProxy:
         except _CLIENT_GONE:
             pass
         return out
-
-    # -- backend requests ----------------------------------------------------------------------------
-
-    async def _send(
-        self,
-        pool: _Pool,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None,
-        headers: dict[str, str],
-        prefer: Backend | None = None,
-    ) -> tuple[aiohttp.ClientResponse, Backend]:
-        """Send to the next healthy backend of ``pool``; on a connection failure mark it down and try the
-        next one.  Returns the response with its headers read (and ``backend.in_flight`` raised: the
-        caller lowers it and releases the response) or raises :class:`BackendError` (5xx answers
-        included)."""
-        assert self._session is not None, "proxy not started"
-        tried: list[Backend] = []
-        failures: list[str] = []
-        while True:
-            backend = pool.pick(exclude=tried, prefer=prefer)
-            if backend is None:
-                if failures:
-                    raise BackendError(502, f"cannot reach {pool.role} backend " + "; ".join(failures))
-                raise BackendError(503, pool.unavailable_reason())
-            tried.append(backend)
-            backend.requests += 1
-            try:
-                resp = await self._request(method, backend, path, body, headers)
-            except _CONNECT_ERRORS as exc:
-                backend.failures += 1
-                reason = _error_text(exc)
-                if self.health_interval_s > 0:  # only the poller can bring it back
-                    backend.mark_down(reason)
-                failures.append(f"{backend.url}: {reason}")
-                continue
-            except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise self._failure(backend, exc, "answer", "") from exc
-            if resp.status >= 500:
-                backend.failures += 1
-                try:
-                    data = await resp.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    data = b""
-                finally:
-                    resp.release()
-                raise BackendError(
-                    502, f"{pool.role} backend {backend.url} answered {resp.status}: {_snippet(data)}"
-                )
-            backend.in_flight += 1
-            return resp, backend
-
-    async def _request(
-        self, method: str, backend: Backend, path: str, body: dict[str, Any] | None, headers: dict[str, str]
-    ) -> aiohttp.ClientResponse:
-        """One request to ``backend``, sent twice if the first is closed before any answer: a
-        kept-alive connection the server closed (its keep-alive timeout) as the request went out
-        looks just like that (the request then never reached the server's handler)."""
-        assert self._session is not None, "proxy not started"
-        try:
-            return await self._session.request(method, backend.url + path, json=body, headers=headers)
-        except aiohttp.ServerDisconnectedError:
-            _log.info(
-                "%s backend %s closed the connection unanswered; sending once more", backend.role, backend.url
-            )
-        return await self._session.request(method, backend.url + path, json=body, headers=headers)
-
-    async def _read(self, resp: aiohttp.ClientResponse, backend: Backend) -> bytes:
-        """The whole body of ``resp``, or :class:`BackendError` (504 on timeout, 502 otherwise)."""
-        try:
-            return await resp.read()
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise self._failure(backend, exc, "finish its answer", " while answering") from exc
-
-    def _failure(self, backend: Backend, exc: BaseException, waiting_for: str, during: str) -> BackendError:
-        """Count a failed exchange with ``backend``: 504 for a timeout, 502 for anything else."""
-        backend.failures += 1
-        if isinstance(exc, asyncio.TimeoutError):
-            return BackendError(
-                504,
-                f"{backend.role} backend {backend.url} did not {waiting_for} within {self.timeout_s:g} s "
-                f"({_error_text(exc)})",
-            )
-        return BackendError(502, f"{backend.role} backend {backend.url} failed{during}: {_error_text(exc)}")
-
-
-def _learn_peer(backend: Backend, params: dict[str, Any]) -> None:
-    """Keep a prefill's KV side channel (host, port, engine id, TP size) from its answer."""
-    if params.get("remote_host") is not None and params.get("remote_port") is not None:
-        backend.kv_peer = {
-            k: params.get(k) for k in ("remote_host", "remote_port", "remote_engine_id", "tp_size")
-        }
-
-
-async def _serve(proxy: PDProxy, host: str, port: int) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread / not supported
-            pass
-    try:
-        bound = await proxy.start(host, port)
-    except OSError as exc:
-        print(
-            f"kvpool: {type(exc).__name__}: proxy cannot bind {host}:{port}: {exc.strerror or exc}; "
-            "pick another --port or stop what is using it",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    print(
-        json.dumps(
-            {
-                "ready": True,
-                "host": host,
-                "port": bound,
-                "prefill": [b.url for b in proxy.prefill.backends] if not proxy.aggregated else [],
-                "decode": [b.url for b in proxy.decode.backends] if not proxy.aggregated else [],
-                "backends": [b.url for b in proxy.prefill.backends] if proxy.aggregated else [],
-                "policy": proxy.router.policy.name if proxy.router is not None else "round-robin",
-            }
-        ),
-        flush=True,
-    )
-    try:
-        await stop.wait()
-    finally:
-        await proxy.close()
-    return 0
-
-
-def run_proxy(
-    prefill_urls: Sequence[str],
-    decode_urls: Sequence[str],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    timeout_s: float = 300.0,
-    health_interval_s: float = 5.0,
-    connect_timeout_s: float = 10.0,
-    max_connections: int = 1024,
-    router: Any = None,
-    stream_kv: bool = False,
-) -> int:
-    """Run a :class:`PDProxy` until SIGTERM/SIGINT; return the exit status (1 when it cannot bind).
-
-    Prints one JSON line ``{"ready": true, "host": ..., "port": N, ...}`` once it is listening.
-    """
-    proxy = PDProxy(
-        prefill_urls,
-        decode_urls,
-        timeout_s=timeout_s,
-        connect_timeout_s=connect_timeout_s,
-        health_interval_s=health_interval_s,
-        max_connections=max_connections,
-        router=router,
-        stream_kv=stream_kv,
-    )
-    return asyncio.run(_serve(proxy, host, port))
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``kvpool proxy`` with the namespace parsed by ``kvpool.cli`` (prefill, decode or backends,
-    host, port, timeouts, max_connections, log_level, and the router flags of
-    :func:`kvpool.conductor.cli.add_proxy_options`)."""
-    from kvpool.conductor.cli import router_config
-
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    backends = getattr(args, "backends", None)
-    if backends and (args.prefill or args.decode):
-        print("kvpool: UsageError: proxy: give --backends (aggregated) or --prefill and --decode, not both",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if not backends and not (args.prefill and args.decode):
-        print("kvpool: UsageError: proxy: give --prefill URL... and --decode URL..., or --backends URL...",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    try:
-        router = router_config(args, n_instances=len(backends or args.prefill or []))
-        return run_proxy(
-            backends or args.prefill,
-            [] if backends else args.decode,
-            host=args.host,
-            port=args.port,
-            timeout_s=args.timeout_s,
-            health_interval_s=args.health_interval_s,
-            connect_timeout_s=args.connect_timeout_s,
-            max_connections=args.max_connections,
-            router=router,
-            stream_kv=bool(getattr(args, "stream_kv", False)),
-        )
-    except ValueError as exc:
-        print(f"kvpool: InvalidArgument: proxy: {exc}", file=sys.stderr)
-        return 2

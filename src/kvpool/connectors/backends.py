@@ -1,0 +1,318 @@
+"""The vLLM servers behind ``kvpool proxy`` and the proxy's connections to them.
+
+:class:`Backend` is one server with its health and counters; :class:`BackendPool` hands out the
+backends of one role round-robin, skipping unhealthy ones; :class:`BackendClient` owns the one aiohttp
+session: it sends a request to the next healthy backend of a pool (a refused connection marks that one
+down and tries the next: the request never left), reads whole answers into 502/504
+:class:`BackendError` s, and polls every backend's ``/health``. All of it runs on the proxy's event
+loop (:class:`kvpool.connectors.proxy.PDProxy`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvpool.connectors.openai_api import error_text, snippet
+
+__all__ = ["Backend", "BackendClient", "BackendError", "BackendPool", "learn_peer"]
+
+_log = logging.getLogger("kvpool.connectors.proxy")
+
+# Connection errors that prove the request never reached the backend: mark it down, try another one.
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,) + (
+    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
+)
+
+
+#: How long an idle backend connection is kept for reuse: below uvicorn's (so vLLM's and SGLang's)
+#: default ``timeout_keep_alive`` of 5 s, so the proxy drops an idle connection before the server does.
+#: A request the server closes unanswered anyway is sent once more (``BackendClient.request``).
+KEEPALIVE_S = 4.0
+
+
+@dataclass
+class Backend:
+    """One vLLM server behind the proxy, with its health and counters."""
+
+    role: str
+    """``"prefill"`` or ``"decode"``."""
+    url: str
+    """Base URL without a trailing slash, e.g. ``http://127.0.0.1:8100``."""
+    healthy: bool = True
+    last_error: str | None = None
+    requests: int = 0
+    failures: int = 0
+    in_flight: int = 0
+    kv_peer: dict[str, Any] | None = None
+    """Prefill: its KV side channel, from its last ``kv_transfer_params`` (streaming P/D)."""
+
+    def mark_down(self, reason: str) -> None:
+        """Take the backend out of rotation until a health check succeeds."""
+        if self.healthy:
+            _log.warning("%s backend %s marked unhealthy: %s", self.role, self.url, reason)
+        self.healthy = False
+        self.last_error = reason
+
+    def mark_up(self) -> None:
+        """Put the backend back into rotation."""
+        if not self.healthy:
+            _log.info("%s backend %s is healthy again", self.role, self.url)
+        self.healthy = True
+        self.last_error = None
+
+    def describe(self) -> str:
+        """``URL`` or ``URL (last error)`` for messages."""
+        return f"{self.url} ({self.last_error})" if self.last_error else self.url
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly state, as shown by ``GET /health``."""
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "requests": self.requests,
+            "failures": self.failures,
+            "in_flight": self.in_flight,
+        }
+
+
+class BackendPool:
+    """Backends of one role, handed out round-robin, skipping unhealthy ones."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"at least one {role} URL is required")
+        self.role = role
+        self.backends = [Backend(role, normalize_url(u)) for u in urls]
+        self._next = 0
+
+    def pick(self, exclude: Sequence[Backend] = (), prefer: Backend | None = None) -> Backend | None:
+        """``prefer`` when it is healthy and not in ``exclude``, else the next healthy backend not in
+        ``exclude``, or None when there is none."""
+        if prefer is not None and prefer.healthy and prefer not in exclude:
+            return prefer
+        n = len(self.backends)
+        for i in range(n):
+            idx = (self._next + i) % n
+            b = self.backends[idx]
+            if b.healthy and b not in exclude:
+                self._next = (idx + 1) % n
+                return b
+        return None
+
+    def any_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    def unavailable_reason(self) -> str:
+        down = ", ".join(b.describe() for b in self.backends)
+        return f"no healthy {self.role} backend: {down}"
+
+
+class BackendError(Exception):
+    """A request to a backend failed in a way the client sees as a proxy error (502/503/504)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+def learn_peer(backend: Backend, params: dict[str, Any]) -> None:
+    """Keep a prefill's KV side channel (host, port, engine id, TP size) from its answer."""
+    if params.get("remote_host") is not None and params.get("remote_port") is not None:
+        backend.kv_peer = {
+            k: params.get(k) for k in ("remote_host", "remote_port", "remote_engine_id", "tp_size")
+        }
+
+
+class BackendClient:
+    """The proxy's one aiohttp session to its backends, with their health polling.
+
+    Args:
+        timeout_s: longest wait for a backend to send anything (an answer's headers, its body, the next
+            streamed chunk).
+        connect_timeout_s: longest wait to open a connection to a backend.
+        health_interval_s: seconds between health polls; 0 disables polling (and then a backend is
+            never marked down: nothing would bring it back).
+        max_connections: total connections kept by the session.
+
+    :meth:`open` and :meth:`close` are called by the proxy's start and close; everything else by its
+    request handlers, on its event loop.
+    """
+
+    def __init__(
+        self, *, timeout_s: float, connect_timeout_s: float, health_interval_s: float, max_connections: int
+    ) -> None:
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        if health_interval_s < 0:
+            raise ValueError("health_interval_s must be >= 0")
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.health_interval_s = float(health_interval_s)
+        self.max_connections = int(max_connections)
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The open session (RuntimeError before :meth:`open`)."""
+        if self._session is None:
+            raise RuntimeError("proxy not started")
+        return self._session
+
+    async def open(self) -> None:
+        """Create the session (connections kept alive for :data:`KEEPALIVE_S`)."""
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s
+            ),
+            auto_decompress=True,
+        )
+
+    def start_polling(self, backends: Callable[[], list[Backend]]) -> None:
+        """Poll the health of ``backends()`` every ``health_interval_s`` seconds (when not 0)."""
+        if self.health_interval_s > 0 and self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(backends), name="kvpool-proxy-health")
+
+    async def close(self) -> None:
+        """Stop polling and close every connection."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- health --------------------------------------------------------------------------------------
+
+    async def check_health(self, backends: Sequence[Backend]) -> None:
+        """Poll ``GET {url}/health`` of every backend once; mark each healthy (200) or unhealthy."""
+        await asyncio.gather(*(self._check_one(b) for b in backends))
+
+    async def _check_one(self, backend: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, min(self.health_interval_s, 10.0)))
+        try:
+            async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    backend.mark_up()
+                else:
+                    backend.mark_down(f"health check answered {resp.status}")
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            backend.mark_down(f"health check failed: {error_text(exc)}")
+
+    async def _health_loop(self, backends: Callable[[], list[Backend]]) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health(backends())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the poller die
+                _log.exception("health check round failed")
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    async def send(
+        self,
+        pool: BackendPool,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        headers: dict[str, str],
+        prefer: Backend | None = None,
+    ) -> tuple[aiohttp.ClientResponse, Backend]:
+        """Send to the next healthy backend of ``pool``; on a connection failure mark it down and try the
+        next one.  Returns the response with its headers read (and ``backend.in_flight`` raised: the
+        caller lowers it and releases the response) or raises :class:`BackendError` (5xx answers
+        included)."""
+        tried: list[Backend] = []
+        failures: list[str] = []
+        while True:
+            backend = pool.pick(exclude=tried, prefer=prefer)
+            if backend is None:
+                if failures:
+                    raise BackendError(502, f"cannot reach {pool.role} backend " + "; ".join(failures))
+                raise BackendError(503, pool.unavailable_reason())
+            tried.append(backend)
+            backend.requests += 1
+            try:
+                resp = await self.request(method, backend, path, body, headers)
+            except CONNECT_ERRORS as exc:
+                backend.failures += 1
+                reason = error_text(exc)
+                if self.health_interval_s > 0:  # only the poller can bring it back
+                    backend.mark_down(reason)
+                failures.append(f"{backend.url}: {reason}")
+                continue
+            except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise self.failure(backend, exc, "answer", "") from exc
+            if resp.status >= 500:
+                backend.failures += 1
+                try:
+                    data = await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    data = b""
+                finally:
+                    resp.release()
+                raise BackendError(
+                    502, f"{pool.role} backend {backend.url} answered {resp.status}: {snippet(data)}"
+                )
+            backend.in_flight += 1
+            return resp, backend
+
+    async def request(
+        self, method: str, backend: Backend, path: str, body: dict[str, Any] | None, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """One request to ``backend``, sent twice if the first is closed before any answer: a
+        kept-alive connection the server closed (its keep-alive timeout) as the request went out
+        looks just like that (the request then never reached the server's handler)."""
+        try:
+            return await self.session.request(method, backend.url + path, json=body, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            _log.info(
+                "%s backend %s closed the connection unanswered; sending once more", backend.role, backend.url
+            )
+        return await self.session.request(method, backend.url + path, json=body, headers=headers)
+
+    async def read(self, resp: aiohttp.ClientResponse, backend: Backend) -> bytes:
+        """The whole body of ``resp``, or :class:`BackendError` (504 on timeout, 502 otherwise)."""
+        try:
+            return await resp.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise self.failure(backend, exc, "finish its answer", " while answering") from exc
+
+    def failure(self, backend: Backend, exc: BaseException, waiting_for: str, during: str) -> BackendError:
+        """Count a failed exchange with ``backend``: 504 for a timeout, 502 for anything else."""
+        backend.failures += 1
+        if isinstance(exc, asyncio.TimeoutError):
+            return BackendError(
+                504,
+                f"{backend.role} backend {backend.url} did not {waiting_for} within {self.timeout_s:g} s "
+                f"({error_text(exc)})",
+            )
+        return BackendError(502, f"{backend.role} backend {backend.url} failed{during}: {error_text(exc)}")
