@@ -1,0 +1,149 @@
+"""The store master's RPC operations on clients and their segments: ``ping``, ``register``,
+``attach``, ``unregister``, ``heartbeat`` (liveness, write floor, queued tasks), ``mount``,
+``unmount``, ``task_done`` and ``report`` (an unreachable segment, a corrupt replica). A mixin of
+:class:`kvpool.store.master.Master`, whose state and helpers it uses; every operation runs under
+the master's lock, called by :meth:`Master.handle` once per request."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvpool.store.layout import HEADER_SIZE
+from kvpool.store.objects import Client, MasterError
+
+if TYPE_CHECKING:
+    from kvpool.store.master import Master
+
+    _Base = Master
+else:
+    _Base = object
+
+_Err = MasterError
+
+
+class ClientOps(_Base):
+    """``_op_*`` handlers for clients and segments (see the module docstring)."""
+
+    def _op_ping(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        return {"master": self.incarnation}
+
+    def _op_register(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """A new client session, bound to this connection; ``token`` lets the client's other
+        connections :meth:`_op_attach` to it. An id in use by another connection is refused."""
+        cid = req["client"]
+        if not isinstance(cid, str) or not cid:
+            raise _Err("INVALID", "client id must be a non-empty string")
+        bound = sess.get("client")
+        if bound is not None and bound != cid:
+            raise _Err("INVALID", f"this connection belongs to client {bound!r}")
+        if cid in self.clients:
+            if bound != cid:
+                raise _Err("EXISTS", f"client id {cid!r} is registered by another connection")
+            self._remove_client(cid)  # registering again on its own connection: a fresh session
+        token = secrets.token_bytes(16)
+        cl = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"), token)
+        self.clients[cid] = cl
+        if cl.ssd_dir:
+            self._ssd_clients.append(cl)
+        self._departed.pop(cid, None)
+        sess["client"] = cid
+        c = self.config
+        return {
+            "master": self.incarnation,
+            "token": token,
+            "lease_ttl_ms": c.lease_ttl_ms,
+            "client_ttl_s": c.client_ttl_s,
+            "put_timeout_s": c.put_timeout_s,
+            "quarantine_s": c.quarantine_s,
+            "max_batch": c.max_batch,
+        }
+
+    def _op_attach(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Bind another connection of a registered client to it (proven by its session token)."""
+        cid, token = req["client"], req["token"]
+        c = self.clients.get(cid)
+        if c is None or not isinstance(token, bytes) or not hmac.compare_digest(token, c.token):
+            raise _Err("UNKNOWN_CLIENT", f"no session of client {cid!r} with this token: register again")
+        bound = sess.get("client")
+        if bound is not None and bound != cid:
+            raise _Err("INVALID", f"this connection belongs to client {bound!r}")
+        sess["client"] = cid
+        c.last_seen = time.monotonic()
+        return {"master": self.incarnation}
+
+    def _op_unregister(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req, sess)
+        self._remove_client(c.id, floor=int(req.get("floor") or 0))
+        return {}
+
+    def _op_heartbeat(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Liveness, the client's write floor (releases its fences), and its queued tasks."""
+        cid = sess.get("client")
+        if req.get("client") not in (None, cid):
+            raise _Err("INVALID", f"this connection belongs to client {cid!r}, not {req['client']!r}")
+        c = self.clients.get(cid) if cid is not None else None
+        if c is None:
+            return {"master": self.incarnation, "reregister": True, "tasks": []}
+        now = time.monotonic()
+        c.last_seen = now
+        if req.get("floor") is not None:
+            c.floor = int(req["floor"])
+            if self.space.has_fences(c.id):
+                self.space.release(self._floor_of, now, only=c.id)
+        tasks, c.tasks = c.tasks, []
+        return {"master": self.incarnation, "tasks": tasks}
+
+    def _op_mount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req, sess)
+        name, base, size = req["segment"], int(req["base"]), int(req["size"])
+        if size <= HEADER_SIZE or base <= 0:
+            raise _Err("INVALID", f"segment base must be positive and size above {HEADER_SIZE} bytes")
+        if name in self.space.segments:
+            raise _Err("EXISTS", f"segment {name!r} is already mounted")
+        self.space.mount(name, c.id, base, size, c.host_id)
+        c.segments.add(name)
+        return {}
+
+    def _op_unmount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req, sess)
+        name = req["segment"]
+        seg = self.space.segments.get(name)
+        if seg is None or name not in c.segments:
+            raise _Err("NOT_FOUND", f"segment {name!r} is not mounted by this client")
+        self._unmount(seg)
+        return {}
+
+    def _op_task_done(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        c = self._client(req, sess)
+        tid = int(req["task"])
+        if tid in c.task_ids:
+            self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
+        return {}
+
+    def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """A reader could not reach a segment (others skip it at once), or found a replica whose
+        bytes fail their checksum (that replica is dropped)."""
+        now = time.monotonic()
+        seg = self.space.segments.get(req["segment"])
+        if seg is None:
+            return {}
+        if req["kind"] == "unreachable":
+            if seg.reported_until <= now:
+                self.stats["segments_reported"] += 1
+            seg.reported_until = now + self.config.client_ttl_s
+        elif req["kind"] == "corrupt":
+            obj = self.objects.get(req["key"])
+            if obj is not None and obj.gen == req["gen"]:
+                for r in obj.replicas:
+                    if r.seg is seg and r.committed:
+                        r.committed, r.writer = False, "?"  # fenced: whoever wrote over it may go on
+                        self._take_replica(obj, r)
+                        self.stats["replicas_corrupt"] += 1
+                        break
+                if obj.committed and not any(x.committed for x in obj.replicas) and obj.ssd is None:
+                    self._drop(obj)
+                    self.stats["objects_lost"] += 1
+        return {}
