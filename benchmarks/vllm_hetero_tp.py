@@ -23,7 +23,8 @@ import torch
 from kvpool.child import free_port_range
 from kvpool.connectors.vllm import pd
 from kvpool.connectors.vllm.common import VllmConnectorConfig
-from kvpool.connectors.vllm.pd import RecvJob, _PdWorker
+from kvpool.connectors.vllm.pd import _PdWorker
+from kvpool.connectors.vllm.pd_scheduler import RecvJob
 
 
 def _cfg(a: argparse.Namespace, tp: int, role: str) -> Any:

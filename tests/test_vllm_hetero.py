@@ -17,7 +17,8 @@ import torch
 from kvpool.child import free_port_range
 from kvpool.connectors.vllm import pd
 from kvpool.connectors.vllm.common import VllmConnectorConfig
-from kvpool.connectors.vllm.pd import RecvJob, _PdWorker
+from kvpool.connectors.vllm.pd import _PdWorker
+from kvpool.connectors.vllm.pd_scheduler import RecvJob
 
 LAYERS, NB, BS, HEADS, HS = 2, 16, 16, 4, 8
 

@@ -16,7 +16,8 @@ comes costs blocks for ``abort_timeout_s`` only. The same choice as vLLM's NixlC
 Side channel (one per prefill TP rank, msgpack over TCP, ``side_channel_port + rank``):
 ``layout`` returns the engine's segment name and the KV block regions; ``done`` carries the
 request ids whose blocks were read (or given up on) and answers which of them it had freed unread.
-The scheduler half lives in :mod:`kvpool.connectors.vllm.pd_scheduler`.
+The scheduler half lives in :mod:`kvpool.connectors.vllm.pd_scheduler`, the decode's loads in
+:mod:`kvpool.connectors.vllm.pd_load`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import OrderedDict
 from typing import Any
 
 from kvpool._rpc import RpcClient
@@ -36,38 +36,24 @@ from kvpool.connectors.vllm.common import (
     VllmConnectorConfig,
     kv_regions,
 )
-from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, RecvJob, _PdScheduler, _tp
+from kvpool.connectors.vllm.pd_load import DecodeLoads, _PeerLane, _Remote
+from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, _PdScheduler, _tp
 from kvpool.connectors.vllm.pd_stream import (
     LONG_POLL_S,
     MAX_PROGRESS_IDS,
-    POLL_MAX_S,
-    POLL_MIN_S,
     StreamLoad,
     StreamTable,
-    region_columns,
-    stream_round,
 )
 from kvpool.connectors.vllm.reshard import (
     KvLayout,
-    RegionAddr,
-    RegionPairs,
-    ReshardError,
     layout_from_vllm,
-    plan_columns,
-    plan_sources,
-    region_pairs,
 )
 from kvpool.connectors.vllm.stats import make_stats
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferError
 from kvpool.transfer.engine import TransferEngine
-from kvpool.transfer.types import OpCode
 
 log = logging.getLogger("kvpool.connectors.vllm")
 
-# Load threads per decode worker: one per prefill peer up to this many, then peers share them.
-MAX_PEER_THREADS = 32
-# A lane sends its pending "done" notices after at most this many loads in a row.
-_LOADS_BEFORE_NOTICES = 8
 # A prefill remembers the requests it freed unread (abort_timeout_s) this long / this many, to
 # answer a late decode's "done" notice with "expired".
 _EXPIRED_KEEP_S = 3600.0
@@ -108,104 +94,11 @@ class KvpoolConnector(KvpoolConnectorBase):
 
 
 # ====================================================================== worker side
-@dataclass
-class _Remote:
-    segment: str
-    handle: Any
-    regions: dict[str, Region]
-    block_size: int
-    kv_layout: dict[str, Any] | None = None
-    layout: KvLayout | None = None
-    """``kv_layout`` parsed (once, on the first resharded load)."""
-    pairs: RegionPairs | None = None
-    """This decode rank's regions paired with this prefill rank's (once, on the first resharded load)."""
+class _PdWorker(DecodeLoads):
+    """The connector's worker half, one per TP rank: registers the KV cache, serves the prefill's
+    side channel (``layout``, ``progress``, ``done``), tracks per-step streaming, and reports what
+    finished (``get_finished``); the decode's loads are :class:`DecodeLoads`."""
 
-
-def _addr(r: Region) -> RegionAddr:
-    return RegionAddr(r.addr, r.stride, r.num_blocks)
-
-
-class _PeerLane:
-    """Load thread of one prefill peer (past :data:`MAX_PEER_THREADS` peers, of a few): its loads
-    first, then its "done" notices, one RPC per peer. A dead or stalled peer holds up only the
-    requests whose KV is on it."""
-
-    def __init__(self, worker: _PdWorker, name: str) -> None:
-        self.worker = worker
-        self._cv = threading.Condition()
-        self._loads: deque[RecvJob] = deque()
-        self._notices: deque[RecvJob] = deque()
-        self._new: list[StreamLoad] = []
-        self._stop = False
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def load(self, job: RecvJob) -> None:
-        with self._cv:
-            self._loads.append(job)
-            self._cv.notify()
-
-    def notice(self, job: RecvJob) -> None:
-        with self._cv:
-            self._notices.append(job)
-            self._cv.notify()
-
-    def stream(self, ld: StreamLoad) -> None:
-        with self._cv:
-            self._new.append(ld)
-            self._cv.notify()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-
-    def _loop(self) -> None:
-        in_a_row = 0
-        active: list[StreamLoad] = []  # streaming loads: one progress question per round
-        seen: dict[tuple[str, int], int] = {}  # per prefill peer: the progress version last seen
-        wait_s = POLL_MIN_S
-        while True:
-            with self._cv:
-                if active:
-                    if not (self._loads or self._notices or self._new or self._stop):
-                        self._cv.wait(wait_s)
-                else:
-                    while not (self._loads or self._notices or self._new or self._stop):
-                        self._cv.wait()
-                if self._stop:
-                    return
-                active.extend(self._new)
-                self._new.clear()
-                job = None
-                notices: list[RecvJob] = []
-                if self._loads and (in_a_row < _LOADS_BEFORE_NOTICES or not self._notices):
-                    job = self._loads.popleft()
-                    in_a_row += 1
-                elif self._notices:
-                    notices, self._notices = list(self._notices), deque()
-                    in_a_row = 0
-            if job is not None:
-                self.worker._load(job)
-                with self._cv:
-                    self._notices.append(job)
-            elif notices:
-                self.worker._notify(notices)
-            if active:
-                with self._cv:  # wait at the prefill only when nothing else is queued here
-                    idle = not (self._loads or self._notices or self._new)
-                ended, moved, waited = stream_round(self.worker, active, seen, LONG_POLL_S if idle else 0.0)
-                for ld, why in ended:
-                    active.remove(ld)
-                    if self.worker._stream_ended(ld, why):
-                        with self._cv:
-                            self._notices.append(ld.job)
-                wait_s = (
-                    0.0 if waited else POLL_MIN_S if moved else min(max(wait_s, POLL_MIN_S) * 2, POLL_MAX_S)
-                )
-
-
-class _PdWorker:
     def __init__(
         self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str, kv_cache_config: Any
     ) -> None:
@@ -463,26 +356,6 @@ class _PdWorker:
             else:
                 lane.load(job)
 
-    def _lane(self, job: RecvJob) -> _PeerLane:
-        """The load thread of the job's prefill peer (made on first use; bounded)."""
-        key = (job.remote_host, job.remote_port + self.tp_rank)
-        lane = self._lanes.get(key)
-        if lane is None:
-            if len(self._lane_list) < MAX_PEER_THREADS:
-                lane = _PeerLane(self, f"kvpool-pd-load-{len(self._lane_list)}")
-                self._lane_list.append(lane)
-            else:
-                lane = self._lane_list[hash(key) % MAX_PEER_THREADS]
-            self._lanes[key] = lane
-        return lane
-
-    def _inline(self, job: RecvJob) -> bool:
-        rem = self._remotes.get((job.remote_host, job.remote_port + self.tp_rank))
-        if rem is None or self.engine is None or not self.cfg.inline_load_bytes:
-            return False
-        nbytes = len(job.local_block_ids) * sum(r.block_bytes for r in self.regions)
-        return nbytes <= self.cfg.inline_load_bytes and self.engine.uses_same_host_path(rem.handle)
-
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         now = time.monotonic()
         sending: set[str] = set()
@@ -519,216 +392,3 @@ class _PdWorker:
         with self._lock:
             errs, self._load_errors = self._load_errors, set()
         return errs
-
-    # ------------------------------------------------------------------ loads (decode)
-    def _rpc(self, host: str, port: int, use: str = "") -> RpcClient:
-        """The side-channel client of a prefill rank (``use``: a separate connection)."""
-        key = (host, port, use)
-        rpc = self._rpcs.get(key)
-        if rpc is None:
-            rpc = self._rpcs[key] = RpcClient(f"{host}:{port}", self.cfg.transfer_timeout_s, self.cfg.secret)
-        return rpc
-
-    def _remote(self, host: str, port: int) -> _Remote:
-        key = (host, port)
-        rem = self._remotes.get(key)
-        if rem is None:
-            assert self.engine is not None
-            reply = self._rpc(host, port).call("layout")
-            regions = {r.name: r for r in map(Region.from_wire, reply["regions"])}
-            rem = _Remote(reply["segment"], self.engine.open_segment(reply["segment"]), regions,
-                          int(reply["block_size"]), reply.get("kv_layout"))  # fmt: skip
-            self._remotes[key] = rem
-        return rem
-
-    def _columns(self, rem: _Remote, job: RecvJob) -> tuple[list[int], list[int], list[int]]:
-        """(local addresses, remote addresses, lengths) of the READs of one load."""
-        if rem.block_size != self.block_size:
-            raise TransferError(f"block size differs: prefill {rem.block_size}, decode {self.block_size}")
-        if set(rem.regions) != {r.name for r in self.regions}:
-            raise TransferError("prefill and decode KV cache layers differ (same model and layout needed)")
-        cols: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for loc in self.regions:
-            region_columns(loc, rem.regions[loc.name], job.local_block_ids, job.remote_block_ids, cols)
-        return cols
-
-    def _load_resharded(self, job: RecvJob) -> int:
-        """Decode rank, prefill TP != decode TP: READ this rank's head slices from every prefill
-        rank the reshard plan names. Runs on the load thread.
-
-        Every source's plan is built and checked before any byte moves; the load succeeds only when
-        every source's ranges completed (one ``batch_transfer_sync_multi``): a failed source fails the
-        whole load and every block of it is reported to vLLM (never a partial load marked ready).
-        """
-        ptp = job.remote_tp_size
-        if self.kv_layout is None:
-            raise ReshardError(
-                f"prefill TP {ptp} and decode TP {self.tp_size} differ and this decode's KV cache cannot be "
-                f"resharded ({self._layout_why}); use equal TP sizes"
-            )
-        first = self._remote(job.remote_host, job.remote_port)
-        if first.kv_layout is None:
-            raise ReshardError(
-                f"prefill TP {ptp} != decode TP {self.tp_size} and the prefill sent no KV layout"
-            )
-        if first.layout is None:
-            first.layout = KvLayout.from_wire(first.kv_layout)
-        sources = plan_sources(ptp, self.kv_layout, first.layout)
-        lb, rb = job.local_block_ids, job.remote_block_ids
-        parts = []  # (segment, locals, remotes, lengths) per source rank, numpy columns
-        for p in sources:
-            rem = self._remote(job.remote_host, job.remote_port + p)
-            pl = rem.layout
-            if pl is None:
-                pl = rem.layout = KvLayout.from_wire(rem.kv_layout or {})
-            if pl.tp_size != ptp or pl.tp_rank != p:
-                raise ReshardError(
-                    f"prefill rank {p} reports TP rank {pl.tp_rank} of {pl.tp_size}, not {p} of {ptp}"
-                )
-            if rem.pairs is None:  # once per handshake: the regions and layouts do not change
-                if set(rem.regions) != {r.name for r in self.regions}:
-                    raise ReshardError(
-                        "prefill and decode KV cache layers differ (same model and layout needed)"
-                    )
-                rem.pairs = region_pairs(
-                    pl, self.kv_layout, [(_addr(r), _addr(rem.regions[r.name])) for r in self.regions]
-                )
-            parts.append((rem.segment, *plan_columns(pl, self.kv_layout, rem.pairs, lb, rb)))
-        engine = self.engine
-        assert engine is not None
-
-        # Every source in one call (short loads: one native call in this thread; longer ones: one
-        # batch in flight on the engine's threads, one wait): the load is done only when all
-        # completed; a failed range fails the whole load (never a partial load marked ready).
-        return engine.batch_transfer_sync_multi(parts, OpCode.READ)
-
-    def _notify(self, jobs: list[RecvJob]) -> None:
-        """Tell prefill side channels their blocks may go (read or given up on), one RPC per
-        peer, and complete the loads among ``jobs``. Runs on the peer's lane only.
-
-        The notice is also the fence of a read: a load is reported finished only when every
-        prefill rank it read from answers that it still held the blocks when the notice came
-        (after the read). Blocks freed unread after ``abort_timeout_s``, an undeliverable notice,
-        or an answer from another instance (the prefill restarted on that port) fail the load:
-        those blocks may hold another request's KV by now.
-        """
-        by_peer: dict[tuple[str, int, int], list[RecvJob]] = {}
-        for job in jobs:
-            if job.remote_tp_size == self.tp_size:
-                peers = [(job.remote_host, job.remote_port + self.tp_rank, 1)]
-            else:  # every prefill rank frees its blocks after a notice from every decode rank
-                peers = [
-                    (job.remote_host, job.remote_port + p, self.tp_size) for p in range(job.remote_tp_size)
-                ]
-            for peer in peers:
-                by_peer.setdefault(peer, []).append(job)
-        bad: dict[str, str] = {}  # remote request id -> why its load fails
-        for (host, port, of), pjobs in by_peer.items():
-            ids = [j.remote_request_id for j in pjobs]
-            gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
-            try:
-                reply = self._rpc(host, port).call("done", req_ids=ids, of=of, gens=gens)
-            except KvpoolError as exc:
-                log.debug("done notice for %s not delivered: %s", ids, exc)
-                for j in pjobs:
-                    bad[j.remote_request_id] = f"the read could not be confirmed by {host}:{port} ({exc})"
-                continue
-            for r in reply.get("expired") or ():
-                bad[r] = f"{host}:{port} freed the blocks unread after its abort_timeout_s"
-            engine = reply.get("engine_id")
-            for j in pjobs:
-                if engine and j.remote_engine_id and engine != j.remote_engine_id:
-                    bad[j.remote_request_id] = f"{host}:{port} is another instance now ({engine}, restarted?)"
-        for job in jobs:
-            with self._lock:
-                if job.req_id not in self._confirming:
-                    continue  # only a notice (aborted, failed): nothing waits on it
-                self._confirming.discard(job.req_id)
-                why = bad.get(job.remote_request_id)
-                if why is not None:
-                    self._load_errors.update(job.local_block_ids)
-                self._recv_done.add(job.req_id)
-            if why is not None:
-                self.stats.record_failure("PrefillFreed" if "abort_timeout_s" in why else "Unconfirmed")
-                log.warning("kvpool connector: KV of %s read but not confirmed: %s; blocks reported to vLLM "
-                            "(kv_load_failure_policy: recompute or fail)", job.req_id, why)  # fmt: skip
-
-    def _stream_ended(self, ld: StreamLoad, why: str | None) -> bool:
-        """A streaming load ended on its lane (``why``: None, or why it failed). Returns whether
-        the prefill must be sent a "done" notice (it knows the request: its blocks wait for it)."""
-        job = ld.job
-        with self._lock:
-            self._stream_loads.pop(job.req_id, None)
-        if why is None:
-            job.gen = ld.gen
-            if job.local_block_ids:
-                wait_ms = (time.perf_counter() - ld.t0) * 1e3
-                log.info("kvpool connector: streamed %d blocks (%d bytes) for %s in %.2f ms of reads "
-                         "(%d rounds, %.1f ms after the decode asked)", len(job.local_block_ids), ld.nbytes,
-                         job.req_id, ld.read_s * 1e3, ld.rounds, wait_ms)  # fmt: skip
-            self._load_done(job, True, ld.nbytes, ld.read_s)
-            return True
-        self.stats.record_failure("StreamFailed")
-        log.warning("kvpool connector: streaming the KV of %s from %s:%d failed (%s); blocks reported to "
-                    "vLLM (kv_load_failure_policy: recompute or fail)",
-                    job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
-        self._load_done(job, False)
-        return bool(job.remote_request_id)
-
-    def _load_done(self, job: RecvJob, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
-        """Record a load's outcome (per-request or streamed; a job without local blocks is only a
-        notice): read -> counted, finished once the prefill confirms it (``_notify``); failed ->
-        its blocks reported to vLLM and the request finished."""
-        if not job.local_block_ids:
-            return  # only a notice for the prefill: vLLM is not waiting for this request
-        if ok:
-            self.loaded_blocks += len(job.local_block_ids)
-            self.loaded_bytes += nbytes
-            self.stats.record_transfer(seconds, nbytes, len(job.local_block_ids))
-        with self._lock:
-            if ok:
-                self._confirming.add(job.req_id)
-            else:
-                self._load_errors.update(job.local_block_ids)
-                self._recv_done.add(job.req_id)
-
-    def _forget_remotes(self, job: RecvJob) -> None:
-        """After a typed failure: drop the cached layouts of every prefill rank the job reads from
-        (a restarted peer is asked again on the next load)."""
-        ranks = range(job.remote_tp_size) if job.remote_tp_size != self.tp_size else ()
-        for p in {self.tp_rank, *ranks}:
-            self._remotes.pop((job.remote_host, job.remote_port + p), None)
-
-    def _load(self, job: RecvJob) -> None:
-        t0 = time.perf_counter()
-        ok = True
-        why = ""
-        nbytes = 0
-        try:
-            if job.local_block_ids:
-                if job.remote_tp_size != self.tp_size:
-                    nbytes = self._load_resharded(job)
-                else:
-                    port = job.remote_port + self.tp_rank
-                    rem = self._remote(job.remote_host, port)
-                    locs, rems, lens = self._columns(rem, job)
-                    nbytes = sum(lens)
-                    assert self.engine is not None
-                    # One batch, submitted as columns; raises a typed error naming what failed.
-                    self.engine.batch_transfer_sync(rem.segment, locs, rems, lens, OpCode.READ)
-        except KvpoolError as exc:
-            ok, why = False, str(exc)
-            self.stats.record_failure(type(exc).__name__)
-            self._forget_remotes(job)
-        except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
-            ok, why = False, f"{type(exc).__name__}: {exc}"
-            self.stats.record_failure(type(exc).__name__)
-        seconds = time.perf_counter() - t0
-        if ok and job.local_block_ids:
-            log.info("kvpool connector: loaded %d blocks (%d bytes) for %s in %.2f ms",
-                     len(job.local_block_ids), nbytes, job.req_id, seconds * 1e3)  # fmt: skip
-        elif not ok:
-            log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); blocks reported to vLLM "
-                        "(kv_load_failure_policy: recompute or fail)",
-                        job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
-        self._load_done(job, ok, nbytes, seconds)
