@@ -266,6 +266,46 @@ def test_trickling_http_server_respects_deadline() -> None:
         thread.join(5)
 
 
+def test_trickling_http_headers_respect_deadline() -> None:
+    """A server that drips its status line and headers a byte at a time cannot stretch a call past
+    the timeout either (a per-recv timeout restarted with every byte: 37 s for a 1 s budget)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(65536)
+            for b in b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 1000:
+                if stop.is_set():
+                    return
+                try:
+                    conn.send(bytes([b]))
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        meta = open_metadata(f"http://127.0.0.1:{port}/metadata", timeout_s=1.0)
+        assert meta is not None
+        start = time.monotonic()
+        with pytest.raises(MetadataError, match="timed out"):
+            meta.get("x")
+        assert time.monotonic() - start < 2.0
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+
+
 def test_wrong_service_is_a_metadata_error(http_metadata_url: str, redis_url: str) -> None:  # noqa: F811
     # etcd URL pointing at the HTTP metadata server: 404 on /v3/kv/range is a bad answer, not "absent".
     port = urllib.parse.urlsplit(http_metadata_url).port

@@ -30,10 +30,10 @@ import http.client
 import json
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from types import TracebackType
 from typing import Any
 
@@ -168,19 +168,19 @@ class _Response:
         self.body = body
 
 
-class _UrllibClient:
-    """Tiny urllib wrapper with an overall deadline, no environment proxies and bounded reads.
+class _HttpClient:
+    """A small HTTP/1.1 client with an overall deadline, no environment proxies and bounded reads.
 
-    Each blocking socket operation is limited by the time left before the deadline, and the body is
-    read in chunks with the deadline checked in between, so a call gives up about ``timeout_s`` after
-    it started even when the server trickles its answer.
+    The whole exchange -- connect, request, status line, headers and body -- ends about
+    ``timeout_s`` after it started, however the server trickles its answer: each blocking socket
+    operation is limited by the time left, and a watchdog shuts the socket down at the deadline
+    (a per-recv timeout alone restarts with every byte of a header). Metadata servers live on the
+    cluster network: an ``http_proxy`` meant for the internet would only get in the way, so
+    environment proxies are deliberately not used.
     """
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        # Metadata servers live on the cluster network: an http_proxy meant for the internet would only
-        # get in the way, so environment proxies are deliberately ignored.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def request(
         self,
@@ -190,32 +190,41 @@ class _UrllibClient:
         headers: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> _Response:
-        """Perform one request, whatever its status; raise ``OSError``/``HTTPException`` on trouble.
+        """Perform one request, whatever its status; raise ``OSError``/``HTTPException`` on trouble
+        (``TimeoutError`` past the deadline).
 
         ``timeout_s`` overrides the client's budget for this call (callers sharing one budget over
         several attempts pass what is left of it).
         """
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {_redact(url)}")
         all_headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        if parts.username is not None:  # http://user:password@host/...
+            cred = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+            all_headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
         all_headers.update(headers or {})
-        req = urllib.request.Request(url, data=body, method=method, headers=all_headers)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname, parts.port, timeout=budget)
+        watchdog = threading.Timer(budget, _shut_down, (conn,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            resp: Any = self._opener.open(req, timeout=budget)
-        except urllib.error.HTTPError as err:
-            resp = err  # an HTTPError is also a readable response
-        try:
-            status = int(getattr(resp, "status", None) or resp.code)
-            return _Response(status, self._read_body(resp, deadline))
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            conn.request(method, path, body=body, headers=all_headers)
+            resp = conn.getresponse()
+            return _Response(int(resp.status), self._read_body(resp, deadline))
+        except (OSError, http.client.HTTPException):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no whole answer within {budget:g} s") from None
+            raise
         finally:
-            resp.close()
+            watchdog.cancel()
+            conn.close()
 
-    def _read_body(self, resp: Any, deadline: float) -> bytes:
-        inner = getattr(resp, "fp", None)
-        if isinstance(inner, http.client.HTTPResponse):  # an HTTPError wraps the real response
-            resp = inner
-        if not isinstance(resp, http.client.HTTPResponse):
-            return resp.read(MAX_VALUE_BYTES + 1)
+    def _read_body(self, resp: http.client.HTTPResponse, deadline: float) -> bytes:
         chunks: list[bytes] = []
         total = 0
         while True:
@@ -225,11 +234,25 @@ class _UrllibClient:
             _set_read_timeout(resp, remaining)
             chunk = resp.read1(_READ_CHUNK)  # at most one recv, so the deadline is checked often
             if not chunk:
+                if time.monotonic() >= deadline:  # the watchdog ended it: not the whole answer
+                    raise TimeoutError("timed out while reading the answer")
+                if resp.length:  # fewer bytes than Content-Length said
+                    raise http.client.IncompleteRead(b"".join(chunks), resp.length)
                 return b"".join(chunks)
             total += len(chunk)
             if total > MAX_VALUE_BYTES:
                 raise http.client.HTTPException(f"answer larger than {MAX_VALUE_BYTES} bytes")
             chunks.append(chunk)
+
+
+def _shut_down(conn: http.client.HTTPConnection) -> None:
+    """The deadline watchdog of :class:`_HttpClient`: whatever the exchange waits for ends now."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _set_read_timeout(resp: http.client.HTTPResponse, remaining: float) -> None:
@@ -257,7 +280,7 @@ class HttpMetadata(MetadataBackend):
         self.url = url
         self.timeout_s = timeout_s
         self._secret = secret or None  # writes carry an HMAC proof of it (kvpool metadata-server --secret)
-        self._client = _UrllibClient(timeout_s)
+        self._client = _HttpClient(timeout_s)
 
     def _key_url(self, name: str) -> str:
         sep = "&" if urllib.parse.urlsplit(self.url).query else "?"
@@ -348,7 +371,7 @@ class EtcdMetadata(MetadataBackend):
         self.url = url
         self.timeout_s = timeout_s
         self._endpoints = endpoints
-        self._client = _UrllibClient(timeout_s)
+        self._client = _HttpClient(timeout_s)
 
     @staticmethod
     def _key(name: str) -> str:
