@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -415,6 +416,10 @@ void Peer::unmap_all() {
   ++maps_gen;
 }
 
+Peer::~Peer() {
+  if (pidfd >= 0) ::close(pidfd);
+}
+
 namespace {
 
 // Mappings up to this size are populated when mapped; bigger ones in the background, so that
@@ -503,14 +508,10 @@ void Engine::shutdown() {
     }
     p->qcv.notify_all();
     p->qspace.notify_all();
-    for (auto& l : p->lanes) {
-      std::lock_guard lk(l->mu);
-      if (l->fd >= 0) ::shutdown(l->fd, SHUT_RDWR);
-    }
+    for (auto& l : p->lanes) l->shutdown_fd();  // a lane blocked in I/O returns at once
     for (auto& t : p->workers)
       if (t.joinable()) t.join();
-    for (auto& l : p->lanes)
-      if (l->fd >= 0) ::close(l->fd);
+    for (auto& l : p->lanes) l->close_fd();
     p->unmap_all();
   }
 }
@@ -552,6 +553,18 @@ void Engine::update_peer(uint64_t id, uint64_t incarnation, int pid,
                          const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
   auto p = get_peer(id);
   bool restarted = p->incarnation.exchange(incarnation) != incarnation;
+  if (pid != p->pid.load() || restarted) {
+    // The process same-host copies go to: polled before each copy (execute_same_host).
+    int fd = -1;
+    if (pid != 0) {
+      fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+      if (fd < 0 && errno == ESRCH) pid = 0;  // exited already: TCP, where the owner decides
+    }
+    std::unique_lock lk(p->maps_mu);  // waits for copies in progress
+    if (p->pidfd >= 0) ::close(p->pidfd);
+    p->pidfd = fd;
+    p->alive_at_ns = INT64_MIN / 2;  // ask the new one before the next copy
+  }
   p->pid = pid;
   {
     std::lock_guard lk(p->regions_mu);
@@ -559,16 +572,27 @@ void Engine::update_peer(uint64_t id, uint64_t incarnation, int pid,
   }
   if (restarted) {
     // Old connections point at the previous process: drop them (idle lanes only; busy lanes
-    // discover it themselves).
+    // drop theirs when they next see the incarnation changed: execute).
     for (auto& l : p->lanes) {
       std::unique_lock lk(l->mu, std::try_to_lock);
-      if (lk.owns_lock() && l->fd >= 0) {
-        ::close(l->fd);
-        l->fd = -1;
-      }
+      if (lk.owns_lock()) l->close_fd();
     }
   }
   p->stale = false;
+}
+
+void Engine::set_peer_address(uint64_t id, const std::string& host, uint16_t port) {
+  auto p = get_peer(id);
+  {
+    std::lock_guard lk(p->addr_mu);
+    if (p->host == host && p->port == port) return;
+    p->host = host;
+    p->port = port;
+  }
+  for (auto& l : p->lanes) {
+    std::unique_lock lk(l->mu, std::try_to_lock);
+    if (lk.owns_lock()) l->close_fd();
+  }
 }
 
 int Engine::set_peer_shm(uint64_t id, int pid,
@@ -640,10 +664,10 @@ void Engine::remove_peer(uint64_t id) {
   }
   p->qcv.notify_all();
   p->qspace.notify_all();
+  for (auto& l : p->lanes) l->shutdown_fd();  // a lane blocked in I/O returns at once
   for (auto& t : p->workers)
     if (t.joinable()) t.join();
-  for (auto& l : p->lanes)
-    if (l->fd >= 0) ::close(l->fd);
+  for (auto& l : p->lanes) l->close_fd();
   p->unmap_all();
 }
 
@@ -1005,9 +1029,13 @@ void Engine::worker_loop(Peer* p, int lane_idx) {
         p->qspace.notify_all();
         return;
       }
-      uint8_t op = p->queue.front().op;
+      // One group: one opcode and one incarnation of the peer (the one every slice was submitted
+      // for: execute checks the connection against the group's first slice).
+      const uint8_t op = p->queue.front().op;
+      const uint64_t inc = p->queue.front().incarnation;
       uint64_t bytes = 0;
       while (!p->queue.empty() && group.size() < kMaxGroup && p->queue.front().op == op &&
+             p->queue.front().incarnation == inc &&
              (group.empty() || bytes + p->queue.front().len <= kGroupBytes)) {
         bytes += p->queue.front().len;
         group.push_back(std::move(p->queue.front()));
@@ -1030,12 +1058,32 @@ void Engine::worker_loop(Peer* p, int lane_idx) {
 // unregister is never raced. Returns how many slices from the front of the group it finished; the
 // caller sends the rest over TCP, where the target decides. When the kernel refuses (EPERM/ENOSYS,
 // e.g. ptrace restrictions) the peer stays on TCP from then on.
+constexpr int64_t kAliveCheckNs = 200000;  // same-host peers: how often their liveness is polled
+
 size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
   const int pid = p->pid.load();
   if (pid == 0) return 0;
   std::shared_lock mlk(p->maps_mu);
   Fence* fence = p->fence.get();
   if (fence == nullptr) return 0;
+  if (p->pidfd >= 0) {
+    // The target exited: its fence slots still read live and its mapped buffers still take
+    // copies, with nobody there. Fail the group; the engine re-fetches the segment. Asked at
+    // most every kAliveCheckNs (a poll costs ~0.4 us, a 4 KiB copy ~1.5 us): a copy in that
+    // window is one that landed just before the exit, as a copy right after a check always was.
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch())
+                            .count();
+    if (now - p->alive_at_ns.load(std::memory_order_relaxed) > kAliveCheckNs) {
+      pollfd pf{p->pidfd, POLLIN, 0};
+      if (::poll(&pf, 1, 0) > 0) {
+        p->stale = true;
+        for (auto& s : group) s.batch->finish_slice(s.slot, 0, ST_PEER_CLOSED);
+        return group.size();
+      }
+      p->alive_at_ns.store(now, std::memory_order_relaxed);
+    }
+  }
   for (size_t i = 0; i < group.size(); ++i) {
     Slice& s = group[i];
     if (s.incarnation != p->incarnation.load()) {
@@ -1144,7 +1192,14 @@ size_t Engine::execute_same_host(Peer* p, std::vector<Slice>& group) {
 }
 
 int Engine::connect_lane(Peer* p, Lane* lane) {
-  int fd = dial(p->host, p->port, opt_.connect_timeout_ms);
+  std::string host;
+  uint16_t port;
+  {
+    std::lock_guard lk(p->addr_mu);
+    host = p->host;
+    port = p->port;
+  }
+  int fd = dial(host, port, opt_.connect_timeout_ms);
   if (fd < 0) return ST_CONNECT;
   uint64_t inc = 0;
   int32_t st = client_hello(fd, opt_.secret, &inc, opt_.connect_timeout_ms);
@@ -1153,8 +1208,8 @@ int Engine::connect_lane(Peer* p, Lane* lane) {
     return st;
   }
   set_timeouts(fd, opt_.timeout_ms);
-  lane->fd = fd;
   lane->incarnation = inc;
+  lane->set_fd(fd);
   return ST_OK;
 }
 
@@ -1163,7 +1218,18 @@ void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
   size_t done = 0;
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool fresh = false;
+    // Connected to a previous process of the peer (it restarted since): connect again.
+    if (lane->fd >= 0 && lane->incarnation != p->incarnation.load()) lane->close_fd();
     if (lane->fd < 0) {
+      bool stopping;
+      {
+        std::lock_guard qlk(p->qmu);
+        stopping = p->stopping;
+      }
+      if (stopping) {  // the engine is closing or the segment was closed: no new connection
+        for (size_t i = done; i < group.size(); ++i) group[i].batch->finish_slice(group[i].slot, 0, ST_CANCELED);
+        return;
+      }
       int32_t st = connect_lane(p, lane);
       if (st != ST_OK) {
         p->stale = true;
@@ -1182,8 +1248,7 @@ void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
     size_t before = done;
     int32_t st = tcp_io(lane, group, &done);
     if (st == ST_OK) return;
-    ::close(lane->fd);
-    lane->fd = -1;
+    lane->close_fd();
     // A pooled connection that broke before any reply may just be stale: retry once on a new one.
     if (!fresh && done == before && st == ST_PEER_CLOSED && attempt == 0) continue;
     p->stale = true;

@@ -16,6 +16,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "fence.h"
 #include "wire.h"
 
@@ -142,9 +145,25 @@ struct Slice {
 };
 
 struct Lane {
-  std::mutex mu;
+  std::mutex mu;  // held by the one thread using the lane, across its socket I/O
+  // Guards changes of fd, never held across I/O: shutdown()/remove_peer() shut a busy lane's
+  // socket down under it (the thread blocked in recv returns at once) without waiting for mu.
+  std::mutex fd_mu;
   int fd = -1;
   uint64_t incarnation = 0;
+  void set_fd(int f) {
+    std::lock_guard lk(fd_mu);
+    fd = f;
+  }
+  void close_fd() {
+    std::lock_guard lk(fd_mu);
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+  void shutdown_fd() {
+    std::lock_guard lk(fd_mu);
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  }
 };
 
 class Engine;
@@ -166,10 +185,16 @@ struct FenceRegion {
 
 struct Peer {
   uint64_t id;
+  std::mutex addr_mu;  // host and port (a restarted segment may listen elsewhere)
   std::string host;
   uint16_t port;
   std::atomic<uint64_t> incarnation{0};
   std::atomic<int> pid{0};  // same-host target pid, 0 = not same host / disabled
+  // pidfd of that process (under maps_mu; -1: none, or no pidfd_open here): polled before every
+  // same-host copy, since a copy through a mapped buffer or into a live-looking fence slot of a
+  // process that exited would "succeed" with nobody there.
+  int pidfd = -1;
+  std::atomic<int64_t> alive_at_ns{INT64_MIN / 2};  // when pidfd last showed the process alive
   std::atomic<bool> stale{false};
   std::mutex regions_mu;
   std::vector<std::pair<uint64_t, uint64_t>> regions;  // remote-accessible buffers
@@ -188,6 +213,7 @@ struct Peer {
   std::atomic<uint64_t> fence_refused{0};
   bool remote_ok(uint64_t addr, uint64_t len);
   void unmap_all();
+  ~Peer();
 };
 
 struct EngineOptions {
@@ -226,6 +252,9 @@ class Engine {
                     const std::vector<std::pair<uint64_t, uint64_t>>& regions);
   void update_peer(uint64_t id, uint64_t incarnation, int pid,
                    const std::vector<std::pair<uint64_t, uint64_t>>& regions);
+  // The segment now listens at host:port (restarted elsewhere): idle connections are dropped, busy
+  // ones when they next find the peer's incarnation changed.
+  void set_peer_address(uint64_t id, const std::string& host, uint16_t port);
   // Maps the peer's shared-memory buffers (remote addr, len, fd in the peer) through /proc/<pid>/fd.
   // Returns how many could be mapped; the others keep using process_vm_readv/writev or TCP.
   int set_peer_shm(uint64_t id, int pid, const std::vector<std::tuple<uint64_t, uint64_t, int>>& bufs);

@@ -227,6 +227,7 @@ PYBIND11_MODULE(_native, m) {
       .def("is_registered", [](Engine& e, uint64_t a, uint64_t l) { return e.registry().contains(a, l, false); })
       .def("add_peer", &Engine::add_peer, G())
       .def("update_peer", &Engine::update_peer, G())
+      .def("set_peer_address", &Engine::set_peer_address, G())
       .def("set_peer_shm", &Engine::set_peer_shm, G())
       .def("peer_shm_count", [](Engine& e, uint64_t id) { return e.peer_shm_count(id); })
       .def("set_peer_fence", &Engine::set_peer_fence, G())

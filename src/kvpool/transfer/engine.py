@@ -27,6 +27,7 @@ from kvpool.errors import (
     InvalidArgument,
     KvpoolError,
     ProtocolUnavailable,
+    RemoteAccessError,
     SegmentNotFound,
     TransferError,
     TransferTimeout,
@@ -514,6 +515,10 @@ class TransferEngine(SyncTransfers):
             route = self._routes.get(cached[0].id)
             if route is None or not route.peer_gone(cached[0].id):
                 return cached[0]
+        return self._open(name)
+
+    def _open(self, name: str) -> SegmentHandle:
+        """Fetch ``name``'s descriptor and (re)attach the segment to the transport that reaches it."""
         desc = self._fetch(name)
         transport = self._pick(name, desc)
         with self._lock:
@@ -521,6 +526,8 @@ class TransferEngine(SyncTransfers):
             regions = desc.remote_regions()
             if cached is not None:
                 handle = cached[0]
+                # A restarted segment may listen elsewhere (a logical name in a metadata store)
+                self._native.set_peer_address(handle.id, desc.hostname, desc.port)
                 self._native.update_peer(handle.id, desc.incarnation, 0, regions)
             else:
                 hid = self._native.add_peer(desc.hostname, desc.port, desc.incarnation, 0, regions)
@@ -574,6 +581,26 @@ class TransferEngine(SyncTransfers):
         if t is None:
             raise SegmentNotFound(f"unknown segment handle {hid}; call open_segment first")
         return t
+
+    def _view_changed(self, handles: set[int]) -> bool:
+        """Re-fetch the descriptors of ``handles``; True when any changed (another process, other
+        buffers). Called after a request named a remote range outside a cached descriptor: the
+        owner may have registered it since, or restarted elsewhere; only its descriptor says."""
+        changed = False
+        for hid in handles:
+            name = self._handles.get(hid)
+            cached = self._segments.get(name) if name is not None else None
+            if cached is None:
+                continue
+            old = cached[1]
+            try:
+                self._open(name)  # type: ignore[arg-type]
+            except KvpoolError:
+                continue  # unreachable now: the retried request fails with its own reason
+            new = self._segments[name][1]  # type: ignore[index]
+            if new.incarnation != old.incarnation or new.remote_regions() != old.remote_regions():
+                changed = True
+        return changed
 
     def _refresh_stale(self, handles: set[int]) -> None:
         for hid in handles:
@@ -631,7 +658,9 @@ class TransferEngine(SyncTransfers):
             descs = {hid: self._segments[name][1] for hid, name in self._handles.items()}
         check_requests(self._registry, descs, reqs)
 
-    def _submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+    def _submit(
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, again: bool = True
+    ) -> None:
         """Dispatch type-checked requests: each run of requests to the transport that reaches its
         segment, through GPU staging when a local range is GPU memory the transport cannot touch.
         A run is validated by its transport; with several runs, the engine checks every request
@@ -653,18 +682,33 @@ class TransferEngine(SyncTransfers):
                 if i == n or routes[i] is not routes[start]:
                     runs.append((start, i, routes[start]))
                     start = i
-        if len(runs) > 1:
-            self._check_all(reqs)
-        for a, b, t in runs:
-            part = reqs if b - a == n else reqs.part(a, b)
-            if (
-                self._registry.gpu_count
-                and "cuda" not in t.locations
-                and self._staging.needed(part.locs, part.lens)
-            ):
-                self._staging.submit(t, batch_id, part, wait_s=stage_wait_s)
-            else:
-                t.submit(batch_id, part)
+        try:
+            if len(runs) > 1:
+                self._check_all(reqs)
+            self._submit_run(batch_id, reqs, *runs[0], stage_wait_s)
+        except RemoteAccessError:
+            # Nothing was queued. A range outside the cached descriptor: submit again only when
+            # the owner's descriptor changed (it decides again, on the new one).
+            if not again or not self._view_changed(set(peers)):
+                raise
+            self._submit(batch_id, reqs, stage_wait_s, again=False)
+            return
+        for a, b, t in runs[1:]:
+            self._submit_run(batch_id, reqs, a, b, t, stage_wait_s)
+
+    def _submit_run(
+        self, batch_id: int, reqs: Requests, a: int, b: int, t: Transport, stage_wait_s: float | None
+    ) -> None:
+        """Queue requests ``a`` to ``b`` (one transport's run) into the batch."""
+        part = reqs if b - a == len(reqs.peers) else reqs.part(a, b)
+        if (
+            self._registry.gpu_count
+            and "cuda" not in t.locations
+            and self._staging.needed(part.locs, part.lens)
+        ):
+            self._staging.submit(t, batch_id, part, wait_s=stage_wait_s)
+        else:
+            t.submit(batch_id, part)
 
     def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
         """Status of request ``index`` of a batch."""

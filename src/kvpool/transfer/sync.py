@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpool.errors import InvalidArgument, KvpoolError, TransferError, TransferTimeout
+from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, TransferError, TransferTimeout
 from kvpool.transfer.transport import READ, WRITE, Requests, Transport
 from kvpool.transfer.types import OpCode, TransferState, TransferStatus
 
@@ -165,7 +165,12 @@ class SyncTransfers:
         reg = self._registry
         if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
             return None  # GPU memory here: a batch (staged or CUDA IPC) moves it
-        return t.transfer_inline(op, hid, locs, rems, lens, scratch)
+        try:
+            return t.transfer_inline(op, hid, locs, rems, lens, scratch)
+        except RemoteAccessError:
+            if self._view_changed({hid}):
+                return None  # the owner's descriptor changed: the batch path asks it again
+            raise
 
     def _cached_route(self, target_name: str) -> tuple[int, Transport] | None:
         """(handle, transport) of a segment already open whose peer was not seen gone, without
@@ -191,7 +196,12 @@ class SyncTransfers:
         if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
             return None
         t = self._routes.get(hid) or self._route(hid)
-        return t.transfer_inline(op, hid, locs, rems, lens)
+        try:
+            return t.transfer_inline(op, hid, locs, rems, lens)
+        except RemoteAccessError:
+            if self._view_changed({hid}):
+                return None  # a batch, on the owner's new descriptor
+            raise
 
     def batch_transfer_sync(
         self,
@@ -320,7 +330,12 @@ class SyncTransfers:
             calls.append((hid, *_int_columns(cols)))
         if transport is None:
             return 0
-        st = transport.transfer_inline_parts(op, calls)
+        try:
+            st = transport.transfer_inline_parts(op, calls)
+        except RemoteAccessError:
+            if self._view_changed({c[0] for c in calls}):
+                return None  # one batch, on the owners' new descriptors
+            raise
         if st is None:
             return None
         if not st.ok:

@@ -1,0 +1,284 @@
+"""Peers that die, restart or stall while an initiator holds their segment open: no byte reaches a
+process it was not submitted for, no copy "succeeds" into a dead process, a segment restarted at
+another address is reached again, and close() does not wait for a stopped peer's I/O timeout.
+
+Real processes (``PeerProcess``), real sockets, real SIGKILL/SIGSTOP; the first test uses a
+scripted server speaking the wire protocol so that it controls when incarnation A dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import xxhash
+
+from kvpool import OpCode, TransferEngine, TransferRequest, _native
+from kvpool.errors import KvpoolError, RemoteAccessError
+from kvpool.transfer.metadata_server import MetadataServer
+from kvpool.transfer.peer import PeerProcess
+from tests.servers import free_port
+
+_REQ = struct.Struct("<IBBHIIQQ")  # wire.h ReqHdr
+_RESP = struct.Struct("<iiIIQ")  # RespHdr
+_RESP_MAGIC = 0x4150564B
+_S_COMPLETED = 2
+
+
+def _recvn(c: socket.socket, n: int) -> bytes:
+    b = b""
+    while len(b) < n:
+        x = c.recv(n - len(b))
+        if not x:
+            raise EOFError
+        b += x
+    return b
+
+
+class _TwoIncarnations:
+    """A listener that handshakes as incarnation A (then never answers a request) until told
+    to be B, which answers every request and counts the WRITE payloads it got by first byte."""
+
+    A, B = 0xAAAA, 0xBBBB
+
+    def __init__(self) -> None:
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(16)
+        self.port = self.ls.getsockname()[1]
+        self.inc = self.A
+        self.a_conns: list[socket.socket] = []
+        self.b_payloads: dict[bytes, int] = {}
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            c.sendall(struct.pack("<II", 0x4E50564B, 0) + b"\0" * 32)  # challenge (no secret)
+            _recvn(c, 72)
+            inc = self.inc
+            c.sendall(struct.pack("<IiQ", 0x4F50564B, 0, inc) + b"\0" * 32)
+            if inc == self.A:
+                self.a_conns.append(c)
+            else:
+                threading.Thread(target=self._serve_b, args=(c,), daemon=True).start()
+
+    def _serve_b(self, c: socket.socket) -> None:
+        try:
+            while True:
+                _, op, _, _, rid, _, _, n = _REQ.unpack(_recvn(c, _REQ.size))
+                if op == _native.OP_WRITE:
+                    first = _recvn(c, n)[:1]
+                    self.b_payloads[first] = self.b_payloads.get(first, 0) + 1
+                c.sendall(_RESP.pack(_RESP_MAGIC, 0, rid, 0, 0))
+        except (EOFError, OSError):
+            pass
+
+    def restart_as_b(self) -> None:
+        self.inc = self.B
+        for c in self.a_conns:
+            c.shutdown(socket.SHUT_RDWR)
+            c.close()
+
+    def close(self) -> None:
+        self.ls.close()
+
+
+def test_writes_queued_for_a_dead_incarnation_never_reach_its_successor() -> None:
+    """Writes for incarnation A wait in a full queue while the peer restarts as B and writes for B
+    are queued behind them: none of A's bytes may land at B (a group once mixed both and sent
+    them all over B's connection, reporting A's slots COMPLETED)."""
+    srv = _TwoIncarnations()
+    eng = _native.NativeEngine("127.0.0.1", 0, "", 1, 4096, 20000, 2000, 1 << 28)
+    bufs = {k: ctypes.create_string_buffer(k * 4096, 4096) for k in (b"A", b"B")}
+    for b in bufs.values():
+        eng.register_memory(ctypes.addressof(b), 4096, False)
+    base, size = 1 << 32, 1 << 34
+    peer = eng.add_peer("127.0.0.1", srv.port, srv.A, 0, [(base, size)])
+    nx, ny = 40000, 20000  # more than the peer's queue holds: the submit of X blocks
+    bx, by = eng.alloc_batch(nx), eng.alloc_batch(ny)
+
+    def submit(batch: int, n: int, key: bytes, off: int) -> None:
+        loc = ctypes.addressof(bufs[key])
+        eng.submit(batch, [_native.OP_WRITE] * n, [loc] * n, [peer] * n,
+                   [base + off + i * 4096 for i in range(n)], [4096] * n)  # fmt: skip
+
+    try:
+        tx = threading.Thread(target=submit, args=(bx, nx, b"A", 0))
+        tx.start()
+        deadline = time.monotonic() + 10
+        while not srv.a_conns and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert tx.is_alive(), "X's submit should be blocked on the full queue"
+        eng.update_peer(peer, srv.B, 0, [(base, size)])  # the initiator learnt of the restart
+        ty = threading.Thread(target=submit, args=(by, ny, b"B", 1 << 33))
+        ty.start()
+        time.sleep(0.3)
+        srv.restart_as_b()
+        tx.join(60)
+        ty.join(60)
+        eng.wait(bx, 30000)
+        eng.wait(by, 30000)
+        assert srv.b_payloads.get(b"A", 0) == 0, srv.b_payloads
+        assert sum(eng.status(bx, i)[0] == _S_COMPLETED for i in range(nx)) == 0
+        assert sum(eng.status(by, i)[0] == _S_COMPLETED for i in range(ny)) == ny
+        assert srv.b_payloads.get(b"B", 0) == ny
+    finally:
+        eng.shutdown()
+        srv.close()
+
+
+def test_same_host_copies_to_a_killed_peer_fail() -> None:
+    """A peer whose shared buffer is mapped here is SIGKILLed: WRITE and READ fail with a typed
+    error (copies into the mapping of a dead process used to report success)."""
+    eng = TransferEngine(protocol="auto", timeout_s=2, connect_timeout_s=1)
+    src = bytearray(os.urandom(65536))
+    saddr = eng.register_local_memory(src)
+    dst = bytearray(65536)
+    daddr = eng.register_local_memory(dst)
+    p = PeerProcess(1 << 20, shm=True)
+    try:
+        eng.transfer_sync(p.segment, saddr, p.addr, 65536, OpCode.WRITE)
+        h = eng.open_segment(p.segment)
+        assert eng.uses_same_host_path(h) and eng.shared_buffers_mapped(h) == 1
+        p.kill()
+        time.sleep(0.2)
+        for _ in range(2):
+            with pytest.raises(KvpoolError):
+                eng.transfer_sync(p.segment, saddr, p.addr, 65536, OpCode.WRITE)
+            with pytest.raises(KvpoolError):
+                eng.transfer_sync(p.segment, daddr, p.addr, 65536, OpCode.READ)
+    finally:
+        p.close()
+        eng.close()
+
+
+def test_same_host_write_after_a_restart_on_the_same_port_never_reports_success_unlanded() -> None:
+    """The peer is killed and a new one listens on its port: a WRITE to the old address either
+    fails with a typed error or lands in the new peer -- never "succeeds" into the dead one."""
+    eng = TransferEngine(protocol="auto", timeout_s=2, connect_timeout_s=1)
+    src = bytearray(os.urandom(65536))
+    saddr = eng.register_local_memory(src)
+    port = free_port()
+    p = PeerProcess(1 << 20, shm=True, port=port)
+    p2 = None
+    try:
+        eng.transfer_sync(p.segment, saddr, p.addr, 65536, OpCode.WRITE)
+        old = p.addr
+        p.kill()
+        time.sleep(0.3)
+        p2 = PeerProcess(1 << 20, shm=True, port=port)
+        try:
+            eng.transfer_sync(p.segment, saddr, old, 65536, OpCode.WRITE)
+        except KvpoolError:
+            pass
+        else:
+            assert p2.addr <= old and old + 65536 <= p2.addr + (1 << 20)
+            off = old - p2.addr
+            assert p2.checksum(off, 65536) == xxhash.xxh3_64_hexdigest(bytes(src))
+    finally:
+        if p2 is not None:
+            p2.close()
+        p.close()
+        eng.close()
+
+
+def test_a_segment_restarted_on_another_port_is_reached_again() -> None:
+    """A segment named in a metadata store restarts on a new port: after at most one failed
+    transfer the initiator reaches it there (its lanes kept dialling the old port)."""
+    with MetadataServer(port=0).start() as ms:
+        ini = TransferEngine(protocol="tcp", metadata=ms.url, name="ini", timeout_s=2, connect_timeout_s=1)
+        t1 = t2 = None
+        try:
+            src = bytearray(b"A" * 4096)
+            saddr = ini.register_local_memory(src)
+            t1 = TransferEngine(protocol="tcp", metadata=ms.url, name="tgt")
+            b1 = bytearray(4096)
+            a1 = t1.register_local_memory(b1)
+            ini.transfer_sync("tgt", saddr, a1, 4096, OpCode.WRITE)
+            assert bytes(b1[:4]) == b"AAAA"
+            t1.close()
+            t2 = TransferEngine(protocol="tcp", metadata=ms.url, name="tgt")
+            b2 = bytearray(4096)
+            a2 = t2.register_local_memory(b2)
+            assert t2.port != t1.port
+            landed = False
+            for _ in range(3):
+                try:
+                    ini.transfer_sync("tgt", saddr, a2, 4096, OpCode.WRITE)
+                    landed = True
+                    break
+                except KvpoolError:
+                    continue
+            assert landed and bytes(b2) == bytes(src)
+        finally:
+            for e in (t2, ini):
+                if e is not None:
+                    e.close()
+
+
+def test_close_does_not_wait_for_a_stopped_peers_timeout() -> None:
+    """The peer is SIGSTOPped with WRITEs in flight: close() shuts the busy connections down
+    instead of waiting out the 8 s I/O timeout (it took ~7.7 s)."""
+    eng = TransferEngine(protocol="tcp", timeout_s=8, connect_timeout_s=1)
+    bs = 8 << 20
+    src = bytearray(bs * 4)
+    saddr = eng.register_local_memory(src)
+    p = PeerProcess(bs * 4)
+    try:
+        h = eng.open_segment(p.segment)
+        eng.transfer_sync(p.segment, saddr, p.addr, 4096, OpCode.WRITE)  # lanes connected
+        os.kill(p.pid, signal.SIGSTOP)
+        bid = eng.allocate_batch_id(4)
+        reqs = [TransferRequest(OpCode.WRITE, saddr + i * bs, h, p.addr + i * bs, bs) for i in range(4)]
+        eng.submit_transfer(bid, reqs)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        eng.close()
+        assert time.monotonic() - t0 < 4.0
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.close()
+        eng.close()
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_memory_registered_after_the_open_is_reached_and_unknown_ranges_still_refused(protocol: str) -> None:
+    """The target registers a second buffer after the initiator opened its segment: a WRITE
+    into it lands (the initiator asks the owner's descriptor again instead of refusing from its
+    cached one); a range the owner never registered is still refused, inline and batched."""
+    ini = TransferEngine(protocol=protocol, timeout_s=2, connect_timeout_s=1)
+    tgt = TransferEngine(protocol=protocol)
+    try:
+        src = bytearray(os.urandom(8192))
+        saddr = ini.register_local_memory(src)
+        b1 = bytearray(4096)
+        a1 = tgt.register_local_memory(b1)
+        ini.transfer_sync(tgt.segment_name, saddr, a1, 4096, OpCode.WRITE)
+        b2 = bytearray(8192)
+        a2 = tgt.register_local_memory(b2)
+        ini.transfer_sync(tgt.segment_name, saddr, a2, 4096, OpCode.WRITE)  # inline path
+        assert bytes(b2[:4096]) == bytes(src[:4096])
+        n = 32  # more than INLINE_MAX: one batch
+        locs = [saddr + i * 256 for i in range(n)]
+        rems = [a2 + i * 256 for i in range(n)]
+        ini.batch_transfer_sync(tgt.segment_name, locs, rems, [256] * n, OpCode.WRITE)
+        assert bytes(b2) == bytes(src)
+        with pytest.raises(RemoteAccessError):
+            ini.transfer_sync(tgt.segment_name, saddr, a2 + 8192 + (1 << 30), 4096, OpCode.WRITE)
+        with pytest.raises(RemoteAccessError):
+            ini.batch_transfer_sync(tgt.segment_name, locs, [a2 + (1 << 30) + r for r in range(n)],
+                                    [256] * n, OpCode.WRITE)  # fmt: skip
+    finally:
+        ini.close()
+        tgt.close()
