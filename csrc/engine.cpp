@@ -317,7 +317,8 @@ std::vector<ParsedFrame> decode_frames(const std::string& data, uint64_t max_fra
 
 // ---------------------------------------------------------------- registry
 
-std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only, int device) {
+std::tuple<int, uint64_t, uint32_t> Registry::add(uint64_t addr, uint64_t len, bool remote, bool read_only,
+                                                   int device) {
   if (len == 0) throw KvError(E_INVALID, "cannot register zero bytes");
   if (addr + len < addr) throw KvError(E_INVALID, "address range wraps around");
   if (remote && read_only) throw KvError(E_INVALID, "read-only memory cannot be remote-accessible");
@@ -333,7 +334,9 @@ std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, bool remote,
       throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   }
   if (remote && device < 0 && fence_ != nullptr) st->fence_slot = fence_->claim(addr, len, &st->fence_gen);
-  std::pair<int, uint64_t> out{st->fence_slot, st->fence_gen};
+  if (++next_id_ == 0) ++next_id_;
+  st->id = next_id_;
+  std::tuple<int, uint64_t, uint32_t> out{st->fence_slot, st->fence_gen, st->id};
   regions_[addr] = std::move(st);
   return out;
 }
@@ -467,11 +470,14 @@ void populate_maps(std::shared_ptr<Peer> p, uint64_t gen) {
 
 }  // namespace
 
-bool Peer::remote_ok(uint64_t addr, uint64_t len) {
+bool Peer::remote_ok(uint64_t addr, uint64_t len, uint32_t* reg) {
   if (len == 0 || addr + len < addr) return false;
   std::lock_guard lk(regions_mu);
-  for (auto& r : regions)
-    if (addr >= r.first && addr + len <= r.first + r.second) return true;
+  for (auto& [a, l, id] : regions)
+    if (addr >= a && addr + len <= a + l) {
+      *reg = id;
+      return true;
+    }
   return false;
 }
 
@@ -523,7 +529,7 @@ std::vector<std::pair<std::string, uint64_t>> Engine::server_stats() const { ret
 // ---------------------------------------------------------------- peers
 
 uint64_t Engine::add_peer(const std::string& host, uint16_t port, uint64_t incarnation, int pid,
-                          const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
+                          const PeerRegions& regions) {
   auto p = std::make_shared<Peer>();
   p->host = host;
   p->port = port;
@@ -549,8 +555,7 @@ uint64_t Engine::add_peer(const std::string& host, uint16_t port, uint64_t incar
   return p->id;
 }
 
-void Engine::update_peer(uint64_t id, uint64_t incarnation, int pid,
-                         const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
+void Engine::update_peer(uint64_t id, uint64_t incarnation, int pid, const PeerRegions& regions) {
   auto p = get_peer(id);
   bool restarted = p->incarnation.exchange(incarnation) != incarnation;
   if (pid != p->pid.load() || restarted) {
@@ -736,12 +741,14 @@ void Engine::free_batch(uint64_t id) {
 
 void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
                       const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
-                      const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved) {
+                      const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved,
+                std::vector<uint32_t>* regs) {
   size_t n = ops.size();
   if (locals.size() != n || peers.size() != n || remotes.size() != n || lens.size() != n)
     throw KvError(E_INVALID, "request arrays differ in length");
   std::unordered_map<uint64_t, std::shared_ptr<Peer>> cache;
   resolved->resize(n);
+  regs->resize(n);
   std::shared_lock lk(reg_.mutex());
   for (size_t i = 0; i < n; ++i) {
     auto at = [i] { return " (request " + std::to_string(i) + ")"; };  // only built for an error
@@ -765,7 +772,7 @@ void Engine::validate(const std::vector<uint8_t>& ops, const std::vector<uint64_
       }
       p = cached;
     }
-    if (!p->remote_ok(remotes[i], lens[i]))
+    if (!p->remote_ok(remotes[i], lens[i], &(*regs)[i]))
       throw KvError(E_REMOTE_ACCESS,
                     "remote range is outside the segment's remote-accessible buffers" + at());
     (*resolved)[i] = std::move(p);
@@ -777,7 +784,8 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
                     const std::vector<uint64_t>& lens) {
   auto b = get_batch(batch_id);
   std::vector<std::shared_ptr<Peer>> resolved;
-  validate(ops, locals, peers, remotes, lens, &resolved);
+  std::vector<uint32_t> regs;
+  validate(ops, locals, peers, remotes, lens, &resolved, &regs);
   size_t n = ops.size();
   const uint64_t ss = opt_.slice_size;
   uint32_t base = take_slots(*b, batches_mu_, lens, ss);
@@ -802,7 +810,7 @@ uint32_t Engine::submit(uint64_t batch_id, const std::vector<uint8_t>& ops, cons
           continue;
         }
         p->queue.push_back(Slice{b, static_cast<uint32_t>(base + i), ops[i], locals[i] + off, remotes[i] + off,
-                                 std::min(ss, lens[i] - off), inc});
+                                 std::min(ss, lens[i] - off), inc, regs[i]});
         if (p->queue.size() % kMaxGroup == 0) {  // a whole group is ready: let a worker start on it
           lk.unlock();
           p->qcv.notify_one();
@@ -915,7 +923,8 @@ int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint6
                           const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens) {
   const size_t n = lens.size();
   std::vector<std::shared_ptr<Peer>> resolved;
-  validate(std::vector<uint8_t>(n, op), locals, std::vector<uint64_t>(n, peer), remotes, lens, &resolved);
+  std::vector<uint32_t> regs;
+  validate(std::vector<uint8_t>(n, op), locals, std::vector<uint64_t>(n, peer), remotes, lens, &resolved, &regs);
   if (n == 0) return ST_OK;
   Peer* p = resolved[0].get();
   // The caller skipped its own freshness check (one call less per small transfer): a peer seen
@@ -939,7 +948,7 @@ int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint6
     for (size_t i = 0; i < n; ++i) {
       b->slots[i].remaining = 1;
       b->slots[i].state = S_PENDING;
-      group.push_back(Slice{b, static_cast<uint32_t>(i), op, locals[i], remotes[i], lens[i], inc});
+      group.push_back(Slice{b, static_cast<uint32_t>(i), op, locals[i], remotes[i], lens[i], inc, regs[i]});
     }
     b->pending_slots = static_cast<uint32_t>(n);
     bool done = false;
@@ -1246,7 +1255,7 @@ void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
       return;
     }
     size_t before = done;
-    int32_t st = tcp_io(lane, group, &done);
+    int32_t st = tcp_io(p, lane, group, &done);
     if (st == ST_OK) return;
     lane->close_fd();
     // A pooled connection that broke before any reply may just be stale: retry once on a new one.
@@ -1258,7 +1267,7 @@ void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
 }
 
 // Pipelines a group of same-op slices over one connection. `done` counts slices finished.
-int Engine::tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done) {
+int Engine::tcp_io(Peer* p, Lane* lane, std::vector<Slice>& group, size_t* done) {
   const int fd = lane->fd;
   FrameDeadline dl(fd, opt_.timeout_ms);  // every request and reply of the group, however it trickles
   const size_t start = *done;
@@ -1269,7 +1278,7 @@ int Engine::tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done) {
   iov.reserve(is_write ? 2 * n : n);
   for (size_t i = 0; i < n; ++i) {
     const Slice& s = group[start + i];
-    hdrs[i] = ReqHdr{kReqMagic, s.op, 0, 0, static_cast<uint32_t>(i), 0, s.remote, s.len};
+    hdrs[i] = ReqHdr{kReqMagic, s.op, 0, 0, static_cast<uint32_t>(i), s.reg, s.remote, s.len};
     iov.push_back({&hdrs[i], sizeof(ReqHdr)});
     if (is_write) iov.push_back({reinterpret_cast<void*>(s.local), s.len});
   }
@@ -1284,6 +1293,7 @@ int Engine::tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done) {
     for (size_t i = 0; i < n; ++i) {
       if (resp[i].magic != kRespMagic || resp[i].id != i) return ST_BAD_FRAME;
       Slice& s = group[start + i];
+      if (resp[i].status == ST_REREGISTERED) p->stale = true;  // re-fetch the descriptor
       s.batch->finish_slice(s.slot, resp[i].status == ST_OK ? s.len : 0, resp[i].status);
       ++*done;
     }
@@ -1300,6 +1310,7 @@ int Engine::tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done) {
       st = recv_all(fd, reinterpret_cast<void*>(s.local), s.len);
       if (st != ST_OK) return st;
     }
+    if (r.status == ST_REREGISTERED) p->stale = true;  // re-fetch the descriptor
     s.batch->finish_slice(s.slot, r.status == ST_OK ? s.len : 0, r.status);
     ++*done;
   }

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -59,6 +60,7 @@ struct Region {
 // register/unregister and never lands a byte after unregister returns.
 struct RegionState {
   Region r;
+  uint32_t id = 0;  // registration id (published in the descriptor; requests naming another are refused)
   int fence_slot = -1;  // same-host fence slot (-1: reachable over TCP only)
   uint64_t fence_gen = 0;
   std::atomic<int> active{0};
@@ -94,7 +96,9 @@ class Registry {
   // Returns the same-host fence (slot, generation) of a remote-accessible region; slot -1: none.
   // device >= 0: GPU memory of that CUDA device, reached by the server through staging copies only
   // (never a local source/destination of the native data path, no same-host fence slot).
-  std::pair<int, uint64_t> add(uint64_t addr, uint64_t len, bool remote, bool read_only = false, int device = -1);
+  // Returns (fence slot, fence generation, registration id).
+  std::tuple<int, uint64_t, uint32_t> add(uint64_t addr, uint64_t len, bool remote, bool read_only = false,
+                                          int device = -1);
   void remove(uint64_t addr);
   void set_fence(Fence* f, int retire_timeout_ms) {
     fence_ = f;
@@ -113,6 +117,7 @@ class Registry {
   std::map<uint64_t, std::shared_ptr<RegionState>> regions_;
   Fence* fence_ = nullptr;
   int retire_timeout_ms_ = 30000;
+  uint32_t next_id_ = 0;  // under mu_; ids are never 0
 };
 
 struct Slot {
@@ -142,6 +147,7 @@ struct Slice {
   uint64_t remote;
   uint64_t len;
   uint64_t incarnation;
+  uint32_t reg = 0;  // the target's registration id of the remote range (0: unchecked)
 };
 
 struct Lane {
@@ -197,7 +203,7 @@ struct Peer {
   std::atomic<int64_t> alive_at_ns{INT64_MIN / 2};  // when pidfd last showed the process alive
   std::atomic<bool> stale{false};
   std::mutex regions_mu;
-  std::vector<std::pair<uint64_t, uint64_t>> regions;  // remote-accessible buffers
+  std::vector<std::tuple<uint64_t, uint64_t, uint32_t>> regions;  // remote-accessible buffers (addr, len, id)
   std::mutex qmu;
   std::condition_variable qcv;
   std::condition_variable qspace;
@@ -211,7 +217,8 @@ struct Peer {
   std::unique_ptr<Fence> fence;  // the target's fence table; no fence, no same-host path
   std::vector<FenceRegion> fregions;
   std::atomic<uint64_t> fence_refused{0};
-  bool remote_ok(uint64_t addr, uint64_t len);
+  // Whether [addr, addr+len) lies in one remote-accessible buffer; *reg: that buffer's id.
+  bool remote_ok(uint64_t addr, uint64_t len, uint32_t* reg);
   void unmap_all();
   ~Peer();
 };
@@ -248,10 +255,9 @@ class Engine {
   Registry& registry() { return reg_; }
   void set_descriptor(const std::string& blob);
 
-  uint64_t add_peer(const std::string& host, uint16_t port, uint64_t incarnation, int pid,
-                    const std::vector<std::pair<uint64_t, uint64_t>>& regions);
-  void update_peer(uint64_t id, uint64_t incarnation, int pid,
-                   const std::vector<std::pair<uint64_t, uint64_t>>& regions);
+  using PeerRegions = std::vector<std::tuple<uint64_t, uint64_t, uint32_t>>;  // (addr, len, registration id)
+  uint64_t add_peer(const std::string& host, uint16_t port, uint64_t incarnation, int pid, const PeerRegions& regions);
+  void update_peer(uint64_t id, uint64_t incarnation, int pid, const PeerRegions& regions);
   // The segment now listens at host:port (restarted elsewhere): idle connections are dropped, busy
   // ones when they next find the peer's incarnation changed.
   void set_peer_address(uint64_t id, const std::string& host, uint16_t port);
@@ -315,7 +321,7 @@ class Engine {
   void worker_loop(Peer* p, int lane_idx);
   void execute(Peer* p, Lane* lane, std::vector<Slice>& group);
   size_t execute_same_host(Peer* p, std::vector<Slice>& group);
-  int tcp_io(Lane* lane, std::vector<Slice>& group, size_t* done);
+  int tcp_io(Peer* p, Lane* lane, std::vector<Slice>& group, size_t* done);
   int connect_lane(Peer* p, Lane* lane);
   std::shared_ptr<Batch> get_batch(uint64_t id);
   std::shared_ptr<Peer> get_peer(uint64_t id);
@@ -323,7 +329,8 @@ class Engine {
                       const std::vector<uint64_t>& remotes, const std::vector<uint64_t>& lens);
   void validate(const std::vector<uint8_t>& ops, const std::vector<uint64_t>& locals,
                 const std::vector<uint64_t>& peers, const std::vector<uint64_t>& remotes,
-                const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved);
+                const std::vector<uint64_t>& lens, std::vector<std::shared_ptr<Peer>>* resolved,
+                std::vector<uint32_t>* regs);
 
   EngineOptions opt_;
   uint64_t incarnation_;

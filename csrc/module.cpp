@@ -381,4 +381,5 @@ PYBIND11_MODULE(_native, m) {
   m.attr("ST_CANCELED") = static_cast<int>(ST_CANCELED);
   m.attr("ST_TRANSPORT") = static_cast<int>(ST_TRANSPORT);
   m.attr("ST_STALE") = static_cast<int>(ST_STALE);
+  m.attr("ST_REREGISTERED") = static_cast<int>(ST_REREGISTERED);
 }

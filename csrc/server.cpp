@@ -380,6 +380,10 @@ struct Reactor {
     if (h.op == OP_WRITE) {
       c.region = st == ST_OK ? srv->reg.pin(h.addr, h.len, true) : nullptr;
       c.st = st != ST_OK ? st : (c.region ? ST_OK : ST_REMOTE_BOUNDS);
+      if (c.region && h.reg != 0 && h.reg != c.region->id) {  // registered again since: not theirs
+        c.region.reset();  // the payload is drained, the WRITE refused
+        c.st = ST_REREGISTERED;
+      }
       if (c.region && c.region->r.device >= 0 && !c.stage_buffer(c.region->r.device)) {
         c.region.reset();  // no pinned memory for staging: the payload is drained, the WRITE refused
         c.st = ST_TRANSPORT;
@@ -393,6 +397,10 @@ struct Reactor {
     if (h.op == OP_READ) {
       std::shared_ptr<RegionState> r = st == ST_OK ? srv->reg.pin(h.addr, h.len, true) : nullptr;
       if (st == ST_OK && !r) st = ST_REMOTE_BOUNDS;
+      if (r && h.reg != 0 && h.reg != r->id) {  // registered again since the peer's descriptor
+        r.reset();
+        st = ST_REREGISTERED;
+      }
       resp.status = st;
       resp.len = st == ST_OK ? h.len : 0;
       c.out.append(reinterpret_cast<const char*>(&resp), sizeof(resp));

@@ -57,6 +57,7 @@ enum Status : int32_t {
   ST_PEER_UNPROVEN = 107,  // peer could not prove the shared secret (impostor or no secret)
   ST_BUSY = 108,          // target refused the connection: over its connection bounds
   ST_STALE = 109,         // local only: the peer's descriptor must be fetched again first (nothing moved)
+  ST_REREGISTERED = 110,  // the target's registration of the range is not the one the request named
 };
 
 #pragma pack(push, 1)
@@ -86,7 +87,7 @@ struct ReqHdr {
   uint8_t flags;
   uint16_t reserved;
   uint32_t id;
-  uint32_t reserved2;
+  uint32_t reg;  // READ/WRITE: the target's registration id of the range (0: any live registration)
   uint64_t addr;
   uint64_t len;
 };
@@ -149,6 +150,9 @@ inline const char* status_text(int32_t st) {
     case ST_LOCAL_FAULT: return "same-host copy faulted (memory unmapped?)";
     case ST_TRANSPORT: return "failed in the transport";
     case ST_STALE: return "the segment's descriptor is stale; open the segment again";
+    case ST_REREGISTERED:
+      return "the target unregistered this range and registered it again since its descriptor was read; "
+             "nothing moved (open the segment again if the new registration is meant)";
     case ST_BUSY:
       return "target refused the connection: it is at its connection bound (max_connections or "
              "max_connections_per_peer); retry later, or close idle engines on this host";

@@ -22,7 +22,7 @@ e = _native.NativeEngine(host="127.0.0.1", port=0, secret="", lanes=1, slice_siz
                          timeout_ms=5000, connect_timeout_ms=5000, max_frame=1 << 24)
 buf = bytearray(65536)
 addr, n = _native.buffer_address(buf)
-slot, gen = e.register_memory(addr, n, True, False)
+slot, gen, _ = e.register_memory(addr, n, True, False)
 print(json.dumps(dict(pid=__import__("os").getpid(), port=e.port, inc=e.incarnation, fence_fd=e.fence_fd,
                       addr=addr, n=n, slot=slot, gen=gen)), flush=True)
 for line in sys.stdin:
@@ -31,7 +31,7 @@ for line in sys.stdin:
         e.unregister_memory(addr)
         out = {}
     elif cmd[0] == "shrink":
-        slot, gen = e.register_memory(addr, 4096, True, False)
+        slot, gen, _ = e.register_memory(addr, 4096, True, False)
         out = {"slot": slot, "gen": gen}
     elif cmd[0] == "head":
         out = {"head": bytes(buf[:8]).hex(), "tail": bytes(buf[-8:]).hex()}
@@ -89,7 +89,7 @@ def _initiator(t: _Target):
     local, n = _native.buffer_address(src)
     e.register_memory(local, n, False, False)
     i = t.info
-    h = e.add_peer("127.0.0.1", i["port"], i["inc"], i["pid"], [(i["addr"], i["n"])])
+    h = e.add_peer("127.0.0.1", i["port"], i["inc"], i["pid"], [(i["addr"], i["n"], 0)])
     assert e.set_peer_fence(h, i["pid"], i["fence_fd"], [(i["addr"], i["n"], i["slot"], i["gen"])])
     return e, src, local, h
 

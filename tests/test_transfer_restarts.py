@@ -20,7 +20,7 @@ import pytest
 import xxhash
 
 from kvpool import OpCode, TransferEngine, TransferRequest, _native
-from kvpool.errors import KvpoolError, RemoteAccessError
+from kvpool.errors import KvpoolError, RemoteAccessError, TransferError
 from kvpool.transfer.metadata_server import MetadataServer
 from kvpool.transfer.peer import PeerProcess
 from tests.servers import free_port
@@ -103,7 +103,7 @@ def test_writes_queued_for_a_dead_incarnation_never_reach_its_successor() -> Non
     for b in bufs.values():
         eng.register_memory(ctypes.addressof(b), 4096, False)
     base, size = 1 << 32, 1 << 34
-    peer = eng.add_peer("127.0.0.1", srv.port, srv.A, 0, [(base, size)])
+    peer = eng.add_peer("127.0.0.1", srv.port, srv.A, 0, [(base, size, 0)])
     nx, ny = 40000, 20000  # more than the peer's queue holds: the submit of X blocks
     bx, by = eng.alloc_batch(nx), eng.alloc_batch(ny)
 
@@ -120,7 +120,7 @@ def test_writes_queued_for_a_dead_incarnation_never_reach_its_successor() -> Non
             time.sleep(0.05)
         time.sleep(0.5)
         assert tx.is_alive(), "X's submit should be blocked on the full queue"
-        eng.update_peer(peer, srv.B, 0, [(base, size)])  # the initiator learnt of the restart
+        eng.update_peer(peer, srv.B, 0, [(base, size, 0)])  # the initiator learnt of the restart
         ty = threading.Thread(target=submit, args=(by, ny, b"B", 1 << 33))
         ty.start()
         time.sleep(0.3)
@@ -279,6 +279,60 @@ def test_memory_registered_after_the_open_is_reached_and_unknown_ranges_still_re
         with pytest.raises(RemoteAccessError):
             ini.batch_transfer_sync(tgt.segment_name, locs, [a2 + (1 << 30) + r for r in range(n)],
                                     [256] * n, OpCode.WRITE)  # fmt: skip
+    finally:
+        ini.close()
+        tgt.close()
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "auto"])
+def test_a_range_registered_again_refuses_requests_made_for_the_old_registration(protocol: str) -> None:
+    """The target unregisters a buffer and registers the same range again (another owner of that
+    memory now): a peer still holding the old descriptor is refused (nothing lands: TCP's server
+    compares the registration id the request names, the same-host path its fence generation),
+    as an RDMA peer is with the old rkey; after re-opening, the new registration is reached."""
+    ini = TransferEngine(protocol=protocol, timeout_s=2, connect_timeout_s=1)
+    tgt = TransferEngine(protocol=protocol)
+    try:
+        src = bytearray(b"N" * 4096)
+        saddr = ini.register_local_memory(src)
+        other = bytearray(b"M" * 4096)
+        oaddr = ini.register_local_memory(other)
+        buf = bytearray(4096)
+        addr = tgt.register_local_memory(buf)
+        h = ini.open_segment(tgt.segment_name)
+        old_id = ini.get_segment_descriptor(tgt.segment_name).buffers[0].reg_id
+        assert old_id != 0
+
+        def register_again() -> None:
+            tgt.unregister_local_memory(addr)
+            assert tgt.register_local_memory(buf) == addr
+
+        register_again()  # a batched WRITE (a worker thread) for the old registration
+        bid = ini.allocate_batch_id(1)
+        ini.submit_transfer(bid, [TransferRequest(OpCode.WRITE, saddr, h, addr, 4096)])
+        assert ini.wait_batch(bid, 5).state.name == "FAILED"
+        assert "registered it again" in (ini.get_transfer_status(bid, 0).error or "")
+        ini.free_batch_id(bid)
+        assert bytes(buf) == bytes(4096)
+        # The refusal made the engine read the owner's descriptor again: the next request
+        # names the new registration and lands.
+        ini.transfer_sync(tgt.segment_name, saddr, addr, 4096, OpCode.WRITE)
+        assert bytes(buf) == bytes(src)
+        assert ini.get_segment_descriptor(tgt.segment_name).buffers[0].reg_id != old_id
+
+        register_again()  # an inline WRITE (the caller's thread)
+        with pytest.raises(TransferError, match="registered it again"):
+            ini.transfer_sync(tgt.segment_name, oaddr, addr, 4096, OpCode.WRITE)
+        assert bytes(buf) == bytes(src)
+
+        ini.transfer_sync(tgt.segment_name, saddr, addr, 64, OpCode.WRITE)  # re-read after the refusal
+        dst = bytearray(4096)
+        daddr = ini.register_local_memory(dst)
+        register_again()  # a READ for the old registration
+        with pytest.raises(TransferError, match="registered it again"):
+            ini.batch_transfer_sync(tgt.segment_name, [daddr + 64 * k for k in range(20)],
+                                    [addr + 64 * k for k in range(20)], [64] * 20, OpCode.READ)  # fmt: skip
+        assert bytes(dst) == bytes(4096)
     finally:
         ini.close()
         tgt.close()

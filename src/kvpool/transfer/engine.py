@@ -291,8 +291,10 @@ class TransferEngine(SyncTransfers):
             return self._register_device(addr_or_buffer, length, index, dev, bool(remote_accessible))
         addr, n, keep = buffer_range(addr_or_buffer, length, allow_read_only=not remote_accessible)
         read_only = isinstance(keep, memoryview) and keep.readonly
-        slot, gen = self._native.register_memory(addr, n, bool(remote_accessible), read_only)
-        desc = BufferDescriptor(addr, n, location, bool(remote_accessible), fence_slot=slot, fence_gen=gen)
+        slot, gen, rid = self._native.register_memory(addr, n, bool(remote_accessible), read_only)
+        desc = BufferDescriptor(
+            addr, n, location, bool(remote_accessible), fence_slot=slot, fence_gen=gen, reg_id=rid
+        )
         reg = Registration(desc, keep, read_only)
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
         return addr
@@ -305,8 +307,8 @@ class TransferEngine(SyncTransfers):
         overlap refusal and transports). Undo with :meth:`unregister_host_scratch`."""
         if length <= 0:
             raise InvalidArgument("cannot register an empty buffer")
-        slot, gen = self._native.register_memory(addr, length, False, read_only)
-        desc = BufferDescriptor(addr, length, "cpu:0", False, fence_slot=slot, fence_gen=gen)
+        slot, gen, rid = self._native.register_memory(addr, length, False, read_only)
+        desc = BufferDescriptor(addr, length, "cpu:0", False, fence_slot=slot, fence_gen=gen, reg_id=rid)
         reg = Registration(desc, None, read_only)
         self._add_registration(reg, rollback=lambda: self._native.unregister_memory(addr))
 
@@ -354,10 +356,11 @@ class TransferEngine(SyncTransfers):
                 "remote_accessible=False (source of WRITEs, destination of READs, staged)"
             )
         rollback = None
+        rid = 0
         if served:  # TCP peers: the C++ server stages this region through pinned memory
-            self._native.register_memory(addr, n, True, False, index)
+            rid = self._native.register_memory(addr, n, True, False, index)[2]
             rollback = lambda: self._native.unregister_memory(addr)  # noqa: E731
-        reg = Registration(BufferDescriptor(addr, n, f"cuda:{index}", remote), keep)
+        reg = Registration(BufferDescriptor(addr, n, f"cuda:{index}", remote, reg_id=rid), keep)
         self._add_registration(reg, rollback=rollback, dmabuf=lambda: rt.dmabuf_fd(addr, n))
         if served:
             self._served_gpu.add(addr)
@@ -414,8 +417,8 @@ class TransferEngine(SyncTransfers):
             pass  # Linux < 5.14: pages come on first use
         view = memoryview(mem)
         addr = _native.buffer_address(view)[0]
-        slot, gen = self._native.register_memory(addr, size, True, False)
-        desc = BufferDescriptor(addr, size, "cpu:0", True, fd, fence_slot=slot, fence_gen=gen)
+        slot, gen, rid = self._native.register_memory(addr, size, True, False)
+        desc = BufferDescriptor(addr, size, "cpu:0", True, fd, fence_slot=slot, fence_gen=gen, reg_id=rid)
         reg = Registration(desc, (mem, view, fd))
         self._add_registration(reg, rollback=lambda: (self._native.unregister_memory(addr), os.close(fd)))
         return view

@@ -107,6 +107,9 @@ class BufferDescriptor:
     # Same-host fence slot and generation of this registration (csrc/fence.h); -1: TCP only.
     fence_slot: int = -1
     fence_gen: int = 0
+    # The owner's id of this registration: its server refuses a request naming another id for the
+    # range (unregistered and registered again since the descriptor was read). 0: not checked.
+    reg_id: int = 0
 
 
 @dataclass
@@ -190,9 +193,9 @@ class SegmentDescriptor:
                 f"malformed segment descriptor ({exc}); is the peer a kvpool engine?"
             ) from None
 
-    def remote_regions(self) -> list[tuple[int, int]]:
-        """(address, length) of the buffers peers may access."""
-        return [(b.addr, b.length) for b in self.buffers if b.remote_accessible]
+    def remote_regions(self) -> list[tuple[int, int, int]]:
+        """(address, length, registration id) of the buffers peers may access."""
+        return [(b.addr, b.length, b.reg_id) for b in self.buffers if b.remote_accessible]
 
 
 @lru_cache(maxsize=1)
