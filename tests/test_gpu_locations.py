@@ -370,6 +370,26 @@ def test_double_host_to_device_copy_failure_fails_only_that_request(rt, cpu_peer
         assert eng.staging.pool.in_use == 0
 
 
+@pytest.mark.parametrize("big", [False, True])
+def test_double_device_to_host_copy_failure_is_a_typed_error(rt, cpu_peer, big):
+    """A staged WRITE whose device-to-host copy fails raises TransferError naming the copy (the
+    pipelined path for large WRITEs raised the runtime's own exception); nothing is sent and the
+    staging pool is given back."""
+    from kvpool.transfer.staging import PIPE_CHUNK
+
+    n = 3 * PIPE_CHUNK if big else 64 * KiB
+    dev = rt.alloc(n)
+    dev.write(os.urandom(n))
+    with _gpu_engine(rt, protocol="tcp") as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        before = cpu_peer.checksum(0, n)
+        rt.fail_next_d2h = "injected: device lost"
+        with pytest.raises(TransferError, match="device to host.*injected: device lost"):
+            eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [n], OpCode.WRITE)
+        assert cpu_peer.checksum(0, n) == before
+        assert eng.staging.pool.in_use == 0
+
+
 def test_double_staging_pool_bound(rt, cpu_peer):
     """Pool of 1 MiB: an async batch needing more raises InvalidArgument (nothing queued, nothing held);
     batch_transfer_sync moves 6 MiB (incl. a 3 MiB request) in rounds and never holds more than the pool."""

@@ -79,13 +79,15 @@ class DeviceBuffer:
 def counting_runtime(path: str) -> Any:
     """The production :class:`~kvpool.transfer.cuda_driver.DriverRuntime` over the fake driver at
     ``path``, with what tests need on top: byte/call counters of the staging copies, one injected
-    host-to-device failure (``fail_next_h2d``) and :meth:`alloc` of :class:`DeviceBuffer` s."""
+    host-to-device or device-to-host failure (``fail_next_h2d``, ``fail_next_d2h``) and
+    :meth:`alloc` of :class:`DeviceBuffer` s."""
     from kvpool.transfer.cuda_driver import CudaDriver, DriverRuntime
 
     class CountingRuntime(DriverRuntime):
         def __init__(self) -> None:
             super().__init__(CudaDriver(path))
             self.fail_next_h2d: str | None = None
+            self.fail_next_d2h: str | None = None
             self.pinned_bytes = 0
             self.reset_counters()
 
@@ -103,6 +105,9 @@ def counting_runtime(path: str) -> Any:
             return super().alloc_pinned(n)
 
         def copy_d2h(self, dst: int, src: int, n: int) -> None:
+            if self.fail_next_d2h is not None:
+                msg, self.fail_next_d2h = self.fail_next_d2h, None
+                raise RuntimeError(msg)
             super().copy_d2h(dst, src, n)
             self.d2h_bytes += n
             self.d2h_calls += 1

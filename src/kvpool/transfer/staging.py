@@ -296,7 +296,12 @@ class GpuStaging:
         for i in range(n):  # the first round: every request, large WRITEs by their first piece
             k = PIPE_CHUNK if i in bigset else lens[i]
             if i in bigset:
-                rt.copy_d2h(locs[i], dev[i], k)
+                try:
+                    rt.copy_d2h(locs[i], dev[i], k)
+                except KvpoolError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the runtime's own error, typed here
+                    raise TransferError(f"GPU staging copy (device to host) failed: {exc}") from exc
             for col, v in zip(first, (ops[i], locs[i], peers[i], rems[i], k), strict=True):
                 col.append(v)
             owner.append(i)
