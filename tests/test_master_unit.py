@@ -82,12 +82,38 @@ def test_remote_reader_balances_between_replicas(master: Driver) -> None:
 
 def test_leases_end_on_release_and_expire(master: Driver) -> None:
     _put(master, "k", replicas=1)
-    gen = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]["gen"]
+    info = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]
+    gen, seq = info["gen"], info["lease"]
     assert master.handle({"op": "remove", "keys": ["k"]})["results"][0][0] == "BUSY"
-    master.handle({"op": "release", "client": "r", "leases": [["k", gen + 1000]]})  # wrong object: ignored
+    master.handle({"op": "release", "client": "r", "leases": [["k", gen + 1000, seq]]})  # wrong object
+    master.handle({"op": "release", "client": "r", "leases": [["k", gen]]})  # no lease epoch: ignored
     assert master.handle({"op": "remove", "keys": ["k"]})["results"][0][0] == "BUSY"
-    master.handle({"op": "exists", "keys": ["k"], "release": [["k", gen]]})  # piggy-backed release
+    master.handle({"op": "exists", "client": "r", "keys": ["k"], "release": [["k", gen, seq]]})  # piggy-back
     assert master.handle({"op": "remove", "keys": ["k"]})["results"] == [[None, None]]
+
+
+def test_a_late_release_never_ends_a_newer_readers_lease() -> None:
+    """Reader x's lease expires (written off by whatever looks at it next); reader y takes a
+    fresh one; x's late release must not end y's: k stays unremovable while y reads it."""
+    m = Driver(Master(port=0, lease_ttl_ms=200))
+    try:
+        for cid in ("a", "r", "x", "y"):
+            assert m.handle({"op": "register", "client": cid})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 1 << 24})
+        gen = _put(m, "k", replicas=1)
+        for write_off in ("replica_start", "get"):  # what finds x's lease expired
+            gx = m.handle({"op": "get", "client": "x", "keys": ["k"]})["results"][0][1]
+            time.sleep(0.25)  # x's read outlives its lease
+            if write_off == "replica_start":
+                assert m.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 1})["ok"]
+            gy = m.handle({"op": "get", "client": "y", "keys": ["k"]})["results"][0][1]
+            assert gy["lease"] != gx["lease"]
+            m.handle({"op": "release", "client": "x", "leases": [["k", gen, gx["lease"]]]})  # late
+            assert m.handle({"op": "remove", "client": "r", "keys": ["k"]})["results"][0][0] == "BUSY"
+            m.handle({"op": "release", "client": "y", "leases": [["k", gen, gy["lease"]]]})
+        assert m.handle({"op": "remove", "client": "r", "keys": ["k"]})["results"] == [[None, None]]
+    finally:
+        m.stop()
 
 
 def test_unknown_op_and_unknown_client(master: Driver) -> None:

@@ -150,7 +150,9 @@ class GetPath(ClientBase):
                 out[i] = self._get_from_ssd(keys[i], info, dests[i])
             else:
                 out[i] = j.error
-        leases = [[keys[i], info["gen"]] for i, (code, info) in zip(todo, infos, strict=True) if code is None]
+        # [key, gen, lease epoch]: a release the master can tell from a later reader's lease
+        leases = [[keys[i], info["gen"], info.get("lease")]
+                  for i, (code, info) in zip(todo, infos, strict=True) if code is None]  # fmt: skip
         if leases:
             # Reads are done: the leases end with this client's next request (or heartbeat).
             with self._release_lock:

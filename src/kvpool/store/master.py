@@ -266,9 +266,11 @@ class Master(ObjectOps, ClientOps, ChangeOps):
             obj.ssd = None
 
     def _leased(self, obj: Obj, now: float) -> bool:
-        """A lease holds until its reader releases it, or at the latest until ``lease_ttl_ms``."""
+        """A lease holds until its reader releases it, or at the latest until ``lease_ttl_ms``.
+        Expired leases are written off in a new lease epoch: their late releases are ignored."""
         if obj.readers > 0 and obj.lease_until <= now:
-            obj.readers = 0  # readers that never released (crashed): their leases expired
+            obj.readers = 0  # readers that never released (crashed, or slow): their leases expired
+            obj.lease_seq += 1
         return obj.readers > 0
 
     def _give_task(self, client: str, task: dict[str, Any]) -> int | None:

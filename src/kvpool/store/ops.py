@@ -203,6 +203,9 @@ class ObjectOps(_Base):
                 self.stats["misses"] += 1
                 out.append(["NOT_FOUND", f"object {key!r} has no readable replica"])
                 continue
+            if obj.readers and obj.lease_until <= now:  # expired leases: written off (see _leased)
+                obj.readers = 0
+                obj.lease_seq += 1
             obj.lease_until = now + ttl
             obj.readers += 1
             self.lru.touch(obj)
@@ -215,7 +218,8 @@ class ObjectOps(_Base):
                 reps[0].seg.reads += 1
             ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
             out.append([None, {"size": obj.size, "gen": obj.gen, "checksum": obj.checksum, "ssd": ssd,
-                               "replicas": [[r.seg.name, r.addr, r.seg.host_id] for r in reps]}])  # fmt: skip
+                               "replicas": [[r.seg.name, r.addr, r.seg.host_id] for r in reps],
+                               "lease": obj.lease_seq}])  # fmt: skip
         return {"results": out, "epoch": self.incarnation, "lease_s": ttl}
 
     @staticmethod
@@ -234,13 +238,21 @@ class ObjectOps(_Base):
         return [pick, *rest]
 
     def _op_release(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """End read leases: ``leases`` is a list of [key, gen] from get replies."""
+        """End read leases: ``leases`` is a list of [key, gen, lease] from get replies. A release
+        from an older lease epoch (its lease expired and was written off, see ``_leased``) is
+        ignored: it must not end a newer reader's lease. So is one without an epoch ([key, gen],
+        an older client): that lease ends at its deadline."""
         leases = req["leases"]
         self._check_batch(len(leases) // 4)
-        for key, gen in leases:
+        now = time.monotonic()
+        for item in leases:
+            if len(item) != 3:
+                continue
+            key, gen, seq = item
             obj = self.objects.get(key)
-            if obj is not None and obj.gen == gen and obj.readers > 0:
-                obj.readers -= 1
+            if obj is not None and obj.gen == gen and obj.readers > 0 and self._leased(obj, now):
+                if obj.lease_seq == seq:
+                    obj.readers -= 1
         return {}
 
     def _op_exists(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
