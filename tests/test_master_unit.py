@@ -251,3 +251,32 @@ def test_eviction_is_incremental_and_by_class(master: Driver) -> None:
     before = m.stats["evictions"]
     m._evict(time.monotonic(), need=1 << 40)  # asks for everything; looks at 8 objects at most
     assert 0 < m.stats["evictions"] - before <= 8
+
+
+def test_a_forced_remove_keeps_a_leased_objects_space_until_the_lease_ends() -> None:
+    m = Driver(Master(port=0, lease_ttl_ms=300))
+    try:
+        for cid in ("a", "r", "y"):
+            assert m.handle({"op": "register", "client": cid})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 1 << 24})
+        used0 = m.m.space.used
+        _put(m, "k", replicas=1, size=1 << 20)
+        info = m.handle({"op": "get", "client": "y", "keys": ["k"]})["results"][0][1]  # y reads k
+        used = m.m.space.used
+        k_alloc = used - used0
+        assert m.handle({"op": "remove", "client": "r", "keys": ["k"], "force": True})["results"] == [
+            [None, None]
+        ]
+        assert m.m.space.used == used  # k's key is gone, its space is not
+        for i in range(8):  # nothing new is placed where y may still be reading
+            _put(m, f"n{i}", replicas=1, size=1 << 20)
+            addr = m.handle({"op": "info", "key": f"n{i}"})["replicas"][0][1]
+            assert addr != info["replicas"][0][1]
+        m.m._tick(time.monotonic())
+        assert m.m.space.fenced == 1
+        used = m.m.space.used
+        time.sleep(0.35)  # y's lease is over
+        m.m._tick(time.monotonic())
+        assert m.m.space.fenced == 0 and m.m.space.used == used - k_alloc  # k's space is free now
+    finally:
+        m.stop()

@@ -79,3 +79,17 @@ def test_a_late_release_of_an_expired_lease_never_frees_a_live_readers_object(po
     during_read(y, meanwhile)
     assert y.get("k") == K
     assert seen == ["busy"]
+
+
+def test_a_forced_remove_during_a_read_never_gives_the_reader_foreign_bytes(pool: Pool) -> None:
+    y, w = pool.store(), pool.store()
+    w.put("k", K)
+
+    def meanwhile() -> None:
+        w.remove("k", force=True)
+        w._call("put_start", keys=["s"], sizes=[100_000], config=None)  # allocated, never written
+        w.put("t", bytes([0x55]) * 300_000)
+
+    during_read(y, meanwhile)
+    assert y.get("k") == K
+    assert not w.exists("k") and w.get("t") == bytes([0x55]) * 300_000

@@ -515,7 +515,8 @@ class Store(PutPath, GetPath):
         return int(self._call("info", key=key)["size"])
 
     def remove(self, key: str, force: bool = False) -> None:
-        """Remove an object; a leased one raises ObjectBusy unless ``force``."""
+        """Remove an object; a leased one raises ObjectBusy unless ``force`` (its space then stays
+        allocated until the readers' leases end: they still get its bytes, or an error)."""
         _check_key(key)
         self._loc.forget(key)
         code, msg = self._call("remove", keys=[key], force=force)["results"][0]

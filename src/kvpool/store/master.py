@@ -231,12 +231,15 @@ class Master(ObjectOps, ClientOps, ChangeOps):
         return r
 
     def _take_replica(self, obj: Obj, r: Replica, written: bool = True) -> None:
-        """Remove one replica; an unfinished one whose writer may still write into it is fenced."""
+        """Remove one replica; an unfinished one whose writer may still write into it is fenced,
+        a committed one that readers may still read (leased) is held until their leases end."""
         obj.replicas.remove(r)
         r.seg.objs.discard(obj)
         self.obj_bytes -= obj.size
         if not r.committed and written and r.writer:
             self.space.fence(r.seg, r.offset, obj.gen, r.writer, time.monotonic())
+        elif r.committed and obj.readers > 0 and self._leased(obj, time.monotonic()):
+            self.space.hold(r.seg, r.offset, obj.lease_until)
         else:
             self.space.free(r.seg, r.offset)
 
@@ -437,6 +440,7 @@ class Master(ObjectOps, ClientOps, ChangeOps):
             budget = self._let_go(self._dying[0], budget)
             if not self._dying[0].objs:
                 self._dying.popleft()
+        self.space.release_holds(now)
         self._evict(now)
         if now < self._next_slow:
             return

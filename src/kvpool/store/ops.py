@@ -261,6 +261,8 @@ class ObjectOps(_Base):
         return {"results": self.objects.committed_many(keys)}
 
     def _op_remove(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """Remove objects; a leased (or busy) one is BUSY unless ``force``: then its key is gone at
+        once, its space held until the leases end (see ``_take_replica``)."""
         keys = req["keys"]
         self._check_batch(len(keys))
         now = time.monotonic()

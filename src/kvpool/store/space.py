@@ -13,10 +13,16 @@ until both
 A writer that never reports again (dead, or stopped) holds its fences for ``fence_hold_s``; then
 the range is reused but recorded as *suspect*: objects placed over it must carry a checksum, so
 that a write landing there much later is caught by readers instead of being returned.
+
+A committed replica dropped while readers hold leases on its object (a forced remove) is *held*:
+it stays allocated until the last of those leases ends (:meth:`Space.hold`), so that no new object
+is written where a reader may still be reading.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +66,8 @@ class Space:
         self._cursor = 0
         self._max_size = 0
         self._fences: dict[str, list[Fence]] = {}
+        self._holds: list[tuple[float, int, Segment, int]] = []  # heap: (until, n, segment, offset)
+        self._hold_ids = itertools.count()
 
     # ------------------------------------------------------------------ segments
     def mount(self, name: str, client: str, base: int, size: int, host_id: str) -> Segment:
@@ -182,6 +190,23 @@ class Space:
             return
         self._fences.setdefault(client, []).append(Fence(seg, offset, gen, client, now))
         self.fenced += 1
+
+    def hold(self, seg: Segment, offset: int, until: float) -> None:
+        """Keep an allocation readers may still read (under a lease) until ``until``."""
+        if seg.dead:
+            return
+        heapq.heappush(self._holds, (until, next(self._hold_ids), seg, offset))
+        self.fenced += 1
+
+    def release_holds(self, now: float) -> int:
+        """Free the held allocations whose leases have ended; returns how many."""
+        holds, n = self._holds, 0
+        while holds and holds[0][0] <= now:
+            _, _, seg, offset = heapq.heappop(holds)
+            self.free(seg, offset)
+            self.fenced -= 1
+            n += 1
+        return n
 
     def has_fences(self, client: str) -> bool:
         """Whether a client's writes hold fences."""
