@@ -280,3 +280,47 @@ def test_a_forced_remove_keeps_a_leased_objects_space_until_the_lease_ends() -> 
         assert m.m.space.fenced == 0 and m.m.space.used == used - k_alloc  # k's space is free now
     finally:
         m.stop()
+
+
+def _spilled(m: Driver, key: str, size: int = 1 << 20) -> int:
+    """Put ``key`` (persistent) and push the pool over its watermark until it lives only on the
+    SSD tier of client ``a`` (its spill tasks done as ``a`` would); returns its generation."""
+    cfg = {"cache_class": "persistent"}
+    r = m.handle({"op": "put_start", "client": "r", "keys": [key], "sizes": [size], "config": cfg})
+    gen, _, reps = r["results"][0][1]
+    m.handle({"op": "put_end", "client": "r", "items": [[key, gen, 7, [reps[0][0]]]], "epoch": r["epoch"]})
+    for i in range(64):
+        obj = m.m.objects.get(key)
+        assert obj is not None
+        if obj.ssd is not None and not obj.replicas:
+            return gen
+        fill = f"fill-{key}-{i}"
+        r = m.handle({"op": "put_start", "client": "r", "keys": [fill], "sizes": [size], "config": cfg})
+        if r["results"][0][0] is None:
+            g, _, reps = r["results"][0][1]
+            m.handle(
+                {"op": "put_end", "client": "r", "items": [[fill, g, 7, [reps[0][0]]]], "epoch": r["epoch"]}
+            )
+        for task in m.handle({"op": "heartbeat", "client": "a"})["tasks"]:
+            if task["type"] == "spill":
+                m.handle({"op": "task_done", "client": "a", "task": task["task"], "ok": True,
+                          "result": {"checksum": "c"}})  # fmt: skip
+    raise AssertionError(f"{key} was never spilled")
+
+
+def test_promotion_of_an_ssd_hit_names_the_generation_it_read() -> None:
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        g1 = _spilled(m, "k")
+        assert m.handle({"op": "remove", "client": "r", "keys": ["k"]})["results"] == [[None, None]]
+        g2 = _spilled(m, "k")  # k put again (another value), also SSD-only now
+        # A reader that read g1's bytes from the SSD may not promote them into g2's object.
+        out = m.handle({"op": "promote_start", "client": "r", "key": "k", "gen": g1})
+        assert out.get("err") == "NOT_FOUND" and not m.m.objects["k"].replicas
+        out = m.handle({"op": "promote_start", "client": "r", "key": "k", "gen": g2})
+        assert out["ok"] and len(out["dst"]) == 1 and out["gen"] == g2
+    finally:
+        m.stop()

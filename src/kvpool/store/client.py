@@ -590,8 +590,10 @@ class Store(PutPath, GetPath):
             raise TransferError(f"copying {key!r} to its new replicas failed")
         return int(done["replicas"])
 
-    def _promote(self, key: str, data: bytes) -> None:
-        r = self._call("promote_start", key=key)
+    def _promote(self, key: str, gen: int, data: bytes) -> None:
+        """Copy an SSD hit (``data``, read from generation ``gen``) back into a memory replica;
+        the master refuses when the key holds another generation by now."""
+        r = self._call("promote_start", key=key, gen=gen)
         if not r["dst"]:
             return
         epoch, gen = r["epoch"], r["gen"]

@@ -34,8 +34,8 @@ LOCAL_READ_MAX = 8 << 20
 class GetPath(ClientBase):
     """Get machinery of the store client."""
 
-    def _promote(self, key: str, data: bytes) -> None:
-        raise NotImplementedError  # Store._promote: an SSD hit copied back to memory
+    def _promote(self, key: str, gen: int, data: bytes) -> None:
+        raise NotImplementedError  # Store._promote: an SSD hit (of generation gen) copied back to memory
 
     def _get_cached(self, key: str, loc: Loc) -> bytes | None:
         """One small object through its cached location: one engine READ of header + value into
@@ -217,7 +217,7 @@ class GetPath(ClientBase):
             return ObjectNotFound(f"SSD copy of {key!r} is missing or corrupt (treated as a miss)")
         if self.config.promote_on_hit:
             try:
-                self._promote(key, data)
+                self._promote(key, info["gen"], data)
             except KvpoolError as exc:
                 log.debug("promotion of %s failed: %s", key, exc)
         if dest is None:

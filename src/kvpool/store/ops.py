@@ -329,12 +329,15 @@ class ObjectOps(_Base):
         }
 
     def _op_promote_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """Allocate a memory replica for an object that lives only on the SSD tier."""
+        """Allocate a memory replica for an object that lives only on the SSD tier; ``gen`` is the
+        generation whose bytes the caller read (another one under the key now: NOT_FOUND)."""
         caller = self._client(req, sess)
-        key = req["key"]
+        key, gen = req["key"], req["gen"]
         obj = self.objects.get(key)
         if obj is None or not obj.committed or obj.ssd is None:
             raise _Err("NOT_FOUND", f"no SSD-tier object under key {key!r}")
+        if obj.gen != gen:
+            raise _Err("NOT_FOUND", f"object {key!r} was replaced since generation {gen} was read")
         if obj.replicas or obj.busy:
             return {"dst": []}
         placed = self.space.place(obj.alloc_size, 1, None, set(), time.monotonic())
