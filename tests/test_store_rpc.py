@@ -168,6 +168,27 @@ def test_partial_frames_and_silent_handshakes_time_out(server: _Server) -> None:
     assert server.srv.stats["closed_handshake_timeout"] >= 1 and server.srv.stats["closed_frame_timeout"] >= 1
 
 
+@pytest.mark.parametrize("server", [{"frame_timeout_s": 0.5}], indirect=True)
+def test_a_frame_trickled_a_byte_at_a_time_still_times_out(server: _Server) -> None:
+    """The frame deadline runs from the frame's first bytes: more bytes do not extend it."""
+    peer = RpcClient(server.address, 5)
+    peer.call("echo")  # authenticated
+    sock = peer._sock
+    assert sock is not None
+    sock.sendall(struct.pack("<I", 1000) + b"\x81")
+    t0 = time.monotonic()
+    closed_after = None
+    while time.monotonic() - t0 < 4:
+        time.sleep(0.1)
+        try:
+            sock.sendall(b"\x00")  # 1 byte every 0.1 s: the frame is never complete
+        except OSError:
+            closed_after = time.monotonic() - t0
+            break
+    assert closed_after is not None and closed_after < 2.5, closed_after
+    assert server.srv.stats["closed_frame_timeout"] == 1
+
+
 @pytest.mark.parametrize("server", [{"out_high_water": 256 << 10, "out_timeout_s": 1.0}], indirect=True)
 def test_a_peer_that_does_not_read_replies_is_not_read_and_is_dropped(server: _Server) -> None:
     c = RpcClient(server.address, 5)

@@ -398,7 +398,11 @@ class RpcServer:
         if pos:
             del buf[:pos]
             self._in_total -= pos
-        conn.frame_since = now if buf else 0.0
+        if pos or not buf:  # a frame was consumed: what is left (if anything) started in this read
+            conn.frame_since = now if buf else 0.0
+        elif not conn.frame_since:
+            conn.frame_since = now
+        # else: still the same partial frame, whose deadline runs from its first bytes
         if handled >= self.limits.frames_per_event and _complete(buf):
             self._ready.add(conn.sock)  # more complete frames wait: served in the next loop round
 
