@@ -324,3 +324,22 @@ def test_promotion_of_an_ssd_hit_names_the_generation_it_read() -> None:
         assert out["ok"] and len(out["dst"]) == 1 and out["gen"] == g2
     finally:
         m.stop()
+
+
+def test_asking_more_replicas_than_segments_evicts_only_what_the_placeable_ones_need() -> None:
+    m = Driver(Master(port=0))
+    try:
+        for cid in ("a", "b", "r"):
+            assert m.handle({"op": "register", "client": cid})["ok"]
+        for cid in ("a", "b"):
+            m.handle(
+                {"op": "mount", "client": cid, "segment": f"seg-{cid}", "base": 1 << 20, "size": 64 << 20}
+            )
+        for i in range(40):
+            _put(m, f"o{i}", replicas=1, size=1 << 20)  # 40 of 128 MiB used: far below the watermark
+        r = m.handle({"op": "put_start", "client": "r", "keys": ["new"], "sizes": [1 << 20],
+                      "config": {"replicas": 128}})  # fmt: skip
+        assert len(r["results"][0][1][2]) == 2  # capped by the number of segments
+        assert m.m.stats["evictions"] == 0 and all(f"o{i}" in m.m.objects for i in range(40))
+    finally:
+        m.stop()

@@ -38,9 +38,8 @@ class ObjectOps(_Base):
         now = time.monotonic()
         fits = self.space.fits_anywhere
         need = sum(n + HEADER_SIZE for n in sizes if isinstance(n, int) and 0 < n and fits(n + HEADER_SIZE))
-        self._make_room(
-            need * pl.replicas, now, looks=max(self.config.evict_batch, 2 * len(keys) * pl.replicas)
-        )
+        reps = min(pl.replicas, len(self.space.segments))  # what can be placed: one per segment
+        self._make_room(need * reps, now, looks=max(self.config.evict_batch, 2 * len(keys) * reps))
         room = [8, 2]
         out: list[list[Any]] = []
         objects = self.objects
