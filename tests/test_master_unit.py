@@ -343,3 +343,26 @@ def test_asking_more_replicas_than_segments_evicts_only_what_the_placeable_ones_
         assert m.m.stats["evictions"] == 0 and all(f"o{i}" in m.m.objects for i in range(40))
     finally:
         m.stop()
+
+
+def test_replica_changes_that_place_nothing_or_whose_client_dies_leave_the_object_free(
+    master: Driver,
+) -> None:
+    _put(master, "k", replicas=2)
+    obj = master.m.objects["k"]
+    # Both segments hold k: raising to 3 places nothing, and nothing stays busy.
+    assert master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 3})["dst"] == []
+    assert obj.busy == 0
+    _put(master, "j", replicas=1)
+    j = master.m.objects["j"]
+    start = master.handle({"op": "replica_start", "client": "r", "key": "j", "replicas": 2})
+    assert len(start["dst"]) == 1 and j.busy == 1
+    # Only the client that started the copy ends it.
+    out = master.handle({"op": "replica_end", "client": "ra", "key": "j", "gen": start["gen"], "ok": True,
+                         "segments": [start["dst"][0][0]]})  # fmt: skip
+    assert out["err"] == "NOT_FOUND" and j.busy == 1
+    # r dies between replica_start and replica_end: its copy is undone, j is free again.
+    master.m._remove_client("r")
+    assert j.busy == 0 and len(j.replicas) == 1 and all(r.committed for r in j.replicas)
+    out = master.handle({"op": "remove", "client": "ra", "keys": ["k", "j"]})
+    assert out["results"] == [[None, None], [None, None]]

@@ -491,6 +491,8 @@ class Master(ObjectOps, ClientOps, ChangeOps):
             self._drop(obj)  # its unfinished puts: fenced until its floor (or the hold) says so
         for tid in list(cl.task_ids):
             self._finish_task(tid, ok=False, result={})
+        for obj in cl.changing:  # its replica copies never end: their replicas are taken (fenced)
+            self._end_change(obj, cid, None, ok=False)
         if floor is not None:
             self._departed[cid] = floor
 

@@ -139,6 +139,7 @@ class Client:
     floor: int = 0  # it may still write allocations of this generation and newer (0: not reported)
     pending: set[Obj] = field(default_factory=set)  # its puts and reservations not yet committed
     task_ids: set[int] = field(default_factory=set)
+    changing: list[Obj] = field(default_factory=list)  # replica copies it runs (replica/promote_start)
 
 
 class KeyTable:

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvpool.store.layout import HEADER_SIZE
-from kvpool.store.objects import Client, MasterError, Placement, Replica
+from kvpool.store.objects import Client, MasterError, Obj, Placement, Replica
 
 if TYPE_CHECKING:
     from kvpool.store.master import Master
@@ -317,7 +317,10 @@ class ObjectOps(_Base):
         placed = self.space.place(obj.alloc_size, n - len(obj.replicas), None,
                                   {r.seg for r in obj.replicas}, time.monotonic())  # fmt: skip
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
+        if not new:  # nowhere to place one: nothing to copy, nothing to end
+            return {"src": None, "dst": []}
         obj.busy += 1
+        caller.changing.append(obj)
         src = committed[0]
         return {
             "src": [src.seg.name, src.addr],
@@ -343,24 +346,34 @@ class ObjectOps(_Base):
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
         if new:
             obj.busy += 1
+            caller.changing.append(obj)
         return {"dst": [[r.seg.name, r.addr] for r in new], "gen": obj.gen, "epoch": self.incarnation,
                 "checksum": obj.checksum}  # fmt: skip
 
     def _op_replica_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """End the caller's copy into new replicas (``replica_start`` or ``promote_start``):
+        ``ok`` commits the replicas on ``segments``, else they are taken back (fenced)."""
         caller = self._client(req, sess)
-        key, ok = req["key"], bool(req["ok"])
-        obj = self.objects.get(key)
-        if obj is None or obj.gen != req.get("gen", obj.gen):
+        key, ok, gen = req["key"], bool(req["ok"]), req.get("gen")
+        obj = next((o for o in caller.changing if o.key == key and gen in (None, o.gen)), None)
+        if obj is None or self.objects.get(key) is not obj:
+            if obj is not None:
+                caller.changing.remove(obj)
             raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
-        obj.busy = max(0, obj.busy - 1)
-        done = set(req.get("segments") or [])
-        for r in list(obj.replicas):
-            if not r.committed and r.writer == caller.id and r.seg.name in done:
-                if ok and not r.seg.dead:
-                    r.committed, r.writer = True, ""
-                else:
-                    self._take_replica(obj, r)
+        caller.changing.remove(obj)
+        self._end_change(obj, caller.id, set(req.get("segments") or []), ok)
         if obj.replicas and obj.lru is None and obj.committed:
             self.lru.add(obj, time.monotonic())  # promoted back into memory
             self._ssd_only.discard(obj)
         return {"replicas": sum(r.committed for r in obj.replicas)}
+
+    def _end_change(self, obj: Obj, writer: str, done: set[str] | None, ok: bool) -> None:
+        """A replica copy by ``writer`` ended: the object is no longer busy with it; its new
+        replicas on ``done`` segments (None: all of them) are committed when ``ok``, else taken."""
+        obj.busy = max(0, obj.busy - 1)
+        for r in list(obj.replicas):
+            if not r.committed and r.writer == writer and (done is None or r.seg.name in done):
+                if ok and not r.seg.dead:
+                    r.committed, r.writer = True, ""
+                else:
+                    self._take_replica(obj, r)
