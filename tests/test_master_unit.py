@@ -366,3 +366,20 @@ def test_replica_changes_that_place_nothing_or_whose_client_dies_leave_the_objec
     assert j.busy == 0 and len(j.replicas) == 1 and all(r.committed for r in j.replicas)
     out = master.handle({"op": "remove", "client": "ra", "keys": ["k", "j"]})
     assert out["results"] == [[None, None], [None, None]]
+
+
+def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -> None:
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        _spilled(m, "k")
+        _spilled(m, "j")
+        assert m.handle({"op": "remove", "client": "r", "keys": ["k", "j"]})["results"] == [[None, None]] * 2
+        tasks = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        assert sum(t["type"] == "unlink" for t in tasks) == 2  # handed out (the client runs them) ...
+        assert all(t["type"] != "unlink" for _, t in m.m._tasks.values())  # ... and not kept
+        assert m.m.clients["a"].task_ids == set(m.m._tasks)
+    finally:
+        m.stop()

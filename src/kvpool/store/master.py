@@ -283,8 +283,9 @@ class Master(ObjectOps, ClientOps, ChangeOps):
         self._task_ids += 1
         task["task"] = self._task_ids
         c.tasks.append(task)
-        c.task_ids.add(self._task_ids)
-        self._tasks[self._task_ids] = (client, task)
+        if task["type"] != "unlink":  # unlinks are fire and forget: never reported back
+            c.task_ids.add(self._task_ids)
+            self._tasks[self._task_ids] = (client, task)
         return self._task_ids
 
     def _make_room(self, need: int, now: float, looks: int) -> None:
