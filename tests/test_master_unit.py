@@ -383,3 +383,38 @@ def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -
         assert m.m.clients["a"].task_ids == set(m.m._tasks)
     finally:
         m.stop()
+
+
+def test_tasks_of_a_lost_heartbeat_reply_expire_and_a_late_report_commits_nothing() -> None:
+    m = Driver(Master(port=0, eviction_high_watermark=0.5, task_timeout_s=0.3))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        cfg = {"cache_class": "persistent"}
+        for i in range(15):
+            r = m.handle(
+                {"op": "put_start", "client": "r", "keys": [f"p{i}"], "sizes": [1 << 20], "config": cfg}
+            )
+            gen, _, reps = r["results"][0][1]
+            items = [[f"p{i}", gen, 7, [reps[0][0]]]]
+            assert m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
+        lost = m.handle({"op": "heartbeat", "client": "a"})["tasks"]  # this reply never arrives
+        assert lost and all(t["type"] == "spill" and t["ttl_s"] == 0.3 for t in lost)
+        busy = [t["key"] for t in lost]
+        assert all(m.m.objects[k].busy == 1 for k in busy)
+        time.sleep(0.35)
+        m.m._tick(time.monotonic())  # the lost tasks failed: their objects are spilled again
+        assert m.m.stats["tasks_expired"] == len(lost) and not any(t["task"] in m.m._tasks for t in lost)
+        again = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        respilled = {t["key"] for t in again}  # as many as eviction needs now
+        assert respilled and respilled <= set(busy)
+        assert all(m.m.objects[k].busy == (k in respilled) for k in busy)
+        # The client ran a lost one after all and reports success: too late, nothing is recorded.
+        t = lost[0]
+        done = {"op": "task_done", "client": "a", "task": t["task"], "ok": True, "result": {"checksum": "c"}}
+        m.handle(done)
+        obj = m.m.objects[t["key"]]
+        assert obj.ssd is None and obj.busy == (t["key"] in respilled) and obj.replicas
+    finally:
+        m.stop()

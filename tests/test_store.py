@@ -434,6 +434,23 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
                 st.get(k2)
 
 
+def test_a_storage_client_does_not_start_a_task_the_master_gave_up_on(tmp_path) -> None:
+    """A spill task past its deadline (the master counted it failed: task_timeout_s) is not run."""
+    with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), buffer_size=1 << 20) as st:
+        value = pattern(100_000, 3)
+        st.put("k", value)
+        info = st.info("k")
+        task = {"type": "spill", "key": "k", "gen": info["gen"], "epoch": st.master_incarnation,
+                "size": info["size"], "checksum": info["checksum"], "src": info["replicas"][0][:2],
+                "task": 10**6, "ttl_s": 1.0}  # fmt: skip
+        late, on_time = tmp_path / "late.kvp", tmp_path / "on_time.kvp"
+        st._run_task({**task, "path": str(late)}, time.monotonic() - 0.1)
+        assert not late.exists()
+        st._run_task({**task, "path": str(on_time)}, time.monotonic() + 10)
+        assert on_time.exists()
+        assert st.get("k") == value
+
+
 def test_hot_keys_gain_replicas_and_lose_them_when_cool() -> None:
     opts = {"hot_key_replication": True, "hot_interval_s": 0.3, "hot_window_s": 0.3, "hot_max_replicas": 3}
     with MasterProcess(**opts) as m:

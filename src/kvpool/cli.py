@@ -293,6 +293,7 @@ MASTER_HELP: dict[str, str] = {
     "put_timeout_s": "seconds after which an uncommitted put is revoked",
     "quarantine_s": "seconds space taken back from an unfinished writer stays unused",
     "fence_hold_s": "seconds after which space of a writer that never confirmed is reused",
+    "task_timeout_s": "seconds after which a task handed to a storage client counts as failed",
     "max_batch": "most keys one request may carry",
     "evict_batch": "most objects one eviction step looks at",
     "secret": "shared secret every RPC must carry (default: none)",

@@ -195,6 +195,9 @@ class MasterConfig(_ConfigBase):
             no longer writes there.
         fence_hold_s: space of a writer that never confirms is reused after this, for checksummed
             objects only.
+        task_timeout_s: a task handed to a storage client (hot-key replica, SSD spill) that is not
+            reported done within this counts as failed (its reply may have been lost); the client
+            does not start a task this old.
         max_batch: most keys one request may carry (a bigger one is refused; clients split).
         evict_batch: most objects one eviction step looks at (bounds the master's stalls).
         secret: shared secret every RPC must carry (same as the transfer engines').
@@ -220,6 +223,7 @@ class MasterConfig(_ConfigBase):
     put_timeout_s: float = Field(default=30.0, gt=0)
     quarantine_s: float = Field(default=40.0, ge=0)
     fence_hold_s: float = Field(default=120.0, ge=0)
+    task_timeout_s: float = Field(default=30.0, gt=0)
     max_batch: int = Field(default=1024, ge=1)
     evict_batch: int = Field(default=1024, ge=1)
     secret: str | None = None

@@ -331,6 +331,7 @@ class Store(PutPath, GetPath):
                 self._resv.expire()
                 self._flush_releases_idle()
                 self.engine.release_exited_peers()  # a dead storage server's memory is let go
+                sent = time.monotonic()  # tasks in the reply are not started after sent + their ttl_s
                 reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
@@ -338,7 +339,7 @@ class Store(PutPath, GetPath):
                     self._hb_rpc.close()  # attaches to the new session on its next call
                     continue
                 for task in reply.get("tasks", []):
-                    self._run_task(task)
+                    self._run_task(task, sent + task.get("ttl_s", float("inf")))
             except UnknownClient:
                 log.warning("store master does not know us (restarted?): registering again")
                 try:
@@ -608,8 +609,8 @@ class Store(PutPath, GetPath):
             self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]])
 
     # ------------------------------------------------------------------ master tasks
-    def _run_task(self, task: dict[str, Any]) -> None:
-        run_task(self, task)
+    def _run_task(self, task: dict[str, Any], deadline: float = float("inf")) -> None:
+        run_task(self, task, deadline)
 
     # ------------------------------------------------------------------ tensors
     def put_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> None:

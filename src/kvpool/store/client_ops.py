@@ -123,6 +123,16 @@ class ClientOps(_Base):
             self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
         return {}
 
+    def _expire_tasks(self, now: float) -> None:
+        """Tasks not reported done by their deadline failed (the heartbeat reply that carried them
+        may have been lost): their objects are free again, a late report of them is ignored."""
+        deadlines = self._task_deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, tid = deadlines.popleft()
+            if tid in self._tasks:
+                self._finish_task(tid, ok=False, result={})
+                self.stats["tasks_expired"] += 1
+
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A reader could not reach a segment (others skip it at once), or found a replica whose
         bytes fail their checksum (that replica is dropped)."""

@@ -82,6 +82,7 @@ class Master(ObjectOps, ClientOps, ChangeOps):
         self._access_hist: collections.deque[Counter[str]] = collections.deque(maxlen=n_counts)
         self._access_window: Counter[str] = Counter()
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
+        self._task_deadlines: collections.deque[tuple[float, int]] = collections.deque()  # oldest first
         self._task_ids = 0
         self._evict_to: int | None = None
         self.n_committed = 0
@@ -286,6 +287,8 @@ class Master(ObjectOps, ClientOps, ChangeOps):
         if task["type"] != "unlink":  # unlinks are fire and forget: never reported back
             c.task_ids.add(self._task_ids)
             self._tasks[self._task_ids] = (client, task)
+            task["ttl_s"] = self.config.task_timeout_s
+            self._task_deadlines.append((time.monotonic() + self.config.task_timeout_s, self._task_ids))
         return self._task_ids
 
     def _make_room(self, need: int, now: float, looks: int) -> None:
@@ -442,6 +445,7 @@ class Master(ObjectOps, ClientOps, ChangeOps):
             if not self._dying[0].objs:
                 self._dying.popleft()
         self.space.release_holds(now)
+        self._expire_tasks(now)
         self._evict(now)
         if now < self._next_slow:
             return

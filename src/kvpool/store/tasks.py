@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KvpoolError
@@ -20,14 +21,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.store")
 
 
-def run_task(store: Store, task: dict[str, Any]) -> None:
-    """Do one task the master handed out in a heartbeat reply, and report how it went.
+def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf")) -> None:
+    """Do one task the master handed out in a heartbeat reply, and report how it went. One past
+    its ``deadline`` (monotonic: the master counts it failed by then) is not started.
 
     Called by the store client's heartbeat thread, one task at a time."""
     kind = task["type"]
     ok, result = False, {}
     try:
-        if kind == "replicate":
+        if kind != "unlink" and time.monotonic() > deadline:
+            log.warning("task %s not started: the master gave up on it (task_timeout_s)", kind)
+        elif kind == "replicate":
             ok = _replicate_task(store, task)
         elif kind == "spill":
             ok = _spill_task(store, task, result)
