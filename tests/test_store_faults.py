@@ -465,3 +465,47 @@ def test_chaos_soak_short(replicas: int) -> None:
     assert res["wrong"] == 0 and res["lost"] == 0, res
     assert res["ops"] > 1000 and all(r["keys"] > 0 for r in res["rounds"]), res
     assert all(r["recovery_s"] is not None for r in res["rounds"]), res["rounds"]
+
+
+def test_a_task_stuck_on_a_stopped_source_does_not_stop_the_clients_heartbeats() -> None:
+    """A hot-key copy whose source storage server is SIGSTOPped waits up to transfer_timeout_s
+    (4 s here). It runs on the client's task thread, so the client's heartbeats go on and the
+    master (client_ttl_s 1.5 s) keeps a healthy client and its segment; tasks used to run on the
+    heartbeat thread, and the client was declared dead, its segment unmounted."""
+    from kvpool.store.master import Master
+
+    m = Master(port=0, client_ttl_s=1.5).start()
+    try:
+        with StorageProcess(m.address, 8 << 20, heartbeat_s=0.2, protocol="tcp") as src:
+            with Store.connect(master=m.address, segment_size=8 << 20, heartbeat_s=0.2,
+                               transfer_timeout_s=4.0, protocol="tcp") as st:  # fmt: skip
+                key = None
+                for i in range(64):  # an object whose one replica is on the source server
+                    st.put(f"k{i}", pattern(100_000, i))
+                    if st.info(f"k{i}")["replicas"][0][0] == src.segment:
+                        key = f"k{i}"
+                        break
+                assert key is not None
+                info = st.info(key)
+                os.kill(src.pid, signal.SIGSTOP)
+                try:
+                    with m._lock:  # what hot-key replication hands out (Master._replicate)
+                        obj = m.objects[key]
+                        mine = m.space.segments[st.segment_name]
+                        obj.busy += 1
+                        task = {"type": "replicate", "key": key, "gen": info["gen"], "size": info["size"],
+                                "src": info["replicas"][0][:2],
+                                "dst": [mine.name, mine.base + mine.size - info["size"] - 4096]}  # fmt: skip
+                        assert m._give_task(st.client_id, task) is not None
+                    time.sleep(3.0)  # the copy is still waiting for the stopped source
+                    with m._lock:
+                        assert st.client_id in m.clients
+                        assert st.segment_name in m.space.segments
+                        assert not m.space.segments[st.segment_name].dead
+                    assert m.snapshot()["counters"].get("clients_dead", 0) <= 1  # the stopped source only
+                finally:
+                    os.kill(src.pid, signal.SIGCONT)
+                st.put("after", pattern(1000, 99))
+                assert st.get("after") == pattern(1000, 99)
+    finally:
+        m.stop()

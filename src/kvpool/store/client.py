@@ -56,7 +56,7 @@ from kvpool.store.reservations import (
     reserve_count,
 )
 from kvpool.store.staging import Staging, addr_of
-from kvpool.store.tasks import run_task
+from kvpool.store.tasks import TaskRunner, run_task
 from kvpool.transfer.device import device_buffer
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, host_id
@@ -178,6 +178,7 @@ class Store(PutPath, GetPath):
         except BaseException:
             self._shutdown_local()
             raise
+        self._task_runner = TaskRunner(self)  # master tasks, off the heartbeat thread
         self._hb = threading.Thread(target=self._heartbeat_loop, name="kvpool-store-heartbeat", daemon=True)
         self._hb.start()
 
@@ -338,8 +339,8 @@ class Store(PutPath, GetPath):
                     self._register(session)
                     self._hb_rpc.close()  # attaches to the new session on its next call
                     continue
-                for task in reply.get("tasks", []):
-                    self._run_task(task, sent + task.get("ttl_s", float("inf")))
+                for task in reply.get("tasks", []):  # on the task thread: heartbeats go on meanwhile
+                    self._task_runner.submit(task, sent + task.get("ttl_s", float("inf")))
             except UnknownClient:
                 log.warning("store master does not know us (restarted?): registering again")
                 try:
@@ -358,6 +359,7 @@ class Store(PutPath, GetPath):
         self._closed.set()
         self._resv.wanted.set()
         self._hb.join(5)
+        self._task_runner.close()
         unused = self._resv.clear()
         mine = [[e.gen, False] for e in unused if e.epoch == self.master_incarnation]
         try:

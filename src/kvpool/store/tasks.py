@@ -1,12 +1,18 @@
 """Tasks the master hands a storage client in its heartbeat replies: copy an object into its own
-segment (hot-key replicas), spill one to its SSD directory, remove an SSD file."""
+segment (hot-key replicas), spill one to its SSD directory, remove an SSD file.
+
+They run on a thread of their own (:class:`TaskRunner`), never on the heartbeat thread: a copy
+from an unreachable or stopped source waits up to ``transfer_timeout_s``, and heartbeats held up
+that long would get a healthy client declared dead (its segment unmounted, its objects lost)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KvpoolError
@@ -20,12 +26,67 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.store")
 
+#: Tasks waiting for the task thread at most (more are dropped: the master fails them after its
+#: ``task_timeout_s`` and the objects are free again).
+MAX_QUEUED_TASKS = 4096
+
+
+class TaskRunner:
+    """The store client's task thread (started on the first task): runs the tasks the heartbeat
+    thread queues (:meth:`submit`), one at a time, in order; :meth:`close` stops it."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[dict[str, Any], float]] = deque()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+
+    def submit(self, task: dict[str, Any], deadline: float) -> None:
+        """Queue one task (heartbeat thread, per task of a reply); returns at once."""
+        with self._cv:
+            if self._closed:
+                return
+            if len(self._queue) >= MAX_QUEUED_TASKS:
+                self.dropped += 1
+                log.warning("task %s dropped: %d tasks already wait", task.get("type"), MAX_QUEUED_TASKS)
+                return
+            self._queue.append((task, deadline))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvpool-store-tasks", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                task, deadline = self._queue.popleft()
+            try:
+                run_task(self._store, task, deadline)
+            except Exception:  # noqa: BLE001 - one bad task must not end the thread
+                log.exception("task %s failed", task.get("type"))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Drop the queued tasks and wait (up to ``timeout_s``) for the one running."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
 
 def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf")) -> None:
     """Do one task the master handed out in a heartbeat reply, and report how it went. One past
     its ``deadline`` (monotonic: the master counts it failed by then) is not started.
 
-    Called by the store client's heartbeat thread, one task at a time."""
+    Called by the store client's task thread (:class:`TaskRunner`), one task at a time."""
     kind = task["type"]
     ok, result = False, {}
     try:
