@@ -445,6 +445,13 @@ def test_a_client_cannot_act_as_another() -> None:
                     a._rpc.call(op, client=sp.client, **args)
             with pytest.raises(KvpoolError, match="not mounted by this client"):
                 a._rpc.call("unmount", segment=sp.segment)
+            # A connection that knows the secret but registered no client cannot drop replicas.
+            a.put("k", pattern(10_000, 5))
+            gen = a.info("k")["gen"]
+            anon = RpcClient(m.address, 5, "ë")
+            with pytest.raises(KvpoolError):
+                anon.call("report", segment=sp.segment, kind="corrupt", key="k", gen=gen)
+            assert [r[2] for r in a.info("k")["replicas"]] == [True] and a.get("k") == pattern(10_000, 5)
             s = RpcClient(m.address, 5, "ë").call("stats")["stats"]
             assert sp.segment in s["segments"] and s["clients"] == 2
 

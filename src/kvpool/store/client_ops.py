@@ -135,7 +135,8 @@ class ClientOps(_Base):
 
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A reader could not reach a segment (others skip it at once), or found a replica whose
-        bytes fail their checksum (that replica is dropped)."""
+        bytes fail their checksum (that replica is dropped). Only from a registered client."""
+        self._client(req, sess)
         now = time.monotonic()
         seg = self.space.segments.get(req["segment"])
         if seg is None:
