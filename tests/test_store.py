@@ -414,6 +414,8 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
         files = list(ssd.rglob("*.kvp"))
         assert files
         k = spilled[0]
+        # one file per generation: a late spill of an older one never replaces a newer one's
+        assert st.info(k)["ssd"].endswith(f"-{st.info(k)['gen']}.kvp")
         deadline = time.monotonic() + 5
         while st.info(k)["replicas"] and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -416,7 +416,9 @@ class Master(ObjectOps, ClientOps, ChangeOps):
         r = next(x for x in obj.replicas if x.committed)
         assert obj.key is not None
         digest = hashlib.sha1(obj.key.encode()).hexdigest()
-        path = os.path.join(client.ssd_dir or "", digest[:2], digest + ".kvp")
+        # One file per generation: a spill of an older one that is still writing after its task
+        # expired (task_timeout_s) can never replace the file of a newer one under the same key.
+        path = os.path.join(client.ssd_dir or "", digest[:2], f"{digest}-{obj.gen}.kvp")
         obj.busy += 1
         task = {"type": "spill", "key": obj.key, "gen": obj.gen, "epoch": self.incarnation, "size": obj.size,
                 "checksum": obj.checksum, "src": [r.seg.name, r.addr], "path": path}  # fmt: skip

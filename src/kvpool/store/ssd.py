@@ -1,4 +1,5 @@
-"""The SSD tier's object files: ``ssd_dir/xx/<sha1 of key>.kvp`` (magic, size, xxh3-64, key, value).
+"""The SSD tier's object files: ``ssd_dir/xx/<sha1 of key>-<generation>.kvp`` (magic, size, xxh3-64,
+key, value).
 
 Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none; a
 reader checks the key, size and checksum, and treats any mismatch as a miss.
