@@ -31,10 +31,12 @@ init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
 
-def vllm_config(model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int) -> VllmConfig:
+def vllm_config(
+    model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int, dtype: str = "float32"
+) -> VllmConfig:
     """A VllmConfig for the tiny model with a kvpool connector."""
     vc = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=4096, seed=0),
+        model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=4096, seed=0),
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
@@ -63,17 +65,19 @@ class Instance:
     """A scheduler plus the worker-side connector over real CPU KV tensors (CPU backend layout)."""
 
     def __init__(
-        self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64
-    ) -> None:
+        self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64,
+        dtype: str = "float32",
+    ) -> None:  # fmt: skip
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        self.vc = vllm_config(model, connector, role, extra, blocks)
+        self.vc = vllm_config(model, connector, role, extra, blocks, dtype)
         kcc = kv_cache_config(blocks)
         self.scheduler = Scheduler(
             self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True
         )
         self.worker = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, kcc)
-        self.kv = {name: torch.zeros(blocks, HEADS, BS, 2 * HEAD) for name in LAYERS}
+        dt = getattr(torch, dtype)
+        self.kv = {name: torch.zeros(blocks, HEADS, BS, 2 * HEAD, dtype=dt) for name in LAYERS}
         self.worker.register_kv_caches(self.kv)
         self.idle_free = self.free_blocks()
         self.pending = KVConnectorOutput()

@@ -36,7 +36,7 @@ from kvpool.connectors.vllm.common import (
     VllmConnectorConfig,
     kv_regions,
 )
-from kvpool.connectors.vllm.pd_load import DecodeLoads, _PeerLane, _Remote
+from kvpool.connectors.vllm.pd_load import MAX_DONE_IDS, DecodeLoads, _PeerLane, _Remote
 from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, _PdScheduler, _tp
 from kvpool.connectors.vllm.pd_stream import (
     LONG_POLL_S,
@@ -58,6 +58,8 @@ log = logging.getLogger("kvpool.connectors.vllm")
 # answer a late decode's "done" notice with "expired".
 _EXPIRED_KEEP_S = 3600.0
 _EXPIRED_MAX = 1 << 16
+# "done" notices kept for requests this prefill does not hold (yet) at most.
+_NOTIFIED_MAX = 1 << 16
 
 
 class KvpoolConnector(KvpoolConnectorBase):
@@ -117,7 +119,8 @@ class _PdWorker(DecodeLoads):
         self.regions: list[Region] = []
         self._lock = threading.Lock()
         self._pending_send: dict[str, float] = {}  # req id -> deadline (monotonic)
-        self._notified: dict[str, float] = {}  # "done" seen -> when (may precede the metadata)
+        # "done" seen -> when (may precede the metadata); oldest first, bounded
+        self._notified: OrderedDict[str, float] = OrderedDict()
         # Freed by abort_timeout_s unread -> when (bounded). Ordered: get_finished drops the oldest
         # from the front each step, O(1) each (a plain dict's first item is found by skipping the
         # slots of earlier deletions: a burst of expiries cost O(n^2) in one step).
@@ -239,7 +242,8 @@ class _PdWorker(DecodeLoads):
         if op == "progress":
             if self.streams is None:
                 return {"id": rid, "ok": True, "streams": {}, "version": 0, "engine_id": self.engine_id}
-            ids = [str(t) for t in (req.get("ids") or ())][:MAX_PROGRESS_IDS]
+            asked = req.get("ids")
+            ids = [str(t) for t in asked[:MAX_PROGRESS_IDS]] if isinstance(asked, list) else []
             wait = min(float(req.get("wait_s") or 0.0), LONG_POLL_S)
             seen = req.get("seen")
             if wait > 0 and conn is not None and isinstance(seen, int):
@@ -253,10 +257,16 @@ class _PdWorker(DecodeLoads):
             now = time.monotonic()
             of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
             gens = req.get("gens") or {}  # streamed reads: the generation they were made under
+            req_ids = req.get("req_ids") or []
+            if not isinstance(req_ids, list) or len(req_ids) > MAX_DONE_IDS:
+                # Refused whole (a decode sends at most MAX_DONE_IDS): nothing recorded, its
+                # sender treats every read in it as unconfirmed.
+                msg = f"req_ids must be a list of at most {MAX_DONE_IDS}"
+                return {"id": rid, "ok": False, "err": "INVALID", "msg": msg}
             expired: list[str] = []
             with self._lock:
-                for r in req.get("req_ids") or ():
-                    r = str(r)
+                for r in req_ids:
+                    r = str(r)[:256]
                     if r in self._expired:
                         expired.append(r)
                         continue
@@ -269,7 +279,10 @@ class _PdWorker(DecodeLoads):
                             self._notice_counts[r] = n
                             continue
                         self._notice_counts.pop(r, None)
+                    if r not in self._pending_send and len(self._notified) >= _NOTIFIED_MAX:
+                        continue  # bounded: an unknown id's notice is kept only while there is room
                     self._notified[r] = now
+                    self._notified.move_to_end(r)
             return {"id": rid, "ok": True, "expired": expired, "engine_id": self.engine_id}
         return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
 
@@ -348,6 +361,10 @@ class _PdWorker(DecodeLoads):
                 lane.stream(ld)
             elif not job.local_block_ids:
                 lane.notice(job)  # aborted before allocation: only free the prefill's blocks
+            elif job.refused is not None:  # blocks that do not match: vLLM recomputes them
+                self.stats.record_failure("BlocksMismatch")
+                self._load_done(job, False)
+                lane.notice(job)
             elif self._inline(job):
                 # Small same-host reads finish faster here than after a hand-off to the load
                 # thread (no wake-up, no GIL ping-pong with this busy thread).
@@ -380,12 +397,18 @@ class _PdWorker(DecodeLoads):
                 del self._pending_send[rid]
                 self._notified.pop(rid, None)
                 self._notice_counts.pop(rid, None)
+                # Freed now: a later "done" for it (a second read of the same params: a decode
+                # request with n > 1, a retried one) is answered "expired", never "held".
+                self._expired[rid] = now
             if sending and self.streams is not None:
                 self.streams.forget(sending)
-            # "done" notices for requests this worker never held (aborted, restarted) expire.
-            for rid, t in list(self._notified.items()):
-                if now - t > self.cfg.abort_timeout_s and rid not in self._pending_send:
-                    del self._notified[rid]
+            # "done" notices for requests this worker never held (aborted, restarted) expire,
+            # oldest first (the ones for requests it holds were just taken out above).
+            while self._notified:
+                rid, t = next(iter(self._notified.items()))
+                if now - t <= self.cfg.abort_timeout_s or rid in self._pending_send:
+                    break
+                del self._notified[rid]
         return (sending or None), (recving or None)
 
     def take_load_errors(self) -> set[int]:

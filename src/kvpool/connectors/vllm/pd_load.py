@@ -31,6 +31,7 @@ from kvpool.connectors.vllm.reshard import (
     RegionAddr,
     RegionPairs,
     ReshardError,
+    check_compatible,
     plan_columns,
     plan_sources,
     region_pairs,
@@ -51,6 +52,8 @@ log = logging.getLogger("kvpool.connectors.vllm")
 MAX_PEER_THREADS = 32
 # A lane sends its pending "done" notices after at most this many loads in a row.
 _LOADS_BEFORE_NOTICES = 8
+#: Request ids one "done" notice carries at most (a prefill refuses a longer one whole).
+MAX_DONE_IDS = 4096
 
 
 @dataclass
@@ -64,6 +67,8 @@ class _Remote:
     """``kv_layout`` parsed (once, on the first resharded load)."""
     pairs: RegionPairs | None = None
     """This decode rank's regions paired with this prefill rank's (once, on the first resharded load)."""
+    compatible: bool = False
+    """Equal TP: its layout was found to be this rank's (once per handshake)."""
 
 
 def _addr(r: Region) -> RegionAddr:
@@ -139,7 +144,14 @@ class _PeerLane:
             if active:
                 with self._cv:  # wait at the prefill only when nothing else is queued here
                     idle = not (self._loads or self._notices or self._new)
-                ended, moved, waited = stream_round(self.worker, active, seen, LONG_POLL_S if idle else 0.0)
+                try:
+                    ended, moved, waited = stream_round(
+                        self.worker, active, seen, LONG_POLL_S if idle else 0.0
+                    )
+                except Exception as exc:  # noqa: BLE001 - never a dead lane: its loads fail instead
+                    log.exception("kvpool connector: streaming round failed")
+                    why = f"{type(exc).__name__}: {exc}"
+                    ended, moved, waited = [(ld, why) for ld in active], False, False
                 for ld, why in ended:
                     active.remove(ld)
                     if self.worker._stream_ended(ld, why):
@@ -193,8 +205,21 @@ class DecodeLoads(_Base):
             self._remotes[key] = rem
         return rem
 
+    def _check_layout(self, rem: _Remote) -> None:
+        """Equal TP sizes: the prefill's KV layout must be this rank's -- dtype (bf16 against fp16
+        has the same bytes per block), model, heads, head size, block order; ReshardError names the
+        first difference. Where either side could not describe its layout, the block byte sizes
+        (``region_columns``) are all that is compared."""
+        if rem.compatible or rem.kv_layout is None or self.kv_layout is None:
+            return
+        if rem.layout is None:
+            rem.layout = KvLayout.from_wire(rem.kv_layout)
+        check_compatible(rem.layout, self.kv_layout)
+        rem.compatible = True
+
     def _columns(self, rem: _Remote, job: RecvJob) -> tuple[list[int], list[int], list[int]]:
         """(local addresses, remote addresses, lengths) of the READs of one load."""
+        self._check_layout(rem)
         if rem.block_size != self.block_size:
             raise TransferError(f"block size differs: prefill {rem.block_size}, decode {self.block_size}")
         if set(rem.regions) != {r.name for r in self.regions}:
@@ -275,22 +300,31 @@ class DecodeLoads(_Base):
             for peer in peers:
                 by_peer.setdefault(peer, []).append(job)
         bad: dict[str, str] = {}  # remote request id -> why its load fails
-        for (host, port, of), pjobs in by_peer.items():
-            ids = [j.remote_request_id for j in pjobs]
-            gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
-            try:
-                reply = self._rpc(host, port).call("done", req_ids=ids, of=of, gens=gens)
-            except KvpoolError as exc:
-                log.debug("done notice for %s not delivered: %s", ids, exc)
+        for (host, port, of), all_jobs in by_peer.items():
+            for k in range(0, len(all_jobs), MAX_DONE_IDS):
+                pjobs = all_jobs[k : k + MAX_DONE_IDS]
+                ids = [j.remote_request_id for j in pjobs]
+                gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
+                try:
+                    reply = self._rpc(host, port).call("done", req_ids=ids, of=of, gens=gens)
+                    expired, engine = reply.get("expired"), reply.get("engine_id")
+                    if not isinstance(expired, list) or not isinstance(engine, (str, type(None))):
+                        raise TypeError(f"malformed answer {reply!r:.200}")
+                except Exception as exc:  # noqa: BLE001 - unreachable, or a malformed answer: unconfirmed
+                    log.debug("done notice for %s not confirmed: %s", ids, exc)
+                    for j in pjobs:
+                        bad[j.remote_request_id] = f"the read could not be confirmed by {host}:{port} ({exc})"
+                    continue
+                for r in expired:
+                    bad[str(r)] = (
+                        f"{host}:{port} had freed the blocks (abort_timeout_s passed, or another decode "
+                        "request read them first)"
+                    )
                 for j in pjobs:
-                    bad[j.remote_request_id] = f"the read could not be confirmed by {host}:{port} ({exc})"
-                continue
-            for r in reply.get("expired") or ():
-                bad[r] = f"{host}:{port} freed the blocks unread after its abort_timeout_s"
-            engine = reply.get("engine_id")
-            for j in pjobs:
-                if engine and j.remote_engine_id and engine != j.remote_engine_id:
-                    bad[j.remote_request_id] = f"{host}:{port} is another instance now ({engine}, restarted?)"
+                    if engine and j.remote_engine_id and engine != j.remote_engine_id:
+                        bad[j.remote_request_id] = (
+                            f"{host}:{port} is another instance now ({engine}, restarted?)"
+                        )
         for job in jobs:
             with self._lock:
                 if job.req_id not in self._confirming:

@@ -88,6 +88,9 @@ class RecvJob:
     """Streaming load: prompt tokens; ``local_block_ids`` receive the tail of its blocks."""
     gen: int | None = None
     """Streaming load: the prefill stream's generation the blocks were read under (the fence)."""
+    refused: str | None = None
+    """Why the load cannot be made (blocks that do not match): the worker fails it at once, so
+    vLLM recomputes (its blocks are reported), and tells the prefill to free its blocks."""
 
 
 @dataclass
@@ -175,14 +178,17 @@ class _PdScheduler:
             return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         remote = list(r["block_ids"])
-        if len(local) > len(remote):
-            log.warning("request %s: %d local blocks for %d remote ones; computing locally",
-                        request.request_id, len(local), len(remote))  # fmt: skip
-            local = []
-        # A local prefix-cache hit covers the leading blocks: read only the tail.
-        remote = remote[len(remote) - len(local) :] if local else []
+        # The prompt's blocks lead the prefill's list (a prefill that generated more than one token
+        # has more blocks after them); a local prefix-cache hit covers the leading ones: read the
+        # rest of the prompt's, aligned from the head.
+        n = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        refused = None
+        if len(local) > n or len(remote) < n:
+            refused = f"{len(local)} local blocks, {len(remote)} remote ones for a {n}-block prompt"
+            log.warning("request %s: %s; its KV is recomputed", request.request_id, refused)
+        remote = remote[:n][n - len(local) :] if local and refused is None else []
         if local:
-            self._loading.add(request.request_id)
+            self._loading.add(request.request_id)  # finished by the worker: loaded, or failed
         self._recv[request.request_id] = RecvJob(
             req_id=request.request_id,
             local_block_ids=list(local),
@@ -192,6 +198,7 @@ class _PdScheduler:
             remote_request_id=r["request_id"],
             remote_engine_id=r["engine_id"],
             remote_tp_size=r["tp_size"],
+            refused=refused,
         )
 
     def _stream_job(self, request: Any, blocks: Any, num_external_tokens: int, r: dict[str, Any]) -> None:
@@ -278,8 +285,9 @@ class _PdScheduler:
             r = remote_params(params)
             if r is not None and r["block_ids"] is not None:
                 self._recv[request.request_id] = RecvJob(
-                    request.request_id, [], [], r["host"], r["port"], r["request_id"]
-                )
+                    request.request_id, [], [], r["host"], r["port"], r["request_id"],
+                    remote_engine_id=r["engine_id"], remote_tp_size=r["tp_size"],  # every rank frees
+                )  # fmt: skip
             return False, None
         if not params.get("do_remote_decode"):
             return False, None

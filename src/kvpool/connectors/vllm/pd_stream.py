@@ -291,7 +291,7 @@ def stream_round(
                     "progress", ids=ids, seen=seen.get((host, port), -1), wait_s=wait_s
                 )
                 waited = waited or (wait_s > 0 and time.monotonic() - t0 >= wait_s / 2)
-            except KvpoolError as exc:
+            except Exception as exc:  # noqa: BLE001 - unreachable, or a malformed answer: these loads fail
                 worker._remotes.pop((host, port), None)
                 ended.extend((ld, f"progress from {host}:{port}: {exc}") for ld in part)
                 continue
@@ -353,6 +353,7 @@ def _advance(
         ld.nbytes = worker._load_resharded(job)
         ld.read_s += time.perf_counter() - t
         return True, ld.nbytes
+    worker._check_layout(rem)  # dtype, model, heads: equal bytes per block is not the same layout
     if rem.block_size != bs:
         raise TransferError(f"block size differs: prefill {rem.block_size}, decode {bs}")
     names = list(rem.regions)

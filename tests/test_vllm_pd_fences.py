@@ -1,0 +1,233 @@
+"""KvpoolConnector P/D: loads that must fail rather than feed a request another request's KV, and
+hostile or unlucky inputs that must not hang a request or a load thread. vLLM's real schedulers,
+kvpool's real worker halves and transfer engines; the forward pass is the test double of
+tests/vllm_sched.py."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool._rpc_server import RpcServer
+from kvpool.child import free_port
+from tests.vllm_support import tiny_llama  # noqa: F401  (fixture)
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
+
+from kvpool.connectors.vllm import pd as pd_mod  # noqa: E402
+from kvpool.connectors.vllm import pd_load  # noqa: E402
+from tests.vllm_sched import Instance, expected_rows  # noqa: E402
+
+PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2.5 blocks
+
+
+def _pd(model: Path, **decode: Any) -> tuple[Instance, Instance]:
+    p = Instance(
+        model, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port(), "abort_timeout_s": 30}
+    )
+    d = Instance(model, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()}, **decode)
+    return p, d
+
+
+def _kv_ok(inst: Instance, rid: str, prompt: list[int]) -> bool:
+    """Whether the request's blocks hold the KV of every prompt token but the last."""
+    n = len(prompt) - 1
+    return all(
+        torch.equal(g, w) for g, w in zip(inst.block_values(rid, n), expected_rows(prompt, n), strict=True)
+    )
+
+
+def _failures(inst: Instance) -> dict[str, int]:
+    return dict(inst.worker._worker.stats.data.get("failures") or {})
+
+
+def _finished(d: Instance, rid: str, steps: int = 300, other: Instance | None = None) -> Any:
+    """Step the decode (and ``other``) until ``rid`` produced a token or finished; its output."""
+    for _ in range(steps):
+        _, o = d.step()
+        if other is not None:
+            other.step()
+        if rid in o and (o[rid].new_token_ids or o[rid].finish_reason):
+            return o[rid]
+        if rid not in d.scheduler.requests:
+            return None  # finished in a step whose output the loop did not see
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} still {d.scheduler.requests[rid].status} after {steps} steps")
+
+
+def test_a_second_read_of_blocks_the_prefill_already_freed_is_not_confirmed(tiny_llama: Path) -> None:  # noqa: F811
+    """Two decode requests carry the same kv_transfer_params (vLLM copies them into every child
+    of an n > 1 request; a client may retry). The first read frees the prefill's blocks, another
+    prefill request reuses them; the second read must fail (recompute), not be confirmed "held"."""
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        params = o["p1"].kv_transfer_params
+        d.add("d1", PROMPT, 2, copy.deepcopy(params))
+        d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the done notice freed p1's blocks
+        p.add("p2", [(i * 11) % 450 + 5 for i in range(90)], 1, {"do_remote_decode": True})
+        p.step()  # p2 computes into the freed blocks
+        d.add("d2", PROMPT, 2, copy.deepcopy(params))
+        out = _finished(d, "d2")
+        assert _failures(d).get("PrefillFreed") == 1
+        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
+            assert _kv_ok(d, "d2", PROMPT)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_remote_blocks_are_lined_up_from_the_head_of_the_prompt(tiny_llama: Path) -> None:  # noqa: F811
+    """A prefill that generated 3 tokens names 3 blocks for a 2-block prompt: the decode reads
+    the first two (it read blocks 2 and 3, shifted by one block)."""
+    prompt = PROMPT[:64]
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", prompt, 3, {"do_remote_decode": True})
+        o = p.run_until(lambda o: "p1" in o and o["p1"].finish_reason)
+        params = o["p1"].kv_transfer_params
+        assert len(params["remote_block_ids"]) == 3
+        d.add("d1", prompt, 2, params)
+        out, _ = d.step()
+        job = out.kv_connector_metadata.recv["d1"]
+        assert job.remote_block_ids == params["remote_block_ids"][:2]
+        _finished(d, "d1")
+        assert _kv_ok(d, "d1", prompt)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_blocks_that_do_not_match_fail_the_load_instead_of_leaving_it_waiting(tiny_llama: Path) -> None:  # noqa: F811
+    """kv_transfer_params naming fewer blocks than the decode's prompt needs: the request's load
+    fails at once (vLLM recomputes or fails it) and its blocks are freed; it used to wait in
+    WAITING_FOR_REMOTE_KVS holding them forever (any client could exhaust the KV cache)."""
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", PROMPT[:64], 1, {"do_remote_decode": True})
+        o = p.run_until(lambda o: "p1" in o and o["p1"].finish_reason)
+        d.add("d1", PROMPT[:64] + [5] * 40, 2, o["p1"].kv_transfer_params)
+        _finished(d, "d1")
+        assert _failures(d).get("BlocksMismatch") == 1
+        for _ in range(50):
+            if "d1" not in d.scheduler.requests and d.free_blocks() == d.idle_free:
+                break
+            d.step()
+        assert "d1" not in d.scheduler.requests and d.free_blocks() == d.idle_free
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill was told to free its blocks
+    finally:
+        d.close()
+        p.close()
+
+
+def test_hostile_peers_do_not_kill_the_load_threads(
+    tiny_llama: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client-named host whose label is too long (the connect raises UnicodeError) and a side
+    channel answering "done" with garbage: each load fails, every load thread lives on, and a
+    real P/D request on the same (shared) thread still loads (the thread died: it waited forever)."""
+    monkeypatch.setattr(pd_load, "MAX_PEER_THREADS", 1)  # every peer on one load thread
+    fport = free_port()
+
+    def garbage(req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("op") == "layout":
+            return {"id": req.get("id"), "ok": False, "err": "INVALID", "msg": "no"}
+        return {"id": req.get("id"), "ok": True, "expired": 5, "engine_id": "x"}
+
+    srv = RpcServer("127.0.0.1", fport, garbage, lambda: None)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    p, d = _pd(tiny_llama, blocks=128)
+    try:
+        evil = [
+            {"remote_host": "a" * 64, "remote_port": 20000},
+            {"remote_host": "127.0.0.1", "remote_port": fport, "remote_engine_id": "x"},
+        ]
+        for i, e in enumerate(evil):
+            params = {"do_remote_prefill": True, "remote_block_ids": [0, 1, 2], "remote_request_id": "x", **e}
+            d.add(f"evil{i}", PROMPT, 2, params)
+            _finished(d, f"evil{i}")
+        lanes = d.worker._worker._lane_list
+        assert len(lanes) == 1 and lanes[0].thread.is_alive()
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        d.add("good", PROMPT, 2, o["p1"].kv_transfer_params)
+        out = _finished(d, "good", other=p)
+        assert out is not None and out.new_token_ids and out.finish_reason != "error"
+        assert _kv_ok(d, "good", PROMPT)
+    finally:
+        srv.stop()
+        d.close()
+        p.close()
+
+
+def test_a_kv_dtype_that_differs_fails_the_load(tiny_llama: Path) -> None:  # noqa: F811
+    """bfloat16 prefill, float16 decode: the same bytes per block, another number format. The
+    load fails naming the dtype (it was read as raw bytes: the decode saw other numbers)."""
+    p = Instance(
+        tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port()}, dtype="bfloat16"
+    )
+    d = Instance(
+        tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()}, dtype="float16"
+    )
+    try:
+        assert p.worker._worker.kv_layout.dtype != d.worker._worker.kv_layout.dtype
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        d.add("d1", PROMPT, 2, o["p1"].kv_transfer_params)
+        _finished(d, "d1")
+        assert _failures(d).get("ReshardError") == 1, _failures(d)
+        assert d.worker._worker.loaded_blocks == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_done_notices_are_bounded(tiny_llama: Path) -> None:  # noqa: F811
+    """A "done" notice longer than MAX_DONE_IDS is refused whole (nothing recorded, so nothing of
+    it is confirmed); notices for requests the prefill does not hold are kept up to a bound, and
+    a step stays cheap (2M ids held the worker lock ~1 s and slowed every step for 120 s)."""
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port()})
+    try:
+        w = p.worker._worker
+        too_many = [str(i) for i in range(pd_load.MAX_DONE_IDS + 1)]
+        reply = w._handle({"op": "done", "id": 1, "req_ids": too_many})
+        assert reply["ok"] is False and len(w._notified) == 0
+        for k in range(20):  # 81,920 unknown ids in allowed notices
+            ids = [f"{k}-{i}" for i in range(pd_load.MAX_DONE_IDS)]
+            assert w._handle({"op": "done", "id": 2, "req_ids": ids})["ok"] is True
+        assert len(w._notified) == pd_mod._NOTIFIED_MAX
+        t = time.perf_counter()
+        p.step()
+        assert time.perf_counter() - t < 0.5
+    finally:
+        p.close()
+
+
+def test_an_abort_before_allocation_notifies_every_prefill_rank(tiny_llama: Path) -> None:  # noqa: F811
+    """A decode request aborted before its blocks were allocated still tells the prefill to free
+    its blocks -- on every TP rank of the prefill (rank 0 only: the others held them until
+    abort_timeout_s)."""
+    from vllm.v1.request import RequestStatus
+
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    try:
+        params = {
+            "do_remote_prefill": True, "remote_block_ids": [0, 1, 2], "remote_request_id": "r",
+            "remote_host": "127.0.0.1", "remote_port": 20000, "remote_engine_id": "e", "tp_size": 2,
+        }  # fmt: skip
+        d.add("d1", PROMPT, 2, params)
+        d.scheduler.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)
+        out, _ = d.step()
+        job = out.kv_connector_metadata.recv["d1"]
+        assert job.local_block_ids == [] and job.remote_tp_size == 2 and job.remote_engine_id == "e"
+    finally:
+        d.close()
