@@ -220,6 +220,15 @@ def test_kv_cache_dtype_and_layout_are_in_the_namespace(tiny_llama: Path) -> Non
         names.add(namespace_for(cfg, vc, 0))
     assert len(names) == 4
     assert namespace_for(cfg, vc, 0) != namespace_for(cfg, vc, 1)
+    # Two checkpoints served under one name (another revision, another quantization) never share.
+    vc.model_config.revision = "refs/pr/7"
+    with_rev = namespace_for(cfg, vc, 0)
+    vc.model_config.quantization = "awq"
+    assert len({namespace_for(cfg, vc, 0), with_rev, *names}) == 6
+    assert with_rev.split("/")[3] == "float32+rev-refs_pr_7"  # one path segment: the router parses it
+    from kvpool.connectors.blockkeys import NAMESPACE_RE
+
+    assert NAMESPACE_RE.match(namespace_for(cfg, vc, 0) + "/" + "0" * 32)["model"] == "m"
     base = {"l0": torch.zeros(8, 2, 32, 128)}
     sigs = {
         layout_signature(base, 8),

@@ -77,11 +77,15 @@ def request_block_keys(namespace: str, request: Any, block_size: int) -> list[st
 
 
 def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> str:
-    """Key namespace: model, model dtype, KV cache dtype, KV heads x head size, block size, TP rank
-    and size, device."""
+    """Key namespace: model, model dtype (with the checkpoint's quantization and revision when
+    set: one served name for two of them must not share KV), KV cache dtype, KV heads x head size,
+    block size, TP rank and size, device."""
     mc = vllm_config.model_config
     model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
     dtype = str(mc.dtype).replace("torch.", "")
+    for tag, value in (("q", getattr(mc, "quantization", None)), ("rev", getattr(mc, "revision", None))):
+        if value:
+            dtype += f"+{tag}-" + str(value).replace("/", "_")
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     try:
