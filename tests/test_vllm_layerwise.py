@@ -117,3 +117,53 @@ def test_per_request_mode_stays_the_default(tiny_llama: Path, master: str) -> No
         assert a.worker._worker.saved_blocks == 2  # saved after the request finished
     finally:
         a.close()
+
+
+def test_a_layer_is_saved_only_once_its_kv_is_written() -> None:
+    """LayerSaves runs a layer's ``written`` wait (a CUDA event recorded in ``save_kv_layer``:
+    the attention kernel is only enqueued then) on the save thread before reading the layer;
+    a wait that fails keeps the step's blocks out of the store (no commit marker)."""
+    import threading
+
+    from kvpool.connectors.vllm.common import Region
+    from kvpool.connectors.vllm.layerwise import LayerSaves
+
+    order: list[str] = []
+    gate = threading.Event()
+
+    def run(job):  # noqa: ANN001, ANN202 - the save thread, which logs a failed job and goes on
+        def quiet() -> None:
+            try:
+                job()
+            except RuntimeError:
+                pass
+
+        threading.Thread(target=quiet).start()
+
+    saves = LayerSaves(
+        run, lambda blocks, regions: order.append("put") or set(), lambda b: order.append("commit")
+    )
+    saves.set_regions([Region("model.layers.0.self_attn.attn", 4096, 64, 64, 4)])
+    saves.begin([(1, "k1")])
+
+    def kernel_done() -> None:
+        gate.wait(5)
+        order.append("written")
+
+    saves.layer("model.layers.0.self_attn.attn", kernel_done)
+    threading.Timer(0.2, gate.set).start()
+    saves.finish()
+    deadline = time.monotonic() + 5
+    while "commit" not in order and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["written", "put", "commit"]
+
+    def lost() -> None:
+        raise RuntimeError("device lost")
+
+    order.clear()
+    saves.begin([(2, "k2")])
+    saves.layer("model.layers.0.self_attn.attn", lost)
+    saves.finish()
+    time.sleep(0.2)
+    assert order == []  # neither read nor committed

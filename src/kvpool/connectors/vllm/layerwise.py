@@ -21,6 +21,7 @@ next one is computed:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +132,10 @@ class LayerSaves:
     def begin(self, blocks: list[tuple[int, str]]) -> None:
         self._step = _StepSaves(blocks) if blocks else None
 
-    def layer(self, name: str) -> None:
+    def layer(self, name: str, written: Callable[[], None] | None = None) -> None:
+        """Queue the save of layer ``name``; ``written`` (on the save thread, first) waits until
+        the layer's KV is in memory: a GPU attention kernel is only enqueued when vLLM calls
+        ``save_kv_layer`` (a CUDA event recorded there), host memory is written already (None)."""
         step = self._step
         regions = self._layers.get(name)
         if step is None or not regions or name in step.layers_done:
@@ -142,6 +146,8 @@ class LayerSaves:
 
         def job() -> None:
             try:
+                if written is not None:
+                    written()
                 step.bad |= self._put_layer(step.blocks, regions)
             except BaseException:
                 step.bad |= {b for b, _ in step.blocks}

@@ -178,7 +178,7 @@ class KvpoolStoreConnector(KvpoolConnectorBase):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """vLLM's attention layer, after it wrote its KV: queue that layer's save (layer-wise)."""
-        self._worker.save_layer(layer_name)
+        self._worker.save_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         """vLLM's model runner, once per step after the forward pass (layer-wise: waits for the
@@ -502,9 +502,18 @@ class _StoreWorker:
         """``wait_for_layer_load``: this layer's blocks of this step's in-forward loads are in."""
         self.layer_loads.wait(layer)
 
-    def save_layer(self, layer: str) -> None:
-        """``save_kv_layer``: queue this layer's objects of the blocks this step completes."""
-        self.layer_saves.layer(layer)
+    def save_layer(self, layer: str, kv_layer: Any = None) -> None:
+        """``save_kv_layer``: queue this layer's objects of the blocks this step completes. A CUDA
+        layer is saved once a CUDA event recorded here (after the attention kernel that writes
+        it was enqueued) completed."""
+        written = None
+        if getattr(kv_layer, "is_cuda", False):
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            written = ev.synchronize
+        self.layer_saves.layer(layer, written)
 
     def finish_step(self) -> None:
         """``wait_for_save``: the step's layer loads and layer writes are done when it returns."""
