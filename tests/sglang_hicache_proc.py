@@ -147,8 +147,39 @@ def pages(role: str, master: str, n: int, kind: str, layout: str, tp_rank: int, 
     return out
 
 
+def outage(master: str) -> dict:
+    """Store a page, then (once the test killed the master: a line on stdin) use every interface:
+    misses and failed writes, never an exception into SGLang."""
+    hp = host_pool()
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(master), hp)
+    backend.register_mem_pool_host(hp)
+    keys = page_keys(2)
+    idx = hp.alloc(2 * PAGE)
+    page = torch.randn(2, L, PAGE, H, D).to(torch.bfloat16)
+    out: dict = {
+        "set_before": backend.batch_set_v1(keys, idx),
+        "legacy_set_before": backend.set("legacy", page),
+    }
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
+    got = torch.zeros_like(page)
+    hit = backend.get("legacy", got) is not None  # a client's cached location may still serve it
+    out.update(
+        legacy_get="miss" if not hit else "right bytes" if torch.equal(got, page) else "WRONG BYTES",
+        legacy_set=backend.set("legacy-2", page),
+        legacy_exists=backend.exists("legacy"),
+        exists=backend.batch_exists(keys),
+        get=backend.batch_get_v1(keys, hp.alloc(2 * PAGE)),
+        set=backend.batch_set_v1(page_keys(3)[2:], hp.alloc(PAGE)),
+    )
+    return out
+
+
 def main() -> None:
     role, master, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if role == "outage":
+        print(json.dumps(outage(master)), flush=True)
+        return
     if role.startswith("pages-"):
         kind, layout, rank, size = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
         print(json.dumps(pages(role, master, n, kind, layout, rank, size)), flush=True)

@@ -87,3 +87,29 @@ def test_hicache_backend_needs_a_master() -> None:
     env = {k: v for k, v in dict(os.environ, **SGLANG_ENV).items() if k != "KVPOOL_MASTER"}
     out = subprocess.run([sglang_python(), "-c", code], capture_output=True, text=True, env=env, timeout=240)
     assert out.stdout.startswith("ConfigError") and "master" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_master_outage_is_a_miss_for_every_interface() -> None:
+    """The master is SIGKILLed under a running backend: legacy get/set/exists and the v1
+    batch_exists/get/set answer a miss or a failure, never an exception into SGLang (the legacy
+    get and set raised); a get still served through a cached location has the right bytes."""
+    with MasterProcess() as m, StorageProcess(m.address, 64 << 20):
+        env = dict(os.environ, **SGLANG_ENV)
+        p = subprocess.Popen([sglang_python(), PROC, "outage", m.address, "2"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        try:
+            assert p.stdout is not None and p.stdin is not None
+            line = p.stdout.readline()
+            assert json.loads(line) == {"ready": True}, p.stderr.read() if p.stderr else ""
+            m.kill()
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+            r = json.loads(out.strip().splitlines()[-1])
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert r["set_before"] == [True, True] and r["legacy_set_before"] is True
+    assert r["legacy_get"] in ("miss", "right bytes") and r["legacy_set"] is False
+    assert r["set"] == [False] and r["exists"] in (0, 2) and len(r["get"]) == 2

@@ -209,7 +209,11 @@ class KvpoolHiCacheStorage(HiCacheStorage):
             for h in range(per):
                 views.append(flat[h * half : (h + 1) * half])  # registered for the call
                 sizes.append(half)
-        res = self.store.batch_get_into(names, views, sizes)
+        try:
+            res = self.store.batch_get_into(names, views, sizes)
+        except KvpoolError as exc:  # the master or a peer unreachable: misses, never an exception
+            log.warning("kvpool HiCache: get failed: %s", exc)
+            return [None] * len(keys)
         ok = _sizes_ok(res, sizes)
         return [t if all(ok[i * per : (i + 1) * per]) else None for i, t in enumerate(target_locations)]
 
@@ -228,7 +232,11 @@ class KvpoolHiCacheStorage(HiCacheStorage):
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             half = len(raw) // per
             payloads += [raw[h * half : (h + 1) * half] for h in range(per)]
-        res = self.store.batch_put(names, payloads)
+        try:
+            res = self.store.batch_put(names, payloads)
+        except KvpoolError as exc:
+            log.warning("kvpool HiCache: set failed: %s", exc)
+            return False
         return all(r is None or isinstance(r, ObjectExists) for r in res)
 
     def clear(self) -> None:
