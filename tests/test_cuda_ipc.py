@@ -313,3 +313,19 @@ def test_unregister_waits_for_copies_in_flight(fake_driver: str, monkeypatch: py
         assert child.stdout.readline().strip() == "True"
         assert child.wait(20) == 0
         assert waited > 0.2  # it did wait for the copy in flight
+
+
+def test_reattaching_the_same_peer_keeps_one_pidfd(fake_driver: str) -> None:
+    """Re-opening a segment of the same process (a refreshed descriptor) keeps its pidfd: a new
+    one per re-attach leaked descriptors, and past 1,024 the liveness check (select) raised a
+    plain ValueError on every transfer; it polls now."""
+    with TransferEngine() as target, TransferEngine() as eng:
+        target.register_local_memory(bytearray(1 << 20))
+        h = eng.open_segment(target.segment_name)
+        assert isinstance(eng._routes[h.id], CudaIpcTransport)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            eng._open(target.segment_name)
+        assert len(os.listdir("/proc/self/fd")) - before < 5
+        peer = _ipc(eng)._peers[h.id]
+        assert CudaIpcTransport._alive(peer)

@@ -529,3 +529,18 @@ def test_double_rdma_gpu_registration_falls_back_to_dmabuf(rt, double, monkeypat
         d2 = rt.alloc(MiB)
         with pytest.raises(RegistrationError, match="cannot set the iova"):
             eng.register_local_memory(d2, remote_accessible=False)
+
+
+def test_double_staging_pool_of_any_size_moves_a_larger_range(rt, cpu_peer):
+    """A staging pool whose size is not a multiple of 4 KiB: a GPU range larger than it goes in
+    rounds of pieces that fit (pieces the pool's size, rounded up to 4 KiB, never fitted)."""
+    import xxhash
+
+    n = 3 * MiB
+    dev = rt.alloc(n)
+    data = os.urandom(n)
+    dev.write(data)
+    with _gpu_engine(rt, protocol="tcp", staging_pool_size=1_000_000) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        assert eng.transfer_sync(cpu_peer.segment, a, cpu_peer.addr, n, OpCode.WRITE) == n
+        assert cpu_peer.checksum(0, n) == xxhash.xxh3_64_hexdigest(data)

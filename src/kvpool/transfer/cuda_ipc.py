@@ -233,10 +233,14 @@ class CudaIpcTransport(Transport):
         elif old is not None:
             self._retire_peer(old)
         fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
-        try:
-            pidfd = os.pidfd_open(desc.pid)
-        except OSError:
-            pidfd = -1
+        same = old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation
+        if same and old is not None and old.pidfd >= 0:
+            pidfd = old.pidfd  # the same process: its pidfd is kept (a new one per re-attach leaked)
+        else:
+            try:
+                pidfd = os.pidfd_open(desc.pid)
+            except OSError:
+                pidfd = -1
         self._peers[handle] = _Peer(
             desc.pid,
             desc.incarnation,
@@ -472,7 +476,9 @@ class CudaIpcTransport(Transport):
     def _alive(peer: _Peer) -> bool:
         if peer.pidfd < 0:
             return True  # no pidfd (old kernel): the fence pin decides
-        return not select.select([peer.pidfd], [], [], 0)[0]  # readable = exited
+        p = select.poll()  # not select(): it refuses descriptors >= 1024
+        p.register(peer.pidfd, select.POLLIN)
+        return not p.poll(0)  # readable = exited
 
     def _stream(self, dev: int) -> int:
         s = self._streams.get(dev)

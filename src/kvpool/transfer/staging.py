@@ -342,7 +342,7 @@ class GpuStaging:
         """Split a synchronous transfer into rounds whose staged bytes fit the pool: GPU ranges
         bigger than the pool are cut into pool-sized pieces. Returns ``(locs, rems, lens)`` per round."""
         pool = self.pool
-        cap = pool.size
+        cap = pool.size // _STAGE_ALIGN * _STAGE_ALIGN or pool.size  # a piece, rounded up, fits
         gpu = self._registry.gpu_region
         pieces: list[tuple[int, int, int, int]] = []  # (local, remote, length, staged bytes)
         for a, r, n in zip(locs, rems, lens, strict=True):
