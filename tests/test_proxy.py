@@ -794,3 +794,34 @@ def test_router_follows_kv_events_published_over_zmq() -> None:
             pub.close(0)
 
     run(go)
+
+
+def test_client_and_backend_garbage_never_reaches_the_wrong_place() -> None:
+    """Aggregated backends never get a client's own kv_transfer_params (they name a host and
+    blocks for the backend's KV connector to read); token ids outside uint32 are a 400 with the
+    router on, not a plain-text 500; a prefill answering a kv_transfer_params that is not an
+    object makes the decode recompute (it was a plain-text 500)."""
+    from kvpool.conductor.live import RouterConfig
+
+    async def go() -> None:
+        agg = FakeVllm("a0", "decode")
+        async with running([agg], [], router=RouterConfig(policy="round-robin", block_size=4)) as (
+            proxy,
+            client,
+        ):
+            evil = {"do_remote_prefill": True, "remote_host": "attacker.invalid", "remote_block_ids": [1]}
+            body = {"prompt": list(range(40)), "kv_transfer_params": evil}
+            async with client.post(f"{proxy.url}/v1/completions", json=body) as r:
+                assert r.status == 200
+            assert "kv_transfer_params" not in agg.bodies[-1]
+            for bad in ([-1, 2, 3], [1 << 40, 2]):
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": bad}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["code"] == 400
+        p, d = FakeVllm("p", "prefill"), FakeVllm("d", "decode")
+        p.kv_transfer_params = lambda n: "not an object"  # type: ignore[method-assign]
+        async with running([p], [d]) as (proxy, client):
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200
+            assert "kv_transfer_params" not in d.bodies[-1]
+
+    run(go)

@@ -178,6 +178,8 @@ def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, list[int
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if not all(0 <= t < 1 << 32 for t in prompt):
+            raise ValueError("'prompt' token ids must be in [0, 2**32)")
         return None, prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0], None
@@ -302,7 +304,9 @@ class LiveRouter:
                 payload["model"] = body["model"]
             got = await tokenize_remote(payload)
             if isinstance(got, dict) and isinstance(got.get("tokens"), list):
-                return [int(t) for t in got["tokens"]]
+                ids = [int(t) for t in got["tokens"]]
+                if all(0 <= t < 1 << 32 for t in ids):
+                    return ids
         except Exception as exc:  # a tokenizer failure must not fail the request
             _log.debug("tokenization failed: %s", exc)
         self._count("tokenize_failed")

@@ -431,8 +431,11 @@ class PDProxy:
         ptask: asyncio.Task[str | None] | None = None
         try:
             if self.aggregated:
+                # A client's own kv_transfer_params would make the backend's KV connector read from
+                # a host and blocks the client names: never forwarded.
+                sent = {k: v for k, v in body.items() if k != "kv_transfer_params"}
                 dresp, dbackend = await self.client.send(
-                    self.prefill, "POST", path, body, headers, prefer=prefer_p
+                    self.prefill, "POST", path, sent, headers, prefer=prefer_p
                 )
             elif self.stream_kv and (pb := self.prefill.pick(prefer=prefer_p)) is not None and pb.kv_peer:
                 # Streaming P/D: both at once; the decode reads the KV while the prefill computes it.
@@ -479,6 +482,8 @@ class PDProxy:
                         f"JSON: {snippet(pdata)}",
                     ) from None
                 kv_params = pjson.get("kv_transfer_params") if isinstance(pjson, dict) else None
+                if not isinstance(kv_params, dict):
+                    kv_params = None  # a backend's garbage: the decode recomputes the prompt
                 decode_body = dict(body)
                 if kv_params is None:
                     _log.warning(
@@ -638,8 +643,10 @@ class PDProxy:
             event = {"error": {"message": message, "type": ERROR_TYPES[code], "code": code}}
             try:
                 await out.write(f"data: {json.dumps(event)}\n\n".encode())
+                await out.write_eof()
             except _CLIENT_GONE:
-                return out
+                pass
+            return out  # counted as an error only
         self._count("ok")
         try:
             await out.write_eof()
