@@ -825,3 +825,41 @@ def test_client_and_backend_garbage_never_reaches_the_wrong_place() -> None:
             assert "kv_transfer_params" not in d.bodies[-1]
 
     run(go)
+
+
+def test_a_backend_dripping_a_5xx_body_does_not_hold_the_client() -> None:
+    """A prefill backend answers 500 and then drips its body a byte at a time, forever: the
+    client gets the 502 at once (the proxy read the whole error body, each byte restarting its
+    read timeout, and held the client as long as the backend kept dripping)."""
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=500, headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        while True:
+            await resp.write(b"x")
+            await asyncio.sleep(0.1)
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", drip)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        d = FakeVllm("d", "decode")
+        await d.start()
+        proxy = PDProxy([f"http://127.0.0.1:{port}"], [d.url], timeout_s=30.0, health_interval_s=0)
+        await proxy.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as client:
+                t0 = time.monotonic()
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 502 and "answered 500" in (await r.json())["error"]["message"]
+                assert time.monotonic() - t0 < 5.0
+        finally:
+            await proxy.close()
+            await d.stop()
+            await runner.cleanup()
+
+    run(go)

@@ -273,12 +273,12 @@ class BackendClient:
                 raise self.failure(backend, exc, "answer", "") from exc
             if resp.status >= 500:
                 backend.failures += 1
-                try:
-                    data = await resp.read()
+                try:  # only what the message quotes, within the deadline: never the whole body
+                    data = await asyncio.wait_for(resp.content.read(4096), self.timeout_s)
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                     data = b""
                 finally:
-                    resp.release()
+                    resp.close()  # the rest is not read: this connection is not reused
                 raise BackendError(
                     502, f"{pool.role} backend {backend.url} answered {resp.status}: {snippet(data)}"
                 )
