@@ -1,0 +1,298 @@
+"""The worker half of :class:`kvpool.connectors.vllm.store.KvpoolStoreConnector`: one per vLLM
+worker process (TP rank), made by the connector in its worker role. It registers the KV cache
+regions, and moves blocks between them and the store on two background threads (loads never wait
+behind saves): whole-request loads and saves named by the scheduler's per-step metadata, or per
+layer in layer-wise mode (:mod:`kvpool.connectors.vllm.layerwise`). Failed block loads are
+reported to vLLM (``get_block_ids_with_load_errors``) and recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_regions
+from kvpool.connectors.vllm.layerwise import LayerLoads, LayerSaves
+from kvpool.connectors.vllm.nonblocking import Breaker
+from kvpool.connectors.vllm.stats import make_stats
+from kvpool.connectors.vllm.store import KvpoolStoreMetadata, _connect, layout_signature, namespace_for
+from kvpool.errors import KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
+
+if TYPE_CHECKING:
+    from kvpool.store.client import Store
+
+log = logging.getLogger("kvpool.connectors.vllm")
+
+
+def _miss_reason(result: Any) -> str:
+    """Why a block the lookup found did not load: its miss reason in the connector stats."""
+    if isinstance(result, ObjectNotFound):
+        return "evicted"
+    if isinstance(result, MasterUnavailable):
+        return "master_unreachable"
+    if isinstance(result, KvpoolError):
+        return "load_error"
+    return "size_mismatch"
+
+
+class _StoreWorker:
+    def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        from kvpool.connectors.vllm.pd import _tp
+
+        self.cfg = cfg
+        self.tp_rank, _ = _tp(vllm_config)
+        self.namespace0 = namespace_for(cfg, vllm_config, 0)
+        self.namespace = namespace_for(cfg, vllm_config, self.tp_rank)
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self.store: Store | None = None
+        self.regions: list[Region] = []
+        self.layout = ""
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._recvd: set[str] = set()
+        self._errors: set[int] = set()
+        # Loads and saves on separate threads: a load never waits behind a save.
+        self._loads: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
+        self._saves: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self.breaker = Breaker(f"kvpool store master {cfg.master} (saves)", cfg.store_retry_s)
+        self.layer_saves = LayerSaves(self._saves.put, self._put_layer, self._commit)
+        self.layer_loads = LayerLoads(self._loads.put, self._get_layer)
+        self.saved_blocks = 0
+        self.loaded_blocks = 0
+        self.stats = make_stats(cfg.stats)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.regions, tensors = kv_regions(kv_caches, self.num_blocks)
+        self.layout = layout_signature(kv_caches, self.num_blocks)
+        self.layer_saves.set_regions(self.regions)
+        self.layer_loads.set_regions(self.regions)
+        if self.store is None:
+            self.store = _connect(self.cfg, self.cfg.store_segment_size, self.cfg.store_buffer_size)
+        for t in tensors:
+            # CPU or CUDA KV caches: GPU blocks move by DMA between the GPU and the pool (same host:
+            # straight from/into the storage segment's shared memory; other hosts: staged).
+            self.store.register_buffer(t)
+        if not self._threads:
+            for name, q in (("load", self._loads), ("save", self._saves)):
+                t = threading.Thread(target=self._loop, args=(q,), name=f"kvpool-store-{name}")
+                t.daemon = True
+                t.start()
+                self._threads.append(t)
+
+    def unregister_kv_caches(self) -> None:
+        if self.store is not None:
+            for addr in {r.addr for r in self.regions}:
+                try:
+                    self.store.unregister_buffer(addr)
+                except KvpoolError:
+                    pass
+        self.regions = []
+
+    def close(self) -> None:
+        self._loads.put(None)
+        self._saves.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        if self.store is not None:
+            self.store.close()
+
+    def _key(self, key: str) -> str:
+        # The scheduler names blocks in TP rank 0's namespace; each rank stores its own shard.
+        return key if self.tp_rank == 0 else self.namespace + key[len(self.namespace0) :]
+
+    def _ranges(
+        self, blocks: list[tuple[int, str]], regions: list[Region] | None = None
+    ) -> tuple[list[str], list[int], list[int], list[int]]:
+        keys, addrs, sizes, owners = [], [], [], []
+        for block_id, key in blocks:
+            base = self._key(key)
+            for r in self.regions if regions is None else regions:
+                keys.append(f"{base}/{self.layout}/{r.name}")
+                addrs.append(r.addr + block_id * r.stride)
+                sizes.append(r.block_bytes)
+                owners.append(block_id)
+        return keys, addrs, sizes, owners
+
+    def start(self, meta: KvpoolStoreMetadata) -> None:
+        """vLLM's worker, once per step (``start_load_kv``; before the forward pass when the step
+        has synchronous loads, else after it): queue this step's loads, then per-request saves."""
+        layer_loads: list[tuple[int, str]] = []
+        for rid, blocks in meta.loads.items():
+            if self.cfg.load_async:
+                self._loads.put(lambda rid=rid, blocks=blocks: self._load_job(rid, blocks))
+            elif self.cfg.layerwise:
+                layer_loads += blocks
+            else:
+                self._load(blocks)
+        self.layer_loads.begin(layer_loads)
+        for rid, blocks in meta.saves.items():
+            self._saves.put(lambda rid=rid, blocks=blocks: self._save_job(rid, blocks))
+
+    def begin_step(self, meta: KvpoolStoreMetadata) -> None:
+        """``bind_connector_metadata``, once per step before the forward pass: the blocks this
+        step completes are saved layer by layer (layer-wise mode) as ``save_kv_layer`` comes."""
+        lw = [b for blocks in meta.layer_saves.values() for b in blocks]
+        if lw and not self.breaker.closed() and not self.breaker.want_probe():
+            lw = []  # master unreachable lately: this step's blocks are not saved
+        self.layer_saves.begin(lw)
+
+    def wait_layer_load(self, layer: str) -> None:
+        """``wait_for_layer_load``: this layer's blocks of this step's in-forward loads are in."""
+        self.layer_loads.wait(layer)
+
+    def save_layer(self, layer: str, kv_layer: Any = None) -> None:
+        """``save_kv_layer``: queue this layer's objects of the blocks this step completes. A CUDA
+        layer is saved once a CUDA event recorded here (after the attention kernel that writes
+        it was enqueued) completed."""
+        written = None
+        if getattr(kv_layer, "is_cuda", False):
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            written = ev.synchronize
+        self.layer_saves.layer(layer, written)
+
+    def finish_step(self) -> None:
+        """``wait_for_save``: the step's layer loads and layer writes are done when it returns."""
+        self.layer_loads.finish()
+        self.layer_saves.finish()
+
+    @staticmethod
+    def _loop(q: queue.Queue[Any]) -> None:
+        while (job := q.get()) is not None:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - one failed job must not stop the thread
+                log.exception("kvpool store: background job failed")
+
+    def _load_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
+        self._load(blocks)
+        with self._lock:
+            self._recvd.add(rid)
+
+    def _save_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
+        try:
+            self._save(blocks)
+        finally:
+            with self._lock:
+                self._sent.add(rid)  # the blocks go back to vLLM whether or not they were saved
+
+    def _save(self, blocks: list[tuple[int, str]]) -> None:
+        """Write every layer of each block, then the block's commit marker (the key the scheduler
+        looks up) only when all its layers are stored."""
+        assert self.store is not None
+        if not self.breaker.closed() and not self.breaker.want_probe():
+            return  # master unreachable lately: the blocks go back at once, unsaved
+        t0 = time.perf_counter()
+        try:
+            # Blocks another instance committed since the scheduler's lookup are not written again.
+            have = self.store.batch_exists([self._key(k) for _, k in blocks])
+            blocks = [b for b, h in zip(blocks, have, strict=True) if not h]
+            self.breaker.ok()
+            if not blocks:
+                return
+            keys, addrs, sizes, owners = self._ranges(blocks)
+            res = self.store.batch_put_from(keys, addrs, sizes)
+        except KvpoolError as exc:
+            self.breaker.fail(exc)
+            log.warning("kvpool store: saving %d blocks failed: %s", len(blocks), exc)
+            return
+        bad = {owners[i] for i, e in enumerate(res) if e is not None and not isinstance(e, ObjectExists)}
+        done = [self._key(k) for b, k in blocks if b not in bad]
+        marker = f"kvpool-block:{len(self.regions)}".encode()
+        try:
+            self.store.batch_put(done, [marker] * len(done))
+        except KvpoolError as exc:
+            log.warning("kvpool store: committing %d blocks failed: %s", len(done), exc)
+            return
+        self.saved_blocks += len(done)
+        self.stats.record_saved(len(done))
+        if bad:
+            first = next(e for e in res if e is not None and not isinstance(e, ObjectExists))
+            log.warning("kvpool store: %d of %d blocks not saved (%s)", len(bad), len(blocks), first)
+        log.info("kvpool store: saved %d blocks (%d objects) in %.2f ms", len(done), len(keys),
+                 (time.perf_counter() - t0) * 1e3)  # fmt: skip
+
+    def _put_layer(self, blocks: list[tuple[int, str]], regions: list[Region]) -> set[int]:
+        """Save thread, layer-wise: one layer's objects of ``blocks``; the ids that failed."""
+        assert self.store is not None
+        keys, addrs, sizes, owners = self._ranges(blocks, regions)
+        try:
+            res = self.store.batch_put_from(keys, addrs, sizes)
+        except KvpoolError as exc:
+            self.breaker.fail(exc)
+            log.warning("kvpool store: saving layer %s of %d blocks failed: %s",
+                        regions[0].name, len(blocks), exc)  # fmt: skip
+            return set(owners)
+        self.breaker.ok()
+        return {owners[i] for i, e in enumerate(res) if e is not None and not isinstance(e, ObjectExists)}
+
+    def _commit(self, blocks: list[tuple[int, str]]) -> None:
+        """Save thread, layer-wise: commit markers of blocks whose every layer is stored."""
+        assert self.store is not None
+        done = [self._key(k) for _, k in blocks]
+        marker = f"kvpool-block:{len(self.regions)}".encode()
+        try:
+            res = self.store.batch_put(done, [marker] * len(done))
+        except KvpoolError as exc:
+            log.warning("kvpool store: committing %d blocks failed: %s", len(done), exc)
+            return
+        n = sum(1 for e in (res or [None] * len(done)) if e is None)
+        self.saved_blocks += n
+        self.stats.record_saved(n)
+        log.info("kvpool store: committed %d blocks (layer-wise)", n)
+
+    def _get_layer(self, blocks: list[tuple[int, str]], regions: list[Region], first: bool) -> None:
+        """Load thread, layer-wise: one layer's objects of ``blocks``."""
+        self._load(blocks, regions, count=first)
+
+    def _load(
+        self, blocks: list[tuple[int, str]], regions: list[Region] | None = None, count: bool = True
+    ) -> None:
+        assert self.store is not None
+        t0 = time.perf_counter()
+        keys, addrs, sizes, owners = self._ranges(blocks, regions)
+        failed: set[int] = set()
+        why: dict[int, str] = {}  # failed block -> miss reason
+        try:
+            res = self.store.batch_get_into(keys, addrs, sizes)
+            # Exact sizes: a shorter object (another layout, a truncated write) is a failed load.
+            for i, r in enumerate(res):
+                if isinstance(r, KvpoolError) or r != sizes[i]:
+                    failed.add(owners[i])
+                    why.setdefault(owners[i], _miss_reason(r))
+        except KvpoolError as exc:
+            log.warning("kvpool store: loading %d blocks failed: %s", len(blocks), exc)
+            failed = set(owners)
+            reason = "master_unreachable" if isinstance(exc, MasterUnavailable) else "load_error"
+            why = dict.fromkeys(failed, reason)
+        with self._lock:
+            self._errors |= failed
+        ok_bytes = sum(n for n, o in zip(sizes, owners, strict=True) if o not in failed)
+        # Layer-wise loads: blocks and misses are counted with the first layer only.
+        nb = len(blocks) - len(failed) if count else 0
+        if len(blocks) > len(failed):
+            self.stats.record_transfer(time.perf_counter() - t0, ok_bytes, nb)
+        if not count:
+            return
+        self.loaded_blocks += nb
+        for reason in set(why.values()):
+            self.stats.record_misses(reason, sum(1 for r in why.values() if r == reason))
+        log.info("kvpool store: loaded %d blocks (%d failed) in %.2f ms", len(blocks), len(failed),
+                 (time.perf_counter() - t0) * 1e3)  # fmt: skip
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            sent, self._sent = self._sent, set()
+            recvd, self._recvd = self._recvd, set()
+        return (sent or None), (recvd or None)
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._errors = self._errors, set()
+        return errs
