@@ -44,6 +44,10 @@ class ClientBase:
         """One request to the master (``Store._call``)."""
         raise NotImplementedError
 
+    def _flush_releases_idle(self) -> None:
+        """Report ended leases no master call carried (``GetPath._flush_releases_idle``)."""
+        raise NotImplementedError
+
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """[start, end) slices of ``n`` keys, at most one master batch each."""
         step = self._max_batch
