@@ -255,3 +255,65 @@ def test_forged_descriptor_in_an_open_store_is_refused_before_any_transfer() -> 
                 assert t.ask("head")["head"] == (b"EVIL" + bytes(4)).hex()
         finally:
             t.close()
+
+
+WRITER = r"""
+import sys
+from kvpool import OpCode, TransferEngine
+eng = TransferEngine(protocol="auto", timeout_s=30)
+src = bytearray(b"W" * int(sys.argv[3]))
+a = eng.register_local_memory(src)
+eng.transfer_sync(sys.argv[1], a, int(sys.argv[2]), len(src), OpCode.WRITE)
+print("go", flush=True)
+while True:
+    try:
+        eng.transfer_sync(sys.argv[1], a, int(sys.argv[2]), len(src), OpCode.WRITE)
+    except Exception:
+        pass
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_unregister_under_a_stopped_same_host_writer_raises_and_leaves_it_unpublished() -> None:
+    """A same-host peer SIGSTOPped inside a copy into our buffer: the fence retire cannot be
+    confirmed, so unregister raises RegistrationError, and the range is nonetheless unregistered
+    and unpublished (not half-done: still in the Python registry and the descriptor)."""
+    import os
+    import signal
+
+    from kvpool import TransferEngine
+    from kvpool.errors import AddressNotRegistered, RegistrationError
+
+    n = 64 << 20  # each copy takes milliseconds: a stop lands inside one (pinned) nearly always
+    with TransferEngine(protocol="auto", timeout_s=1) as eng:
+        buf = bytearray(n)
+        addr = eng.register_local_memory(buf)
+        w = subprocess.Popen(
+            [sys.executable, "-c", WRITER, eng.segment_name, str(addr), str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert w.stdout is not None and w.stdout.readline().strip() == "go"
+            assert buf[:1] == b"W"
+            os.kill(w.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while not _stopped(w.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(RegistrationError, match="stopped inside a copy"):
+                eng.unregister_local_memory(addr)
+            assert addr not in [b.addr for b in eng.local_descriptor().buffers]
+            with pytest.raises(AddressNotRegistered):
+                eng.unregister_local_memory(addr)  # gone everywhere, not half-registered
+            os.kill(w.pid, signal.SIGCONT)
+            time.sleep(0.5)  # the copy in flight finishes; every later one is refused
+            buf[:] = bytes(n)
+            time.sleep(0.5)
+            assert buf.count(0) == n
+        finally:
+            w.kill()
+            w.wait()

@@ -27,6 +27,7 @@ from kvpool.errors import (
     InvalidArgument,
     KvpoolError,
     ProtocolUnavailable,
+    RegistrationError,
     RemoteAccessError,
     SegmentNotFound,
     TransferError,
@@ -154,6 +155,9 @@ class TransferEngine(SyncTransfers):
         self._handles: dict[int, str] = {}
         self._routes: dict[int, Transport] = {}  # segment handle -> the transport that reaches it
         self._served_gpu: set[int] = set()  # GPU registrations the C++ server stages for TCP peers
+        # buffers a stopped same-host peer may still copy into after their unregister raised: kept
+        # referenced for the engine's life (grows only by such failures)
+        self._fenced: list[Any] = []
         self._device_rt: DeviceRuntime | None = device_runtime
         self._staging = GpuStaging(
             lambda: self.device_runtime,
@@ -424,7 +428,13 @@ class TransferEngine(SyncTransfers):
         return view
 
     def unregister_local_memory(self, addr_or_buffer: Any) -> None:
-        """Unregister memory previously registered at this address (or buffer)."""
+        """Unregister memory previously registered at this address (or buffer).
+
+        Once this returns, no peer lands bytes in the range. A same-host peer stopped inside a copy
+        into it (its fence pin not released within ``timeout_s``) raises
+        :class:`RegistrationError`: the range is then unregistered and unpublished all the same
+        and no new copy starts, but the caller must not free or reuse the memory until that peer
+        continues or exits."""
         dev = None if isinstance(addr_or_buffer, int) else device_buffer(addr_or_buffer, None)
         addr = (
             addr_or_buffer
@@ -444,7 +454,22 @@ class TransferEngine(SyncTransfers):
                 self._native.unregister_memory(addr)  # waits for the server's staging copies
                 self._served_gpu.discard(addr)
         else:
-            self._native.unregister_memory(addr)  # waits for in-flight remote access to the range
+            try:
+                self._native.unregister_memory(addr)  # waits for in-flight remote access to the range
+            except RegistrationError:
+                # Unregistered and fenced natively (no new copy starts), but a stopped same-host
+                # peer still pins the range: finish unregistering here too (unpublished, gone from
+                # the transports), keep the memory referenced, then raise.
+                if reg is None:
+                    raise
+                self._fenced.append(reg.keep)
+                self._forget(addr, reg)
+                raise
+        self._forget(addr, reg)
+
+    def _forget(self, addr: int, reg: Registration | None) -> None:
+        """After the native unregister of ``addr``: transports, bookkeeping, the published
+        descriptor and a shared buffer's fd (called by :meth:`unregister_local_memory`)."""
         kind = reg.desc.location.partition(":")[0] if reg is not None else "cpu"
         for t in self._transports:
             if kind in t.locations:
