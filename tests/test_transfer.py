@@ -549,6 +549,51 @@ def test_a_dead_peers_shared_memory_is_unmapped() -> None:
                 p.close()
 
 
+class _CountingNative:
+    """Forwards to the real native engine, recording every ``update_peer`` call."""
+
+    def __init__(self, native: Any) -> None:
+        self._n = native
+        self.updates: list[tuple[int, int, int]] = []
+
+    def update_peer(self, hid: int, inc: int, pid: int, regions: Any) -> None:
+        self.updates.append((hid, inc, pid))
+        self._n.update_peer(hid, inc, pid, regions)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._n, name)
+
+
+def test_a_segment_refresh_updates_the_native_peer_once_and_keeps_its_pidfd() -> None:
+    """A refresh made the native peer's pid 0, then the real pid (its pidfd closed and reopened,
+    same-host copies sent over TCP in between) and reopened the transport's own pidfd: now one
+    update_peer with the peer's pid, and the pidfd kept; a SIGKILLed peer is still released."""
+    with TransferEngine(protocol="auto") as eng:
+        src = bytearray(b"R" * 4096)
+        sa = eng.register_local_memory(src)
+        p = PeerProcess(1 << 20)
+        try:
+            h = eng.open_segment(p.segment)
+            route = eng._routes[h.id]
+            assert route.name == "same_host"
+            counting = _CountingNative(eng._native)
+            eng._native = route.native = counting
+            pidfd = route._pids[h.id][0]
+            for _ in range(3):
+                eng._open(p.segment)  # what open_segment does when the descriptor is stale
+            assert counting.updates == [(h.id, eng._segments[p.segment][1].incarnation, p.proc.pid)] * 3
+            assert route._pids[h.id][0] == pidfd
+            assert eng.uses_same_host_path(h)
+            eng.transfer_sync(p.segment, sa, p.addr, 4096, OpCode.WRITE)
+            assert p.checksum(0, 4096) == xxhash.xxh3_64_hexdigest(src)
+            p.proc.kill()
+            p.proc.wait()
+            assert eng.release_exited_peers() == 1
+            assert eng.release_exited_peers() == 0
+        finally:
+            p.close()
+
+
 def test_write_inline_writes_through_a_cached_segment_and_leaves_the_rest_to_transfer_sync() -> None:
     """``write_inline`` (the store's small-put write): lands through an opened segment; False, with
     nothing moved, for a segment not opened yet or arguments it does not take (``transfer_sync``

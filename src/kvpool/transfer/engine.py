@@ -552,13 +552,16 @@ class TransferEngine(SyncTransfers):
         with self._lock:
             cached = self._segments.get(name)
             regions = desc.remote_regions()
+            pid = transport.peer_pid(desc)  # one update per refresh: a pid change reopens its pidfd
             if cached is not None:
                 handle = cached[0]
                 # A restarted segment may listen elsewhere (a logical name in a metadata store)
                 self._native.set_peer_address(handle.id, desc.hostname, desc.port)
-                self._native.update_peer(handle.id, desc.incarnation, 0, regions)
+                self._native.update_peer(handle.id, desc.incarnation, pid, regions)
             else:
                 hid = self._native.add_peer(desc.hostname, desc.port, desc.incarnation, 0, regions)
+                if pid:  # add_peer opens no pidfd; update_peer does (on a pid change)
+                    self._native.update_peer(hid, desc.incarnation, pid, regions)
                 handle = SegmentHandle(hid, name)
                 self._handles[hid] = name
             old = self._routes.get(handle.id)

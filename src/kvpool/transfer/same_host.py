@@ -41,7 +41,8 @@ class SameHostTransport(TcpTransport):
 
     def __init__(self, native: Any) -> None:
         super().__init__(native)
-        # handle -> [pidfd of the peer's process, its exit already reported to a caller]; only
+        # handle -> [pidfd of the peer's process, its exit already reported to a caller, its pid];
+        # beside the native peer's own pidfd (which the native module does not expose); only
         # the engine's open/close (under its lock) attach and detach
         self._pids: dict[int, list[Any]] = {}
 
@@ -113,20 +114,26 @@ class SameHostTransport(TcpTransport):
         """Our fence table (csrc/fence.h): same-host initiators copy only inside its pins."""
         return {"fence_fd": self.native.fence_fd}
 
+    def peer_pid(self, desc: SegmentDescriptor) -> int:
+        return desc.pid
+
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
+        """The engine routes ``handle`` here (it already set the peer's pid: :meth:`peer_pid`)."""
         self.release_exited()  # a new peer is often a dead one's successor
-        self.native.update_peer(handle, desc.incarnation, desc.pid, desc.remote_regions())
         shm = [(b.addr, b.length, b.shm_fd) for b in desc.buffers if b.shm_fd >= 0 and b.remote_accessible]
         self.native.set_peer_shm(handle, desc.pid, shm)
         # The target's fence (csrc/fence.h): without it no same-host copy runs, TCP decides.
         fence = [(b.addr, b.length, b.fence_slot, b.fence_gen) for b in desc.buffers if b.remote_accessible]
         self.native.set_peer_fence(handle, desc.pid, desc.fence_fd, fence)
+        st = self._pids.get(handle)
+        if st is not None and st[2] == desc.pid and not st[1] and not _has_exited(st[0]):
+            return  # a refresh of the same live process: keep its pidfd
         self._close_pid(handle)
         try:
             pidfd = os.pidfd_open(desc.pid)
         except OSError:
             pidfd = -1  # no pidfd (old kernel) or already gone: the native path decides
-        self._pids[handle] = [pidfd, False]
+        self._pids[handle] = [pidfd, False, desc.pid]
 
     def close(self) -> None:
         for handle in list(self._pids):

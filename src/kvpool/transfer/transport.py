@@ -100,6 +100,13 @@ class Transport(ABC):
         the peer described by ``desc``. Called by the engine when it picks a transport for a segment
         (in order of preference; the first that reaches wins). Pure; no I/O."""
 
+    def peer_pid(self, desc: SegmentDescriptor) -> int:
+        """The pid the native path copies into directly (same host), or 0 (over the wire). Called
+        by the engine on open and on every refresh, once, before :meth:`attach`: its
+        ``add_peer``/``update_peer`` is the only one per refresh (each pid change there reopens the
+        native pidfd). Pure; no I/O."""
+        return 0
+
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:  # noqa: B027 - optional hook
         """The engine routes segment ``handle`` (already in the native peer table) through this
         transport from now on; ``desc`` is its current descriptor. Called on open and on every
