@@ -93,3 +93,21 @@ def test_a_forced_remove_during_a_read_never_gives_the_reader_foreign_bytes(pool
     during_read(y, meanwhile)
     assert y.get("k") == K
     assert not w.exists("k") and w.get("t") == bytes([0x55]) * 300_000
+
+
+@pytest.mark.parametrize("pool", [5000], indirect=True)
+def test_a_release_from_another_client_never_ends_a_readers_lease(pool: Pool) -> None:
+    """A hostile client names another client's lease ([key, gen, epoch] are all in a get reply
+    anyone can have): its release is ignored, the reader's lease keeps the object from removal;
+    the reader's own release ends it."""
+    x, y, w = pool.store(), pool.store(), pool.store()
+    w.put("k", K)
+    gen = w.info("k")["gen"]
+    seq = x._call("get", keys=["k"])["results"][0][1]["lease"]  # x holds a lease on k
+    for _ in range(3):
+        y._call("release", leases=[["k", gen, seq]])  # y holds none: ignored
+    with pytest.raises(ObjectBusy):
+        w.remove("k")
+    x._call("release", leases=[["k", gen, seq]])
+    w.remove("k")
+    assert not w.exists("k")

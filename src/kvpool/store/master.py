@@ -274,6 +274,7 @@ class Master(ObjectOps, ClientOps, ChangeOps):
         Expired leases are written off in a new lease epoch: their late releases are ignored."""
         if obj.readers > 0 and obj.lease_until <= now:
             obj.readers = 0  # readers that never released (crashed, or slow): their leases expired
+            obj.holders.clear()
             obj.lease_seq += 1
         return obj.readers > 0
 

@@ -87,6 +87,7 @@ class Obj:
     base_replicas: int = 1
     lease_until: float = 0.0  # latest lease deadline (bounds leases of readers that vanished)
     readers: int = 0  # reads in flight (leases not yet released)
+    holders: dict[Any, int] = field(default_factory=dict)  # who holds those leases: holder -> count
     lease_seq: int = 0  # lease epoch: bumped when expired leases are written off; releases name it
     busy: int = 0  # master tasks (replicate/spill) and replica changes in flight
     ssd: SsdCopy | None = None

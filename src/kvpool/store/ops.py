@@ -24,6 +24,20 @@ _Err = MasterError
 HOT_KEYS_TRACKED = 1 << 16  # distinct keys counted per hot-key window
 
 
+_CONN_HOLDERS = itertools.count(1)
+
+
+def _lease_holder(sess: dict[str, Any]) -> Any:
+    """Who a read lease belongs to: the connection's registered client id (a reconnect keeps its
+    leases), else the connection itself (a token kept in its state)."""
+    cid = sess.get("client")
+    if cid is not None:
+        return cid
+    if "lease_holder" not in sess:
+        sess["lease_holder"] = ("conn", next(_CONN_HOLDERS))
+    return sess["lease_holder"]
+
+
 class ObjectOps(_Base):
     """``_op_*`` handlers for objects (see the module docstring)."""
 
@@ -186,6 +200,7 @@ class ObjectOps(_Base):
         keys = req["keys"]
         self._check_batch(len(keys))
         reader = self.clients.get(sess.get("client", ""))
+        holder = _lease_holder(sess)
         host = reader.host_id if reader is not None else None
         now = time.monotonic()
         ttl = self.config.lease_ttl_ms / 1000.0
@@ -204,9 +219,11 @@ class ObjectOps(_Base):
                 continue
             if obj.readers and obj.lease_until <= now:  # expired leases: written off (see _leased)
                 obj.readers = 0
+                obj.holders.clear()
                 obj.lease_seq += 1
             obj.lease_until = now + ttl
             obj.readers += 1
+            obj.holders[holder] = obj.holders.get(holder, 0) + 1
             self.lru.touch(obj)
             if hot and (key in self._access or len(self._access) < HOT_KEYS_TRACKED):
                 self._access[key] += 1
@@ -240,9 +257,11 @@ class ObjectOps(_Base):
         """End read leases: ``leases`` is a list of [key, gen, lease] from get replies. A release
         from an older lease epoch (its lease expired and was written off, see ``_leased``) is
         ignored: it must not end a newer reader's lease. So is one without an epoch ([key, gen],
-        an older client): that lease ends at its deadline."""
+        an older client): that lease ends at its deadline. So is one from a client (connection,
+        when unregistered) that holds no lease on the object: a client ends its own leases only."""
         leases = req["leases"]
         self._check_batch(len(leases) // 4)
+        holder = _lease_holder(sess)
         now = time.monotonic()
         for item in leases:
             if len(item) != 3:
@@ -250,8 +269,13 @@ class ObjectOps(_Base):
             key, gen, seq = item
             obj = self.objects.get(key)
             if obj is not None and obj.gen == gen and obj.readers > 0 and self._leased(obj, now):
-                if obj.lease_seq == seq:
+                held = obj.holders.get(holder, 0)
+                if obj.lease_seq == seq and held > 0:
                     obj.readers -= 1
+                    if held > 1:
+                        obj.holders[holder] = held - 1
+                    else:
+                        del obj.holders[holder]
         return {}
 
     def _op_exists(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
