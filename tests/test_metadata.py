@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import itertools
 import random
 import socket
 import threading
@@ -228,8 +229,9 @@ def test_silent_server_times_out(kind: str, silent_port: int) -> None:
     meta.close()
 
 
-def test_trickling_http_server_respects_deadline() -> None:
-    """A server that drips its body byte by byte cannot stretch a call past the timeout."""
+def _assert_trickle_times_out(head: bytes, drip: Iterator[bytes], match: str | None = None) -> None:
+    """Serve one connection: ``head`` at once, then ``drip`` a chunk every 0.1 s; a get with a
+    1 s budget must raise MetadataError (matching ``match``) within 2 s."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)
@@ -243,13 +245,15 @@ def test_trickling_http_server_respects_deadline() -> None:
             return
         with conn:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
-            while not stop.is_set():
-                try:
-                    conn.sendall(b"x")
-                except OSError:
-                    return
-                time.sleep(0.1)
+            try:
+                conn.sendall(head)
+                for chunk in drip:
+                    if stop.is_set():
+                        return
+                    conn.sendall(chunk)
+                    time.sleep(0.1)
+            except OSError:
+                return
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -257,53 +261,25 @@ def test_trickling_http_server_respects_deadline() -> None:
         meta = open_metadata(f"http://127.0.0.1:{port}/metadata", timeout_s=1.0)
         assert meta is not None
         start = time.monotonic()
-        with pytest.raises(MetadataError):
+        with pytest.raises(MetadataError, match=match):
             meta.get("x")
         assert time.monotonic() - start < 2.0
     finally:
         stop.set()
         listener.close()
         thread.join(5)
+
+
+def test_trickling_http_server_respects_deadline() -> None:
+    """A server that drips its body byte by byte cannot stretch a call past the timeout."""
+    _assert_trickle_times_out(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n", itertools.repeat(b"x"))
 
 
 def test_trickling_http_headers_respect_deadline() -> None:
     """A server that drips its status line and headers a byte at a time cannot stretch a call past
     the timeout either (a per-recv timeout restarted with every byte: 37 s for a 1 s budget)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    port = listener.getsockname()[1]
-    stop = threading.Event()
-
-    def serve() -> None:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            return
-        with conn:
-            conn.recv(65536)
-            for b in b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 1000:
-                if stop.is_set():
-                    return
-                try:
-                    conn.send(bytes([b]))
-                except OSError:
-                    return
-                time.sleep(0.1)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        meta = open_metadata(f"http://127.0.0.1:{port}/metadata", timeout_s=1.0)
-        assert meta is not None
-        start = time.monotonic()
-        with pytest.raises(MetadataError, match="timed out"):
-            meta.get("x")
-        assert time.monotonic() - start < 2.0
-    finally:
-        stop.set()
-        listener.close()
-        thread.join(5)
+    pad = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 1000
+    _assert_trickle_times_out(b"", (bytes([b]) for b in pad), match="timed out")
 
 
 def test_wrong_service_is_a_metadata_error(http_metadata_url: str, redis_url: str) -> None:  # noqa: F811
