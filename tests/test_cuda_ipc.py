@@ -329,3 +329,66 @@ def test_reattaching_the_same_peer_keeps_one_pidfd(fake_driver: str) -> None:
         assert len(os.listdir("/proc/self/fd")) - before < 5
         peer = _ipc(eng)._peers[h.id]
         assert CudaIpcTransport._alive(peer)
+
+
+def test_driver_copies_make_a_context_current_on_any_thread(fake_driver: str) -> None:
+    """The staging thread never called ``use``: DriverRuntime's copies make the pointer's device
+    context current there first (the driver answers CUDA_ERROR_INVALID_CONTEXT without one, which
+    the fake driver now models per thread)."""
+    import ctypes
+    import threading
+
+    from kvpool.transfer.cuda_driver import DriverRuntime
+
+    drv = CudaDriver(fake_driver)
+    rt = DriverRuntime(drv)
+    g = drv.alloc(8192, 1)
+    src, dst = bytearray(range(256)) * 32, bytearray(8192)
+    errors: list[BaseException] = []
+    raw: list[int] = []
+
+    def bare() -> None:  # no context on a fresh thread: the fake refuses, like a GPU
+        raw.append(drv.lib.cuMemcpy(_native.buffer_address(dst)[0], g, 16))
+
+    def staging() -> None:
+        try:
+            rt.copy_h2d(g, _native.buffer_address(src)[0], 8192)
+            rt.copy_d2h(_native.buffer_address(dst)[0], g, 8192)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    for fn in (bare, staging):
+        th = threading.Thread(target=fn)
+        th.start()
+        th.join(10)
+    assert raw == [201]
+    assert not errors and bytes(dst) == src
+    ctx = ctypes.c_void_p()
+    got: list[int] = []
+
+    def fresh() -> None:
+        rt.copy_d2h(_native.buffer_address(dst)[0], g, 16)
+        got.append(drv.lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+
+    th = threading.Thread(target=fresh)
+    th.start()
+    th.join(10)
+    assert got == [0] and ctx.value  # the device's primary context is current on that thread
+
+
+def test_fake_event_sync_reports_a_stream_error(fake_driver: str) -> None:
+    """A copy that failed on a stream is reported by waiting on an event recorded after it."""
+    import ctypes
+
+    drv = CudaDriver(fake_driver)
+    g = drv.alloc(4096, 0)
+    host = bytearray(4096)
+    s, ev = drv.stream(0), drv.event()
+    ctypes.CDLL(fake_driver).fakecuda_fail_next(700)
+    drv.memcpy_async(g, _native.buffer_address(host)[0], 4096, s)
+    drv.record(ev, s)
+    with pytest.raises(CudaError) as err:
+        drv.event_sync(ev)
+    assert err.value.code == 700
+    with pytest.raises(CudaError):
+        drv.query(ev)

@@ -15,6 +15,11 @@
  *    is synchronous;
  *  - one kernel, "kvpool_gather" (see kvpool/transfer/kernels/gather.cu): copies n (src, dst, len)
  *    triples read from device tables;
+ *  - contexts: copies, stream/event creation, pinned allocations, IPC opens and launches fail with
+ *    CUDA_ERROR_INVALID_CONTEXT on a thread with no current context (cuCtxSetCurrent), as on a GPU;
+ *  - stream errors: a failed operation's error is sticky on its stream and reported by
+ *    cuStreamSynchronize and by cuEventSynchronize / cuEventQuery of events recorded after it;
+ *    fakecuda_fail_next(rc) makes the next queued copy or launch fail with rc (tests inject faults);
  *  - fakecuda_stats(): launches, copies and bytes, for tests that assert batching.
  * What it cannot tell: speed, real pointer-attribute or IPC semantics, unified addressing details,
  * VMM (cuMemExportToShareableHandle) allocations.
@@ -62,6 +67,8 @@ static long g_launches = 0, g_copies = 0, g_bytes = 0;
 struct fctx { int device; };
 static struct fctx g_ctx[8];
 static __thread CUcontext t_ctx = NULL;
+static int g_fail_next = 0; /* fakecuda_fail_next(): the next queued copy/launch fails with it */
+#define NEED_CTX() do { if (!t_ctx) return E_INVALID_CONTEXT; } while (0)
 
 static int ndevices(void) {
   const char* s = getenv("FAKECUDA_DEVICES");
@@ -124,7 +131,7 @@ static int do_gather(uintptr_t srcs, uintptr_t dsts, uintptr_t lens, unsigned n)
 }
 
 /* ------------------------------------------------------------------ streams and events */
-struct fevent { pthread_mutex_t mu; pthread_cond_t cv; int pending; };
+struct fevent { pthread_mutex_t mu; pthread_cond_t cv; int pending, error; };
 enum { OP_COPY, OP_GATHER, OP_EVENT };
 struct op { int kind; uintptr_t a, b, c; size_t n; struct fevent* ev; struct op* next; };
 struct fstream {
@@ -140,19 +147,24 @@ static void delay(void) {
   }
 }
 
-static void fire(struct fevent* ev) {
+static void fire(struct fevent* ev, int error) {
   pthread_mutex_lock(&ev->mu);
   ev->pending = 0;
+  ev->error = error;
   pthread_cond_broadcast(&ev->cv);
   pthread_mutex_unlock(&ev->mu);
 }
 
-static int run_op(struct op* o) {
+static int run_op(struct op* o, int stream_error) {
   delay();
+  if (o->kind != OP_EVENT) {
+    int inj = __atomic_exchange_n(&g_fail_next, 0, __ATOMIC_SEQ_CST);
+    if (inj) return inj;
+  }
   switch (o->kind) {
     case OP_COPY: return do_copy(o->a, o->b, o->n);
     case OP_GATHER: return do_gather(o->a, o->b, o->c, (unsigned)o->n);
-    default: fire(o->ev); return OK;
+    default: fire(o->ev, stream_error); return OK;
   }
 }
 
@@ -166,8 +178,9 @@ static void* worker(void* arg) {
     s->head = o->next;
     if (!s->head) s->tail = NULL;
     s->busy = 1;
+    int err = s->error;
     pthread_mutex_unlock(&s->mu);
-    int rc = run_op(o);
+    int rc = run_op(o, err);
     free(o);
     pthread_mutex_lock(&s->mu);
     if (rc && !s->error) s->error = rc;  /* sticky, like a real launch failure */
@@ -180,7 +193,7 @@ static void* worker(void* arg) {
 
 static int enqueue(CUstream s, int kind, uintptr_t a, uintptr_t b, uintptr_t c, size_t n, struct fevent* ev) {
   struct op o = {kind, a, b, c, n, ev, NULL};
-  if (!s) return run_op(&o);
+  if (!s) return run_op(&o, OK);
   struct op* p = malloc(sizeof *p);
   if (!p) return E_OUT_OF_MEMORY;
   *p = o;
@@ -286,6 +299,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p)
 
 CUresult cuMemHostAlloc(void** pp, size_t size, unsigned flags) {
   (void)flags;
+  NEED_CTX();
   void* p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return E_OUT_OF_MEMORY;
   if (add_mem((uintptr_t)p, size, p, -1, -1, 3)) { munmap(p, size); return E_OUT_OF_MEMORY; }
@@ -335,17 +349,20 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
 }
 
 /* ------------------------------------------------------------------ copies */
-CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return do_copy(d, s, n); }
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { return do_copy(d, (uintptr_t)s, n); }
-CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { return do_copy((uintptr_t)d, s, n); }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return do_copy(d, s, n); }
+CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { NEED_CTX(); return do_copy(d, s, n); }
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { NEED_CTX(); return do_copy(d, (uintptr_t)s, n); }
+CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { NEED_CTX(); return do_copy((uintptr_t)d, s, n); }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { NEED_CTX(); return do_copy(d, s, n); }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+  NEED_CTX();
   return enqueue(st, OP_COPY, d, s, 0, n, NULL);
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream st) {
+  NEED_CTX();
   return enqueue(st, OP_COPY, d, (uintptr_t)s, 0, n, NULL);
 }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, CUstream st) {
+  NEED_CTX();
   return enqueue(st, OP_COPY, (uintptr_t)d, s, 0, n, NULL);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
@@ -354,6 +371,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream s
 
 CUresult cuStreamCreate(CUstream* out, unsigned flags) {
   (void)flags;
+  NEED_CTX();
   struct fstream* s = calloc(1, sizeof *s);
   if (!s) return E_OUT_OF_MEMORY;
   pthread_mutex_init(&s->mu, NULL);
@@ -398,15 +416,16 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 CUresult cuEventQuery(CUevent e) {
   pthread_mutex_lock(&e->mu);
-  int p = e->pending;
+  int p = e->pending, err = e->error;
   pthread_mutex_unlock(&e->mu);
-  return p ? E_NOT_READY : OK;
+  return p ? E_NOT_READY : err;
 }
 CUresult cuEventSynchronize(CUevent e) {
   pthread_mutex_lock(&e->mu);
   while (e->pending) pthread_cond_wait(&e->cv, &e->mu);
+  int err = e->error;
   pthread_mutex_unlock(&e->mu);
-  return OK;
+  return err; /* a failed operation before the record: the stream's sticky error */
 }
 CUresult cuEventDestroy_v2(CUevent e) { free(e); return OK; }
 
@@ -427,6 +446,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle* h, CUdeviceptr p) {
 
 CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle h, unsigned flags) {
   (void)flags;
+  NEED_CTX();
   struct ipc x;
   memcpy(&x, h.reserved, sizeof x);
   if (memcmp(x.magic, "FKCUIPC", 8) || x.size == 0) return E_INVALID_VALUE;
@@ -473,6 +493,7 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shmem, CUstream s, void** params, void** extra) {
   (void)gx; (void)gy; (void)gz; (void)by; (void)bz; (void)shmem; (void)extra;
+  NEED_CTX();
   if (f != &g_gather || !params || bx == 0) return E_INVALID_VALUE;
   CUdeviceptr srcs = *(CUdeviceptr*)params[0], dsts = *(CUdeviceptr*)params[1], lens = *(CUdeviceptr*)params[2];
   unsigned n = *(unsigned*)params[3];
@@ -494,6 +515,8 @@ CUresult cuGetErrorString(CUresult e, const char** s) {
   return OK;
 }
 CUresult cuGetErrorName(CUresult e, const char** s) { return cuGetErrorString(e, s); }
+
+void fakecuda_fail_next(int rc) { __atomic_store_n(&g_fail_next, rc, __ATOMIC_SEQ_CST); }
 
 void fakecuda_stats(long* launches, long* copies, long* bytes) {
   *launches = __atomic_load_n(&g_launches, __ATOMIC_SEQ_CST);

@@ -237,8 +237,23 @@ class CudaDriver:
         self.lib.cuMemHostUnregister(addr)
 
     # ------------------------------------------------------------------ copies, streams, events
+    def current(self, *addrs: int) -> None:
+        """Make a context current on this thread when none is yet (callers on threads that never
+        called :meth:`use`, such as the staging thread): the primary context of the device holding
+        the first device pointer among ``addrs``, else device 0. Cheap once the thread has one."""
+        if getattr(self._tls, "dev", None) is not None:
+            return
+        for a in addrs:
+            dev = self.pointer_device(a)
+            if dev is not None:
+                self.use(dev)
+                return
+        self.use(0)
+
     def memcpy(self, dst: int, src: int, n: int) -> None:
-        """Synchronous copy between any two addresses (unified addressing)."""
+        """Synchronous copy between any two addresses (unified addressing); makes a context
+        current on the calling thread first when it has none (the driver needs one)."""
+        self.current(dst, src)
         self._check(self.lib.cuMemcpy(dst, src, n), "cuMemcpy")
 
     def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
