@@ -392,3 +392,31 @@ def test_fake_event_sync_reports_a_stream_error(fake_driver: str) -> None:
     assert err.value.code == 700
     with pytest.raises(CudaError):
         drv.query(ev)
+
+
+def test_unregister_waits_for_our_reads_into_the_buffer(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unregistering a local GPU buffer returns only after the CUDA IPC copies of a READ queued
+    into it ran (they landed in memory the caller may free once unregister returned)."""
+    from kvpool.testing import fakecuda
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
+        seg = eng.open_segment(peer.name)
+        monkeypatch.setenv("FAKECUDA_DELAY_US", "300000")
+        bid = eng.allocate_batch_id(4)
+        r = peer.gpu[0]
+        eng.submit_transfer(
+            bid, [TransferRequest(OpCode.READ, g + k * 4096, seg, r + k * 4096, 4096) for k in range(4)]
+        )
+        eng.unregister_local_memory(g)
+        copies = fakecuda.stats(fake_driver)[1]
+        monkeypatch.delenv("FAKECUDA_DELAY_US")
+        assert eng.wait_batch(bid, 10).ok
+        time.sleep(0.5)
+        assert fakecuda.stats(fake_driver)[1] == copies  # nothing copied after unregister returned
+        eng.free_batch_id(bid)

@@ -124,6 +124,8 @@ class _Run:
     pins: list[tuple[int, int]]
     table: tuple[int, int, int] | None  # (device table, pinned host table, bytes) to give back
     dev: int
+    lo: int = 0  # the local address range the copies touch: [lo, hi)
+    hi: int = 0
 
 
 class CudaIpcTransport(Transport):
@@ -197,6 +199,14 @@ class CudaIpcTransport(Transport):
         self._exports[addr] = _Export(addr, length, device, handle, addr - base, slot, gen)
 
     def unregister(self, addr: int) -> None:
+        """Called by TransferEngine.unregister_local_memory before the registration goes: waits
+        for our queued copies into or out of the range (a READ's copies would land after the
+        caller freed it), then retires its export (same-host peers' copies)."""
+        reg = self.registry.get(addr)
+        if reg is not None:
+            with self._cond:
+                while any(r.lo < reg.end and reg.start < r.hi for r in self._runs):
+                    self._cond.wait(0.1)
         e = self._exports.get(addr)
         if e is None:
             return
@@ -444,7 +454,8 @@ class CudaIpcTransport(Transport):
         with peer.lock:
             peer.inflight += 1
         with self._cond:
-            self._runs.append(_Run(event, batch_id, first, lens, peer, pins, table, dev))
+            lo, hi = int(locs.min()), int((locs + lens).max())
+            self._runs.append(_Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi))
             self._cond.notify()
 
     def _buf_dev(self, peer: _Peer, used: list[int]) -> int:
