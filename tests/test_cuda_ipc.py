@@ -420,3 +420,36 @@ def test_unregister_waits_for_our_reads_into_the_buffer(
         time.sleep(0.5)
         assert fakecuda.stats(fake_driver)[1] == copies  # nothing copied after unregister returned
         eng.free_batch_id(bid)
+
+
+def test_a_run_failing_midway_waits_for_its_queued_copies(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA call failing partway through queuing a run: the copies queued before it finish
+    before the pins and mappings are released (they kept copying into the peer's memory after
+    the owner was told it could free it)."""
+    from kvpool.testing import fakecuda
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
+        real, calls = drv.memcpy_async, []
+
+        def third_fails(d: int, s: int, n: int, stream: int) -> None:
+            calls.append(n)
+            if len(calls) == 3:
+                raise CudaError("cuMemcpyAsync failed: CUDA error 2 (out of memory)", 2)
+            real(d, s, n, stream)
+
+        monkeypatch.setattr(drv, "memcpy_async", third_fails)
+        monkeypatch.setenv("FAKECUDA_DELAY_US", "300000")
+        r = peer.gpu[0]
+        with pytest.raises(TransferError):
+            eng.batch_transfer_sync(peer.name, [g + k * 4096 for k in range(4)],
+                                    [r + k * 4096 for k in range(4)], [4096] * 4)  # fmt: skip
+        copies = fakecuda.stats(fake_driver)[1]
+        time.sleep(0.8)
+        assert fakecuda.stats(fake_driver)[1] == copies  # nothing still copying after the failure
+        assert len(calls) == 3

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import mmap
 import os
 import select
@@ -59,6 +60,8 @@ from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import READ, Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor
+
+log = logging.getLogger(__name__)
 
 _KERNEL = "kvpool_gather"
 _BLOCK = 256
@@ -435,6 +438,7 @@ class CudaIpcTransport(Transport):
         except BaseException:
             self._unpin(peer, pins)
             raise
+        stream = None
         try:
             stream = self._stream(dev)
             table = None
@@ -448,6 +452,7 @@ class CudaIpcTransport(Transport):
             event = self._events.pop() if self._events else self.driver.event()
             self.driver.record(event, stream)
         except BaseException as exc:
+            self._settle(stream)  # copies queued before the failure still read/write the mappings
             self._unpin(peer, pins)
             self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
             raise
@@ -457,6 +462,15 @@ class CudaIpcTransport(Transport):
             lo, hi = int(locs.min()), int((locs + lens).max())
             self._runs.append(_Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi))
             self._cond.notify()
+
+    def _settle(self, stream: int | None) -> None:
+        """Wait for what a failed run queued on ``stream`` before its pins and mappings go."""
+        if stream is None:
+            return
+        try:
+            self.driver.stream_sync(stream)
+        except KvpoolError as exc:  # the stream's own error: its copies are over either way
+            log.warning("CUDA IPC: the stream of a failed run reported: %s", exc)
 
     def _buf_dev(self, peer: _Peer, used: list[int]) -> int:
         for k in used:
