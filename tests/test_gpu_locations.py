@@ -544,3 +544,48 @@ def test_double_staging_pool_of_any_size_moves_a_larger_range(rt, cpu_peer):
         a = eng.register_local_memory(dev, remote_accessible=False)
         assert eng.transfer_sync(cpu_peer.segment, a, cpu_peer.addr, n, OpCode.WRITE) == n
         assert cpu_peer.checksum(0, n) == xxhash.xxh3_64_hexdigest(data)
+
+
+def test_double_pipelined_write_source_is_busy_from_submit(rt, cpu_peer, monkeypatch):
+    """A pipelined WRITE copies its GPU source piece by piece inside submit (each device-to-host
+    copy 0.1 s here): unregistering that buffer meanwhile is refused (BatchInFlight) rather than
+    done under the copies; once the batch finished it unregisters."""
+    import threading
+    import time
+
+    from kvpool.errors import BatchInFlight
+    from kvpool.transfer.staging import PIPE_CHUNK
+
+    big = 4 * PIPE_CHUNK
+    dev = rt.alloc(big, device=0)
+    real = rt.copy_d2h
+
+    def slow(dst: int, src: int, n: int) -> None:
+        time.sleep(0.1)
+        real(dst, src, n)
+
+    monkeypatch.setattr(rt, "copy_d2h", slow)
+    with _gpu_engine(rt, protocol="tcp", timeout_s=10.0) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        bid = eng.allocate_batch_id(1)
+        done: dict = {}
+
+        def go() -> None:
+            try:
+                eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, a, seg, cpu_peer.addr, big)])
+                done["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                done["err"] = exc
+
+        t = threading.Thread(target=go)
+        t.start()
+        time.sleep(0.15)
+        assert t.is_alive(), done  # still copying pieces inside submit
+        with pytest.raises(BatchInFlight):
+            eng.unregister_local_memory(a)
+        t.join(30)
+        assert done.get("ok"), done
+        assert eng.wait_batch(bid, 30).state == TransferState.COMPLETED
+        eng.free_batch_id(bid)
+        eng.unregister_local_memory(a)

@@ -184,6 +184,7 @@ class GpuStaging:
         self._pool: StagingPool | None = None
         self._cond = threading.Condition()
         self._records: list[_Record] = []
+        self._submitting: list[tuple[int, list[int]]] = []  # (batch id, local addresses) mid-submit
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -210,7 +211,19 @@ class GpuStaging:
     # ------------------------------------------------------------------ submit (caller's thread)
     def submit(self, inner: Transport, batch_id: int, reqs: Requests, wait_s: float | None = None) -> None:
         """Submit through ``inner`` with GPU local ranges staged. Without room in the pool,
-        ``wait_s`` None raises InvalidArgument, else waits that long (TransferTimeout)."""
+        ``wait_s`` None raises InvalidArgument, else waits that long (TransferTimeout). The
+        local ranges count as :meth:`busy` from here on (a pipelined WRITE copies from its
+        source long before its record is tracked)."""
+        token = (batch_id, list(reqs.locs))
+        with self._cond:
+            self._submitting.append(token)
+        try:
+            self._submit(inner, batch_id, reqs, wait_s)
+        finally:
+            with self._cond:
+                self._submitting.remove(token)
+
+    def _submit(self, inner: Transport, batch_id: int, reqs: Requests, wait_s: float | None) -> None:
         ops, locs, _, _, lens = reqs
         n = len(ops)
         gpu = self._registry.gpu_region
@@ -336,6 +349,9 @@ class GpuStaging:
             for rec in self._records:
                 if any(not e.done and start <= e.dev < end for e in rec.entries):
                     return rec.batch_id
+            for bid, addrs in self._submitting:
+                if any(start <= a < end for a in addrs):
+                    return bid
         return None
 
     def rounds(self, locs: list[int], rems: list[int], lens: list[int]) -> list[tuple[list[int], ...]]:
