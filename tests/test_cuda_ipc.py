@@ -453,3 +453,39 @@ def test_a_run_failing_midway_waits_for_its_queued_copies(
         time.sleep(0.8)
         assert fakecuda.stats(fake_driver)[1] == copies  # nothing still copying after the failure
         assert len(calls) == 3
+
+
+def test_mapping_at_an_offset_is_closed_by_its_base(fake_driver: str) -> None:
+    """A peer registers GPU memory that starts inside its allocation: our mapping is opened at the
+    allocation's base plus that offset, and closing it must name the base (the driver refused the
+    offset address, unchecked: the mapping stayed for the life of the process)."""
+    drv = load_driver()
+    code = textwrap.dedent(
+        """
+        import sys
+        from kvpool import TransferEngine
+        from kvpool.transfer.cuda_driver import load_driver
+        drv = load_driver()
+        with TransferEngine(timeout_s=10.0) as eng:
+            p = drv.alloc(2 << 20, 0)
+            eng.register_local_memory(p + (1 << 20), 1 << 20, location="cuda:0")
+            print(eng.segment_name, p + (1 << 20), flush=True)
+            sys.stdin.readline()
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT)  # fmt: skip
+    try:
+        name, addr = child.stdout.readline().split()
+        with TransferEngine(timeout_s=10.0) as eng:
+            g = drv.alloc(1 << 20, 0)
+            eng.register_local_memory(g, 1 << 20, location="cuda:0")
+            eng.transfer_sync(name, g, int(addr), 4096)
+            (buf,) = [b for p in _ipc(eng)._peers.values() for b in p.bufs if b.gpu and b.mapped]
+            assert buf.offset == 1 << 20
+            mapped = buf.mapped
+            assert drv.pointer_device(mapped) == 0
+        assert drv.pointer_device(mapped) is None  # the engine closed: the mapping is gone
+    finally:
+        child.stdin.close()
+        child.wait(20)

@@ -311,8 +311,9 @@ class CudaDriver:
         )
         return int(p.value)
 
-    def ipc_close(self, addr: int) -> None:
-        self.lib.cuIpcCloseMemHandle(addr)
+    def ipc_close(self, base: int) -> None:
+        """Unmap an :meth:`ipc_open` mapping by the base address it returned (CudaError if not)."""
+        self._check(self.lib.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
 
     # ------------------------------------------------------------------ kernels
     def function(self, image: bytes, name: str, device: int) -> int:

@@ -292,7 +292,10 @@ class CudaIpcTransport(Transport):
             if not b.mapped:
                 continue
             if b.gpu:
-                self.driver.ipc_close(b.mapped)
+                try:  # the mapping's own base (b.mapped points b.offset into it)
+                    self.driver.ipc_close(b.mapped - b.offset)
+                except KvpoolError as exc:
+                    log.warning("CUDA IPC: closing a mapping of pid %d failed: %s", peer.pid, exc)
             else:
                 self.driver.host_unregister(b.mapped)
                 b.keep.close()
