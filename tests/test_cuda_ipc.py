@@ -489,3 +489,24 @@ def test_mapping_at_an_offset_is_closed_by_its_base(fake_driver: str) -> None:
     finally:
         child.stdin.close()
         child.wait(20)
+
+
+def test_release_exited_closes_a_dead_peers_mappings(peer: Peer, fake_driver: str) -> None:
+    """release_exited_peers lets go of a dead same-host peer's CUDA IPC mappings (they kept its
+    GPU memory allocated), and the next open re-fetches the segment."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # maps the peer's GPU buffer
+        mapped = [b.mapped for p in _ipc(eng)._peers.values() for b in p.bufs if b.gpu and b.mapped]
+        assert mapped and drv.pointer_device(mapped[0]) == 0
+        assert eng.release_exited_peers() == 0  # alive: kept
+        assert drv.pointer_device(mapped[0]) == 0
+        peer.p.send_signal(signal.SIGKILL)
+        peer.p.wait(10)
+        assert eng.release_exited_peers() >= 1
+        assert drv.pointer_device(mapped[0]) is None  # unmapped
+        assert not _ipc(eng)._peers
+        with pytest.raises((SegmentNotFound, TransferError)):
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)

@@ -155,6 +155,7 @@ class CudaIpcTransport(Transport):
         self.staging = staging
         self._exports: dict[int, _Export] = {}
         self._peers: dict[int, _Peer] = {}
+        self._released: set[int] = set()  # handles whose exited peer release_exited let go
         self._lock = threading.Lock()
         self._streams: dict[int, int] = {}
         self._kernels: dict[int, int] = {}
@@ -227,7 +228,9 @@ class CudaIpcTransport(Transport):
         return self.inner.reaches(desc)
 
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
-        self.inner.attach(handle, name, desc)
+        self.inner.attach(handle, name, desc)  # releases the inner transport's exited peers
+        self.release_exited()  # a new peer is often a dead one's successor
+        self._released.discard(handle)
         bufs = []
         for addr, length, uuid, h, off, slot, gen in (desc.cuda_ipc or {}).get("bufs", []):
             bufs.append(_RemoteBuf(addr, length, True, slot, gen, bytes(h), off, bytes(uuid)))
@@ -267,9 +270,24 @@ class CudaIpcTransport(Transport):
 
     def detach(self, handle: int) -> None:
         self.inner.detach(handle)
+        self._released.discard(handle)
         peer = self._peers.pop(handle, None)
         if peer is not None:
             self._retire_peer(peer)
+
+    def release_exited(self) -> list[int]:
+        """Close the mappings (GPU IPC, shared host buffers), fence and pidfd of peers whose process
+        exited, after our copies in flight to them finished; with the inner transport's. Called
+        by the engine (``release_exited_peers``: a store client's heartbeat) and by attach. The
+        next open of a released handle re-fetches it (:meth:`peer_gone`)."""
+        out = set(self.inner.release_exited())
+        for h, peer in list(self._peers.items()):
+            if peer.pidfd >= 0 and not self._alive(peer):
+                del self._peers[h]
+                self._retire_peer(peer)
+                self._released.add(h)
+                out.add(h)
+        return sorted(out)
 
     def peer_gone(self, handle: int) -> bool:
         """The owner's process exited and a caller was told so (a request failed with it): the
@@ -277,6 +295,8 @@ class CudaIpcTransport(Transport):
         and attach() retires the old mappings. As over TCP, the first request after a restart
         fails, so addresses of the old owner never reach the new one unnoticed."""
         peer = self._peers.get(handle)
+        if handle in self._released:
+            return True
         return (peer is not None and peer.gone) or self.inner.peer_gone(handle)
 
     def _retire_peer(self, peer: _Peer) -> None:
