@@ -589,3 +589,29 @@ def test_double_pipelined_write_source_is_busy_from_submit(rt, cpu_peer, monkeyp
         assert eng.wait_batch(bid, 30).state == TransferState.COMPLETED
         eng.free_batch_id(bid)
         eng.unregister_local_memory(a)
+
+
+@pytest.mark.parametrize("op", [OpCode.WRITE, OpCode.READ])
+def test_double_auto_sync_to_same_host_host_buffer_stages_in_rounds(rt, cpu_peer, op):
+    """protocol="auto" (the CUDA IPC route) to a same-host peer's host buffer: a synchronous GPU
+    transfer larger than the staging pool goes in rounds that fit it, like over TCP (it failed
+    with InvalidArgument: the pool was asked for the whole range at once)."""
+    import xxhash
+
+    n = 3 * MiB
+    dev = rt.alloc(n)
+    data = os.urandom(n)
+    with _gpu_engine(rt, protocol="auto", staging_pool_size=MiB) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        assert eng.uses_same_host_path(seg)
+        if op == OpCode.WRITE:
+            dev.write(data)
+            assert eng.transfer_sync(cpu_peer.segment, a, cpu_peer.addr, n, op) == n
+            assert cpu_peer.checksum(0, n) == xxhash.xxh3_64_hexdigest(data)
+        else:
+            want = cpu_peer.checksum(0, n)
+            assert eng.transfer_sync(cpu_peer.segment, a, cpu_peer.addr, n, op) == n
+            assert xxhash.xxh3_64_hexdigest(dev.read()) == want
+        halves = [a, a + n // 2], [cpu_peer.addr, cpu_peer.addr + n // 2], [n // 2] * 2
+        assert eng.batch_transfer_sync(cpu_peer.segment, *halves, op) == n

@@ -393,6 +393,27 @@ class CudaIpcTransport(Transport):
             else:
                 self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b])
 
+    def needs_staging(self, handle: int, locs: Any, rems: Any, lens: Any) -> bool:
+        """Whether some of these requests go through GPU staging (a local GPU range to a peer range
+        no GPU copy reaches). Called by the engine's synchronous transfers, which then cut them
+        into rounds that fit the staging pool, as for the other transports."""
+        peer = self._peers.get(handle)
+        if peer is None or not len(locs):
+            return False
+        locs, rems, lens = _col(locs), _col(rems), _col(lens)
+        gpu = self.registry.gpu_region
+        local_gpu = np.array(
+            [gpu(a, n) is not None for a, n in zip(locs.tolist(), lens.tolist(), strict=True)]
+        )
+        if not local_gpu.any():
+            return False
+        if not len(peer.bufs):
+            return True
+        ridx = np.searchsorted(peer.starts, rems, side="right").astype(np.int64) - 1
+        ridx_c = np.where(ridx >= 0, ridx, 0)
+        inside = (ridx >= 0) & (rems + lens <= peer.ends[ridx_c])
+        return bool((local_gpu & ~inside).any())
+
     def _inner_submit(self, batch_id: int, reqs: Requests, local_gpu: np.ndarray) -> None:
         reqs = Requests(*(c.tolist() if isinstance(c, np.ndarray) else c for c in reqs))
         if local_gpu.any():

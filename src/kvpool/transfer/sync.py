@@ -244,7 +244,9 @@ class SyncTransfers:
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
-        gpu_ok = "cuda" in t.locations or not self._registry.gpu_count  # else staging needs lists
+        # the CUDA IPC route stages local GPU ranges to peer ranges no GPU copy reaches: rounds too
+        staged = "cuda" in t.locations and self._registry.gpu_count and t.needs_staging(handle.id, *arrays)
+        gpu_ok = not staged and ("cuda" in t.locations or not self._registry.gpu_count)  # else lists
         cuda_cols = "cuda" in t.locations and all(isinstance(c, np.ndarray) for c in arrays)
         if t.takes_arrays and gpu_ok and (n > INLINE_MAX or cuda_cols):
             # columns straight through: no per-request Python objects
@@ -255,7 +257,11 @@ class SyncTransfers:
             if st.ok:
                 return sum(lens)
             raise _failed(st, f"{OpCode(opcode).name} of {n} ranges to {target_name}")
-        if self._registry.gpu_count and "cuda" not in t.locations and self._staging.needed(locs, lens):
+        if (
+            self._registry.gpu_count
+            and ("cuda" not in t.locations or staged)
+            and self._staging.needed(locs, lens)
+        ):
             # staged: rounds whose staged bytes fit the pool, waiting for staging others hold
             rounds = self._staging.rounds(locs, rems, lens)
             return sum(self._run_sync(handle.id, op, *r, stage_wait_s=self.config.timeout_s) for r in rounds)

@@ -121,6 +121,12 @@ class Transport(ABC):
         ``open_segment`` on every cached open, so it must be cheap; True makes it re-fetch."""
         return False
 
+    def needs_staging(self, handle: int, locs: Any, rems: Any, lens: Any) -> bool:
+        """For a transport whose ``locations`` include "cuda": whether some of these requests
+        still go through GPU staging (the engine's synchronous transfers then cut them into
+        rounds that fit the pool). Called by ``batch_transfer_sync`` / ``transfer_sync``."""
+        return False
+
     def release_exited(self) -> list[int]:
         """Let go of what this transport holds of peers whose process exited (e.g. a dead peer's
         shared memory, which stays allocated while it is mapped here); returns their handles,
