@@ -227,6 +227,10 @@ class CudaIpcTransport(Transport):
         # runs no CUDA itself; its GPU buffers only when it publishes them (desc.cuda_ipc)
         return self.inner.reaches(desc)
 
+    def peer_pid(self, desc: SegmentDescriptor) -> int:
+        """The inner transport's answer (the same-host one watches the owner's pid)."""
+        return self.inner.peer_pid(desc)
+
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
         self.inner.attach(handle, name, desc)  # releases the inner transport's exited peers
         self.release_exited()  # a new peer is often a dead one's successor
