@@ -863,3 +863,62 @@ def test_a_backend_dripping_a_5xx_body_does_not_hold_the_client() -> None:
             await runner.cleanup()
 
     run(go)
+
+
+def test_a_backend_dripping_or_flooding_a_reply_does_not_hold_the_client() -> None:
+    """Non-streamed answers (the prefill's, a completion, ``/v1/models``) are read within one
+    deadline for the whole body and up to a size cap: a backend dripping a byte at a time is a 504
+    after ``timeout_s`` (each byte restarted the read timeout: the client was held for as long as
+    the backend dripped), and one larger than the cap is a 502 (the size was unbounded)."""
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        while True:
+            await resp.write(b" ")
+            await asyncio.sleep(0.05)
+
+    async def flood(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b" " * (2 << 20) + b"{}", content_type="application/json")
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", drip)
+        app.router.add_get("/v1/models", drip)
+        app.router.add_post("/big/v1/completions", flood)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        d = FakeVllm("d", "decode")
+        await d.start()
+        proxies = [
+            PDProxy([url], [], timeout_s=1.0, health_interval_s=0),  # aggregated: the completion drips
+            PDProxy([url], [d.url], timeout_s=1.0, health_interval_s=0),  # the prefill drips
+            PDProxy([url + "/big"], [], health_interval_s=0, max_reply_bytes=1 << 20),
+            PDProxy([url + "/big"], [d.url], health_interval_s=0, max_prefill_reply_bytes=1 << 20),
+        ]
+        for proxy in proxies:
+            await proxy.start("127.0.0.1", 0)
+        try:
+            limit = aiohttp.ClientTimeout(total=10.0)
+            async with aiohttp.ClientSession(timeout=limit) as client:
+                for proxy in proxies[:2]:
+                    t0 = time.monotonic()
+                    async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                        assert r.status == 504, await r.text()
+                    assert time.monotonic() - t0 < 5.0
+                async with client.get(f"{proxies[0].url}/v1/models") as r:
+                    assert r.status == 504
+                for proxy in proxies[2:]:
+                    async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"}) as r:
+                        assert r.status == 502, await r.text()
+                        assert "more than 1048576 bytes" in (await r.json())["error"]["message"]
+        finally:
+            for proxy in proxies:
+                await proxy.close()
+            await d.stop()
+            await runner.cleanup()
+
+    run(go)

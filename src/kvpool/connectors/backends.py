@@ -35,6 +35,11 @@ CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,
 #: A request the server closes unanswered anyway is sent once more (``BackendClient.request``).
 KEEPALIVE_S = 4.0
 
+#: Largest non-streamed answer (a completion, ``/v1/models``) read from a backend.
+DEFAULT_MAX_REPLY_BYTES = 32 * 1024 * 1024
+#: Largest prefill answer read (a one-token completion with its ``kv_transfer_params``).
+DEFAULT_MAX_PREFILL_REPLY_BYTES = 4 * 1024 * 1024
+
 
 @dataclass
 class Backend:
@@ -123,6 +128,26 @@ class BackendError(Exception):
         self.message = message
 
 
+async def read_at_most(resp: aiohttp.ClientResponse, limit: int, deadline_s: float) -> bytes:
+    """Up to ``limit + 1`` bytes of ``resp``'s body (more than ``limit`` means it is larger), read
+    within one deadline of ``deadline_s`` for all of it: a backend dripping a byte at a time cannot
+    hold the caller past it.  Raises :class:`asyncio.TimeoutError` past the deadline and what
+    aiohttp raises when the connection fails."""
+
+    async def chunks() -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while got <= limit:
+            part = await resp.content.read(limit + 1 - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+
+    return await asyncio.wait_for(chunks(), deadline_s)
+
+
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -148,13 +173,20 @@ class BackendClient:
         health_interval_s: seconds between health polls; 0 disables polling (and then a backend is
             never marked down: nothing would bring it back).
         max_connections: total connections kept by the session.
+        max_reply_bytes: largest non-streamed answer body :meth:`read` accepts from a backend.
 
     :meth:`open` and :meth:`close` are called by the proxy's start and close; everything else by its
     request handlers, on its event loop.
     """
 
     def __init__(
-        self, *, timeout_s: float, connect_timeout_s: float, health_interval_s: float, max_connections: int
+        self,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        health_interval_s: float,
+        max_connections: int,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
@@ -164,6 +196,9 @@ class BackendClient:
         self.connect_timeout_s = float(connect_timeout_s)
         self.health_interval_s = float(health_interval_s)
         self.max_connections = int(max_connections)
+        if max_reply_bytes <= 0:
+            raise ValueError("max_reply_bytes must be > 0")
+        self.max_reply_bytes = int(max_reply_bytes)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
 
@@ -299,12 +334,23 @@ class BackendClient:
             )
         return await self.session.request(method, backend.url + path, json=body, headers=headers)
 
-    async def read(self, resp: aiohttp.ClientResponse, backend: Backend) -> bytes:
-        """The whole body of ``resp``, or :class:`BackendError` (504 on timeout, 502 otherwise)."""
+    async def read(self, resp: aiohttp.ClientResponse, backend: Backend, limit: int | None = None) -> bytes:
+        """The whole body of ``resp``, read within one deadline of ``timeout_s`` and at most ``limit``
+        bytes (default ``max_reply_bytes``), or :class:`BackendError`: 504 past the deadline, 502 for
+        a larger body or a failed connection (the connection is then dropped, not reused)."""
+        limit = self.max_reply_bytes if limit is None else int(limit)
         try:
-            return await resp.read()
+            data = await read_at_most(resp, limit, self.timeout_s)
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            resp.close()
             raise self.failure(backend, exc, "finish its answer", " while answering") from exc
+        if len(data) > limit:
+            resp.close()
+            backend.failures += 1
+            raise BackendError(
+                502, f"{backend.role} backend {backend.url} answered more than {limit} bytes (the limit)"
+            )
+        return data
 
     def failure(self, backend: Backend, exc: BaseException, waiting_for: str, during: str) -> BackendError:
         """Count a failed exchange with ``backend``: 504 for a timeout, 502 for anything else."""

@@ -55,7 +55,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvpool.connectors.backends import Backend, BackendClient, BackendError, BackendPool, learn_peer
+from kvpool.connectors.backends import (
+    DEFAULT_MAX_PREFILL_REPLY_BYTES,
+    DEFAULT_MAX_REPLY_BYTES,
+    Backend,
+    BackendClient,
+    BackendError,
+    BackendPool,
+    learn_peer,
+    read_at_most,
+)
 from kvpool.connectors.openai_api import (
     ERROR_TYPES,
     error_response,
@@ -91,6 +100,9 @@ class PDProxy:
             backends are never marked unhealthy (nothing would bring them back).
         max_connections: total connections to backends kept by the shared client session.
         max_request_bytes: largest client request body accepted.
+        max_reply_bytes: largest non-streamed backend answer (a completion, ``/v1/models``) read, each
+            within one deadline of ``timeout_s`` for the whole body; larger is a 502.
+        max_prefill_reply_bytes: the same for a prefill's answer.
         router: route with a :class:`kvpool.conductor.live.LiveRouter` of this configuration
             (policy, KV events, SLOs) instead of plain round-robin.
         stream_kv: send the prefill and the decode request at once with a ``transfer_id``: the
@@ -113,6 +125,8 @@ class PDProxy:
         health_interval_s: float = 5.0,
         max_connections: int = 1024,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        max_prefill_reply_bytes: int = DEFAULT_MAX_PREFILL_REPLY_BYTES,
         router: Any = None,
         stream_kv: bool = False,
     ) -> None:
@@ -121,7 +135,9 @@ class PDProxy:
             connect_timeout_s=connect_timeout_s,
             health_interval_s=health_interval_s,
             max_connections=max_connections,
+            max_reply_bytes=max_reply_bytes,
         )
+        self.max_prefill_reply_bytes = int(max_prefill_reply_bytes)
         self.aggregated = not decode_urls
         self.prefill = BackendPool("backend" if self.aggregated else "prefill", prefill_urls)
         self.decode = self.prefill if self.aggregated else BackendPool("decode", decode_urls)
@@ -459,7 +475,7 @@ class PDProxy:
                     self.prefill, "POST", path, prefill_request_body(body), headers, prefer=prefer_p
                 )
                 try:
-                    pdata = await self.client.read(presp, pbackend)
+                    pdata = await self.client.read(presp, pbackend, self.max_prefill_reply_bytes)
                 finally:
                     pbackend.in_flight -= 1
                     presp.release()
@@ -564,9 +580,13 @@ class PDProxy:
         try:
             resp = await self.client.request("POST", backend, path, body, headers)
             try:
-                data = await resp.read()
+                data = await read_at_most(resp, self.max_prefill_reply_bytes, self.timeout_s)
+                if len(data) > self.max_prefill_reply_bytes:
+                    raise aiohttp.ClientPayloadError(
+                        f"answer larger than {self.max_prefill_reply_bytes} bytes"
+                    )
             finally:
-                resp.release()
+                resp.release()  # a body not read to its end closes the connection
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
             backend.failures += 1
             _log.warning("prefill backend %s failed request %s: %s", backend.url, request_id, error_text(exc))
