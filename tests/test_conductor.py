@@ -335,3 +335,31 @@ def test_simulate_cli_json_and_plots(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvpool.cli", "simulate", "--policy", "fastest"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "unknown policy 'fastest'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_approx_tracker_memory_is_bounded_when_one_prompt_repeats():
+    """The same long prompt routed again and again refreshes its entries in place: what the tracker
+    holds stays within ``max_entries`` (each refresh queued another copy of all its hashes, so one
+    32k-token prompt at 200 req/s grew the queue to 2 GiB), and it still expires and evicts."""
+    import tracemalloc
+
+    idx = BlockIndex(BS)
+    a = idx.add_location("a", Tier.GPU)
+    b = idx.add_location("b", Tier.GPU)
+    tr = ApproxTracker(idx, ttl_s=1000, max_entries=150)
+    hs = idx.hash_tokens(tokens(100 * BS))
+    tr.routed(a, hs, now=0.0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5000):
+            tr.routed(a, hs, now=float(i) / 100)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 200_000, grown
+    assert len(tr) == 100 and idx.match(hs) == [100, 0]
+    tr.routed(b, hs, now=60.0)  # 200 entries > 150: a's 50 least recently refreshed go
+    assert len(tr) == 150 and idx.blocks_at(a) == 50 and idx.match(hs) == [0, 100]
+    assert tr.sweep(now=1055.0) == 50 and idx.blocks_at(a) == 0
+    assert tr.sweep(now=1061.0) == 100 and len(idx) == 0 and len(tr) == 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -172,31 +172,41 @@ class ApproxTracker:
 
     :meth:`routed` records that an instance computed a request's blocks; each entry expires
     ``ttl_s`` after its last refresh (the engine may have evicted it by then). :meth:`sweep` removes
-    what expired; call it now and then (the live router does, once a second). Memory: one dict
-    entry per (location, block) tracked, bounded by ``max_entries`` (oldest dropped first).
+    what expired; call it now and then (the live router does, once a second). Memory: one ordered
+    dict entry per (location, block) tracked, at most ``max_entries`` (the least recently refreshed
+    dropped first); a refresh moves the entry, it queues nothing more.
     """
 
     def __init__(self, index: BlockIndex, ttl_s: float = 120.0, max_entries: int = 1_000_000) -> None:
         if ttl_s <= 0:
             raise InvalidArgument("ttl_s must be > 0")
+        if max_entries <= 0:
+            raise InvalidArgument("max_entries must be > 0")
         self.index = index
         self.ttl_s = float(ttl_s)
         self.max_entries = int(max_entries)
-        self._expiry: dict[tuple[int, int], float] = {}
-        self._queue: deque[tuple[float, Location, tuple[int, ...]]] = deque()
+        # (location id, block hash) -> expiry, least recently refreshed first
+        self._expiry: OrderedDict[tuple[int, int], float] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """How many (location, block) entries are tracked."""
+        return len(self._expiry)
+
     def routed(self, loc: Location, hashes: Sequence[int], now: float | None = None) -> None:
+        """Record that ``loc`` now holds ``hashes`` (called by the live router per routed request)."""
         now = time.monotonic() if now is None else now
         exp = now + self.ttl_s
-        hs = tuple(hashes)
+        hs = list(hashes)
         with self._lock:
+            expiry = self._expiry
             for h in hs:
-                self._expiry[(loc.id, h)] = exp
-            self._queue.append((exp, loc, hs))
+                key = (loc.id, h)
+                expiry[key] = exp
+                expiry.move_to_end(key)
             self.index.add(loc, hs)
-            if len(self._expiry) > self.max_entries:
-                self._sweep_locked(now, limit=len(self._expiry) - self.max_entries)
+            if len(expiry) > self.max_entries:
+                self._sweep_locked(now, limit=len(expiry) - self.max_entries)
 
     def sweep(self, now: float | None = None) -> int:
         """Remove expired entries from the index; returns how many blocks were removed."""
@@ -204,14 +214,18 @@ class ApproxTracker:
         with self._lock:
             return self._sweep_locked(now)
 
-    def _sweep_locked(self, now: float, limit: int | None = None) -> int:
+    def _sweep_locked(self, now: float, limit: int = 0) -> int:
+        """Drop entries that expired by ``now``, and at least ``limit`` of the oldest."""
+        gone: dict[int, list[int]] = {}
         removed = 0
-        while self._queue and (self._queue[0][0] <= now or (limit is not None and removed < limit)):
-            exp, loc, hs = self._queue.popleft()
-            gone = [h for h in hs if self._expiry.get((loc.id, h), 0.0) <= exp]
-            for h in gone:
-                self._expiry.pop((loc.id, h), None)
-            if gone:
-                self.index.remove(loc, gone)
-                removed += len(gone)
+        expiry = self._expiry
+        while expiry:
+            key, exp = next(iter(expiry.items()))
+            if exp > now and removed >= limit:
+                break
+            expiry.popitem(last=False)
+            gone.setdefault(key[0], []).append(key[1])
+            removed += 1
+        for loc_id, hs in gone.items():
+            self.index.remove(self.index.locations[loc_id], hs)
         return removed
