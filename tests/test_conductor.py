@@ -363,3 +363,50 @@ def test_approx_tracker_memory_is_bounded_when_one_prompt_repeats():
     assert len(tr) == 150 and idx.blocks_at(a) == 50 and idx.match(hs) == [0, 100]
     assert tr.sweep(now=1055.0) == 50 and idx.blocks_at(a) == 0
     assert tr.sweep(now=1061.0) == 100 and len(idx) == 0 and len(tr) == 0
+
+
+def test_event_subscriber_bounds_message_size_and_index_size():
+    """A KV-event publisher cannot grow the router's memory without bound: a message larger than
+    ``max_msg_bytes`` is refused by ZMQ (MAXMSGSIZE; it was taken whole), and events that take the
+    index past ``max_blocks`` evict that instance's entries (the index had no cap)."""
+    import zmq
+
+    from kvpool.conductor.live import EventSubscriber
+
+    def stored(first: int, n: int) -> bytes:
+        ev = {"type": "BlockStored", "block_hashes": list(range(first, first + n)), "parent_block_hash": None,
+              "token_ids": list(range(first * BS, (first + n) * BS)), "block_size": BS, "lora_id": None,
+              "medium": "GPU", "lora_name": None}  # fmt: skip
+        return msgpack.packb([time.time(), [ev], None])
+
+    def publish_until(pub, payload, done, tries=40):
+        for seq in range(tries):  # the subscriber connects asynchronously: publish until seen
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            time.sleep(0.05)
+            if done():
+                return
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    idx = BlockIndex(BS)
+    a = idx.add_location("a", Tier.GPU)
+    sub = EventSubscriber(idx, f"tcp://127.0.0.1:{port}", a, None, max_msg_bytes=128 * 1024, max_blocks=1000)
+    sub.start()
+    try:
+        big = stored(1, 3000)
+        assert len(big) > 128 * 1024
+        publish_until(pub, big, lambda: sub.batches > 0)
+        assert sub.batches == 0 and len(idx) == 0 and sub.disconnects >= 1
+        publish_until(pub, stored(1, 500), lambda: len(idx) == 500)
+        assert len(idx) == 500 and sub.evicted == 0
+        publish_until(pub, stored(501, 600), lambda: sub.evicted > 0, tries=1)
+        for _ in range(40):
+            if sub.evicted:
+                break
+            time.sleep(0.05)
+        assert sub.evicted == 1 and len(idx) == 0
+    finally:
+        sub.stop()
+        sub.join(2.0)
+        pub.close(0)

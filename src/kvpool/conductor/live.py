@@ -70,6 +70,11 @@ class RouterConfig:
     kv_events: Sequence[str | None] = ()
     """Per instance (same order as the URLs): its ZMQ publisher address, or None (approximate mode)."""
     kv_events_topic: str = ""
+    max_event_bytes: int = 16 * 1024 * 1024
+    """Largest KV-event message taken from a publisher (ZMQ ``MAXMSGSIZE``: larger drops its connection)."""
+    max_index_blocks: int = 8_000_000
+    """Most blocks the index holds: an instance whose events take it past this has its entries cleared
+    (evicted; its events fill them again), so a busy or hostile publisher cannot grow it unbounded."""
     approx_ttl_s: float = 120.0
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
@@ -99,11 +104,14 @@ class EventSubscriber(threading.Thread):
 
     Messages are ``(topic, seq, payload)``; a gap in ``seq`` is counted (``gaps``) -- the index
     may then miss blocks until they are stored again. Bounded: the socket's receive high-water
-    mark caps what is queued; payloads are parsed in C++ without the GIL.
+    mark caps what is queued, ``max_msg_bytes`` each message (ZMQ ``MAXMSGSIZE``); payloads are
+    parsed in C++ without the GIL. When the index holds more than ``max_blocks`` after one of this
+    publisher's messages, this instance's entries are cleared (counted as ``evicted``).
     """
 
     def __init__(self, index: BlockIndex, endpoint: str, gpu: Location, cpu: Location | None,
-                 topic: str = "", name: str = "") -> None:  # fmt: skip
+                 topic: str = "", name: str = "", *, max_msg_bytes: int = 16 * 1024 * 1024,
+                 max_blocks: int = 8_000_000) -> None:  # fmt: skip
         super().__init__(name=f"kvpool-kv-events-{name}", daemon=True)
         self.index = index
         self.endpoint = endpoint
@@ -117,6 +125,10 @@ class EventSubscriber(threading.Thread):
         self.last_event_ts = 0.0
         self.last_recv = 0.0
         self.first_block_size_error: int | None = None
+        self.max_msg_bytes = int(max_msg_bytes)
+        self.max_blocks = int(max_blocks)
+        self.evicted = 0
+        self.disconnects = 0
 
     def run(self) -> None:
         import zmq
@@ -124,12 +136,22 @@ class EventSubscriber(threading.Thread):
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # libzmq drops a connection that sent a message over MAXMSGSIZE and never reconnects it:
+        # the monitor sees the disconnect and the subscriber connects again.
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         try:
             while not self.stop_event.is_set():
-                if not sock.poll(200):
+                ready = dict(poller.poll(200))
+                if mon in ready:
+                    self._on_disconnect(sock, mon)
+                if sock not in ready:
                     continue
                 while True:
                     try:
@@ -138,7 +160,22 @@ class EventSubscriber(threading.Thread):
                         break
                     self._on_message(frames)
         finally:
+            sock.disable_monitor()
+            mon.close(0)
             sock.close(0)
+
+    def _on_disconnect(self, sock: Any, mon: Any) -> None:
+        """Reconnect after the publisher's connection dropped (an oversized message, or it went away)."""
+        import zmq
+
+        while mon.poll(0):
+            mon.recv_multipart(zmq.NOBLOCK)
+        self.disconnects += 1
+        try:
+            sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass
+        sock.connect(self.endpoint)
 
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -151,6 +188,15 @@ class EventSubscriber(threading.Thread):
         self.last_seq = seq
         st = self.index.ingest(payload, self.gpu, self.cpu)
         self.batches += 1
+        if len(self.index) > self.max_blocks:
+            self.evicted += 1
+            _log.warning(
+                "the prefix index holds more than %d blocks after KV events from %s: clearing its entries",
+                self.max_blocks, self.endpoint,
+            )  # fmt: skip
+            self.index.clear(self.gpu)
+            if self.cpu is not None:
+                self.index.clear(self.cpu)
         self.last_recv = time.time()
         if st["last_ts"]:
             self.last_event_ts = float(st["last_ts"])
@@ -234,8 +280,15 @@ class LiveRouter:
             if endpoint is not None and inst.gpu is not None:
                 self.subscribers.append(
                     EventSubscriber(
-                        self.index, endpoint, inst.gpu, inst.cpu, config.kv_events_topic, inst.name
-                    )
+                        self.index,
+                        endpoint,
+                        inst.gpu,
+                        inst.cpu,
+                        config.kv_events_topic,
+                        inst.name,
+                        max_msg_bytes=config.max_event_bytes,
+                        max_blocks=config.max_index_blocks,
+                    )  # fmt: skip
                 )
         self._tokenizer: Any = None
         self._pending: dict[str, _Pending] = {}
@@ -460,6 +513,7 @@ class LiveRouter:
             },  # fmt: skip
             "events": dict(self.index.counters),
             "event_gaps": sum(s.gaps for s in self.subscribers),
+            "event_evictions": sum(s.evicted for s in self.subscribers),
             "event_lag_s": max(lag) if lag else None,
             "block_size_mismatch": [
                 s.first_block_size_error for s in self.subscribers if s.first_block_size_error
