@@ -9,6 +9,7 @@ a real subprocess.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -920,5 +921,52 @@ def test_a_backend_dripping_or_flooding_a_reply_does_not_hold_the_client() -> No
                 await proxy.close()
             await d.stop()
             await runner.cleanup()
+
+    run(go)
+
+
+def test_kv_events_in_pd_mode_feed_the_prefill_index() -> None:
+    """In P/D mode ``--kv-events`` names one endpoint per prefill instance (the CLI counts those): the
+    router took it as one per instance, prefills and decodes together, and refused to start; now a
+    prefill's events feed the index and its prefixes route to it."""
+    import msgpack
+    import zmq
+
+    from kvpool.conductor.cli import router_config
+
+    async def go() -> None:
+        pre = [FakeVllm(f"p{k}", "prefill") for k in range(2)]
+        dec = FakeVllm("d", "decode")
+        ctx = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        args = argparse.Namespace(
+            backends=None, policy="cache", kv_events=f"none,tcp://127.0.0.1:{port}", kv_events_topic="",
+            block_size=4, approx_ttl_s=120.0, ttft_slo=None, tbt_slo=None, reject_mode="predict",
+            cost_model=None, tokenizer=None, no_hot=True, store_master=None,
+        )  # fmt: skip
+        cfg = router_config(args, n_instances=len(pre))
+        prompt = list(range(500, 540))
+        ev = {"type": "BlockStored", "block_hashes": list(range(1, 11)), "parent_block_hash": None,
+              "token_ids": prompt, "block_size": 4, "lora_id": None, "medium": "GPU",
+              "lora_name": None}  # fmt: skip
+        try:
+            async with running(pre, [dec], router=cfg) as (proxy, client):
+                for seq in range(100):  # the subscriber connects asynchronously: publish until seen
+                    pub.send_multipart(
+                        [b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), [ev], None])]
+                    )
+                    await asyncio.sleep(0.05)
+                    if proxy.router.stats()["index_blocks"] >= 10:
+                        break
+                assert proxy.router.stats()["per_instance_blocks"][pre[1].url] == 10
+                for _ in range(3):
+                    async with client.post(
+                        f"{proxy.url}/v1/completions", json={"prompt": prompt + [1, 2]}
+                    ) as r:
+                        assert r.status == 200
+                assert len(pre[1].bodies) == 3 and not pre[0].bodies
+        finally:
+            pub.close(0)
 
     run(go)

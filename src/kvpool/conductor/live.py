@@ -240,10 +240,14 @@ class LiveRouter:
         if len(urls) != len(roles):
             raise InvalidArgument("one role per instance URL")
         ev = list(config.kv_events) or [None] * len(urls)
+        prefills = [k for k, role in enumerate(roles) if role in ("both", "prefill")]
+        if len(ev) == len(prefills) != len(urls):  # P/D: one per prefill (decodes publish no index)
+            by_prefill = dict(zip(prefills, ev, strict=True))
+            ev = [by_prefill.get(k) for k in range(len(urls))]
         if len(ev) != len(urls):
             raise InvalidArgument(
-                f"--kv-events names {len(ev)} endpoints for {len(urls)} instances; give one per instance "
-                "in the same order (or 'none' for an instance without events)"
+                f"--kv-events names {len(ev)} endpoints for {len(prefills)} prefill instances; give one "
+                "per prefill instance in the same order (or 'none' for an instance without events)"
             )
         self.config = config
         self.index = BlockIndex(config.block_size)
