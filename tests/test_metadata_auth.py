@@ -227,3 +227,24 @@ def test_engines_publish_through_a_metadata_server_with_a_secret() -> None:
             with pytest.raises(MetadataError, match="401"):
                 TransferEngine(protocol="tcp", metadata=ms.url, name="a")
         assert HttpMetadata(ms.url).get("a") is None  # withdrawn on close (a signed DELETE)
+
+
+def test_secrets_never_reach_reprs_or_error_messages() -> None:
+    """Config reprs, config errors and metadata-URL errors go into logs and tracebacks."""
+    from kvpool.config import MasterConfig, StoreConfig, TransferConfig
+    from kvpool.errors import ConfigError, InvalidArgument
+    from kvpool.transfer.metadata import open_metadata
+
+    s = "TOPSECRET-abc123"
+    for cls in (TransferConfig, MasterConfig, StoreConfig):
+        assert s not in repr(cls(secret=s)) and cls(secret=s).secret == s
+    with pytest.raises(ConfigError, match="secret") as ei:
+        TransferConfig(secret=[s])
+    assert s not in str(ei.value)
+    for url in (f"redis://:{s}@/0", f"http://u:{s}@:80/metadata", f"etcd://u:{s}@127.0.0.1:2379"):
+        with pytest.raises(InvalidArgument) as ei:
+            open_metadata(url)
+        assert s not in str(ei.value) and "***" in str(ei.value)
+    with pytest.raises(MetadataError) as ei:  # nothing listens on port 1
+        open_metadata(f"redis://127.0.0.1:1/0?password={s}", timeout_s=0.5).get("x")
+    assert s not in str(ei.value) and "password=***" in str(ei.value)

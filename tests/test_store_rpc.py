@@ -19,7 +19,7 @@ from kvpool import Store
 from kvpool._rpc import RpcClient, frame, unpack
 from kvpool._rpc_server import RpcLimits, RpcServer
 from kvpool.errors import AuthenticationError, InvalidArgument, MasterUnavailable
-from kvpool.store.procs import MasterProcess
+from kvpool.store.procs import MasterProcess, StorageProcess
 
 
 def _echo(req: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +142,24 @@ def test_store_wrong_secret_is_not_master_unavailable() -> None:
         with Store.connect(master=m.address, segment_size=1 << 20, secret="ünïcode-sëcret") as st:
             st.put("k", b"v")
             assert st.get("k") == b"v"
+
+
+def test_child_processes_get_the_secret_outside_their_command_line() -> None:
+    """Every local user can read /proc/PID/cmdline: the master, storage servers and transfer peers
+    kvpool starts get the secret in their environment, and still enforce it."""
+    from kvpool.transfer.peer import PeerProcess
+
+    secret = "argv-secret-7f3a"
+    with MasterProcess(secret=secret) as m, StorageProcess(m.address, 1 << 20, secret=secret) as sp:
+        with PeerProcess(1 << 20, secret=secret) as peer:
+            for pid in (m.proc.pid, sp.proc.pid, peer.proc.pid):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    assert secret.encode() not in f.read()
+        with pytest.raises(AuthenticationError, match="wrong secret"):
+            Store.connect(master=m.address, segment_size=0, secret="other")
+        with Store.connect(master=m.address, segment_size=0, secret=secret) as st:
+            st.put("k", b"v")  # lands in the storage server's segment: it registered with the secret
+            assert st.get("k") == b"v" and st.info("k")["replicas"][0][0] == sp.segment
 
 
 @pytest.mark.parametrize("server", [{"secret": "s"}], indirect=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -296,7 +297,8 @@ MASTER_HELP: dict[str, str] = {
     "task_timeout_s": "seconds after which a task handed to a storage client counts as failed",
     "max_batch": "most keys one request may carry",
     "evict_batch": "most objects one eviction step looks at",
-    "secret": "shared secret every RPC must carry (default: none)",
+    "secret": "shared secret every RPC must carry (default: $KVPOOL_SECRET, which keeps it out of the "
+    "process list; none when unset)",
     "hot_key_replication": "raise the replica count of the hottest keys automatically",
     "hot_window_s": "seconds of access counts the hot-key policy looks at",
     "hot_interval_s": "seconds between runs of the hot-key policy",
@@ -309,7 +311,7 @@ MASTER_HELP: dict[str, str] = {
 
 MASTER_EXAMPLES = """examples:
   kvpool master                                   # 127.0.0.1:50051, prints {"address": ...}
-  kvpool master --host 0.0.0.0 --port 50051 --metrics-port 9100 --secret "$KVPOOL_SECRET"
+  KVPOOL_SECRET=... kvpool master --host 0.0.0.0 --port 50051 --metrics-port 9100
   kvpool master --hot-key-replication --hot-max-replicas 4
 """
 
@@ -357,6 +359,8 @@ def _add_master_options(ma: argparse.ArgumentParser) -> None:
             kw.update(type=size_arg(flag), metavar="SIZE")
         elif name in ("host", "secret"):
             kw["metavar"] = name.upper()
+            if name == "secret":  # the variable keeps it out of the process list
+                kw["default"] = os.environ.get("KVPOOL_SECRET")
         elif name.endswith("port"):
             kw.update(type=port_arg(flag), metavar="PORT")
         elif isinstance(default, float) or name.endswith("_s") or "ratio" in name or "watermark" in name:
@@ -437,7 +441,10 @@ def build_parser(master_options: bool = True, conductor: bool = True) -> argpars
                     help="memory of this process's blocks: cpu or cuda:N (GPU; default cpu)")  # fmt: skip
     bt.add_argument("--remote-location", default="cpu", type=location_arg("--remote-location"),
                     help="memory of the target's buffer: cpu or cuda:N (default cpu)")  # fmt: skip
-    bt.add_argument("--secret", default=None, help="shared secret of both engines (default: none)")
+    bt.add_argument(
+        "--secret", default=os.environ.get("KVPOOL_SECRET"),
+        help="shared secret of both engines (default: $KVPOOL_SECRET; none when unset)",
+    )  # fmt: skip
     bt.add_argument("--json", action="store_true", help="machine-readable output (no progress)")
     bt.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     bt.set_defaults(func=cmd_bench_transfer)

@@ -29,7 +29,10 @@ def _one_line(exc: ValidationError) -> str:
     for e in exc.errors(include_url=False):
         where = ".".join(str(x) for x in e["loc"]) or "value"
         msg = str(e["msg"]).removeprefix("Value error, ")
-        parts.append(f"{where} = {e['input']!r}: {msg}" if e["type"] != "missing" else f"{where}: {msg}")
+        if e["type"] == "missing" or "secret" in where:  # a secret's value is never repeated
+            parts.append(f"{where}: {msg}")
+        else:
+            parts.append(f"{where} = {e['input']!r}: {msg}")
     return "; ".join(parts)
 
 
@@ -138,7 +141,7 @@ class TransferConfig(_ConfigBase):
     protocol: Literal["auto", "tcp", "rdma"] = "auto"
     devices: list[str] | None = None
     name: str | None = None
-    secret: str | None = None
+    secret: str | None = Field(default=None, repr=False)  # never in logs or tracebacks
     lanes: int = Field(default=2, ge=1, le=64)
     slice_size: Bytes = Field(default=1 << 20, ge=4096, le=1 << 30)
     timeout_s: float = Field(default=30.0, gt=0)
@@ -226,7 +229,7 @@ class MasterConfig(_ConfigBase):
     task_timeout_s: float = Field(default=30.0, gt=0)
     max_batch: int = Field(default=1024, ge=1)
     evict_batch: int = Field(default=1024, ge=1)
-    secret: str | None = None
+    secret: str | None = Field(default=None, repr=False)  # never in logs or tracebacks
     hot_key_replication: bool = False
     hot_window_s: float = Field(default=10.0, gt=0)
     hot_interval_s: float = Field(default=1.0, gt=0)
@@ -267,7 +270,7 @@ class StoreConfig(_ConfigBase):
     buffer_size: Bytes = Field(default=64 << 20, ge=1 << 16)
     protocol: Literal["auto", "tcp", "rdma"] = "auto"
     metadata: str = "p2p"
-    secret: str | None = None
+    secret: str | None = Field(default=None, repr=False)  # never in logs or tracebacks
     ssd_dir: str | None = None
     promote_on_hit: bool = True
     rpc_timeout_s: float = Field(default=5.0, gt=0)

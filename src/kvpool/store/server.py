@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   kvpool master --port 50051 &
   kvpool store-server --master 127.0.0.1:50051 --segment-size 4G
   kvpool store-server --master 10.0.0.1:50051 --hostname 10.0.0.2 --segment-size 64G \\
-      --protocol rdma --ssd-dir /mnt/nvme/kvpool --secret "$KVPOOL_SECRET"
+      --protocol rdma --ssd-dir /mnt/nvme/kvpool   # secret: $KVPOOL_SECRET
 """
 
 
@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--metadata", default="p2p", help="metadata: p2p, http://, etcd:// or redis:// URL (default p2p)"
     )
-    ap.add_argument("--secret", default=None, help="shared secret of the master and engines (default: none)")
+    ap.add_argument(
+        "--secret",
+        default=os.environ.get("KVPOOL_SECRET"),
+        help="shared secret of the master and engines (default: $KVPOOL_SECRET, which keeps it out of "
+        "the process list; none when unset)",
+    )
     ap.add_argument("--ssd-dir", default=None, help="directory contributed as the SSD tier (default: none)")
     ap.add_argument(
         "--heartbeat-s", type=float, default=1.0, metavar="SECONDS", help="heartbeat period (default 1)"

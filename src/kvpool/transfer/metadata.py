@@ -96,17 +96,30 @@ def _check_value(value: object) -> bytes:
     raise InvalidArgument(f"descriptor value must be bytes, got {type(value).__name__}")
 
 
+_SECRET_PARAMS = ("password", "passwd", "pass", "secret", "token", "auth")
+
+
 def _redact(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` so it can go into error messages."""
+    """Return ``url`` with any password (in the user part, or a ``password``/``secret``/``token``
+    query parameter) replaced by ``***`` so it can go into error messages."""
     try:
         parts = urllib.parse.urlsplit(url)
+        password = parts.password
     except ValueError:
-        return url
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+        return "<unparsable URL>"
+    if password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}:***@{host}")
+    if parts.query:
+        pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        pairs = [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in pairs]
+        parts = parts._replace(query=urllib.parse.urlencode(pairs, safe="*"))
+    return urllib.parse.urlunsplit(parts)
+
+
+def _bad_etcd_url(url: str) -> str:
+    return "etcd metadata URL must look like etcd://host:port, got " + repr(_redact(url))
 
 
 def _reason(exc: BaseException) -> str:
@@ -276,7 +289,9 @@ class HttpMetadata(MetadataBackend):
     def __init__(self, url: str, timeout_s: float = 5.0, secret: str | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidArgument(f"HTTP metadata URL must look like http://host:port/path, got {url!r}")
+            raise InvalidArgument(
+                "HTTP metadata URL must look like http://host:port/path, got " + repr(_redact(url))
+            )
         self.url = url
         self.timeout_s = timeout_s
         self._secret = secret or None  # writes carry an HMAC proof of it (kvpool metadata-server --secret)
@@ -355,7 +370,7 @@ class EtcdMetadata(MetadataBackend):
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "etcd" or not parts.netloc:
-            raise InvalidArgument(f"etcd metadata URL must look like etcd://host:port, got {url!r}")
+            raise InvalidArgument(_bad_etcd_url(url))
         endpoints = []
         for hostport in parts.netloc.split(","):
             hostport = hostport.strip()
@@ -363,9 +378,9 @@ class EtcdMetadata(MetadataBackend):
             try:
                 port = probe.port
             except ValueError as exc:
-                raise InvalidArgument(f"bad port in etcd metadata URL {url!r}: {exc}") from exc
+                raise InvalidArgument(f"bad port in etcd metadata URL {_redact(url)!r}: {exc}") from exc
             if not probe.hostname or probe.username is not None:
-                raise InvalidArgument(f"etcd metadata URL must look like etcd://host:port, got {url!r}")
+                raise InvalidArgument(_bad_etcd_url(url))
             host = f"[{probe.hostname}]" if ":" in probe.hostname else probe.hostname
             endpoints.append(f"http://{host}:{port or _DEFAULT_ETCD_PORT}")
         self.url = url
@@ -460,7 +475,9 @@ class RedisMetadata(MetadataBackend):
             ) from exc
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise InvalidArgument(f"redis metadata URL must look like redis://host:port[/db], got {url!r}")
+            raise InvalidArgument(
+                "redis metadata URL must look like redis://host:port[/db], got " + repr(_redact(url))
+            )
         self.url = url
         self.timeout_s = timeout_s
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
@@ -549,7 +566,7 @@ def open_metadata(url: str, timeout_s: float = 5.0, secret: str | None = None) -
     try:
         scheme = urllib.parse.urlsplit(text).scheme.lower()
     except ValueError as exc:
-        raise InvalidArgument(f"malformed metadata URL {url!r}: {exc}") from exc
+        raise InvalidArgument(f"malformed metadata URL {_redact(url)!r}: {exc}") from exc
     if scheme in ("http", "https"):
         return HttpMetadata(text, timeout_s, secret)
     if scheme == "etcd":

@@ -12,6 +12,7 @@ on stdin, one per line, each with one JSON line on stdout:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocol", default="auto")
     ap.add_argument("--metadata", default="p2p")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--secret", default=None)
+    ap.add_argument("--secret", default=os.environ.get("KVPOOL_SECRET"), help="default: $KVPOOL_SECRET")
     ap.add_argument("--timeout-s", type=float, default=30.0)
     ap.add_argument(
         "--no-dumpable", action="store_true", help="prctl(PR_SET_DUMPABLE, 0): refuse ptrace-like access"
@@ -137,7 +138,7 @@ class PeerProcess(ChildProcess):
 
     def __init__(self, size: int, prefix: list[str] | None = None, **options: Any) -> None:
         cmd = list(prefix or []) + [sys.executable, "-m", "kvpool.transfer.peer", "--size", str(size)]
-        super().__init__(cmd + cli_flags(options))
+        super().__init__(cmd + cli_flags(options), secret=options.get("secret"))
         self.segment: str = self.info["segment"]
         self.addr: int = self.info["addr"]
         self.size: int = self.info["size"]
