@@ -562,6 +562,10 @@ class PrefixIndex {
   }
 
   void clear_locked(int loc, uint64_t bit) {
+    if (loc_count_[loc] == 0) {  // nothing indexed there: no scan (a publisher repeating
+      engine_[loc].clear();      // AllBlocksCleared would hold the lock over the table each time)
+      return;
+    }
     std::vector<uint64_t> gone;
     blocks_.for_each([&](uint64_t k, uint64_t v) {
       if (v & bit) gone.push_back(k);
