@@ -6,7 +6,8 @@ target segment picks one :class:`~kvpool.transfer.transport.Transport` — same-
 runs on this host, RDMA when both sides have it, else TCP — to which it dispatches requests.
 Transports complete the batch slots from their own threads (:mod:`kvpool.transfer.batch`); GPU
 local memory reaches host-only transports through pinned staging (:mod:`kvpool.transfer.staging`).
-The blocking calls (``transfer_sync``, ``batch_transfer_sync``, ...) are in :mod:`kvpool.transfer.sync`.
+The blocking calls (``transfer_sync``, ``batch_transfer_sync``, ...) are in :mod:`kvpool.transfer.sync`,
+opening, refreshing and closing segments in :mod:`kvpool.transfer.segments`.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from typing import Any
 from kvpool import _native
 from kvpool.config import TransferConfig
 from kvpool.errors import (
-    AuthenticationError,
     BatchInFlight,
     InvalidArgument,
     KvpoolError,
     ProtocolUnavailable,
     RegistrationError,
     RemoteAccessError,
-    SegmentNotFound,
     TransferError,
     TransferTimeout,
 )
@@ -46,6 +45,7 @@ from kvpool.transfer.device import (
 from kvpool.transfer.memory import LocalRegistry, Registration, buffer_range, check_requests
 from kvpool.transfer.metadata import MetadataBackend, open_metadata
 from kvpool.transfer.same_host import SameHostTransport
+from kvpool.transfer.segments import Segments, split_host_port
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.sync import INLINE_MAX, SyncTransfers, native_op
 from kvpool.transfer.tcp import TcpTransport
@@ -69,15 +69,7 @@ log = logging.getLogger("kvpool.transfer")
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-def split_host_port(name: str) -> tuple[str, int]:
-    """Parse ``host:port`` or ``[v6]:port``; raise :class:`InvalidArgument` otherwise."""
-    host, sep, port = name.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"segment name {name!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-class TransferEngine(SyncTransfers):
+class TransferEngine(Segments, SyncTransfers):
     """Batch transfer API over TCP, the same-host path and RDMA (one :class:`Transport` each).
 
     The engine starts serving at once on ``hostname`` (only that address is bound).
@@ -503,150 +495,6 @@ class TransferEngine(SyncTransfers):
         if self._meta is not None:
             self._meta.put(self.segment_name, blob)
 
-    # ------------------------------------------------------------------ segments
-    def _fetch(self, name: str) -> SegmentDescriptor:
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument("segment name must be a non-empty string")
-        timeout_ms = int(self.config.connect_timeout_s * 1000)
-        if self._meta is None:
-            host, port = split_host_port(name)
-            _, blob = _native.fetch_descriptor(host, port, self.config.secret or "", timeout_ms)
-            return SegmentDescriptor.from_bytes(blob, self.config.secret)
-        blob = self._meta.get(name)
-        if blob is None:
-            raise SegmentNotFound(f"segment {name!r} is not published in {self.config.metadata}")
-        # Signed (when there is a secret) and checked before anyone acts on it.
-        desc = SegmentDescriptor.from_bytes(blob, self.config.secret)
-        if desc.name != name:
-            raise AuthenticationError(
-                f"the descriptor stored under {name!r} describes segment {desc.name!r} (copied from "
-                "another key?); refusing it: check who writes the metadata store"
-            )
-        return desc
-
-    def _pick(self, name: str, desc: SegmentDescriptor) -> Transport:
-        """The first transport, in order of preference, that reaches the segment."""
-        for t in self._preferred:
-            if t.reaches(desc):
-                return t
-        mine = [t.name for t in self._preferred]
-        raise ProtocolUnavailable(
-            f"no transport reaches segment {name!r}: this engine (protocol={self.config.protocol!r}) "
-            f"initiates over {mine}, the segment's engine offers {desc.protocols} on host {desc.host_id}; "
-            "use protocol='auto', or run both engines with the same transports"
-        )
-
-    def open_segment(self, name: str) -> SegmentHandle:
-        """Open (or return the cached handle of) the segment ``name``; re-fetches after a peer restart."""
-        cached = self._segments.get(name)  # one dict read (atomic): no lock on the hot path
-        if cached is not None and not self._native.peer_stale(cached[0].id):
-            route = self._routes.get(cached[0].id)
-            if route is None or not route.peer_gone(cached[0].id):
-                return cached[0]
-        return self._open(name)
-
-    def _open(self, name: str) -> SegmentHandle:
-        """Fetch ``name``'s descriptor and (re)attach the segment to the transport that reaches it."""
-        desc = self._fetch(name)
-        transport = self._pick(name, desc)
-        with self._lock:
-            cached = self._segments.get(name)
-            regions = desc.remote_regions()
-            pid = transport.peer_pid(desc)  # one update per refresh: a pid change reopens its pidfd
-            if cached is not None:
-                handle = cached[0]
-                # A restarted segment may listen elsewhere (a logical name in a metadata store)
-                self._native.set_peer_address(handle.id, desc.hostname, desc.port)
-                self._native.update_peer(handle.id, desc.incarnation, pid, regions)
-            else:
-                hid = self._native.add_peer(desc.hostname, desc.port, desc.incarnation, 0, regions)
-                if pid:  # add_peer opens no pidfd; update_peer does (on a pid change)
-                    self._native.update_peer(hid, desc.incarnation, pid, regions)
-                handle = SegmentHandle(hid, name)
-                self._handles[hid] = name
-            old = self._routes.get(handle.id)
-            if old is not None and old is not transport:
-                old.detach(handle.id)
-            transport.attach(handle.id, name, desc)
-            self._routes[handle.id] = transport
-            self._segments[name] = (handle, desc)
-        return handle
-
-    def get_segment_descriptor(self, name_or_handle: str | SegmentHandle) -> SegmentDescriptor:
-        """The (cached, refreshed when stale) descriptor of an opened segment."""
-        name = name_or_handle.name if isinstance(name_or_handle, SegmentHandle) else name_or_handle
-        self.open_segment(name)
-        with self._lock:
-            return self._segments[name][1]
-
-    def close_segment(self, handle: SegmentHandle | int) -> None:
-        """Forget a segment: its connections are closed and its queued transfers canceled."""
-        hid = int(handle)
-        with self._lock:
-            name = self._handles.pop(hid, None)
-            if name is None:
-                raise SegmentNotFound("unknown segment handle (already closed?)")
-            self._segments.pop(name, None)
-            route = self._routes.pop(hid, None)
-        if route is not None:
-            route.detach(hid)
-        self._native.remove_peer(hid)
-
-    def release_exited_peers(self) -> int:
-        """Let go of the memory mapped from peers whose process exited (see
-        :meth:`Transport.release_exited`); how many. Called by a store client's heartbeat
-        thread; cheap (one poll per same-host peer)."""
-        with self._lock:
-            return sum(len(t.release_exited()) for t in set(self._routes.values()))
-
-    def uses_same_host_path(self, handle: SegmentHandle | int) -> bool:
-        """True when transfers to this segment take the same-host single-copy path."""
-        return bool(self._native.peer_same_host(int(handle)))
-
-    def shared_buffers_mapped(self, handle: SegmentHandle | int) -> int:
-        """How many of the segment's shared-memory buffers are mapped here (same host only)."""
-        return int(self._native.peer_shm_count(int(handle)))
-
-    def _route(self, hid: int) -> Transport:
-        t = self._routes.get(hid)
-        if t is None:
-            raise SegmentNotFound(f"unknown segment handle {hid}; call open_segment first")
-        return t
-
-    def _view_changed(self, handles: set[int]) -> bool:
-        """Re-fetch the descriptors of ``handles``; True when any changed (another process, other
-        buffers). Called after a request named a remote range outside a cached descriptor: the
-        owner may have registered it since, or restarted elsewhere; only its descriptor says."""
-        changed = False
-        for hid in handles:
-            name = self._handles.get(hid)
-            cached = self._segments.get(name) if name is not None else None
-            if cached is None:
-                continue
-            old = cached[1]
-            try:
-                self._open(name)  # type: ignore[arg-type]
-            except KvpoolError:
-                continue  # unreachable now: the retried request fails with its own reason
-            new = self._segments[name][1]  # type: ignore[index]
-            if new.incarnation != old.incarnation or new.remote_regions() != old.remote_regions():
-                changed = True
-        return changed
-
-    def _refresh_stale(self, handles: set[int]) -> None:
-        for hid in handles:
-            try:
-                stale = self._native.peer_stale(hid)
-            except SegmentNotFound:
-                continue  # reported by the submit with its own message
-            if stale:
-                name = self._handles.get(hid)
-                if name is not None:
-                    try:
-                        self.open_segment(name)
-                    except SegmentNotFound:
-                        pass  # the peer is down: submit fails its requests with the reason
-
     # ------------------------------------------------------------------ batches
     def allocate_batch_id(self, batch_size: int) -> int:
         """Allocate a batch with ``batch_size`` request slots."""
@@ -774,8 +622,8 @@ class TransferEngine(SyncTransfers):
     # ------------------------------------------------------------------ Mooncake-style aliases
     registerLocalMemory = register_local_memory  # noqa: N815
     unregisterLocalMemory = unregister_local_memory  # noqa: N815
-    openSegment = open_segment  # noqa: N815
-    closeSegment = close_segment  # noqa: N815
+    openSegment = Segments.open_segment  # noqa: N815
+    closeSegment = Segments.close_segment  # noqa: N815
     allocateBatchID = allocate_batch_id  # noqa: N815
     submitTransfer = submit_transfer  # noqa: N815
     getTransferStatus = get_transfer_status  # noqa: N815
