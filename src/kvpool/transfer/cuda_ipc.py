@@ -39,7 +39,6 @@ import mmap
 import os
 import select
 import threading
-from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -56,6 +55,7 @@ from kvpool.errors import (
 )
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
+from kvpool.transfer.cuda_ipc_state import _U64, _col, _Export, _Peer, _RemoteBuf, _Run, _Shm
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import READ, Requests, Transport
@@ -67,68 +67,6 @@ _KERNEL = "kvpool_gather"
 _BLOCK = 256
 _MAX_GRID = 1 << 16
 _MEMCPY_MIN = 4 << 20  # ranges at least this big (or runs of <= 4) go by cuMemcpyAsync
-_U64 = np.uint64
-
-
-@dataclass
-class _Export:
-    """One of our GPU registrations as peers see it."""
-
-    addr: int
-    length: int
-    device: int
-    handle: bytes
-    offset: int  # of addr in its allocation
-    slot: int
-    gen: int
-
-
-@dataclass
-class _RemoteBuf:
-    """A remote buffer the GPU can reach: GPU memory (IPC) or a shared host buffer."""
-
-    addr: int
-    length: int
-    gpu: bool
-    slot: int
-    gen: int
-    handle: bytes = b""
-    offset: int = 0
-    uuid: bytes = b""
-    shm_fd: int = -1
-    mapped: int = 0  # base of the mapping here (0: not opened yet)
-    keep: Any = None
-
-
-@dataclass
-class _Peer:
-    pid: int
-    incarnation: int
-    bufs: list[_RemoteBuf]
-    starts: np.ndarray
-    ends: np.ndarray
-    gpu: np.ndarray
-    fence: Any  # _native.FenceMap or None
-    pidfd: int
-    inflight: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    gone: bool = False  # its exit was reported to a caller: the next open_segment re-fetches
-
-
-@dataclass
-class _Run:
-    """A queued run of GPU copies: its slots, pins and resources, completed by one event."""
-
-    event: int
-    batch_id: int
-    first: int
-    lens: np.ndarray
-    peer: _Peer
-    pins: list[tuple[int, int]]
-    table: tuple[int, int, int] | None  # (device table, pinned host table, bytes) to give back
-    dev: int
-    lo: int = 0  # the local address range the copies touch: [lo, hi)
-    hi: int = 0
 
 
 class CudaIpcTransport(Transport):
@@ -654,23 +592,3 @@ class CudaIpcTransport(Transport):
             for d, h, _ in tables:
                 self.driver.free(d)
                 self.driver.free_host(h)
-
-
-def _col(c: Any) -> np.ndarray:
-    """A request column as a uint64 array (free for arrays, one C-speed pass for lists)."""
-    if isinstance(c, np.ndarray):
-        return c.astype(_U64, copy=False)
-    return np.fromiter(c, dtype=_U64, count=len(c))
-
-
-class _Shm:
-    """A peer's shared host buffer mapped here (closed with the peer)."""
-
-    def __init__(self, m: mmap.mmap) -> None:
-        self.m = m
-
-    def close(self) -> None:
-        try:
-            self.m.close()
-        except BufferError:
-            pass  # a ctypes view still points into it: the mapping goes with the process
