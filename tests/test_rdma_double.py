@@ -294,3 +294,48 @@ def test_double_batch_api_typed_errors(double):
             i.free_batch_id(bid)
         with pytest.raises(InvalidArgument):
             i.get_transfer_status(bid, 0)  # freed
+
+
+def test_double_slices_planned_for_a_restarted_peer_are_never_posted_to_its_successor(double):
+    """Slices queued for a peer's old incarnation (its addresses, its rkeys) must fail, not be posted
+    to the process that took its place: real HCAs hand out rkeys again (simulated by restarting
+    the double's key counter), and the new process may register the same addresses."""
+    import itertools
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = 1 << 20
+    kv = bytearray(n)  # the target's memory, at the same address before and after the restart
+    keys = fv._keys
+    fv._keys = itertools.count(7_000_000)
+    t = _engine(port=port)
+    base = t.register_local_memory(kv)
+    i = _engine()
+    try:
+        seg = i.open_segment(t.segment_name)
+        src = bytearray(b"A" * n)
+        la = i.register_local_memory(src)
+        old = i.get_segment_descriptor(seg).incarnation
+        dispatch = i.rdma._dispatch
+        i.rdma._dispatch = lambda: None  # the progress thread lags: the slices wait in its queue
+        bid = i.allocate_batch_id(1)
+        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, n)])
+        t.close()  # the target restarts on the same port, its HCA reusing the same rkeys
+        fv._keys = itertools.count(7_000_000)
+        t = _engine(port=port)
+        kv[:] = b"N" * n
+        t.register_local_memory(kv)
+        seg2 = i._open(t.segment_name)  # what open_segment does once the restart is noticed
+        assert i.get_segment_descriptor(seg2).incarnation != old
+        i.rdma._dispatch = dispatch
+        i.rdma._wake.set()
+        st = i.wait_batch(bid, timeout_s=10)
+        assert st.state == TransferState.FAILED
+        assert "restarted" in (i.get_transfer_status(bid, 0).error or "")
+        assert bytes(kv[:4]) == b"NNNN" and kv.count(b"A") == 0  # the successor's memory untouched
+    finally:
+        i.close()
+        t.close()
+        fv._keys = keys

@@ -40,12 +40,14 @@ class Req:
         "rpref",
         "pairs",
         "attempts",
+        "instance",
     )
 
     def __init__(self, batch_id: int, slot: int, peer: Peer) -> None:
         self.batch_id = batch_id
         self.slot = slot
         self.peer = peer
+        self.instance = peer.instance  # the incarnation its addresses and rkeys belong to
         self.remaining = 0
         self.done_bytes = 0
         self.state = TransferState.PENDING

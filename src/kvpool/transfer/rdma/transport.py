@@ -321,6 +321,10 @@ class RdmaTransport(Transport):
                 if s.req.state != TransferState.PENDING:
                     self._slice_dropped(s)
                     continue
+                if self._stale(s.req):  # planned against a previous incarnation of the peer
+                    self._fail_req(s.req, f"{s.req.peer.name} restarted or closed: reopen the segment")
+                    self._slice_dropped(s)
+                    continue
                 ep = self._endpoint(s.lnic, s.req.peer, s.rnic)
                 if isinstance(ep, str):
                     self._fail_slice(s, ep)
@@ -417,6 +421,13 @@ class RdmaTransport(Transport):
         req.remaining -= 1
         if req.remaining == 0 and req.state == TransferState.PENDING:
             self._finish(req, TransferState.COMPLETED, None)
+
+    def _stale(self, req: Req) -> bool:
+        """The request's addresses and rkeys were planned for another incarnation of its peer (it
+        restarted since), or the peer was closed: none of its slices may be posted any more (a
+        new process can get the same rkeys and addresses: the bytes would land in its memory)."""
+        peer = req.peer
+        return req.instance != peer.instance or self._peers.get(peer.hid) is not peer
 
     def _slice_dropped(self, s: Slice) -> None:
         s.req.remaining -= 1
