@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -970,3 +971,11 @@ def test_kv_events_in_pd_mode_feed_the_prefill_index() -> None:
             pub.close(0)
 
     run(go)
+
+
+def test_bad_reply_caps_and_timeouts_are_typed_errors() -> None:
+    from kvpool.errors import InvalidArgument
+
+    for kw in ({"max_reply_bytes": 0}, {"max_prefill_reply_bytes": -1}, {"timeout_s": 0}):
+        with pytest.raises(InvalidArgument):
+            PDProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], **kw)

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from kvpool.connectors.openai_api import error_text, snippet
+from kvpool.errors import InvalidArgument
 
 __all__ = ["Backend", "BackendClient", "BackendError", "BackendPool", "learn_peer"]
 
@@ -92,7 +93,7 @@ class BackendPool:
 
     def __init__(self, role: str, urls: Sequence[str]) -> None:
         if not urls:
-            raise ValueError(f"at least one {role} URL is required")
+            raise InvalidArgument(f"at least one {role} URL is required")
         self.role = role
         self.backends = [Backend(role, normalize_url(u)) for u in urls]
         self._next = 0
@@ -189,15 +190,15 @@ class BackendClient:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
-            raise ValueError("timeouts must be > 0")
+            raise InvalidArgument("timeouts must be > 0")
         if health_interval_s < 0:
-            raise ValueError("health_interval_s must be >= 0")
+            raise InvalidArgument("health_interval_s must be >= 0")
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.health_interval_s = float(health_interval_s)
         self.max_connections = int(max_connections)
         if max_reply_bytes <= 0:
-            raise ValueError("max_reply_bytes must be > 0")
+            raise InvalidArgument("max_reply_bytes must be > 0")
         self.max_reply_bytes = int(max_reply_bytes)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None

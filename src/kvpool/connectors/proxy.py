@@ -71,6 +71,7 @@ from kvpool.connectors.openai_api import (
     snippet,
 )
 from kvpool.connectors.proxy_stream import StreamHalves
+from kvpool.errors import InvalidArgument
 
 __all__ = ["Backend", "BackendError", "PDProxy"]
 
@@ -130,6 +131,8 @@ class PDProxy(StreamHalves):
             max_connections=max_connections,
             max_reply_bytes=max_reply_bytes,
         )
+        if max_prefill_reply_bytes <= 0:
+            raise InvalidArgument("max_prefill_reply_bytes must be > 0")
         self.max_prefill_reply_bytes = int(max_prefill_reply_bytes)
         self.aggregated = not decode_urls
         self.prefill = BackendPool("backend" if self.aggregated else "prefill", prefill_urls)
