@@ -5,7 +5,9 @@ aggregation, failover, endpoint pool), never the hardware."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
 
 import pytest
@@ -296,46 +298,110 @@ def test_double_batch_api_typed_errors(double):
             i.get_transfer_status(bid, 0)  # freed
 
 
-def test_double_slices_planned_for_a_restarted_peer_are_never_posted_to_its_successor(double):
-    """Slices queued for a peer's old incarnation (its addresses, its rkeys) must fail, not be posted
-    to the process that took its place: real HCAs hand out rkeys again (simulated by restarting
-    the double's key counter), and the new process may register the same addresses."""
-    import itertools
-    import socket
+def _hold_progress(eng):
+    """Park ``eng``'s RDMA progress thread until the returned event is set (slices stay queued)."""
+    gate, parked = threading.Event(), threading.Event()
+    eng.rdma._run_in_progress(lambda: (parked.set(), gate.wait(10)))
+    assert parked.wait(5)
+    return gate
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    n = 1 << 20
-    kv = bytearray(n)  # the target's memory, at the same address before and after the restart
-    keys = fv._keys
-    fv._keys = itertools.count(7_000_000)
-    t = _engine(port=port)
+
+def _restart(t, kv, monkeypatch):
+    """Close target ``t`` and start a new incarnation on its port over the same memory, whose NIC
+    hands out the same rkeys again (real HCAs reuse mkey indices): old slices would land there."""
+    port = int(t.segment_name.rsplit(":", 1)[1])
+    monkeypatch.setattr(fv, "_keys", itertools.count(7_000_000))
+    t.close()
+    monkeypatch.setattr(fv, "_keys", itertools.count(7_000_000))
+    t2 = _engine(port=port)
+    kv[:] = b"N" * len(kv)  # the new incarnation's own data
+    t2.register_local_memory(kv)
+    return t2
+
+
+def test_double_slices_queued_for_a_restarted_peer_fail_and_never_reach_the_new_one(double, monkeypatch):
+    """Slices queued for a peer's old incarnation (its addresses and rkeys) are failed when the
+    descriptor shows a new instance: never posted to the new process (they overwrote its memory
+    and the request reported COMPLETED)."""
+    monkeypatch.setattr(fv, "_keys", itertools.count(7_000_000))
+    t = _engine()
+    kv = bytearray(MiB)
     base = t.register_local_memory(kv)
     i = _engine()
+    t2 = None
     try:
-        seg = i.open_segment(t.segment_name)
-        src = bytearray(b"A" * n)
+        src = bytearray(b"A" * MiB)
         la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
         old = i.get_segment_descriptor(seg).incarnation
-        dispatch = i.rdma._dispatch
-        i.rdma._dispatch = lambda: None  # the progress thread lags: the slices wait in its queue
-        bid = i.allocate_batch_id(1)
-        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, n)])
-        t.close()  # the target restarts on the same port, its HCA reusing the same rkeys
-        fv._keys = itertools.count(7_000_000)
-        t = _engine(port=port)
-        kv[:] = b"N" * n
-        t.register_local_memory(kv)
-        seg2 = i._open(t.segment_name)  # what open_segment does once the restart is noticed
-        assert i.get_segment_descriptor(seg2).incarnation != old
-        i.rdma._dispatch = dispatch
-        i.rdma._wake.set()
-        st = i.wait_batch(bid, timeout_s=10)
-        assert st.state == TransferState.FAILED
-        assert "restarted" in (i.get_transfer_status(bid, 0).error or "")
-        assert bytes(kv[:4]) == b"NNNN" and kv.count(b"A") == 0  # the successor's memory untouched
+        gate = _hold_progress(i)
+        bid = i.allocate_batch_id(2)
+        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        t2 = _restart(t, kv, monkeypatch)
+        assert i._open(t.segment_name) == seg  # what open_segment does once it sees the restart
+        assert i.get_segment_descriptor(seg).incarnation != old
+        gate.set()
+        i.wait_batch(bid, 10)
+        st = i.get_transfer_status(bid, 0)
+        assert st.state == TransferState.FAILED and "restarted" in st.error
+        assert kv == b"N" * MiB  # the new incarnation's memory is untouched
+        # a request planned for the new incarnation goes through
+        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        i.wait_batch(bid, 10)
+        assert i.get_transfer_status(bid, 1).state == TransferState.COMPLETED and kv == src
+        i.free_batch_id(bid)
     finally:
         i.close()
-        t.close()
-        fv._keys = keys
+        (t2 or t).close()
+
+
+def test_double_slices_waiting_on_an_endpoint_fail_when_the_peer_restarts(double, monkeypatch):
+    """Slices already given to an endpoint (waiting to be posted) when the peer restarts are
+    failed, not retried against the new incarnation."""
+    monkeypatch.setattr(fv, "_keys", itertools.count(7_000_000))
+    t = _engine()
+    kv = bytearray(MiB)
+    base = t.register_local_memory(kv)
+    i = _engine(rdma_slice_size=4096, rdma_sq_depth=1, rdma_chain=1)
+    t2 = None
+    try:
+        la = i.register_local_memory(bytearray(b"A" * MiB))
+        seg = i.open_segment(t.segment_name)
+        assert i.transfer_sync(t.segment_name, la, base, 4096) == 4096  # endpoint made
+        kv[:] = bytes(MiB)
+        gate = _hold_progress(i)
+        bid = i.allocate_batch_id(1)
+        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        gate2, parked2 = threading.Event(), threading.Event()
+        i.rdma._run_in_progress(i.rdma._dispatch)  # slices to the endpoint, none posted yet
+        i.rdma._run_in_progress(lambda: (parked2.set(), gate2.wait(10)))
+        gate.set()
+        assert parked2.wait(5)
+        assert not i.rdma._incoming and sum(len(ep.pending) for ep in i.rdma._pool.values()) == 256
+        t2 = _restart(t, kv, monkeypatch)
+        i._open(t.segment_name)
+        gate2.set()
+        i.wait_batch(bid, 10)
+        st = i.get_transfer_status(bid, 0)
+        assert st.state == TransferState.FAILED and "restarted" in st.error
+        assert kv == b"N" * MiB
+        i.free_batch_id(bid)
+    finally:
+        i.close()
+        (t2 or t).close()
+
+
+def test_double_close_segment_cancels_its_queued_requests(double):
+    t, i, kv, base = _pair()
+    with t, i:
+        la = i.register_local_memory(bytearray(b"A" * MiB))
+        seg = i.open_segment(t.segment_name)
+        gate = _hold_progress(i)
+        bid = i.allocate_batch_id(1)
+        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        i.close_segment(seg)
+        gate.set()
+        i.wait_batch(bid, 10)
+        st = i.get_transfer_status(bid, 0)
+        assert st.state == TransferState.CANCELED and "closed" in st.error
+        assert kv[:MiB] == bytes(MiB)

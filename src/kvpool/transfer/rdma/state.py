@@ -43,11 +43,11 @@ class Req:
         "instance",
     )
 
-    def __init__(self, batch_id: int, slot: int, peer: Peer) -> None:
+    def __init__(self, batch_id: int, slot: int, peer: Peer, instance: Any = None) -> None:
         self.batch_id = batch_id
         self.slot = slot
         self.peer = peer
-        self.instance = peer.instance  # the incarnation its addresses and rkeys belong to
+        self.instance = instance  # the peer incarnation its addresses and rkeys were planned for
         self.remaining = 0
         self.done_bytes = 0
         self.state = TransferState.PENDING
@@ -88,15 +88,29 @@ class Slice:
 class Endpoint:
     """A connected RC queue pair to one remote NIC: chains in flight and slices waiting to post."""
 
-    __slots__ = ("key", "nic", "peer", "rnic", "qp", "remote_qpn", "inflight", "outstanding", "pending")
+    __slots__ = (
+        "key",
+        "nic",
+        "peer",
+        "rnic",
+        "qp",
+        "remote_qpn",
+        "instance",
+        "inflight",
+        "outstanding",
+        "pending",
+    )
 
-    def __init__(self, key: tuple, nic: Nic, peer: Peer, rnic: int, qp: Any, remote_qpn: int) -> None:
+    def __init__(
+        self, key: tuple, nic: Nic, peer: Peer, rnic: int, qp: Any, remote_qpn: int, instance: Any = None
+    ) -> None:
         self.key = key
         self.nic = nic
         self.peer = peer
         self.rnic = rnic
         self.qp = qp
         self.remote_qpn = remote_qpn
+        self.instance = instance  # the peer incarnation that accepted the QP
         self.inflight: dict[int, list[Slice]] = {}
         self.outstanding = 0
         self.pending: collections.deque[Slice] = collections.deque()
@@ -110,6 +124,7 @@ class Peer:
         self.name = name
         self.paused: dict[int, float] = {}
         self.rpc: Any = None
+        self.closed = False  # set by remove_peer: its queued slices are canceled
         self.update(info, buffers)
 
     def update(self, info: dict[str, Any], buffers: list[Any]) -> None:

@@ -59,6 +59,11 @@ log_engine = logging.getLogger("kvpool.transfer")  # where protocol="auto" says 
 _CHAIN_SHIFT = 1024  # wr_id = chain_id * 1024 + index in chain
 _WARNED_MEMLOCK = False
 _AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in this process (cached)
+_RESTARTED = "peer restarted since its descriptor was read; open the segment again"  # as the TCP path
+
+
+class _PeerRestarted(Exception):
+    """A connect reached another incarnation of the peer than the slice was planned for."""
 
 
 def start_rdma(cfg: Any, instance: int, batches: Any, verbs: Any = None) -> RdmaTransport | None:
@@ -191,6 +196,9 @@ class RdmaTransport(Transport):
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, hid: int, name: str, info: dict[str, Any], buffers: list[Any]) -> None:
+        """Called by the engine (``attach``) on every open/refresh of a segment. A new instance
+        fails every slice planned for the old one (its addresses and rkeys mean nothing to the new
+        process: posted there they would overwrite its memory)."""
         with self._lock:
             peer = self._peers.get(hid)
             if peer is None:
@@ -199,13 +207,19 @@ class RdmaTransport(Transport):
             restarted = peer.instance != info.get("instance")
             peer.update(info, buffers)
         if restarted:
-            self._run_in_progress(lambda: self._drop_peer_endpoints(peer))
+            reason = f"{_RESTARTED} ({peer.name}: instance changed)"
+            self._run_in_progress(lambda: self._drop_peer(peer, reason, TransferState.FAILED))
 
     def remove_peer(self, hid: int) -> None:
+        """Called by the engine (``detach``) on close_segment: the peer's unfinished requests end
+        CANCELED, as on the native path."""
         with self._lock:
             peer = self._peers.pop(hid, None)
+            if peer is not None:
+                peer.closed = True
         if peer is not None:
-            self._run_in_progress(lambda: self._drop_peer_endpoints(peer))
+            reason = f"segment {peer.name} closed"
+            self._run_in_progress(lambda: self._drop_peer(peer, reason, TransferState.CANCELED))
 
     def has_peer(self, hid: int) -> bool:
         return hid in self._peers
@@ -221,11 +235,13 @@ class RdmaTransport(Transport):
         now = time.monotonic()
         planned = []
         for i, (op, laddr, hid, raddr, length) in enumerate(zip(*reqs, strict=True)):
-            peer = self._peers.get(hid)
-            if peer is None:
-                raise SegmentNotFound(f"request {i}: segment {hid} is not open over RDMA")
+            with self._lock:  # the instance and the region from the same descriptor (add_peer)
+                peer = self._peers.get(hid)
+                if peer is None:
+                    raise SegmentNotFound(f"request {i}: segment {hid} is not open over RDMA")
+                inst = peer.instance
+                rreg = peer.region(raddr, length)
             lreg = self.regions.local(laddr, length)
-            rreg = peer.region(raddr, length)
             if rreg is None:
                 raise RemoteAccessError(
                     f"request {i}: remote range {raddr:#x}+{length} is outside the remote-accessible "
@@ -233,11 +249,11 @@ class RdmaTransport(Transport):
                 )
             if op == READ and not lreg[7]:
                 raise InvalidArgument(f"request {i}: READ into read-only memory at {laddr:#x}")
-            planned.append((op, laddr, peer, raddr, length, lreg, rreg))
+            planned.append((op, laddr, peer, inst, raddr, length, lreg, rreg))
         base = self.batches.reserve(batch_id, reqs.lens) if planned else 0  # InvalidArgument when full
         slices: list[Slice] = []
-        for k, (op, laddr, peer, raddr, length, lreg, rreg) in enumerate(planned):
-            req = Req(batch_id, base + k, peer)
+        for k, (op, laddr, peer, inst, raddr, length, lreg, rreg) in enumerate(planned):
+            req = Req(batch_id, base + k, peer, inst)
             wop = E.IBV_WR_RDMA_READ if op == READ else E.IBV_WR_RDMA_WRITE
             lpref, lsec = self._local_nics(lreg[4], now)
             rpref, rsec = self._remote_nics(peer, rreg[3], now)
@@ -318,14 +334,14 @@ class RdmaTransport(Transport):
         for q in (self._incoming, self._retry):
             while q:
                 s = q.popleft()
-                if s.req.state != TransferState.PENDING:
+                if s.req.state != TransferState.PENDING or self._stale(s):
                     self._slice_dropped(s)
                     continue
-                if self._stale(s.req):  # planned against a previous incarnation of the peer
-                    self._fail_req(s.req, f"{s.req.peer.name} restarted or closed: reopen the segment")
+                ep = self._endpoint(s.lnic, s.req.peer, s.rnic, s.req.instance)
+                if ep is None:
+                    self._fail_req(s.req, f"{_RESTARTED} ({s.req.peer.name}: a new instance answered)")
                     self._slice_dropped(s)
                     continue
-                ep = self._endpoint(s.lnic, s.req.peer, s.rnic)
                 if isinstance(ep, str):
                     self._fail_slice(s, ep)
                     continue
@@ -339,7 +355,18 @@ class RdmaTransport(Transport):
         pending = ep.pending
         while pending and ep.outstanding < self.sq_depth:
             n = min(len(pending), self.chain_max, self.sq_depth - ep.outstanding)
-            chain = [pending.popleft() for _ in range(n)]
+            chain = []
+            for _ in range(n):
+                s = pending.popleft()
+                if self._stale(s):  # planned for an incarnation that is gone: never posted
+                    self._slice_dropped(s)
+                elif s.req.instance != ep.instance:  # a QP to an older incarnation: remade at dispatch
+                    self._retry.append(s)
+                else:
+                    chain.append(s)
+            if not chain:
+                continue
+            n = len(chain)
             cid = next(self._chain_ids)
             base = cid * _CHAIN_SHIFT
             li, ri = ep.nic.index, ep.rnic
@@ -422,13 +449,6 @@ class RdmaTransport(Transport):
         if req.remaining == 0 and req.state == TransferState.PENDING:
             self._finish(req, TransferState.COMPLETED, None)
 
-    def _stale(self, req: Req) -> bool:
-        """The request's addresses and rkeys were planned for another incarnation of its peer (it
-        restarted since), or the peer was closed: none of its slices may be posted any more (a
-        new process can get the same rkeys and addresses: the bytes would land in its memory)."""
-        peer = req.peer
-        return req.instance != peer.instance or self._peers.get(peer.hid) is not peer
-
     def _slice_dropped(self, s: Slice) -> None:
         s.req.remaining -= 1
 
@@ -455,9 +475,21 @@ class RdmaTransport(Transport):
         s.lnic, s.rnic = nxt
         self._retry.append(s)
 
-    def _fail_req(self, req: Req, reason: str) -> None:
+    def _fail_req(self, req: Req, reason: str, state: TransferState = TransferState.FAILED) -> None:
         if req.state == TransferState.PENDING:
-            self._finish(req, TransferState.FAILED, reason)
+            self._finish(req, state, reason)
+
+    def _stale(self, s: Slice) -> bool:
+        """Whether ``s`` was planned for an incarnation of its peer that is gone (restarted or
+        closed); its request is then failed (canceled when closed). Progress thread."""
+        req, peer = s.req, s.req.peer
+        if peer.closed:
+            self._fail_req(req, f"segment {peer.name} closed", TransferState.CANCELED)
+            return True
+        if req.instance != peer.instance:
+            self._fail_req(req, f"{_RESTARTED} ({peer.name}: instance changed)")
+            return True
+        return False
 
     def _finish(self, req: Req, state: TransferState, reason: str | None) -> None:
         req.error = reason
@@ -465,13 +497,19 @@ class RdmaTransport(Transport):
         self.batches.finish(req.batch_id, req.slot, req.done_bytes, reason, state)
 
     # ------------------------------------------------------------------ endpoints
-    def _endpoint(self, lnic: int, peer: Peer, rnic: int) -> Endpoint | str:
+    def _endpoint(self, lnic: int, peer: Peer, rnic: int, inst: Any) -> Endpoint | str | None:
+        """The endpoint to instance ``inst`` of ``peer``; a reason string when the path is down;
+        None when another instance answered (the peer restarted)."""
         key = (lnic, peer.hid, rnic)
         ep = self._pool.get(key)
         if ep is not None:
-            return ep
+            if ep.instance == inst:
+                return ep
+            self._break(ep, f"{peer.name} restarted", penalize=False)  # an older instance's QP
         try:
-            ep = self._connect(self.nics[lnic], peer, rnic)
+            ep = self._connect(self.nics[lnic], peer, rnic, inst)
+        except _PeerRestarted:
+            return None
         except Exception as exc:  # noqa: BLE001 - RPC or verbs failure: this path is down
             self._pause(lnic, peer, rnic)
             return f"connecting {self.nics[lnic].name} -> {peer.name}/{peer.nic_names[rnic]}: {exc}"
@@ -486,7 +524,7 @@ class RdmaTransport(Transport):
             peer.rpc = RpcClient(peer.rpc_addr, self.cfg.connect_timeout_s, self.cfg.secret)
         return peer.rpc
 
-    def _connect(self, nic: Nic, peer: Peer, rnic: int) -> Endpoint:
+    def _connect(self, nic: Nic, peer: Peer, rnic: int, inst: Any) -> Endpoint:
         qp = make_qp(self.V, nic, self.sq_depth)
         psn = random.getrandbits(24)
         try:
@@ -501,13 +539,13 @@ class RdmaTransport(Transport):
                 ethernet=nic.ethernet,
                 initiator=self.instance,
             )
-            if reply.get("instance") != peer.instance:
-                raise RdmaConnectError(f"{peer.name} restarted (instance changed): reopen the segment")
+            if reply.get("instance") != inst:
+                raise _PeerRestarted()
             qp_connect(self.V, nic, qp, reply, psn)
         except Exception:
             qp.close()
             raise
-        return Endpoint((nic.index, peer.hid, rnic), nic, peer, rnic, qp, int(reply["qpn"]))
+        return Endpoint((nic.index, peer.hid, rnic), nic, peer, rnic, qp, int(reply["qpn"]), inst)
 
     def _pause(self, lnic: int, peer: Peer, rnic: int) -> None:
         until = time.monotonic() + self.cfg.rdma_nic_pause_s
@@ -548,12 +586,26 @@ class RdmaTransport(Transport):
         self.stats["evictions"] += 1
         self._close_ep(ep)
 
-    def _drop_peer_endpoints(self, peer: Peer) -> None:
+    def _drop_peer(self, peer: Peer, reason: str, state: TransferState) -> None:
+        """Progress thread, after ``peer`` restarted or was closed: drop its endpoints on both
+        sides and end every request with a slice in flight or waiting on them (``state``);
+        queued and retried slices are ended at dispatch (:meth:`_stale`)."""
         for key in self._pool.keys():
-            if key[1] == peer.hid:
-                ep = self._pool.get(key)
-                if ep is not None:
-                    self._break(ep, f"{peer.name} restarted or closed", penalize=False)
+            ep = self._pool.get(key) if key[1] == peer.hid else None
+            if ep is None or (ep.instance == peer.instance and not peer.closed):
+                continue  # another peer's, or already made to the new instance
+            self._pool.pop(key)
+            self._close_ep(ep)
+            for cid in ep.inflight:
+                self._chains.pop(cid, None)
+            for s in [s for c in ep.inflight.values() for s in c] + list(ep.pending):
+                self._fail_req(s.req, reason, state)
+                self._slice_dropped(s)
+            ep.inflight.clear()
+            ep.pending.clear()
+            ep.outstanding = 0
+            if ep in self._active:
+                self._active.remove(ep)
 
     def endpoint_count(self) -> int:
         return len(self._pool)
