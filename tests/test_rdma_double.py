@@ -405,3 +405,69 @@ def test_double_close_segment_cancels_its_queued_requests(double):
         st = i.get_transfer_status(bid, 0)
         assert st.state == TransferState.CANCELED and "closed" in st.error
         assert kv[:MiB] == bytes(MiB)
+
+
+def _connect_raw(rpc, nic, initiator, qpn, origin=""):
+    """One ``connect`` RPC as an initiator sends it (a hostile one may send any number)."""
+    return rpc.call("connect", nic="mlx5_0", qpn=qpn, psn=1, gid=nic.gid, lid=nic.lid, mtu=nic.mtu,
+                    ethernet=nic.ethernet, initiator=initiator, origin=origin)  # fmt: skip
+
+
+def test_double_passive_qps_are_capped_per_initiator_and_in_total(double):
+    """A target makes a QP per ``connect``: at most 2 x min(rdma_max_endpoints, 16 x its NICs) per
+    initiator instance and 16 x rdma_max_endpoints in all; over a cap the connect is refused with
+    ObjectBusy (2,000 connects from one initiator held 2,000 QPs)."""
+    from kvpool._rpc import RpcClient
+    from kvpool.errors import ObjectBusy
+
+    double(["mlx5_0"])
+    t = _engine(rdma_max_endpoints=4)  # per initiator 8, in all 64
+    i = _engine()
+    with t, i:
+        nic = i.rdma.nics[0]
+        rpc = RpcClient(t.rdma.rpc_addr, 5.0, None)
+        try:
+            for n in range(8):
+                _connect_raw(rpc, nic, 1, 1000 + n)
+            with pytest.raises(ObjectBusy, match="initiator"):
+                _connect_raw(rpc, nic, 1, 2000)
+            assert len(t.rdma._passive) == 8
+            rpc.call("disconnect", initiator=1, gid=nic.gid, qpn=1000)  # frees its room
+            _connect_raw(rpc, nic, 1, 2001)
+            for ini in range(2, 9):  # 7 more initiators fill the target: 64 in all
+                for n in range(8):
+                    _connect_raw(rpc, nic, ini, n)
+            assert len(t.rdma._passive) == 64
+            with pytest.raises(ObjectBusy, match="passive QPs"):
+                _connect_raw(rpc, nic, 99, 1)
+            assert len(t.rdma._passive) == 64
+        finally:
+            rpc.close()
+        # a real initiator over the cap tries other paths and fails its request typed, in time
+        base = t.register_local_memory(bytearray(MiB))
+        ini = _engine(rdma_retry_limit=1, rdma_nic_pause_s=0)
+        with ini:
+            la = ini.register_local_memory(bytearray(MiB))
+            seg = ini.open_segment(t.segment_name)
+            st, per = run_batch(ini, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)], timeout=10)
+            assert st.state == TransferState.FAILED and "passive QPs" in per[0].error
+
+
+def test_double_a_new_initiator_instance_replaces_its_old_passive_qps(double):
+    """An initiator restarted under the same segment name (it never sent ``disconnect``): the
+    target closes the old instance's QPs at its first connect instead of keeping them forever."""
+    double(["mlx5_0"])
+    t = _engine()
+    kv = bytearray(MiB)
+    base = t.register_local_memory(kv)
+    with t:
+        port = None
+        for _ in range(3):
+            ini = _engine(**({"port": port} if port else {}))
+            port = int(ini.segment_name.rsplit(":", 1)[1])
+            src = bytearray(os.urandom(MiB))
+            la = ini.register_local_memory(src)
+            assert ini.transfer_sync(t.segment_name, la, base, MiB) == MiB and kv == src
+            assert len(t.rdma._passive) == ini.rdma.endpoint_count() == 1  # the old ones closed
+            ini.close()  # sends no disconnect (as a process that dies)
+        assert len(t.rdma._passive) == 1

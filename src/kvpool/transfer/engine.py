@@ -168,7 +168,9 @@ class TransferEngine(Segments, SyncTransfers):
             from kvpool.transfer.rdma.transport import start_rdma  # pyverbs only when asked for
 
             try:
-                self._rdma = start_rdma(cfg, self._native.incarnation, self.batches, verbs)
+                self._rdma = start_rdma(
+                    cfg, self._native.incarnation, self.batches, verbs, origin=self.segment_name
+                )
             except BaseException:
                 self._native.shutdown()
                 raise

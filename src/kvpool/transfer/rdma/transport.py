@@ -32,8 +32,8 @@ from typing import Any
 
 from kvpool.errors import (
     InvalidArgument,
+    ObjectBusy,
     ProtocolUnavailable,
-    RdmaConnectError,
     RemoteAccessError,
     SegmentNotFound,
 )
@@ -47,6 +47,7 @@ from kvpool.transfer.rdma.nics import (
     open_nics,
     qp_connect,
 )
+from kvpool.transfer.rdma.passive import PassiveQps
 from kvpool.transfer.rdma.state import Endpoint, Peer, Req, Slice, slice_plan
 from kvpool.transfer.rdma.topology import load_matrix, matrix_nics, nics_for
 from kvpool.transfer.rdma.verbs import Verbs, as_verbs, load_verbs
@@ -66,7 +67,9 @@ class _PeerRestarted(Exception):
     """A connect reached another incarnation of the peer than the slice was planned for."""
 
 
-def start_rdma(cfg: Any, instance: int, batches: Any, verbs: Any = None) -> RdmaTransport | None:
+def start_rdma(
+    cfg: Any, instance: int, batches: Any, verbs: Any = None, origin: str = ""
+) -> RdmaTransport | None:
     """The RDMA transport of an engine with ``cfg.protocol`` "rdma" or "auto"; under "auto" None
     when it cannot run here (no device: logged once per process, and not probed again)."""
     global _AUTO_RDMA_SKIP
@@ -81,7 +84,7 @@ def start_rdma(cfg: Any, instance: int, batches: Any, verbs: Any = None) -> Rdma
             )
             return None
     try:
-        return RdmaTransport(cfg, cfg.hostname, instance, batches, verbs=verbs)
+        return RdmaTransport(cfg, cfg.hostname, instance, batches, verbs=verbs, origin=origin)
     except ProtocolUnavailable as exc:
         if not auto:
             raise
@@ -102,13 +105,18 @@ class RdmaTransport(Transport):
         verbs: the verbs layer (a :class:`~kvpool.transfer.rdma.verbs.Verbs` or a module with
             pyverbs' ``device, pd, mr, cq, qp, wr, addr, enums, pyverbs_error``); None = pyverbs.
             Tests pass :mod:`kvpool.testing.fake_verbs` here.
+        origin: the engine's segment name, sent with each connect: a target closes the QPs of our
+            previous instance when it sees a new one from the same origin.
     """
 
     name = "rdma"
     locations = frozenset({"cpu", "cuda"})
 
-    def __init__(self, cfg: Any, hostname: str, instance: int, batches: Any, verbs: Any = None) -> None:
+    def __init__(
+        self, cfg: Any, hostname: str, instance: int, batches: Any, verbs: Any = None, origin: str = ""
+    ) -> None:
         self.cfg = cfg
+        self.origin = origin
         self.batches = batches
         self.V: Verbs = load_verbs() if verbs is None else as_verbs(verbs)
         self.E = self.V.enums
@@ -134,7 +142,12 @@ class RdmaTransport(Transport):
         self._chain_ids = itertools.count(1)
         self._incoming: collections.deque[Slice] = collections.deque()
         self._retry: collections.deque[Slice] = collections.deque()
-        self._passive: dict[tuple[int, int], Any] = {}
+        # initiators' QP ends: per initiator at most 2x the endpoints it may want to us (its NICs,
+        # assumed <= 16, x ours; or its endpoint cap), 16x our endpoint cap in all
+        per_ini = 2 * min(cfg.rdma_max_endpoints, 16 * len(self.nics))
+        self._passive = PassiveQps(
+            self.V, self.nics, self.sq_depth, instance, per_ini, 16 * cfg.rdma_max_endpoints
+        )
         self._paused: dict[int, float] = {}
         self._rr = 0
         self.stats: collections.Counter[str] = collections.Counter()
@@ -538,6 +551,7 @@ class RdmaTransport(Transport):
                 mtu=nic.mtu,
                 ethernet=nic.ethernet,
                 initiator=self.instance,
+                origin=self.origin,
             )
             if reply.get("instance") != inst:
                 raise _PeerRestarted()
@@ -616,38 +630,15 @@ class RdmaTransport(Transport):
         try:
             op = req.get("op")
             if op == "connect":
-                return {"id": rid, "ok": True, **self._accept(req)}
+                return {"id": rid, "ok": True, **self._passive.accept(req)}
             if op == "disconnect":
-                qp = self._passive.pop((int(req["initiator"]), int(req["qpn"])), None)
-                if qp is not None:
-                    qp.close()
+                self._passive.disconnect(req)
                 return {"id": rid, "ok": True}
             return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+        except ObjectBusy as exc:  # over a passive QP cap: the initiator tries another path
+            return {"id": rid, "ok": False, "err": "BUSY", "msg": str(exc)}
         except Exception as exc:  # noqa: BLE001
             return {"id": rid, "ok": False, "err": "ERROR", "msg": str(exc)}
-
-    def _accept(self, req: dict[str, Any]) -> dict[str, Any]:
-        name = req["nic"]
-        if name not in self.nic_names:
-            raise RdmaConnectError(f"no NIC {name!r} here")
-        nic = self.nics[self.nic_names.index(name)]
-        qp = make_qp(self.V, nic, self.sq_depth)
-        psn = random.getrandbits(24)
-        try:
-            qp_connect(self.V, nic, qp, req, psn)
-        except Exception:
-            qp.close()
-            raise
-        self._passive[(int(req["initiator"]), int(req["qpn"]))] = qp
-        return {
-            "qpn": qp.qp_num,
-            "psn": psn,
-            "gid": nic.gid,
-            "lid": nic.lid,
-            "mtu": nic.mtu,
-            "ethernet": nic.ethernet,
-            "instance": self.instance,
-        }
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -663,11 +654,7 @@ class RdmaTransport(Transport):
                 ep.qp.close()
             except Exception:  # noqa: BLE001
                 pass
-        for qp in self._passive.values():
-            try:
-                qp.close()
-            except Exception:  # noqa: BLE001
-                pass
+        self._passive.close()
         self.regions.close()
         for nic in self.nics:
             try:
