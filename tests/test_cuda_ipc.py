@@ -510,3 +510,41 @@ def test_release_exited_closes_a_dead_peers_mappings(peer: Peer, fake_driver: st
         assert not _ipc(eng)._peers
         with pytest.raises((SegmentNotFound, TransferError)):
             eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+
+
+def test_failed_kernel_launches_give_their_address_tables_back(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose gather-kernel launch fails returns the device address table it took: each
+    failure kept one (device and pinned memory), and on a device with room for a few tables every
+    run failed after that many failures."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        r, n = peer.gpu[0], 8  # 8 small GPU ranges: one kernel launch
+        locs, rems = [g + k * 4096 for k in range(n)], [r + k * 4096 for k in range(n)]
+        eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
+        real_alloc, real_launch, allocs, fails = drv.alloc, drv.launch, [], [0]
+
+        def small_device(size: int, device: int = 0) -> int:  # room for 2 address tables
+            if len(allocs) >= 2:
+                raise CudaError("cuMemAlloc failed: CUDA error 2 (out of memory)", 2)
+            allocs.append(size)
+            return real_alloc(size, device)
+
+        def launch(*args: object) -> None:
+            if fails[0] < 5:
+                fails[0] += 1
+                raise CudaError("cuLaunchKernel failed: CUDA error 701 (launch out of resources)", 701)
+            real_launch(*args)
+
+        monkeypatch.setattr(drv, "alloc", small_device)
+        monkeypatch.setattr(drv, "launch", launch)
+        for _ in range(5):
+            with pytest.raises(TransferError, match="701"):
+                eng.batch_transfer_sync(peer.name, locs, rems, [4096] * n)
+        _fill(drv, g, 1 << 20, 11)
+        assert eng.batch_transfer_sync(peer.name, locs, rems, [4096] * n) == n * 4096
+        assert peer.ask(f"dump {r} {n * 4096}") == _sha(drv, g, n * 4096)
+        assert len(allocs) == 1 and _ipc(eng).launches == 1

@@ -424,21 +424,24 @@ class CudaIpcTransport(Transport):
         except BaseException:
             self._unpin(peer, pins)
             raise
-        stream = None
+        stream = table = event = None
         try:
             stream = self._stream(dev)
-            table = None
             if len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all():
                 for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
                     self.driver.memcpy_async(d, s, n, stream)
                 self.memcpy_runs += 1
             else:
-                table = self._launch(dev, stream, src, dst, lens)
+                table = self._take_table(dev, 24 * len(lens))
+                self._launch(dev, stream, table, src, dst, lens)
                 self.launches += 1
-            event = self._events.pop() if self._events else self.driver.event()
+            with self._lock:  # two submitters could both see the last one
+                event = self._events.pop() if self._events else None
+            event = self.driver.event() if event is None else event
             self.driver.record(event, stream)
         except BaseException as exc:
             self._settle(stream)  # copies queued before the failure still read/write the mappings
+            self._give_back(dev, table, event)  # after _settle: the table's copy has run
             self._unpin(peer, pins)
             self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
             raise
@@ -498,16 +501,17 @@ class CudaIpcTransport(Transport):
         return s
 
     def _launch(
-        self, dev: int, stream: int, src: np.ndarray, dst: np.ndarray, lens: np.ndarray
-    ) -> tuple[int, int, int]:
-        """Copy the address table to the device (one copy) and launch the gather kernel once."""
+        self, dev: int, stream: int, table: tuple[int, int, int], src: np.ndarray, dst: np.ndarray,
+        lens: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Copy the address table (taken by the caller, who gives it back if this raises) to the
+        device in one copy and launch the gather kernel once."""
         func = self._kernels.get(dev)
         if func is None:
             ptx = resources.files("kvpool.transfer").joinpath("kernels/gather.ptx").read_bytes() + b"\0"
             func = self._kernels[dev] = self.driver.function(ptx, _KERNEL, dev)
         n = len(lens)
         need = 24 * n
-        table = self._take_table(dev, need)
         dtab, htab, _ = table
         host = np.frombuffer((ctypes.c_char * need).from_address(htab), dtype=_U64)
         host[:n], host[n : 2 * n], host[2 * n :] = src, dst, lens
@@ -519,7 +523,6 @@ class CudaIpcTransport(Transport):
             ctypes.c_uint(n),
         ]
         self.driver.launch(func, min(n, _MAX_GRID), _BLOCK, stream, args)
-        return table
 
     def _take_table(self, dev: int, need: int) -> tuple[int, int, int]:
         size = 1 << max(16, (need - 1).bit_length())
@@ -528,7 +531,20 @@ class CudaIpcTransport(Transport):
             for i, t in enumerate(free):
                 if t[2] == size:
                     return free.pop(i)
-        return self.driver.alloc(size, dev), self.driver.host_alloc(size), size
+        d = self.driver.alloc(size, dev)
+        try:
+            return d, self.driver.host_alloc(size), size
+        except BaseException:
+            self.driver.free(d)
+            raise
+
+    def _give_back(self, dev: int, table: tuple[int, int, int] | None, event: int | None) -> None:
+        """A run's address table and event to the free lists (its copies ran or failed)."""
+        with self._lock:
+            if event is not None:
+                self._events.append(event)
+            if table is not None:
+                self._tables[dev].append(table)
 
     # ------------------------------------------------------------------ completion
     def _complete_loop(self) -> None:
@@ -553,10 +569,7 @@ class CudaIpcTransport(Transport):
                 self.native.finish_range_buf(run.batch_id, run.first, run.lens, 0)
             else:
                 self._fail(run.batch_id, run.first, run.lens, error)
-            with self._lock:
-                self._events.append(run.event)
-                if run.table is not None:
-                    self._tables[run.dev].append(run.table)
+            self._give_back(run.dev, run.table, run.event)
             with run.peer.lock:
                 run.peer.inflight -= 1
             with self._cond:
