@@ -615,3 +615,98 @@ def test_double_auto_sync_to_same_host_host_buffer_stages_in_rounds(rt, cpu_peer
             assert xxhash.xxh3_64_hexdigest(dev.read()) == want
         halves = [a, a + n // 2], [cpu_peer.addr, cpu_peer.addr + n // 2], [n // 2] * 2
         assert eng.batch_transfer_sync(cpu_peer.segment, *halves, op) == n
+
+
+def _held_staging(rt, monkeypatch):
+    """copy_d2h made to hold the staging pool: the first copy sets ``holding`` and waits for
+    ``go`` (the other copies run at once)."""
+    import threading
+
+    holding, go, real = threading.Event(), threading.Event(), rt.copy_d2h
+
+    def held(dst: int, src: int, n: int) -> None:
+        if not holding.is_set():
+            holding.set()
+            go.wait(30)
+        real(dst, src, n)
+
+    monkeypatch.setattr(rt, "copy_d2h", held)
+    return holding, go
+
+
+def test_double_auto_sync_waits_for_staging_another_transfer_holds(rt, cpu_peer, monkeypatch):
+    """The CUDA IPC route's staged rounds (GPU memory to a same-host peer's host memory), two
+    synchronous transfers bigger than the pool at once: a round that finds the pool busy waits
+    for it (it failed InvalidArgument at once), and both move the right bytes."""
+    import threading
+
+    import xxhash
+
+    n = 3 * MiB
+    devs = [rt.alloc(n), rt.alloc(n)]
+    data = [os.urandom(n), os.urandom(n)]
+    for d, b in zip(devs, data, strict=True):
+        d.write(b)
+    holding, go = _held_staging(rt, monkeypatch)
+    with _gpu_engine(rt, protocol="auto", staging_pool_size=MiB, timeout_s=20.0) as eng:
+        addrs = [eng.register_local_memory(d, remote_accessible=False) for d in devs]
+        assert eng.uses_same_host_path(eng.open_segment(cpu_peer.segment))
+        out: dict[int, object] = {}
+
+        def send(k: int) -> None:
+            try:
+                out[k] = eng.transfer_sync(cpu_peer.segment, addrs[k], cpu_peer.addr + k * n, n, OpCode.WRITE)
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                out[k] = exc
+
+        first = threading.Thread(target=send, args=(0,))
+        first.start()
+        assert holding.wait(10)  # the first transfer's round holds the whole pool
+        second = threading.Thread(target=send, args=(1,))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and 1 not in out  # waiting for the pool, not failed
+        go.set()
+        first.join(30)
+        second.join(30)
+        assert out == {0: n, 1: n}
+        for k in range(2):
+            assert cpu_peer.checksum(k * n, n) == xxhash.xxh3_64_hexdigest(data[k])
+        assert eng.staging.pool.peak <= MiB and eng.staging.pool.in_use == 0
+
+
+def test_double_auto_sync_staging_wait_ends_at_the_deadline(rt, cpu_peer, monkeypatch):
+    """A staged round of the CUDA IPC route that gets no staging within the transfer's timeout
+    fails TransferTimeout (typed), sending nothing; the transfer holding the pool completes."""
+    import threading
+    import time
+
+    import xxhash
+
+    from kvpool.errors import TransferTimeout
+
+    n = MiB
+    dev = rt.alloc(2 * n)
+    dev.write(b"\x5a" * n + b"\xa5" * n)
+    before = cpu_peer.checksum(n, n)
+    holding, go = _held_staging(rt, monkeypatch)
+    with _gpu_engine(rt, protocol="auto", staging_pool_size=MiB, timeout_s=0.5) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        out: dict[str, object] = {}
+        first = threading.Thread(
+            target=lambda: out.update(
+                n=eng.transfer_sync(cpu_peer.segment, a, cpu_peer.addr, n, OpCode.WRITE)
+            )
+        )
+        first.start()
+        assert holding.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="staging"):
+            eng.transfer_sync(cpu_peer.segment, a + n, cpu_peer.addr + n, n, OpCode.WRITE)
+        assert 0.4 < time.monotonic() - t0 < 5
+        go.set()
+        first.join(30)
+        assert out == {"n": n}
+        assert cpu_peer.checksum(0, n) == xxhash.xxh3_64_hexdigest(b"\x5a" * n)
+        assert cpu_peer.checksum(n, n) == before  # the timed-out round sent nothing
+        assert eng.staging.pool.in_use == 0

@@ -286,8 +286,14 @@ class CudaIpcTransport(Transport):
             return b.mapped
 
     # ------------------------------------------------------------------ initiator side: submit
-    def submit(self, batch_id: int, reqs: Requests) -> None:
-        """Columns may be lists or numpy arrays (``batch_transfer_sync`` passes arrays through)."""
+    def submit_staged(self, batch_id: int, reqs: Requests, stage_wait_s: float) -> None:
+        """A round of a synchronous transfer: staged requests wait for the staging pool."""
+        self.submit(batch_id, reqs, stage_wait_s)
+
+    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+        """Columns may be lists or numpy arrays (``batch_transfer_sync`` passes arrays through).
+        Staged requests (see :meth:`needs_staging`) wait up to ``stage_wait_s`` for the staging
+        pool (None: InvalidArgument when it is full)."""
         ops = reqs.ops
         if isinstance(ops, np.ndarray):
             ops = ops.astype(np.uint8, copy=False)
@@ -301,7 +307,7 @@ class CudaIpcTransport(Transport):
             start = 0
             for i in range(1, len(peers) + 1):
                 if i == len(peers) or peers[i] != peers[start]:
-                    self.submit(batch_id, reqs.part(start, i))
+                    self.submit(batch_id, reqs.part(start, i), stage_wait_s)
                     start = i
             return
         peer = self._peers.get(peers[0])
@@ -320,7 +326,7 @@ class CudaIpcTransport(Transport):
         rgpu = inside & peer.gpu[ridx_c] if len(peer.bufs) else inside
         ipc = rgpu | (local_gpu & inside)  # GPU memory on one side, reachable memory on the other
         if not ipc.any():
-            self._inner_submit(batch_id, reqs, local_gpu)
+            self._inner_submit(batch_id, reqs, local_gpu, stage_wait_s)
             return
         if ipc.all():
             self._submit_gpu(batch_id, peer, ops, locs, rems, lens, ridx, local_gpu)
@@ -333,7 +339,7 @@ class CudaIpcTransport(Transport):
                     batch_id, peer, ops[a:b], locs[a:b], rems[a:b], lens[a:b], ridx[a:b], local_gpu[a:b]
                 )
             else:
-                self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b])
+                self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b], stage_wait_s)
 
     def needs_staging(self, handle: int, locs: Any, rems: Any, lens: Any) -> bool:
         """Whether some of these requests go through GPU staging (a local GPU range to a peer range
@@ -356,10 +362,12 @@ class CudaIpcTransport(Transport):
         inside = (ridx >= 0) & (rems + lens <= peer.ends[ridx_c])
         return bool((local_gpu & ~inside).any())
 
-    def _inner_submit(self, batch_id: int, reqs: Requests, local_gpu: np.ndarray) -> None:
+    def _inner_submit(
+        self, batch_id: int, reqs: Requests, local_gpu: np.ndarray, wait_s: float | None
+    ) -> None:
         reqs = Requests(*(c.tolist() if isinstance(c, np.ndarray) else c for c in reqs))
         if local_gpu.any():
-            self.staging.submit(self.inner, batch_id, reqs)
+            self.staging.submit(self.inner, batch_id, reqs, wait_s)
         else:
             self.inner.submit(batch_id, reqs)
 

@@ -588,6 +588,8 @@ class TransferEngine(Segments, SyncTransfers):
             and self._staging.needed(part.locs, part.lens)
         ):
             self._staging.submit(t, batch_id, part, wait_s=stage_wait_s)
+        elif stage_wait_s is not None:
+            t.submit_staged(batch_id, part, stage_wait_s)  # a round of batch_transfer_sync
         else:
             t.submit(batch_id, part)
 

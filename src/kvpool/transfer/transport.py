@@ -151,6 +151,13 @@ class Transport(ABC):
         ``Batches.finish``; native ones complete them in C++.
         """
 
+    def submit_staged(self, batch_id: int, reqs: Requests, stage_wait_s: float) -> None:
+        """As :meth:`submit`, for a transport whose ``locations`` include "cuda" and that stages
+        some GPU ranges itself (CUDA IPC to a peer's host memory): it waits up to
+        ``stage_wait_s`` for room in the staging pool (TransferTimeout after) instead of raising
+        InvalidArgument at once. Called by the engine's synchronous transfers for each round."""
+        self.submit(batch_id, reqs)
+
     def transfer_inline(
         self,
         op: int,
