@@ -548,3 +548,84 @@ def test_failed_kernel_launches_give_their_address_tables_back(
         assert eng.batch_transfer_sync(peer.name, locs, rems, [4096] * n) == n * 4096
         assert peer.ask(f"dump {r} {n * 4096}") == _sha(drv, g, n * 4096)
         assert len(allocs) == 1 and _ipc(eng).launches == 1
+
+
+def test_unregister_waits_for_a_submit_between_its_check_and_its_run(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A READ into our GPU buffer that passed the registration check but has not queued its run
+    yet when unregister starts: unregister waits for that run too (it saw no run queued, returned,
+    and the copies then landed in memory the caller may have freed, reported COMPLETED)."""
+    import threading
+
+    from kvpool.testing import fakecuda
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        r, n = peer.gpu[0], 8
+        eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
+        assert peer.ask(f"fill {r} {n * 4096} 13") == "ok"
+        ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+        real, checked, go = ipc._submit_gpu, threading.Event(), threading.Event()
+
+        def between_check_and_queue(*args: object) -> None:
+            checked.set()
+            go.wait(10)
+            real(*args)
+
+        monkeypatch.setattr(ipc, "_submit_gpu", between_check_and_queue)
+        bid = eng.allocate_batch_id(n)
+        reqs = [TransferRequest(OpCode.READ, g + k * 4096, seg, r + k * 4096, 4096) for k in range(n)]
+        at_return: list[tuple[int, int, int]] = []
+        sub = threading.Thread(target=eng.submit_transfer, args=(bid, reqs))
+        unreg = threading.Thread(
+            target=lambda: (eng.unregister_local_memory(g), at_return.append(fakecuda.stats(fake_driver)))
+        )
+        try:
+            sub.start()
+            assert checked.wait(10)  # the submit checked the registration, its run is not queued
+            unreg.start()
+            unreg.join(0.5)
+            early = bool(at_return)  # unregister returned before the run was queued
+        finally:
+            go.set()
+            sub.join(10)
+            unreg.join(10)
+        assert at_return and eng.wait_batch(bid, 10).ok
+        time.sleep(0.3)
+        assert fakecuda.stats(fake_driver) == at_return[0]  # nothing copied after unregister returned
+        assert not early
+        assert _sha(drv, g, n * 4096) == peer.ask(f"dump {r} {n * 4096}")  # the bytes landed before
+        eng.free_batch_id(bid)
+
+
+def test_unregister_of_a_buffer_under_a_hung_stream_raises_at_the_timeout(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our copies into a GPU buffer outlive the engine's timeout (a hung stream: each copy 1 s
+    here): unregister does not wait forever; it finishes unregistering (no new copy, nothing
+    published), keeps the buffer referenced and raises RegistrationError."""
+    from kvpool.errors import AddressNotRegistered, RegistrationError
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=0.3) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        r = peer.gpu[0]
+        eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
+        seg = eng.open_segment(peer.name)
+        monkeypatch.setenv("FAKECUDA_DELAY_US", "1000000")
+        bid = eng.allocate_batch_id(2)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g + k * 4096, seg, r, 4096) for k in range(2)])
+        t0 = time.monotonic()
+        with pytest.raises(RegistrationError, match="did not finish within 0.3 s"):
+            eng.unregister_local_memory(g)
+        assert 0.25 < time.monotonic() - t0 < 5
+        assert eng._registry.get(g) is None and len(eng._fenced) == 1
+        with pytest.raises(AddressNotRegistered):
+            eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, r, 4096)])
+        monkeypatch.delenv("FAKECUDA_DELAY_US")
+        assert eng.wait_batch(bid, 10).ok  # the copies were never cut short
+        eng.free_batch_id(bid)

@@ -55,7 +55,7 @@ from kvpool.errors import (
 )
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
-from kvpool.transfer.cuda_ipc_state import _U64, _col, _Export, _Peer, _RemoteBuf, _Run, _Shm
+from kvpool.transfer.cuda_ipc_state import _U64, _col, _Export, _Gate, _Peer, _RemoteBuf, _Run, _Shm, _Spares
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import READ, Requests, Transport
@@ -84,8 +84,10 @@ class CudaIpcTransport(Transport):
         registry: LocalRegistry,
         inner: Transport,
         staging: GpuStaging,
+        timeout_s: float = 30.0,
     ) -> None:
         self.native = native
+        self.timeout_s = timeout_s  # how long unregister waits for our copies of a range
         self.driver = driver
         self.batches = batches
         self.registry = registry
@@ -94,14 +96,13 @@ class CudaIpcTransport(Transport):
         self._exports: dict[int, _Export] = {}
         self._peers: dict[int, _Peer] = {}
         self._released: set[int] = set()  # handles whose exited peer release_exited let go
-        self._lock = threading.Lock()
         self._streams: dict[int, int] = {}
         self._kernels: dict[int, int] = {}
-        self._tables: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        self._events: list[int] = []
+        self._spares = _Spares(driver)  # address tables and events of finished runs
         self._uuids = {driver.uuid(d): d for d in range(driver.count)}
         self._runs: collections.deque[_Run] = collections.deque()
         self._cond = threading.Condition()
+        self._gate = _Gate(self._cond, self._runs, registry)
         self._closed = False
         self._thread = threading.Thread(target=self._complete_loop, name="kvpool-cuda-ipc", daemon=True)
         self._thread.start()
@@ -141,23 +142,27 @@ class CudaIpcTransport(Transport):
         self._exports[addr] = _Export(addr, length, device, handle, addr - base, slot, gen)
 
     def unregister(self, addr: int) -> None:
-        """Called by TransferEngine.unregister_local_memory before the registration goes: waits
-        for our queued copies into or out of the range (a READ's copies would land after the
-        caller freed it), then retires its export (same-host peers' copies)."""
+        """Called by TransferEngine.unregister_local_memory before the registration goes: refuses
+        our new copies into or out of the range and waits (``timeout_s``) for those submitted or
+        queued (a READ's copies would land after the caller freed it), then retires its export
+        (same-host peers' copies). Our copies still running at the deadline (a hung stream):
+        RegistrationError after the export is retired (the engine finishes unregistering)."""
         reg = self.registry.get(addr)
-        if reg is not None:
-            with self._cond:
-                while any(r.lo < reg.end and reg.start < r.hi for r in self._runs):
-                    self._cond.wait(0.1)
+        drained = reg is None or self._gate.drain(reg, self.timeout_s)
         e = self._exports.get(addr)
-        if e is None:
-            return
-        if not self.native.fence_retire(e.slot):  # waits for same-host copies in flight
-            raise BatchInFlight(
-                f"GPU memory at {addr:#x} is unregistered for new copies, but a same-host peer is "
-                "stopped inside a copy into it: do not free it until that peer continues or exits"
+        if e is not None:
+            if not self.native.fence_retire(e.slot):  # waits for same-host copies in flight
+                raise BatchInFlight(
+                    f"GPU memory at {addr:#x} is unregistered for new copies, but a same-host peer is "
+                    "stopped inside a copy into it: do not free it until that peer continues or exits"
+                )
+            del self._exports[addr]
+        if not drained:
+            raise RegistrationError(
+                f"GPU memory at {addr:#x} is unregistered, but our CUDA IPC copies into or out of it "
+                f"did not finish within {self.timeout_s:g} s (a hung GPU stream?): do not free it "
+                "until they do"
             )
-        del self._exports[addr]
 
     # ------------------------------------------------------------------ initiator side: segments
     def reaches(self, desc: SegmentDescriptor, local: str = "cpu", remote: str = "cpu") -> bool:
@@ -310,7 +315,18 @@ class CudaIpcTransport(Transport):
                     self.submit(batch_id, reqs.part(start, i), stage_wait_s)
                     start = i
             return
-        peer = self._peers.get(peers[0])
+        gate = self._gate.enter(int(locs.min()), int((locs + lens).max()))  # before the checks
+        try:
+            self._submit_one(batch_id, reqs, ops, locs, rems, lens, stage_wait_s, gate)
+        finally:
+            self._gate.leave(gate)
+
+    def _submit_one(
+        self, batch_id: int, reqs: Requests, ops: np.ndarray, locs: np.ndarray, rems: np.ndarray,
+        lens: np.ndarray, stage_wait_s: float | None, gate: list[int],
+    ) -> None:  # fmt: skip
+        """:meth:`submit` to one segment, inside the gate (left before a staged wait with no run after)."""
+        peer = self._peers.get(reqs.peers[0])
         if peer is None:
             raise SegmentNotFound("segment is not open on the CUDA IPC path (closed concurrently?)")
         local_gpu = self._local_gpu(ops, locs, lens)
@@ -326,6 +342,7 @@ class CudaIpcTransport(Transport):
         rgpu = inside & peer.gpu[ridx_c] if len(peer.bufs) else inside
         ipc = rgpu | (local_gpu & inside)  # GPU memory on one side, reachable memory on the other
         if not ipc.any():
+            self._gate.leave(gate)  # no run of ours: staging tracks its own copies (busy())
             self._inner_submit(batch_id, reqs, local_gpu, stage_wait_s)
             return
         if ipc.all():
@@ -339,6 +356,8 @@ class CudaIpcTransport(Transport):
                     batch_id, peer, ops[a:b], locs[a:b], rems[a:b], lens[a:b], ridx[a:b], local_gpu[a:b]
                 )
             else:
+                if not ipc[a:].any():
+                    self._gate.leave(gate)
                 self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b], stage_wait_s)
 
     def needs_staging(self, handle: int, locs: Any, rems: Any, lens: Any) -> bool:
@@ -440,16 +459,14 @@ class CudaIpcTransport(Transport):
                     self.driver.memcpy_async(d, s, n, stream)
                 self.memcpy_runs += 1
             else:
-                table = self._take_table(dev, 24 * len(lens))
+                table = self._spares.table(dev, 24 * len(lens))
                 self._launch(dev, stream, table, src, dst, lens)
                 self.launches += 1
-            with self._lock:  # two submitters could both see the last one
-                event = self._events.pop() if self._events else None
-            event = self.driver.event() if event is None else event
+            event = self._spares.event()
             self.driver.record(event, stream)
         except BaseException as exc:
             self._settle(stream)  # copies queued before the failure still read/write the mappings
-            self._give_back(dev, table, event)  # after _settle: the table's copy has run
+            self._spares.give_back(dev, table, event)  # after _settle: the table's copy has run
             self._unpin(peer, pins)
             self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
             raise
@@ -532,28 +549,6 @@ class CudaIpcTransport(Transport):
         ]
         self.driver.launch(func, min(n, _MAX_GRID), _BLOCK, stream, args)
 
-    def _take_table(self, dev: int, need: int) -> tuple[int, int, int]:
-        size = 1 << max(16, (need - 1).bit_length())
-        with self._lock:
-            free = self._tables[dev]
-            for i, t in enumerate(free):
-                if t[2] == size:
-                    return free.pop(i)
-        d = self.driver.alloc(size, dev)
-        try:
-            return d, self.driver.host_alloc(size), size
-        except BaseException:
-            self.driver.free(d)
-            raise
-
-    def _give_back(self, dev: int, table: tuple[int, int, int] | None, event: int | None) -> None:
-        """A run's address table and event to the free lists (its copies ran or failed)."""
-        with self._lock:
-            if event is not None:
-                self._events.append(event)
-            if table is not None:
-                self._tables[dev].append(table)
-
     # ------------------------------------------------------------------ completion
     def _complete_loop(self) -> None:
         while True:
@@ -577,7 +572,7 @@ class CudaIpcTransport(Transport):
                 self.native.finish_range_buf(run.batch_id, run.first, run.lens, 0)
             else:
                 self._fail(run.batch_id, run.first, run.lens, error)
-            self._give_back(run.dev, run.table, run.event)
+            self._spares.give_back(run.dev, run.table, run.event)
             with run.peer.lock:
                 run.peer.inflight -= 1
             with self._cond:
@@ -607,9 +602,4 @@ class CudaIpcTransport(Transport):
         self._peers.clear()
         for s in self._streams.values():
             self.driver.stream_destroy(s)
-        for e in self._events:
-            self.driver.event_destroy(e)
-        for tables in self._tables.values():
-            for d, h, _ in tables:
-                self.driver.free(d)
-                self.driver.free_host(h)
+        self._spares.close()

@@ -1,15 +1,22 @@
 """The records of :mod:`kvpool.transfer.cuda_ipc`: our exported GPU registrations, the peers
 reached through CUDA IPC with their buffers (opened GPU allocations, mapped shared host buffers),
-and the queued runs of GPU copies the transport's completion thread settles."""
+the queued runs of GPU copies the transport's completion thread settles, and the gate that orders
+our submits against the unregister of local memory."""
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from kvpool.errors import AddressNotRegistered
+from kvpool.transfer.cuda_driver import CudaDriver
+from kvpool.transfer.memory import LocalRegistry, Registration
 
 _U64 = np.uint64
 
@@ -93,3 +100,110 @@ class _Shm:
             self.m.close()
         except BufferError:
             pass  # a ctypes view still points into it: the mapping goes with the process
+
+
+class _Spares:
+    """Device address tables (device table, pinned host table, bytes) per device and events of
+    finished runs, for the next runs to reuse: a run takes them, its completion (or its failure
+    to queue) gives them back; :meth:`close` frees them with the transport."""
+
+    def __init__(self, driver: CudaDriver) -> None:
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._tables: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        self._events: list[int] = []
+
+    def table(self, dev: int, need: int) -> tuple[int, int, int]:
+        size = 1 << max(16, (need - 1).bit_length())
+        with self._lock:
+            free = self._tables[dev]
+            for i, t in enumerate(free):
+                if t[2] == size:
+                    return free.pop(i)
+        d = self._driver.alloc(size, dev)
+        try:
+            return d, self._driver.host_alloc(size), size
+        except BaseException:
+            self._driver.free(d)
+            raise
+
+    def event(self) -> int:
+        with self._lock:  # two submitters could both see the last one
+            if self._events:
+                return self._events.pop()
+        return self._driver.event()
+
+    def give_back(self, dev: int, table: tuple[int, int, int] | None, event: int | None) -> None:
+        """A run's address table and event (its copies ran, or failed and were settled)."""
+        with self._lock:
+            if event is not None:
+                self._events.append(event)
+            if table is not None:
+                self._tables[dev].append(table)
+
+    def close(self) -> None:
+        for e in self._events:
+            self._driver.event_destroy(e)
+        for tables in self._tables.values():
+            for d, h, _ in tables:
+                self._driver.free(d)
+                self._driver.free_host(h)
+
+
+class _Gate:
+    """Our submits against the unregister of local memory (CUDA IPC runs copy into or out of it).
+
+    A submit :meth:`enter` s with its local range *before* it checks the registrations and
+    :meth:`leave` s once its runs are queued (or it failed); :meth:`drain` (unregister) closes the
+    registration's range (submits entering from then on are refused) and waits until no submit
+    in the gate and no queued run overlaps it. A range stays closed while its registration is in
+    the registry, so a submit that checked before unregister began is waited for and one after
+    it is refused: none queues a run into memory unregister already returned. ``cond`` guards
+    ``runs`` (notified when a run is popped)."""
+
+    def __init__(
+        self, cond: threading.Condition, runs: collections.deque[_Run], registry: LocalRegistry
+    ) -> None:
+        self._cond = cond
+        self._runs = runs
+        self._registry = registry
+        self._inside: list[list[int]] = []  # [lo, hi) local range per submit in the gate
+        self._closed: list[Registration] = []
+
+    def _prune(self) -> None:  # ranges whose registration left the registry are checked by it
+        self._closed = [r for r in self._closed if self._registry.get(r.start) is r]
+
+    def enter(self, lo: int, hi: int) -> list[int]:
+        """Called by submit before its checks; AddressNotRegistered if [lo, hi) is being unregistered."""
+        token = [lo, hi]
+        with self._cond:
+            if self._closed:
+                self._prune()
+                for r in self._closed:
+                    if lo < r.end and r.start < hi:
+                        raise AddressNotRegistered(f"local memory at {r.start:#x} is being unregistered")
+            self._inside.append(token)
+        return token
+
+    def leave(self, token: list[int]) -> None:
+        with self._cond:
+            self._inside = [t for t in self._inside if t is not token]
+            self._cond.notify_all()
+
+    def drain(self, reg: Registration, timeout_s: float) -> bool:
+        """Called by unregister: close ``reg``'s range, wait for our submits and runs touching it;
+        False when some still do after ``timeout_s`` (the range stays closed)."""
+        deadline = time.monotonic() + timeout_s
+        lo, hi = reg.start, reg.end
+        with self._cond:
+            self._prune()
+            if all(r is not reg for r in self._closed):  # identity: keep may be an array
+                self._closed.append(reg)
+            while any(t[0] < hi and lo < t[1] for t in self._inside) or any(
+                r.lo < hi and lo < r.hi for r in self._runs
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True

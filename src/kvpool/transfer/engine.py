@@ -207,7 +207,10 @@ class TransferEngine(Segments, SyncTransfers):
             self._device_rt = DriverRuntime(driver)
         try:
             reg = self._registry
-            return CudaIpcTransport(self._native, driver, self.batches, reg, same_host, self._staging)
+            st = self._staging
+            return CudaIpcTransport(
+                self._native, driver, self.batches, reg, same_host, st, self.config.timeout_s
+            )
         except KvpoolError as exc:
             log.warning("CUDA IPC path off: %s", exc)
             return None
@@ -428,7 +431,8 @@ class TransferEngine(Segments, SyncTransfers):
         into it (its fence pin not released within ``timeout_s``) raises
         :class:`RegistrationError`: the range is then unregistered and unpublished all the same
         and no new copy starts, but the caller must not free or reuse the memory until that peer
-        continues or exits."""
+        continues or exits. So do our own CUDA IPC copies of GPU memory still running after
+        ``timeout_s`` (a hung stream): free it only once they finished."""
         dev = None if isinstance(addr_or_buffer, int) else device_buffer(addr_or_buffer, None)
         addr = (
             addr_or_buffer
@@ -465,14 +469,22 @@ class TransferEngine(Segments, SyncTransfers):
         """After the native unregister of ``addr``: transports, bookkeeping, the published
         descriptor and a shared buffer's fd (called by :meth:`unregister_local_memory`)."""
         kind = reg.desc.location.partition(":")[0] if reg is not None else "cpu"
+        failed = None
         for t in self._transports:
             if kind in t.locations:
-                t.unregister(addr)
+                try:
+                    t.unregister(addr)
+                except RegistrationError as exc:  # our copies outlived the timeout: finish, keep, raise
+                    failed = exc
         self._registry.remove(addr)
         if reg is None or reg.desc.remote_accessible:
             self._publish()
         if reg is not None and reg.desc.shm_fd >= 0:
             os.close(reg.desc.shm_fd)  # peers' mappings keep the pages alive; ours goes with the view
+        if failed is not None:
+            if reg is not None:
+                self._fenced.append(reg.keep)
+            raise failed
 
     def local_descriptor(self) -> SegmentDescriptor:
         """The descriptor this engine publishes."""
