@@ -629,3 +629,33 @@ def test_unregister_of_a_buffer_under_a_hung_stream_raises_at_the_timeout(
         monkeypatch.delenv("FAKECUDA_DELAY_US")
         assert eng.wait_batch(bid, 10).ok  # the copies were never cut short
         eng.free_batch_id(bid)
+
+
+def test_the_unregister_gate_refuses_only_submits_touching_the_closed_range():
+    """A submit whose ranges lie on both sides of a registration being unregistered (a KV cache
+    batch over buffers A and C while B, between them, goes) is not refused nor waited for."""
+    import collections
+    import threading
+
+    import numpy as np
+
+    from kvpool.errors import AddressNotRegistered
+    from kvpool.transfer.cuda_ipc_state import _Gate
+    from kvpool.transfer.memory import LocalRegistry, Registration
+    from kvpool.transfer.types import BufferDescriptor
+
+    registry = LocalRegistry()
+    regs = [Registration(BufferDescriptor(base, 4096), None) for base in (0x10000, 0x20000, 0x30000)]
+    for r in regs:
+        registry.add(r)
+    gate = _Gate(threading.Condition(), collections.deque(), registry)
+    a_and_c = gate.enter(np.array([0x10000, 0x30000], dtype=np.uint64), np.array([64, 64], dtype=np.uint64))
+    assert gate.drain(regs[1], 0.05)  # B: the submit in the gate touches A and C only
+    gate.leave(a_and_c)
+    gate.leave(gate.enter(np.array([0x10000, 0x30000], dtype=np.uint64), np.array([64, 64], dtype=np.uint64)))
+    with pytest.raises(AddressNotRegistered):
+        gate.enter(np.array([0x20000 + 4000], dtype=np.uint64), np.array([64], dtype=np.uint64))
+    inside = gate.enter(np.array([0x30000 + 100], dtype=np.uint64), np.array([8], dtype=np.uint64))
+    assert not gate.drain(regs[2], 0.05)  # C has a submit inside: the wait ends at its deadline
+    gate.leave(inside)
+    assert gate.drain(regs[2], 0.05)

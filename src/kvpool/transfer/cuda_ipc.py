@@ -315,7 +315,7 @@ class CudaIpcTransport(Transport):
                     self.submit(batch_id, reqs.part(start, i), stage_wait_s)
                     start = i
             return
-        gate = self._gate.enter(int(locs.min()), int((locs + lens).max()))  # before the checks
+        gate = self._gate.enter(locs, lens)  # before the checks
         try:
             self._submit_one(batch_id, reqs, ops, locs, rems, lens, stage_wait_s, gate)
         finally:
@@ -323,7 +323,7 @@ class CudaIpcTransport(Transport):
 
     def _submit_one(
         self, batch_id: int, reqs: Requests, ops: np.ndarray, locs: np.ndarray, rems: np.ndarray,
-        lens: np.ndarray, stage_wait_s: float | None, gate: list[int],
+        lens: np.ndarray, stage_wait_s: float | None, gate: tuple[np.ndarray, np.ndarray],
     ) -> None:  # fmt: skip
         """:meth:`submit` to one segment, inside the gate (left before a staged wait with no run after)."""
         peer = self._peers.get(reqs.peers[0])

@@ -167,25 +167,26 @@ class _Gate:
         self._cond = cond
         self._runs = runs
         self._registry = registry
-        self._inside: list[list[int]] = []  # [lo, hi) local range per submit in the gate
+        self._inside: list[tuple[np.ndarray, np.ndarray]] = []  # (starts, ends) per submit in the gate
         self._closed: list[Registration] = []
 
     def _prune(self) -> None:  # ranges whose registration left the registry are checked by it
         self._closed = [r for r in self._closed if self._registry.get(r.start) is r]
 
-    def enter(self, lo: int, hi: int) -> list[int]:
-        """Called by submit before its checks; AddressNotRegistered if [lo, hi) is being unregistered."""
-        token = [lo, hi]
+    def enter(self, locs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Called by submit before its checks, with its local ranges; AddressNotRegistered if one
+        of them is being unregistered."""
+        token = (locs, locs + lens)
         with self._cond:
             if self._closed:
                 self._prune()
                 for r in self._closed:
-                    if lo < r.end and r.start < hi:
+                    if _overlaps(token, r.start, r.end):
                         raise AddressNotRegistered(f"local memory at {r.start:#x} is being unregistered")
             self._inside.append(token)
         return token
 
-    def leave(self, token: list[int]) -> None:
+    def leave(self, token: tuple[np.ndarray, np.ndarray]) -> None:
         with self._cond:
             self._inside = [t for t in self._inside if t is not token]
             self._cond.notify_all()
@@ -199,7 +200,7 @@ class _Gate:
             self._prune()
             if all(r is not reg for r in self._closed):  # identity: keep may be an array
                 self._closed.append(reg)
-            while any(t[0] < hi and lo < t[1] for t in self._inside) or any(
+            while any(_overlaps(t, lo, hi) for t in self._inside) or any(
                 r.lo < hi and lo < r.hi for r in self._runs
             ):
                 left = deadline - time.monotonic()
@@ -207,3 +208,9 @@ class _Gate:
                     return False
                 self._cond.wait(min(left, 0.1))
         return True
+
+
+def _overlaps(token: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> bool:
+    """Whether one of a submit's local ranges (starts, ends) overlaps [lo, hi)."""
+    starts, ends = token
+    return bool(np.any((starts < hi) & (ends > lo)))
