@@ -12,6 +12,9 @@ indexed blocks, KV-event ingest rate, and the 12,031-request trace replay time.
   ``BlockStored`` events with 16-token blocks; one *event* = one block stored or removed (the unit
   Dynamo's 10M events/s counts). Half the payloads store, half remove.
 * **replay**: ``kvpool simulate`` of the trace with the conductor policy, 8 prefill + 8 decode.
+* **clear**: one publisher stores a block and sends ``AllBlocksCleared``, over and over, while the
+  index holds 1M blocks of another instance: each clear holds the index's exclusive lock (``match``
+  waits), so its cost must follow the cleared location's blocks, not the table's.
 """
 
 from __future__ import annotations
@@ -101,6 +104,24 @@ def bench_ingest(block: int = 16, n_batches: int = 2000, per_batch: int = 64, ro
     return {"events": events, "events_per_batch": per_batch, "block_size": block, "events_per_s": best}
 
 
+def bench_clear(block: int = 16, n_blocks: int = 1_000_000, clears: int = 2000) -> dict:
+    index = BlockIndex(block, expected_blocks=n_blocks)
+    a, b = index.add_location("a", Tier.GPU), index.add_location("b", Tier.GPU)
+    per = 4096
+    for p in _payloads(block, n_blocks // per, per)[0][::2]:  # the stores only
+        index.ingest(p, b)
+    assert len(index) == n_blocks // per * per
+    one = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "medium": "GPU",
+           "token_ids": list(range(block)), "block_size": block, "lora_id": None}  # fmt: skip
+    payload = msgpack.packb([time.time(), [one, {"type": "AllBlocksCleared"}], None])
+    t0 = time.perf_counter()
+    for _ in range(clears):
+        index.ingest(payload, a)
+    dt = time.perf_counter() - t0
+    assert index.blocks_at(a) == 0 and index.counters["cleared"] == clears
+    return {"indexed_blocks": len(index), "clears": clears, "clear_us": dt / clears * 1e6}
+
+
 def bench_replay(trace: str | None) -> dict:
     from kvpool.store.trace import find_shared_trace
 
@@ -125,13 +146,15 @@ def main() -> None:
         "directory up, else a synthetic one of 12,031 requests)",
     )
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--only", choices=["decision", "ingest", "replay"])
+    ap.add_argument("--only", choices=["decision", "ingest", "replay", "clear"])
     a = ap.parse_args()
     res = {}
     if a.only in (None, "ingest"):
         res["ingest"] = bench_ingest(n_batches=pick(2000, 100), rounds=pick(3, 1))
     if a.only in (None, "decision"):
         res["decision"] = bench_decision(n_blocks=pick(1_000_000, 20_000), n=pick(5000, 200))
+    if a.only in (None, "clear"):
+        res["clear"] = bench_clear(n_blocks=pick(1_000_000, 20_000), clears=pick(2000, 50))
     if a.only in (None, "replay"):
         res["replay"] = bench_replay(a.trace)
     if a.json:

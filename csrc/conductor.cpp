@@ -343,8 +343,15 @@ class FlatMap {
     return true;
   }
 
-  void clear() {
-    std::fill(keys_.begin(), keys_.end(), 0);
+  void clear() {  // O(1) when empty; a large table gives its memory back
+    if (size_ == 0) return;
+    if (keys_.size() > 1024) {
+      keys_.assign(16, 0);
+      vals_.assign(16, 0);
+      mask_ = 15;
+    } else {
+      std::fill(keys_.begin(), keys_.end(), 0);
+    }
     size_ = 0;
   }
 
@@ -561,19 +568,29 @@ class PrefixIndex {
     if (!*v) blocks_.erase(h);
   }
 
+  // Drop location `loc` from every block. The blocks its own events stored are reached through
+  // its engine map (O(its blocks)); the table is scanned only when some were added another way
+  // (add(): approximate mode, store tier) — a publisher repeating AllBlocksCleared must not hold
+  // the exclusive lock over the whole table each time.
   void clear_locked(int loc, uint64_t bit) {
-    if (loc_count_[loc] == 0) {  // nothing indexed there: no scan (a publisher repeating
-      engine_[loc].clear();      // AllBlocksCleared would hold the lock over the table each time)
-      return;
-    }
-    std::vector<uint64_t> gone;
-    blocks_.for_each([&](uint64_t k, uint64_t v) {
-      if (v & bit) gone.push_back(k);
-    });
-    for (uint64_t k : gone) {
-      uint64_t* v = blocks_.find(k);
+    size_t left = loc_count_[loc];
+    engine_[loc].for_each([&](uint64_t, uint64_t ours) {
+      uint64_t* v = left ? blocks_.find(ours) : nullptr;
+      if (!v || !(*v & bit)) return;
       *v &= ~bit;
-      if (!*v) blocks_.erase(k);
+      --left;
+      if (!*v) blocks_.erase(ours);
+    });
+    if (left) {
+      std::vector<uint64_t> gone;
+      blocks_.for_each([&](uint64_t k, uint64_t v) {
+        if (v & bit) gone.push_back(k);
+      });
+      for (uint64_t k : gone) {
+        uint64_t* v = blocks_.find(k);
+        *v &= ~bit;
+        if (!*v) blocks_.erase(k);
+      }
     }
     loc_count_[loc] = 0;
     engine_[loc].clear();

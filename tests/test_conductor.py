@@ -88,6 +88,33 @@ def test_ingest_matches_request_hashes_and_follows_removals():
     assert idx.counters["stored"] == 6 and idx.counters["removed"] == 1 and idx.counters["cleared"] == 1
 
 
+def test_clear_drops_a_location_from_every_block_however_it_was_added():
+    """AllBlocksCleared reaches the blocks a location's events stored through its engine-hash map;
+    blocks added directly (approximate mode, store tier), removed and re-stored ones, and blocks
+    shared with another location must all come out right too."""
+    idx = BlockIndex(BS)
+    a = idx.add_location("a", Tier.GPU)
+    b = idx.add_location("b", Tier.GPU)
+    t = tokens(6 * BS)
+    hs = idx.hash_tokens(t)
+    idx.ingest(batch(stored([1, 2, 3, 4], t[: 4 * BS])), a)
+    idx.ingest(batch(removed([2])), a)
+    idx.ingest(batch(stored([5], t[BS : 2 * BS], parent=1)), a)  # block 1 again, another engine hash
+    idx.ingest(batch(stored([9, 8], t[: 2 * BS])), b)
+    idx.add(a, hs[4:])  # not through events
+    assert idx.blocks_at(a) == 6 and idx.match(hs) == [6, 2]
+    idx.ingest(batch({"type": "AllBlocksCleared"}), a)
+    assert idx.blocks_at(a) == 0 and idx.match(hs) == [0, 2] and len(idx) == 2
+    assert idx.hashes_at(a) == set() and idx.hashes_at(b) == set(hs[:2])
+    # only event-stored blocks, many clears of a now-empty location: still exact
+    idx.ingest(batch(stored([1, 2], t[: 2 * BS])), a)
+    for _ in range(3):
+        idx.ingest(batch({"type": "AllBlocksCleared"}), a)
+    assert idx.blocks_at(a) == 0 and idx.match(hs) == [0, 2]
+    idx.ingest(batch(stored([1], t[:BS])), a)  # the engine map was reset: a fresh chain works
+    assert idx.match(hs) == [1, 2]
+
+
 def test_ingest_counts_bad_payloads_and_block_size_mismatch():
     idx = BlockIndex(BS)
     a = idx.add_location("a", Tier.GPU)
