@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -108,8 +108,8 @@ def _http_ok(url: str, expect: int = 200) -> bool:
 
 
 @contextlib.contextmanager
-def etcd_server(tmp_path: Path) -> Iterator[str]:
-    """Run etcd with its data under ``tmp_path``; yield ``"etcd://127.0.0.1:PORT"``."""
+def etcd_server(tmp_path: Path, extra: Sequence[str] = ()) -> Iterator[str]:
+    """Run etcd (with ``extra`` flags) with its data under ``tmp_path``; yield ``"etcd://127.0.0.1:PORT"``."""
     client_port, peer_port = _free_ports(2)
     client = f"http://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
@@ -136,6 +136,7 @@ def etcd_server(tmp_path: Path) -> Iterator[str]:
         "zap",
         "--log-level",
         "error",
+        *extra,
     ]
     with _running(cmd, "etcd", lambda: _http_ok(f"{client}/health"), cwd=Path(tmp_path)):
         yield f"etcd://127.0.0.1:{client_port}"

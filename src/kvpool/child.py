@@ -66,12 +66,13 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
 
 def cli_flags(options: dict[str, Any]) -> list[str]:
     """Command-line flags for keyword options: ``{"lease_ttl_ms": 5, "hot": True}`` gives
-    ``["--lease-ttl-ms", "5", "--hot"]``; None and False are left out, and so is ``secret``: a
-    command line is readable by every local user (``/proc/PID/cmdline``), so the secret goes to
-    the child in its environment (``KVPOOL_SECRET``, see :class:`ChildProcess`)."""
+    ``["--lease-ttl-ms", "5", "--hot"]``; None and False are left out, and so are ``secret`` and
+    ``metadata`` (a URL that may hold a password): a command line is readable by every local user
+    (``/proc/PID/cmdline``), so they go to the child in its environment (``KVPOOL_SECRET``,
+    ``KVPOOL_METADATA``, see :class:`ChildProcess`)."""
     out: list[str] = []
     for k, v in options.items():
-        if k == "secret":
+        if k in ("secret", "metadata"):
             continue
         flag = f"--{k.replace('_', '-')}"
         if v is True:
@@ -101,11 +102,14 @@ class ChildProcess:
     start_error: type[Exception] = RuntimeError
     exit_line: str | None = None
 
-    def __init__(self, cmd: list[str], stdin: bool = True, secret: str | None = None) -> None:
-        env = dict(os.environ)  # the secret travels in the environment, never on the command line
-        env.pop("KVPOOL_SECRET", None)
-        if secret:
-            env["KVPOOL_SECRET"] = secret
+    def __init__(
+        self, cmd: list[str], stdin: bool = True, secret: str | None = None, metadata: str | None = None
+    ) -> None:
+        env = dict(os.environ)  # secrets travel in the environment, never on the command line
+        for var, value in (("KVPOOL_SECRET", secret), ("KVPOOL_METADATA", metadata)):
+            env.pop(var, None)
+            if value:
+                env[var] = value
         self.proc = subprocess.Popen(
             cmd,
             env=env,

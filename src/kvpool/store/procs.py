@@ -20,7 +20,12 @@ class MasterProcess(ChildProcess):
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvpool.cli", "master", "--host", "127.0.0.1", "--port", str(self.port)]
-        super().__init__(cmd + cli_flags(options), stdin=False, secret=options.get("secret"))
+        super().__init__(
+            cmd + cli_flags(options),
+            stdin=False,
+            secret=options.get("secret"),
+            metadata=options.get("metadata"),
+        )
 
 
 class StorageProcess(ChildProcess):
@@ -33,6 +38,8 @@ class StorageProcess(ChildProcess):
             sys.executable, "-m", "kvpool.cli", "store-server", "--master", master,
             "--segment-size", str(segment_size), "--stdin",
         ]  # fmt: skip
-        super().__init__(cmd + cli_flags(options), secret=options.get("secret"))
+        super().__init__(
+            cmd + cli_flags(options), secret=options.get("secret"), metadata=options.get("metadata")
+        )
         self.segment: str = self.info["segment"]
         self.client: str = self.info["client"]

@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="transport: auto = same-host path for local peers, else TCP (default auto)",
     )  # fmt: skip
     ap.add_argument(
-        "--metadata", default="p2p", help="metadata: p2p, http://, etcd:// or redis:// URL (default p2p)"
+        "--metadata",
+        default=os.environ.get("KVPOOL_METADATA", "p2p"),
+        help="metadata: p2p, http://, etcd:// or redis:// URL (default: $KVPOOL_METADATA, which keeps a "
+        "password in it out of the process list, or p2p)",
     )
     ap.add_argument(
         "--secret",

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import abc
 import base64
-import binascii
 import hashlib
 import hmac
 import http.client
-import json
 import os
 import socket
 import threading
@@ -42,7 +40,7 @@ from kvpool.errors import InvalidArgument, MetadataError
 __all__ = [
     "KEY_PREFIX",
     "MAX_VALUE_BYTES",
-    "EtcdMetadata",
+    "EtcdMetadata",  # noqa: F822 - from metadata_etcd, through __getattr__
     "HttpMetadata",
     "MetadataBackend",
     "RedisMetadata",
@@ -56,7 +54,6 @@ KEY_PREFIX = "kvpool/segments/"
 MAX_VALUE_BYTES = 64 * 1024 * 1024
 
 _READ_CHUNK = 256 * 1024
-_DEFAULT_ETCD_PORT = 2379
 
 
 #: HTTP header carrying the proof of the cluster secret on metadata writes.
@@ -116,10 +113,6 @@ def _redact(url: str) -> str:
         pairs = [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in pairs]
         parts = parts._replace(query=urllib.parse.urlencode(pairs, safe="*"))
     return urllib.parse.urlunsplit(parts)
-
-
-def _bad_etcd_url(url: str) -> str:
-    return "etcd metadata URL must look like etcd://host:port, got " + repr(_redact(url))
 
 
 def _reason(exc: BaseException) -> str:
@@ -356,108 +349,6 @@ class HttpMetadata(MetadataBackend):
         return f"HttpMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-class EtcdMetadata(MetadataBackend):
-    """etcd v3 through its HTTP/JSON gateway (``/v3/kv/put``, ``/v3/kv/range``, ``/v3/kv/deleterange``).
-
-    Descriptors live under ``kvpool/segments/<name>``.  Several endpoints may be given comma-separated
-    (``etcd://h1:2379,h2:2379``); they are tried in order while the time budget lasts.
-    """
-
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "etcd" or not parts.netloc:
-            raise InvalidArgument(_bad_etcd_url(url))
-        endpoints = []
-        for hostport in parts.netloc.split(","):
-            hostport = hostport.strip()
-            probe = urllib.parse.urlsplit(f"//{hostport}")
-            try:
-                port = probe.port
-            except ValueError as exc:
-                raise InvalidArgument(f"bad port in etcd metadata URL {_redact(url)!r}: {exc}") from exc
-            if not probe.hostname or probe.username is not None:
-                raise InvalidArgument(_bad_etcd_url(url))
-            host = f"[{probe.hostname}]" if ":" in probe.hostname else probe.hostname
-            endpoints.append(f"http://{host}:{port or _DEFAULT_ETCD_PORT}")
-        self.url = url
-        self.timeout_s = timeout_s
-        self._endpoints = endpoints
-        self._client = _HttpClient(timeout_s)
-
-    @staticmethod
-    def _key(name: str) -> str:
-        return _b64((KEY_PREFIX + name).encode("utf-8"))
-
-    def _call(self, op: str, payload: dict[str, Any], name: str) -> dict[str, Any]:
-        """POST ``payload`` to ``/v3/kv/<op>`` and return the decoded JSON answer."""
-        body = json.dumps(payload).encode("ascii")
-        deadline = time.monotonic() + self.timeout_s
-        failure: BaseException | None = None
-        resp: _Response | None = None
-        for endpoint in self._endpoints:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                resp = self._client.request(
-                    "POST", f"{endpoint}/v3/kv/{op}", body, {"Content-Type": "application/json"}, remaining
-                )
-                break
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                failure = exc
-        if resp is None:
-            reason = _reason(failure) if failure is not None else "timed out"
-            raise MetadataError(
-                f"etcd metadata {_redact(self.url)} failed on {op} {name!r}: {reason} "
-                f"(timeout {self.timeout_s:g} s); check that etcd is running and that its client URL "
-                f"(--advertise-client-urls) matches the metadata URL"
-            ) from failure
-        try:
-            answer = json.loads(resp.body) if resp.body else {}
-        except ValueError:
-            answer = None
-        if resp.status != 200 or not isinstance(answer, dict) or "error" in answer:
-            detail = resp.body[:200].decode("utf-8", "replace").strip()
-            raise MetadataError(
-                f"etcd metadata {_redact(self.url)} answered {resp.status} to {op} {name!r}: {detail}; "
-                f"check that the URL points at an etcd >= 3.4 client port (v3 JSON gateway)"
-            )
-        return answer
-
-    def get(self, name: str) -> bytes | None:
-        """Return the descriptor stored under ``kvpool/segments/<name>``, or ``None``."""
-        _check_name(name)
-        answer = self._call("range", {"key": self._key(name)}, name)
-        kvs = answer.get("kvs") or []
-        if not kvs:
-            return None
-        try:
-            # etcd's gateway omits empty fields, so an empty value comes back without "value".
-            return base64.b64decode(kvs[0].get("value", ""), validate=True)
-        except (AttributeError, TypeError, binascii.Error) as exc:
-            raise MetadataError(
-                f"etcd metadata {_redact(self.url)} returned a malformed range answer for {name!r}; "
-                f"check that the URL points at an etcd server"
-            ) from exc
-
-    def put(self, name: str, value: bytes) -> None:
-        """Store ``value`` under ``kvpool/segments/<name>``."""
-        _check_name(name)
-        self._call("put", {"key": self._key(name), "value": _b64(_check_value(value))}, name)
-
-    def delete(self, name: str) -> None:
-        """Delete ``kvpool/segments/<name>``; deleting an absent key is fine."""
-        _check_name(name)
-        self._call("deleterange", {"key": self._key(name)}, name)
-
-    def __repr__(self) -> str:
-        return f"EtcdMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
-
-
 class RedisMetadata(MetadataBackend):
     """Redis through redis-py; descriptors are plain string keys ``kvpool/segments/<name>``.
 
@@ -545,6 +436,14 @@ class RedisMetadata(MetadataBackend):
         return f"RedisMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
 
 
+def __getattr__(name: str) -> Any:  # EtcdMetadata lives in metadata_etcd (it imports this module)
+    if name == "EtcdMetadata":
+        from kvpool.transfer.metadata_etcd import EtcdMetadata
+
+        return EtcdMetadata
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def open_metadata(url: str, timeout_s: float = 5.0, secret: str | None = None) -> MetadataBackend | None:
     """Open the descriptor store named by ``url``.
 
@@ -570,6 +469,8 @@ def open_metadata(url: str, timeout_s: float = 5.0, secret: str | None = None) -
     if scheme in ("http", "https"):
         return HttpMetadata(text, timeout_s, secret)
     if scheme == "etcd":
+        from kvpool.transfer.metadata_etcd import EtcdMetadata
+
         return EtcdMetadata(text, timeout_s)
     if scheme in ("redis", "rediss"):
         return RedisMetadata(text, timeout_s)

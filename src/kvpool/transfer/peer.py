@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostname", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--protocol", default="auto")
-    ap.add_argument("--metadata", default="p2p")
+    ap.add_argument(
+        "--metadata",
+        default=os.environ.get("KVPOOL_METADATA", "p2p"),
+        help="default: $KVPOOL_METADATA or p2p",
+    )
     ap.add_argument("--name", default=None)
     ap.add_argument("--secret", default=os.environ.get("KVPOOL_SECRET"), help="default: $KVPOOL_SECRET")
     ap.add_argument("--timeout-s", type=float, default=30.0)
@@ -138,7 +142,9 @@ class PeerProcess(ChildProcess):
 
     def __init__(self, size: int, prefix: list[str] | None = None, **options: Any) -> None:
         cmd = list(prefix or []) + [sys.executable, "-m", "kvpool.transfer.peer", "--size", str(size)]
-        super().__init__(cmd + cli_flags(options), secret=options.get("secret"))
+        super().__init__(
+            cmd + cli_flags(options), secret=options.get("secret"), metadata=options.get("metadata")
+        )
         self.segment: str = self.info["segment"]
         self.addr: int = self.info["addr"]
         self.size: int = self.info["size"]
