@@ -751,6 +751,61 @@ def test_conductor_copies_a_hot_prefix_to_one_spare_instance_once() -> None:
     run(go)
 
 
+class FloodingCopies(FakeVllm):
+    """A :class:`FakeVllm` that answers a ``max_tokens=1`` request (a hot-prefix copy) with a
+    200 whose body streams ``flood`` bytes, counting in ``sent`` what it got out."""
+
+    flood = 64 << 20
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sent = 0
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()  # cached: the base class reads it again
+        if body.get("max_tokens") != 1:
+            return await super()._generate(request)
+        self.bodies.append(body)
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        chunk = b" " * (256 << 10)
+        try:
+            while self.sent < self.flood:
+                await resp.write(chunk)
+                self.sent += len(chunk)
+        except (ConnectionError, RuntimeError):
+            pass  # the proxy hung up
+        return resp
+
+
+def test_hot_prefix_copy_answered_by_a_flood_fails_at_the_reply_cap() -> None:
+    """A hot-prefix copy's answer (one token) is read up to ``max_prefill_reply_bytes``: a backend
+    streaming a huge body fails the copy (``hot_copies_failed``) and is cut off (the whole body was
+    read into memory, however large, and the copy counted a success)."""
+    from kvpool.conductor.live import RouterConfig
+
+    prompt = [7000 + i for i in range(66)]
+
+    async def go() -> None:
+        fakes = [FloodingCopies(f"b{k}", "decode") for k in range(3)]
+        cfg = RouterConfig(policy="conductor", block_size=4)
+        async with running(fakes, [], router=cfg, max_prefill_reply_bytes=1 << 20) as (proxy, client):
+            for _ in range(14):
+                async with client.post(f"{proxy.url}/v1/completions", json={"prompt": prompt}) as r:
+                    assert r.status == 200
+            for _ in range(100):  # the copy runs in the background
+                async with client.get(f"{proxy.url}/health") as r:
+                    st = (await r.json())["router"]
+                if st["hot_copies"] and not st["hot_copies_in_flight"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert st["hot_copies"] == 1 and st["hot_copies_failed"] == 1, st
+            sent = sum(f.sent for f in fakes)
+            assert 1 << 20 < sent < FloodingCopies.flood, sent
+
+    run(go)
+
+
 def test_router_follows_kv_events_published_over_zmq() -> None:
     import msgpack
     import zmq

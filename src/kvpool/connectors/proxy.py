@@ -63,9 +63,11 @@ from kvpool.connectors.backends import (
     BackendError,
     BackendPool,
     learn_peer,
+    read_at_most,
 )
 from kvpool.connectors.openai_api import (
     error_response,
+    error_text,
     parse_body,
     prefill_request_body,
     snippet,
@@ -383,20 +385,26 @@ class PDProxy(StreamHalves):
     async def _copy_prefix(self, inst: Any, ids: list[int], rid: str, model: Any) -> None:
         """One hot-prefix copy (see ``LiveRouter.plan_copy``): a ``max_tokens=1`` completion of the
         prefix's token ids on ``inst``, which then holds the prefix's blocks (computed, or loaded
-        from the kvpool store by its ``KvpoolStoreConnector``). Runs as a background task."""
+        from the kvpool store by its ``KvpoolStoreConnector``). Runs as a background task. The
+        answer (one token) is read within ``timeout_s`` and at most ``max_prefill_reply_bytes``: a
+        larger one fails the copy (counted as ``hot_copies_failed``) and drops the connection."""
         ok = False
         body: dict[str, Any] = {"prompt": ids, "max_tokens": 1}
         if isinstance(model, str):
             body["model"] = model
+        limit = self.max_prefill_reply_bytes
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.client.connect_timeout_s)
             headers = {"X-Request-Id": rid}
             async with self.client.session.post(f"{inst.url}/v1/completions", json=body, timeout=timeout,
                                           headers=headers) as resp:  # fmt: skip
-                await resp.read()
+                data = await read_at_most(resp, limit, self.timeout_s)
+                if len(data) > limit:
+                    resp.close()  # the rest is never read: this connection is not reused
+                    raise aiohttp.ClientPayloadError(f"answer larger than {limit} bytes (the limit)")
                 ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            _log.info("hot-prefix copy %s to %s failed: %s", rid, inst.url, exc)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            _log.info("hot-prefix copy %s to %s failed: %s", rid, inst.url, error_text(exc))
         finally:
             if self.router is not None:
                 self.router.copy_done(rid, ok)
