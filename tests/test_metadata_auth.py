@@ -248,3 +248,31 @@ def test_secrets_never_reach_reprs_or_error_messages() -> None:
     with pytest.raises(MetadataError) as ei:  # nothing listens on port 1
         open_metadata(f"redis://127.0.0.1:1/0?password={s}", timeout_s=0.5).get("x")
     assert s not in str(ei.value) and "password=***" in str(ei.value)
+
+
+def test_credentials_over_plain_http_warn_once_per_remote_host(caplog: pytest.LogCaptureFixture) -> None:
+    """``http://user:password@host`` sends the password in clear (Basic auth), and so does a
+    ``token=`` query parameter: one warning per host naming it (never the credentials), none for
+    loopback or https:// (it was silent for every host)."""
+    import logging
+
+    pw = "PW-sekrit-42"
+    caplog.set_level(logging.WARNING, logger="kvpool.transfer.metadata")
+    silent = [
+        f"http://u:{pw}@127.0.0.1:8080/metadata",
+        f"http://u:{pw}@localhost:8080/metadata",
+        f"http://u:{pw}@[::1]:8080/metadata",
+        f"https://u:{pw}@10.213.7.1:8443/metadata",
+        "http://10.213.7.2:8080/metadata",  # no credentials
+    ]
+    for url in silent:
+        HttpMetadata(url)
+    assert not caplog.records, caplog.text
+    HttpMetadata(f"http://alice:{pw}@10.213.7.3:8080/metadata")
+    HttpMetadata(f"http://alice:{pw}@10.213.7.3:8080/metadata")  # the same host: no second line
+    HttpMetadata(f"http://meta.example:9000/metadata?token={pw}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "10.213.7.3:8080" in warnings[0] and "http://" in warnings[0]
+    assert "meta.example:9000" in warnings[1]
+    assert pw not in caplog.text and "alice" not in caplog.text

@@ -35,6 +35,8 @@ import urllib.parse
 from types import TracebackType
 from typing import Any
 
+from kvpool._urls import redact_url as _redact
+from kvpool._urls import warn_clear_credentials
 from kvpool.errors import InvalidArgument, MetadataError
 
 __all__ = [
@@ -93,26 +95,6 @@ def _check_value(value: object) -> bytes:
     raise InvalidArgument(f"descriptor value must be bytes, got {type(value).__name__}")
 
 
-_SECRET_PARAMS = ("password", "passwd", "pass", "secret", "token", "auth")
-
-
-def _redact(url: str) -> str:
-    """Return ``url`` with any password (in the user part, or a ``password``/``secret``/``token``
-    query parameter) replaced by ``***`` so it can go into error messages."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<unparsable URL>"
-    if password is not None:
-        user = parts.username or ""
-        host = parts.netloc.rpartition("@")[2]
-        parts = parts._replace(netloc=f"{user}:***@{host}")
-    if parts.query:
-        pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        pairs = [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in pairs]
-        parts = parts._replace(query=urllib.parse.urlencode(pairs, safe="*"))
-    return urllib.parse.urlunsplit(parts)
 
 
 def _reason(exc: BaseException) -> str:
@@ -285,6 +267,7 @@ class HttpMetadata(MetadataBackend):
             raise InvalidArgument(
                 "HTTP metadata URL must look like http://host:port/path, got " + repr(_redact(url))
             )
+        warn_clear_credentials(url)
         self.url = url
         self.timeout_s = timeout_s
         self._secret = secret or None  # writes carry an HMAC proof of it (kvpool metadata-server --secret)
