@@ -276,3 +276,37 @@ def test_credentials_over_plain_http_warn_once_per_remote_host(caplog: pytest.Lo
     assert "10.213.7.3:8080" in warnings[0] and "http://" in warnings[0]
     assert "meta.example:9000" in warnings[1]
     assert pw not in caplog.text and "alice" not in caplog.text
+
+
+def test_config_reprs_and_errors_redact_metadata_and_master_urls() -> None:
+    """A metadata/master URL may hold a password (``user:pw@``, ``?password=``/``secret=``/
+    ``token=``): every config object's repr and str, and a config error repeating the URL, show it
+    redacted (they showed it whole), while the field keeps the real value; the vLLM connector's
+    ``secret`` and the router's ``store_secret`` are left out of their reprs (they were shown)."""
+    from kvpool.conductor.live import RouterConfig
+    from kvpool.config import StoreConfig, TransferConfig
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.errors import ConfigError
+
+    pw, qpw, sec, tok = "PW-user-1", "PW-query-2", "SEC-query-3", "TOK-query-4"
+    url = f"http://alice:{pw}@10.213.8.1:8080/metadata?password={qpw}&secret={sec}&token={tok}&x=1"
+    configs = [
+        TransferConfig(metadata=url),
+        StoreConfig(metadata=url, master="127.0.0.1:50051"),
+        VllmConnectorConfig(metadata=url, master="127.0.0.1:50051", secret=sec),
+    ]
+    for cfg in configs:
+        for text in (repr(cfg), str(cfg)):
+            for s in (pw, qpw, sec, tok):
+                assert s not in text, text
+            for k in ("password", "secret", "token"):
+                assert f"{k}=***" in text
+            assert "alice:***@10.213.8.1:8080" in text and "x=1" in text
+        assert cfg.metadata == url
+    assert "master='127.0.0.1:50051'" in repr(configs[1])
+    assert repr(TransferConfig()).count("metadata='p2p'") == 1
+    rc = RouterConfig(store_master="127.0.0.1:50051", store_secret=sec)
+    assert sec not in repr(rc) and rc.store_secret == sec
+    with pytest.raises(ConfigError) as ei:
+        TransferConfig(metadata=f"ftp://alice:{pw}@10.213.8.1/x?token={tok}")
+    assert pw not in str(ei.value) and tok not in str(ei.value) and "alice:***@" in str(ei.value)

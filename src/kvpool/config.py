@@ -15,12 +15,18 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvpool._sizes import coerce_size
+from kvpool._urls import redact_url
 from kvpool.errors import ConfigError
 
 _C = TypeVar("_C", bound="_ConfigBase")
 
 Bytes = Annotated[int, BeforeValidator(coerce_size)]
 """An ``int`` field in bytes that also takes ``"256M"``-style text (keyword, JSON or KVPOOL_* variable)."""
+
+
+#: Fields holding a URL that may carry a password (``http://user:pw@...``, ``?token=``): shown
+#: redacted by reprs and config errors.
+_URL_FIELDS = ("metadata", "master")
 
 
 def _one_line(exc: ValidationError) -> str:
@@ -31,6 +37,8 @@ def _one_line(exc: ValidationError) -> str:
         msg = str(e["msg"]).removeprefix("Value error, ")
         if e["type"] == "missing" or "secret" in where:  # a secret's value is never repeated
             parts.append(f"{where}: {msg}")
+        elif where in _URL_FIELDS and isinstance(e["input"], str):
+            parts.append(f"{where} = {redact_url(e['input'])!r}: {msg}")
         else:
             parts.append(f"{where} = {e['input']!r}: {msg}")
     return "; ".join(parts)
@@ -38,6 +46,11 @@ def _one_line(exc: ValidationError) -> str:
 
 class _ConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def __repr_args__(self) -> Any:
+        """What ``repr()``/``str()`` show (logs, tracebacks): URL fields with passwords redacted."""
+        for name, value in super().__repr_args__():
+            yield name, redact_url(value) if name in _URL_FIELDS and isinstance(value, str) else value
 
     def __init__(self, **kwargs: Any) -> None:
         try:

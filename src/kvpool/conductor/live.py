@@ -87,7 +87,7 @@ class RouterConfig:
     store_master: str | None = None
     """``host:port`` of the kvpool store master the instances' ``KvpoolStoreConnector`` use: its
     key feed becomes the index's store tier (None: no store tier)."""
-    store_secret: str | None = None
+    store_secret: str | None = field(default=None, repr=False)  # never in logs or tracebacks
 
 
 @dataclass

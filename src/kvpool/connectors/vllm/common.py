@@ -105,7 +105,7 @@ class VllmConnectorConfig(_ConfigBase):
     side_channel_port: int = Field(default=15600, ge=1, le=65535)
     protocol: Literal["auto", "tcp", "rdma"] = "auto"
     metadata: str = "p2p"
-    secret: str | None = None
+    secret: str | None = Field(default=None, repr=False)  # never in logs or tracebacks
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     abort_timeout_s: float = Field(default=120.0, gt=0)
     lanes: int | None = Field(default=None, ge=1, le=64)
