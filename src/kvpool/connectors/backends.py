@@ -278,13 +278,14 @@ class BackendClient:
         pool: BackendPool,
         method: str,
         path: str,
-        body: dict[str, Any] | None,
+        body: dict[str, Any] | bytes | None,
         headers: dict[str, str],
         prefer: Backend | None = None,
     ) -> tuple[aiohttp.ClientResponse, Backend]:
         """Send to the next healthy backend of ``pool``; on a connection failure mark it down and try the
-        next one.  Returns the response with its headers read (and ``backend.in_flight`` raised: the
-        caller lowers it and releases the response) or raises :class:`BackendError` (5xx answers
+        next one. ``body`` is a JSON object, or one encoded already (``openai_api.encode_body``).
+        Returns the response with its headers read (and ``backend.in_flight`` raised: the caller
+        lowers it and releases the response) or raises :class:`BackendError` (5xx answers
         included)."""
         tried: list[Backend] = []
         failures: list[str] = []
@@ -322,18 +323,27 @@ class BackendClient:
             return resp, backend
 
     async def request(
-        self, method: str, backend: Backend, path: str, body: dict[str, Any] | None, headers: dict[str, str]
+        self,
+        method: str,
+        backend: Backend,
+        path: str,
+        body: dict[str, Any] | bytes | None,
+        headers: dict[str, str],
     ) -> aiohttp.ClientResponse:
-        """One request to ``backend``, sent twice if the first is closed before any answer: a
-        kept-alive connection the server closed (its keep-alive timeout) as the request went out
-        looks just like that (the request then never reached the server's handler)."""
+        """One request to ``backend`` (``body``: a JSON object, or one encoded already), sent twice
+        if the first is closed before any answer: a kept-alive connection the server closed (its
+        keep-alive timeout) as the request went out looks just like that (the request then never
+        reached the server's handler)."""
+        kw: dict[str, Any] = {"json": body, "headers": headers}
+        if isinstance(body, bytes):
+            kw = {"data": body, "headers": {**headers, "Content-Type": "application/json"}}
         try:
-            return await self.session.request(method, backend.url + path, json=body, headers=headers)
+            return await self.session.request(method, backend.url + path, **kw)
         except aiohttp.ServerDisconnectedError:
             _log.info(
                 "%s backend %s closed the connection unanswered; sending once more", backend.role, backend.url
             )
-        return await self.session.request(method, backend.url + path, json=body, headers=headers)
+        return await self.session.request(method, backend.url + path, **kw)
 
     async def read(self, resp: aiohttp.ClientResponse, backend: Backend, limit: int | None = None) -> bytes:
         """The whole body of ``resp``, read within one deadline of ``timeout_s`` and at most ``limit``

@@ -2,9 +2,10 @@
 
 :func:`parse_body` checks a client's body (UTF-8 JSON object, bounded nesting, the types of the
 fields the proxy reads) before anything is sent on; :func:`prefill_request_body` is the copy that goes
-to a prefill backend; :func:`error_response` is an error in OpenAI's shape,
-``{"error": {"message", "type", "code"}}``. Called by :class:`kvpool.connectors.proxy.PDProxy` on its
-event loop, once per request.
+to a prefill backend; :func:`encode_body` writes such a copy, copying the client's values from its
+text (:func:`parse_raw_body`) instead of encoding them again; :func:`error_response` is an error in
+OpenAI's shape, ``{"error": {"message", "type", "code"}}``. Called by
+:class:`kvpool.connectors.proxy.PDProxy` on its event loop, once per request.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
 from aiohttp import web
@@ -20,9 +23,12 @@ __all__ = [
     "ERROR_TYPES",
     "MAX_BODY_DEPTH",
     "PREFILL_KV_TRANSFER_PARAMS",
+    "RawBody",
+    "encode_body",
     "error_response",
     "error_text",
     "parse_body",
+    "parse_raw_body",
     "prefill_request_body",
     "snippet",
 ]
@@ -77,15 +83,87 @@ def snippet(data: bytes, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+@dataclass(frozen=True, eq=False)
+class RawBody:
+    """A client's JSON object body as received, with where each top-level value lies in it, so
+    that copies of the object with a few top-level keys changed are sent on without encoding the
+    big values again (:func:`encode_body`)."""
+
+    data: bytes
+    text: str
+    """``data`` decoded (UTF-8)."""
+    obj: dict[str, Any]
+    """The parsed object; its values are never changed in place (they are copied as text)."""
+    spans: dict[str, tuple[int, int]]
+    """Top-level key -> (start, end) of its value in ``text``."""
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_scan_value = json.JSONDecoder().scan_once  # the C scanner behind json.loads
+
+
+def _scan_object(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]] | None]:
+    """``json.loads(text)`` of a JSON object, with each top-level value's span in ``text`` (None
+    when a key repeats: which value counts is then for the parser to decide). Raises on anything
+    else (the caller then lets ``json.loads`` say what is wrong)."""
+    ws = _WS.match
+    i = ws(text, 0).end()
+    if text[i : i + 1] != "{":
+        raise ValueError("not an object")
+    i = ws(text, i + 1).end()
+    obj: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    repeated = False
+    if text[i : i + 1] == "}":
+        i += 1
+    else:
+        while True:
+            if text[i : i + 1] != '"':
+                raise ValueError("expected a key")
+            key, i = scanstring(text, i + 1)
+            i = ws(text, i).end()
+            if text[i : i + 1] != ":":
+                raise ValueError("expected ':'")
+            i = ws(text, i + 1).end()
+            try:
+                value, end = _scan_value(text, i)
+            except StopIteration:
+                raise ValueError("expected a value") from None
+            repeated = repeated or key in obj
+            obj[key] = value
+            spans[key] = (i, end)
+            i = ws(text, end).end()
+            sep = text[i : i + 1]
+            i = ws(text, i + 1).end()
+            if sep == "}":
+                break
+            if sep != ",":
+                raise ValueError("expected ',' or '}'")
+    if ws(text, i).end() != len(text):
+        raise ValueError("extra data")
+    return obj, None if repeated else spans
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The JSON object of a request body; ValueError with a one-line reason for anything else
     (invalid UTF-8 or JSON, not an object, nested deeper than :data:`MAX_BODY_DEPTH`)."""
+    return parse_raw_body(raw).obj
+
+
+def parse_raw_body(raw: bytes) -> RawBody:
+    """:func:`parse_body`, keeping the body's text and its top-level values' spans (none when a key
+    repeats) for :func:`encode_body`; about as fast as ``json.loads`` (its C scanner)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("request body is not UTF-8") from None
     try:
-        body = json.loads(text)
+        body, spans = _scan_object(text)
+    except (ValueError, RecursionError, IndexError):
+        body, spans = None, None  # json.loads below says what is wrong (or parses it all the same)
+    try:
+        if body is None:
+            body = json.loads(text)
     except RecursionError:
         raise ValueError(f"request body nests deeper than {MAX_BODY_DEPTH} levels") from None
     except ValueError as exc:
@@ -105,7 +183,32 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     for key, kind in (("stream", bool), ("max_tokens", int), ("model", str)):
         if key in body and body[key] is not None and not isinstance(body[key], kind):
             raise ValueError(f"'{key}' must be a {kind.__name__}")
-    return body
+    return RawBody(raw, text, body, spans or {})
+
+
+def encode_body(out: dict[str, Any], raw: RawBody | None = None) -> bytes:
+    """``out`` as JSON (UTF-8 bytes), for a backend. ``out`` is a top-level copy of ``raw.obj`` with
+    some keys added, changed or removed: each value that is still the very object of ``raw.obj``
+    is copied from the client's text (it parses to that value) instead of being encoded again,
+    which for a prompt of tens of MiB takes the event loop 0.1-0.4 s; the others are encoded.
+    Without ``raw`` (or spans) all of ``out`` is encoded."""
+    if raw is None or not raw.spans:
+        return json.dumps(out).encode()
+    same_bytes = len(raw.data) == len(raw.text)  # ASCII: text offsets are byte offsets
+    view = memoryview(raw.data)
+    parts: list[bytes | memoryview] = [b"{"]
+    for key, value in out.items():
+        if len(parts) > 1:
+            parts.append(b", ")
+        parts.append(json.dumps(key).encode() + b": ")
+        span = raw.spans.get(key)
+        if span is not None and raw.obj[key] is value:
+            a, b = span
+            parts.append(view[a:b] if same_bytes else raw.text[a:b].encode())
+        else:
+            parts.append(json.dumps(value).encode())
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 def prefill_request_body(body: dict[str, Any]) -> dict[str, Any]:

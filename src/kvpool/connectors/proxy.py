@@ -66,9 +66,11 @@ from kvpool.connectors.backends import (
     read_at_most,
 )
 from kvpool.connectors.openai_api import (
+    RawBody,
+    encode_body,
     error_response,
     error_text,
-    parse_body,
+    parse_raw_body,
     prefill_request_body,
     snippet,
 )
@@ -329,11 +331,16 @@ class PDProxy(StreamHalves):
             headers={"X-Request-Id": request_id},
         )
 
-    async def _read_body(self, request: web.Request, request_id: str) -> dict[str, Any] | web.Response:
-        """The request's JSON object, or the 400 reply saying in one line what is wrong with it."""
+    async def _read_body(self, request: web.Request, request_id: str) -> RawBody | web.Response:
+        """The request's JSON object (with its text, to send it on), or the 400 reply saying in one
+        line what is wrong with it."""
         try:
-            raw = await request.read()
-            body = await asyncio.to_thread(parse_body, raw) if len(raw) > 1 << 20 else parse_body(raw)
+            data = await request.read()
+            if len(data) > 1 << 20:
+                raw = await asyncio.to_thread(parse_raw_body, data)
+            else:
+                raw = parse_raw_body(data)
+            body = raw.obj
         except ValueError as exc:
             self._count("bad_request")
             _log.info("request %s refused: %s", request_id, exc)
@@ -347,7 +354,7 @@ class PDProxy(StreamHalves):
                 self._count("bad_request")
                 _log.info("request %s refused: %s", request_id, exc)
                 return error_response(400, str(exc), request_id)
-        return body
+        return raw
 
     async def _tokenize(self, payload: dict[str, Any]) -> Any:
         """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local)."""
@@ -412,9 +419,10 @@ class PDProxy(StreamHalves):
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         path = request.path
-        body = await self._read_body(request, request_id)
-        if isinstance(body, web.Response):
-            return body
+        raw = await self._read_body(request, request_id)
+        if isinstance(raw, web.Response):
+            return raw
+        body = raw.obj
         # Refuse before doing anything when either side has nobody to serve.
         for pool in self.pools:
             if not pool.any_healthy():
@@ -429,7 +437,7 @@ class PDProxy(StreamHalves):
             _, prefer_p, prefer_d = routed
         ok = False
         try:
-            resp = await self._generate(request, body, path, request_id, rkey, prefer_p, prefer_d)
+            resp = await self._generate(request, raw, path, request_id, rkey, prefer_p, prefer_d)
             ok = resp.status < 400
             return resp
         finally:
@@ -437,9 +445,12 @@ class PDProxy(StreamHalves):
                 self.router.finished(rkey, ok)
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], path: str, request_id: str, rkey: str,
+        self, request: web.Request, raw: RawBody, path: str, request_id: str, rkey: str,
         prefer_p: Backend | None, prefer_d: Backend | None,
     ) -> web.StreamResponse:  # fmt: skip
+        """Forward the client's request: the bodies sent are top-level copies of it with a few keys
+        changed, encoded by ``encode_body`` (the client's big values are copied as text)."""
+        body = raw.obj
         headers = self._backend_headers(request, request_id)
         stream = bool(body.get("stream", False))
         router = self.router
@@ -455,7 +466,7 @@ class PDProxy(StreamHalves):
                 # a host and blocks the client names: never forwarded.
                 sent = {k: v for k, v in body.items() if k != "kv_transfer_params"}
                 dresp, dbackend = await self.client.send(
-                    self.prefill, "POST", path, sent, headers, prefer=prefer_p
+                    self.prefill, "POST", path, encode_body(sent, raw), headers, prefer=prefer_p
                 )
             elif self.stream_kv and (pb := self.prefill.pick(prefer=prefer_p)) is not None and pb.kv_peer:
                 # Streaming P/D: both at once; the decode reads the KV while the prefill computes it.
@@ -468,15 +479,17 @@ class PDProxy(StreamHalves):
                     "transfer_id": tid,
                     **pb.kv_peer,
                 }
-                ptask = asyncio.create_task(self._prefill_streamed(pb, path, pbody, headers, request_id))
+                psent, dsent = encode_body(pbody, raw), encode_body(decode_body, raw)
+                ptask = asyncio.create_task(self._prefill_streamed(pb, path, psent, headers, request_id))
                 self._keep(ptask)
-                dresp, dbackend = await self._decode_beside(ptask, pb, path, decode_body, headers, prefer_d)
+                dresp, dbackend = await self._decode_beside(ptask, pb, path, dsent, headers, prefer_d)
                 if dresp.status >= 400:  # the decode will not read the KV: stop the prefill too
                     ptask.cancel()
             else:
                 # 1. Prefill.
+                psent = encode_body(prefill_request_body(body), raw)
                 presp, pbackend = await self.client.send(
-                    self.prefill, "POST", path, prefill_request_body(body), headers, prefer=prefer_p
+                    self.prefill, "POST", path, psent, headers, prefer=prefer_p
                 )
                 try:
                     pdata = await self.client.read(presp, pbackend, self.max_prefill_reply_bytes)
@@ -520,7 +533,7 @@ class PDProxy(StreamHalves):
 
                 # 2. Decode.
                 dresp, dbackend = await self.client.send(
-                    self.decode, "POST", path, decode_body, headers, prefer=prefer_d
+                    self.decode, "POST", path, encode_body(decode_body, raw), headers, prefer=prefer_d
                 )
         except BackendError as exc:
             self._count("error")
