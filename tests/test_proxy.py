@@ -808,6 +808,52 @@ def test_hot_prefix_copy_answered_by_a_flood_fails_at_the_reply_cap() -> None:
     run(go)
 
 
+class FloodingTokenizer(FakeVllm):
+    """A :class:`FakeVllm` whose ``/tokenize`` answers 200 with ``flood`` bytes of whitespace before
+    a valid answer, counting in ``sent`` what it got out."""
+
+    flood = 64 << 20
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sent = 0
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        self.paths.append(request.path)
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        chunk = b" " * (256 << 10)
+        try:
+            while self.sent < self.flood:
+                await resp.write(chunk)
+                self.sent += len(chunk)
+            await resp.write(b'{"tokens": [1, 2, 3], "count": 3}')
+        except (ConnectionError, RuntimeError):
+            pass  # the proxy hung up
+        return resp
+
+
+def test_a_tokenize_answer_larger_than_the_reply_cap_is_a_failed_tokenization() -> None:
+    """The router's ``/tokenize`` answer is read up to ``max_reply_bytes``: a flood is cut off and
+    counts as ``tokenize_failed`` (the request is routed without its tokens) instead of being read
+    into memory whole."""
+    from kvpool.conductor.live import RouterConfig
+
+    async def go() -> None:
+        fakes = [FloodingTokenizer("b0", "decode"), FloodingTokenizer("b1", "decode")]
+        cfg = RouterConfig(policy="cache", block_size=4)
+        async with running(fakes, [], router=cfg, max_reply_bytes=1 << 20) as (proxy, client):
+            async with client.post(f"{proxy.url}/v1/completions", json={"prompt": "a b c " * 30}) as r:
+                assert r.status == 200
+            async with client.get(f"{proxy.url}/health") as r:
+                st = (await r.json())["router"]
+            assert st["tokenize_failed"] == 1, st
+            sent = sum(f.sent for f in fakes)
+            assert 1 << 20 < sent < FloodingTokenizer.flood, sent
+
+    run(go)
+
+
 def test_router_follows_kv_events_published_over_zmq() -> None:
     import msgpack
     import zmq

@@ -357,15 +357,24 @@ class PDProxy(StreamHalves):
         return raw
 
     async def _tokenize(self, payload: dict[str, Any]) -> Any:
-        """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local)."""
+        """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local): its
+        JSON answer, or None for another status or an answer over ``max_reply_bytes``, all read
+        within 10 s (at most ``timeout_s``). Called by ``LiveRouter.prompt_tokens``."""
         b = self.prefill.pick()
         if b is None:
             return None
-        timeout = aiohttp.ClientTimeout(total=min(self.timeout_s, 10.0))
+        limit = self.client.max_reply_bytes
+        deadline_s = min(self.timeout_s, 10.0)
+        timeout = aiohttp.ClientTimeout(total=deadline_s)
         async with self.client.session.post(f"{b.url}/tokenize", json=payload, timeout=timeout) as resp:
             if resp.status != 200:
                 return None
-            return await resp.json()
+            data = await read_at_most(resp, limit, deadline_s)
+            if len(data) > limit:
+                resp.close()  # the rest is never read: this connection is not reused
+                _log.info("backend %s answered /tokenize with more than %d bytes", b.url, limit)
+                return None
+        return json.loads(data)
 
     async def _route(
         self, body: dict[str, Any], path: str, rkey: str, request_id: str
