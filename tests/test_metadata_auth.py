@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvpool.errors import MetadataError
-from kvpool.transfer.metadata import AUTH_HEADER, HttpMetadata, auth_header
+from kvpool.transfer.metadata import AUTH_HEADER, HttpMetadata, auth_header, open_metadata
 from kvpool.transfer.metadata_server import MetadataServer
 
 SECRET = "metadata-secret"
@@ -267,14 +267,17 @@ def test_credentials_over_plain_http_warn_once_per_remote_host(caplog: pytest.Lo
     ]
     for url in silent:
         HttpMetadata(url)
+    open_metadata(f"etcd://alice:{pw}@127.0.0.1:2379")  # etcd's password to /v3/auth/authenticate
     assert not caplog.records, caplog.text
     HttpMetadata(f"http://alice:{pw}@10.213.7.3:8080/metadata")
     HttpMetadata(f"http://alice:{pw}@10.213.7.3:8080/metadata")  # the same host: no second line
     HttpMetadata(f"http://meta.example:9000/metadata?token={pw}")
+    open_metadata(f"etcd://alice:{pw}@127.0.0.1:2379,10.213.7.4:2379")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2, warnings
+    assert len(warnings) == 3, warnings
     assert "10.213.7.3:8080" in warnings[0] and "http://" in warnings[0]
     assert "meta.example:9000" in warnings[1]
+    assert "10.213.7.4:2379" in warnings[2]
     assert pw not in caplog.text and "alice" not in caplog.text
 
 

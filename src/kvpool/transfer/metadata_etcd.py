@@ -16,12 +16,11 @@ import base64
 import binascii
 import http.client
 import json
-import logging
-import threading
 import time
 import urllib.parse
 from typing import Any
 
+from kvpool._urls import warn_clear_credentials
 from kvpool.errors import InvalidArgument, MetadataError
 from kvpool.transfer.metadata import (
     KEY_PREFIX,
@@ -34,13 +33,8 @@ from kvpool.transfer.metadata import (
     _Response,
 )
 
-log = logging.getLogger("kvpool.metadata")
-
 _DEFAULT_ETCD_PORT = 2379
 _UNAUTHENTICATED = 16  # gRPC code of "etcdserver: invalid auth token" (a token expired)
-_LOOPBACK = ("127.", "::1", "localhost")
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
 
 
 def _bad_etcd_url(url: str) -> str:
@@ -87,8 +81,10 @@ class EtcdMetadata(MetadataBackend):
                 raise InvalidArgument(_bad_etcd_url(url))
             host = f"[{probe.hostname}]" if ":" in probe.hostname else probe.hostname
             endpoints.append(f"http://{host}:{port or _DEFAULT_ETCD_PORT}")
-            if self._user is not None and not probe.hostname.startswith(_LOOPBACK):
-                _warn_clear_password(probe.hostname)
+            if self._user is not None:  # the password goes to /v3/auth/authenticate in clear
+                warn_clear_credentials(
+                    f"http://{urllib.parse.quote(self._user)}:***@{host}:{port or _DEFAULT_ETCD_PORT}"
+                )
         self.url = url
         self.timeout_s = timeout_s
         self._endpoints = endpoints
@@ -208,15 +204,3 @@ def _json(resp: _Response) -> dict[str, Any] | None:
 
 def _token_expired(resp: _Response) -> bool:
     return resp.status == 401 or (_json(resp) or {}).get("code") == _UNAUTHENTICATED
-
-
-def _warn_clear_password(host: str) -> None:
-    with _warned_lock:
-        if host in _warned:
-            return
-        _warned.add(host)
-    log.warning(
-        "etcd metadata at %s: the etcd password is sent in clear over plain HTTP; keep etcd on a "
-        "trusted network",
-        host,
-    )
