@@ -753,6 +753,22 @@ def test_conductor_copies_a_hot_prefix_to_one_spare_instance_once() -> None:
     run(go)
 
 
+async def _flood(request: web.Request, fake: Any, tail: bytes = b"") -> web.StreamResponse:
+    """Answer 200 with ``fake.flood`` bytes of whitespace (then ``tail``), counting in ``fake.sent``
+    what got out before the proxy hung up."""
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    chunk = b" " * (256 << 10)
+    try:
+        while fake.sent < fake.flood:
+            await resp.write(chunk)
+            fake.sent += len(chunk)
+        await resp.write(tail)
+    except (ConnectionError, RuntimeError):
+        pass  # the proxy hung up
+    return resp
+
+
 class FloodingCopies(FakeVllm):
     """A :class:`FakeVllm` that answers a ``max_tokens=1`` request (a hot-prefix copy) with a
     200 whose body streams ``flood`` bytes, counting in ``sent`` what it got out."""
@@ -768,16 +784,7 @@ class FloodingCopies(FakeVllm):
         if body.get("max_tokens") != 1:
             return await super()._generate(request)
         self.bodies.append(body)
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        chunk = b" " * (256 << 10)
-        try:
-            while self.sent < self.flood:
-                await resp.write(chunk)
-                self.sent += len(chunk)
-        except (ConnectionError, RuntimeError):
-            pass  # the proxy hung up
-        return resp
+        return await _flood(request, self)
 
 
 def test_hot_prefix_copy_answered_by_a_flood_fails_at_the_reply_cap() -> None:
@@ -820,17 +827,7 @@ class FloodingTokenizer(FakeVllm):
 
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         self.paths.append(request.path)
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        chunk = b" " * (256 << 10)
-        try:
-            while self.sent < self.flood:
-                await resp.write(chunk)
-                self.sent += len(chunk)
-            await resp.write(b'{"tokens": [1, 2, 3], "count": 3}')
-        except (ConnectionError, RuntimeError):
-            pass  # the proxy hung up
-        return resp
+        return await _flood(request, self, b'{"tokens": [1, 2, 3], "count": 3}')
 
 
 def test_a_tokenize_answer_larger_than_the_reply_cap_is_a_failed_tokenization() -> None:

@@ -95,8 +95,6 @@ def _check_value(value: object) -> bytes:
     raise InvalidArgument(f"descriptor value must be bytes, got {type(value).__name__}")
 
 
-
-
 def _reason(exc: BaseException) -> str:
     """Describe a network exception in a few words, unwrapping :class:`urllib.error.URLError`."""
     if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
