@@ -25,27 +25,23 @@ import collections
 import itertools
 import logging
 import os
-import random
 import threading
 import time
 from typing import Any
 
 from kvpool.errors import (
     InvalidArgument,
-    ObjectBusy,
     ProtocolUnavailable,
     RemoteAccessError,
     SegmentNotFound,
 )
+from kvpool.transfer.rdma.connections import RESTARTED, Connections
 from kvpool.transfer.rdma.endpoints import SievePool
 from kvpool.transfer.rdma.nics import (
     MEMLOCK_HINT,
     MemoryRegions,
-    Nic,
-    make_qp,
     memlock_limit,
     open_nics,
-    qp_connect,
 )
 from kvpool.transfer.rdma.passive import PassiveQps
 from kvpool.transfer.rdma.state import Endpoint, Peer, Req, Slice, slice_plan
@@ -60,11 +56,6 @@ log_engine = logging.getLogger("kvpool.transfer")  # where protocol="auto" says 
 _CHAIN_SHIFT = 1024  # wr_id = chain_id * 1024 + index in chain
 _WARNED_MEMLOCK = False
 _AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in this process (cached)
-_RESTARTED = "peer restarted since its descriptor was read; open the segment again"  # as the TCP path
-
-
-class _PeerRestarted(Exception):
-    """A connect reached another incarnation of the peer than the slice was planned for."""
 
 
 def start_rdma(
@@ -94,8 +85,9 @@ def start_rdma(
         return None
 
 
-class RdmaTransport(Transport):
-    """RDMA data path of a :class:`~kvpool.transfer.engine.TransferEngine` (see the module docstring).
+class RdmaTransport(Connections, Transport):
+    """RDMA data path of a :class:`~kvpool.transfer.engine.TransferEngine` (see the module docstring;
+    endpoints and the connect RPC are in :class:`~kvpool.transfer.rdma.connections.Connections`).
 
     Args:
         cfg: the engine's :class:`~kvpool.config.TransferConfig` (``rdma_*`` fields, ``secret``...).
@@ -220,7 +212,7 @@ class RdmaTransport(Transport):
             restarted = peer.instance != info.get("instance")
             peer.update(info, buffers)
         if restarted:
-            reason = f"{_RESTARTED} ({peer.name}: instance changed)"
+            reason = f"{RESTARTED} ({peer.name}: instance changed)"
             self._run_in_progress(lambda: self._drop_peer(peer, reason, TransferState.FAILED))
 
     def remove_peer(self, hid: int) -> None:
@@ -352,7 +344,7 @@ class RdmaTransport(Transport):
                     continue
                 ep = self._endpoint(s.lnic, s.req.peer, s.rnic, s.req.instance)
                 if ep is None:
-                    self._fail_req(s.req, f"{_RESTARTED} ({s.req.peer.name}: a new instance answered)")
+                    self._fail_req(s.req, f"{RESTARTED} ({s.req.peer.name}: a new instance answered)")
                     self._slice_dropped(s)
                     continue
                 if isinstance(ep, str):
@@ -500,7 +492,7 @@ class RdmaTransport(Transport):
             self._fail_req(req, f"segment {peer.name} closed", TransferState.CANCELED)
             return True
         if req.instance != peer.instance:
-            self._fail_req(req, f"{_RESTARTED} ({peer.name}: instance changed)")
+            self._fail_req(req, f"{RESTARTED} ({peer.name}: instance changed)")
             return True
         return False
 
@@ -508,137 +500,6 @@ class RdmaTransport(Transport):
         req.error = reason
         req.state = state
         self.batches.finish(req.batch_id, req.slot, req.done_bytes, reason, state)
-
-    # ------------------------------------------------------------------ endpoints
-    def _endpoint(self, lnic: int, peer: Peer, rnic: int, inst: Any) -> Endpoint | str | None:
-        """The endpoint to instance ``inst`` of ``peer``; a reason string when the path is down;
-        None when another instance answered (the peer restarted)."""
-        key = (lnic, peer.hid, rnic)
-        ep = self._pool.get(key)
-        if ep is not None:
-            if ep.instance == inst:
-                return ep
-            self._break(ep, f"{peer.name} restarted", penalize=False)  # an older instance's QP
-        try:
-            ep = self._connect(self.nics[lnic], peer, rnic, inst)
-        except _PeerRestarted:
-            return None
-        except Exception as exc:  # noqa: BLE001 - RPC or verbs failure: this path is down
-            self._pause(lnic, peer, rnic)
-            return f"connecting {self.nics[lnic].name} -> {peer.name}/{peer.nic_names[rnic]}: {exc}"
-        self._pool.put(key, ep)
-        self.stats["connects"] += 1
-        return ep
-
-    def _rpc_client(self, peer: Peer) -> Any:
-        if peer.rpc is None or peer.rpc.address != peer.rpc_addr:
-            from kvpool._rpc import RpcClient
-
-            peer.rpc = RpcClient(peer.rpc_addr, self.cfg.connect_timeout_s, self.cfg.secret)
-        return peer.rpc
-
-    def _connect(self, nic: Nic, peer: Peer, rnic: int, inst: Any) -> Endpoint:
-        qp = make_qp(self.V, nic, self.sq_depth)
-        psn = random.getrandbits(24)
-        try:
-            reply = self._rpc_client(peer).call(
-                "connect",
-                nic=peer.nic_names[rnic],
-                qpn=qp.qp_num,
-                psn=psn,
-                gid=nic.gid,
-                lid=nic.lid,
-                mtu=nic.mtu,
-                ethernet=nic.ethernet,
-                initiator=self.instance,
-                origin=self.origin,
-            )
-            if reply.get("instance") != inst:
-                raise _PeerRestarted()
-            qp_connect(self.V, nic, qp, reply, psn)
-        except Exception:
-            qp.close()
-            raise
-        return Endpoint((nic.index, peer.hid, rnic), nic, peer, rnic, qp, int(reply["qpn"]), inst)
-
-    def _pause(self, lnic: int, peer: Peer, rnic: int) -> None:
-        until = time.monotonic() + self.cfg.rdma_nic_pause_s
-        self._paused[lnic] = until
-        peer.paused[rnic] = until
-
-    def _break(self, ep: Endpoint, reason: str, penalize: bool = True) -> None:
-        """Drop a failed endpoint on both sides; its unfinished slices go to other paths."""
-        self.stats["broken_endpoints"] += 1
-        if penalize:
-            self._pause(ep.nic.index, ep.peer, ep.rnic)
-        self._pool.pop(ep.key)
-        self._close_ep(ep)
-        for cid, chain in list(ep.inflight.items()):
-            self._chains.pop(cid, None)
-            for s in chain:
-                self._fail_slice(s, reason) if penalize else self._retry.append(s)
-        ep.inflight.clear()
-        ep.outstanding = 0
-        while ep.pending:
-            self._retry.append(ep.pending.popleft())
-        if ep in self._active:
-            self._active.remove(ep)
-
-    def _close_ep(self, ep: Endpoint) -> None:
-        try:
-            ep.qp.close()
-        except Exception:  # noqa: BLE001
-            pass
-        try:
-            self._rpc_client(ep.peer).call(
-                "disconnect", initiator=self.instance, gid=ep.nic.gid, qpn=ep.qp.qp_num
-            )
-        except Exception as exc:  # noqa: BLE001 - the peer may be gone
-            log.debug("disconnect of %s failed: %s", ep.key, exc)
-
-    def _on_evict(self, key: tuple, ep: Endpoint) -> None:
-        self.stats["evictions"] += 1
-        self._close_ep(ep)
-
-    def _drop_peer(self, peer: Peer, reason: str, state: TransferState) -> None:
-        """Progress thread, after ``peer`` restarted or was closed: drop its endpoints on both
-        sides and end every request with a slice in flight or waiting on them (``state``);
-        queued and retried slices are ended at dispatch (:meth:`_stale`)."""
-        for key in self._pool.keys():
-            ep = self._pool.get(key) if key[1] == peer.hid else None
-            if ep is None or (ep.instance == peer.instance and not peer.closed):
-                continue  # another peer's, or already made to the new instance
-            self._pool.pop(key)
-            self._close_ep(ep)
-            for cid in ep.inflight:
-                self._chains.pop(cid, None)
-            for s in [s for c in ep.inflight.values() for s in c] + list(ep.pending):
-                self._fail_req(s.req, reason, state)
-                self._slice_dropped(s)
-            ep.inflight.clear()
-            ep.pending.clear()
-            ep.outstanding = 0
-            if ep in self._active:
-                self._active.remove(ep)
-
-    def endpoint_count(self) -> int:
-        return len(self._pool)
-
-    # ------------------------------------------------------------------ passive side (RPC)
-    def _handle_rpc(self, req: dict[str, Any]) -> dict[str, Any]:
-        rid = req.get("id")  # the connection proved the secret (kvpool._rpc handshake)
-        try:
-            op = req.get("op")
-            if op == "connect":
-                return {"id": rid, "ok": True, **self._passive.accept(req)}
-            if op == "disconnect":
-                self._passive.disconnect(req)
-                return {"id": rid, "ok": True}
-            return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
-        except ObjectBusy as exc:  # over a passive QP cap: the initiator tries another path
-            return {"id": rid, "ok": False, "err": "BUSY", "msg": str(exc)}
-        except Exception as exc:  # noqa: BLE001
-            return {"id": rid, "ok": False, "err": "ERROR", "msg": str(exc)}
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
