@@ -391,6 +391,53 @@ def test_double_slices_waiting_on_an_endpoint_fail_when_the_peer_restarts(double
         (t2 or t).close()
 
 
+@pytest.mark.parametrize("same_rpc_port", [False, True], ids=["new-rpc-port", "same-rpc-port"])
+def test_double_peer_restarted_on_the_same_address_is_reached_again(double, monkeypatch, same_rpc_port):
+    """A target restarts on its port; its RDMA RPC server listens on another port (the cached
+    descriptor's is refused) or on the same one (another instance answers). The first transfer
+    fails typed; the next open_segment re-fetches the descriptor (peer_gone) and transfers move the
+    right bytes again (every later request failed "not reachable" forever)."""
+    from kvpool import _rpc_server
+    from kvpool.errors import TransferError
+
+    t = _engine()
+    kv = bytearray(MiB)
+    base = t.register_local_memory(kv)
+    i = _engine(rdma_nic_pause_s=0)
+    t2 = None
+    try:
+        src = bytearray(os.urandom(MiB))
+        la = i.register_local_memory(src)
+        assert i.transfer_sync(t.segment_name, la, base, MiB) == MiB and kv == src
+        old_rpc = t.rdma.rpc_addr
+        if same_rpc_port:
+            port = t.rdma._rpc.port
+
+            class SamePort(_rpc_server.RpcServer):
+                def __init__(self, host, _port, *a, **kw):
+                    super().__init__(host, port, *a, **kw)
+
+            monkeypatch.setattr(_rpc_server, "RpcServer", SamePort)
+        t2 = _restart(t, kv, monkeypatch)
+        assert (t2.rdma.rpc_addr == old_rpc) == same_rpc_port
+        assert not i.rdma.peer_gone(i.open_segment(t.segment_name).id)
+        with pytest.raises(TransferError, match="restarted" if same_rpc_port else "not reachable"):
+            i.transfer_sync(t.segment_name, la, base, MiB)
+        assert kv == b"N" * MiB  # nothing reached the new incarnation
+        seg = i.open_segment(t.segment_name)  # sees peer_gone: fetches the new descriptor
+        assert not i.rdma.peer_gone(seg.id)
+        assert i.get_segment_descriptor(seg).rdma["rpc"] == t2.rdma.rpc_addr
+        src[:] = os.urandom(MiB)
+        st, per = run_batch(i, [TransferRequest(OpCode.WRITE, la, seg, base, MiB)])
+        assert st.state == TransferState.COMPLETED, per
+        assert kv == src
+        src[:] = os.urandom(MiB)
+        assert i.transfer_sync(t.segment_name, la, base, MiB) == MiB and kv == src
+    finally:
+        i.close()
+        (t2 or t).close()
+
+
 def test_double_close_segment_cancels_its_queued_requests(double):
     t, i, kv, base = _pair()
     with t, i:

@@ -12,7 +12,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import ObjectBusy
+from kvpool.errors import AuthenticationError, MasterUnavailable, ObjectBusy, ProtocolError
 from kvpool.transfer.rdma.endpoints import SievePool
 from kvpool.transfer.rdma.nics import Nic, make_qp, qp_connect
 from kvpool.transfer.rdma.passive import PassiveQps
@@ -27,6 +27,11 @@ RESTARTED = "peer restarted since its descriptor was read; open the segment agai
 
 class PeerRestarted(Exception):
     """A connect reached another incarnation of the peer than the slice was planned for."""
+
+
+# a connect RPC that failed so: the peer's RPC server is gone, or another process has its port
+# (not ObjectBusy or a verbs error, which a live peer of this incarnation causes)
+_RPC_DOWN = (MasterUnavailable, ProtocolError, AuthenticationError)
 
 
 class Connections:
@@ -46,6 +51,7 @@ class Connections:
     _chains: dict[int, Endpoint]
     _retry: collections.deque[Slice]
     _active: list[Endpoint]
+    _suspect: set[int]  # handles of peers whose connect RPC failed or a new instance answered
 
     if TYPE_CHECKING:  # RdmaTransport's slice hooks
 
@@ -67,8 +73,11 @@ class Connections:
         try:
             ep = self._connect(self.nics[lnic], peer, rnic, inst)
         except PeerRestarted:
+            self._suspect.add(peer.hid)
             return None
         except Exception as exc:  # noqa: BLE001 - RPC or verbs failure: this path is down
+            if isinstance(exc, _RPC_DOWN):
+                self._suspect.add(peer.hid)
             self._pause(lnic, peer, rnic)
             return f"connecting {self.nics[lnic].name} -> {peer.name}/{peer.nic_names[rnic]}: {exc}"
         self._pool.put(key, ep)
@@ -165,6 +174,13 @@ class Connections:
             ep.outstanding = 0
             if ep in self._active:
                 self._active.remove(ep)
+
+    def peer_gone(self, handle: int) -> bool:
+        """Whether a connect to segment ``handle`` found its RPC server gone (refused, unreachable,
+        timed out) or another instance of it answering: its descriptor (RPC port, instance, rkeys)
+        is then likely stale, and ``open_segment``, which calls this on every cached open, fetches
+        it again; ``add_peer`` (that refresh) clears the mark. One set lookup."""
+        return handle in self._suspect
 
     def endpoint_count(self) -> int:
         return len(self._pool)

@@ -126,6 +126,7 @@ class RdmaTransport(Connections, Transport):
             log.warning("RLIMIT_MEMLOCK is %d bytes: large registrations will fail; %s", lim, MEMLOCK_HINT)
         self.regions = MemoryRegions(self.V, self.nics)
         self._peers: dict[int, Peer] = {}
+        self._suspect: set[int] = set()  # see peer_gone
         self._lock = threading.Lock()
         self._pool: SievePool[tuple, Endpoint] = SievePool(
             cfg.rdma_max_endpoints, self._on_evict, busy=lambda ep: ep.outstanding > 0 or bool(ep.pending)
@@ -205,6 +206,7 @@ class RdmaTransport(Connections, Transport):
         fails every slice planned for the old one (its addresses and rkeys mean nothing to the new
         process: posted there they would overwrite its memory)."""
         with self._lock:
+            self._suspect.discard(hid)  # a fresh descriptor (see peer_gone)
             peer = self._peers.get(hid)
             if peer is None:
                 self._peers[hid] = Peer(hid, name, info, buffers)
@@ -220,6 +222,7 @@ class RdmaTransport(Connections, Transport):
         CANCELED, as on the native path."""
         with self._lock:
             peer = self._peers.pop(hid, None)
+            self._suspect.discard(hid)
             if peer is not None:
                 peer.closed = True
         if peer is not None:
