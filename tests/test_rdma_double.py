@@ -367,7 +367,7 @@ def test_double_slices_waiting_on_an_endpoint_fail_when_the_peer_restarts(double
     try:
         la = i.register_local_memory(bytearray(b"A" * MiB))
         seg = i.open_segment(t.segment_name)
-        assert i.transfer_sync(t.segment_name, la, base, 4096) == 4096  # endpoint made
+        assert i.transfer_sync(t.segment_name, la, base, 4 * 4096) == 4 * 4096  # 4 endpoints made
         kv[:] = bytes(MiB)
         gate = _hold_progress(i)
         bid = i.allocate_batch_id(1)
@@ -436,6 +436,45 @@ def test_double_peer_restarted_on_the_same_address_is_reached_again(double, monk
     finally:
         i.close()
         (t2 or t).close()
+
+
+def test_double_a_hung_peer_does_not_stall_transfers_to_other_peers(double):
+    """A peer whose RDMA RPC port accepts TCP and never answers (its process stopped) held the
+    one progress thread for connect_timeout_s per connect: a transfer to a healthy, connected
+    peer took 24.8 s with connect_timeout_s=5. Connects run off the progress thread, one at a time
+    per peer: other peers (connected or not) go on; the hung peer's request fails typed, in about
+    one connect timeout (the connects queued behind a timed-out one fail at once)."""
+    import signal
+
+    t, i, kv, base = _pair(connect_timeout_s=5, rdma_retry_limit=1)
+    t3 = _engine()
+    kv3 = bytearray(MiB)
+    base3 = t3.register_local_memory(kv3)
+    with RdmaPeer(MiB) as hung, t, i, t3:
+        src = bytearray(os.urandom(MiB))
+        la = i.register_local_memory(src)
+        assert i.transfer_sync(t.segment_name, la, base, MiB) == MiB  # t is connected
+        hseg = i.open_segment(hung.segment)  # its descriptor; no connect yet
+        os.kill(hung.pid, signal.SIGSTOP)
+        try:
+            bid = i.allocate_batch_id(1)
+            t0 = time.monotonic()
+            i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, hseg, hung.addr, MiB)])
+            time.sleep(0.3)  # its connect waits for the stopped peer
+            for target, b, dst in ((t, base, kv), (t3, base3, kv3)):  # connected, not yet connected
+                src[:] = os.urandom(MiB)
+                s0 = time.monotonic()
+                assert i.transfer_sync(target.segment_name, la, b, MiB) == MiB
+                assert time.monotonic() - s0 < 1.0, (target is t, time.monotonic() - s0)
+                assert dst[:MiB] == src
+            assert i.get_transfer_status(bid, 0).state == TransferState.PENDING
+            i.wait_batch(bid, 20)
+            st = i.get_transfer_status(bid, 0)
+            assert st.state == TransferState.FAILED and "did not answer" in st.error, st
+            assert time.monotonic() - t0 < 9, st  # one connect timeout, not one per attempt
+            i.free_batch_id(bid)
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
 
 
 def test_double_close_segment_cancels_its_queued_requests(double):

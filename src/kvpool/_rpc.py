@@ -506,3 +506,14 @@ class RpcClient:
         """Close the connection."""
         with self._lock:
             self._reset()
+
+    def try_close(self) -> bool:
+        """:meth:`close` unless another thread is in a call on this connection now (False:
+        nothing done; that caller closes it). For shutdown paths that must not wait a timeout."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._reset()
+        finally:
+            self._lock.release()
+        return True

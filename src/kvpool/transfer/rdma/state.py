@@ -125,6 +125,9 @@ class Peer:
         self.paused: dict[int, float] = {}
         self.rpc: Any = None
         self.closed = False  # set by remove_peer: its queued slices are canceled
+        # (RPC address, until, error) of a connect RPC that found the peer's RPC server down: the
+        # connects queued behind it fail at once with it until then (RPC threads only)
+        self.rpc_down: tuple[str, float, Exception] | None = None
         self.update(info, buffers)
 
     def update(self, info: dict[str, Any], buffers: list[Any]) -> None:

@@ -8,7 +8,8 @@ Data path (one progress thread per engine):
   preferred NICs of the local memory's location and of the remote buffer's location (rail-aligned:
   slice k goes local pref[k % L] -> remote pref[k % R]); paused NICs are skipped while any preferred
   NIC is healthy, secondary NICs are used only when none is.
-* the progress thread makes endpoints on demand (QP handshake over the peer's RPC port), chains up to
+* endpoints are made on demand by a few RPC threads (QP handshake over the peer's RPC port, one
+  RPC at a time per peer; the endpoint's slices wait meanwhile). The progress thread chains up to
   ``rdma_chain`` slices per ``post_send`` (linked ``SendWR`` list, only the last one signaled) and polls
   every CQ with ``poll(64)``. RC completes in order, so a chain's one completion covers it; an error
   completion at WR i means WRs before i succeeded.
@@ -45,6 +46,7 @@ from kvpool.transfer.rdma.nics import (
 )
 from kvpool.transfer.rdma.passive import PassiveQps
 from kvpool.transfer.rdma.state import Endpoint, Peer, Req, Slice, slice_plan
+from kvpool.transfer.rdma.strands import Strands
 from kvpool.transfer.rdma.topology import load_matrix, matrix_nics, nics_for
 from kvpool.transfer.rdma.verbs import Verbs, as_verbs, load_verbs
 from kvpool.transfer.transport import READ, Requests, Transport
@@ -54,6 +56,8 @@ log = logging.getLogger("kvpool.transfer.rdma")
 log_engine = logging.getLogger("kvpool.transfer")  # where protocol="auto" says why it skips RDMA
 
 _CHAIN_SHIFT = 1024  # wr_id = chain_id * 1024 + index in chain
+_RPC_THREADS = 4  # threads making connect/disconnect RPCs (one at a time per peer)
+_RPCS_PER_PEER = 256  # RPCs that may wait for one peer (connects: one per endpoint key)
 _WARNED_MEMLOCK = False
 _AUTO_RDMA_SKIP: str | None = None  # why protocol="auto" does not use RDMA in this process (cached)
 
@@ -148,6 +152,9 @@ class RdmaTransport(Connections, Transport):
         self._wake = threading.Event()
         self._closed = False
         self._calls: collections.deque[Any] = collections.deque()
+        self._rpcs = Strands(_RPC_THREADS, _RPCS_PER_PEER)
+        self._connecting: dict[tuple, list[Slice]] = {}
+        self._connected: collections.deque[tuple[tuple, Peer, Any, Any, str]] = collections.deque()
         self._active: list[Endpoint] = []
         from kvpool._rpc_server import RpcServer
 
@@ -314,6 +321,9 @@ class RdmaTransport(Connections, Transport):
                     self._calls.popleft()()
                 except Exception:  # noqa: BLE001
                     log.exception("rdma progress call failed")
+            if self._connected:
+                busy = True
+                self._on_connected()
             if self._incoming or self._retry:
                 busy = True
                 self._dispatch()
@@ -345,14 +355,9 @@ class RdmaTransport(Connections, Transport):
                 if s.req.state != TransferState.PENDING or self._stale(s):
                     self._slice_dropped(s)
                     continue
-                ep = self._endpoint(s.lnic, s.req.peer, s.rnic, s.req.instance)
+                ep = self._endpoint(s)
                 if ep is None:
-                    self._fail_req(s.req, f"{RESTARTED} ({s.req.peer.name}: a new instance answered)")
-                    self._slice_dropped(s)
-                    continue
-                if isinstance(ep, str):
-                    self._fail_slice(s, ep)
-                    continue
+                    continue  # waits for a connect (or was failed)
                 if ep not in self._active:
                     self._active.append(ep)
                 ep.pending.append(s)
@@ -511,7 +516,9 @@ class RdmaTransport(Connections, Transport):
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self._rpcs.close()  # a running RPC ends by its deadline, then closes its connection
         self._cancel_pending()
+        self._discard_connected()
         self._rpc.stop()
         for ep in self._pool.values():
             try:
@@ -527,11 +534,11 @@ class RdmaTransport(Connections, Transport):
                 pass
         for peer in self._peers.values():
             if peer.rpc is not None:
-                peer.rpc.close()
+                peer.rpc.try_close()  # not waiting for a call in flight (it closes it after)
 
     def _cancel_pending(self) -> None:
         """After the progress thread stopped: every unfinished request ends CANCELED."""
-        queued = [self._incoming, self._retry]
+        queued = [self._incoming, self._retry, *self._connecting.values()]
         for ep in self._pool.values():
             queued.append(ep.pending)
             queued.extend(ep.inflight.values())
