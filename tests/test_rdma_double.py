@@ -477,6 +477,37 @@ def test_double_a_hung_peer_does_not_stall_transfers_to_other_peers(double):
             os.kill(hung.pid, signal.SIGCONT)
 
 
+def test_double_local_unregister_mid_transfer_fails_it_without_pausing_nics(double):
+    """Local memory unregistered while its slices are queued: they post with the closed MRs' lkeys
+    and complete with a local protection error. That is not a path problem: the request fails
+    (not retried on every NIC pair), no NIC is paused and other memory still moves over all 4
+    (each retry broke an endpoint and paused a healthy NIC pair for rdma_nic_pause_s)."""
+    t, i, kv, base = _pair()
+    with t, i:
+        src = bytearray(os.urandom(8 * MiB))
+        la = i.register_local_memory(src)
+        seg = i.open_segment(t.segment_name)
+        assert i.transfer_sync(t.segment_name, la, base, 4 * MiB) == 4 * MiB  # endpoints on 4 pairs
+        gate = _hold_progress(i)
+        bid = i.allocate_batch_id(1)
+        i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, seg, base, 8 * MiB)])
+        i.unregister_local_memory(src)
+        gate.set()
+        i.wait_batch(bid, 10)
+        st = i.get_transfer_status(bid, 0)
+        assert st.state == TransferState.FAILED and "local protection error" in st.error, st
+        assert "every path failed" not in st.error  # failed at once, not after rdma_retry_limit tries
+        now = time.monotonic()
+        assert not [n for n, until in i.rdma._paused.items() if until > now]
+        assert not [n for n, until in i.rdma._peers[seg.id].paused.items() if until > now]
+        other = bytearray(os.urandom(4 * MiB))
+        lb = i.register_local_memory(other)
+        before = list(i.rdma.nic_bytes)
+        assert i.transfer_sync(t.segment_name, lb, base, 4 * MiB) == 4 * MiB and kv[: 4 * MiB] == other
+        assert all(a > b for a, b in zip(i.rdma.nic_bytes, before, strict=True))
+        i.free_batch_id(bid)
+
+
 def test_double_close_segment_cancels_its_queued_requests(double):
     t, i, kv, base = _pair()
     with t, i:

@@ -371,8 +371,8 @@ class RdmaTransport(Connections, Transport):
             chain = []
             for _ in range(n):
                 s = pending.popleft()
-                if self._stale(s):  # planned for an incarnation that is gone: never posted
-                    self._slice_dropped(s)
+                if s.req.state != TransferState.PENDING or self._stale(s):  # failed, or planned for
+                    self._slice_dropped(s)  # an incarnation that is gone: never posted
                 elif s.req.instance != ep.instance:  # a QP to an older incarnation: remade at dispatch
                     self._retry.append(s)
                 else:
@@ -430,8 +430,14 @@ class RdmaTransport(Connections, Transport):
                 f"{self._wc_text(wc.status)} on {ep.nic.name} -> {ep.peer.name}/{ep.peer.nic_names[ep.rnic]}"
             )
             self.stats["error_completions"] += 1
-            if wc.status == self.E.IBV_WC_REM_ACCESS_ERR:  # not a path problem: no retry
-                self._fail_req(chain[idx].req, f"remote access error: {reason}")
+            if wc.status in (self.E.IBV_WC_REM_ACCESS_ERR, self.E.IBV_WC_LOC_PROT_ERR):
+                # not a path problem (an rkey or bounds refused there; a local MR closed by
+                # unregister here, while the slice was queued): no retry, no NIC paused
+                if wc.status == self.E.IBV_WC_LOC_PROT_ERR:
+                    reason += " (local memory unregistered while the transfer was in flight?)"
+                else:
+                    reason = f"remote access error: {reason}"
+                self._fail_req(chain[idx].req, reason)
                 self._slice_dropped(chain[idx])
                 self._retry.extend(chain[idx + 1 :])
                 self._break(ep, reason, penalize=False)
