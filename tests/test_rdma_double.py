@@ -457,6 +457,10 @@ def test_double_a_hung_peer_does_not_stall_transfers_to_other_peers(double):
         hseg = i.open_segment(hung.segment)  # its descriptor; no connect yet
         os.kill(hung.pid, signal.SIGSTOP)
         try:
+            deadline = time.monotonic() + 5  # stopped before it can answer our connect
+            while open(f"/proc/{hung.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
             bid = i.allocate_batch_id(1)
             t0 = time.monotonic()
             i.submit_transfer(bid, [TransferRequest(OpCode.WRITE, la, hseg, hung.addr, MiB)])
