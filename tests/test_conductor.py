@@ -224,6 +224,41 @@ def test_cache_prefers_holder_and_conductor_fetches_when_cheaper():
     assert d.prefill.name == "i1" and d.estimate.fetch_from is None
 
 
+def test_balancing_threshold_fetches_only_for_a_much_longer_prefix():
+    """With ``balancing_threshold`` X the conductor fetches a prefix only when it is more than X
+    times what the best choice without fetching reuses: not to move a request off a busy holder of
+    the same prefix, but still to extend a short local prefix a lot."""
+    c = cluster_of(2)
+    hs = list(range(100, 112))  # 12 blocks of 512 tokens
+    c.index.add(c.instances[0].gpu, hs[:10])
+    c.instances[0].busy_until = 0.5
+    r = req("r", hs, prompt=6000)
+    assert make_policy("conductor").route(r, c, 0.0).prefill.name == "i1"  # 1: fetch when faster
+    d = make_policy("conductor", balancing_threshold=2).route(r, c, 0.0)
+    assert d.prefill.name == "i0" and d.estimate.fetch_from is None and d.estimate.use_blocks == 10
+    c2 = cluster_of(2)
+    c2.index.add(c2.instances[0].gpu, hs[:2])
+    c2.index.add(c2.instances[1].gpu, hs[:10])
+    c2.instances[1].busy_until = 30.0  # the long prefix's holder is far too busy to wait for
+    d = make_policy("conductor", balancing_threshold=2).route(r, c2, 0.0)
+    assert d.prefill.name == "i0" and d.estimate.fetch_from is c2.instances[1].gpu
+    assert d.estimate.use_blocks == 10 and d.estimate.local_blocks == 2
+    with pytest.raises(InvalidArgument):
+        make_policy("conductor", balancing_threshold=0.5)
+
+
+def test_balancing_threshold_avoids_the_small_cache_collapse():
+    """Small caches (300 blocks) under heavy load: fetching for every small gain duplicates prefixes
+    and evicts others, and the conductor ended far behind local cache-aware; with threshold 2 it
+    does not (the simulator is deterministic: these are fixed numbers, not timings)."""
+    reqs = synthetic_requests(1500, rate_per_s=5.0, seed=1)
+    cfg = dict(prefill=4, decode=4, cache_blocks=300)
+    cache = simulate(reqs, SimConfig(policy="cache", **cfg))["ttft_s"]["mean"]
+    greedy = simulate(reqs, SimConfig(policy="conductor", **cfg))["ttft_s"]["mean"]
+    balanced = simulate(reqs, SimConfig(policy="conductor", balancing_threshold=2, **cfg))["ttft_s"]["mean"]
+    assert greedy > 1.5 * cache and balanced < cache, (cache, greedy, balanced)
+
+
 def test_decode_pick_counts_requests_still_in_prefill():
     c = cluster_of(2, aggregated=False)
     pol = make_policy("conductor")

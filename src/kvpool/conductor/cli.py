@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.cli_errors import UsageError, number_arg
+from kvpool.conductor.policy import DEFAULT_BALANCING_THRESHOLD
 
 __all__ = ["add_calibrate", "add_commands", "cmd_calibrate", "cmd_simulate"]
 
@@ -104,6 +105,11 @@ def add_commands(sub: Any) -> None:
         help="cost model JSON (from 'kvpool conductor calibrate'; default: the paper-shaped model)",
     )
     sm.add_argument("--no-hot", action="store_true", help="no hot-prefix replication (conductor policy)")
+    sm.add_argument("--balancing-threshold", type=pos("--balancing-threshold", float, minimum=1),
+                    default=DEFAULT_BALANCING_THRESHOLD, metavar="X",
+                    help="conductor: fetch a prefix only when it is more than X times what the best "
+                    f"choice without fetching reuses (default {DEFAULT_BALANCING_THRESHOLD:g}: whenever "
+                    "faster)")  # fmt: skip
     sm.add_argument(
         "--seed", type=pos("--seed", minimum=0), default=0, metavar="N", help="random seed (default 0)"
     )
@@ -181,6 +187,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 policy=policy, prefill=args.prefill, decode=args.decode, cache_blocks=args.cache_blocks,
                 store_blocks=args.store_blocks, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                 reject_mode=mode, speedup=args.speedup, hot=not args.no_hot, seed=args.seed,
+                balancing_threshold=args.balancing_threshold,
             )  # fmt: skip
             results.append(simulate(reqs, cfg, cost, keep_samples=bool(args.plot)))
     if args.plot:
@@ -318,6 +325,11 @@ def add_proxy_options(px: argparse.ArgumentParser) -> None:
         help="cost model JSON from 'kvpool conductor calibrate' (default: the paper-shaped model)",
     )
     g.add_argument("--no-hot", action="store_true", help="no hot-prefix spreading or copies")
+    g.add_argument("--balancing-threshold", type=number_arg("--balancing-threshold", float, minimum=1),
+                   default=DEFAULT_BALANCING_THRESHOLD, metavar="X",
+                   help="conductor: fetch a prefix from another instance only when it is more than X "
+                   f"times what the best choice without fetching reuses (default "
+                   f"{DEFAULT_BALANCING_THRESHOLD:g})")  # fmt: skip
     g.add_argument("--store-master", default=None, metavar="HOST:PORT",
                    help="the kvpool store master the instances' KvpoolStoreConnector use: the router "
                    "follows its key feed and counts a prefix the store holds as loadable by every "
@@ -347,6 +359,6 @@ def router_config(args: argparse.Namespace, n_instances: int) -> Any:
         kv_events_topic=args.kv_events_topic, approx_ttl_s=args.approx_ttl_s, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, reject_mode=args.reject_mode,
         cost_model=CostModel.load(args.cost_model) if args.cost_model else None,
-        tokenizer=args.tokenizer, hot=not args.no_hot,
+        tokenizer=args.tokenizer, hot=not args.no_hot, balancing_threshold=args.balancing_threshold,
         store_master=args.store_master, store_secret=os.environ.get("KVPOOL_SECRET"),
     )  # fmt: skip

@@ -44,7 +44,7 @@ from typing import Any
 
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.index import ApproxTracker, BlockIndex, Location, Tier
-from kvpool.conductor.policy import Decision, HotPrefixes, SloGate, make_policy
+from kvpool.conductor.policy import DEFAULT_BALANCING_THRESHOLD, Decision, HotPrefixes, SloGate, make_policy
 from kvpool.conductor.state import Cluster, Instance, RequestInfo
 from kvpool.conductor.store_feed import StoreFeed
 from kvpool.errors import InvalidArgument
@@ -83,6 +83,9 @@ class RouterConfig:
     tokenizer: str | None = None
     """A local tokenizer (path or name, offline) instead of the backends' ``/tokenize``."""
     hot: bool = True
+    balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD
+    """Conductor: fetch a prefix from another instance only when it is more than this many times
+    what the best choice without fetching reuses (1: whenever predicted faster)."""
     seed: int = 0
     store_master: str | None = None
     """``host:port`` of the kvpool store master the instances' ``KvpoolStoreConnector`` use: its
@@ -270,7 +273,9 @@ class LiveRouter:
         if config.ttft_slo_s is None and config.tbt_slo_s is None:
             gate = None
         hot = HotPrefixes() if config.hot else None
-        self.policy = make_policy(config.policy, gate, seed=config.seed, hot=hot)
+        self.policy = make_policy(
+            config.policy, gate, seed=config.seed, hot=hot, balancing_threshold=config.balancing_threshold
+        )
         # Without a store the conductor scores local prefixes only.
         self.policy.fetch = store_loc is not None
         self.store_feed = (

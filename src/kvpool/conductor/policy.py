@@ -15,8 +15,12 @@ Policies (``make_policy(name)``):
   TTFT = queue + prefill of the tokens it does not hold itself.
 * ``conductor`` -- Mooncake's Algorithm 1 (*global cache-aware*): as ``cache``, but an instance may
   fetch the best prefix held anywhere (another instance, the store) when fetching plus prefilling the
-  rest beats recomputing; hot prefixes (heavy hitters over a sliding window, TokenLake §4) choose
-  among their replicas by power-of-two choices and name a new replica when there are too few.
+  rest beats recomputing, and (``balancing_threshold`` > 1) the fetched prefix is more than that
+  many times what the best choice without fetching reuses (after Alg. 1's
+  ``kvcache_balancing_threshold``: a small gain may not be worth a second copy of the prefix, which
+  evicts others from the target's cache); hot prefixes
+  (heavy hitters over a sliding window, TokenLake §4) choose among their replicas by power-of-two
+  choices and name a new replica when there are too few.
 
 Every policy can carry an :class:`SloGate` (TTFT/TBT SLOs, §4.3 early rejection).
 """
@@ -349,15 +353,29 @@ class CachePolicy(Policy):
         return Decision(self.name, p, None, estimate=e)
 
 
+#: ``ConductorPolicy``'s default: fetch whenever fetching is predicted faster (1). With small caches
+#: under heavy load, 2 avoids a collapse (docs/conductor.md, "Balancing threshold").
+DEFAULT_BALANCING_THRESHOLD = 1.0
+
+
 class ConductorPolicy(CachePolicy):
     """Mooncake Alg. 1 (global cache-aware), with hot-prefix replicas chosen by power of two."""
 
     name = "conductor"
     fetch = True
 
-    def __init__(self, gate: SloGate | None = None, seed: int = 0, hot: HotPrefixes | None = None) -> None:
+    def __init__(
+        self,
+        gate: SloGate | None = None,
+        seed: int = 0,
+        hot: HotPrefixes | None = None,
+        balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD,
+    ) -> None:
         super().__init__(gate, seed)
+        if not balancing_threshold >= 1:
+            raise InvalidArgument(f"balancing_threshold must be >= 1, got {balancing_threshold!r}")
         self.hot = hot
+        self.balancing_threshold = balancing_threshold
 
     def choose(self, req, cluster, view, prefills, now):  # type: ignore[no-untyped-def]
         hot = False
@@ -375,6 +393,16 @@ class ConductorPolicy(CachePolicy):
                     cands = [i for i in prefills if i not in holders or i in two]
         ests = [(estimate(cluster, i, req, view, now, self.fetch), i) for i in cands]
         e, p = min(ests, key=lambda ei: (ei[0].ttft_s, ei[1].index))
+        if e.fetch_from is not None and self.balancing_threshold > 1:
+            # Fetch only for a prefix well beyond what the best choice without fetching reuses: a
+            # copy duplicates the prefix in the target's cache, evicting others (with small caches
+            # under load, fetching for every small gain ended worse than not fetching at all).
+            e0, p0 = min(
+                ((estimate(cluster, i, req, view, now, False), i) for i in cands),
+                key=lambda ei: (ei[0].ttft_s, ei[1].index),
+            )
+            if e0.use_blocks > 0 and e.use_blocks <= self.balancing_threshold * e0.use_blocks:
+                e, p = e0, p0
         d = Decision(self.name, p, None, estimate=e, hot=hot)
         if hot and self.hot is not None and len(holders) < min(self.hot.replicas, len(prefills)):
             spare = [i for i in prefills if i not in holders and i is not p]
@@ -393,12 +421,16 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(
-    name: str, gate: SloGate | None = None, seed: int = 0, hot: HotPrefixes | None = None
+    name: str,
+    gate: SloGate | None = None,
+    seed: int = 0,
+    hot: HotPrefixes | None = None,
+    balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD,
 ) -> Policy:
     """A policy by name (``random``, ``round-robin``, ``load``, ``cache``, ``conductor``)."""
     cls = POLICIES.get(name)
     if cls is None:
         raise InvalidArgument(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     if cls is ConductorPolicy:
-        return ConductorPolicy(gate, seed, hot)
+        return ConductorPolicy(gate, seed, hot, balancing_threshold)
     return cls(gate, seed)

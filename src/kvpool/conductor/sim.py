@@ -38,7 +38,7 @@ from typing import Any
 
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.index import BlockIndex, Location, Tier
-from kvpool.conductor.policy import Decision, HotPrefixes, SloGate, make_policy
+from kvpool.conductor.policy import DEFAULT_BALANCING_THRESHOLD, Decision, HotPrefixes, SloGate, make_policy
 from kvpool.conductor.state import Cluster, Instance, RequestInfo
 from kvpool.errors import InvalidArgument
 
@@ -119,6 +119,9 @@ class SimConfig:
     output_estimate: int | None = None
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     hot: bool = True
+    balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD
+    """Conductor: fetch a prefix only when it is more than this many times what the best choice
+    without fetching reuses (1: whenever fetching is predicted faster)."""
     seed: int = 0
     pd_window_s: float = 60.0
 
@@ -256,7 +259,9 @@ def simulate(
     cluster = Cluster(index, cost, instances, store=store_loc, block_tokens=cfg.block_tokens)
     gate = SloGate(cfg.ttft_slo_s, cfg.tbt_slo_s, cfg.reject_mode)  # type: ignore[arg-type]
     hot = HotPrefixes() if cfg.hot else None
-    policy = make_policy(cfg.policy, gate, seed=cfg.seed, hot=hot)
+    policy = make_policy(
+        cfg.policy, gate, seed=cfg.seed, hot=hot, balancing_threshold=cfg.balancing_threshold
+    )
     loc_cache: dict[int, _Lru] = {inst.gpu.id: caches[k] for k, inst in enumerate(instances[: cfg.prefill])}
     if store_loc is not None and store is not None:
         loc_cache[store_loc.id] = store
