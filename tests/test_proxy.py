@@ -1033,7 +1033,7 @@ def test_kv_events_in_pd_mode_feed_the_prefill_index() -> None:
     import msgpack
     import zmq
 
-    from kvpool.conductor.cli import router_config
+    from kvpool.conductor.cli import add_proxy_options, router_config
 
     async def go() -> None:
         pre = [FakeVllm(f"p{k}", "prefill") for k in range(2)]
@@ -1041,11 +1041,10 @@ def test_kv_events_in_pd_mode_feed_the_prefill_index() -> None:
         ctx = zmq.Context.instance()
         pub = ctx.socket(zmq.PUB)
         port = pub.bind_to_random_port("tcp://127.0.0.1")
-        args = argparse.Namespace(
-            backends=None, policy="cache", kv_events=f"none,tcp://127.0.0.1:{port}", kv_events_topic="",
-            block_size=4, approx_ttl_s=120.0, ttft_slo=None, tbt_slo=None, reject_mode="predict",
-            cost_model=None, tokenizer=None, no_hot=True, store_master=None,
-        )  # fmt: skip
+        px = argparse.ArgumentParser()
+        add_proxy_options(px)  # kvpool proxy's own routing flags
+        args = px.parse_args(["--policy", "cache", "--kv-events", f"none,tcp://127.0.0.1:{port}",
+                              "--block-size", "4", "--no-hot"])  # fmt: skip
         cfg = router_config(args, n_instances=len(pre))
         prompt = list(range(500, 540))
         ev = {"type": "BlockStored", "block_hashes": list(range(1, 11)), "parent_block_hash": None,
