@@ -591,6 +591,59 @@ def test_double_pipelined_write_source_is_busy_from_submit(rt, cpu_peer, monkeyp
         eng.unregister_local_memory(a)
 
 
+def test_double_unregister_is_ordered_against_staged_submits(rt, cpu_peer, monkeypatch):
+    """A staged READ into GPU memory submitted after unregister found no staged transfer on it but
+    before the registration went (a hook there): the submit is refused (it was queued, and its
+    host-to-device copy landed in memory whose unregister had returned). A submit that checked
+    the registration before unregister began, and stages after it returned, is refused too."""
+    import time
+
+    from kvpool.errors import AddressNotRegistered
+
+    dev = rt.alloc(MiB)
+    with _gpu_engine(rt, protocol="tcp") as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        bid = eng.allocate_batch_id(2)
+        read = [TransferRequest(OpCode.READ, a, seg, cpu_peer.addr, MiB)]
+        real_forget, seen = eng._forget, {}
+
+        def between_check_and_removal(addr, reg):  # in unregister: checked, not removed yet
+            try:
+                eng.submit_transfer(bid, read)
+                seen["queued"] = True
+            except AddressNotRegistered as exc:
+                seen["refused"] = str(exc)
+            real_forget(addr, reg)
+
+        monkeypatch.setattr(eng, "_forget", between_check_and_removal)
+        eng.unregister_local_memory(a)
+        h2d = rt.h2d_calls
+        time.sleep(0.3)
+        assert rt.h2d_calls == h2d == 0  # nothing lands in the unregistered memory
+        assert "being unregistered" in seen.get("refused", ""), seen
+        assert eng.get_transfer_status(bid, 0).state == TransferState.WAITING
+        monkeypatch.undo()
+
+        # the other order: the submit checked the registration, then unregister ran whole
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        real_needed = eng.staging.needed
+
+        def checked_then_unregistered(locs, lens):
+            out = real_needed(locs, lens)
+            eng.unregister_local_memory(a)
+            return out
+
+        monkeypatch.setattr(eng.staging, "needed", checked_then_unregistered)
+        with pytest.raises(AddressNotRegistered):
+            eng.submit_transfer(bid, read)
+        time.sleep(0.3)
+        assert rt.h2d_calls == 0 and eng.staging.pool.in_use == 0
+        st = eng.get_transfer_status(bid, 0)  # staged as host memory: refused before it was sent
+        assert st.state == TransferState.FAILED and "not inside registered memory" in st.error
+        eng.free_batch_id(bid)
+
+
 @pytest.mark.parametrize("op", [OpCode.WRITE, OpCode.READ])
 def test_double_auto_sync_to_same_host_host_buffer_stages_in_rounds(rt, cpu_peer, op):
     """protocol="auto" (the CUDA IPC route) to a same-host peer's host buffer: a synchronous GPU

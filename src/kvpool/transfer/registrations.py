@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool import _native
 from kvpool.errors import (
-    BatchInFlight,
     InvalidArgument,
     ProtocolUnavailable,
     RegistrationError,
@@ -225,7 +224,10 @@ class Registrations:
         :class:`RegistrationError`: the range is then unregistered and unpublished all the same
         and no new copy starts, but the caller must not free or reuse the memory until that peer
         continues or exits. So do our own CUDA IPC copies of GPU memory still running after
-        ``timeout_s`` (a hung stream): free it only once they finished."""
+        ``timeout_s`` (a hung stream): free it only once they finished. GPU memory that a staged
+        transfer still touches (a submit in progress, a staged request not finished) raises
+        :class:`BatchInFlight` and stays registered; a staged submit starting meanwhile is refused
+        (:class:`AddressNotRegistered`)."""
         dev = None if isinstance(addr_or_buffer, int) else device_buffer(addr_or_buffer, None)
         addr = (
             addr_or_buffer
@@ -236,26 +238,26 @@ class Registrations:
         )
         reg = self._registry.get(addr)
         if reg is not None and reg.gpu:
-            bid = self._staging.busy(reg.start, reg.end)
-            if bid is not None:
-                raise BatchInFlight(
-                    f"batch {bid} still stages transfers for GPU memory at {addr:#x}; wait for it first"
-                )
-            if addr in self._served_gpu:
-                self._native.unregister_memory(addr)  # waits for the server's staging copies
-                self._served_gpu.discard(addr)
-        else:
+            self._staging.close_range(reg.start, reg.end)  # BatchInFlight while staging touches it
             try:
-                self._native.unregister_memory(addr)  # waits for in-flight remote access to the range
-            except RegistrationError:
-                # Unregistered and fenced natively (no new copy starts), but a stopped same-host
-                # peer still pins the range: finish unregistering here too (unpublished, gone from
-                # the transports), keep the memory referenced, then raise.
-                if reg is None:
-                    raise
-                self._fenced.append(reg.keep)
+                if addr in self._served_gpu:
+                    self._native.unregister_memory(addr)  # waits for the server's staging copies
+                    self._served_gpu.discard(addr)
                 self._forget(addr, reg)
+            finally:
+                self._staging.reopen(reg.start, reg.end)  # gone (or kept after a failure) by now
+            return
+        try:
+            self._native.unregister_memory(addr)  # waits for in-flight remote access to the range
+        except RegistrationError:
+            # Unregistered and fenced natively (no new copy starts), but a stopped same-host peer
+            # still pins the range: finish unregistering here too (unpublished, gone from the
+            # transports), keep the memory referenced, then raise.
+            if reg is None:
                 raise
+            self._fenced.append(reg.keep)
+            self._forget(addr, reg)
+            raise
         self._forget(addr, reg)
 
     def _forget(self, addr: int, reg: Registration | None) -> None:

@@ -28,7 +28,14 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvpool.errors import InvalidArgument, KvpoolError, TransferError, TransferTimeout
+from kvpool.errors import (
+    AddressNotRegistered,
+    BatchInFlight,
+    InvalidArgument,
+    KvpoolError,
+    TransferError,
+    TransferTimeout,
+)
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.device import DeviceRuntime
 from kvpool.transfer.memory import LocalRegistry
@@ -185,6 +192,7 @@ class GpuStaging:
         self._cond = threading.Condition()
         self._records: list[_Record] = []
         self._submitting: list[tuple[int, list[int]]] = []  # (batch id, local addresses) mid-submit
+        self._closing: list[tuple[int, int]] = []  # GPU ranges being unregistered: submits refused
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -213,9 +221,15 @@ class GpuStaging:
         """Submit through ``inner`` with GPU local ranges staged. Without room in the pool,
         ``wait_s`` None raises InvalidArgument, else waits that long (TransferTimeout). The
         local ranges count as :meth:`busy` from here on (a pipelined WRITE copies from its
-        source long before its record is tracked)."""
+        source long before its record is tracked). A local range that :meth:`close_range` closed
+        raises AddressNotRegistered: this is the point that orders a submit against unregister
+        (the registrations are read only after it)."""
         token = (batch_id, list(reqs.locs))
         with self._cond:
+            for lo, hi in self._closing:
+                a = next((a for a in token[1] if lo <= a < hi), None)
+                if a is not None:
+                    raise AddressNotRegistered(f"GPU memory at {a:#x} is being unregistered")
             self._submitting.append(token)
         try:
             self._submit(inner, batch_id, reqs, wait_s)
@@ -346,13 +360,35 @@ class GpuStaging:
     def busy(self, start: int, end: int) -> int | None:
         """The caller's batch id of an unfinished staged request on GPU range [start, end), or None."""
         with self._cond:
-            for rec in self._records:
-                if any(not e.done and start <= e.dev < end for e in rec.entries):
-                    return rec.batch_id
-            for bid, addrs in self._submitting:
-                if any(start <= a < end for a in addrs):
-                    return bid
+            return self._busy(start, end)
+
+    def _busy(self, start: int, end: int) -> int | None:
+        for rec in self._records:
+            if any(not e.done and start <= e.dev < end for e in rec.entries):
+                return rec.batch_id
+        for bid, addrs in self._submitting:
+            if any(start <= a < end for a in addrs):
+                return bid
         return None
+
+    def close_range(self, start: int, end: int) -> None:
+        """Called by unregister of GPU memory [start, end) before it goes: BatchInFlight while a
+        staged transfer touches it (a submit in progress or a staged request not finished), else
+        closed to submits until :meth:`reopen`. One step under the lock :meth:`submit` takes to
+        enter, so a submit is either seen here or refused: none stages into memory whose unregister
+        returned. Nothing is waited for (no lock across copies or I/O)."""
+        with self._cond:
+            bid = self._busy(start, end)
+            if bid is not None:
+                raise BatchInFlight(
+                    f"batch {bid} still stages transfers for GPU memory at {start:#x}; wait for it first"
+                )
+            self._closing.append((start, end))
+
+    def reopen(self, start: int, end: int) -> None:
+        """Called by unregister once it finished (the registration is gone) or failed (it stays)."""
+        with self._cond:
+            self._closing.remove((start, end))
 
     def rounds(self, locs: list[int], rems: list[int], lens: list[int]) -> list[tuple[list[int], ...]]:
         """Split a synchronous transfer into rounds whose staged bytes fit the pool: GPU ranges
