@@ -315,6 +315,66 @@ def test_unregister_waits_for_copies_in_flight(fake_driver: str, monkeypatch: py
         assert waited > 0.2  # it did wait for the copy in flight
 
 
+def test_unregister_under_a_stopped_same_host_gpu_copier_finishes_and_raises(fake_driver: str) -> None:
+    """A same-host peer SIGSTOPped inside its CUDA IPC copy into our GPU buffer (its fence pin
+    held; each fake-driver operation takes 2 s there, so the stop lands inside the copy): the
+    fence retire cannot be confirmed within timeout_s, and unregister finishes all the same
+    (gone from the registry, the descriptor and the CUDA IPC exports, the buffer kept referenced)
+    and raises RegistrationError, as on the CPU path. It raised BatchInFlight and left the
+    registration and its export published, a later unregister failing the same way."""
+    from kvpool.errors import AddressNotRegistered, RegistrationError
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=0.5) as target:
+        t = drv.alloc(1 << 20, 0)
+        target.register_local_memory(t, 1 << 20, location="cuda:0")
+        code = textwrap.dedent(
+            f"""
+            from kvpool import TransferEngine, OpCode, TransferRequest
+            from kvpool.transfer.cuda_driver import load_driver
+            drv = load_driver()
+            with TransferEngine(timeout_s=30.0) as eng:
+                g = drv.alloc(1 << 20, 0)
+                eng.register_local_memory(g, 1 << 20, location="cuda:0")
+                bid = eng.allocate_batch_id(1)
+                seg = eng.open_segment({target.segment_name!r})
+                eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, g, seg, {t}, 4096)])
+                print("submitted", flush=True)  # the run is queued: its fence pin is held
+                print(eng.wait_batch(bid, 30).ok, flush=True)
+            """
+        )
+        env = dict(os.environ, FAKECUDA_DELAY_US="2000000")
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "submitted"
+            os.kill(child.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with open(f"/proc/{child.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            with pytest.raises(RegistrationError, match="stopped inside a copy"):
+                target.unregister_local_memory(t)
+            assert 0.4 < time.monotonic() - t0 < 5  # the fence wait ended at timeout_s
+            assert target._registry.get(t) is None and len(target._fenced) == 1
+            assert t not in [b.addr for b in target.local_descriptor().buffers]
+            assert not _ipc(target).describe()["cuda_ipc"]["bufs"]  # the export is unpublished
+            with pytest.raises(AddressNotRegistered):
+                target.unregister_local_memory(t)  # gone everywhere, not half-registered
+            os.kill(child.pid, signal.SIGCONT)
+            assert child.stdout.readline().strip() == "True"  # the copy in flight was not cut short
+            assert child.wait(30) == 0
+        finally:
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGCONT)
+                child.kill()
+            child.wait()
+
+
 def test_reattaching_the_same_peer_keeps_one_pidfd(fake_driver: str) -> None:
     """Re-opening a segment of the same process (a refreshed descriptor) keeps its pidfd: a new
     one per re-attach leaked descriptors, and past 1,024 the liveness check (select) raised a

@@ -47,7 +47,6 @@ import numpy as np
 from kvpool import _native
 from kvpool.errors import (
     AddressNotRegistered,
-    BatchInFlight,
     KvpoolError,
     RegistrationError,
     RemoteAccessError,
@@ -145,23 +144,21 @@ class CudaIpcTransport(Transport):
         """Called by TransferEngine.unregister_local_memory before the registration goes: refuses
         our new copies into or out of the range and waits (``timeout_s``) for those submitted or
         queued (a READ's copies would land after the caller freed it), then retires its export
-        (same-host peers' copies). Our copies still running at the deadline (a hung stream):
-        RegistrationError after the export is retired (the engine finishes unregistering)."""
+        (same-host peers' copies). Our copies still running at the deadline (a hung stream), or
+        a same-host peer stopped inside a copy (its fence pin held past ``timeout_s``):
+        RegistrationError after the export is retired and dropped (no new copy starts, nothing
+        published); the engine then finishes unregistering and keeps the memory referenced."""
         reg = self.registry.get(addr)
         drained = reg is None or self._gate.drain(reg, self.timeout_s)
-        e = self._exports.get(addr)
-        if e is not None:
-            if not self.native.fence_retire(e.slot):  # waits for same-host copies in flight
-                raise BatchInFlight(
-                    f"GPU memory at {addr:#x} is unregistered for new copies, but a same-host peer is "
-                    "stopped inside a copy into it: do not free it until that peer continues or exits"
-                )
-            del self._exports[addr]
+        e = self._exports.pop(addr, None)
+        retired = e is None or self.native.fence_retire(e.slot)  # waits for same-host copies
+        why = [] if retired else ["a same-host peer is stopped inside a copy into or out of it"]
         if not drained:
+            why.append(f"our CUDA IPC copies into or out of it did not finish within {self.timeout_s:g} s")
+        if why:  # a retired slot takes no new pin, but the stopped peer or hung stream still copies
             raise RegistrationError(
-                f"GPU memory at {addr:#x} is unregistered, but our CUDA IPC copies into or out of it "
-                f"did not finish within {self.timeout_s:g} s (a hung GPU stream?): do not free it "
-                "until they do"
+                f"GPU memory at {addr:#x} is unregistered, but {' and '.join(why)}: do not free it "
+                "until that peer continues or exits, or the GPU stream finishes"
             )
 
     # ------------------------------------------------------------------ initiator side: segments
