@@ -1,7 +1,7 @@
 """A target process for the CUDA IPC tests (run with KVPOOL_CUDA_DRIVER pointing at the fake
-driver), ``cuda_ipc_peer.py NBUFS SIZE [PORT]``: registers GPU buffers (and one shared host buffer),
-prints one JSON line
-{"name", "gpu": [addr...], "shm": addr}, then answers stdin commands one line each:
+driver), ``cuda_ipc_peer.py NBUFS SIZE [PORT]``: registers GPU buffers, one shared host buffer and
+one plain host buffer (no GPU copy reaches it: staged), prints one JSON line
+{"name", "gpu": [addr...], "shm": addr, "host": addr}, then answers stdin commands one line each:
 ``dump ADDR LEN`` -> hex sha256 of the bytes; ``fill ADDR LEN SEED`` -> ok; ``unregister ADDR`` ->
 ok or the error; ``exit``."""
 
@@ -18,8 +18,8 @@ from kvpool.transfer.cuda_driver import load_driver
 
 
 class Peer:
-    """This script in a child process (the tests' target): ``name``, ``gpu``, ``shm`` from its
-    JSON line; :meth:`ask` sends one command and returns the answer."""
+    """This script in a child process (the tests' target): ``name``, ``gpu``, ``shm`` and ``host``
+    from its JSON line; :meth:`ask` sends one command and returns the answer."""
 
     def __init__(self, nbufs: int, size: int, port: int = 0, env: dict[str, str] | None = None) -> None:
         self.p = subprocess.Popen(
@@ -31,6 +31,7 @@ class Peer:
         self.name: str = info["name"]
         self.gpu: list[int] = info["gpu"]
         self.shm: int = info["shm"]
+        self.host: int = info["host"]
 
     def ask(self, line: str) -> str:
         self.p.stdin.write(line + "\n")  # type: ignore[union-attr]
@@ -65,7 +66,10 @@ def main() -> None:
     shm_addr = _native.buffer_address(shm)[0]
     host = bytearray(size)
     hbase = _native.buffer_address(host)[0]
-    print(json.dumps({"name": eng.segment_name, "gpu": gpu, "shm": shm_addr}), flush=True)
+    plain = bytearray(size)
+    plain_addr = eng.register_local_memory(plain)
+    info = {"name": eng.segment_name, "gpu": gpu, "shm": shm_addr, "host": plain_addr}
+    print(json.dumps(info), flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
         try:
@@ -74,6 +78,8 @@ def main() -> None:
                 if a in gpu or any(g <= a < g + size for g in gpu):
                     drv.memcpy(hbase, a, n)
                     data = bytes(host[:n])
+                elif plain_addr <= a < plain_addr + size:
+                    data = bytes(plain[a - plain_addr : a - plain_addr + n])
                 else:
                     data = bytes(shm[a - shm_addr : a - shm_addr + n])
                 print(hashlib.sha256(data).hexdigest(), flush=True)

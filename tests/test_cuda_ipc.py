@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import OpCode, TransferEngine, TransferRequest, _native
-from kvpool.errors import InvalidArgument, RemoteAccessError, SegmentNotFound, TransferError
+from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, SegmentNotFound, TransferError
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
 from tests.cuda_ipc_peer import Peer
@@ -197,6 +197,70 @@ def test_mixed_batch_keeps_request_order(peer: Peer, fake_driver: str) -> None:
         assert eng.wait_batch(bid, 10).ok
         assert [eng.get_transfer_status(bid, i).transferred_bytes for i in range(3)] == [4096, 100, 300]
         eng.free_batch_id(bid)
+
+
+def test_sync_round_whose_staged_part_times_out_waits_for_its_gpu_run(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_transfer_sync READs into our GPU buffer from the peer's GPU memory (a CUDA IPC run,
+    queued first) and from its plain host memory (staged) while another transfer holds the whole
+    staging pool: the staged part's wait ends at timeout_s (TransferTimeout), and the call raises
+    only once the queued run finished, its batch freed. It raised at once, the batch left
+    allocated (its free refused and the error swallowed) and the run still reading into the
+    caller's memory. A run that does not finish within timeout_s more: TransferTimeout saying so."""
+    import threading
+
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=1.0, staging_pool_size=1 << 20) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 1)
+        assert peer.ask(f"fill {peer.gpu[0]} 4096 9") == "ok"
+        ipc, pool = _ipc(eng), eng.staging.pool
+        held = pool.try_alloc([pool.size])  # another transfer's staging
+        assert held is not None
+        real_sync, release, syncing = ipc.driver.event_sync, threading.Event(), threading.Event()
+
+        def held_in_flight(event: int) -> None:  # the run's completion waits for the test
+            syncing.set()
+            release.wait(30)
+            real_sync(event)
+
+        monkeypatch.setattr(ipc.driver, "event_sync", held_in_flight)
+        out: dict[str, object] = {}
+        locs, rems = [g, g + 8192], [peer.gpu[0], peer.host]  # GPU memory (IPC), then host (staged)
+
+        def call() -> None:
+            try:
+                out["n"] = eng.batch_transfer_sync(peer.name, locs, rems, [4096, 4096], OpCode.READ)
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                out["exc"] = exc
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert syncing.wait(10)  # the IPC run is queued and in flight
+        run_batch = ipc._runs[0].batch_id
+        t.join(1.6)  # the staged part's pool wait ends at 1.0 s
+        returned_early = not t.is_alive()
+        release.set()
+        t.join(10)
+        assert not returned_early, out  # it raised with the run still in flight
+        assert isinstance(out.get("exc"), TransferTimeout) and "staging" in str(out["exc"]), out
+        assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0]} 4096")  # the run's bytes landed
+        with pytest.raises(KvpoolError):
+            eng.free_batch_id(run_batch)  # freed by the call
+
+        # a run that outlives timeout_s more: the call ends anyway, and says so
+        release.clear()
+        syncing.clear()
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="queued before it did not finish within 1 s"):
+            eng.batch_transfer_sync(peer.name, locs, rems, [4096, 4096], OpCode.READ)
+        assert syncing.is_set() and 1.8 < time.monotonic() - t0 < 10
+        release.set()
+        pool.release(held[0], pool.size)
 
 
 def test_unregistered_target_is_never_written(peer: Peer, fake_driver: str) -> None:

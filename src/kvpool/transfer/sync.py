@@ -362,8 +362,12 @@ class SyncTransfers:
         n = len(locs)
         bid = self.allocate_batch_id(n)
         try:
-            # Columns straight to the transport: no per-request Python objects.
-            self._submit(bid, Requests([op] * n, locs, [hid] * n, rems, lens), stage_wait_s)
+            try:
+                # Columns straight to the transport: no per-request Python objects.
+                self._submit(bid, Requests([op] * n, locs, [hid] * n, rems, lens), stage_wait_s)
+            except Exception as exc:
+                self._settle(bid, exc)
+                raise
             st = self.wait_batch(bid)
             if st.state == TransferState.COMPLETED:  # the per-request scan only when something failed
                 return st.transferred_bytes
@@ -374,3 +378,17 @@ class SyncTransfers:
                 self.free_batch_id(bid)
             except KvpoolError:
                 pass
+
+    def _settle(self, bid: int, exc: Exception) -> None:
+        """A submit of :meth:`_run_sync` raised ``exc`` after part of it was queued (a CUDA IPC run
+        before a staged part whose pool wait timed out, an earlier transport's run): wait for
+        that part, bounded by ``timeout_s``, so that the batch is freed and nothing of this call
+        still copies into or out of the caller's memory once it raised. Still pending then (a hung
+        GPU stream): TransferTimeout, the batch left allocated (freeing it is refused while its
+        copies run; unregistering the memory waits for them or raises)."""
+        st = self.wait_batch(bid, self.config.timeout_s)
+        if st.state == TransferState.PENDING:
+            raise TransferTimeout(
+                f"{exc}; and the requests queued before it did not finish within "
+                f"{self.config.timeout_s:g} s: they may still copy into or out of the local memory"
+            ) from exc
