@@ -105,6 +105,27 @@ def test_block_evicted_between_lookup_and_load_is_recomputed(tiny_llama: Path, m
         b.close()
 
 
+def test_blocks_out_of_the_sliding_window_are_not_saved(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    """A sliding-window model: vLLM replaces a request's blocks that fell out of the window by its
+    null block (id 0) before ``request_finished``; saving those would store the null block's bytes
+    under the prompt's keys, loaded by any later request sharing that prefix."""
+    a = Instance(
+        tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "swa"},
+        sliding_window=64,
+    )  # fmt: skip
+    try:
+        prompt = [(i * 31) % 600 + 7 for i in range(128)]  # 4 full blocks
+        a.add("w1", prompt, 40, None)  # finishes at ~167 tokens: blocks 0-2 are out of the window
+        saves: dict[str, list[tuple[int, str]]] = {}
+        a.step_until(lambda out: bool(saves.update(out.kv_connector_metadata.saves) or "w1" in saves))
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+        assert saves["w1"] and all(b != 0 for b, _ in saves["w1"])
+        keys = block_keys(a.connector._scheduler.namespace, prompt, 32)
+        assert a.connector._scheduler.store.batch_exists(keys) == [False, False, False, True]
+    finally:
+        a.close()
+
+
 def test_store_connector_needs_a_master(tiny_llama: Path) -> None:  # noqa: F811
     from kvpool.errors import ConfigError
 

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -53,9 +53,15 @@ def vllm_config(
     return vc
 
 
-def kv_cache_config(blocks: int) -> KVCacheConfig:
-    """One full-attention group over the two layers."""
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+def kv_cache_config(blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
+    """One full-attention group over the two layers (``sliding_window``: one sliding-window group,
+    whose blocks that fall out of the window vLLM replaces by its null block)."""
+    spec: Any = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    if sliding_window is not None:
+        sw = sliding_window
+        spec = SlidingWindowSpec(
+            block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, sliding_window=sw
+        )
     return KVCacheConfig(
         num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
     )
@@ -66,12 +72,12 @@ class Instance:
 
     def __init__(
         self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64,
-        dtype: str = "float32",
+        dtype: str = "float32", sliding_window: int | None = None,
     ) -> None:  # fmt: skip
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         self.vc = vllm_config(model, connector, role, extra, blocks, dtype)
-        kcc = kv_cache_config(blocks)
+        kcc = kv_cache_config(blocks, sliding_window)
         self.scheduler = Scheduler(
             self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True
         )

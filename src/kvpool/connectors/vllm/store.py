@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.connectors.vllm")
 
+# vLLM's BlockPool.null_block (the first block it takes, id 0): where a request's block list
+# holds it, that block was freed (out of a sliding window) and its KV is not there.
+_NULL_BLOCK = 0
+
 
 def request_block_keys(namespace: str, request: Any, block_size: int) -> list[str]:
     """Keys of every full prompt block of a vLLM ``Request``, covering what vLLM's own prefix
@@ -383,7 +387,13 @@ class _StoreScheduler:
             self._keys.pop(rid, None)
         if all_keys is None:
             return False
-        # Blocks the lookup found are in the store already; the worker checks the rest.
-        self._saves[rid] = [(block_ids[i], all_keys[i]) for i in range(stored, n)]
-        self.events.saving(request, stored, n, self.block_size)
+        # Blocks the lookup found are in the store already; the worker checks the rest. A
+        # sliding-window model's blocks that fell out of the window are vLLM's null block by now
+        # (freed, their KV gone): never saved, or another request would load its bytes.
+        saves = [(block_ids[i], all_keys[i]) for i in range(stored, n) if block_ids[i] != _NULL_BLOCK]
+        if not saves:
+            return False
+        self._saves[rid] = saves
+        if len(saves) == n - stored:  # a gap: no event rather than one claiming the whole prefix
+            self.events.saving(request, stored, n, self.block_size)
         return True
