@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvpool.store.master import Master
+from kvpool.store.space import Space
 
 
 class Conn:
@@ -232,6 +233,66 @@ def test_fenced_space_is_freed_by_the_writers_floor_or_turns_suspect(master: Dri
     assert reps2[0][1] == reps[0][1] and verify2 is True
 
 
+def _lost_writer_space(m: Driver, writer: str, size: int, segment: str) -> tuple[str, int]:
+    """A put by ``writer`` that never finishes, its client declared gone and its fence held to
+    the end: its range on ``segment`` is reused as suspect space. Returns (segment, address)."""
+    r = m.handle({"op": "put_start", "client": writer, "keys": [f"lost-{writer}"], "sizes": [size],
+                  "config": {"preferred_segment": segment}})  # fmt: skip
+    _, _, reps = r["results"][0][1]
+    assert reps[0][0] == segment
+    space = m.m.space
+    space.quarantine_s = space.fence_hold_s = 0.0
+    m.m._remove_client(writer)
+    space.release(m.m._floor_of, time.monotonic())
+    assert space.segments[segment].suspect and space.fenced == 0
+    return reps[0][0], reps[0][1]
+
+
+def _over_suspect(m: Driver, dst: list[list[Any]], size: int) -> bool:
+    seg = m.m.space.segments
+    return any(Space.suspect(seg[s], a - seg[s].base, size + 64) for s, a in dst)
+
+
+def test_no_copy_of_an_object_without_a_checksum_is_placed_over_suspect_space(master: Driver) -> None:
+    """Readers check only the header of an object without a checksum: a new replica of one
+    (change_replica, hot-key copy) over the range a lost writer may still write into would serve
+    that late write. Such copies go elsewhere or not at all; checksummed objects may go there."""
+    m = master.m
+    size = 1 << 20
+    lost = _lost_writer_space(master, "ra", size, "seg-a")
+    for key, csum in (("plain", None), ("summed", 7)):
+        r = master.handle({"op": "put_start", "client": "r", "keys": [key], "sizes": [size],
+                           "config": {"preferred_segment": "seg-b"}})  # fmt: skip
+        gen, verify, reps = r["results"][0][1]
+        assert reps[0][0] == "seg-b" and verify is False
+        items = [[key, gen, csum, ["seg-b"]]]
+        assert master.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
+    out = master.handle({"op": "replica_start", "client": "r", "key": "plain", "replicas": 2})
+    assert out["ok"] and not _over_suspect(master, out["dst"], size), (lost, out["dst"])
+    m._replicate(m.objects["plain"], 1, time.monotonic())  # a hot key's extra copy
+    assert not any(_over_suspect(master, [t["dst"]], size) for t in m.clients["a"].tasks)
+    assert all(r.seg.name == "seg-b" for r in m.objects["plain"].replicas)
+    out = master.handle({"op": "replica_start", "client": "r", "key": "summed", "replicas": 2})
+    assert out["ok"] and out["dst"] and _over_suspect(master, out["dst"], size)  # checked by its readers
+
+
+def test_an_ssd_hit_without_a_checksum_is_not_promoted_over_suspect_space() -> None:
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        assert m.handle({"op": "register", "client": "w"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        gen = _spilled(m, "k", csum=None)
+        for key in [k for k, o in m.m.objects._d[0].items() if o.replicas][:4]:  # room for the hit
+            assert m.handle({"op": "remove", "client": "r", "keys": [key], "force": True})["ok"]
+        _lost_writer_space(m, "w", 1 << 20, "seg-a")
+        out = m.handle({"op": "promote_start", "client": "r", "key": "k", "gen": gen})
+        assert out["ok"] and not _over_suspect(m, out["dst"], 1 << 20), out["dst"]
+    finally:
+        m.stop()
+
+
 def test_batches_are_bounded_and_impossible_puts_evict_nothing(master: Driver) -> None:
     m = master.m
     too_many = master.handle({"op": "get", "client": "r", "keys": [f"k{i}" for i in range(5000)]})
@@ -282,13 +343,15 @@ def test_a_forced_remove_keeps_a_leased_objects_space_until_the_lease_ends() -> 
         m.stop()
 
 
-def _spilled(m: Driver, key: str, size: int = 1 << 20) -> int:
-    """Put ``key`` (persistent) and push the pool over its watermark until it lives only on the
-    SSD tier of client ``a`` (its spill tasks done as ``a`` would); returns its generation."""
+def _spilled(m: Driver, key: str, size: int = 1 << 20, csum: int | None = 7) -> int:
+    """Put ``key`` (persistent, committed with ``csum``) and push the pool over its watermark until
+    it lives only on the SSD tier of client ``a`` (its spill tasks done as ``a`` would); returns
+    its generation."""
     cfg = {"cache_class": "persistent"}
     r = m.handle({"op": "put_start", "client": "r", "keys": [key], "sizes": [size], "config": cfg})
     gen, _, reps = r["results"][0][1]
-    m.handle({"op": "put_end", "client": "r", "items": [[key, gen, 7, [reps[0][0]]]], "epoch": r["epoch"]})
+    items = [[key, gen, csum, [reps[0][0]]]]
+    m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})
     for i in range(64):
         obj = m.m.objects.get(key)
         assert obj is not None

@@ -310,6 +310,22 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
                 got += self.space.place(alloc, want - len(got), pl.preferred, taken, now, scan=True)
         return got
 
+    def _place_copies(self, obj: Obj, n: int, exclude: set[Segment], now: float) -> list[tuple[Segment, int]]:
+        """Space for up to ``n`` new replicas of a committed object (replica changes, hot-key
+        copies, promotions). An object without a checksum gets none over suspect space: readers
+        check only its header there, so a lost writer's late write into its value would be
+        returned (a put places such an object with a checksum instead: ``_new_pending``)."""
+        placed = self.space.place(obj.alloc_size, n, None, exclude, now)
+        if obj.checksum is not None:
+            return placed
+        kept = []
+        for seg, off in placed:
+            if self.space.suspect(seg, off, obj.alloc_size):
+                self.space.free(seg, off)
+            else:
+                kept.append((seg, off))
+        return kept
+
     def _new_pending(self, key: str | None, size: int, pl: Placement, placed: list[Any], owner: Client,
                      now: float) -> Obj:  # fmt: skip
         self._next_gen += 1

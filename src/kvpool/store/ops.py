@@ -338,8 +338,8 @@ class ObjectOps(_Base):
                 raise _Err("BUSY", f"object {key!r} is leased or being copied; retry later")
             self._shrink(obj, n)
             return {"src": None, "dst": []}
-        placed = self.space.place(obj.alloc_size, n - len(obj.replicas), None,
-                                  {r.seg for r in obj.replicas}, time.monotonic())  # fmt: skip
+        have = {r.seg for r in obj.replicas}
+        placed = self._place_copies(obj, n - len(obj.replicas), have, time.monotonic())
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
         if not new:  # nowhere to place one: nothing to copy, nothing to end
             return {"src": None, "dst": []}
@@ -366,7 +366,7 @@ class ObjectOps(_Base):
             raise _Err("NOT_FOUND", f"object {key!r} was replaced since generation {gen} was read")
         if obj.replicas or obj.busy:
             return {"dst": []}
-        placed = self.space.place(obj.alloc_size, 1, None, set(), time.monotonic())
+        placed = self._place_copies(obj, 1, set(), time.monotonic())
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
         if new:
             obj.busy += 1

@@ -220,7 +220,7 @@ class Upkeep(_Base):
 
     def _replicate(self, obj: Obj, extra: int, now: float) -> None:
         src = next(r for r in obj.replicas if r.committed)
-        placed = self.space.place(obj.alloc_size, extra, None, {r.seg for r in obj.replicas}, now)
+        placed = self._place_copies(obj, extra, {r.seg for r in obj.replicas}, now)
         for seg, off in placed:
             r = self._add_replica(obj, seg, off, seg.client)
             obj.busy += 1
