@@ -20,6 +20,7 @@ from kvpool.errors import (
     RegistrationError,
     StoreFull,
 )
+from kvpool.store.master import Master
 from kvpool.store.procs import MasterProcess, StorageProcess, free_port
 
 
@@ -451,6 +452,38 @@ def test_a_storage_client_does_not_start_a_task_the_master_gave_up_on(tmp_path) 
         st._run_task({**task, "path": str(on_time)}, time.monotonic() + 10)
         assert on_time.exists()
         assert st.get("k") == value
+
+
+def test_a_task_report_from_an_earlier_master_is_not_taken_for_another_task() -> None:
+    """Task ids start again with a restarted master: a storage client finishing a task the earlier
+    master handed out must not end the new master's task of the same id (here: commit a hot-key
+    copy of "k" into memory that never received it)."""
+    m = Master(port=0).start()
+    try:
+        with (
+            Store.connect(master=m.address, segment_size=4 << 20) as a,
+            Store.connect(master=m.address, segment_size=4 << 20, heartbeat_s=60) as b,
+        ):
+            here = ReplicateConfig(preferred_segment=a.segment_name)
+            a.put("k", pattern(200_000, 1), here)
+            a.put("k2", pattern(200_000, 2), here)
+            with m._lock:
+                m._replicate(m.objects["k"], 1, time.monotonic())  # a copy of k for b to make
+                (task,) = m.clients[b.client_id].tasks  # b's heartbeat has not fetched it yet
+            assert task["type"] == "replicate" and task["dst"][0] == b.segment_name
+            info = a.info("k2")
+            old_master = m.incarnation ^ 2
+            stale = {"type": "replicate", "task": task["task"], "epoch": old_master, "key": "k2",
+                     "gen": info["gen"], "size": info["size"] + 64, "src": info["replicas"][0][:2],
+                     "dst": [b.segment_name, task["dst"][1] + (1 << 20)]}  # fmt: skip
+            b._run_task(stale)  # an earlier master's task with the same id ends (its copy went fine)
+            assert [r[2] for r in a.info("k")["replicas"]] == [True, False], "k's copy taken as made"
+            assert m.stats["tasks_stale_reports"] == 1
+            b._run_task(task)  # the real one
+            assert [r[2] for r in a.info("k")["replicas"]] == [True, True]
+            assert b.get("k") == pattern(200_000, 1)
+    finally:
+        m.stop()
 
 
 def test_hot_keys_gain_replicas_and_lose_them_when_cool() -> None:

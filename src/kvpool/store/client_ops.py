@@ -117,8 +117,13 @@ class ClientOps(_Base):
         return {}
 
     def _op_task_done(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """A task the client ran ended. The report of a task an earlier master handed out (its
+        ``epoch``) is ignored: that task's id may be the id of another task here."""
         c = self._client(req, sess)
         tid = int(req["task"])
+        if req.get("epoch") not in (None, self.incarnation):
+            self.stats["tasks_stale_reports"] += 1
+            return {}
         if tid in c.task_ids:
             self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
         return {}

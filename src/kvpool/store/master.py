@@ -278,6 +278,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
             return None
         self._task_ids += 1
         task["task"] = self._task_ids
+        task["epoch"] = self.incarnation  # task ids restart with the master: its report names it
         c.tasks.append(task)
         if task["type"] != "unlink":  # unlinks are fire and forget: never reported back
             c.task_ids.add(self._task_ids)

@@ -105,7 +105,8 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
     except (KvpoolError, OSError) as exc:
         log.warning("task %s failed: %s", kind, exc)
     try:
-        store._hb_rpc.call("task_done", task=task["task"], ok=ok, result=result)
+        # the master that handed the task out: a restarted one ignores it (task ids start again)
+        store._hb_rpc.call("task_done", task=task["task"], ok=ok, result=result, epoch=task.get("epoch"))
     except KvpoolError as exc:
         log.warning("could not report task %s: %s", kind, exc)
 
