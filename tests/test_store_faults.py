@@ -474,6 +474,29 @@ def test_chaos_soak_short(replicas: int) -> None:
     assert all(r["recovery_s"] is not None for r in res["rounds"]), res["rounds"]
 
 
+def test_spills_that_fail_for_want_of_disk_leave_no_partial_files_and_no_ssd_copy(tmp_path) -> None:
+    """A storage server whose disk takes no more (its file size limit, set from outside with
+    prlimit: every write past it fails with EFBIG, as one on a full disk fails with ENOSPC):
+    failed spills leave no partial file behind (they kept their bytes, so a full disk stayed
+    full), no object is recorded on the SSD tier, and every value is still read as it was put."""
+    import resource
+
+    ssd = tmp_path / "ssd"
+    with MasterProcess(eviction_high_watermark=0.5, eviction_ratio=0.1) as m:
+        with StorageProcess(m.address, 8 << 20, ssd_dir=str(ssd), heartbeat_s=0.1) as sp:
+            resource.prlimit(sp.pid, resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+            with Store.connect(master=m.address, segment_size=0) as st:
+                vals = {f"p{i}": pattern(512 << 10, i) for i in range(9)}
+                for k, v in vals.items():
+                    st.put(k, v, ReplicateConfig(cache_class="persistent"))
+                # persistent objects over the watermark are spilled; failed spills are tried again
+                wait_for(lambda: stats(m.address)["counters"].get("spills", 0) >= 20, what="spills retried")
+                left = [p.name for p in ssd.rglob("*") if p.is_file()]
+                assert left == [], f"failed spills left files behind: {left}"
+                assert all(st.info(k)["ssd"] is None for k in vals)
+                assert {k: st.get(k) for k in vals} == vals
+
+
 def test_a_task_stuck_on_a_stopped_source_does_not_stop_the_clients_heartbeats() -> None:
     """A hot-key copy whose source storage server is SIGSTOPped waits up to transfer_timeout_s
     (4 s here). It runs on the client's task thread, so the client's heartbeats go on and the

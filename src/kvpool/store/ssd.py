@@ -1,8 +1,9 @@
 """The SSD tier's object files: ``ssd_dir/xx/<sha1 of key>-<generation>.kvp`` (magic, size, xxh3-64,
 key, value).
 
-Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none; a
-reader checks the key, size and checksum, and treats any mismatch as a miss.
+Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none (a failed
+write removes its temporary file; one of a process killed mid-write stays, never read); a reader
+checks the key, size and checksum, and treats any mismatch as a miss.
 """
 
 from __future__ import annotations
@@ -23,13 +24,22 @@ def write_ssd_file(path: str, key: str, data: memoryview | bytes) -> str:
     kb = key.encode()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(_SSD_HDR.pack(_SSD_MAGIC, len(data), digest, len(kb)))
-        f.write(kb)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_SSD_HDR.pack(_SSD_MAGIC, len(data), digest, len(kb)))
+            f.write(kb)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A failed write (disk full, EIO, file size limit) leaves no partial file behind: on a
+        # full disk every failed spill would otherwise keep its bytes, and the disk stays full.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return f"{digest:016x}"
 
 
