@@ -437,6 +437,30 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
                 st.get(k2)
 
 
+def test_the_file_of_a_spill_whose_object_was_removed_meanwhile_is_removed(tmp_path) -> None:
+    """A forced remove while the object spills to the SSD tier: the file the spill writes after
+    that belongs to no object and is removed (it stayed on the disk for good)."""
+    with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1) as st:
+        m = st._master
+        st.put("k", pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
+        st.put("j", pattern(300_000, 2), ReplicateConfig(cache_class="persistent"))
+        with m._lock:  # both spilled (as eviction does), before the client's next heartbeat
+            for key in ("k", "j"):
+                m._spill(m.objects[key], m.clients[st.client_id])
+            paths = {t["key"]: t["path"] for t in m.clients[st.client_id].tasks}
+            # k is removed (as a forced remove does) before the spill can have run
+            assert m._op_remove({"keys": ["k"], "force": True}, {})["results"] == [[None, None]]
+        wait_for_files = time.monotonic() + 10
+        while time.monotonic() < wait_for_files and st.info("j")["ssd"] is None:
+            time.sleep(0.05)
+        assert st.info("j")["ssd"] == paths["j"] and os.path.exists(paths["j"])
+        while time.monotonic() < wait_for_files and os.path.exists(paths["k"]):
+            time.sleep(0.05)
+        assert not os.path.exists(paths["k"]), "the removed object's SSD file was left behind"
+        assert sorted(p.name for p in tmp_path.rglob("*.kvp")) == [os.path.basename(paths["j"])]
+        assert st.get("j") == pattern(300_000, 2)
+
+
 def test_a_storage_client_does_not_start_a_task_the_master_gave_up_on(tmp_path) -> None:
     """A spill task past its deadline (the master counted it failed: task_timeout_s) is not run."""
     with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), buffer_size=1 << 20) as st:

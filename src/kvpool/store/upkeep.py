@@ -270,3 +270,7 @@ class Upkeep(_Base):
                 self._spilled.add(obj)  # memory freed once no lease holds it
                 if not self._leased(obj, time.monotonic()):
                     self._free_memory(obj)
+        elif task["type"] == "spill" and ok:
+            # The object was removed (or replaced) while it spilled: its file is nobody's, and no
+            # later spill writes that path (one per generation, never handed out again).
+            self._give_task(cid, {"type": "unlink", "path": task["path"]})
