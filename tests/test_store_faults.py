@@ -183,6 +183,62 @@ def test_stalled_writer_past_put_timeout_cannot_hit_reused_space() -> None:
             w.close()
 
 
+_LOST_WRITER = """
+    import json, sys
+    from kvpool import Store
+    from kvpool.transfer.types import OpCode
+    st = Store.connect(master=sys.argv[1], segment_size=0, heartbeat_s=0.2, location_cache=0,
+                       transfer_timeout_s=0.5)
+    r = st._call("put_start", keys=["w-key"], sizes=[1 << 20], config={"preferred_segment": sys.argv[2]})
+    gen, verify, reps = r["results"][0][1]
+    st._writes.begin(r["epoch"], [gen])
+    print(json.dumps({"reps": reps}), flush=True)
+    sys.stdin.readline()  # stopped meanwhile: declared dead, its fence held to the end
+    (seg, addr), n = reps[0], 256 << 10
+    local, view, _ = st._staging.take(n)
+    view[:] = b"\\xee" * n
+    ok = st._data.sync(seg, local, addr + 64 + (256 << 10), n, OpCode.WRITE)  # the rest of its value
+    print(json.dumps({"late_write": ok}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_lost_writers_late_write_never_reaches_a_copy_of_an_object_without_a_checksum() -> None:
+    """A writer stopped mid-put is declared dead; after fence_hold_s its range is reused, as
+    suspect space. A replica copy (change_replica) of a big object without a checksum must not go
+    there: its readers check only the header, so the writer's late write into the value (here:
+    resumed with SIGCONT) would be returned as the object's bytes."""
+    opts = {"client_ttl_s": 1.0, "quarantine_s": 0.5, "fence_hold_s": 1.0}
+    with (
+        MasterProcess(**opts) as m,
+        StorageProcess(m.address, 8 << 20, heartbeat_s=0.2, transfer_timeout_s=0.5) as a,
+        StorageProcess(m.address, 8 << 20, heartbeat_s=0.2, transfer_timeout_s=0.5) as b,
+    ):
+        w = Child(_LOST_WRITER, m.address, a.segment)
+        try:
+            assert w.line()["reps"][0][0] == a.segment
+            w.stop()
+            wait_for(lambda: stats(m.address)["clients"] == 2 and stats(m.address)["fenced"] == 0,
+                     what="the stopped writer declared dead and its fence gone")  # fmt: skip
+            reader = {"segment_size": 0, "location_cache": 0, "transfer_timeout_s": 0.5}
+            with Store.connect(master=m.address, **reader) as r:
+                value = pattern(1 << 20, 7)
+                r.put("big", value, ReplicateConfig(preferred_segment=b.segment))
+                assert r.info("big")["checksum"] is None
+                r.change_replica("big", 2)  # a copy on a: placed elsewhere than the suspect range
+                for _ in range(3):
+                    assert r.get("big") == value  # read from b (same host: the first replica)
+                r.change_replica("big", 1)  # the most read replica (b's) goes
+                w.cont()
+                w.say("write")
+                assert w.line()["late_write"]
+                got = [r.get("big") == value for _ in range(3)]
+                assert all(got), "a lost writer's late write was returned as the object's bytes"
+                w.say("bye")
+        finally:
+            w.close()
+
+
 def test_late_or_foreign_put_end_never_commits_another_put() -> None:
     with MasterProcess(put_timeout_s=0.5) as m, StorageProcess(m.address, 16 << 20):
         a = Store.connect(master=m.address, segment_size=0)
