@@ -534,22 +534,34 @@ def test_spills_that_fail_for_want_of_disk_leave_no_partial_files_and_no_ssd_cop
     """A storage server whose disk takes no more (its file size limit, set from outside with
     prlimit: every write past it fails with EFBIG, as one on a full disk fails with ENOSPC):
     failed spills leave no partial file behind (they kept their bytes, so a full disk stayed
-    full), no object is recorded on the SSD tier, and every value is still read as it was put."""
+    full), no object is recorded on the SSD tier, every value is still read as it was put, and
+    that disk gets spills again only after a while (it got the same ones many times a second),
+    doubling while they fail."""
     import resource
 
     ssd = tmp_path / "ssd"
     with MasterProcess(eviction_high_watermark=0.5, eviction_ratio=0.1) as m:
         with StorageProcess(m.address, 8 << 20, ssd_dir=str(ssd), heartbeat_s=0.1) as sp:
-            resource.prlimit(sp.pid, resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+            resource.prlimit(sp.pid, resource.RLIMIT_FSIZE, (32 << 10, resource.RLIM_INFINITY))
             with Store.connect(master=m.address, segment_size=0) as st:
                 vals = {f"p{i}": pattern(512 << 10, i) for i in range(9)}
                 for k, v in vals.items():
                     st.put(k, v, ReplicateConfig(cache_class="persistent"))
-                # persistent objects over the watermark are spilled; failed spills are tried again
-                wait_for(lambda: stats(m.address)["counters"].get("spills", 0) >= 20, what="spills retried")
+                # persistent objects over the watermark are spilled; the spills fail
+                wait_for(lambda: stats(m.address)["counters"].get("spills", 0) >= 1, what="a spill")
+                time.sleep(1)
+                before = stats(m.address)["counters"]["spills"]
+                time.sleep(3)
+                again = stats(m.address)["counters"]["spills"] - before
+                assert again <= 12, f"{again} spills handed to a failing disk in 3 s"
                 left = [p.name for p in ssd.rglob("*") if p.is_file()]
                 assert left == [], f"failed spills left files behind: {left}"
                 assert all(st.info(k)["ssd"] is None for k in vals)
+                assert {k: st.get(k) for k in vals} == vals
+                assert stats(m.address)["counters"]["spill_disk_errors"] >= 1
+                # the disk takes writes again: spills go on after the backoff
+                resource.prlimit(sp.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+                wait_for(lambda: any(st.info(k)["ssd"] for k in vals), 20, what="a spill after the backoff")
                 assert {k: st.get(k) for k in vals} == vals
 
 

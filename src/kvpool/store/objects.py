@@ -141,6 +141,8 @@ class Client:
     pending: set[Obj] = field(default_factory=set)  # its puts and reservations not yet committed
     task_ids: set[int] = field(default_factory=set)
     changing: list[Obj] = field(default_factory=list)  # replica copies it runs (replica/promote_start)
+    spill_failures: int = 0  # spills its disk failed in a row (full, EIO)
+    spill_after: float = 0.0  # no spill is handed to it before this (backoff after failures)
 
 
 class KeyTable:

@@ -134,5 +134,10 @@ def _spill_task(store: Store, task: dict[str, Any], result: dict[str, Any]) -> b
     store._data.read(task["epoch"], [job])
     if job.error is not None or not isinstance(job.result, bytes):
         return False
-    result["checksum"] = write_ssd_file(task["path"], task["key"], job.result)
+    try:
+        result["checksum"] = write_ssd_file(task["path"], task["key"], job.result)
+    except OSError as exc:
+        log.warning("spill of %s failed: %s", task["key"], exc)
+        result["disk_error"] = str(exc)  # the master hands this client no spill for a while
+        return False
     return True

@@ -30,6 +30,7 @@ log = logging.getLogger("kvpool.master")
 DYING_PER_TICK = 4096  # objects of unmounted segments let go of per tick
 SLOW_EVERY_S = 1.0  # liveness, fences, spilled objects, hot keys
 STALL_S = 1.0  # a tick this late means the master itself was stalled
+SPILL_BACKOFF_S = (1.0, 60.0)  # a disk failing spills gets none for 1 s, then 2 s, ... at most 60 s
 
 
 class Upkeep(_Base):
@@ -55,7 +56,7 @@ class Upkeep(_Base):
                 return 0
         freed = 0
         looked = 0
-        ssd = self._ssd_clients
+        ssd: list[Client] | None = None  # SSD clients taking spills now (looked up when needed)
         for obj in self.lru.candidates(now, looks or c.evict_batch):
             if freed >= need:
                 break
@@ -64,11 +65,14 @@ class Upkeep(_Base):
                 self.lru.skip(obj)
                 continue
             held = obj.alloc_size * len(obj.replicas)
-            if (obj.soft_pin or obj.cache_class == "persistent") and ssd and obj.ssd is None:
-                self._spill(obj, random.choice(ssd))
+            if (obj.soft_pin or obj.cache_class == "persistent") and self._ssd_clients and obj.ssd is None:
+                if ssd is None:
+                    ssd = [x for x in self._ssd_clients if x.spill_after <= now]
                 self.lru.skip(obj)
-                freed += held  # freed once the spill lands
-                continue
+                if ssd:
+                    self._spill(obj, random.choice(ssd))
+                    freed += held  # freed once the spill lands
+                continue  # else kept until a disk of the SSD tier takes spills again
             if obj.cache_class == "persistent":
                 self.lru.skip(obj)  # never dropped from the pool without an SSD tier
                 continue
@@ -262,15 +266,34 @@ class Upkeep(_Base):
                     else:
                         self._take_replica(obj, r)
                     break
-        elif task["type"] == "spill" and obj is not None:
-            obj.busy -= 1
-            if ok:
-                owner = self.clients.get(cid)
-                obj.ssd = SsdCopy(cid, task["path"], result["checksum"], owner.host_id if owner else "")
-                self._spilled.add(obj)  # memory freed once no lease holds it
-                if not self._leased(obj, time.monotonic()):
-                    self._free_memory(obj)
-        elif task["type"] == "spill" and ok:
-            # The object was removed (or replaced) while it spilled: its file is nobody's, and no
-            # later spill writes that path (one per generation, never handed out again).
-            self._give_task(cid, {"type": "unlink", "path": task["path"]})
+        elif task["type"] == "spill":
+            self._spill_ended(cl, ok, bool(result.get("disk_error")))
+            if obj is not None:
+                obj.busy -= 1
+                if ok:
+                    owner = self.clients.get(cid)
+                    obj.ssd = SsdCopy(cid, task["path"], result["checksum"], owner.host_id if owner else "")
+                    self._spilled.add(obj)  # memory freed once no lease holds it
+                    if not self._leased(obj, time.monotonic()):
+                        self._free_memory(obj)
+            elif ok:
+                # The object was removed (or replaced) while it spilled: its file is nobody's, and
+                # no later spill writes that path (one per generation, never handed out again).
+                self._give_task(cid, {"type": "unlink", "path": task["path"]})
+
+    def _spill_ended(self, cl: Client | None, ok: bool, disk_error: bool) -> None:
+        """A spill by ``cl`` ended. One its disk failed (full, EIO) gets it no spill for a while,
+        doubling with each such failure in a row: else every eviction round handed it the same
+        spills again, each one a read of the object and a failed write, many per second."""
+        if cl is None:
+            return
+        if ok:
+            cl.spill_failures, cl.spill_after = 0, 0.0
+        elif disk_error:
+            self.stats["spill_disk_errors"] += 1
+            now = time.monotonic()
+            if now < cl.spill_after:
+                return  # a spill handed out before this backoff began: it does not grow it
+            cl.spill_failures += 1
+            first, most = SPILL_BACKOFF_S
+            cl.spill_after = now + min(most, first * 2 ** min(cl.spill_failures - 1, 16))
