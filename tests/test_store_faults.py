@@ -220,7 +220,7 @@ def test_a_lost_writers_late_write_never_reaches_a_copy_of_an_object_without_a_c
             w.stop()
             wait_for(lambda: stats(m.address)["clients"] == 2 and stats(m.address)["fenced"] == 0,
                      what="the stopped writer declared dead and its fence gone")  # fmt: skip
-            reader = {"segment_size": 0, "location_cache": 0, "transfer_timeout_s": 0.5}
+            reader = {"segment_size": 0, "location_cache": 0, "transfer_timeout_s": 0.5, "heartbeat_s": 0.2}
             with Store.connect(master=m.address, **reader) as r:
                 value = pattern(1 << 20, 7)
                 r.put("big", value, ReplicateConfig(preferred_segment=b.segment))
