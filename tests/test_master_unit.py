@@ -389,6 +389,51 @@ def test_promotion_of_an_ssd_hit_names_the_generation_it_read() -> None:
         m.stop()
 
 
+def test_a_bad_ssd_file_report_drops_that_copy_only() -> None:
+    """``ssd_corrupt`` names the object's generation and file: a report of another one changes
+    nothing; an object whose memory is still held (a lease outlived its spill) keeps that memory
+    (it would have been freed for the copy that is gone), an SSD-only one is dropped."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        r = m.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [1 << 20], "config": {}})
+        gen, _, reps = r["results"][0][1]
+        m.handle(
+            {"op": "put_end", "client": "r", "items": [["k", gen, None, ["seg-a"]]], "epoch": r["epoch"]}
+        )
+        assert m.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][0] is None  # leased
+        obj = m.m.objects["k"]
+        m.m._spill(obj, m.m.clients["a"])
+        (task,) = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        done = {
+            "op": "task_done",
+            "client": "a",
+            "task": task["task"],
+            "ok": True,
+            "result": {"checksum": "c"},
+        }
+        m.handle(done)
+        assert obj.ssd is not None and obj in m.m._spilled and obj.replicas  # memory waits for the lease
+        bad = {"op": "report", "client": "r", "kind": "ssd_corrupt", "segment": "", "key": "k"}
+        m.handle({**bad, "gen": gen, "path": task["path"] + "x"})
+        m.handle({**bad, "gen": gen + 1, "path": task["path"]})
+        assert obj.ssd is not None
+        m.handle({**bad, "gen": gen, "path": task["path"]})
+        assert obj.ssd is None and obj not in m.m._spilled and m.m.objects["k"] is obj
+        m.m.objects["k"].lease_until = 0  # the lease ends
+        m.m._tick(time.monotonic() + 2)
+        assert obj.replicas and m.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][0] is None
+        unlinks = [t for t in m.handle({"op": "heartbeat", "client": "a"})["tasks"] if t["type"] == "unlink"]
+        assert [t["path"] for t in unlinks] == [task["path"]]
+        g2 = _spilled(m, "j", csum=None)
+        m.handle({**bad, "key": "j", "gen": g2, "path": m.m.objects["j"].ssd.path})
+        assert "j" not in m.m.objects  # SSD only: nothing left of it
+    finally:
+        m.stop()
+
+
 def test_asking_more_replicas_than_segments_evicts_only_what_the_placeable_ones_need() -> None:
     m = Driver(Master(port=0))
     try:

@@ -437,6 +437,40 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
                 st.get(k2)
 
 
+def test_an_ssd_only_object_whose_file_is_corrupt_is_let_go_of_and_its_key_can_be_put_again(tmp_path) -> None:
+    """A reader on the SSD copy's host finds its file bad: a miss, and the master drops the copy
+    (the object with it: no memory replica is left). The key held an object nobody could read:
+    ``exists`` said yes and every put of the key was refused (KeyExists) for good."""
+    with Store.connect(
+        segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
+    ) as st:
+        m = st._master
+        st.put("k", pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
+        with m._lock:
+            m._spill(m.objects["k"], m.clients[st.client_id])  # as eviction does
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (st.info("k")["ssd"] is None or st.info("k")["replicas"]):
+            time.sleep(0.05)
+        info = st.info("k")
+        assert info["ssd"] and not info["replicas"]  # SSD only
+        assert st.get("k") == pattern(300_000, 1)
+        with open(info["ssd"], "r+b") as f:  # the disk returns other bytes now
+            f.seek(-10, os.SEEK_END)
+            f.write(b"XXXXXXXXXX")
+        with pytest.raises(ObjectNotFound):
+            st.get("k")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and st.exists("k"):
+            time.sleep(0.05)
+        assert not st.exists("k"), "a key whose only copy is unreadable still exists"
+        st.put("k", pattern(300_000, 2))
+        assert st.get("k") == pattern(300_000, 2)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and os.path.exists(info["ssd"]):
+            time.sleep(0.05)
+        assert not os.path.exists(info["ssd"])  # the bad file is unlinked
+
+
 def test_the_file_of_a_spill_whose_object_was_removed_meanwhile_is_removed(tmp_path) -> None:
     """A forced remove while the object spills to the SSD tier: the file the spill writes after
     that belongs to no object and is removed (it stayed on the disk for good)."""

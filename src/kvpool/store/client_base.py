@@ -28,6 +28,7 @@ class ClientBase:
     config: StoreConfig
     engine: TransferEngine
     master_incarnation: int | None
+    host_id: str
     _rpc: RpcClient
     _max_batch: int
     _lease_s: float

@@ -138,10 +138,29 @@ class ClientOps(_Base):
                 self._finish_task(tid, ok=False, result={})
                 self.stats["tasks_expired"] += 1
 
+    def _ssd_corrupt(self, key: str, gen: int, path: str) -> None:
+        """A reader on its host found an object's SSD file bad: the copy is let go of (its file
+        unlinked), and the object too when no memory replica is left."""
+        obj = self.objects.get(key)
+        if obj is None or obj.gen != gen or obj.ssd is None or obj.ssd.path != path:
+            return
+        self._give_task(obj.ssd.client, {"type": "unlink", "path": path})
+        obj.ssd = None
+        self._ssd_only.discard(obj)
+        self._spilled.discard(obj)  # its memory is kept: no other copy
+        self.stats["ssd_copies_corrupt"] += 1
+        if obj.committed and not any(r.committed for r in obj.replicas):
+            self._drop(obj)
+            self.stats["objects_lost"] += 1
+
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """A reader could not reach a segment (others skip it at once), or found a replica whose
-        bytes fail their checksum (that replica is dropped). Only from a registered client."""
+        """A reader could not reach a segment (others skip it at once), found a replica whose
+        bytes fail their checksum (that replica is dropped), or an SSD file that is not its
+        object's (``ssd_corrupt``: that copy is dropped). Only from a registered client."""
         self._client(req, sess)
+        if req["kind"] == "ssd_corrupt":
+            self._ssd_corrupt(req["key"], req["gen"], req["path"])
+            return {}
         now = time.monotonic()
         seg = self.space.segments.get(req["segment"])
         if seg is None:

@@ -211,9 +211,19 @@ class GetPath(ClientBase):
     ) -> bytes | int | KvpoolError:
         if info["ssd"] is None:
             return ObjectNotFound(f"object {key!r} has no readable copy")
-        path, _host, checksum = info["ssd"]
-        data = read_ssd_file(path, key, info["size"], checksum)
+        path, host, checksum = info["ssd"]
+        why: list[str] = []
+        data = read_ssd_file(path, key, info["size"], checksum, why)
         if data is None:
+            if why == ["corrupt"] and host == self.host_id:
+                # The copy's own host read it and it is bad: the master lets go of it (else the
+                # key stayed taken by an object nobody can read: every put of it was refused)
+                try:
+                    self._rpc.send(
+                        "report", segment="", kind="ssd_corrupt", key=key, gen=info["gen"], path=path
+                    )
+                except KvpoolError as exc:
+                    log.debug("report to the master failed: %s", exc)
             return ObjectNotFound(f"SSD copy of {key!r} is missing or corrupt (treated as a miss)")
         if self.config.promote_on_hit:
             try:

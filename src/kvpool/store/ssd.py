@@ -8,6 +8,7 @@ checks the key, size and checksum, and treats any mismatch as a miss.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import uuid
@@ -43,17 +44,30 @@ def write_ssd_file(path: str, key: str, data: memoryview | bytes) -> str:
     return f"{digest:016x}"
 
 
-def read_ssd_file(path: str, key: str, size: int, checksum: str) -> bytes | None:
-    """Read and verify an SSD-tier file; None when missing, truncated or corrupt."""
+def read_ssd_file(
+    path: str, key: str, size: int, checksum: str, why: list[str] | None = None
+) -> bytes | None:
+    """Read and verify an SSD-tier file; None when missing, truncated or corrupt. ``why`` (when
+    given) gets ``"corrupt"`` for a file that is there but is not this object's (truncated,
+    another size or key, a checksum mismatch) or that the disk failed to read (EIO), else
+    ``"missing"``."""
     try:
         with open(path, "rb") as f:
             hdr = f.read(_SSD_HDR.size)
             magic, n, digest, klen = _SSD_HDR.unpack(hdr)
             if magic != _SSD_MAGIC or n != size or f.read(klen) != key.encode():
-                return None
+                return _bad(why, "corrupt")
             data = f.read(n + 1)
-    except (OSError, struct.error):
-        return None
+    except struct.error:
+        return _bad(why, "corrupt")
+    except OSError as exc:
+        return _bad(why, "corrupt" if exc.errno == errno.EIO else "missing")
     if len(data) != size or xxhash.xxh3_64_intdigest(data) != digest or f"{digest:016x}" != checksum:
-        return None
+        return _bad(why, "corrupt")
     return data
+
+
+def _bad(why: list[str] | None, reason: str) -> None:
+    if why is not None:
+        why.append(reason)
+    return None
