@@ -482,10 +482,10 @@ def test_double_a_hung_peer_does_not_stall_transfers_to_other_peers(double):
 
 
 def test_double_local_unregister_mid_transfer_fails_it_without_pausing_nics(double):
-    """Local memory unregistered while its slices are queued: they post with the closed MRs' lkeys
-    and complete with a local protection error. That is not a path problem: the request fails
-    (not retried on every NIC pair), no NIC is paused and other memory still moves over all 4
-    (each retry broke an endpoint and paused a healthy NIC pair for rdma_nic_pause_s)."""
+    """Local memory unregistered while its slices are queued: they are not posted (with the closed
+    MRs' lkeys) and the request fails at once. That is not a path problem: it is not retried on
+    every NIC pair, no NIC is paused and other memory still moves over all 4 (each retry broke an
+    endpoint and paused a healthy NIC pair for rdma_nic_pause_s)."""
     t, i, kv, base = _pair()
     with t, i:
         src = bytearray(os.urandom(8 * MiB))
@@ -499,7 +499,7 @@ def test_double_local_unregister_mid_transfer_fails_it_without_pausing_nics(doub
         gate.set()
         i.wait_batch(bid, 10)
         st = i.get_transfer_status(bid, 0)
-        assert st.state == TransferState.FAILED and "local protection error" in st.error, st
+        assert st.state == TransferState.FAILED and "unregistered" in st.error, st
         assert "every path failed" not in st.error  # failed at once, not after rdma_retry_limit tries
         now = time.monotonic()
         assert not [n for n, until in i.rdma._paused.items() if until > now]
@@ -510,6 +510,35 @@ def test_double_local_unregister_mid_transfer_fails_it_without_pausing_nics(doub
         assert i.transfer_sync(t.segment_name, lb, base, 4 * MiB) == 4 * MiB and kv[: 4 * MiB] == other
         assert all(a > b for a, b in zip(i.rdma.nic_bytes, before, strict=True))
         i.free_batch_id(bid)
+
+
+def test_double_slices_queued_before_a_local_unregister_never_reach_a_new_registration(double, monkeypatch):
+    """A READ queued into local memory that is unregistered and registered again at the same
+    address, whose new MRs get the same lkeys (real HCAs reuse mkey indices; the fake is told to):
+    the queued slices are not posted, the request fails and the new registration's bytes stay
+    (they were posted with the old lkeys, landed in the new registration and reported COMPLETED)."""
+    t, i, kv, base = _pair()
+    with t, i:
+        kv[:MiB] = b"R" * MiB
+        dst = bytearray(MiB)
+        la = i.register_local_memory(dst)
+        first = min(i.rdma.regions.local(la, MiB)[2])
+        seg = i.open_segment(t.segment_name)
+        gate = _hold_progress(i)
+        bid = i.allocate_batch_id(1)
+        i.submit_transfer(bid, [TransferRequest(OpCode.READ, la, seg, base, MiB)])
+        i.unregister_local_memory(dst)
+        monkeypatch.setattr(fv, "_keys", itertools.count(first))  # the same lkeys again
+        dst[:] = b"N" * MiB  # the new registration's own data
+        assert i.register_local_memory(dst) == la
+        assert i.rdma.regions.local(la, MiB)[2] == list(range(first, first + len(NICS4)))
+        gate.set()
+        i.wait_batch(bid, 10)
+        st = i.get_transfer_status(bid, 0)
+        assert st.state == TransferState.FAILED and "unregistered" in st.error, st
+        assert dst == b"N" * MiB
+        i.free_batch_id(bid)
+        assert i.transfer_sync(t.segment_name, la, base, MiB, OpCode.READ) == MiB and dst == kv[:MiB]
 
 
 def test_double_close_segment_cancels_its_queued_requests(double):

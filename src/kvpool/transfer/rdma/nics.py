@@ -224,15 +224,22 @@ def qp_connect(V: Verbs, nic: Nic, qp: Any, remote: dict[str, Any], psn: int) ->
 
 
 class MemoryRegions:
-    """This engine's registrations as memory regions on every NIC (sorted; one lkey/rkey per NIC)."""
+    """This engine's registrations as memory regions on every NIC (sorted; one lkey/rkey per NIC).
+
+    Each entry carries ``live``, a one-element list set to False under :attr:`lock` when it is
+    unregistered, before its MRs close. The progress thread posts a request's slices only under
+    :attr:`lock` and only while the ``live`` of the local registration the request was planned on
+    is True: a slice queued before an unregister is never posted with that registration's lkeys,
+    which a later registration may be handed again (real HCAs reuse mkey indices).
+    """
 
     def __init__(self, V: Verbs, nics: list[Nic]) -> None:
         self.V = V
         self.nics = nics
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the progress thread from the live check to post_send
         self._reg_starts: list[int] = []
-        # (start, end, lkeys per NIC, rkeys per NIC, location, remote_accessible, MRs, writable)
-        self._regs: list[tuple[int, int, list[int], list[int], str, bool, list[Any], bool]] = []
+        # (start, end, lkeys per NIC, rkeys per NIC, location, remote_accessible, MRs, writable, live)
+        self._regs: list[tuple[int, int, list[int], list[int], str, bool, list[Any], bool, list[bool]]] = []
 
     def register(
         self,
@@ -290,8 +297,9 @@ class MemoryRegions:
             remote,
             mrs,
             writable,
+            [True],
         )
-        with self._lock:
+        with self.lock:
             i = bisect.bisect_left(self._reg_starts, addr)
             self._reg_starts.insert(i, addr)
             self._regs.insert(i, entry)
@@ -318,31 +326,37 @@ class MemoryRegions:
             ) from None
 
     def unregister(self, addr: int) -> None:
-        with self._lock:
+        """Close the MRs at ``addr``; slices of requests planned on them are not posted any more
+        (their requests fail at post), those already posted fail with a local protection error."""
+        with self.lock:
             i = bisect.bisect_left(self._reg_starts, addr)
             if i >= len(self._reg_starts) or self._reg_starts[i] != addr:
                 return
             self._reg_starts.pop(i)
             entry = self._regs.pop(i)
+            entry[8][0] = False
         for m in entry[6]:
             m.close()
 
     def local(self, addr: int, length: int) -> tuple:
-        i = bisect.bisect_right(self._reg_starts, addr) - 1
-        if i >= 0:
-            r = self._regs[i]
-            if addr + length <= r[1]:
-                return r
+        """The entry of the registration holding ``[addr, addr+length)`` (AddressNotRegistered)."""
+        with self.lock:  # starts and entries of one state (unregister pops both)
+            i = bisect.bisect_right(self._reg_starts, addr) - 1
+            r = self._regs[i] if i >= 0 else None
+        if r is not None and addr + length <= r[1]:
+            return r
         raise AddressNotRegistered(f"local range {addr:#x}+{length} is not inside registered memory")
 
     def published(self) -> list[list[Any]]:
         """``[addr, length, [rkey per NIC]]`` of the remote-accessible regions (for the descriptor)."""
-        with self._lock:
+        with self.lock:
             return [[r[0], r[1] - r[0], r[3]] for r in self._regs if r[5]]
 
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             regs, self._regs, self._reg_starts = self._regs, [], []
+            for r in regs:
+                r[8][0] = False
         for r in regs:
             for m in r[6]:
                 m.close()

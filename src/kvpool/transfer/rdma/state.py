@@ -41,13 +41,18 @@ class Req:
         "pairs",
         "attempts",
         "instance",
+        "live",
     )
 
-    def __init__(self, batch_id: int, slot: int, peer: Peer, instance: Any = None) -> None:
+    def __init__(
+        self, batch_id: int, slot: int, peer: Peer, instance: Any = None, live: list[bool] | None = None
+    ) -> None:
         self.batch_id = batch_id
         self.slot = slot
         self.peer = peer
         self.instance = instance  # the peer incarnation its addresses and rkeys were planned for
+        # the local registration's live flag (MemoryRegions): False once it was unregistered
+        self.live = [True] if live is None else live
         self.remaining = 0
         self.done_bytes = 0
         self.state = TransferState.PENDING

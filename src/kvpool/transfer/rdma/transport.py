@@ -268,7 +268,7 @@ class RdmaTransport(Connections, Transport):
         base = self.batches.reserve(batch_id, reqs.lens) if planned else 0  # InvalidArgument when full
         slices: list[Slice] = []
         for k, (op, laddr, peer, inst, raddr, length, lreg, rreg) in enumerate(planned):
-            req = Req(batch_id, base + k, peer, inst)
+            req = Req(batch_id, base + k, peer, inst, lreg[8])
             wop = E.IBV_WR_RDMA_READ if op == READ else E.IBV_WR_RDMA_WRITE
             lpref, lsec = self._local_nics(lreg[4], now)
             rpref, rsec = self._remote_nics(peer, rreg[3], now)
@@ -363,48 +363,62 @@ class RdmaTransport(Connections, Transport):
                 ep.pending.append(s)
 
     def _post(self, ep: Endpoint) -> None:
+        """Post ``ep``'s pending slices in chains. Each chain is built and posted under the local
+        registrations' lock: a slice whose local registration was unregistered since its submit is
+        never posted (its lkeys may belong to a newer registration by then: real HCAs reuse mkey
+        indices, and the bytes would land there); its request fails."""
         SendWR, SGE = self.V.wr.SendWR, self.V.wr.SGE
         signaled = self.E.IBV_SEND_SIGNALED
         pending = ep.pending
         while pending and ep.outstanding < self.sq_depth:
             n = min(len(pending), self.chain_max, self.sq_depth - ep.outstanding)
             chain = []
-            for _ in range(n):
-                s = pending.popleft()
-                if s.req.state != TransferState.PENDING or self._stale(s):  # failed, or planned for
-                    self._slice_dropped(s)  # an incarnation that is gone: never posted
-                elif s.req.instance != ep.instance:  # a QP to an older incarnation: remade at dispatch
-                    self._retry.append(s)
-                else:
-                    chain.append(s)
-            if not chain:
-                continue
-            n = len(chain)
-            cid = next(self._chain_ids)
-            base = cid * _CHAIN_SHIFT
-            li, ri = ep.nic.index, ep.rnic
-            nxt = None
-            keep = []
-            for i in range(n - 1, -1, -1):
-                s = chain[i]
-                wr = SendWR(
-                    wr_id=base + i,
-                    opcode=s.op,
-                    num_sge=1,
-                    sg=[SGE(s.laddr, s.length, s.lkeys[li])],
-                    send_flags=signaled if nxt is None else 0,
-                    next_wr=nxt,
-                )
-                wr.set_wr_rdma(s.rkeys[ri], s.raddr)
-                keep.append(wr)
-                nxt = wr
-            ep.inflight[cid] = chain
-            ep.outstanding += n
-            self._chains[cid] = ep
-            try:
-                ep.qp.post_send(nxt)
-            except Exception as exc:  # noqa: BLE001 - QP in a bad state, SQ full
-                self._break(ep, f"post_send on {ep.nic.name}: {exc}")
+            broken = None
+            with self.regions.lock:  # unregister marks a region dead under it, then closes its MRs
+                for _ in range(n):
+                    s = pending.popleft()
+                    if s.req.state != TransferState.PENDING or self._stale(s):  # failed, or planned for
+                        self._slice_dropped(s)  # an incarnation that is gone: never posted
+                    elif not s.req.live[0]:
+                        self._fail_req(
+                            s.req,
+                            f"local memory at {s.laddr:#x} was unregistered while the transfer was queued",
+                        )
+                        self._slice_dropped(s)
+                    elif s.req.instance != ep.instance:  # a QP to an older incarnation: remade at dispatch
+                        self._retry.append(s)
+                    else:
+                        chain.append(s)
+                if not chain:
+                    continue
+                n = len(chain)
+                cid = next(self._chain_ids)
+                base = cid * _CHAIN_SHIFT
+                li, ri = ep.nic.index, ep.rnic
+                nxt = None
+                keep = []
+                for i in range(n - 1, -1, -1):
+                    s = chain[i]
+                    wr = SendWR(
+                        wr_id=base + i,
+                        opcode=s.op,
+                        num_sge=1,
+                        sg=[SGE(s.laddr, s.length, s.lkeys[li])],
+                        send_flags=signaled if nxt is None else 0,
+                        next_wr=nxt,
+                    )
+                    wr.set_wr_rdma(s.rkeys[ri], s.raddr)
+                    keep.append(wr)
+                    nxt = wr
+                ep.inflight[cid] = chain
+                ep.outstanding += n
+                self._chains[cid] = ep
+                try:
+                    ep.qp.post_send(nxt)
+                except Exception as exc:  # noqa: BLE001 - QP in a bad state, SQ full
+                    broken = f"post_send on {ep.nic.name}: {exc}"
+            if broken is not None:
+                self._break(ep, broken)
                 return
             self.stats["posts"] += 1
 
