@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import OpCode, TransferEngine, TransferRequest, _native
+from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
 from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, SegmentNotFound, TransferError
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
@@ -207,7 +207,8 @@ def test_sync_round_whose_staged_part_times_out_waits_for_its_gpu_run(
     staging pool: the staged part's wait ends at timeout_s (TransferTimeout), and the call raises
     only once the queued run finished, its batch freed. It raised at once, the batch left
     allocated (its free refused and the error swallowed) and the run still reading into the
-    caller's memory. A run that does not finish within timeout_s more: TransferTimeout saying so."""
+    caller's memory. A run that does not finish within timeout_s more: TransferTimeout saying so,
+    and its batch is freed by the first allocation after the run finished (it leaked)."""
     import threading
 
     from kvpool.errors import TransferTimeout
@@ -259,7 +260,16 @@ def test_sync_round_whose_staged_part_times_out_waits_for_its_gpu_run(
         with pytest.raises(TransferTimeout, match="queued before it did not finish within 1 s"):
             eng.batch_transfer_sync(peer.name, locs, rems, [4096, 4096], OpCode.READ)
         assert syncing.is_set() and 1.8 < time.monotonic() - t0 < 10
+        hung = ipc._runs[0].batch_id  # its batch is freed once the run finishes (it stayed for good)
+        assert eng.batches.pending(hung) and eng.batches.deferred() == 1
+        eng.free_batch_id(eng.allocate_batch_id(1))  # an allocation while it still copies: kept
+        assert eng.batches.pending(hung) and eng.batches.deferred() == 1
         release.set()
+        assert eng.wait_batch(hung, 10).state != TransferState.PENDING
+        eng.free_batch_id(eng.allocate_batch_id(1))  # the next allocation frees it
+        assert eng.batches.deferred() == 0
+        with pytest.raises(KvpoolError, match="unknown batch"):
+            eng.free_batch_id(hung)
         pool.release(held[0], pool.size)
 
 

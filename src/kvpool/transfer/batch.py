@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from kvpool import _native
+from kvpool.errors import BatchInFlight, KvpoolError
 from kvpool.transfer.types import TransferState, TransferStatus
 
 _STATE = list(TransferState)
@@ -31,10 +32,44 @@ class Batches:
         self._native = native
         self._reasons: dict[int, dict[int, str]] = {}  # batch -> slot -> reason given to finish()
         self._lock = threading.Lock()
+        self._deferred: set[int] = set()  # batches to free once no slot is PENDING (free_when_done)
 
     def alloc(self, size: int) -> int:
-        """A new batch of ``size`` slots, all WAITING."""
+        """A new batch of ``size`` slots, all WAITING; first frees the deferred batches that
+        finished meanwhile (:meth:`free_when_done`)."""
+        if self._deferred:
+            self._reap()
         return self._native.alloc_batch(size)
+
+    def free_when_done(self, batch_id: int) -> None:
+        """Free a batch now, or, while a slot is still PENDING, once none is (the next
+        :meth:`alloc` after that frees it). Called by the engine's synchronous calls when they
+        give up on a batch whose copies outlived ``timeout_s`` (a hung GPU stream): it stayed
+        allocated for good. An unknown batch is ignored."""
+        try:
+            self.free(batch_id)
+        except BatchInFlight:
+            with self._lock:
+                self._deferred.add(batch_id)
+        except KvpoolError:
+            pass
+
+    def deferred(self) -> int:
+        """How many batches wait to be freed once their copies finish (:meth:`free_when_done`)."""
+        return len(self._deferred)
+
+    def _reap(self) -> None:
+        with self._lock:
+            ids = list(self._deferred)
+        for bid in ids:
+            try:
+                self.free(bid)
+            except BatchInFlight:
+                continue  # still copying
+            except KvpoolError:
+                pass  # freed by another thread's reap meanwhile (batch ids are never reused)
+            with self._lock:
+                self._deferred.discard(bid)
 
     def free(self, batch_id: int) -> None:
         """Forget a batch; :class:`~kvpool.errors.BatchInFlight` while any slot is PENDING."""

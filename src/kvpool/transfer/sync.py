@@ -22,6 +22,7 @@ from kvpool.transfer.types import OpCode, TransferState, TransferStatus
 
 if TYPE_CHECKING:
     from kvpool.config import TransferConfig
+    from kvpool.transfer.batch import Batches
     from kvpool.transfer.memory import LocalRegistry
     from kvpool.transfer.staging import GpuStaging
     from kvpool.transfer.types import SegmentDescriptor, SegmentHandle
@@ -101,6 +102,7 @@ class SyncTransfers:
     """
 
     config: TransferConfig
+    batches: Batches
     _registry: LocalRegistry
     _segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]]
     _routes: dict[int, Transport]
@@ -309,10 +311,7 @@ class SyncTransfers:
                 self._raise_failures(bid, n)
             return st.transferred_bytes
         finally:
-            try:
-                self.free_batch_id(bid)
-            except KvpoolError:
-                pass
+            self.batches.free_when_done(bid)  # later, when a hung GPU stream still copies
 
     def _inline_parts(
         self, op: int, parts: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[int]]]
@@ -374,18 +373,15 @@ class SyncTransfers:
             self._raise_failures(bid, n)
             return self.get_batch_status(bid).transferred_bytes
         finally:
-            try:
-                self.free_batch_id(bid)
-            except KvpoolError:
-                pass
+            self.batches.free_when_done(bid)  # later, when a hung GPU stream still copies
 
     def _settle(self, bid: int, exc: Exception) -> None:
         """A submit of :meth:`_run_sync` raised ``exc`` after part of it was queued (a CUDA IPC run
         before a staged part whose pool wait timed out, an earlier transport's run): wait for
         that part, bounded by ``timeout_s``, so that the batch is freed and nothing of this call
         still copies into or out of the caller's memory once it raised. Still pending then (a hung
-        GPU stream): TransferTimeout, the batch left allocated (freeing it is refused while its
-        copies run; unregistering the memory waits for them or raises)."""
+        GPU stream): TransferTimeout; the batch is freed once those copies finish (freeing it is
+        refused while they run; unregistering the memory waits for them or raises)."""
         st = self.wait_batch(bid, self.config.timeout_s)
         if st.state == TransferState.PENDING:
             raise TransferTimeout(
