@@ -508,7 +508,7 @@ def test_tasks_of_a_lost_heartbeat_reply_expire_and_a_late_report_commits_nothin
             items = [[f"p{i}", gen, 7, [reps[0][0]]]]
             assert m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
         lost = m.handle({"op": "heartbeat", "client": "a"})["tasks"]  # this reply never arrives
-        assert lost and all(t["type"] == "spill" and t["ttl_s"] == 0.3 for t in lost)
+        assert lost and all(t["type"] == "spill" and 0 < t["ttl_s"] <= 0.3 for t in lost)
         busy = [t["key"] for t in lost]
         assert all(m.m.objects[k].busy == 1 for k in busy)
         time.sleep(0.35)
@@ -524,5 +524,32 @@ def test_tasks_of_a_lost_heartbeat_reply_expire_and_a_late_report_commits_nothin
         m.handle(done)
         obj = m.m.objects[t["key"]]
         assert obj.ssd is None and obj.busy == (t["key"] in respilled) and obj.replicas
+    finally:
+        m.stop()
+
+
+def test_a_task_handed_out_late_carries_only_what_is_left_of_its_deadline() -> None:
+    """A task waits in the master's queue until the client's next heartbeat: its ``ttl_s`` is
+    what is left of ``task_timeout_s`` then (the client counts it from its heartbeat), so the
+    client starts none the master gave up on; one already past its deadline is not handed out."""
+    m = Driver(Master(port=0, task_timeout_s=0.4))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        _put(m, "k", replicas=1)
+        _put(m, "j", replicas=1)
+        with m.m._lock:
+            m.m._spill(m.m.objects["k"], m.m.clients["a"])
+        time.sleep(0.25)  # the client's heartbeat comes later
+        (task,) = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        assert 0 < task["ttl_s"] <= 0.4 - 0.25, task["ttl_s"]
+        assert "_due" not in task
+        with m.m._lock:
+            m.m._spill(m.m.objects["j"], m.m.clients["a"])
+        time.sleep(0.45)  # past its deadline, before the tick that fails it
+        assert m.handle({"op": "heartbeat", "client": "a"})["tasks"] == []
+        m.m._tick(time.monotonic())
+        assert m.m.objects["j"].busy == 0 and not m.m._tasks
     finally:
         m.stop()

@@ -94,7 +94,22 @@ class ClientOps(_Base):
             if self.space.has_fences(c.id):
                 self.space.release(self._floor_of, now, only=c.id)
         tasks, c.tasks = c.tasks, []
-        return {"master": self.incarnation, "tasks": tasks}
+        return {"master": self.incarnation, "tasks": self._hand_out(tasks, now)}
+
+    def _hand_out(self, tasks: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+        """The queued tasks a heartbeat reply carries. Each one the master waits a report of gets
+        ``ttl_s``: what is left of its ``task_timeout_s`` now, not all of it (it was queued up to
+        a heartbeat period ago: the client, counting from its heartbeat, started tasks the master
+        had given up on). Ones past their deadline, or already ended, are not handed out."""
+        out = []
+        for task in tasks:
+            due = task.pop("_due", None)
+            if due is not None:
+                if due <= now or task["task"] not in self._tasks:
+                    continue  # failed (or about to be, at the next tick): nothing to run
+                task["ttl_s"] = due - now
+            out.append(task)
+        return out
 
     def _op_mount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         c = self._client(req, sess)

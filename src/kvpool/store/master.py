@@ -283,8 +283,9 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         if task["type"] != "unlink":  # unlinks are fire and forget: never reported back
             c.task_ids.add(self._task_ids)
             self._tasks[self._task_ids] = (client, task)
-            task["ttl_s"] = self.config.task_timeout_s
-            self._task_deadlines.append((time.monotonic() + self.config.task_timeout_s, self._task_ids))
+            due = time.monotonic() + self.config.task_timeout_s
+            task["_due"] = due  # the heartbeat that hands it out sends what is left of it (ttl_s)
+            self._task_deadlines.append((due, self._task_ids))
         return self._task_ids
 
     def _make_room(self, need: int, now: float, looks: int) -> None:

@@ -165,7 +165,9 @@ class MasterSession(ClientBase):
                 self._resv.expire()
                 self._flush_releases_idle()
                 self.engine.release_exited_peers()  # a dead storage server's memory is let go
-                sent = time.monotonic()  # tasks in the reply are not started after sent + their ttl_s
+                # Tasks in the reply are not started after sent + their ttl_s (what was left of the
+                # master's deadline when it replied, after sent: so never after that deadline).
+                sent = time.monotonic()
                 reply = self._hb_rpc.call("heartbeat", floor=self._writes.floor())
                 if reply.get("reregister") or reply["master"] != self.master_incarnation:
                     log.warning("store master restarted or forgot us: registering again")
