@@ -498,17 +498,45 @@ def test_the_file_of_a_spill_whose_object_was_removed_meanwhile_is_removed(tmp_p
 def test_a_storage_client_does_not_start_a_task_the_master_gave_up_on(tmp_path) -> None:
     """A spill task past its deadline (the master counted it failed: task_timeout_s) is not run."""
     with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), buffer_size=1 << 20) as st:
+        m = st._master
         value = pattern(100_000, 3)
         st.put("k", value)
-        info = st.info("k")
-        task = {"type": "spill", "key": "k", "gen": info["gen"], "epoch": st.master_incarnation,
-                "size": info["size"], "checksum": info["checksum"], "src": info["replicas"][0][:2],
-                "task": 10**6, "ttl_s": 1.0}  # fmt: skip
-        late, on_time = tmp_path / "late.kvp", tmp_path / "on_time.kvp"
-        st._run_task({**task, "path": str(late)}, time.monotonic() - 0.1)
+        with m._lock:  # as eviction does; taken off the queue before a heartbeat hands it out
+            m._spill(m.objects["k"], m.clients[st.client_id])
+            task = m.clients[st.client_id].tasks.pop()
+        late = tmp_path / "late.kvp"
+        st._run_task({**task, "task": 10**6, "path": str(late)}, time.monotonic() - 0.1)
         assert not late.exists()
-        st._run_task({**task, "path": str(on_time)}, time.monotonic() + 10)
-        assert on_time.exists()
+        st._run_task(task, time.monotonic() + 10)
+        assert os.path.exists(task["path"]) and st.info("k")["ssd"] == task["path"]
+        assert st.get("k") == value
+
+
+def test_the_file_of_a_spill_that_reports_after_its_task_expired_is_removed(tmp_path) -> None:
+    """A spill that ran long (a slow disk) reports after the master gave up on it (task_timeout_s):
+    the report counts for nothing, and its file, no object's, is removed (it stayed for good). The
+    object's next spill here writes the same path (one per generation) and keeps its file."""
+    with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), buffer_size=1 << 20) as st:
+        m = st._master
+        m.config = m.config.replace(task_timeout_s=0.2)
+        value = pattern(300_000, 4)
+        st.put("k", value, ReplicateConfig(cache_class="persistent"))
+        with m._lock:  # as eviction does; taken off the queue before a heartbeat hands it out
+            m._spill(m.objects["k"], m.clients[st.client_id])
+            late = m.clients[st.client_id].tasks.pop()
+        time.sleep(0.3)
+        with m._lock:
+            m._expire_tasks(time.monotonic())
+            assert late["task"] not in m._tasks and m.objects["k"].busy == 0
+        st._run_task(late)  # started in time, done too late
+        assert m.stats["tasks_late_reports"] == 1 and st.info("k")["ssd"] is None
+        assert not os.path.exists(late["path"]), "the file of a spill the master gave up on stayed"
+        with m._lock:  # spilled again, to the same path
+            m._spill(m.objects["k"], m.clients[st.client_id])
+            again = m.clients[st.client_id].tasks.pop()
+        assert again["path"] == late["path"]
+        st._run_task(again)
+        assert st.info("k")["ssd"] == again["path"] and os.path.exists(again["path"])
         assert st.get("k") == value
 
 

@@ -133,15 +133,19 @@ class ClientOps(_Base):
 
     def _op_task_done(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A task the client ran ended. The report of a task an earlier master handed out (its
-        ``epoch``) is ignored: that task's id may be the id of another task here."""
+        ``epoch``) is ignored: that task's id may be the id of another task here. ``accepted``
+        says whether the report counted: a spill's file of one that did not (its task expired,
+        or an earlier master's) belongs to no object, and the client removes it."""
         c = self._client(req, sess)
         tid = int(req["task"])
         if req.get("epoch") not in (None, self.incarnation):
             self.stats["tasks_stale_reports"] += 1
-            return {}
-        if tid in c.task_ids:
-            self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
-        return {}
+            return {"accepted": False}
+        if tid not in c.task_ids:
+            self.stats["tasks_late_reports"] += 1
+            return {"accepted": False}
+        self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
+        return {"accepted": True}
 
     def _expire_tasks(self, now: float) -> None:
         """Tasks not reported done by their deadline failed (the heartbeat reply that carried them

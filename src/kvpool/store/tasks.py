@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from kvpool._rpc import UnknownClient
 from kvpool.errors import KvpoolError
 from kvpool.store.datapath import ReadJob
 from kvpool.store.layout import HEADER_SIZE, header_mismatch, key_hash
@@ -97,18 +98,35 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
         elif kind == "spill":
             ok = _spill_task(store, task, result)
         elif kind == "unlink":
-            try:
-                os.remove(task["path"])
-            except FileNotFoundError:
-                pass
+            _unlink(task["path"])
             return
     except (KvpoolError, OSError) as exc:
         log.warning("task %s failed: %s", kind, exc)
     try:
         # the master that handed the task out: a restarted one ignores it (task ids start again)
-        store._hb_rpc.call("task_done", task=task["task"], ok=ok, result=result, epoch=task.get("epoch"))
+        reply = store._hb_rpc.call(
+            "task_done", task=task["task"], ok=ok, result=result, epoch=task.get("epoch")
+        )
+    except UnknownClient:
+        reply = {"accepted": False}  # declared dead meanwhile: its tasks ended unreported
     except KvpoolError as exc:
         log.warning("could not report task %s: %s", kind, exc)
+        return
+    if kind == "spill" and ok and reply.get("accepted") is False:
+        # The master gave up on this spill (task_timeout_s) or is another one: no object has
+        # this file, and it stayed on the disk for good. Removed now, before the next task runs:
+        # a later spill of the same generation here writes the same path (an unlink task queued
+        # behind it would remove that one's file).
+        _unlink(task["path"])
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
 
 
 def _replicate_task(store: Store, task: dict[str, Any]) -> bool:
