@@ -553,3 +553,35 @@ def test_a_task_handed_out_late_carries_only_what_is_left_of_its_deadline() -> N
         assert m.m.objects["j"].busy == 0 and not m.m._tasks
     finally:
         m.stop()
+
+
+def test_an_object_whose_memory_replicas_died_leaves_the_eviction_lru_and_returns_when_promoted() -> None:
+    """A promoted SSD object (memory replica + SSD copy) whose segment dies is SSD only: out of
+    the eviction LRU (it stayed there with no replica, skipped by every eviction scan for good)
+    and where ``remove_all`` finds SSD-only objects; promoted again, it is back in the LRU."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        gen = _spilled(m, "k")
+        obj = m.m.objects["k"]
+
+        def promote() -> None:
+            out = m.handle({"op": "promote_start", "client": "r", "key": "k", "gen": gen})
+            assert len(out["dst"]) == 1, out
+            end = {"op": "replica_end", "client": "r", "key": "k", "gen": gen, "ok": True,
+                   "segments": [out["dst"][0][0]]}  # fmt: skip
+            assert m.handle(end)["replicas"] == 1
+
+        promote()
+        assert obj.lru is not None and obj not in m.m._ssd_only
+        assert m.handle({"op": "unmount", "client": "a", "segment": "seg-a"})["ok"]
+        m.m._tick(time.monotonic())  # the dead segment's objects are let go of
+        assert m.m.objects["k"] is obj and not obj.replicas and obj.ssd is not None
+        assert obj.lru is None and obj in m.m._ssd_only
+        m.handle({"op": "mount", "client": "a", "segment": "seg-c", "base": 1 << 30, "size": 16 << 20})
+        promote()
+        assert obj.lru is not None and obj not in m.m._ssd_only
+    finally:
+        m.stop()

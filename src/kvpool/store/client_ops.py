@@ -197,7 +197,5 @@ class ClientOps(_Base):
                         self._take_replica(obj, r)
                         self.stats["replicas_corrupt"] += 1
                         break
-                if obj.committed and not any(x.committed for x in obj.replicas) and obj.ssd is None:
-                    self._drop(obj)
-                    self.stats["objects_lost"] += 1
+                self._memory_changed(obj)  # SSD only, or lost, when no memory replica is left
         return {}

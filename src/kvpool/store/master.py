@@ -238,6 +238,25 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         else:
             self.space.free(r.seg, r.offset)
 
+    def _memory_changed(self, obj: Obj) -> None:
+        """A committed object gained or lost memory replicas (a segment died, a replica was bad,
+        a copy or promotion ended). With a committed one it is in the eviction LRU; with none
+        left but an SSD copy it lives on the SSD tier only, out of the LRU (whose every scan
+        skipped it); with neither it is lost."""
+        if not obj.committed:
+            return
+        if any(r.committed for r in obj.replicas):
+            if obj.lru is None:
+                self.lru.add(obj, time.monotonic())  # back in memory (a promotion)
+                self._ssd_only.discard(obj)
+        elif obj.ssd is not None:
+            self.lru.remove(obj)
+            self._spilled.discard(obj)  # no memory left to free
+            self._ssd_only.add(obj)
+        else:
+            self._drop(obj)
+            self.stats["objects_lost"] += 1
+
     def _drop(self, obj: Obj, written: bool = True) -> None:
         """Forget an object (or pending put) and give back all its space (memory and SSD)."""
         for r in list(obj.replicas):

@@ -386,9 +386,7 @@ class ObjectOps(_Base):
             raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
         caller.changing.remove(obj)
         self._end_change(obj, caller.id, set(req.get("segments") or []), ok)
-        if obj.replicas and obj.lru is None and obj.committed:
-            self.lru.add(obj, time.monotonic())  # promoted back into memory
-            self._ssd_only.discard(obj)
+        self._memory_changed(obj)  # promoted back into memory, or still SSD only
         return {"replicas": sum(r.committed for r in obj.replicas)}
 
     def _end_change(self, obj: Obj, writer: str, done: set[str] | None, ok: bool) -> None:

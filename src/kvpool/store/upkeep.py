@@ -161,9 +161,8 @@ class Upkeep(_Base):
                 self.obj_bytes -= obj.size
             if not obj.committed:
                 self._drop(obj)  # a put that lost a target cannot commit
-            elif not any(r.committed for r in obj.replicas) and obj.ssd is None:
-                self._drop(obj)
-                self.stats["objects_lost"] += 1
+            else:
+                self._memory_changed(obj)  # SSD only, or lost, when no memory replica is left
         return budget
 
     def _remove_client(self, cid: str, floor: int | None = None) -> None:
@@ -266,6 +265,7 @@ class Upkeep(_Base):
                     else:
                         self._take_replica(obj, r)
                     break
+            self._memory_changed(obj)  # its source may have died meanwhile
         elif task["type"] == "spill":
             self._spill_ended(cl, ok, bool(result.get("disk_error")))
             if obj is not None:
