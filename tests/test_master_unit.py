@@ -585,3 +585,45 @@ def test_an_object_whose_memory_replicas_died_leaves_the_eviction_lru_and_return
         assert obj.lru is not None and obj not in m.m._ssd_only
     finally:
         m.stop()
+
+
+def test_the_ssd_copies_of_a_client_that_is_gone_are_let_go_of() -> None:
+    """A storage client declared dead takes its SSD copies with it (nobody can unlink their files
+    or, off its host, read them): an object only there is lost and its key free again (it stayed:
+    every get a miss, every put of the key refused), one with a memory replica keeps it; a client
+    registered again under that id is handed the unlinks."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        for cid, ssd in (("a", "/nonexistent"), ("b", None), ("r", None)):
+            assert m.handle({"op": "register", "client": cid, "ssd_dir": ssd})["ok"]
+        m.handle({"op": "mount", "client": "b", "segment": "seg-b", "base": 1 << 20, "size": 16 << 20})
+        _spilled(m, "k")  # SSD only, on a's disk
+        r = m.handle({"op": "put_start", "client": "r", "keys": ["j"], "sizes": [1 << 20], "config": {}})
+        gen, _, reps = r["results"][0][1]
+        m.handle(
+            {"op": "put_end", "client": "r", "items": [["j", gen, None, ["seg-b"]]], "epoch": r["epoch"]}
+        )
+        assert m.handle({"op": "get", "client": "r", "keys": ["j"]})["results"][0][0] is None  # leased
+        j = m.m.objects["j"]
+        m.m._spill(j, m.m.clients["a"])
+        tasks = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        (task,) = [t for t in tasks if t["type"] == "spill" and t["key"] == "j"]
+        m.handle(
+            {"op": "task_done", "client": "a", "task": task["task"], "ok": True, "result": {"checksum": "c"}}
+        )
+        assert j.ssd is not None and j.replicas and j in m.m._spilled  # memory waits for the lease
+        k_path = m.m.objects["k"].ssd.path
+        m.m._remove_client("a")  # declared dead
+        m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})  # back, same disk
+        m.m._tick(time.monotonic())
+        assert "k" not in m.m.objects and m.m.stats["ssd_copies_lost"] >= 2  # k, j (and the fill)
+        assert j.ssd is None and j not in m.m._spilled and j.replicas and j.lru is not None
+        assert m.handle({"op": "get", "client": "r", "keys": ["j"]})["results"][0][0] is None
+        unlinks = {
+            t["path"] for t in m.handle({"op": "heartbeat", "client": "a"})["tasks"] if t["type"] == "unlink"
+        }
+        assert unlinks >= {k_path, task["path"]}
+        r = m.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [4096], "config": {}})
+        assert r["results"][0][0] is None  # the key is free again
+    finally:
+        m.stop()

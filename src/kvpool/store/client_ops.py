@@ -163,8 +163,7 @@ class ClientOps(_Base):
         obj = self.objects.get(key)
         if obj is None or obj.gen != gen or obj.ssd is None or obj.ssd.path != path:
             return
-        self._give_task(obj.ssd.client, {"type": "unlink", "path": path})
-        obj.ssd = None
+        self._forget_ssd(obj)
         self._ssd_only.discard(obj)
         self._spilled.discard(obj)  # its memory is kept: no other copy
         self.stats["ssd_copies_corrupt"] += 1

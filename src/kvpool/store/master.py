@@ -68,6 +68,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._ssd_only: set[Obj] = set()  # committed objects with no memory replica (SSD tier)
         self._hot: set[str] = set()
         self._dying: collections.deque[Segment] = collections.deque()
+        self._ssd_dying: collections.deque[Client] = collections.deque()  # removed SSD clients
         self._ssd_clients: list[Client] = []
         self._next_gen = 0
         self._access: Counter[str] = Counter()  # gets per key since the hot-key policy last ran
@@ -278,9 +279,18 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._ssd_only.discard(obj)
         if obj.key is not None:
             self._hot.discard(obj.key)
-        if obj.ssd is not None:
-            self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
-            obj.ssd = None
+        self._forget_ssd(obj)
+
+    def _forget_ssd(self, obj: Obj) -> None:
+        """Let go of an object's SSD copy: its file is unlinked by its client (by one registered
+        under that id again, if the client is gone: nobody else can reach its disk)."""
+        if obj.ssd is None:
+            return
+        cl = self.clients.get(obj.ssd.client)
+        if cl is not None:
+            cl.ssd_objs.discard(obj)
+        self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
+        obj.ssd = None
 
     def _leased(self, obj: Obj, now: float) -> bool:
         """A lease holds until its reader releases it, or at the latest until ``lease_ttl_ms``.

@@ -143,6 +143,7 @@ class Client:
     changing: list[Obj] = field(default_factory=list)  # replica copies it runs (replica/promote_start)
     spill_failures: int = 0  # spills its disk failed in a row (full, EIO)
     spill_after: float = 0.0  # no spill is handed to it before this (backoff after failures)
+    ssd_objs: set[Obj] = field(default_factory=set)  # objects with their SSD copy on its disk
 
 
 class KeyTable:

@@ -128,6 +128,10 @@ class Upkeep(_Base):
             budget = self._let_go(self._dying[0], budget)
             if not self._dying[0].objs:
                 self._dying.popleft()
+        while self._ssd_dying and budget > 0:
+            budget = self._let_go_ssd(self._ssd_dying[0], budget)
+            if not self._ssd_dying[0].ssd_objs:
+                self._ssd_dying.popleft()
         self.space.release_holds(now)
         self._expire_tasks(now)
         self._evict(now)
@@ -165,12 +169,33 @@ class Upkeep(_Base):
                 self._memory_changed(obj)  # SSD only, or lost, when no memory replica is left
         return budget
 
+    def _let_go_ssd(self, cl: Client, budget: int) -> int:
+        """Drop the SSD copies on a removed client's disk from up to ``budget`` objects; returns
+        what is left. Nobody can unlink those files any more, nor (off its host) read them: an
+        object only there was lost (it stayed for good, every get a miss, every put of its key
+        refused); one with a memory replica keeps it."""
+        while cl.ssd_objs and budget > 0:
+            obj = cl.ssd_objs.pop()
+            budget -= 1
+            if obj.ssd is None or obj.ssd.client != cl.id or self.objects.get(obj.key or "") is not obj:
+                continue
+            again = self.clients.get(cl.id)
+            if again is not None and obj in again.ssd_objs:
+                continue  # spilled again to a client registered under the same id: its copy
+            self._forget_ssd(obj)  # a client registered again under its id gets the unlink
+            self._spilled.discard(obj)  # its memory is kept: no other copy
+            self.stats["ssd_copies_lost"] += 1
+            self._memory_changed(obj)  # back in the LRU, or lost
+        return budget
+
     def _remove_client(self, cid: str, floor: int | None = None) -> None:
         cl = self.clients.pop(cid, None)
         if cl is None:
             return
         if cl.ssd_dir:
             self._ssd_clients = [x for x in self._ssd_clients if x is not cl]
+        if cl.ssd_objs:
+            self._ssd_dying.append(cl)  # its SSD copies are let go of, a bounded number per tick
         for name in list(cl.segments):
             seg = self.space.segments.get(name)
             if seg is not None:
@@ -273,6 +298,8 @@ class Upkeep(_Base):
                 if ok:
                     owner = self.clients.get(cid)
                     obj.ssd = SsdCopy(cid, task["path"], result["checksum"], owner.host_id if owner else "")
+                    if owner is not None:
+                        owner.ssd_objs.add(obj)
                     self._spilled.add(obj)  # memory freed once no lease holds it
                     if not self._leased(obj, time.monotonic()):
                         self._free_memory(obj)
