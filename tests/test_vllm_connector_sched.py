@@ -342,3 +342,81 @@ def test_a_stopped_prefill_peer_delays_only_its_own_requests(tiny_llama: Path) -
             dead.wait()
         d.close()
         p.close()
+
+
+SWA_PROMPT = [(i * 37) % 500 + 3 for i in range(200)]  # 7 blocks; a 64-token window keeps the last 3
+
+
+def test_sliding_window_load_reads_nothing_into_the_null_block(tiny_llama: Path) -> None:  # noqa: F811
+    """A sliding-window model: the prefill hands out its blocks out of the window as vLLM's null
+    block (0), the decode allocates its own null block for them; no pair with the decode's null
+    block (shared by every request) is read, and the window's KV is the prefill's."""
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer",
+                 {"side_channel_port": free_port(), "abort_timeout_s": 30}, sliding_window=64)  # fmt: skip
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()},
+                 sliding_window=64)  # fmt: skip
+    try:
+        params = prefill(p, "s1", SWA_PROMPT)
+        assert params["remote_block_ids"][:4] == [0, 0, 0, 0]  # out of the window: vLLM's null block
+        for name in p.kv:  # whatever the prefill's null block holds must not reach the decode's
+            p.kv[name][0] = 123.0
+        d.add("s2", SWA_PROMPT, 4, params)
+        out, _ = d.step()
+        job = out.kv_connector_metadata.recv["s2"]
+        assert d.scheduler.kv_cache_manager.get_block_ids("s2")[0][:4] == [0, 0, 0, 0]
+        assert 0 not in job.local_block_ids and 0 not in job.remote_block_ids
+        assert len(job.local_block_ids) == 3 and job.refused is None
+        d.run_until(lambda o: "s2" in o and o["s2"].new_token_ids)
+        assert all(not d.kv[name][0].any() for name in d.kv)  # the decode's null block untouched
+        lo = (199 - 64) // BS * BS
+        for got, want in zip(d.block_values("s2", 199), expected_rows(SWA_PROMPT, 199), strict=True):
+            assert torch.equal(got[lo:], want[lo:])
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_block_the_prefill_freed_out_of_its_window_is_recomputed(tiny_llama: Path) -> None:  # noqa: F811
+    """The decode needs a block the prefill handed out as its null block (freed out of its
+    sliding window): the load is refused and vLLM recomputes; never a read of the null block."""
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer",
+                 {"side_channel_port": free_port(), "abort_timeout_s": 30}, sliding_window=64)  # fmt: skip
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    d.vc.kv_transfer_config.kv_load_failure_policy = "recompute"
+    d.scheduler.recompute_kv_load_failures = True
+    try:
+        params = prefill(p, "s1", SWA_PROMPT)
+        for name in p.kv:
+            p.kv[name][0] = 123.0
+        d.add("s3", SWA_PROMPT, 2, params)
+        out, _ = d.step()
+        job = out.kv_connector_metadata.recv["s3"]
+        assert job.refused is not None and job.remote_block_ids == [] and len(job.local_block_ids) == 7
+        outputs = d.run_until(lambda o: "s3" in o and o["s3"].new_token_ids, timeout=20)
+        assert outputs["s3"].finish_reason is None  # recomputed locally, still running
+        for got, want in zip(d.block_values("s3", 199), expected_rows(SWA_PROMPT, 199), strict=True):
+            assert torch.equal(got, want)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill is told to free them
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_load_into_only_the_null_block_finishes_at_once(pd: tuple[Instance, Instance]) -> None:
+    """Every block vLLM gave the load is its null block: nothing is read, and the worker still
+    reports the request finished loading (vLLM waits for it) and frees the prefill's blocks."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    p, d = pd
+    params = prefill(p)
+    req = d.add("d9", PROMPT, 2, dict(params))
+    null = d.scheduler.kv_cache_manager.block_pool.null_block
+    d.connector.update_state_after_alloc(req, KVCacheBlocks(([null],)), 32)
+    meta = d.connector.build_connector_meta(None)
+    assert meta.recv["d9"].local_block_ids == [] and meta.recv["d9"].refused is None
+    d.worker.bind_connector_metadata(meta)
+    d.worker.start_load_kv(None)
+    assert d.worker.get_finished(set()) == (None, {"d9"})
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)

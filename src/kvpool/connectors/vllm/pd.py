@@ -360,7 +360,10 @@ class _PdWorker(DecodeLoads):
                     self._stream_loads[job.req_id] = ld
                 lane.stream(ld)
             elif not job.local_block_ids:
-                lane.notice(job)  # aborted before allocation: only free the prefill's blocks
+                if job.waited:  # only vLLM's null block: nothing to read, the load is done
+                    with self._lock:
+                        self._recv_done.add(job.req_id)
+                lane.notice(job)  # else aborted before allocation: only free the prefill's blocks
             elif job.refused is not None:  # blocks that do not match: vLLM recomputes them
                 self.stats.record_failure("BlocksMismatch")
                 self._load_done(job, False)

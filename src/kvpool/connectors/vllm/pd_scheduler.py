@@ -26,6 +26,10 @@ log = logging.getLogger("kvpool.connectors.vllm")
 
 _MAX_TP = 512
 _MAX_BLOCKS = 1 << 22
+# vLLM's BlockPool.null_block (id 0): a sliding-window model's block lists name it for blocks out
+# of the window (freed, no KV in them); every request shares it, so nothing is read into it or
+# reported about it.
+NULL_BLOCK = 0
 
 
 def _int(x: Any, lo: int, hi: int) -> int | None:
@@ -91,6 +95,9 @@ class RecvJob:
     refused: str | None = None
     """Why the load cannot be made (blocks that do not match): the worker fails it at once, so
     vLLM recomputes (its blocks are reported), and tells the prefill to free its blocks."""
+    waited: bool = False
+    """vLLM waits for this request in ``finished_recving`` even when ``local_block_ids`` is empty
+    (every block it was given is vLLM's null block: nothing to read)."""
 
 
 @dataclass
@@ -187,8 +194,18 @@ class _PdScheduler:
             refused = f"{len(local)} local blocks, {len(remote)} remote ones for a {n}-block prompt"
             log.warning("request %s: %s; its KV is recomputed", request.request_id, refused)
         remote = remote[:n][n - len(local) :] if local and refused is None else []
-        if local:
+        waited = bool(local)
+        if waited:
             self._loading.add(request.request_id)  # finished by the worker: loaded, or failed
+        # A sliding-window model: blocks out of the decode's window are vLLM's null block (shared,
+        # never read): nothing is read into them. A block the decode needs that the prefill freed
+        # (its null block, out of its window) cannot be read: vLLM recomputes.
+        pairs = [(lb, rb) for lb, rb in zip(local, remote or local, strict=True) if lb != NULL_BLOCK]
+        if refused is None and any(rb == NULL_BLOCK for _, rb in pairs):
+            refused = "the prefill freed blocks (out of its sliding window) this decode needs"
+            log.warning("request %s: %s; its KV is recomputed", request.request_id, refused)
+        local = [lb for lb, _ in pairs]
+        remote = [rb for _, rb in pairs] if refused is None else []
         self._recv[request.request_id] = RecvJob(
             req_id=request.request_id,
             local_block_ids=list(local),
@@ -199,6 +216,7 @@ class _PdScheduler:
             remote_engine_id=r["engine_id"],
             remote_tp_size=r["tp_size"],
             refused=refused,
+            waited=waited,
         )
 
     def _stream_job(self, request: Any, blocks: Any, num_external_tokens: int, r: dict[str, Any]) -> None:
