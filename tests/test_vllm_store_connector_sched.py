@@ -358,3 +358,39 @@ def test_hooks_return_at_once_while_the_master_is_stopped(tiny_llama: Path) -> N
             assert a.connector._scheduler.breaker.closed() and a.connector._scheduler.breaker.outages == 1
         finally:
             a.close()
+
+
+def test_a_load_on_a_sliding_window_model_skips_the_null_block(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    """A sliding-window model loading a stored prefix: the blocks out of its window are vLLM's
+    null block (id 0, shared by every request); nothing is loaded into them, the window's blocks
+    are the stored ones."""
+    opts = {"master": master, "model_tag": "swa-load"}
+    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", opts, sliding_window=64)
+    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", opts, sliding_window=64)
+    try:
+        prompt = [(i * 29) % 600 + 11 for i in range(128)]  # 4 full blocks
+        # Blocks out of a's window when a request finishes are not saved: its first 2 blocks come
+        # from a shorter request (inside the window), the last 2 from the whole prompt.
+        for rid, p in (("a1", prompt[:64] + [5]), ("a2", prompt)):
+            a.add(rid, p, 1, None)
+            run_to_end(a, rid)
+            a.run_until(lambda o: a.free_blocks() == a.idle_free)
+        keys = block_keys(a.connector._scheduler.namespace, prompt, 32)
+        assert all(a.connector._scheduler.store.batch_exists(keys))
+
+        prompt_b = prompt + [(i * 7) % 600 + 3 for i in range(40)]
+        b.add("b1", prompt_b, 2, None)
+        out = b.step_until(lambda out: "b1" in out.kv_connector_metadata.loads)
+        loads = out.kv_connector_metadata.loads["b1"]
+        assert b.scheduler.kv_cache_manager.get_block_ids("b1")[0][0] == 0  # out of the window
+        assert loads and all(blk != 0 for blk, _ in loads)
+        b.run_until(lambda o: "b1" in o and o["b1"].new_token_ids)
+        assert all(not b.kv[name][0].any() for name in b.kv)  # the null block untouched
+        n = len(prompt_b) - 1
+        lo = (n - 64) // 32 * 32
+        for got, want in zip(b.block_values("b1", n), expected_rows(prompt_b, n), strict=True):
+            assert torch.equal(got[lo:], want[lo:])
+        run_to_end(b, "b1")
+    finally:
+        a.close()
+        b.close()

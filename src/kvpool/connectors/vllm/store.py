@@ -331,8 +331,11 @@ class _StoreScheduler:
         last = (computed + num_external_tokens) // self.block_size
         if self.cfg.load_async:
             self.loading.add(request.request_id)
+        # A sliding-window model: blocks out of the window are vLLM's null block (shared by every
+        # request, never read): nothing is loaded into them. An empty load is still a job: the
+        # worker reports the request finished loading.
         self._loads[request.request_id] = [
-            (ids[i], keys[i]) for i in range(first, min(last, len(keys), len(ids)))
+            (ids[i], keys[i]) for i in range(first, min(last, len(keys), len(ids))) if ids[i] != _NULL_BLOCK
         ]
         self.hit_blocks += last - first
 
