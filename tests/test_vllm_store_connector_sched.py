@@ -394,3 +394,46 @@ def test_a_load_on_a_sliding_window_model_skips_the_null_block(tiny_llama: Path,
     finally:
         a.close()
         b.close()
+
+
+def test_an_unexpected_error_in_a_load_fails_its_blocks_and_finishes_it(
+    tiny_llama: Path,  # noqa: F811
+    master: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An asynchronous load that raises something other than a kvpool error: every block of it is
+    reported failed to vLLM (recomputed) and the request finishes loading (never waits forever)."""
+    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t5"})
+    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t5"})
+    b.scheduler.recompute_kv_load_failures = True
+    try:
+        a.add("f1", PROMPT, 1, None)
+        run_to_end(a, "f1")
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+
+        store = b.worker._worker.store
+        real = store.batch_get_into
+
+        def broken(*args: object, **kw: object) -> object:
+            monkeypatch.setattr(store, "batch_get_into", real)  # the first load only
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(store, "batch_get_into", broken)
+        reported: set[int] = set()
+        take = b.worker.get_block_ids_with_load_errors
+        monkeypatch.setattr(
+            b.worker, "get_block_ids_with_load_errors", lambda: reported.update(e := take()) or e
+        )
+        b.add("f2", PROMPT, 2, None)
+        out = b.step_until(lambda out: "f2" in out.kv_connector_metadata.loads)
+        loaded = {blk for blk, _ in out.kv_connector_metadata.loads["f2"]}
+        assert len(loaded) == 2
+        outputs = b.run_until(lambda o: "f2" in o and o["f2"].new_token_ids, timeout=20)
+        assert reported == loaded
+        assert outputs["f2"].finish_reason is None  # still running: vLLM looked it up and loaded again
+        assert b.worker._worker.loaded_blocks == 2
+        for got, want in zip(b.block_values("f2", 79), expected_rows(PROMPT, 79), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        a.close()
+        b.close()

@@ -171,9 +171,20 @@ class _StoreWorker:
                 log.exception("kvpool store: background job failed")
 
     def _load_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
-        self._load(blocks)
-        with self._lock:
-            self._recvd.add(rid)
+        """Load thread: one request's asynchronous load. Whatever happens, the request is reported
+        finished loading (vLLM waits for it); on an unexpected error every block of it is reported
+        failed (recomputed), never left as if loaded."""
+        failed: list[int] = []
+        try:
+            self._load(blocks)
+        except Exception:  # noqa: BLE001 - never a request waiting forever, nor unloaded blocks used
+            log.exception("kvpool store: loading %d blocks for %s failed", len(blocks), rid)
+            failed = [b for b, _ in blocks]
+            self.stats.record_misses("load_error", len(blocks))
+        finally:
+            with self._lock:
+                self._errors.update(failed)
+                self._recvd.add(rid)
 
     def _save_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
         try:
