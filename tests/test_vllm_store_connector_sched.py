@@ -247,9 +247,25 @@ def test_kv_cache_dtype_and_layout_are_in_the_namespace(tiny_llama: Path) -> Non
     vc.model_config.quantization = "awq"
     assert len({namespace_for(cfg, vc, 0), with_rev, *names}) == 6
     assert with_rev.split("/")[3] == "float32+rev-refs_pr_7"  # one path segment: the router parses it
+    # RoPE settings change K: another scaling or an override of the config is another namespace.
+    plain = namespace_for(cfg, vc, 0)
+    hf = vc.model_config.hf_config
+    hf.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    linear2 = namespace_for(cfg, vc, 0)
+    hf.rope_scaling = {"rope_type": "linear", "factor": 4.0}
+    linear4 = namespace_for(cfg, vc, 0)
+    assert len({plain, linear2, linear4}) == 3 and "+rope-" in linear4
+    hf.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    assert namespace_for(cfg, vc, 0) == linear2  # the same settings: the same namespace
+    hf.rope_scaling = {"rope_type": "default", "rope_theta": 10000.0}
+    assert namespace_for(cfg, vc, 0) == plain
+    vc.model_config.hf_overrides = {"rope_theta": 1e6}
+    assert namespace_for(cfg, vc, 0) not in (plain, linear2)
+    vc.model_config.hf_overrides = {}
     from kvpool.connectors.blockkeys import NAMESPACE_RE
 
     assert NAMESPACE_RE.match(namespace_for(cfg, vc, 0) + "/" + "0" * 32)["model"] == "m"
+    assert NAMESPACE_RE.match(linear4 + "/" + "0" * 32)["model"] == "m"
     base = {"l0": torch.zeros(8, 2, 32, 128)}
     sigs = {
         layout_signature(base, 8),

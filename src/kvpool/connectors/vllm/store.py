@@ -31,6 +31,7 @@ rank) is :mod:`kvpool.connectors.vllm.store_worker`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -84,12 +85,17 @@ def request_block_keys(namespace: str, request: Any, block_size: int) -> list[st
 
 def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> str:
     """Key namespace: model, model dtype (with the checkpoint's quantization and revision when
-    set: one served name for two of them must not share KV), KV cache dtype, KV heads x head size,
-    block size, TP rank and size, device."""
+    set: one served name for two of them must not share KV; and a digest of the RoPE settings
+    when the model scales RoPE or the server overrides its config: K differs with them), KV cache
+    dtype, KV heads x head size, block size, TP rank and size, device."""
     mc = vllm_config.model_config
     model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
     dtype = str(mc.dtype).replace("torch.", "")
-    for tag, value in (("q", getattr(mc, "quantization", None)), ("rev", getattr(mc, "revision", None))):
+    for tag, value in (
+        ("q", getattr(mc, "quantization", None)),
+        ("rev", getattr(mc, "revision", None)),
+        ("rope", _rope_tag(mc)),
+    ):
         if value:
             dtype += f"+{tag}-" + str(value).replace("/", "_")
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
@@ -101,6 +107,23 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> s
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
     bs = vllm_config.cache_config.block_size
     return f"kvpool/v2/{model}/{dtype}/kv-{cache_dtype}/{heads}/bs{bs}/tp{tp_rank}of{tp}/{device}"
+
+
+def _rope_tag(mc: Any) -> str | None:
+    """A digest of what changes K beyond the checkpoint's name (RoPE scaling and base, and the
+    server's ``hf_overrides``), or None for a model with default RoPE and no overrides (its
+    namespace stays as it was)."""
+    hf = getattr(mc, "hf_config", None)
+    overrides = getattr(mc, "hf_overrides", None)
+    scaling = getattr(hf, "rope_scaling", None) or getattr(hf, "rope_parameters", None)
+    kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else scaling
+    if kind in (None, "default") and not overrides:
+        return None
+    names = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+    fields = {k: getattr(hf, k, None) for k in names}
+    extra = overrides if isinstance(overrides, dict) else repr(overrides)  # a callable: its name
+    text = json.dumps([fields, extra], sort_keys=True, default=repr)
+    return digest(text.encode()).hex()[:8]
 
 
 def layout_signature(kv_caches: dict[str, Any], num_blocks: int | None) -> str:
