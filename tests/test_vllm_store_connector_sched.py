@@ -453,3 +453,36 @@ def test_an_unexpected_error_in_a_load_fails_its_blocks_and_finishes_it(
     finally:
         a.close()
         b.close()
+
+
+def test_a_load_that_fails_every_time_is_recomputed_not_retried_forever(
+    tiny_llama: Path,  # noqa: F811
+    master: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With kv_load_failure_policy=recompute vLLM asks the connector again after a failed load; a
+    load failing every time (a corrupt object) was offered and failed again every step, forever.
+    At most two store loads per request: then vLLM recomputes, with the right rows."""
+    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
+    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
+    b.scheduler.recompute_kv_load_failures = True
+    try:
+        a.add("g1", PROMPT, 1, None)
+        run_to_end(a, "g1")
+        a.run_until(lambda o: a.free_blocks() == a.idle_free)
+        store = b.worker._worker.store
+        calls = []
+
+        def broken(*args: object, **kw: object) -> object:
+            calls.append(1)
+            raise RuntimeError("injected: every load fails")
+
+        monkeypatch.setattr(store, "batch_get_into", broken)
+        b.add("g2", PROMPT, 2, None)
+        outputs = b.run_until(lambda o: "g2" in o and o["g2"].new_token_ids, timeout=30)
+        assert outputs["g2"].new_token_ids and len(calls) == 2
+        for got, want in zip(b.block_values("g2", 79), expected_rows(PROMPT, 79), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        a.close()
+        b.close()

@@ -56,6 +56,10 @@ log = logging.getLogger("kvpool.connectors.vllm")
 # vLLM's BlockPool.null_block (the first block it takes, id 0): where a request's block list
 # holds it, that block was freed (out of a sliding window) and its KV is not there.
 _NULL_BLOCK = 0
+# Store loads one request may make: a second covers a preemption or one failed load; after that
+# vLLM recomputes (with kv_load_failure_policy=recompute a load failing every time — a corrupt or
+# wrong-size object — was offered and failed again every step, forever).
+_MAX_LOADS = 2
 
 
 def request_block_keys(namespace: str, request: Any, block_size: int) -> list[str]:
@@ -240,6 +244,7 @@ class _StoreScheduler:
         self._hits: dict[str, tuple[int, list[str]]] = {}  # req -> (local computed tokens, hit keys)
         self._keys: dict[str, list[str] | None] = {}  # req -> keys of its full prompt blocks
         self._stored: dict[str, int] = {}  # req -> leading blocks known to be in the store
+        self._loads_made: dict[str, int] = {}  # req -> store loads issued for it (until finished)
         self._unkeyable_logged = False
         self._loads: dict[str, list[tuple[int, str]]] = {}
         self._saves: dict[str, list[tuple[int, str]]] = {}
@@ -286,6 +291,8 @@ class _StoreScheduler:
         limit = (n_prompt - 1) // self.block_size
         if limit * self.block_size <= num_computed_tokens or limit < self.cfg.min_hit_blocks:
             return 0, False
+        if self._loads_made.get(rid, 0) >= _MAX_LOADS:  # its loads failed (vLLM asks again after
+            return 0, False  # a failed load): recomputed, never a store hit failing every step
         if not self._store_usable():
             if self._pending.pop(rid, None) is None:
                 self.stats.record_misses("master_unreachable", limit)
@@ -354,6 +361,7 @@ class _StoreScheduler:
         last = (computed + num_external_tokens) // self.block_size
         if self.cfg.load_async:
             self.loading.add(request.request_id)
+        self._loads_made[request.request_id] = self._loads_made.get(request.request_id, 0) + 1
         # A sliding-window model: blocks out of the window are vLLM's null block (shared by every
         # request, never read): nothing is loaded into them. An empty load is still a job: the
         # worker reports the request finished loading.
@@ -395,6 +403,7 @@ class _StoreScheduler:
         self._pending.pop(rid, None)
         self._hits.pop(rid, None)
         stored = self._stored.pop(rid, 0)
+        self._loads_made.pop(rid, None)
         all_keys = self._keys.pop(rid, None)
         if self._lw is not None:
             self._lw.forget(rid)
