@@ -149,15 +149,16 @@ class _PdWorker(DecodeLoads):
         for t in tensors:
             # The prefill side's blocks are read by decode instances (remote-accessible); a decode's
             # own blocks are only written locally. CUDA tensors register as cuda:N: read by
-            # same-host peers through CUDA IPC (when the CUDA driver loads), by other hosts over RDMA
-            # (GPUDirect); as local READ destinations they are staged on TCP.
+            # same-host peers through CUDA IPC, by other hosts over TCP (the C++ server stages them;
+            # both need the CUDA driver) or RDMA (GPUDirect); as local READ destinations they are
+            # staged on TCP.
             try:
                 self.engine.register_local_memory(t, remote_accessible=self.serves)
             except ProtocolUnavailable as exc:
                 raise TransferError(
                     f"KV cache on {t.device}: {exc}. A prefill (kv_producer/kv_both) instance with a GPU KV "
-                    "cache needs the CUDA driver (same-host decodes: CUDA IPC) or protocol='rdma'; "
-                    "see docs/gpu.md"
+                    "cache needs the CUDA driver (CUDA IPC on one host, TCP server staging) or "
+                    "protocol='rdma'; see docs/gpu.md"
                 ) from None
         self.regions = regions
         self._on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
