@@ -23,21 +23,13 @@ from typing import Any
 
 import msgpack
 
+from tests.wire_target import WireTarget
+
 REQ, RESP, CHALLENGE, HELLO, HELLO_OK = 0x5250564B, 0x4150564B, 0x4E50564B, 0x4850564B, 0x4F50564B
 KIB64 = 65536
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes | None:
-    b = b""
-    while len(b) < n:
-        try:
-            k = s.recv(n - len(b))
-        except OSError:
-            return None
-        if not k:
-            return None
-        b += k
-    return b
+_recv_exact = WireTarget.recv_exact
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -151,34 +143,14 @@ def _check_replies(s: socket.socket, sent: list[tuple[int, int, int]], lo: int, 
 
 
 # ------------------------------------------------------------------------------------------ client
-class _RandomTarget:
+class _RandomTarget(WireTarget):
     """Speaks the handshake and serves a descriptor, then answers data requests with random,
     mutated reply frames (wrong ids, magics, statuses and lengths; short payloads; extra bytes)."""
 
     def __init__(self, seed: int) -> None:
-        from kvpool.transfer.types import BufferDescriptor, SegmentDescriptor
-
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.name = f"127.0.0.1:{self.port}"
-        self.blob = SegmentDescriptor(
-            name=self.name, hostname="127.0.0.1", port=self.port, host_id="another-host", pid=1,
-            incarnation=7, buffers=[BufferDescriptor(0x7F00_0000_0000, 1 << 20)], protocols=["tcp"],
-        ).to_bytes()  # fmt: skip
-        self.stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+        super().__init__(incarnation=7)
 
     def _pick(self, *choices: Any) -> Any:
         with self.lock:
@@ -221,10 +193,6 @@ class _RandomTarget:
             pass
         finally:
             c.close()
-
-    def close(self) -> None:
-        self.stop = True
-        self.sock.close()
 
 
 def fuzz_client(seed: int, n: int) -> dict[str, int]:

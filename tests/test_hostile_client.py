@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 
@@ -16,7 +15,7 @@ import pytest
 
 from kvpool import OpCode, TransferEngine
 from kvpool.errors import KvpoolError, SegmentNotFound, TransferError
-from kvpool.transfer.types import BufferDescriptor, SegmentDescriptor
+from tests.wire_target import WireTarget
 
 CHALLENGE, HELLO_OK, RESP = 0x4E50564B, 0x4F50564B, 0x4150564B
 INC = 0x1234_5678_9ABC
@@ -24,32 +23,13 @@ BASE = 0x7F00_0000_0000
 DRIP_S = 0.3  # one byte per DRIP_S: each syscall sees progress long before its timeout
 
 
-class TricklingTarget:
+class TricklingTarget(WireTarget):
     """Accepts kvpool connections; ``mode``: 'hello' trickles the challenge, 'read' the READ
     payload, 'write' the WRITE reply header. Descriptor requests are answered at full speed."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.name = f"127.0.0.1:{self.port}"
-        desc = SegmentDescriptor(
-            name=self.name, hostname="127.0.0.1", port=self.port, host_id="another-host", pid=1,
-            incarnation=INC, buffers=[BufferDescriptor(BASE, 1 << 20)], protocols=["tcp"],
-        )  # fmt: skip
-        self.blob = desc.to_bytes()
-        self.stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+        super().__init__(incarnation=INC, base=BASE)
 
     def _drip(self, c: socket.socket, data: bytes) -> None:
         for i in range(len(data)):
@@ -59,12 +39,9 @@ class TricklingTarget:
             time.sleep(DRIP_S)
 
     def _recv(self, c: socket.socket, n: int) -> bytes:
-        b = b""
-        while len(b) < n:
-            k = c.recv(n - len(b))
-            if not k:
-                raise ConnectionError
-            b += k
+        b = self.recv_exact(c, n)
+        if b is None:
+            raise ConnectionError
         return b
 
     def _serve(self, c: socket.socket) -> None:
@@ -90,10 +67,6 @@ class TricklingTarget:
             pass
         finally:
             c.close()
-
-    def close(self) -> None:
-        self.stop = True
-        self.sock.close()
 
 
 @pytest.fixture
