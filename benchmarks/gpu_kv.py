@@ -7,7 +7,10 @@ per block and plane):
   on each side, GPU -> GPU (target <= 0.15 ms from submit to completion seen by the caller);
 - ``whole``: one range of 1 MiB / 64 MiB / 512 MiB, GPU -> GPU (targets >= 100 / - / 1,000 GB/s);
 - ``host``: 16 MiB and 64 MiB between our GPU and the peer's shared host memory (target >= 40 GB/s);
-- ``limit``: one cuMemcpy of the contiguous 128 MiB inside the peer's mapped memory (the ceiling).
+- ``limit``: one cuMemcpy of the contiguous 128 MiB inside the peer's mapped memory (the ceiling);
+- ``tcp``: ``protocol="tcp"`` (no CUDA IPC): 64 MiB GPU -> peer GPU and back (staged on both sides),
+  GPU -> peer host 16 MiB (the issue's "before" anchor: 6.2 GB/s), and host -> peer host 64 MiB in the
+  same run (target: GPU <-> GPU over TCP >= 80 % of host <-> host).
 
     python benchmarks/gpu_kv.py [--reps 20] [--json out.json]
 
@@ -62,6 +65,28 @@ def _time(fn, reps: int) -> float:  # noqa: ANN001 - a no-argument callable
     return best
 
 
+def _tcp(drv, info: dict, mine: int, reps: int) -> dict[str, float]:  # noqa: ANN001 - the driver
+    """The TCP figures (an engine that initiates over TCP only: GPU memory staged on both sides)."""
+    out: dict[str, float] = {}
+    size = 64 << 20
+    with TransferEngine(protocol="tcp") as eng:
+        g = drv.alloc(size, 0)
+        eng.register_local_memory(g, size, location="cuda:0", remote_accessible=False)
+        name = info["name"]
+        t = _time(lambda: eng.transfer_sync(name, g, info["gpu"], size), reps)
+        out["tcp_gpu_to_gpu_64MiB_GBps"] = size / t / 1e9
+        t = _time(lambda: eng.transfer_sync(name, g, info["gpu"], size, OpCode.READ), reps)
+        out["tcp_gpu_from_gpu_64MiB_GBps"] = size / t / 1e9
+        t = _time(lambda: eng.transfer_sync(name, g, info["shm"], 16 << 20), reps)
+        out["tcp_gpu_to_host_16MiB_GBps"] = (16 << 20) / t / 1e9
+        host = bytearray(size)
+        h = eng.register_local_memory(host)
+        t = _time(lambda: eng.transfer_sync(name, h, info["shm"], size), reps)
+        out["tcp_host_to_host_64MiB_GBps"] = size / t / 1e9
+        out["tcp_gpu_over_host_ratio"] = out["tcp_gpu_to_gpu_64MiB_GBps"] / out["tcp_host_to_host_64MiB_GBps"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
@@ -109,6 +134,7 @@ def main() -> None:
 
             t = _time(limit, a.reps)
             out["limit_contiguous_128MiB_ms"] = t * 1e3
+        out.update(_tcp(drv, info, mine, a.reps))
     finally:
         peer.stdin.close()
         peer.wait(30)

@@ -93,6 +93,47 @@ def test_gpu_and_peer_host_memory(drv, peer: Peer) -> None:  # noqa: ANN001
         assert peer.ask(f"dump {peer.gpu[0]} {1 << 20}") == hashlib.sha256(host).hexdigest()
 
 
+@pytest.mark.parametrize("size", [1 << 20, SIZE])
+def test_tcp_gpu_to_gpu_staged_on_both_sides(drv, peer: Peer, size: int) -> None:  # noqa: ANN001
+    """protocol='tcp' (no CUDA IPC): our GPU memory is staged through pinned host memory on our
+    staging thread (the pointer's context made current there), the peer's C++ server stages its
+    GPU region on its own stream, pipelined over 1 MiB halves for the 64 MiB case. Whole ranges
+    and scattered blocks, both directions, byte-exact."""
+    with TransferEngine(protocol="tcp") as eng:
+        mine, back = drv.alloc(size, 0), drv.alloc(size, 0)
+        eng.register_local_memory(mine, size, location="cuda:0", remote_accessible=False)
+        eng.register_local_memory(back, size, location="cuda:0", remote_accessible=False)
+        _fill(drv, mine, size, 5)
+        eng.transfer_sync(peer.name, mine, peer.gpu[0], size)
+        assert peer.ask(f"dump {peer.gpu[0]} {size}") == _sha(drv, mine, size)
+        eng.transfer_sync(peer.name, back, peer.gpu[0], size, OpCode.READ)
+        assert _sha(drv, back, size) == _sha(drv, mine, size)
+        blk = 32 << 10
+        n = size // blk
+        perm = np.random.default_rng(1).permutation(n)
+        rems = [peer.gpu[0] + int(p) * blk for p in perm]
+        _fill(drv, mine, size, 6)
+        assert eng.batch_transfer_sync(peer.name, [mine + k * blk for k in range(n)], rems, [blk] * n) == size
+        assert eng.batch_transfer_sync(peer.name, [back + k * blk for k in range(n)], rems, [blk] * n,
+                                       OpCode.READ) == size  # fmt: skip
+        assert _sha(drv, back, size) == _sha(drv, mine, size)
+
+
+def test_tcp_host_memory_to_and_from_a_peer_gpu(drv, peer: Peer) -> None:  # noqa: ANN001
+    """protocol='tcp', host memory here: only the peer's server stages (H2D for a WRITE into its
+    GPU region, D2H for a READ of it)."""
+    with TransferEngine(protocol="tcp") as eng:
+        host = bytearray(8 << 20)
+        got = bytearray(8 << 20)
+        _native.fill_pattern(_native.buffer_address(host)[0], len(host), 7)
+        eng.transfer_sync(peer.name, eng.register_local_memory(host), peer.gpu[0] + 4096, len(host))
+        assert peer.ask(f"dump {peer.gpu[0] + 4096} {len(host)}") == hashlib.sha256(host).hexdigest()
+        eng.transfer_sync(
+            peer.name, eng.register_local_memory(got), peer.gpu[0] + 4096, len(got), OpCode.READ
+        )
+        assert got == host
+
+
 def test_unregistered_gpu_target_refused(drv, peer: Peer) -> None:  # noqa: ANN001
     with TransferEngine() as eng:
         g = drv.alloc(1 << 20, 0)

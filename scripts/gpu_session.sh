@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What a session that is lent a GPU should run, in ONE device call (device time is short: about
+# 15 minutes a session, machine start included). On this machine first, once:
+#     bash scripts/gpu_session.sh prepare      # wheels the GPU machine lacks -> .dev/ (git-ignored)
+# then with the device tool, from the project root:
+#     run(command="bash scripts/gpu_session.sh run", carry=[".dev"], timeout_s=580)
+# It builds kvpool there (~20 s; recipe: ../shared/gpu/README.md), runs the real-GPU suite
+# (tests/test_gpu_real.py) and benchmarks/gpu_kv.py, and leaves each step's log and gpu_kv.json
+# in $OUT. Each step has its own time limit: a hang costs that step only. The GPU machine has no
+# vLLM, so the GPU P/D setups of benchmarks/vllm_pd.py are not part of it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+prepare)
+  set -e
+  P=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+  python -m pip download -q "${P[@]}" -d .dev/whl pydantic pydantic-core annotated-types typing-inspection
+  ls .dev/whl
+  ;;
+run)
+  OUT=${OUT:-/tmp/kvpool-gpu-out}
+  mkdir -p "$OUT"
+  step() {  # step NAME SECONDS command...: its log in $OUT/NAME.log, the tail here
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    tail -n 20 "$OUT/$name.log"
+  }
+  step gpu 20 nvidia-smi
+  step deps 60 python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/whl/*.whl
+  export PYTHONPATH=/tmp/site
+  step build 150 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/kv .
+  export PYTHONPATH=/tmp/kv:/tmp/site
+  step suite 180 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_gpu_real.py
+  step bench 150 python3 benchmarks/gpu_kv.py --reps 10 --json "$OUT/gpu_kv.json"
+  ;;
+*)
+  echo "usage: bash scripts/gpu_session.sh prepare|run" >&2
+  exit 2
+  ;;
+esac
