@@ -28,219 +28,41 @@ completions on this process's NIC), :func:`drop_qps` (lose endpoints on both sid
 from __future__ import annotations
 
 import collections
-import ctypes
 import errno as _errno
 import itertools
-import json
 import os
 import random
 import threading
 import types
 from typing import Any
 
-ENV_DIR = "KVPOOL_FAKE_VERBS_DIR"
-ENV_NICS = "KVPOOL_FAKE_VERBS_NICS"
-ENV_MTU = "KVPOOL_FAKE_VERBS_MTU"
-
-
-# ----------------------------------------------------------------------------- enums (pyverbs values)
-class _Enums(types.SimpleNamespace):
-    pass
-
-
-enums = _Enums(
-    IBV_QPT_RC=2,
-    IBV_WR_RDMA_WRITE=0,
-    IBV_WR_RDMA_READ=4,
-    IBV_SEND_SIGNALED=2,
-    IBV_ACCESS_LOCAL_WRITE=1,
-    IBV_ACCESS_REMOTE_WRITE=2,
-    IBV_ACCESS_REMOTE_READ=4,
-    IBV_WC_SUCCESS=0,
-    IBV_WC_LOC_PROT_ERR=4,
-    IBV_WC_WR_FLUSH_ERR=5,
-    IBV_WC_REM_ACCESS_ERR=10,
-    IBV_WC_RETRY_EXC_ERR=12,
-    IBV_WC_RDMA_WRITE=1,
-    IBV_WC_RDMA_READ=2,
-    IBV_QPS_RESET=0,
-    IBV_QPS_INIT=1,
-    IBV_QPS_RTR=2,
-    IBV_QPS_RTS=3,
-    IBV_QPS_ERR=6,
-    IBV_MTU_256=1,
-    IBV_MTU_512=2,
-    IBV_MTU_1024=3,
-    IBV_MTU_2048=4,
-    IBV_MTU_4096=5,
-    IBV_PORT_ACTIVE=4,
-    IBV_PORT_DOWN=1,
-    IBV_LINK_LAYER_INFINIBAND=1,
-    IBV_LINK_LAYER_ETHERNET=2,
-    IBV_GID_TYPE_IB=0,
-    IBV_GID_TYPE_ROCE_V1=1,
-    IBV_GID_TYPE_ROCE_V2=2,
+from kvpool.testing.fake_verbs_registry import (  # noqa: F401 (some are re-exported: pyverbs names, test knobs)
+    ENV_DIR,
+    ENV_MTU,
+    ENV_NICS,
+    E,
+    PyverbsError,
+    PyverbsRDMAError,
+    _copy,
+    _gid_key,
+    _inject_lock,
+    _injected,
+    _kill_after,
+    _path,
+    _read,
+    _write,
+    configure,
+    drop_qps,
+    enums,
+    inject_errors,
+    kill_after,
+    kill_nic,
+    list_nics,
+    nic_dead,
+    pyverbs_error,
+    registry_dir,
+    revive_nic,
 )
-E = enums
-
-
-class PyverbsError(Exception):
-    """Same role as ``pyverbs.pyverbs_error.PyverbsError``."""
-
-
-class PyverbsRDMAError(PyverbsError):
-    """Same role as ``pyverbs.pyverbs_error.PyverbsRDMAError`` (carries ``error_code``, an errno)."""
-
-    def __init__(self, msg: str, error_code: int = -1) -> None:
-        super().__init__(f"{msg}. Errno: {error_code}, {os.strerror(error_code) if error_code > 0 else ''}")
-        self.error_code = error_code
-
-
-pyverbs_error = types.SimpleNamespace(PyverbsError=PyverbsError, PyverbsRDMAError=PyverbsRDMAError)
-
-
-# ----------------------------------------------------------------------------- registry
-def registry_dir() -> str:
-    d = os.environ.get(ENV_DIR)
-    if not d:
-        raise PyverbsRDMAError(
-            f"fake verbs: {ENV_DIR} is not set (call kvpool.testing.fake_verbs.configure)", _errno.ENODEV
-        )
-    return d
-
-
-def configure(directory: str, nics: list[str] | None = None, mtu: int = 4096) -> None:
-    """Point this process (and the children it starts) at a registry directory and NIC names."""
-    for sub in ("nic", "mr", "qp", "dead"):
-        os.makedirs(os.path.join(directory, sub), exist_ok=True)
-    os.environ[ENV_DIR] = directory
-    os.environ[ENV_NICS] = ",".join(nics or ["mlx5_0", "mlx5_1"])
-    os.environ[ENV_MTU] = str(mtu)
-
-
-def _write(path: str, obj: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def _read(path: str) -> Any | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _path(*parts: str) -> str:
-    return os.path.join(registry_dir(), *parts)
-
-
-def list_nics(pid: int | None = None) -> list[dict[str, Any]]:
-    """Registered fake NICs (of one process when ``pid`` is given)."""
-    out = []
-    for fn in sorted(os.listdir(_path("nic"))):
-        info = _read(_path("nic", fn))
-        if info and (pid is None or info["pid"] == pid):
-            out.append(info)
-    return out
-
-
-def _gid_key(gid: str) -> str:
-    return gid.replace(":", "")
-
-
-def kill_nic(name: str, pid: int | None = None) -> int:
-    """Mark NIC ``name`` (of process ``pid``, or of every process) dead; returns how many."""
-    n = 0
-    for info in list_nics(pid):
-        if info["name"] == name:
-            open(_path("dead", _gid_key(info["gid"])), "w").close()
-            n += 1
-    return n
-
-
-def revive_nic(name: str, pid: int | None = None) -> None:
-    """Undo :func:`kill_nic`."""
-    for info in list_nics(pid):
-        if info["name"] == name:
-            try:
-                os.unlink(_path("dead", _gid_key(info["gid"])))
-            except FileNotFoundError:
-                pass
-
-
-def nic_dead(gid: str) -> bool:
-    return os.path.exists(_path("dead", _gid_key(gid)))
-
-
-_injected: dict[str, list[int]] = collections.defaultdict(list)  # NIC name -> statuses to inject
-_inject_lock = threading.Lock()
-
-
-def inject_errors(name: str, count: int = 1, status: int = E.IBV_WC_RETRY_EXC_ERR) -> None:
-    """The next ``count`` WRs executed by this process's NIC ``name`` complete with ``status``."""
-    with _inject_lock:
-        _injected[name].extend([status] * count)
-
-
-_kill_after: dict[str, int] = {}
-
-
-def kill_after(name: str, wrs: int) -> None:
-    """This process's NIC ``name`` dies (as :func:`kill_nic`) after executing ``wrs`` more WRs."""
-    with _inject_lock:
-        _kill_after[name] = wrs
-
-
-def drop_qps(pid: int | None = None) -> int:
-    """Lose every connected QP (of process ``pid``, or all) and their peers: later WRs on them fail
-    with ``IBV_WC_RETRY_EXC_ERR`` as on a real RC connection whose other end went away."""
-    n = 0
-    for fn in os.listdir(_path("qp")):
-        info = _read(_path("qp", fn))
-        if info is None or (pid is not None and info["pid"] != pid):
-            continue
-        for p in (fn, f"{_gid_key(info.get('dgid') or '')}-{info.get('dqpn')}"):
-            try:
-                os.unlink(_path("qp", p))
-                n += 1
-            except (FileNotFoundError, IsADirectoryError):
-                pass
-    return n
-
-
-# ----------------------------------------------------------------------------- memory access
-_mem_fds: dict[int, int] = {}
-_mem_lock = threading.Lock()
-
-
-def _mem_fd(pid: int) -> int:
-    with _mem_lock:
-        fd = _mem_fds.get(pid)
-        if fd is None:
-            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
-            _mem_fds[pid] = fd
-        return fd
-
-
-def _copy(op: int, local: int, remote_pid: int, remote: int, n: int) -> None:
-    if remote_pid == os.getpid():
-        src, dst = (local, remote) if op == E.IBV_WR_RDMA_WRITE else (remote, local)
-        ctypes.memmove(dst, src, n)
-        return
-    view = memoryview((ctypes.c_char * n).from_address(local)).cast("B")
-    fd = _mem_fd(remote_pid)
-    done = 0
-    while done < n:
-        if op == E.IBV_WR_RDMA_WRITE:
-            k = os.pwrite(fd, view[done:], remote + done)
-        else:
-            k = os.preadv(fd, [view[done:]], remote + done)
-        if k <= 0:
-            raise OSError(_errno.EFAULT, "short copy")
-        done += k
 
 
 # ----------------------------------------------------------------------------- pyverbs-shaped objects
@@ -341,6 +163,9 @@ class Context:
         self._closed = False
         self._qps: dict[int, QP] = {}
         self._mrs: dict[int, MR] = {}
+        # held from a WR's local-key lookup through its copy, and by MR.close: once close returns
+        # no WR touches the region (as ibv_dereg_mr promises)
+        self._mr_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"fake-nic-{name}", daemon=True)
         self._thread.start()
 
@@ -432,30 +257,37 @@ class Context:
                 qp._fail(wrs, i, status)
                 return
             sge = wr.sg_list[0]
-            lmr = self._mrs.get(sge.lkey)
-            if lmr is None or not (lmr.addr <= sge.addr and sge.addr + sge.length <= lmr.addr + lmr.length):
-                qp._fail(wrs, i, E.IBV_WC_LOC_PROT_ERR)
-                return
-            rinfo = rmrs.get(wr.rkey)
-            if rinfo is None:
-                rinfo = _read(_path("mr", str(wr.rkey)))
-                rmrs[wr.rkey] = rinfo
-            need = E.IBV_ACCESS_REMOTE_WRITE if wr.opcode == E.IBV_WR_RDMA_WRITE else E.IBV_ACCESS_REMOTE_READ
-            if (
-                rinfo is None
-                or rinfo["gid"] != dgid
-                or not rinfo["access"] & need
-                or not (rinfo["addr"] <= wr.remote_addr and wr.remote_addr + sge.length <= rinfo["end"])
-            ):
-                qp._fail(wrs, i, E.IBV_WC_REM_ACCESS_ERR)
-                return
-            try:
-                _copy(wr.opcode, sge.addr, rinfo["pid"], wr.remote_addr, sge.length)
-            except OSError:
-                qp._fail(wrs, i, E.IBV_WC_RETRY_EXC_ERR)
-                return
+            with self._mr_lock:
+                if not self._one(qp, wrs, i, wr, sge, dgid, rmrs):
+                    return
             if wr.send_flags & E.IBV_SEND_SIGNALED or qp.sq_sig_all:
                 qp._complete(wr, E.IBV_WC_SUCCESS)
+
+    def _one(self, qp: QP, wrs: list[SendWR], i: int, wr: SendWR, sge: SGE, dgid: str, rmrs: dict) -> bool:
+        """Check WR ``i``'s keys and copy its bytes (under ``_mr_lock``); False: the chain failed."""
+        lmr = self._mrs.get(sge.lkey)
+        if lmr is None or not (lmr.addr <= sge.addr and sge.addr + sge.length <= lmr.addr + lmr.length):
+            qp._fail(wrs, i, E.IBV_WC_LOC_PROT_ERR)
+            return False
+        rinfo = rmrs.get(wr.rkey)
+        if rinfo is None:
+            rinfo = _read(_path("mr", str(wr.rkey)))
+            rmrs[wr.rkey] = rinfo
+        need = E.IBV_ACCESS_REMOTE_WRITE if wr.opcode == E.IBV_WR_RDMA_WRITE else E.IBV_ACCESS_REMOTE_READ
+        if (
+            rinfo is None
+            or rinfo["gid"] != dgid
+            or not rinfo["access"] & need
+            or not (rinfo["addr"] <= wr.remote_addr and wr.remote_addr + sge.length <= rinfo["end"])
+        ):
+            qp._fail(wrs, i, E.IBV_WC_REM_ACCESS_ERR)
+            return False
+        try:
+            _copy(wr.opcode, sge.addr, rinfo["pid"], wr.remote_addr, sge.length)
+        except OSError:
+            qp._fail(wrs, i, E.IBV_WC_RETRY_EXC_ERR)
+            return False
+        return True
 
 
 class PD:
@@ -492,14 +324,16 @@ class MR:
                 "gid": pd.ctx.gid,
             },
         )
-        pd.ctx._mrs[self.lkey] = self
+        with pd.ctx._mr_lock:
+            pd.ctx._mrs[self.lkey] = self
 
     @property
     def buf(self) -> int:
         return self.addr
 
     def close(self) -> None:
-        self.pd.ctx._mrs.pop(self.lkey, None)
+        with self.pd.ctx._mr_lock:  # waits for a WR copying in it
+            self.pd.ctx._mrs.pop(self.lkey, None)
         try:
             os.unlink(self._file)
         except OSError:
