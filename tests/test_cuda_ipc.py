@@ -765,6 +765,74 @@ def test_unregister_of_a_buffer_under_a_hung_stream_raises_at_the_timeout(
         eng.free_batch_id(bid)
 
 
+def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transfer_sync, batch_transfer_sync (lists and columns) and batch_transfer_sync_multi whose
+    CUDA IPC run does not finish (a hung stream: its event never completes here until the test
+    lets it) raise TransferTimeout at the engine's timeout; they waited for the stream forever.
+    Each batch is freed by the first allocation after its copies finished, and the bytes land."""
+    import threading
+
+    import numpy as np
+
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=0.3) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        r = peer.gpu[0]
+        assert peer.ask(f"fill {r} 65536 5") == "ok"
+        eng.transfer_sync(peer.name, g + 65536, r + 65536, 4096)  # opens the mapping
+        ipc = _ipc(eng)
+        real_sync, release = ipc.driver.event_sync, threading.Event()
+
+        def hung(event: int) -> None:
+            release.wait(20)  # the old code waited here: the test's finally lets it go
+            real_sync(event)
+
+        monkeypatch.setattr(ipc.driver, "event_sync", hung)
+        host = bytearray(8192)
+        h = _native.buffer_address(host)[0]
+        u64 = np.uint64
+        calls = [
+            lambda: eng.transfer_sync(peer.name, g, r, 4096, OpCode.READ),
+            lambda: eng.batch_transfer_sync(peer.name, [g + 4096, g + 8192], [r + 4096, r + 8192], [4096] * 2,
+                                            OpCode.READ),
+            lambda: eng.batch_transfer_sync(peer.name, np.array([g + 12288], dtype=u64),
+                                            np.array([r + 12288], dtype=u64), np.array([4096], dtype=u64),
+                                            OpCode.READ),
+            # host memory here, the peer's GPU memory there: one GPU run per part, one batch
+            lambda: eng.batch_transfer_sync_multi(
+                [(peer.name, [h], [r], [4096]), (peer.name, [h + 4096], [r + 4096], [4096])], OpCode.READ
+            ),
+        ]  # fmt: skip
+        hung: list[int] = []  # their batches
+        try:
+            for k, call in enumerate(calls):
+                if k == 3:  # batch_transfer_sync_multi gathers in one batch only with no GPU registered
+                    release.set()
+                    assert all(eng.wait_batch(b, 10).ok for b in hung)
+                    assert _sha(drv, g, 16384) == peer.ask(f"dump {r} 16384")  # the bytes landed
+                    eng.unregister_local_memory(g)
+                    eng.register_local_memory(h, len(host))
+                    release.clear()
+                t0 = time.monotonic()
+                with pytest.raises(TransferTimeout, match="did not finish within 0.3 s"):
+                    call()
+                assert 0.25 < time.monotonic() - t0 < 5, k
+                hung.append(ipc._runs[-1].batch_id)
+                assert eng.batches.pending(hung[-1]) and eng.batches.deferred() >= 1
+        finally:
+            release.set()
+        assert eng.wait_batch(hung[-1], 10).ok
+        eng.free_batch_id(eng.allocate_batch_id(1))  # the first allocation after: frees them
+        assert eng.batches.deferred() == 0
+        assert hashlib.sha256(host).hexdigest() == peer.ask(f"dump {r} 8192")  # the multi's bytes
+        eng.unregister_local_memory(h)
+
+
 def test_the_unregister_gate_refuses_only_submits_touching_the_closed_range():
     """A submit whose ranges lie on both sides of a registration being unregistered (a KV cache
     batch over buffers A and C while B, between them, goes) is not refused nor waited for."""

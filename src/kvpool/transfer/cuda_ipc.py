@@ -292,6 +292,12 @@ class CudaIpcTransport(Transport):
         """A round of a synchronous transfer: staged requests wait for the staging pool."""
         self.submit(batch_id, reqs, stage_wait_s)
 
+    def unbounded(self, batch_id: int) -> bool:
+        """Whether a run of the batch is still queued or running on our streams (their copies end
+        only when the GPU stream does; a hung stream never ends them)."""
+        with self._cond:
+            return any(r.batch_id == batch_id for r in self._runs)
+
     def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
         """Columns may be lists or numpy arrays (``batch_transfer_sync`` passes arrays through).
         Staged requests (see :meth:`needs_staging`) wait up to ``stage_wait_s`` for the staging

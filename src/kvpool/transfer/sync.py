@@ -106,6 +106,7 @@ class SyncTransfers:
     _registry: LocalRegistry
     _segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]]
     _routes: dict[int, Transport]
+    _transports: list[Transport]
     _staging: GpuStaging
 
     def transfer_sync(
@@ -305,8 +306,10 @@ class SyncTransfers:
                 for r in reqs:
                     if len(r.locs):
                         self._submit(bid, r)
-            finally:
-                st = self.wait_batch(bid)  # what was submitted finishes before anything is raised
+            except Exception as exc:
+                self._settle(bid, exc)  # what was submitted finishes before anything is raised
+                raise
+            st = self._wait_sync(bid)
             if st.state != TransferState.COMPLETED:
                 self._raise_failures(bid, n)
             return st.transferred_bytes
@@ -367,7 +370,7 @@ class SyncTransfers:
             except Exception as exc:
                 self._settle(bid, exc)
                 raise
-            st = self.wait_batch(bid)
+            st = self._wait_sync(bid)
             if st.state == TransferState.COMPLETED:  # the per-request scan only when something failed
                 return st.transferred_bytes
             self._raise_failures(bid, n)
@@ -375,16 +378,32 @@ class SyncTransfers:
         finally:
             self.batches.free_when_done(bid)  # later, when a hung GPU stream still copies
 
-    def _settle(self, bid: int, exc: Exception) -> None:
-        """A submit of :meth:`_run_sync` raised ``exc`` after part of it was queued (a CUDA IPC run
-        before a staged part whose pool wait timed out, an earlier transport's run): wait for
-        that part, bounded by ``timeout_s``, so that the batch is freed and nothing of this call
-        still copies into or out of the caller's memory once it raised. Still pending then (a hung
-        GPU stream): TransferTimeout; the batch is freed once those copies finish (freeing it is
-        refused while they run; unregistering the memory waits for them or raises)."""
-        st = self.wait_batch(bid, self.config.timeout_s)
-        if st.state == TransferState.PENDING:
+    def _wait_sync(self, bid: int, exc: Exception | None = None) -> TransferStatus:
+        """Wait for the batch of a synchronous call. The native and RDMA transports end each of
+        their requests by their own deadlines (a big batch over a slow link may take longer than
+        ``timeout_s`` and still succeed); GPU copies end only when their stream does. So at
+        ``timeout_s`` after the submit, a batch with a GPU run still queued or running (a hung
+        stream: a transport's ``unbounded``) raises TransferTimeout; the caller frees it once
+        those copies finish (``Batches.free_when_done``: freeing is refused while they run, and
+        unregistering the memory waits for them or raises). Otherwise the wait goes on.
+        ``exc``: the error of a submit that raised after part of the batch was queued (see
+        :meth:`_settle`), named in the TransferTimeout."""
+        timeout = self.config.timeout_s
+        st = self.wait_batch(bid, timeout)
+        if st.state != TransferState.PENDING:
+            return st
+        if any(t.unbounded(bid) for t in self._transports) and self.batches.pending(bid):
+            what = f"{exc}; and the requests queued before it" if exc else "GPU copies of this transfer"
             raise TransferTimeout(
-                f"{exc}; and the requests queued before it did not finish within "
-                f"{self.config.timeout_s:g} s: they may still copy into or out of the local memory"
+                f"{what} did not finish within {timeout:g} s (a hung GPU stream?): they may still "
+                "copy into or out of the local memory"
             ) from exc
+        return self.wait_batch(bid)  # the transports' own deadlines end what is left
+
+    def _settle(self, bid: int, exc: Exception) -> None:
+        """A submit of a synchronous call raised ``exc`` after part of its batch was queued (a
+        CUDA IPC run before a staged part whose pool wait timed out, an earlier transport's run):
+        wait for that part (:meth:`_wait_sync`) so that the batch is freed and nothing of this
+        call still copies into or out of the caller's memory once it raised; TransferTimeout
+        where a GPU run of it outlives ``timeout_s``."""
+        self._wait_sync(bid, exc)

@@ -158,6 +158,14 @@ class Transport(ABC):
         InvalidArgument at once. Called by the engine's synchronous transfers for each round."""
         self.submit(batch_id, reqs)
 
+    def unbounded(self, batch_id: int) -> bool:
+        """Whether requests of batch ``batch_id`` that no deadline of this transport ends are
+        still queued or running here (GPU copies: a hung stream never finishes them). Called by
+        the engine's synchronous transfers, only when their wait outlived ``timeout_s``: True
+        makes them raise TransferTimeout instead of waiting on. Default False: the transport
+        ends every request by its own deadlines (FAILED/TIMEOUT)."""
+        return False
+
     def transfer_inline(
         self,
         op: int,
