@@ -156,3 +156,44 @@ def test_unregister_during_pipelined_gpu_transfer(fake_driver: str, op: str) -> 
             assert result, "the transfer neither completed nor failed"
     finally:
         info.close()
+
+
+def test_unregister_of_served_gpu_memory_whose_native_unregister_raises_finishes_and_raises(
+    fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native unregister of GPU memory the server serves raises RegistrationError (it did
+    unregister and fence the region, but a peer still pins it past timeout_s): unregister finishes
+    all the same (gone from the registry, the served set, the descriptor and the CUDA IPC exports,
+    the memory kept referenced) and raises it, as for host memory. The registration stayed
+    everywhere, published, and every later unregister failed natively (not registered there).
+    The native engine cannot pin GPU memory past its timeout today (no fence slot for it): only
+    its answer is injected here, after the real native unregister ran."""
+    from kvpool.errors import AddressNotRegistered, RegistrationError
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=0.5) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        assert g in eng._served_gpu and g in [b.addr for b in eng.local_descriptor().buffers]
+        native = eng._native
+
+        class _StillPinned:  # the native engine, answering that a peer still pins the region
+            def __getattr__(self, name: str) -> object:
+                return getattr(native, name)
+
+            def unregister_memory(self, addr: int) -> None:
+                native.unregister_memory(addr)
+                raise RegistrationError("unregistered, but a peer is stopped inside a copy into this buffer")
+
+        monkeypatch.setattr(eng, "_native", _StillPinned())
+        with pytest.raises(RegistrationError, match="stopped inside a copy"):
+            eng.unregister_local_memory(g)
+        monkeypatch.setattr(eng, "_native", native)
+        assert eng._registry.get(g) is None and g not in eng._served_gpu and len(eng._fenced) == 1
+        assert g not in [b.addr for b in eng.local_descriptor().buffers]
+        assert not eng.local_descriptor().cuda_ipc["bufs"]  # the CUDA IPC export is retired too
+        with pytest.raises(AddressNotRegistered):
+            eng.unregister_local_memory(g)  # gone everywhere, not half-registered
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")  # the range is usable again
+        eng.unregister_local_memory(g)
+        drv.free(g)

@@ -241,7 +241,14 @@ class Registrations:
             self._staging.close_range(reg.start, reg.end)  # BatchInFlight while staging touches it
             try:
                 if addr in self._served_gpu:
-                    self._native.unregister_memory(addr)  # waits for the server's staging copies
+                    try:
+                        self._native.unregister_memory(addr)  # waits for the server's staging copies
+                    except RegistrationError:
+                        # as for host memory below: unregistered natively, but still pinned
+                        self._served_gpu.discard(addr)
+                        self._fenced.append(reg.keep)
+                        self._forget(addr, reg)
+                        raise
                     self._served_gpu.discard(addr)
                 self._forget(addr, reg)
             finally:
