@@ -763,3 +763,44 @@ def test_double_auto_sync_staging_wait_ends_at_the_deadline(rt, cpu_peer, monkey
         assert cpu_peer.checksum(0, n) == xxhash.xxh3_64_hexdigest(b"\x5a" * n)
         assert cpu_peer.checksum(n, n) == before  # the timed-out round sent nothing
         assert eng.staging.pool.in_use == 0
+
+
+def test_double_sync_staged_read_whose_host_to_device_copy_hangs_raises_at_the_timeout(
+    rt, cpu_peer, monkeypatch
+):
+    """A synchronous staged READ whose host-to-device copy does not finish (a hung stream: the
+    copy blocks here until the test lets it go) raises TransferTimeout once the copy alone was
+    waited for for timeout_s; it waited for the stream forever. Its batch is freed by the first
+    allocation after the copy finished, and the bytes land."""
+    import threading
+    import time
+
+    import xxhash
+
+    from kvpool.errors import TransferTimeout
+
+    cpu_peer.fill(3)
+    dev = rt.alloc(MiB)
+    real_h2d, release, copying = rt.copy_h2d, threading.Event(), threading.Event()
+
+    def hung(dst: int, src: int, n: int) -> None:
+        copying.set()
+        release.wait(20)  # the old code waited for this: the test's finally lets it go
+        real_h2d(dst, src, n)
+
+    monkeypatch.setattr(rt, "copy_h2d", hung)
+    with _gpu_engine(rt, protocol="tcp", timeout_s=0.3) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout, match="did not finish within 0.3 s"):
+                eng.transfer_sync(cpu_peer.segment, a, cpu_peer.addr, MiB, OpCode.READ)
+            assert copying.is_set() and 0.25 < time.monotonic() - t0 < 5
+            assert eng.batches.deferred() == 1
+            (hung_bid,) = eng.batches._deferred
+        finally:
+            release.set()
+        assert eng.wait_batch(hung_bid, 10).ok  # the copy was not cut short
+        eng.free_batch_id(eng.allocate_batch_id(1))  # the first allocation after: frees it
+        assert eng.batches.deferred() == 0
+        assert xxhash.xxh3_64_hexdigest(dev.read()) == cpu_peer.checksum(0, MiB)

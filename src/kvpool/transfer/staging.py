@@ -371,6 +371,21 @@ class GpuStaging:
                 return bid
         return None
 
+    def unbounded(self, batch_id: int) -> bool:
+        """Whether staged requests of the caller's batch ``batch_id`` wait for nothing but our
+        completion thread's GPU copies (their inner transfer finished; a host-to-device copy on
+        a hung stream never ends). Called by the engine's synchronous transfers, only when their
+        wait outlived ``timeout_s`` (as a transport's ``unbounded``)."""
+        with self._cond:
+            privates = [r.private for r in self._records if r.batch_id == batch_id]
+        for private in privates:
+            try:
+                if not self._batches.pending(private):
+                    return True
+            except KvpoolError:
+                continue  # completed and freed meanwhile
+        return False
+
     def close_range(self, start: int, end: int) -> None:
         """Called by unregister of GPU memory [start, end) before it goes: BatchInFlight while a
         staged transfer touches it (a submit in progress or a staged request not finished), else

@@ -381,24 +381,28 @@ class SyncTransfers:
     def _wait_sync(self, bid: int, exc: Exception | None = None) -> TransferStatus:
         """Wait for the batch of a synchronous call. The native and RDMA transports end each of
         their requests by their own deadlines (a big batch over a slow link may take longer than
-        ``timeout_s`` and still succeed); GPU copies end only when their stream does. So at
-        ``timeout_s`` after the submit, a batch with a GPU run still queued or running (a hung
-        stream: a transport's ``unbounded``) raises TransferTimeout; the caller frees it once
-        those copies finish (``Batches.free_when_done``: freeing is refused while they run, and
-        unregistering the memory waits for them or raises). Otherwise the wait goes on.
-        ``exc``: the error of a submit that raised after part of the batch was queued (see
-        :meth:`_settle`), named in the TransferTimeout."""
+        ``timeout_s`` and still succeed); GPU copies end only when their stream does. So a batch
+        with a CUDA IPC run still queued or running ``timeout_s`` after the submit, or with a
+        staged request waiting ``timeout_s`` more for its host-to-device copy alone (a hung
+        stream: a transport's or the staging's ``unbounded``, asked every ``timeout_s``), raises
+        TransferTimeout; the caller frees it once those copies finish
+        (``Batches.free_when_done``: freeing is refused while they run, and unregistering the
+        memory waits for them or raises). ``exc``: the error of a submit that raised after part
+        of the batch was queued (see :meth:`_settle`), named in the TransferTimeout."""
         timeout = self.config.timeout_s
         st = self.wait_batch(bid, timeout)
-        if st.state != TransferState.PENDING:
-            return st
-        if any(t.unbounded(bid) for t in self._transports) and self.batches.pending(bid):
-            what = f"{exc}; and the requests queued before it" if exc else "GPU copies of this transfer"
-            raise TransferTimeout(
-                f"{what} did not finish within {timeout:g} s (a hung GPU stream?): they may still "
-                "copy into or out of the local memory"
-            ) from exc
-        return self.wait_batch(bid)  # the transports' own deadlines end what is left
+        staged = False  # a staged request waited for its GPU copy alone at the last look
+        while st.state == TransferState.PENDING:
+            was, staged = staged, self._staging.unbounded(bid)
+            hung = (was and staged) or any(t.unbounded(bid) for t in self._transports)
+            if hung and self.batches.pending(bid):
+                what = f"{exc}; and the requests queued before it" if exc else "GPU copies of this transfer"
+                raise TransferTimeout(
+                    f"{what} did not finish within {timeout:g} s (a hung GPU stream?): they may still "
+                    "copy into or out of the local memory"
+                ) from exc
+            st = self.wait_batch(bid, timeout)
+        return st
 
     def _settle(self, bid: int, exc: Exception) -> None:
         """A submit of a synchronous call raised ``exc`` after part of its batch was queued (a
