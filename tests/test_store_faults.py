@@ -21,6 +21,7 @@ from kvpool import ReplicateConfig, Store, _native
 from kvpool._rpc import RpcClient, frame
 from kvpool.errors import KvpoolError, ObjectNotFound, StoreFull
 from kvpool.store.procs import MasterProcess, StorageProcess, free_port
+from tests.test_rdma_double import double  # noqa: F401  (fixture: the fake-verbs registry)
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -607,3 +608,54 @@ def test_a_task_stuck_on_a_stopped_source_does_not_stop_the_clients_heartbeats()
                 assert st.get("after") == pattern(1000, 99)
     finally:
         m.stop()
+
+
+def test_datapath_batch_whose_later_run_is_refused_settles_the_queued_run_first(double, peer) -> None:  # noqa: F811
+    """A data-path batch to an RDMA segment (fake-verbs TEST DOUBLE) and a TCP peer process, the
+    TCP request from GPU memory (CUDA TEST DOUBLE) bigger than the staging pool: the submit queues
+    the RDMA run, then the staged TCP run is refused. The RDMA request is not done a second time
+    beside the queued copy (it was: every request went again one by one, the queued one still in
+    flight, and freeing the batch could raise BatchInFlight over the result); the TCP request is
+    done in this thread (staged in rounds); both land, and the batch is freed."""
+    import xxhash
+
+    from kvpool import OpCode, TransferEngine, TransferRequest
+    from kvpool.store.datapath import DataPath
+    from kvpool.testing import fake_verbs as fv
+    from kvpool.testing import fakecuda
+
+    mib = 1 << 20
+    rt = fakecuda.counting_runtime(fakecuda.build())
+    dev = rt.alloc(2 * mib)
+    with (
+        TransferEngine(protocol="rdma", verbs=fv) as t,
+        TransferEngine(
+            protocol="auto",
+            same_host=False,
+            verbs=fv,
+            device_runtime=rt,
+            staging_pool_size=mib,
+            timeout_s=5.0,
+        ) as i,
+    ):
+        kv = bytearray(4 * mib)
+        base = t.register_local_memory(kv)
+        src = bytearray(os.urandom(mib))
+        la = i.register_local_memory(src)
+        gpu = i.register_local_memory(dev, remote_accessible=False)
+        value = os.urandom(2 * mib)
+        rt.copy_h2d(gpu, _native.buffer_address(value, True)[0], 2 * mib)
+        rseg, tseg = i.open_segment(t.segment_name), i.open_segment(peer.segment)
+        data = DataPath(i, None, lambda *a: None, False)  # type: ignore[arg-type]  # run() stages nothing
+        ok = data.run(
+            [
+                TransferRequest(OpCode.WRITE, la, rseg, base, mib),  # queued first (RDMA)
+                TransferRequest(OpCode.WRITE, gpu, tseg, peer.addr, 2 * mib),  # staged: refused
+            ]
+        )
+        assert ok == [True, True]
+        assert sum(i.rdma.nic_bytes) == mib  # the RDMA request went once
+        assert kv[:mib] == src
+        assert peer.checksum(0, 2 * mib) == xxhash.xxh3_64_hexdigest(value)
+        assert i.batches.deferred() == 0 and i.staging.pool.in_use == 0
+    rt.free(dev)

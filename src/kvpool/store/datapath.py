@@ -175,13 +175,13 @@ class DataPath:
         try:
             try:
                 eng.submit_transfer(bid, reqs)
-            except KvpoolError:
-                return [self._one(r) for r in reqs]  # one failed validation: find which, do the rest
+            except KvpoolError as exc:  # one failed validation: find which, do the rest
+                return self._settled(bid, len(reqs), exc, lambda i: self._one(reqs[i]))
             if eng.wait_batch(bid).state == TransferState.COMPLETED:
                 return [True] * len(reqs)
             return [eng.get_transfer_status(bid, i).ok for i in range(len(reqs))]
         finally:
-            eng.free_batch_id(bid)
+            eng.batches.free_when_done(bid)  # later, when a hung GPU stream still copies
 
     def run_columns(self, cols: Requests, handles: _Handles) -> list[bool]:
         """Do request columns (segment handles from ``handles``) as one batch, or in this
@@ -197,13 +197,24 @@ class DataPath:
         try:
             try:
                 eng._submit(bid, cols)  # the columns as they are: type-correct by construction
-            except KvpoolError:  # one failed validation: find which, do the rest
-                return [self._sync_col(cols, handles, i) for i in range(n)]
+            except KvpoolError as exc:  # one failed validation: find which, do the rest
+                return self._settled(bid, n, exc, lambda i: self._sync_col(cols, handles, i))
             if eng.wait_batch(bid).state == TransferState.COMPLETED:
                 return [True] * n
             return [eng.get_transfer_status(bid, i).ok for i in range(n)]
         finally:
-            eng.free_batch_id(bid)
+            eng.batches.free_when_done(bid)  # later, when a hung GPU stream still copies
+
+    def _settled(self, bid: int, n: int, exc: KvpoolError, redo: Callable[[int], bool]) -> list[bool]:
+        """After a submit of :meth:`run` / :meth:`run_columns` raised ``exc``: the runs queued
+        before the failing one (another transport's, submitted first) may still copy. Wait for
+        them (bounded by the engine's ``timeout_s``; still pending then: TransferTimeout, the
+        batch freed once they finish), then do in this thread, one by one, every request that
+        did not complete in the batch (``redo(i)``): none runs twice at once, and each request
+        is done once when it completed."""
+        eng = self.engine
+        eng._settle(bid, exc)
+        return [eng.get_transfer_status(bid, i).state == TransferState.COMPLETED or redo(i) for i in range(n)]
 
     def _sync_col(self, cols: Requests, handles: _Handles, i: int) -> bool:
         op = OpCode.READ if cols.ops[i] == READ else OpCode.WRITE
