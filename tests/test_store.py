@@ -471,6 +471,38 @@ def test_an_ssd_only_object_whose_file_is_corrupt_is_let_go_of_and_its_key_can_b
         assert not os.path.exists(info["ssd"])  # the bad file is unlinked
 
 
+def test_an_ssd_only_object_whose_file_is_missing_is_let_go_of_whoever_reads_it(tmp_path) -> None:
+    """The file of an SSD-only object is gone. A reader off the copy's host (its directory may
+    not be shared there, so the reader cannot tell) and a reader on it report the miss; the
+    copy's client checks the file, finds it missing and reports it, and the master drops the
+    object, so that the key can be put again (it stayed for good: exists said yes, every get was
+    a miss, every put of the key was refused)."""
+    with Store.connect(
+        segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
+    ) as st:
+        m = st._master
+        with Store.connect(master=m.address, segment_size=0, heartbeat_s=0.1) as far:
+            far.host_id = "another-host"  # a reader on another machine
+            for k, reader in (("k1", far), ("k2", st)):
+                st.put(k, pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
+                with m._lock:
+                    m._spill(m.objects[k], m.clients[st.client_id])  # as eviction does
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and (st.info(k)["ssd"] is None or st.info(k)["replicas"]):
+                    time.sleep(0.05)
+                info = st.info(k)
+                assert info["ssd"] and not info["replicas"]  # SSD only
+                os.remove(info["ssd"])  # the disk lost it
+                with pytest.raises(ObjectNotFound):
+                    reader.get(k)
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and st.exists(k):
+                    time.sleep(0.05)
+                assert not st.exists(k), f"{k}: a key whose only copy is gone still exists"
+                st.put(k, pattern(300_000, 2))
+                assert reader.get(k) == pattern(300_000, 2)
+
+
 def test_the_file_of_a_spill_whose_object_was_removed_meanwhile_is_removed(tmp_path) -> None:
     """A forced remove while the object spills to the SSD tier: the file the spill writes after
     that belongs to no object and is removed (it stayed on the disk for good)."""

@@ -171,13 +171,36 @@ class ClientOps(_Base):
             self._drop(obj)
             self.stats["objects_lost"] += 1
 
+    def _ssd_missing(self, key: str, gen: int, path: str) -> None:
+        """A reader could not use an object's SSD file, and cannot tell whether it is bad (off
+        the copy's host: the directory may not be shared with it; or missing on it: maybe
+        replaced meanwhile): the copy's client checks the file (an ``ssd_check`` task, at most
+        one per copy per ``client_ttl_s``) and reports it corrupt (:meth:`_ssd_corrupt`) when
+        it is bad. Without this an SSD-only object whose file was lost stayed for good when its
+        readers were off its host."""
+        obj = self.objects.get(key)
+        if obj is None or obj.gen != gen or obj.ssd is None or obj.ssd.path != path:
+            return
+        now = time.monotonic()
+        if now - obj.ssd.checked_at < self.config.client_ttl_s or obj.ssd.client not in self.clients:
+            return  # checked lately; or its client is gone (the copy is being let go of)
+        obj.ssd.checked_at = now
+        self.stats["ssd_checks"] += 1
+        task = {"type": "ssd_check", "key": key, "gen": gen, "path": path, "size": obj.size,
+                "checksum": obj.ssd.checksum}  # fmt: skip
+        self._give_task(obj.ssd.client, task)
+
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A reader could not reach a segment (others skip it at once), found a replica whose
-        bytes fail their checksum (that replica is dropped), or an SSD file that is not its
-        object's (``ssd_corrupt``: that copy is dropped). Only from a registered client."""
+        bytes fail their checksum (that replica is dropped), an SSD file that is not its
+        object's (``ssd_corrupt``: that copy is dropped) or one it could not use
+        (``ssd_missing``: :meth:`_ssd_missing`). Only from a registered client."""
         self._client(req, sess)
         if req["kind"] == "ssd_corrupt":
             self._ssd_corrupt(req["key"], req["gen"], req["path"])
+            return {}
+        if req["kind"] == "ssd_missing":
+            self._ssd_missing(req["key"], req["gen"], req["path"])
             return {}
         now = time.monotonic()
         seg = self.space.segments.get(req["segment"])

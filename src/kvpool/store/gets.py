@@ -215,15 +215,16 @@ class GetPath(ClientBase):
         why: list[str] = []
         data = read_ssd_file(path, key, info["size"], checksum, why)
         if data is None:
-            if why == ["corrupt"] and host == self.host_id:
-                # The copy's own host read it and it is bad: the master lets go of it (else the
-                # key stayed taken by an object nobody can read: every put of it was refused)
-                try:
-                    self._rpc.send(
-                        "report", segment="", kind="ssd_corrupt", key=key, gen=info["gen"], path=path
-                    )
-                except KvpoolError as exc:
-                    log.debug("report to the master failed: %s", exc)
+            # The copy's own host read it and it is bad: the master lets go of it (else the key
+            # stayed taken by an object nobody can read: every put of it was refused). Missing,
+            # or off its host (the directory may not be shared here): the copy's client checks
+            # the file (ssd_missing), and reports it when it is bad
+            bad = why == ["corrupt"] and host == self.host_id
+            try:
+                self._rpc.send("report", segment="", kind="ssd_corrupt" if bad else "ssd_missing",
+                               key=key, gen=info["gen"], path=path)  # fmt: skip
+            except KvpoolError as exc:
+                log.debug("report to the master failed: %s", exc)
             return ObjectNotFound(f"SSD copy of {key!r} is missing or corrupt (treated as a miss)")
         if self.config.promote_on_hit:
             try:

@@ -309,7 +309,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         task["task"] = self._task_ids
         task["epoch"] = self.incarnation  # task ids restart with the master: its report names it
         c.tasks.append(task)
-        if task["type"] != "unlink":  # unlinks are fire and forget: never reported back
+        if task["type"] not in ("unlink", "ssd_check"):  # fire and forget: never reported back
             c.task_ids.add(self._task_ids)
             self._tasks[self._task_ids] = (client, task)
             due = time.monotonic() + self.config.task_timeout_s

@@ -66,6 +66,7 @@ class SsdCopy:
     path: str
     checksum: str
     host_id: str
+    checked_at: float = float("-inf")  # when a reader's miss last had its client check the file
 
 
 @dataclass(slots=True, eq=False)

@@ -1,5 +1,6 @@
 """Tasks the master hands a storage client in its heartbeat replies: copy an object into its own
-segment (hot-key replicas), spill one to its SSD directory, remove an SSD file.
+segment (hot-key replicas), spill one to its SSD directory, remove an SSD file, check one a reader
+could not use.
 
 They run on a thread of their own (:class:`TaskRunner`), never on the heartbeat thread: a copy
 from an unreachable or stopped source waits up to ``transfer_timeout_s``, and heartbeats held up
@@ -19,7 +20,7 @@ from kvpool._rpc import UnknownClient
 from kvpool.errors import KvpoolError
 from kvpool.store.datapath import ReadJob
 from kvpool.store.layout import HEADER_SIZE, header_mismatch, key_hash
-from kvpool.store.ssd import write_ssd_file
+from kvpool.store.ssd import read_ssd_file, write_ssd_file
 from kvpool.transfer.types import OpCode
 
 if TYPE_CHECKING:
@@ -89,17 +90,23 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
 
     Called by the store client's task thread (:class:`TaskRunner`), one task at a time."""
     kind = task["type"]
+    if kind in ("unlink", "ssd_check"):  # never reported back
+        try:
+            if kind == "unlink":
+                _unlink(task["path"])
+            else:
+                _ssd_check(store, task)
+        except (KvpoolError, OSError) as exc:
+            log.warning("task %s failed: %s", kind, exc)
+        return
     ok, result = False, {}
     try:
-        if kind != "unlink" and time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             log.warning("task %s not started: the master gave up on it (task_timeout_s)", kind)
         elif kind == "replicate":
             ok = _replicate_task(store, task)
         elif kind == "spill":
             ok = _spill_task(store, task, result)
-        elif kind == "unlink":
-            _unlink(task["path"])
-            return
     except (KvpoolError, OSError) as exc:
         log.warning("task %s failed: %s", kind, exc)
     try:
@@ -118,6 +125,17 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
         # a later spill of the same generation here writes the same path (an unlink task queued
         # behind it would remove that one's file).
         _unlink(task["path"])
+
+
+def _ssd_check(store: Store, task: dict[str, Any]) -> None:
+    """A reader could not use an SSD file of ours (off our host, or missing): read it here, and
+    report it corrupt when it is missing or bad (the master drops that copy)."""
+    why: list[str] = []
+    if read_ssd_file(task["path"], task["key"], task["size"], task["checksum"], why) is None:
+        log.warning("SSD file %s of %r is %s: reported", task["path"], task["key"], why[0] if why else "bad")
+        store._hb_rpc.call(
+            "report", segment="", kind="ssd_corrupt", key=task["key"], gen=task["gen"], path=task["path"]
+        )
 
 
 def _unlink(path: str) -> None:
