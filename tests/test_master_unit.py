@@ -371,6 +371,27 @@ def _spilled(m: Driver, key: str, size: int = 1 << 20, csum: int | None = 7) -> 
     raise AssertionError(f"{key} was never spilled")
 
 
+def test_a_sweep_is_told_the_file_names_no_ssd_copy_has() -> None:
+    """``ssd_known``: the name of a copy's file is known while the copy is, unknown once it is
+    let go of (a removed object) and for names no copy ever had; the grace is twice
+    task_timeout_s; more names than max_batch are refused."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5, task_timeout_s=4.0, max_batch=8))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        _spilled(m, "k")
+        name = m.m.objects["k"].ssd.path.rsplit("/", 1)[-1]
+        ask = {"op": "ssd_known", "client": "a", "names": [name, "0" * 40 + "-1.kvp"]}
+        out = m.handle(ask)
+        assert out["unknown"] == ["0" * 40 + "-1.kvp"] and out["grace_s"] >= 8.0
+        m.handle({"op": "remove", "client": "r", "keys": ["k"]})
+        assert m.handle(ask)["unknown"] == ask["names"]
+        assert m.handle({**ask, "names": ["x"] * 9}).get("err") == "INVALID"
+    finally:
+        m.stop()
+
+
 def test_promotion_of_an_ssd_hit_names_the_generation_it_read() -> None:
     m = Driver(Master(port=0, eviction_high_watermark=0.5))
     try:

@@ -659,3 +659,50 @@ def test_datapath_batch_whose_later_run_is_refused_settles_the_queued_run_first(
         assert peer.checksum(0, 2 * mib) == xxhash.xxh3_64_hexdigest(value)
         assert i.batches.deferred() == 0 and i.staging.pool.in_use == 0
     rt.free(dev)
+
+
+def test_ssd_files_no_copy_has_are_swept_by_the_next_client_on_the_directory(tmp_path) -> None:
+    """A storage server with spilled objects is SIGKILLed and never comes back: the master lets
+    go of its SSD copies, and their files stayed on the disk for good (nobody was left to unlink
+    them), as did the file of a spill whose report was lost. The next client on that directory
+    sweeps it: every file no copy has, once older than twice the master's task_timeout_s, is
+    removed; a younger one, files of another name and the files of its own copies stay."""
+    ssd = tmp_path / "ssd"
+    opts = {"eviction_high_watermark": 0.5, "eviction_ratio": 0.1, "task_timeout_s": 2.0, "client_ttl_s": 1.5}
+    with MasterProcess(**opts) as m:
+        with Store.connect(master=m.address, segment_size=0) as st:
+            sp1 = StorageProcess(m.address, 8 << 20, ssd_dir=str(ssd), heartbeat_s=0.1, ssd_sweep_s=0)
+            try:
+                vals = {f"p{i}": pattern(512 << 10, i) for i in range(9)}
+                for k, v in vals.items():
+                    st.put(k, v, ReplicateConfig(cache_class="persistent"))
+                wait_for(lambda: sum(1 for k in vals if st.info(k)["ssd"]) >= 2, 20, what="spills")
+            finally:
+                sp1.kill()
+            theirs = sorted(ssd.rglob("*.kvp"))
+            assert len(theirs) >= 2
+            sub = ssd / "ab"
+            sub.mkdir(exist_ok=True)
+            lost = sub / f"{'ab' * 20}-999999.kvp"  # a spill whose report never reached the master
+            other = sub / "notes.txt"  # not a name of the SSD tier
+            for p in (lost, other):
+                p.write_bytes(b"x" * 100)
+                os.utime(p, (time.time() - 60, time.time() - 60))
+
+            def copies() -> set[str]:
+                return {st.info(k)["ssd"] for k in vals if st.exists(k)} - {None}
+
+            wait_for(lambda: not copies(), 10, what="the dead server's copies let go")
+            with StorageProcess(m.address, 8 << 20, ssd_dir=str(ssd), heartbeat_s=0.1, ssd_sweep_s=0.2):
+                young = sub / f"{'cd' * 20}-999998.kvp"
+                young.write_bytes(b"y" * 100)  # as a spill's file before its report is taken
+                wait_for(
+                    lambda: not lost.exists() and all(not p.exists() or str(p) in copies() for p in theirs),
+                    20,
+                    what="the files no copy has removed",
+                )
+                assert other.exists() and young.exists()
+                assert all(os.path.exists(p) for p in copies())  # the copies' files stay
+                for k in vals:  # whatever is still there reads as it was put
+                    if st.exists(k):
+                        assert st.get(k) == vals[k]

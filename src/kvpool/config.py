@@ -264,6 +264,9 @@ class StoreConfig(_ConfigBase):
         buffer_size: registered staging buffer for put/get of Python bytes.
         protocol, metadata, secret: passed to the transfer engine (secret also guards master RPC).
         ssd_dir: directory this client contributes as the SSD tier (None = none).
+        ssd_sweep_s: how often (from its start) the client removes the files of ``ssd_dir`` no
+            SSD copy has, once older than twice the master's ``task_timeout_s`` (left by a spill
+            whose report was lost, or by a client that used the directory before); 0: never.
         promote_on_hit: copy an object read from the SSD tier back into memory.
         rpc_timeout_s: master RPC timeout; heartbeat_s: heartbeat period.
         transfer_timeout_s: transfer engine timeout (at most the master's ``quarantine_s``).
@@ -285,6 +288,7 @@ class StoreConfig(_ConfigBase):
     metadata: str = "p2p"
     secret: str | None = Field(default=None, repr=False)  # never in logs or tracebacks
     ssd_dir: str | None = None
+    ssd_sweep_s: float = Field(default=600.0, ge=0)
     promote_on_hit: bool = True
     rpc_timeout_s: float = Field(default=5.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)

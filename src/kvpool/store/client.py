@@ -177,6 +177,7 @@ class Store(MasterSession, PutPath, GetPath):
             self._shutdown_local()
             raise
         self._task_runner = TaskRunner(self)  # master tasks, off the heartbeat thread
+        self._next_sweep = 0.0  # the SSD directory is swept after the first heartbeat
         self._hb = threading.Thread(target=self._heartbeat_loop, name="kvpool-store-heartbeat", daemon=True)
         self._hb.start()
 

@@ -190,6 +190,19 @@ class ClientOps(_Base):
                 "checksum": obj.ssd.checksum}  # fmt: skip
         self._give_task(obj.ssd.client, task)
 
+    def _op_ssd_known(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
+        """A client sweeping its SSD directory asks which of its file names (at most
+        ``max_batch``) no SSD copy has (``unknown``); it removes those older than ``grace_s``
+        (by then any spill that wrote one was reported done or given up on: one accepted is
+        listed). Only from a registered client."""
+        self._client(req, sess)
+        names = req.get("names")
+        if not isinstance(names, list) or len(names) > self.config.max_batch:
+            raise _Err("INVALID", f"names must be a list of at most {self.config.max_batch} file names")
+        known = self._ssd_names
+        unknown = [n for n in names if isinstance(n, str) and n not in known]
+        return {"unknown": unknown, "grace_s": 2 * self.config.task_timeout_s + 1}
+
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A reader could not reach a segment (others skip it at once), found a replica whose
         bytes fail their checksum (that replica is dropped), an SSD file that is not its

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
 import random
 import threading
 import time
@@ -70,6 +71,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._dying: collections.deque[Segment] = collections.deque()
         self._ssd_dying: collections.deque[Client] = collections.deque()  # removed SSD clients
         self._ssd_clients: list[Client] = []
+        self._ssd_names: set[str] = set()  # file names of the SSD copies (clients' sweeps keep those)
         self._next_gen = 0
         self._access: Counter[str] = Counter()  # gets per key since the hot-key policy last ran
         # the counts of the last hot_window_s, one per hot_interval_s, and their running sum
@@ -289,6 +291,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         cl = self.clients.get(obj.ssd.client)
         if cl is not None:
             cl.ssd_objs.discard(obj)
+        self._ssd_names.discard(os.path.basename(obj.ssd.path))
         self._give_task(obj.ssd.client, {"type": "unlink", "path": obj.ssd.path})
         obj.ssd = None
 

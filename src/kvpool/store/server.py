@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ssd-dir", default=None, help="directory contributed as the SSD tier (default: none)")
     ap.add_argument(
+        "--ssd-sweep-s", type=float, default=None, metavar="SECONDS",
+        help="how often the SSD directory's files no copy has are removed (default: StoreConfig's, "
+        "600; 0: never)",
+    )  # fmt: skip
+    ap.add_argument(
         "--heartbeat-s", type=float, default=1.0, metavar="SECONDS", help="heartbeat period (default 1)"
     )
     ap.add_argument(
@@ -107,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         secret=args.secret,
         ssd_dir=args.ssd_dir,
         heartbeat_s=args.heartbeat_s,
-        **{k: v for k in ("transfer_timeout_s", "rpc_timeout_s") if (v := getattr(args, k)) is not None},
+        **{
+            k: v
+            for k in ("transfer_timeout_s", "rpc_timeout_s", "ssd_sweep_s")
+            if (v := getattr(args, k)) is not None
+        },
     )
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,6 +34,7 @@ class MasterSession(ClientBase):
     _hb_rpc: RpcClient
     _closed: threading.Event
     _task_runner: TaskRunner
+    _next_sweep: float  # monotonic time of the next sweep of the SSD directory (0: at the next beat)
     _segment_view: memoryview | None
     _segment_base: int
     _retired: list[memoryview]
@@ -176,6 +177,9 @@ class MasterSession(ClientBase):
                     continue
                 for task in reply.get("tasks", []):  # on the task thread: heartbeats go on meanwhile
                     self._task_runner.submit(task, sent + task.get("ttl_s", float("inf")))
+                if self.config.ssd_dir and self.config.ssd_sweep_s and sent >= self._next_sweep:
+                    self._next_sweep = sent + self.config.ssd_sweep_s
+                    self._task_runner.submit({"type": "ssd_sweep"}, float("inf"))  # after the spills
             except UnknownClient:
                 log.warning("store master does not know us (restarted?): registering again")
                 try:

@@ -4,14 +4,20 @@ key, value).
 Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none (a failed
 write removes its temporary file; one of a process killed mid-write stays, never read); a reader
 checks the key, size and checksum, and treats any mismatch as a miss.
+
+Files no copy has (a spill whose report was lost, copies of a client that came back under another
+id or never) are removed by the directory's client: :func:`sweep_ssd_dir`, run on its task thread.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import struct
+import time
 import uuid
+from collections.abc import Callable
 
 import xxhash
 
@@ -71,3 +77,66 @@ def _bad(why: list[str] | None, reason: str) -> None:
     if why is not None:
         why.append(reason)
     return None
+
+
+_SUBDIR = re.compile(r"[0-9a-f]{2}")
+_FILE = re.compile(r"[0-9a-f]{40}-[0-9]+\.kvp")  # what the master's spills name (see upkeep)
+_TMP = re.compile(r"[0-9a-f]{40}-[0-9]+\.kvp\.[0-9a-f]{32}\.tmp")  # a write killed midway
+SWEEP_MAX_FILES = 65536  # files one sweep looks at (the next sweep sees the others)
+SWEEP_BATCH = 512  # names per question to the master
+
+
+def sweep_ssd_dir(
+    ssd_dir: str, unknown: Callable[[list[str]], tuple[list[str], float]], batch: int = SWEEP_BATCH
+) -> int:
+    """Remove the SSD-tier files of ``ssd_dir`` that no SSD copy has; returns how many.
+
+    ``unknown(names)`` asks the master which file names (at most ``batch``) none of its
+    SSD copies has, and the grace period: only files older than it are removed (a spill's file
+    is that old only once its report was taken or refused). Only names this tier writes, in its
+    two-hex-digit subdirectories, are touched; other files stay. A file replaced since it was
+    looked at (another inode or time) stays. Called on the store client's task thread, which
+    also runs its spills (none writes meanwhile), at most :data:`SWEEP_MAX_FILES` files a call."""
+    _, grace = unknown([])
+    cutoff = time.time() - grace
+    old: list[tuple[str, os.stat_result]] = []  # (path, stat) of files older than the grace
+    tmps: list[tuple[str, os.stat_result]] = []
+    seen = 0
+    try:
+        with os.scandir(ssd_dir) as it:
+            subdirs = [e.path for e in it if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return 0
+    for sub in subdirs:
+        if seen >= SWEEP_MAX_FILES:
+            break
+        try:
+            with os.scandir(sub) as it:
+                for e in it:
+                    if seen >= SWEEP_MAX_FILES:
+                        break
+                    is_file, is_tmp = _FILE.fullmatch(e.name), _TMP.fullmatch(e.name)
+                    if not (is_file or is_tmp):
+                        continue
+                    seen += 1
+                    st = e.stat(follow_symlinks=False)
+                    if st.st_mtime < cutoff:
+                        (old if is_file else tmps).append((e.path, st))
+        except OSError:
+            continue  # the next sweep looks again
+    gone = list(tmps)  # a temporary file that old is a write that never finished
+    for a in range(0, len(old), batch):
+        chunk = old[a : a + batch]
+        names = set(unknown([os.path.basename(p) for p, _ in chunk])[0])
+        gone += [(p, st) for p, st in chunk if os.path.basename(p) in names]
+    removed = 0
+    for path, st in gone:
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_ino, now.st_mtime_ns) != (st.st_ino, st.st_mtime_ns):
+                continue  # written again since
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+    return removed

@@ -1,6 +1,7 @@
 """Tasks the master hands a storage client in its heartbeat replies: copy an object into its own
 segment (hot-key replicas), spill one to its SSD directory, remove an SSD file, check one a reader
-could not use.
+could not use; and the client's own sweep of its SSD directory (``ssd_sweep``, every
+``ssd_sweep_s``).
 
 They run on a thread of their own (:class:`TaskRunner`), never on the heartbeat thread: a copy
 from an unreachable or stopped source waits up to ``transfer_timeout_s``, and heartbeats held up
@@ -20,7 +21,7 @@ from kvpool._rpc import UnknownClient
 from kvpool.errors import KvpoolError
 from kvpool.store.datapath import ReadJob
 from kvpool.store.layout import HEADER_SIZE, header_mismatch, key_hash
-from kvpool.store.ssd import read_ssd_file, write_ssd_file
+from kvpool.store.ssd import SWEEP_BATCH, read_ssd_file, sweep_ssd_dir, write_ssd_file
 from kvpool.transfer.types import OpCode
 
 if TYPE_CHECKING:
@@ -90,12 +91,14 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
 
     Called by the store client's task thread (:class:`TaskRunner`), one task at a time."""
     kind = task["type"]
-    if kind in ("unlink", "ssd_check"):  # never reported back
+    if kind in ("unlink", "ssd_check", "ssd_sweep"):  # never reported back
         try:
             if kind == "unlink":
                 _unlink(task["path"])
-            else:
+            elif kind == "ssd_check":
                 _ssd_check(store, task)
+            else:
+                _ssd_sweep(store)
         except (KvpoolError, OSError) as exc:
             log.warning("task %s failed: %s", kind, exc)
         return
@@ -136,6 +139,19 @@ def _ssd_check(store: Store, task: dict[str, Any]) -> None:
         store._hb_rpc.call(
             "report", segment="", kind="ssd_corrupt", key=task["key"], gen=task["gen"], path=task["path"]
         )
+
+
+def _ssd_sweep(store: Store) -> None:
+    """Remove the files of our SSD directory no SSD copy has (:func:`sweep_ssd_dir`)."""
+
+    def unknown(names: list[str]) -> tuple[list[str], float]:
+        reply = store._hb_rpc.call("ssd_known", names=names)
+        return list(reply["unknown"]), float(reply["grace_s"])
+
+    if store.config.ssd_dir:
+        n = sweep_ssd_dir(store.config.ssd_dir, unknown, min(SWEEP_BATCH, store._max_batch))
+        if n:
+            log.info("removed %d files of the SSD tier that no copy has", n)
 
 
 def _unlink(path: str) -> None:

@@ -298,6 +298,7 @@ class Upkeep(_Base):
                 if ok:
                     owner = self.clients.get(cid)
                     obj.ssd = SsdCopy(cid, task["path"], result["checksum"], owner.host_id if owner else "")
+                    self._ssd_names.add(os.path.basename(task["path"]))
                     if owner is not None:
                         owner.ssd_objs.add(obj)
                     self._spilled.add(obj)  # memory freed once no lease holds it
