@@ -77,3 +77,48 @@ def test_batch_gpu_put_get(gpu_cluster: tuple[MasterProcess, StorageProcess]) ->
     finally:
         st.remove_all()
         st.close()
+
+
+def test_batch_gpu_get_under_a_hung_stream_ends_at_the_timeout(
+    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched get into GPU memory whose CUDA IPC run never finishes (a hung stream: its event
+    does not complete until the test lets it) ends about ``transfer_timeout_s`` later with a
+    typed error; the data path waited for the stream forever."""
+    import threading
+    import time
+
+    from kvpool.errors import KvpoolError
+    from kvpool.transfer.cuda_ipc import CudaIpcTransport
+
+    drv = load_driver()
+    st = Store.connect(
+        master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5
+    )
+    release = threading.Event()
+    try:
+        n, blk = 4, 1 << 20  # big values: DMA between the GPU and the segment (small ones are staged)
+        src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
+        st.register_buffer(src, n * blk, location="cuda:0")
+        st.register_buffer(dst, n * blk, location="cuda:0")
+        keys = [f"hung-{k}" for k in range(n)]
+        assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
+        ipc = next(t for t in st.engine._transports if isinstance(t, CudaIpcTransport))
+        real_sync = ipc.driver.event_sync
+
+        def hung(event: int) -> None:
+            release.wait(20)  # the old code waited here until the test let it go
+            real_sync(event)
+
+        monkeypatch.setattr(ipc.driver, "event_sync", hung)
+        t0 = time.monotonic()
+        try:
+            got = st.batch_get_into(keys, [dst + k * blk for k in range(n)], [blk] * n)
+        except KvpoolError:
+            got = None
+        assert time.monotonic() - t0 < 8
+        assert got is None or all(g != blk for g in got), got  # nothing reported read
+    finally:
+        release.set()
+        st.remove_all()
+        st.close()

@@ -177,7 +177,7 @@ class DataPath:
                 eng.submit_transfer(bid, reqs)
             except KvpoolError as exc:  # one failed validation: find which, do the rest
                 return self._settled(bid, len(reqs), exc, lambda i: self._one(reqs[i]))
-            if eng.wait_batch(bid).state == TransferState.COMPLETED:
+            if eng._wait_sync(bid).state == TransferState.COMPLETED:  # TransferTimeout: a hung GPU stream
                 return [True] * len(reqs)
             return [eng.get_transfer_status(bid, i).ok for i in range(len(reqs))]
         finally:
@@ -199,7 +199,7 @@ class DataPath:
                 eng._submit(bid, cols)  # the columns as they are: type-correct by construction
             except KvpoolError as exc:  # one failed validation: find which, do the rest
                 return self._settled(bid, n, exc, lambda i: self._sync_col(cols, handles, i))
-            if eng.wait_batch(bid).state == TransferState.COMPLETED:
+            if eng._wait_sync(bid).state == TransferState.COMPLETED:  # TransferTimeout: a hung GPU stream
                 return [True] * n
             return [eng.get_transfer_status(bid, i).ok for i in range(n)]
         finally:
