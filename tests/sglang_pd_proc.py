@@ -131,7 +131,7 @@ def prefill(port: int, scenario: str) -> None:
         for r in sorted(pending):
             s = senders[r].poll()
             if s == KVPoll.WaitingForInput and r not in started:
-                if scenario == "abort-inflight":  # the test stops the decode, then says go
+                if scenario in ("abort-inflight", "auth"):  # the test acts (stops the decode), then says go
                     out(event="waiting-go", room=r)
                     while not os.path.exists(os.environ["KVPOOL_TEST_GO"]):
                         time.sleep(0.01)
@@ -153,7 +153,8 @@ def prefill(port: int, scenario: str) -> None:
                         senders[r].failure_exception()
                     except Exception as exc:  # noqa: BLE001 - KVTransferError carries the reason
                         reason = str(exc)
-                out(event="done", room=r, status=int(s), reason=reason, calls=mgr.transfer_calls)
+                out(event="done", room=r, status=int(s), reason=reason, calls=mgr.transfer_calls,
+                    dropped=dict(mgr.control_auth.dropped))  # fmt: skip
                 pending.discard(r)
         time.sleep(0.01)
     # abort-inflight: the room failed at the abort, its WRITE still runs; stay up until it drained.
@@ -175,7 +176,7 @@ def decode(port: int, scenario: str, bad: bool) -> None:
         rooms = {9: 4}
     rng = np.random.default_rng(5)
     dst_pages = {r: pages(rng, n, 50) for r, n in rooms.items()}
-    out(event="dst", pages={r: p.tolist() for r, p in dst_pages.items()})
+    out(event="dst", pages={r: p.tolist() for r, p in dst_pages.items()}, rank_port=mgr.rank_port)
     receivers = {}
     for r in rooms:
         m = mgr
@@ -200,7 +201,8 @@ def decode(port: int, scenario: str, bad: bool) -> None:
                         receivers[r].failure_exception()
                     except Exception as exc:  # noqa: BLE001
                         reason = str(exc)
-                res = dict(event="done", room=r, status=int(s), reason=reason, t=time.monotonic() - t0)
+                res = dict(event="done", room=r, status=int(s), reason=reason, t=time.monotonic() - t0,
+                           dropped=dict(mgr.control_auth.dropped))  # fmt: skip
                 if s == KVPoll.Success:
                     res["kv"] = digests(bufs, dst_pages[r], item)
                     res["aux"] = [bytes(a[5 * n : 6 * n]).hex() for a, n in zip(aux, AUX_ITEMS, strict=True)]

@@ -1,6 +1,7 @@
 """SGLang 0.5.23 P/D through the kvpool backend: plugin registration, a two-process
 prefill->decode transfer with SGLang's own KVArgs/bootstrap server/Common* classes (every byte
-verified), aborts, TP mismatch, a prefill killed mid-transfer and a bad bootstrap address."""
+verified), aborts, TP mismatch, control-message authentication, a prefill killed mid-transfer
+and a bad bootstrap address."""
 
 from __future__ import annotations
 
@@ -174,6 +175,95 @@ def test_an_abort_is_acked_only_after_the_write_in_flight_finished(
         push.close(0)
         acks.close(0)
         ctx.term()
+
+
+def test_control_messages_are_authenticated_with_a_secret(
+    roles: list[Role], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With KVPOOL_SECRET both managers sign every control message and drop what is unsigned,
+    signed with another secret or replayed: a forged ABORT of a live room and a forged Failed
+    status to the decode change nothing; the signed registration, metadata, status, an ABORT
+    signed by this test and its ABORT_ACK work."""
+    import zmq
+
+    from kvpool.connectors.sglang.control_auth import ControlAuth
+
+    secret = "pd-control-secret"
+    go = tmp_path / "go"
+    monkeypatch.setenv("KVPOOL_SECRET", secret)
+    monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
+    port = free_port()
+    p = Role("prefill", port, "auth")
+    roles.append(p)
+    src = p.wait_for("src")
+    rank_port = p.wait_for("ready")["rank_port"]
+    d = Role("decode", port, "auth")
+    roles.append(d)
+    decode_port = d.wait_for("dst")["rank_port"]
+    p.wait_for("waiting-go", room=1)  # the decode's signed registration and metadata were accepted
+    auth, forger = ControlAuth(secret), ControlAuth("another secret")
+    ctx = zmq.Context()
+    acks = ctx.socket(zmq.PULL)
+    ack_port = acks.bind_to_random_port("tcp://127.0.0.1")
+    to_prefill, to_decode = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    to_prefill.connect(f"tcp://127.0.0.1:{rank_port}")
+    to_decode.connect(f"tcp://127.0.0.1:{decode_port}")
+
+    def abort(room: int, generation: int) -> list[bytes]:
+        return [b"ABORT", str(room).encode(), b"127.0.0.1", str(ack_port).encode(), str(generation).encode()]
+
+    try:
+        to_prefill.send_multipart(abort(1, 1))  # unsigned
+        to_prefill.send_multipart(forger.seal(abort(1, 2)))  # signed with another secret
+        to_decode.send_multipart([b"1", b"0", b"0", b"forged failure"])  # unsigned status: Failed
+        signed = auth.seal(abort(99, 3))
+        to_prefill.send_multipart(signed)
+        assert acks.poll(20000) != 0
+        # The first ack is the signed ABORT's (no forged one was acted on), and it is signed.
+        assert auth.open(acks.recv_multipart()) == [b"ABORT_ACK", b"99", b"0", b"3"]
+        to_prefill.send_multipart(signed)  # replayed
+        assert acks.poll(2000) == 0
+        go.touch()
+        got = d.wait_for("done", room=1)
+        assert got["status"] == SUCCESS, got["reason"]
+        assert got["kv"] == src["kv"]["1"] and got["aux"] == src["aux"]
+        assert got["dropped"] == {"unsigned": 1}
+        done = p.wait_for("done", room=1)
+        assert done["status"] == SUCCESS
+        assert done["dropped"] == {"unsigned": 1, "bad MAC": 1, "replayed": 1}
+    finally:
+        for s in (to_prefill, to_decode, acks):
+            s.close(0)
+        ctx.term()
+
+
+def test_control_auth_freshness_and_bounds() -> None:
+    """The replay window (reordering passes, a repeat or a counter too far behind does not), the
+    time window, the bounded sender table, and no checks without a secret."""
+    from kvpool.connectors.sglang.control_auth import REPLAY_WINDOW, ControlAuth
+
+    now = [1000.0]
+    a = ControlAuth("s", window_s=10, clock=lambda: now[0])
+    b = ControlAuth("s", window_s=10, clock=lambda: now[0], max_senders=2)
+    msgs = [a.seal([b"T", str(i).encode()]) for i in range(REPLAY_WINDOW + 3)]
+    assert b.open(msgs[2]) == [b"T", b"2"]
+    assert b.open(msgs[0]) == [b"T", b"0"]  # reordered: still inside the window
+    assert b.open(msgs[0]) is None and b.open(msgs[2]) is None  # replays
+    assert b.open(msgs[-1]) is not None
+    assert b.open(msgs[1]) is None  # more than REPLAY_WINDOW behind the highest counter
+    tampered = list(msgs[5])
+    tampered[1] = b"X"
+    assert b.open(tampered) is None
+    assert b.open(msgs[5][:-1]) is None  # trailer stripped
+    now[0] += 11
+    assert b.open(msgs[6]) is None  # stale
+    assert b.dropped == {"replayed": 3, "bad MAC": 1, "unsigned": 1, "stale (clock skew or replay)": 1}
+    others = [ControlAuth("s", clock=lambda: now[0]) for _ in range(3)]
+    for o in others:
+        assert b.open(o.seal([b"T"])) == [b"T"]
+    assert len(b._seen) == 2  # the longest silent sender was forgotten
+    plain = ControlAuth(None)
+    assert plain.seal([b"T"]) == [b"T"] and plain.open([b"T", b"x" * 56]) == [b"T", b"x" * 56]
 
 
 def test_prefill_killed_mid_transfer_fails_decode_with_reason(roles: list[Role]) -> None:

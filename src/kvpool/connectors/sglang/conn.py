@@ -12,7 +12,10 @@ heartbeats and aborts come from them); kvpool adds the data path:
   layer's K and V, contiguous page runs merged into single requests (runs contiguous on both
   sides), plus the aux rows on the last chunk; the status (with the failure reason) goes back to
   the decode over the control socket;
-* transfers run on background worker threads; ``poll()`` only reads status.
+* transfers run on background worker threads; ``poll()`` only reads status;
+* with a cluster secret (``KVPOOL_SECRET``) every control message is signed and checked
+  (:mod:`kvpool.connectors.sglang.control_auth`): unsigned, forged, stale and replayed ones are
+  dropped, never acted on;
 
 Equal attention-TP sizes are required on both sides for non-MLA models (no head slicing): a
 mismatch fails the request with a message saying so. State buffers (Mamba/SWA/DSA) are not
@@ -30,6 +33,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_ACK_TAG,
@@ -46,6 +50,7 @@ from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvpool.config import TransferConfig
+from kvpool.connectors.sglang.control_auth import ControlAuth
 from kvpool.errors import KvpoolError, ProtocolUnavailable
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -120,6 +125,8 @@ class KvpoolKVManager(CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.engine = _engine(self.local_ip)
         self.session_id = self.engine.segment_name
+        # The transfer engine's secret (KVPOOL_SECRET) also signs the control messages.
+        self.control_auth = ControlAuth(self.engine.config.secret)
         self._registered: list[int] = []
         self.register_buffer_to_engine()
         self.transfer_calls = 0
@@ -238,8 +245,39 @@ class KvpoolKVManager(CommonKVManager):
         return [META_TAG, msgpack.packb(body)]
 
     # ------------------------------------------------------------------ prefill: control thread
+    def _control_recv(self) -> Any:
+        """The control threads' recv: SGLang's (blocking, or polling with role switching), then
+        the signature check (None: nothing to act on), then SGLang's deferred-bootstrap hook."""
+        sock = self.server_socket
+        if self.server_args.enable_pd_role_switch:
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+
+            def raw() -> list[bytes] | None:
+                return sock.recv_multipart() if poller.poll(500) else None
+        else:
+            raw = sock.recv_multipart
+
+        def recv() -> list[bytes] | None:
+            msg = raw()
+            if msg is None:
+                return None
+            msg = self.control_auth.open(msg)
+            if msg is None or (self.deferred_bootstrap is not None and self._handle_bootstrap_message(msg)):
+                return None
+            return msg
+
+        return recv
+
+    def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False) -> None:
+        """SGLang's send of a status/ABORT_ACK/CHUNK_READY message, signed under the socket's lock
+        (so the counters on one socket increase)."""
+        sock = self._connect(endpoint, is_ipv6=is_ipv6)
+        with self._socket_send_locks[endpoint]:
+            sock.send_multipart(self.control_auth.seal(parts))
+
     def _prefill_control(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
+        recv = self._control_recv()
         while True:
             try:
                 msg = recv()
@@ -479,7 +517,7 @@ class KvpoolKVManager(CommonKVManager):
 
     # ------------------------------------------------------------------ decode: control thread
     def _decode_control(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
+        recv = self._control_recv()
         while True:
             try:
                 msg = recv()
@@ -500,8 +538,30 @@ class KvpoolKVSender(CommonKVSender):
     """SGLang's common sender; chunks go to :meth:`KvpoolKVManager.add_transfer_request`."""
 
 
+class _SigningSocket:
+    """A cached PUSH socket of SGLang's receiver that signs each message it sends (SGLang sends
+    under the socket's lock)."""
+
+    def __init__(self, sock: Any, auth: ControlAuth) -> None:
+        self._sock = sock
+        self._auth = auth
+
+    def send_multipart(self, frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
+        return self._sock.send_multipart(self._auth.seal(frames), *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class KvpoolKVReceiver(CommonKVReceiver):
-    """SGLang's common receiver (bootstrap lookup, metadata, heartbeats, abort)."""
+    """SGLang's common receiver (bootstrap lookup, metadata, heartbeats, abort); what it sends to a
+    prefill rank (registration, metadata, BOOTSTRAP, ABORT) is signed with its manager's key."""
+
+    def _connect_to_bootstrap_server(self, bootstrap_info: dict) -> tuple[Any, Any]:  # type: ignore[override]
+        """Called by SGLang's receiver for every message to a prefill rank."""
+        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
+        auth = getattr(self.kv_mgr, "control_auth", None)
+        return (_SigningSocket(sock, auth), lock) if auth is not None and auth.enabled else (sock, lock)
 
 
 class KvpoolKVBootstrapServer(CommonKVBootstrapServer):

@@ -1,0 +1,166 @@
+"""Authentication of the SGLang P/D backend's ZMQ control messages (no SGLang import).
+
+The prefill and decode managers talk over ZMQ PUSH/PULL sockets that anyone who reaches the port
+can send to: a decode's registration names the segment and memory a prefill then WRITEs into, its
+metadata names destination pages, an ABORT fails a room, a status message makes a decode compute
+with the KV it believes arrived. With a cluster secret (``KVPOOL_SECRET``, the transfer engine's
+``secret``) every message carries one trailing frame of :data:`TRAILER_LEN` bytes::
+
+    sender (8 random bytes, one per manager) | counter (u64 BE) | time (u64 BE, ms since epoch) | mac (32)
+    mac = HMAC-SHA256(key, sender | counter | time | for each frame: len (u64 BE) | frame)
+    key = HMAC-SHA256(secret, "kvpool-sglang-pd-control-v1")
+
+A receiver drops (counts, logs at most every 10 s, never acts on) a message whose trailer is
+missing or whose MAC is wrong, whose time is more than ``window_s`` from its own clock (replays
+after a receiver restart; hosts need clocks within ``window_s``), or whose counter it has already
+accepted from that sender or is more than :data:`REPLAY_WINDOW` behind the highest one (replays;
+a sliding window as IPsec's, so messages reordered across threads or sockets still pass). The
+table of senders is bounded: a sender silent for ``2 * window_s`` is forgotten (its old messages
+are stale by then) and beyond ``max_senders`` the longest silent one is. Without a secret messages
+go unsigned and unchecked (logged once per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger("kvpool.connectors.sglang")
+
+PURPOSE = b"kvpool-sglang-pd-control-v1"
+TRAILER_LEN = 8 + 8 + 8 + 32
+REPLAY_WINDOW = 1024
+_HEADER = struct.Struct(">8sQQ")
+_LEN = struct.Struct(">Q")
+_warned_unauthenticated = False
+
+
+class Throttle:
+    """Lets a log line through at most once per ``interval_s`` (callers count what it hides)."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval_s
+        return True
+
+
+class ControlAuth:
+    """Signs outgoing and checks incoming control messages of one manager.
+
+    :meth:`seal` is called by any thread that sends (under the socket's send lock, so one socket
+    carries increasing counters); :meth:`open` by the manager's one control thread.
+    """
+
+    def __init__(
+        self,
+        secret: str | None,
+        *,
+        window_s: float | None = None,
+        max_senders: int = 65536,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.enabled = bool(secret)
+        key = (secret or "").encode("utf-8", "surrogatepass")
+        self._key = hmac.new(key, PURPOSE, hashlib.sha256).digest()
+        if window_s is None:
+            window_s = float(os.environ.get("KVPOOL_SGLANG_AUTH_WINDOW_S", "120"))
+        self.window_ms = int(window_s * 1000)
+        self.max_senders = max_senders
+        self._clock = clock
+        self._sender = os.urandom(8)
+        self._counter = 0
+        self._lock = threading.Lock()
+        # sender -> (highest counter, bitmap of the REPLAY_WINDOW counters below it, receive time ms)
+        self._seen: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
+        self.dropped: Counter[str] = Counter()
+        self._throttle = Throttle()
+        global _warned_unauthenticated
+        if not self.enabled and not _warned_unauthenticated:
+            _warned_unauthenticated = True
+            log.warning(
+                "kvpool SGLang backend: the P/D control socket is unauthenticated (no KVPOOL_SECRET): "
+                "anyone who reaches it can register destinations for KV writes and abort rooms"
+            )
+
+    def _mac(self, header: bytes, frames: Sequence[bytes]) -> bytes:
+        h = hmac.new(self._key, header, hashlib.sha256)
+        for f in frames:
+            h.update(_LEN.pack(len(f)))
+            h.update(f)
+        return h.digest()
+
+    def seal(self, frames: Sequence[bytes]) -> list[bytes]:
+        """``frames`` plus the trailer (unchanged without a secret)."""
+        frames = [bytes(f) for f in frames]
+        if not self.enabled:
+            return frames
+        with self._lock:
+            self._counter += 1
+            counter = self._counter
+        header = _HEADER.pack(self._sender, counter, int(self._clock() * 1000))
+        return [*frames, header + self._mac(header, frames)]
+
+    def open(self, frames: Sequence[bytes]) -> list[bytes] | None:
+        """The message without its trailer, or None when it must be dropped (counted and logged)."""
+        frames = list(frames)
+        if not self.enabled:
+            return frames
+        if len(frames) < 2 or len(frames[-1]) != TRAILER_LEN:
+            return self._drop("unsigned")
+        trailer, body = bytes(frames[-1]), [bytes(f) for f in frames[:-1]]
+        header, mac = trailer[: _HEADER.size], trailer[_HEADER.size :]
+        if not hmac.compare_digest(mac, self._mac(header, body)):
+            return self._drop("bad MAC")
+        sender, counter, sent_ms = _HEADER.unpack(header)
+        now_ms = int(self._clock() * 1000)
+        if abs(now_ms - sent_ms) > self.window_ms:
+            return self._drop("stale (clock skew or replay)")
+        prev = self._seen.get(sender)
+        if prev is None:
+            top, bits = counter, 1
+            self._forget(now_ms)
+        else:
+            top, bits, _ = prev
+            if counter > top:
+                shift = counter - top
+                bits = ((bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+                top = counter
+            elif top - counter >= REPLAY_WINDOW or (bits >> (top - counter)) & 1:
+                return self._drop("replayed")
+            else:
+                bits |= 1 << (top - counter)
+        self._seen[sender] = (top, bits, now_ms)
+        self._seen.move_to_end(sender)
+        return body
+
+    def _forget(self, now_ms: int) -> None:
+        """Before a new sender is added: drop senders silent for 2 windows, and the longest silent
+        ones beyond ``max_senders``."""
+        while self._seen:
+            sender, (_, _, last_ms) = next(iter(self._seen.items()))
+            if now_ms - last_ms <= 2 * self.window_ms and len(self._seen) < self.max_senders:
+                break
+            del self._seen[sender]
+
+    def _drop(self, why: str) -> None:  # returns None: the caller's "drop it"
+        self.dropped[why] += 1
+        if self._throttle.ready():
+            log.warning(
+                "kvpool SGLang backend: dropped unauthenticated control message(s) (%s); so far: %s",
+                why,
+                dict(self.dropped),
+            )
+        return None
