@@ -109,7 +109,7 @@ print(args.disaggregation_transfer_backend, b.name, *names, prefill.get_kv_class
     ]
 
 
-def test_prefill_to_decode_transfer_abort_and_tp_mismatch(roles: list[Role]) -> None:
+def test_prefill_to_decode_transfer_abort_tp_mismatch_and_short_destination(roles: list[Role]) -> None:
     port = free_port()
     p = Role("prefill", port, "main")
     roles.append(p)
@@ -117,6 +117,11 @@ def test_prefill_to_decode_transfer_abort_and_tp_mismatch(roles: list[Role]) -> 
     d = Role("decode", port, "main")
     roles.append(d)
     src = p.wait_for("src")
+    # Room 4: the decode gave 12 destination pages for 16: the room fails on both sides with the
+    # reason (a transfer of 12 pages reported as success left the decode computing without 4).
+    d4, p4 = d.wait_for("done", room=4), p.wait_for("done", room=4)
+    assert d4["status"] == FAILED and "too few for the prefill's chunk of 16 pages" in d4["reason"]
+    assert p4["status"] == FAILED and "12 destination pages" in p4["reason"]
     got = d.wait_for("done", room=1)
     assert got["status"] == SUCCESS, got["reason"]
     # Every byte of every page of every layer's K and V buffer, and both aux rows, arrived.

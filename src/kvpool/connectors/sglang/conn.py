@@ -16,6 +16,8 @@ heartbeats and aborts come from them); kvpool adds the data path:
 * with a cluster secret (``KVPOOL_SECRET``) every control message is signed and checked
   (:mod:`kvpool.connectors.sglang.control_auth`): unsigned, forged, stale and replayed ones are
   dropped, never acted on;
+* a chunk whose pages the decode's destination list does not cover fails the room (a transfer
+  never reports success with pages missing).
 
 Equal attention-TP sizes are required on both sides for non-MLA models (no head slicing): a
 mismatch fails the request with a message saying so. State buffers (Mamba/SWA/DSA) are not
@@ -456,7 +458,7 @@ class KvpoolKVManager(CommonKVManager):
                 failure_reason="kvpool backend does not transfer state (Mamba/SWA/DSA) buffers",
             )
             return
-        targets = []
+        plan = []
         for info in list(self.transfer_infos.get(room, {}).values()):
             if info.is_dummy:
                 continue
@@ -468,8 +470,22 @@ class KvpoolKVManager(CommonKVManager):
                 self.conclude_failure(bootstrap_room=room, failure_reason=peer.incompatible)
                 return
             dst = info.dst_kv_indices[chunk.index_slice]
-            src = chunk.kv_indices[: len(dst)]
-            cols = self._page_columns(peer, src, dst)
+            if len(dst) != len(chunk.kv_indices):
+                # Writing fewer pages and reporting success would let the decode compute with
+                # missing KV: the room fails before anything of this chunk is written.
+                self.conclude_failure(
+                    bootstrap_room=room,
+                    failure_reason=(
+                        f"kvpool: decode {info.session} gave {len(info.dst_kv_indices)} destination pages "
+                        f"for room {room}, too few for the prefill's chunk of {len(chunk.kv_indices)} "
+                        f"pages ({len(dst)} destinations for it)"
+                    ),
+                )
+                return
+            plan.append((info, peer, dst))
+        targets = []
+        for info, peer, dst in plan:
+            cols = self._page_columns(peer, chunk.kv_indices, dst)
             if chunk.is_last and chunk.aux_index is not None and info.dst_aux_index is not None:
                 self._aux_columns(peer, chunk.aux_index, info.dst_aux_index, cols)
             if cols[0]:
