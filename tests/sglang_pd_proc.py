@@ -4,7 +4,7 @@ plugin, kvpool's manager/sender/receiver, KV laid out as SGLang's MHATokenToKVPo
 (per layer one K and one V buffer of ``(pages * page_size, kv_heads, head_dim)`` bf16, one page
 per ``item_len``) plus aux rows. Prints JSON lines.
 
-    python tests/sglang_pd_proc.py prefill|decode|decode-badaddr <bootstrap_port> <scenario>
+    python tests/sglang_pd_proc.py prefill|prefill-bounds|decode|decode-badaddr <bootstrap_port> <scenario>
 """
 
 from __future__ import annotations
@@ -165,6 +165,62 @@ def prefill(port: int, scenario: str) -> None:
     server.close()
 
 
+def prefill_bounds(port: int) -> None:
+    """A prefill whose control socket gets metadata over ZMQ from here, as decode ranks send it,
+    under small room bounds (KVPOOL_SGLANG_MAX_ROOMS, KVPOOL_SGLANG_ROOM_TTL_S from the test); the
+    Failed statuses it sends back come to a socket of this process. Prints one "bounds" event."""
+    import msgpack
+    import zmq
+
+    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
+    server = get_kv_class(backend, T.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    mgr = mgr_cls(kv_args(), Mode.PREFILL, sa, False)
+    # A request of this prefill holds room 100.
+    get_kv_class(backend, T.SENDER)(mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=100)
+    ctx = zmq.Context()
+    status = ctx.socket(zmq.PULL)
+    status_port = status.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{mgr.rank_port}")
+
+    def meta(room: int, session: str, need: int = 1) -> None:
+        kv = np.arange(4, dtype=np.int32).tobytes()
+        body = {"room": room, "ip": "127.0.0.1", "port": status_port, "session": session, "need": need,
+                "dummy": False, "kv": kv, "aux": None, "prefix": 0}  # fmt: skip
+        push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
+
+    def statuses(n: int) -> list:
+        """(room, status, reason) of the next n status messages (fewer when none comes in 10 s)."""
+        got = []
+        while len(got) < n and status.poll(10000):
+            m = status.recv_multipart()
+            got.append([int(m[0]), int(m[1]), m[3].decode()])
+        return got
+
+    res: dict = {}
+    for session in ("s0", "s1", "s2", "s3"):  # room 50 needs 2 decode ranks
+        meta(50, session, need=2)
+    res["sessions"] = statuses(2)
+    res["room50"] = sorted(mgr.transfer_infos.get(50, {}))
+    for room in (100, 101, 102, 103, 104):
+        meta(room, "s0")
+    res["rooms_refused"] = statuses(2)
+    res["rooms"] = sorted(mgr.transfer_infos)
+    time.sleep(float(os.environ["KVPOOL_SGLANG_ROOM_TTL_S"]) + 0.5)
+    meta(300, "s0")
+    t0 = time.monotonic()
+    while 300 not in mgr.transfer_infos and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    res["after_ttl"] = sorted(mgr.transfer_infos)
+    res["status_after_ttl"] = sorted(mgr.request_status)
+    rooms = getattr(mgr, "rooms", None)
+    res["refused"], res["evicted"] = (rooms.refused, rooms.evicted) if rooms else (0, 0)
+    out(event="bounds", **res)
+    push.close(0)
+    status.close(0)
+    server.close()
+
+
 def decode(port: int, scenario: str, bad: bool) -> None:
     from sglang.srt.disaggregation.base import KVPoll
 
@@ -218,5 +274,7 @@ if __name__ == "__main__":
     role, port, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if role == "prefill":
         prefill(port, scenario)
+    elif role == "prefill-bounds":
+        prefill_bounds(port)
     else:
         decode(port, scenario, bad=role == "decode-badaddr")

@@ -242,6 +242,28 @@ def test_control_messages_are_authenticated_with_a_secret(
         ctx.term()
 
 
+def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata beyond a room's decode ranks, beyond the room limit, and rooms no request claims
+    within the TTL: refused (the decode rank gets Failed with the reason) or dropped, never kept."""
+    monkeypatch.setenv("KVPOOL_SGLANG_MAX_ROOMS", "4")
+    monkeypatch.setenv("KVPOOL_SGLANG_ROOM_TTL_S", "2")
+    p = Role("prefill-bounds", free_port(), "bounds")
+    roles.append(p)
+    got = p.wait_for("bounds")
+    # Room 50 needs 2 decode ranks: a third and a fourth session are refused.
+    assert got["room50"] == ["s0", "s1"]
+    assert [s[:2] for s in got["sessions"]] == [[50, FAILED]] * 2
+    assert all("room 50 already has its 2 decode destinations" in s[2] for s in got["sessions"])
+    # At most 4 rooms: 103 and 104 refused.
+    assert got["rooms"] == [50, 100, 101, 102]
+    assert [s[:2] for s in got["rooms_refused"]] == [[103, FAILED], [104, FAILED]]
+    assert all("KVPOOL_SGLANG_MAX_ROOMS" in s[2] for s in got["rooms_refused"])
+    # After the TTL the rooms no request holds are dropped; room 100 (held by a request) stays.
+    assert got["after_ttl"] == [100, 300]
+    assert got["status_after_ttl"] == [100, 300]  # the status complete metadata gave them went too
+    assert got["refused"] == 4 and got["evicted"] == 3
+
+
 def test_control_auth_freshness_and_bounds() -> None:
     """The replay window (reordering passes, a repeat or a counter too far behind does not), the
     time window, the bounded sender table, and no checks without a secret."""

@@ -16,6 +16,8 @@ heartbeats and aborts come from them); kvpool adds the data path:
 * with a cluster secret (``KVPOOL_SECRET``) every control message is signed and checked
   (:mod:`kvpool.connectors.sglang.control_auth`): unsigned, forged, stale and replayed ones are
   dropped, never acted on;
+* what a prefill keeps per room is bounded (:mod:`kvpool.connectors.sglang.rooms`): metadata
+  beyond the bounds is refused and its decode rank told so;
 * a chunk whose pages the decode's destination list does not cover fails the room (a transfer
   never reports success with pages missing).
 
@@ -50,9 +52,11 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
 
 from kvpool.config import TransferConfig
-from kvpool.connectors.sglang.control_auth import ControlAuth
+from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket
+from kvpool.connectors.sglang.rooms import RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -139,6 +143,8 @@ class KvpoolKVManager(CommonKVManager):
             self._room_lock = threading.Lock()
             self._in_flight: dict[int, int] = {}
             self._acks_waiting: dict[int, dict[tuple[str, int], AckTarget]] = {}
+            waited = max(self.bootstrap_timeout, envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+            self.rooms = RoomTable.from_env(self.transfer_infos, self._drop_room, waited)
             n = max(1, int(os.environ.get("KVPOOL_SGLANG_WORKERS", "2")))
             self._queues: list[queue.Queue[Chunk | None]] = [queue.Queue() for _ in range(n)]
             threading.Thread(target=self._prefill_control, name="kvpool-sgl-ctl", daemon=True).start()
@@ -248,26 +254,16 @@ class KvpoolKVManager(CommonKVManager):
 
     # ------------------------------------------------------------------ prefill: control thread
     def _control_recv(self) -> Any:
-        """The control threads' recv: SGLang's (blocking, or polling with role switching), then
-        the signature check (None: nothing to act on), then SGLang's deferred-bootstrap hook."""
-        sock = self.server_socket
-        if self.server_args.enable_pd_role_switch:
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-
-            def raw() -> list[bytes] | None:
-                return sock.recv_multipart() if poller.poll(500) else None
-        else:
-            raw = sock.recv_multipart
+        """The control threads' recv: SGLang's (polling with role switching, so that a teardown is
+        seen), the signature check, SGLang's deferred-bootstrap hook; None: nothing to act on."""
+        sock, auth, wait = self.server_socket, self.control_auth, self.server_args.enable_pd_role_switch
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
 
         def recv() -> list[bytes] | None:
-            msg = raw()
-            if msg is None:
-                return None
-            msg = self.control_auth.open(msg)
-            if msg is None or (self.deferred_bootstrap is not None and self._handle_bootstrap_message(msg)):
-                return None
-            return msg
+            msg = auth.open(sock.recv_multipart()) if not wait or poller.poll(500) else None
+            hook = msg is not None and self.deferred_bootstrap is not None
+            return None if hook and self._handle_bootstrap_message(msg) else msg
 
         return recv
 
@@ -340,6 +336,10 @@ class KvpoolKVManager(CommonKVManager):
             decode_prefix_len=int(b["prefix"]),
             is_dummy=bool(b["dummy"]),
         )
+        refused = self.rooms.admit(room, info.session, info.required_dst_info_num)
+        if refused:
+            self._refuse(info, refused)
+            return
         with self._peer_lock:
             peer = self.peers.get(info.session)
         if peer is not None and peer.incompatible and not info.is_dummy:
@@ -351,6 +351,28 @@ class KvpoolKVManager(CommonKVManager):
         if len(infos) == info.required_dst_info_num:
             self.req_to_decode_prefix_len[room] = info.decode_prefix_len
             self.update_status(room, KVPoll.WaitingForInput)
+
+    def _drop_room(self, room: int) -> None:
+        """What SGLang keeps for a room no sender holds (metadata made it WaitingForInput), when
+        :class:`RoomTable` drops it for its age (control thread)."""
+        self.transfer_infos.pop(room, None)
+        self.req_to_decode_prefix_len.pop(room, None)
+        self.request_status.pop(room, None)
+        with self.failure_lock:
+            self.failure_records.pop(room, None)
+
+    def _refuse(self, info: TransferInfo, reason: str) -> None:
+        """Metadata the room bounds refused (:mod:`kvpool.connectors.sglang.rooms`): its decode rank
+        fails the room with the reason (and so does this prefill when a request of it holds a room
+        it could not store)."""
+        reason = f"kvpool: metadata refused: {reason}"
+        target = [(info.endpoint, info.dst_port)]
+        if info.room not in self.transfer_infos and info.room in self.request_status:
+            self.conclude_failure(bootstrap_room=info.room, failure_reason=reason, targets=target)
+        else:
+            self.send_kv_status_message(
+                targets=target, bootstrap_room=info.room, status=KVPoll.Failed, failure_reason=reason
+            )
 
     def _on_abort(self, msg: list[bytes]) -> None:
         n = AbortNotification.from_zmq(msg)
@@ -553,20 +575,17 @@ class KvpoolKVManager(CommonKVManager):
 class KvpoolKVSender(CommonKVSender):
     """SGLang's common sender; chunks go to :meth:`KvpoolKVManager.add_transfer_request`."""
 
+    def __init__(self, mgr: KvpoolKVManager, *args: Any, **kwargs: Any) -> None:
+        """Created by SGLang's prefill scheduler for each request: the room is held (its
+        destinations are never dropped for their age)."""
+        super().__init__(mgr, *args, **kwargs)
+        mgr.rooms.claim(self.bootstrap_room)
 
-class _SigningSocket:
-    """A cached PUSH socket of SGLang's receiver that signs each message it sends (SGLang sends
-    under the socket's lock)."""
-
-    def __init__(self, sock: Any, auth: ControlAuth) -> None:
-        self._sock = sock
-        self._auth = auth
-
-    def send_multipart(self, frames: list[bytes], *args: Any, **kwargs: Any) -> Any:
-        return self._sock.send_multipart(self._auth.seal(frames), *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
+    def clear(self) -> None:
+        """Called by SGLang's prefill scheduler when the request is done: SGLang drops what it kept
+        for the room; so does the room table."""
+        super().clear()
+        self.kv_mgr.rooms.forget(self.bootstrap_room)
 
 
 class KvpoolKVReceiver(CommonKVReceiver):
@@ -577,7 +596,7 @@ class KvpoolKVReceiver(CommonKVReceiver):
         """Called by SGLang's receiver for every message to a prefill rank."""
         sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
         auth = getattr(self.kv_mgr, "control_auth", None)
-        return (_SigningSocket(sock, auth), lock) if auth is not None and auth.enabled else (sock, lock)
+        return (SigningSocket(sock, auth), lock) if auth is not None and auth.enabled else (sock, lock)
 
 
 class KvpoolKVBootstrapServer(CommonKVBootstrapServer):

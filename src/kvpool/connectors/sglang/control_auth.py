@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("kvpool.connectors.sglang")
 
@@ -164,3 +165,18 @@ class ControlAuth:
                 dict(self.dropped),
             )
         return None
+
+
+class SigningSocket:
+    """Wraps a cached PUSH socket of SGLang's receiver so that each message it sends is signed
+    (SGLang's receiver sends under the socket's lock, so one socket carries increasing counters)."""
+
+    def __init__(self, sock: Any, auth: ControlAuth) -> None:
+        self._sock = sock
+        self._auth = auth
+
+    def send_multipart(self, frames: Sequence[bytes], *args: Any, **kwargs: Any) -> Any:
+        return self._sock.send_multipart(self._auth.seal(frames), *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)

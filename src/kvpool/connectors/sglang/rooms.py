@@ -1,0 +1,130 @@
+"""Bounds of what a prefill rank of the SGLang P/D backend keeps per room (no SGLang import).
+
+SGLang's ``transfer_infos`` maps a room to its decode destinations (one per decode rank, keyed by
+session). Entries come from the decode's metadata messages; the request's sender drops the room
+when done. Metadata for rooms this prefill never serves (a request that never reached it, a late
+message after the room was cleared) and sessions beyond what a room needs would otherwise stay
+forever. :class:`RoomTable` admits metadata only within bounds:
+
+* sessions per room: the room's ``required_dst_info_num`` (the decode ranks that send for it), at
+  most ``KVPOOL_SGLANG_MAX_SESSIONS_PER_ROOM`` (default 256);
+* rooms in total: ``KVPOOL_SGLANG_MAX_ROOMS`` (default 16384);
+* age: a room that no request of this prefill holds (no sender) is dropped, with what SGLang
+  keeps for it (its status, made WaitingForInput by complete metadata), after
+  ``KVPOOL_SGLANG_ROOM_TTL_S`` (default twice the longer of SGLang's bootstrap and waiting
+  timeouts: its decode gave it up).
+
+A normal flow, where each room is cleared when done, never reaches them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.connectors.sglang.control_auth import Throttle
+
+log = logging.getLogger("kvpool.connectors.sglang")
+
+
+class RoomTable:
+    """Admission to a prefill manager's ``transfer_infos``: its one control thread calls
+    :meth:`admit`; senders call :meth:`claim` when created and :meth:`forget` when cleared."""
+
+    def __init__(
+        self,
+        infos: dict[int, dict[str, Any]],
+        drop: Callable[[int], None],
+        *,
+        max_rooms: int,
+        max_sessions: int,
+        ttl_s: float,
+    ) -> None:
+        self.infos = infos
+        self.drop = drop  # forgets everything the manager keeps for a room no sender holds
+        self._claimed: set[int] = set()  # rooms a sender of this prefill holds
+        self.max_rooms = max(1, max_rooms)
+        self.max_sessions = max(1, max_sessions)
+        self.ttl_s = ttl_s if ttl_s > 0 else 600.0
+        self._seen: dict[int, float] = {}  # room -> when its first metadata came, oldest first
+        self.refused = 0
+        self.evicted = 0
+        self._log = Throttle()
+
+    @classmethod
+    def from_env(
+        cls, infos: dict[int, dict[str, Any]], drop: Callable[[int], None], waited_s: float
+    ) -> RoomTable:
+        """Bounds from ``KVPOOL_SGLANG_*``; ``waited_s``: how long SGLang waits for a room."""
+        env = os.environ
+        return cls(
+            infos,
+            drop,
+            max_rooms=int(env.get("KVPOOL_SGLANG_MAX_ROOMS", "16384")),
+            max_sessions=int(env.get("KVPOOL_SGLANG_MAX_SESSIONS_PER_ROOM", "256")),
+            ttl_s=float(env.get("KVPOOL_SGLANG_ROOM_TTL_S", "0") or 0) or 2 * waited_s,
+        )
+
+    def admit(self, room: int, session: str, need: int) -> str | None:
+        """Before metadata of ``room`` from ``session`` is stored: None when it may be, else why
+        not (counted and logged, rate-limited)."""
+        infos = self.infos.get(room)
+        why = None
+        if infos is None:
+            now = time.monotonic()
+            self._sweep(now)
+            if len(self.infos) >= self.max_rooms:
+                why = f"the prefill holds destinations of {len(self.infos)} rooms (KVPOOL_SGLANG_MAX_ROOMS)"
+            else:
+                self._seen[room] = now
+        elif session not in infos and len(infos) >= min(max(1, need), self.max_sessions):
+            why = f"room {room} already has its {len(infos)} decode destinations"
+        if why is not None:
+            self.refused += 1
+            if self._log.ready():
+                log.warning(
+                    "kvpool prefill: metadata of room %s from decode %s refused: %s (%d refused so far)",
+                    room,
+                    session,
+                    why,
+                    self.refused,
+                )
+        return why
+
+    def claim(self, room: int) -> None:
+        """A sender (request) of this prefill holds ``room``: it is never dropped for its age."""
+        self._claimed.add(room)
+
+    def forget(self, room: int) -> None:
+        """The room's sender was cleared: SGLang dropped what it kept for the room."""
+        self._claimed.discard(room)
+        self._seen.pop(room, None)
+
+    def _sweep(self, now: float) -> None:
+        """Forget rooms cleared meanwhile; drop rooms older than the TTL that no request holds.
+        Oldest first, so each room is looked at about once per TTL."""
+        seen, evicted = self._seen, []
+        while seen:
+            room, t = next(iter(seen.items()))
+            if now - t < self.ttl_s and room in self.infos:
+                break
+            del seen[room]
+            if room not in self.infos:
+                continue
+            if room in self._claimed:  # its sender clears it
+                seen[room] = now
+                continue
+            self.drop(room)
+            evicted.append(room)
+        if evicted:
+            self.evicted += len(evicted)
+            if self._log.ready():
+                log.warning(
+                    "kvpool prefill: dropped the destinations of %d room(s) no request claimed in %.0f s: %s",
+                    len(evicted),
+                    self.ttl_s,
+                    evicted[:8],
+                )
