@@ -146,3 +146,12 @@ def test_fits_refuse_flat_or_too_few_measurements() -> None:
         fit_prefill([{"new": n, "cached": 0, "ttft_s": 0.1} for n in (10, 100, 1000)])
     with pytest.raises(ConfigError):
         fit_decode([{"batch": 1, "kv": 10, "tbt_s": 0.01}])
+
+
+def test_a_fit_whose_attention_term_takes_all_the_growth_falls_back_to_a_linear_one() -> None:
+    """Probes measured on a loaded 2-core host (a CI run): the three-term fit puts all the growth
+    in the attention term (per-token 0), which would predict 0 s for any prompt; the fit without
+    it still grows with the prompt length."""
+    rows = [(32, 0, 0.0082), (256, 0, 0.0105), (1024, 0, 0.0190), (2048, 0, 0.0600), (128, 1024, 0.0252)]
+    fit = fit_prefill([{"new": n, "cached": c, "ttft_s": t} for n, c, t in rows])
+    assert fit["prefill_per_token_s"] > 0 and fit["prefill_attn_tokens"] == 1e12

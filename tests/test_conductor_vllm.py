@@ -172,7 +172,7 @@ def test_calibrate_against_a_real_server(cluster, tmp_path: Path) -> None:  # ty
     url = cluster[0][0].url
     report = asyncio.run(
         calibrate([url], prefill_lengths=(32, 256, 1024, 2048), cached_lengths=(1024,), cached_extra=128,
-                  batches=(1, 2, 4), decode_contexts=(64, 512), decode_tokens=8, repeats=2, max_token_id=700)
+                  batches=(1, 2, 4), decode_contexts=(64, 512), decode_tokens=8, repeats=3, max_token_id=700)
     )  # fmt: skip
     cm: CostModel = report.pop("cost_model")
     out = tmp_path / "cm.json"

@@ -66,7 +66,11 @@ async def _model_info(session: Any, url: str) -> tuple[str, int]:
 def fit_prefill(rows: list[dict[str, float]]) -> dict[str, float]:
     """Fit prefill terms from ``{"new", "cached", "ttft_s"}`` rows (see the cost formula)."""
     x = [[1.0, r["new"], r["new"] * (r["cached"] + r["new"] / 2)] for r in rows]
-    a, b, c = fit_linear(x, [r["ttft_s"] for r in rows])
+    y = [r["ttft_s"] for r in rows]
+    a, b, c = fit_linear(x, y)
+    if b <= 0:  # the attention term took all the growth (short probes, noise): fit without it
+        a, b = fit_linear([[1.0, r["new"]] for r in rows], y)
+        c = 0.0
     if b <= 0:
         raise ConfigError("prefill time does not grow with prompt length; use longer --prefill-lengths")
     return {"prefill_base_s": a, "prefill_per_token_s": b,
