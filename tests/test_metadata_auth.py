@@ -204,10 +204,13 @@ def test_signed_descriptors_through_every_backend(backend: str, request: pytest.
         store.put(f"{name}-forged", forged.to_bytes())  # unsigned
         with pytest.raises(AuthenticationError, match="unsigned"):
             ini.open_segment(f"{name}-forged")
-        store.put(f"{name}-forged", forged.to_bytes("not-the-secret"))
+        # another key: a segment whose fetch failed is not fetched again for a while
+        forged.name = f"{name}-forged2"
+        store.put(f"{name}-forged2", forged.to_bytes("not-the-secret"))
         with pytest.raises(AuthenticationError, match="not signed with this cluster's secret"):
-            ini.open_segment(f"{name}-forged")
+            ini.open_segment(f"{name}-forged2")
         store.delete(f"{name}-forged")
+        store.delete(f"{name}-forged2")
 
 
 def test_engines_publish_through_a_metadata_server_with_a_secret() -> None:

@@ -336,3 +336,88 @@ def test_a_range_registered_again_refuses_requests_made_for_the_old_registration
     finally:
         ini.close()
         tgt.close()
+
+
+def test_a_stopped_peers_descriptor_is_fetched_once_per_window_not_once_per_call() -> None:
+    """The peer is SIGSTOPped (its port accepts, nobody answers) and a transfer found it stale:
+    open_segment then fetches its descriptor once, each fetch costing a connect timeout; the
+    calls after it within the window raise the same typed error at once (each paid a connect
+    timeout), and threads calling together share one fetch. After SIGCONT the segment is not
+    served from the stale descriptor, and is reached again once the window passed."""
+    ct = 1.0
+    eng = TransferEngine(protocol="tcp", timeout_s=1, connect_timeout_s=ct)
+    fetches: list[str] = []
+    real_fetch = eng._fetch
+
+    def counted(name: str):  # the real fetch, counted
+        fetches.append(name)
+        return real_fetch(name)
+
+    eng._fetch = counted  # type: ignore[method-assign]
+    src = bytearray(os.urandom(4096))
+    saddr = eng.register_local_memory(src)
+    p = PeerProcess(1 << 20)
+    stopped = False
+    try:
+        eng.transfer_sync(p.segment, saddr, p.addr, 4096, OpCode.WRITE)
+        os.kill(p.pid, signal.SIGSTOP)
+        stopped = True
+        time.sleep(0.2)  # stopped for sure
+        with pytest.raises(KvpoolError):
+            eng.transfer_sync(p.segment, saddr, p.addr, 4096, OpCode.WRITE)  # times out: stale
+        fetches.clear()
+        t0 = time.monotonic()
+        kinds = set()
+        for _ in range(6):
+            with pytest.raises(KvpoolError) as ei:
+                eng.open_segment(p.segment)
+            kinds.add(type(ei.value))
+        with pytest.raises(KvpoolError) as ei:
+            eng.transfer_sync(p.segment, saddr, p.addr, 4096, OpCode.WRITE)
+        elapsed = time.monotonic() - t0
+        assert 0.8 * ct <= elapsed < 2.5 * ct, elapsed  # one connect timeout, not seven
+        assert len(fetches) == 1, fetches
+        assert len(kinds) == 1 and type(ei.value) in kinds
+
+        time.sleep(1.1 * ct)  # the window (min(1 s, connect_timeout_s)) passed
+        fetches.clear()
+        got: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                eng.open_segment(p.segment)
+                got.append(None)
+            except KvpoolError as e:
+                got.append(e)
+
+        threads = [threading.Thread(target=call) for _ in range(6)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert time.monotonic() - t0 < 2.5 * ct
+        assert len(fetches) == 1, fetches  # one thread fetched; the others had its error
+        assert len(got) == 6 and all(e is not None and type(e) in kinds for e in got)
+
+        os.kill(p.pid, signal.SIGCONT)
+        stopped = False
+        t0 = time.monotonic()
+        with pytest.raises(KvpoolError):  # within the (doubled) window: no stale descriptor served
+            eng.open_segment(p.segment)
+        assert time.monotonic() - t0 < 0.2
+        deadline = time.monotonic() + 4 * ct + 2
+        while True:
+            try:
+                eng.open_segment(p.segment)
+                break
+            except KvpoolError:
+                assert time.monotonic() < deadline, "the resumed peer was never reached again"
+                time.sleep(0.05)
+        eng.transfer_sync(p.segment, saddr, p.addr, 4096, OpCode.WRITE)
+        assert p.checksum(0, 4096) == xxhash.xxh3_64_hexdigest(bytes(src))
+    finally:
+        if stopped:
+            os.kill(p.pid, signal.SIGCONT)
+        p.close()
+        eng.close()

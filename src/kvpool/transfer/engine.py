@@ -34,7 +34,7 @@ from kvpool.transfer.memory import LocalRegistry, buffer_range, check_requests
 from kvpool.transfer.metadata import MetadataBackend, open_metadata
 from kvpool.transfer.registrations import Registrations
 from kvpool.transfer.same_host import SameHostTransport
-from kvpool.transfer.segments import Segments, split_host_port
+from kvpool.transfer.segments import RefetchGate, Segments, split_host_port
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.sync import INLINE_MAX, SyncTransfers, native_op
 from kvpool.transfer.tcp import TcpTransport
@@ -130,6 +130,8 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         self._segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]] = {}
         self._handles: dict[int, str] = {}
         self._routes: dict[int, Transport] = {}  # segment handle -> the transport that reaches it
+        # one fetch of a peer's descriptor at a time; none for a while after a failed one
+        self._refetch = RefetchGate(cfg.connect_timeout_s)
         self._served_gpu: set[int] = set()  # GPU registrations the C++ server stages for TCP peers
         # buffers a stopped same-host peer may still copy into after their unregister raised: kept
         # referenced for the engine's life (grows only by such failures)

@@ -3,11 +3,17 @@ descriptor (from the peer itself, or a metadata store, checked against the clust
 the transport that reaches it, attach it (again after the peer restarted, moved or registered
 more memory), and close it. ``open_segment`` is called by any thread before it transfers, as
 often as it likes (a cached handle is one dict read); the refreshes by the engine's submit path.
+A descriptor is fetched by one thread at a time per segment, and not again for a while after a
+fetch failed (:class:`RefetchGate`): a hung or dead peer costs its callers one connect timeout,
+not one per call.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvpool import _native
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
     from kvpool.config import TransferConfig
     from kvpool.transfer.metadata import MetadataBackend
 
-__all__ = ["Segments", "split_host_port"]
+__all__ = ["RefetchGate", "Segments", "split_host_port"]
 
 
 def split_host_port(name: str) -> tuple[str, int]:
@@ -34,6 +40,116 @@ def split_host_port(name: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument(f"segment name {name!r} is not host:port")
     return host.strip("[]"), int(port)
+
+
+class _Flight:
+    """One fetch (and attach) of a segment in progress: its result, for the threads that waited."""
+
+    __slots__ = ("done", "error", "handle")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.handle: SegmentHandle | None = None
+        self.error: BaseException | None = None
+
+
+class _Backoff:
+    """A segment's fetch state: the fetch in progress, and the last failure's error and window."""
+
+    __slots__ = ("delay", "error", "flight", "until")
+
+    def __init__(self) -> None:
+        self.flight: _Flight | None = None
+        self.error: KvpoolError | None = None  # copied, without the traceback (frames) it had
+        self.until = 0.0
+        self.delay = 0.0
+
+
+def _again(err: BaseException, note: str) -> BaseException:
+    """A copy of ``err`` (same type and message) to raise in another thread, with ``note``."""
+    try:
+        e = copy.copy(err)
+    except Exception:  # noqa: BLE001 - an error that cannot be copied: say what it said
+        e = SegmentNotFound(str(err))
+    e.__notes__ = [*getattr(err, "__notes__", []), note]
+    return e
+
+
+class RefetchGate:
+    """Fetches of segment descriptors, per segment name: one thread fetches at a time (the
+    others wait for its result, bounded by the fetch's own timeout), and after a failed fetch
+    the calls within a window fail at once with the same typed error instead of fetching again.
+    The window is ``min(1 s, connect_timeout_s)``, doubled on each further failure up to 8 times
+    that, and forgotten on a success. Used by :meth:`Segments._open`, in the caller's thread;
+    no lock is held across a fetch."""
+
+    MAX_NAMES = 4096  # failed names remembered; past that, those whose window ended are dropped
+
+    def __init__(self, connect_timeout_s: float, fetch_bound_s: float | None = None) -> None:
+        self.base_s = min(1.0, connect_timeout_s)
+        self.cap_s = 8 * self.base_s
+        # a follower's wait: the leader's fetch ends within its own timeout; this is a backstop
+        self.wait_s = fetch_bound_s if fetch_bound_s is not None else 2 * connect_timeout_s + 1.0
+        self._mu = threading.Lock()  # guards _state; never held across a fetch
+        self._state: dict[str, _Backoff] = {}
+
+    def run(self, name: str, fetch: Callable[[], SegmentHandle]) -> SegmentHandle:
+        """``fetch()`` for ``name`` unless another thread is running it (then its result) or
+        it failed within the window (then its error, at once)."""
+        with self._mu:
+            st = self._state.get(name)
+            if st is None:
+                if len(self._state) >= self.MAX_NAMES:
+                    self._prune()
+                st = self._state[name] = _Backoff()
+            flight = st.flight
+            if flight is None:
+                left = st.until - time.monotonic()
+                if st.error is not None and left > 0:
+                    raise _again(
+                        st.error,
+                        f"(the segment's descriptor could not be fetched {st.delay - left:.2f} s ago; "
+                        f"it is not asked for again for {left:.2f} s)",
+                    )
+                flight = st.flight = _Flight()
+                lead = True
+            else:
+                lead = False
+        if not lead:
+            if not flight.done.wait(self.wait_s):
+                raise SegmentNotFound(
+                    f"segment {name!r}: another thread has been fetching its descriptor for "
+                    f"{self.wait_s:.1f} s; try again"
+                )
+            if flight.error is not None:
+                raise _again(flight.error, "(raised by the fetch of another thread this call waited for)")
+            assert flight.handle is not None
+            return flight.handle
+        try:
+            flight.handle = fetch()
+            return flight.handle
+        except BaseException as e:
+            flight.error = e
+            raise
+        finally:
+            self._finish(name, st, flight)
+
+    def _finish(self, name: str, st: _Backoff, flight: _Flight) -> None:
+        err = flight.error
+        with self._mu:
+            st.flight = None
+            if isinstance(err, KvpoolError) and not isinstance(err, InvalidArgument):
+                st.delay = self.base_s if st.error is None else min(self.cap_s, 2 * st.delay)
+                st.error = copy.copy(err)
+                st.until = time.monotonic() + st.delay
+            elif err is None or st.error is None:
+                self._state.pop(name, None)  # fetched: the next failure starts a new window
+        flight.done.set()
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for k in [k for k, v in self._state.items() if v.flight is None and v.until <= now]:
+            del self._state[k]
 
 
 class Segments:
@@ -47,6 +163,7 @@ class Segments:
     _segments: dict[str, tuple[SegmentHandle, SegmentDescriptor]]
     _handles: dict[int, str]
     _routes: dict[int, Transport]
+    _refetch: RefetchGate
 
     def _fetch(self, name: str) -> SegmentDescriptor:
         if not isinstance(name, str) or not name:
@@ -90,7 +207,12 @@ class Segments:
         return self._open(name)
 
     def _open(self, name: str) -> SegmentHandle:
-        """Fetch ``name``'s descriptor and (re)attach the segment to the transport that reaches it."""
+        """Fetch ``name``'s descriptor and (re)attach the segment to the transport that reaches it:
+        one thread at a time per segment, and not again within a while after a failed fetch (the
+        calls then raise its error at once: see :class:`RefetchGate`)."""
+        return self._refetch.run(name, lambda: self._attach(name))
+
+    def _attach(self, name: str) -> SegmentHandle:
         desc = self._fetch(name)
         transport = self._pick(name, desc)
         with self._lock:
