@@ -288,10 +288,6 @@ class CudaIpcTransport(Transport):
             return b.mapped
 
     # ------------------------------------------------------------------ initiator side: submit
-    def submit_staged(self, batch_id: int, reqs: Requests, stage_wait_s: float) -> None:
-        """A round of a synchronous transfer: staged requests wait for the staging pool."""
-        self.submit(batch_id, reqs, stage_wait_s)
-
     def unbounded(self, batch_id: int) -> bool:
         """Whether a run of the batch is still queued or running on our streams (their copies end
         only when the GPU stream does; a hung stream never ends them)."""

@@ -363,10 +363,8 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
             and self._staging.needed(part.locs, part.lens)
         ):
             self._staging.submit(t, batch_id, part, wait_s=stage_wait_s)
-        elif stage_wait_s is not None:
-            t.submit_staged(batch_id, part, stage_wait_s)  # a round of batch_transfer_sync
         else:
-            t.submit(batch_id, part)
+            t.submit(batch_id, part, stage_wait_s)  # not None: a round of batch_transfer_sync
 
     def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
         """Status of request ``index`` of a batch."""

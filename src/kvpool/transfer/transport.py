@@ -136,7 +136,7 @@ class Transport(ABC):
         return []
 
     @abstractmethod
-    def submit(self, batch_id: int, reqs: Requests) -> None:
+    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
         """Queue requests into the next free slots of batch ``batch_id``, in order, and complete
         each slot when its bytes have moved (or failed) — from the transport's own threads, never
         by waiting in the caller.
@@ -149,14 +149,13 @@ class Transport(ABC):
         once per run of requests routed here; must not hold locks across network I/O.
         Python transports take their slots with ``Batches.reserve`` and complete them with
         ``Batches.finish``; native ones complete them in C++.
-        """
 
-    def submit_staged(self, batch_id: int, reqs: Requests, stage_wait_s: float) -> None:
-        """As :meth:`submit`, for a transport whose ``locations`` include "cuda" and that stages
-        some GPU ranges itself (CUDA IPC to a peer's host memory): it waits up to
-        ``stage_wait_s`` for room in the staging pool (TransferTimeout after) instead of raising
-        InvalidArgument at once. Called by the engine's synchronous transfers for each round."""
-        self.submit(batch_id, reqs)
+        ``stage_wait_s`` is set by the engine's synchronous transfers, for each round: a
+        transport whose ``locations`` include "cuda" and that stages some GPU ranges itself
+        (CUDA IPC to a peer's host memory) waits up to that long for room in the staging pool
+        (TransferTimeout after) instead of raising InvalidArgument at once (None). Transports
+        that do not stage ignore it.
+        """
 
     def unbounded(self, batch_id: int) -> bool:
         """Whether requests of batch ``batch_id`` that no deadline of this transport ends are
