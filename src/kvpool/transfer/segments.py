@@ -79,15 +79,16 @@ class RefetchGate:
     """Fetches of segment descriptors, per segment name: one thread fetches at a time (the
     others wait for its result, bounded by the fetch's own timeout), and after a failed fetch
     the calls within a window fail at once with the same typed error instead of fetching again.
-    The window is ``min(1 s, connect_timeout_s)``, doubled on each further failure up to 8 times
-    that, and forgotten on a success. Used by :meth:`Segments._open`, in the caller's thread;
+    The window is ``min(1 s, connect_timeout_s)``, doubled on a further failure up to twice
+    that (a longer one would only delay reaching a peer that came back), and forgotten on a
+    success. Used by :meth:`Segments._open`, in the caller's thread;
     no lock is held across a fetch."""
 
     MAX_NAMES = 4096  # failed names remembered; past that, those whose window ended are dropped
 
     def __init__(self, connect_timeout_s: float, fetch_bound_s: float | None = None) -> None:
         self.base_s = min(1.0, connect_timeout_s)
-        self.cap_s = 8 * self.base_s
+        self.cap_s = 2 * self.base_s
         # a follower's wait: the leader's fetch ends within its own timeout; this is a backstop
         self.wait_s = fetch_bound_s if fetch_bound_s is not None else 2 * connect_timeout_s + 1.0
         self._mu = threading.Lock()  # guards _state; never held across a fetch
