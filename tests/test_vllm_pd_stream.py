@@ -259,3 +259,82 @@ def test_progress_questions_wait_at_the_prefill_until_news() -> None:
     t.begin_step(_meta(stream={"r": StreamStep("x", [1], 32, 32, False, 0)}), 60.0)
     t.layer_saved("l0", lambda: False)  # a GPU readiness outstanding: questions are not held
     assert not t.park("c3", 4, ["x"], t.version, time.monotonic() + 1)
+
+
+def test_a_sliding_window_stream_reads_nothing_into_or_out_of_the_null_block(tiny_llama: Path) -> None:  # noqa: F811
+    """A sliding-window model: the decode's blocks out of its window are vLLM's null block (0,
+    shared by every request). The stream reads none of the prompt's blocks into it, the load
+    still finishes (vLLM needs no KV out of the window) with the window's KV the prefill's; a
+    prefill naming its null block for a block the decode needs fails the load without reporting
+    block 0 to vLLM."""
+    cfg = {"abort_timeout_s": 30}
+    p = LayerInstance(tiny_llama, "KvpoolConnector", "kv_producer",
+                      {**cfg, "side_channel_port": free_port()}, sliding_window=64)  # fmt: skip
+    d = LayerInstance(tiny_llama, "KvpoolConnector", "kv_consumer",
+                      {**cfg, "side_channel_port": free_port()}, sliding_window=64)  # fmt: skip
+    try:
+        d.add("w1", LONG, 4, _decode_params(p, "tw1"))
+        out, _ = d.step()
+        job = out.kv_connector_metadata.recv["w1"]
+        assert d.scheduler.kv_cache_manager.get_block_ids("w1")[0][:4] == [0, 0, 0, 0]
+        assert 0 not in job.local_block_ids and job.block_index == [4, 5, 6]
+        p.add("pw1", LONG, 1, {"do_remote_decode": True, "transfer_id": "tw1"})
+        p.step()
+        outputs = d.run_until(lambda o: "w1" in o and o["w1"].new_token_ids)
+        assert outputs["w1"].new_token_ids == [7]
+        assert all(not d.kv[name][0].any() for name in d.kv)  # the decode's null block untouched
+        lo = (199 - 64) // BS * BS
+        for got, want in zip(d.block_values("w1", 199), expected_rows(LONG, 199), strict=True):
+            assert torch.equal(got[lo:], want[lo:])
+        assert d.worker._worker.loaded_blocks == 3
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # "done" freed the prefill's blocks
+        # A prefill whose progress names its null block for a block the decode needs.
+        for name in p.kv:
+            p.kv[name][0] = 123.0
+        real = p.worker._worker._progress
+
+        def nulls(ids: Any) -> Any:
+            reply = real(ids)
+            st = reply["streams"].get("tw2") or {}
+            if st.get("state") == "live":
+                st["blocks"] = [0] * len(st["blocks"])
+            return reply
+
+        p.worker._worker._progress = nulls
+        reported: list[int] = []
+        errors = d.worker.get_block_ids_with_load_errors
+        d.worker.get_block_ids_with_load_errors = lambda: (e := errors()) and reported.extend(e) or e
+        other = [(i * 29) % 500 + 3 for i in range(200)]  # no prefix hit on either side
+        d.add("w2", other, 4, _decode_params(p, "tw2"))
+        d.step()
+        p.add("pw2", other, 1, {"do_remote_decode": True, "transfer_id": "tw2"})
+        p.step()
+        # vLLM's default kv_load_failure_policy is "fail": the request ends, no wrong bytes.
+        outputs = d.run_until(lambda o: "w2" in o and o["w2"].finish_reason is not None)
+        assert not outputs["w2"].new_token_ids
+        assert len(reported) == 3 and 0 not in reported  # its own blocks, never the null block
+        assert all(not d.kv[name][0].any() for name in d.kv)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_stream_into_only_the_null_block_finishes_at_once(pd: tuple[LayerInstance, LayerInstance]) -> None:
+    """Every block vLLM gave a streaming load is its null block: nothing is read, the request is
+    reported finished loading at once (vLLM waits for it), and the prefill is still told "done"."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    p, d = pd
+    req = d.add("n1", PROMPT, 2, _decode_params(p, "tn1"))
+    null = d.scheduler.kv_cache_manager.block_pool.null_block
+    d.connector.update_state_after_alloc(req, KVCacheBlocks(([null],)), 32)
+    meta = d.connector.build_connector_meta(None)
+    assert meta.recv["n1"].local_block_ids == [] and meta.recv["n1"].waited
+    d.worker.bind_connector_metadata(meta)
+    d.worker.start_load_kv(None)
+    assert d.worker.get_finished(set()) == (None, {"n1"})
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    p.add("pn1", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "tn1"})
+    p.run_until(lambda o: "pn1" in o and o["pn1"].finish_reason is not None)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the decode's "done" freed them
+    assert not d.kv[LAYERS[0]][0].any()

@@ -359,6 +359,8 @@ class _PdWorker(DecodeLoads):
                 ld = StreamLoad(job, now + self.cfg.abort_timeout_s)
                 with self._lock:
                     self._stream_loads[job.req_id] = ld
+                    if job.waited and not job.local_block_ids:  # only vLLM's null block: loaded
+                        self._recv_done.add(job.req_id)  # (the stream only tells the prefill)
                 lane.stream(ld)
             elif not job.local_block_ids:
                 if job.waited:  # only vLLM's null block: nothing to read, the load is done

@@ -90,6 +90,10 @@ class RecvJob:
     """Streaming load: the prefill's blocks are learnt from its side channel (``progress``)."""
     num_tokens: int = 0
     """Streaming load: prompt tokens; ``local_block_ids`` receive the tail of its blocks."""
+    block_index: list[int] = field(default_factory=list)
+    """Streaming load: the prompt block (index into the prefill's block list) each of
+    ``local_block_ids`` receives (ascending; vLLM's null blocks are left out); empty: the last
+    ``len(local_block_ids)`` blocks of the prompt."""
     gen: int | None = None
     """Streaming load: the prefill stream's generation the blocks were read under (the fence)."""
     refused: str | None = None
@@ -222,16 +226,22 @@ class _PdScheduler:
     def _stream_job(self, request: Any, blocks: Any, num_external_tokens: int, r: dict[str, Any]) -> None:
         """Decode: a load from a prefill that may not have started; its blocks come later."""
         total = len(request.prompt_token_ids or ())
+        n = -(-total // self.block_size)
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        if len(local) > -(-total // self.block_size):
+        if len(local) > n:
             log.warning("request %s: %d local blocks for a %d-token prompt; computing locally",
                         request.request_id, len(local), total)  # fmt: skip
             local = []
-        if local:
+        waited = bool(local)
+        if waited:
             self._loading.add(request.request_id)
+        # The local blocks receive the prompt's last ones. A sliding-window model: those out of
+        # the decode's window are vLLM's null block (shared by every request): nothing is read
+        # into them (vLLM needs no KV there); the others keep their place in the prompt.
+        pairs = [(lb, n - len(local) + i) for i, lb in enumerate(local) if lb != NULL_BLOCK]
         self._recv[request.request_id] = RecvJob(
             req_id=request.request_id,
-            local_block_ids=list(local),
+            local_block_ids=[lb for lb, _ in pairs],
             remote_block_ids=[],
             remote_host=r["host"],
             remote_port=r["port"],
@@ -240,6 +250,8 @@ class _PdScheduler:
             remote_tp_size=r["tp_size"],
             transfer_id=r["transfer_id"],
             num_tokens=total,
+            block_index=[i for _, i in pairs],
+            waited=waited,
         )
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ round answers every streaming load from that peer; a load not seen by the prefil
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.connectors.vllm.common import Region, block_runs
+from kvpool.connectors.vllm.pd_scheduler import NULL_BLOCK
 from kvpool.errors import KvpoolError, TransferError
 from kvpool.transfer.types import OpCode
 
@@ -226,7 +228,7 @@ class StreamLoad:
     deadline: float
     t0: float = field(default_factory=time.perf_counter)
     gen: int | None = None
-    read: dict[str, int] = field(default_factory=dict)  # region name -> next remote block index
+    read: dict[str, int] = field(default_factory=dict)  # region name -> local blocks read (in order)
     nbytes: int = 0
     read_s: float = 0.0  # time spent in READs (not waiting for the prefill)
     rounds: int = 0
@@ -339,16 +341,22 @@ def _advance(
     if ld.gen != int(st["gen"]):  # first answer, or the prefill was preempted: read from the start
         ld.gen, ld.read = int(st["gen"]), {}
     local = job.local_block_ids
-    skip = nblocks - len(local)
-    if not local:  # nothing to read (local prefix hit, or ended before allocation): only the notice
+    index = job.block_index or list(range(nblocks - len(local), nblocks))  # default: the prompt's tail
+    if not local:  # nothing to read (local prefix hit, null blocks only, or ended before allocation)
         return True, 0
+    if len(index) != len(local) or index[-1] >= nblocks:
+        raise TransferError(f"transfer {job.transfer_id}: local blocks do not match a {nblocks}-block prompt")
+    if any(blocks[i] == NULL_BLOCK for i in index if i < len(blocks)):
+        # A sliding-window prefill handed out its null block (shared, no KV of this request) for
+        # a block this decode needs: nothing is read from it, vLLM recomputes.
+        raise TransferError("the prefill freed blocks (out of its sliding window) this decode needs")
     if job.remote_tp_size != worker.tp_size:
         # Heterogeneous TP: one resharded load once every layer of every block is final on every
         # prefill rank (one rank can mark its last layer before another wrote it: they meet only
         # at the next collective).
         if len(blocks) < nblocks or min(final, default=0) < total or not _all_ranks_final(worker, job):
             return False, 0
-        job.remote_block_ids = blocks[skip:]
+        job.remote_block_ids = [blocks[i] for i in index]
         t = time.perf_counter()
         ld.nbytes = worker._load_resharded(job)
         ld.read_s += time.perf_counter() - t
@@ -359,16 +367,16 @@ def _advance(
     names = list(rem.regions)
     if len(final) != len(names) or set(names) != {r.name for r in worker.regions}:
         raise TransferError("prefill and decode KV cache layers differ (same model and layout needed)")
-    index = {n: i for i, n in enumerate(names)}
+    pos = {n: i for i, n in enumerate(names)}
     cols: tuple[list[int], list[int], list[int]] = ([], [], [])
     upto: dict[str, int] = {}
     for loc in worker.regions:
-        f = final[index[loc.name]]
-        end = min(nblocks if f >= total else f // bs, len(blocks))
-        start = ld.read.get(loc.name, skip)
+        f = final[pos[loc.name]]
+        end = bisect.bisect_left(index, min(nblocks if f >= total else f // bs, len(blocks)))
+        start = ld.read.get(loc.name, 0)
         if end > start:
             rr = rem.regions[loc.name]
-            region_columns(loc, rr, local[start - skip : end - skip], blocks[start:end], cols)
+            region_columns(loc, rr, local[start:end], [blocks[i] for i in index[start:end]], cols)
             upto[loc.name] = end
     n = sum(cols[2])
     if n:
@@ -379,8 +387,8 @@ def _advance(
         ld.read.update(upto)
         ld.nbytes += n
     ld.rounds += 1
-    if all(ld.read.get(r.name, skip) >= nblocks for r in worker.regions):
-        job.remote_block_ids = blocks[skip:]
+    if all(ld.read.get(r.name, 0) >= len(local) for r in worker.regions):
+        job.remote_block_ids = [blocks[i] for i in index]
         return True, n
     return False, n
 
