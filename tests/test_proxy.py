@@ -1186,3 +1186,106 @@ def test_body_parsing_is_json_loads_and_encoding_parses_back(text: str) -> None:
 def _same(a: Any, b: Any) -> bool:
     """Equal as JSON values (NaN equal to NaN)."""
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+#: A vLLM ``/tokenize`` double in its own process (its reading and writing of tens of MiB must
+#: not count as the proxy's loop time): it answers ``argv[2]`` token ids when the body is the
+#: expected ``{"prompt": "word " * argv[1], "model": "m"}``, else 400.
+BIG_TOKENIZER = """
+import json, sys
+from aiohttp import web
+words, n = int(sys.argv[1]), int(sys.argv[2])
+reply = json.dumps({"count": n, "tokens": list(range(1 << 20, (1 << 20) + n))}).encode()
+async def tokenize(request):
+    body = json.loads(await request.content.read())
+    ok = body == {"prompt": "word " * words, "model": "m"}
+    return web.Response(body=reply if ok else b"{}", status=200 if ok else 400,
+                        content_type="application/json")
+async def health(request):
+    return web.Response()
+app = web.Application()
+app.router.add_post("/tokenize", tokenize)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[3]), print=lambda *a: print("up", flush=True))
+"""
+
+
+def test_a_large_tokenize_request_and_answer_leave_the_event_loop_free() -> None:
+    """With the router on, a 33 MiB text prompt's ``/tokenize`` body is the client's text spliced
+    (not JSON-encoded on the loop: ~0.1 s) and the 22 MiB answer is parsed in a thread a piece at
+    a time (``json.loads`` on the loop, or of one whole array in a thread: ~0.25 s); a ticker on
+    the loop never waits long. Both parse to what was meant."""
+    from kvpool.conductor.live import RouterConfig
+    from kvpool.connectors.openai_api import parse_raw_body
+
+    words, n = (33 << 20) // 5, 2_500_000
+    raw = parse_raw_body(json.dumps({"model": "m", "prompt": ["word " * words], "max_tokens": 4}).encode())
+
+    async def go() -> None:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", BIG_TOKENIZER, str(words), str(n), str(port), stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        proxy = None
+        try:
+            assert (await asyncio.wait_for(proc.stdout.readline(), 10)).startswith(b"up")
+            cfg = RouterConfig(policy="cache", block_size=4)
+            url = f"http://127.0.0.1:{port}"
+            proxy = PDProxy([url], [url], router=cfg, max_reply_bytes=32 << 20, health_interval_s=60.0)
+            await proxy.start("127.0.0.1", 0)
+            gaps: list[float] = []
+            stop = asyncio.Event()
+
+            async def ticker() -> None:
+                last = time.perf_counter()
+                while not stop.is_set():
+                    await asyncio.sleep(0.001)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            tick = asyncio.create_task(ticker())
+            await asyncio.sleep(0.05)
+            assert proxy.router is not None
+            got = await proxy.router.prompt_tokens(raw.obj, False, lambda p: proxy._tokenize(p, raw))
+            stop.set()
+            await tick
+            assert got == list(range(1 << 20, (1 << 20) + n))
+            assert max(gaps) < 0.1, f"the event loop stalled {max(gaps) * 1e3:.0f} ms"
+        finally:
+            if proxy is not None:
+                await proxy.close()
+            proc.kill()
+            await proc.wait()
+
+    run(go)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" + ", ".join(str(i) for i in range(60000)) + "]",
+        "[" + ", ".join(str(i) for i in range(60000)) + ",]",
+        "[" + ",".join(str(i) for i in range(60000)) + ",,1]",
+        "[" + ", ".join('"a,b]"' for _ in range(40000)) + "]",
+        "[" + ", ".join('{"a": 1, "b": [2, 3]}' for _ in range(30000)) + "]",
+        "[" + ", ".join('{"a": 1, "b": "c,d"}' for _ in range(30000)) + "]",
+        "[" + ", ".join("1.5e3, -2, NaN, true, null" for _ in range(20000)) + "]",
+        " [ " + " , ".join(str(i) for i in range(60000)) + " ] ",
+    ],
+)
+def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
+    """``loads_reply`` (long flat arrays cut at commas, a piece per C call) is ``json.loads``:
+    the same value, the same refusals, whatever the pieces hold."""
+    from kvpool.connectors.openai_api import loads_reply
+
+    data = ('{"x": 1, "tokens": ' + text + ', "y": [1]}').encode()
+    assert len(text) > 1 << 18  # longer than a piece
+    try:
+        want = json.loads(data)
+    except ValueError:
+        with pytest.raises(ValueError):
+            loads_reply(data)
+        return
+    assert _same(loads_reply(data), want)

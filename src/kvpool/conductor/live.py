@@ -235,6 +235,12 @@ def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, list[int
     raise ValueError("'prompt' must be a string or a list of token ids (batched prompts are not routed)")
 
 
+def _token_ids(tokens: list[Any]) -> list[int] | None:
+    """A ``/tokenize`` answer's token ids as ints, or None when one is out of [0, 2**32)."""
+    ids = [int(t) for t in tokens]
+    return ids if all(0 <= t < 1 << 32 for t in ids) else None
+
+
 class LiveRouter:
     """Policy + index + load bookkeeping for the proxy. ``urls``: the instances; ``roles``: per
     instance ``"both"`` (aggregated), ``"prefill"`` or ``"decode"``."""
@@ -366,8 +372,9 @@ class LiveRouter:
                 payload["model"] = body["model"]
             got = await tokenize_remote(payload)
             if isinstance(got, dict) and isinstance(got.get("tokens"), list):
-                ids = [int(t) for t in got["tokens"]]
-                if all(0 <= t < 1 << 32 for t in ids):
+                toks = got["tokens"]  # millions of ids take the loop 0.1 s per pass: in a thread
+                ids = await asyncio.to_thread(_token_ids, toks) if len(toks) > 1 << 16 else _token_ids(toks)
+                if ids is not None:
                     return ids
         except Exception as exc:  # a tokenizer failure must not fail the request
             _log.debug("tokenization failed: %s", exc)

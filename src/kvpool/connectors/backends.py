@@ -139,12 +139,14 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int, deadline_s: flo
         parts: list[bytes] = []
         got = 0
         while got <= limit:
-            part = await resp.content.read(limit + 1 - got)
+            part = await resp.content.readany()  # as received: read(n) joins what is buffered
             if not part:
                 break
+            part = part[: limit + 1 - got]
             parts.append(part)
             got += len(part)
-        return b"".join(parts)
+        # bytes.join copies without the GIL when large: in a thread, the event loop runs meanwhile
+        return b"".join(parts) if got <= 1 << 20 else await asyncio.to_thread(b"".join, parts)
 
     return await asyncio.wait_for(chunks(), deadline_s)
 

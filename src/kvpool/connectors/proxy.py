@@ -43,7 +43,6 @@ Prometheus text counters.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -66,10 +65,14 @@ from kvpool.connectors.backends import (
     read_at_most,
 )
 from kvpool.connectors.openai_api import (
+    THREAD_PARSE_BYTES,
     RawBody,
+    body_pieces,
     encode_body,
+    encode_body_parts,
     error_response,
     error_text,
+    loads_off_loop,
     parse_raw_body,
     prefill_request_body,
     snippet,
@@ -356,17 +359,25 @@ class PDProxy(StreamHalves):
                 return error_response(400, str(exc), request_id)
         return raw
 
-    async def _tokenize(self, payload: dict[str, Any]) -> Any:
+    async def _tokenize(self, payload: dict[str, Any], raw: RawBody | None = None) -> Any:
         """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local): its
         JSON answer, or None for another status or an answer over ``max_reply_bytes``, all read
-        within 10 s (at most ``timeout_s``). Called by ``LiveRouter.prompt_tokens``."""
+        within 10 s (at most ``timeout_s``). ``payload`` is encoded by ``encode_body`` (the prompt
+        or messages copied from the client's text ``raw``); a large answer is parsed in a thread.
+        Called by ``LiveRouter.prompt_tokens``."""
         b = self.prefill.pick()
         if b is None:
             return None
         limit = self.client.max_reply_bytes
         deadline_s = min(self.timeout_s, 10.0)
         timeout = aiohttp.ClientTimeout(total=deadline_s)
-        async with self.client.session.post(f"{b.url}/tokenize", json=payload, timeout=timeout) as resp:
+        parts = encode_body_parts(payload, raw)
+        size = sum(len(p) for p in parts)
+        sent = b"".join(parts) if size <= THREAD_PARSE_BYTES else body_pieces(parts)
+        headers = {"Content-Type": "application/json", "Content-Length": str(size)}
+        async with self.client.session.post(
+            f"{b.url}/tokenize", data=sent, headers=headers, timeout=timeout
+        ) as resp:
             if resp.status != 200:
                 return None
             data = await read_at_most(resp, limit, deadline_s)
@@ -374,16 +385,19 @@ class PDProxy(StreamHalves):
                 resp.close()  # the rest is never read: this connection is not reused
                 _log.info("backend %s answered /tokenize with more than %d bytes", b.url, limit)
                 return None
-        return json.loads(data)
+        return await loads_off_loop(data)
 
     async def _route(
-        self, body: dict[str, Any], path: str, rkey: str, request_id: str
+        self, raw: RawBody, path: str, rkey: str, request_id: str
     ) -> tuple[Any, Backend | None, Backend | None] | web.Response:
         """Ask the router: (decision, prefill backend, decode backend), or the 429/503 reply."""
         router = self.router
+        body = raw.obj
         for b in self.backends:
             router.set_health(b.url, b.healthy)
-        tokens = await router.prompt_tokens(body, path.endswith("/chat/completions"), self._tokenize)
+        tokens = await router.prompt_tokens(
+            raw.obj, path.endswith("/chat/completions"), lambda payload: self._tokenize(payload, raw)
+        )
         d, req = router.decide(rkey, tokens, body)
         if d.reject:
             status = 503 if d.reject == "no_instance" else 429
@@ -431,7 +445,6 @@ class PDProxy(StreamHalves):
         raw = await self._read_body(request, request_id)
         if isinstance(raw, web.Response):
             return raw
-        body = raw.obj
         # Refuse before doing anything when either side has nobody to serve.
         for pool in self.pools:
             if not pool.any_healthy():
@@ -440,7 +453,7 @@ class PDProxy(StreamHalves):
         prefer_p = prefer_d = None
         rkey = uuid.uuid4().hex
         if self.router is not None:
-            routed = await self._route(body, path, rkey, request_id)
+            routed = await self._route(raw, path, rkey, request_id)
             if isinstance(routed, web.Response):
                 return routed
             _, prefer_p, prefer_d = routed
@@ -515,7 +528,7 @@ class PDProxy(StreamHalves):
                     )
                 first()
                 try:
-                    pjson = json.loads(pdata)
+                    pjson = await loads_off_loop(pdata)
                 except (ValueError, RecursionError):
                     pbackend.failures += 1
                     raise BackendError(

@@ -22,7 +22,7 @@ from kvpool.connectors.backends import (
     learn_peer,
     read_at_most,
 )
-from kvpool.connectors.openai_api import ERROR_TYPES, error_response, error_text, snippet
+from kvpool.connectors.openai_api import ERROR_TYPES, error_response, error_text, loads_off_loop, snippet
 
 _log = logging.getLogger("kvpool.connectors.proxy")
 
@@ -99,7 +99,7 @@ class StreamHalves:
                          backend.url, resp.status, request_id, snippet(data))  # fmt: skip
             return f"prefill answered {resp.status}"
         try:
-            params = json.loads(data).get("kv_transfer_params")
+            params = (await loads_off_loop(data)).get("kv_transfer_params")
         except (ValueError, RecursionError, AttributeError):
             params = None
         if isinstance(params, dict):
