@@ -284,6 +284,39 @@ def test_credentials_over_plain_http_warn_once_per_remote_host(caplog: pytest.Lo
     assert pw not in caplog.text and "alice" not in caplog.text
 
 
+def test_a_redis_password_over_plain_redis_warns_and_is_never_shown(caplog: pytest.LogCaptureFixture) -> None:
+    """``redis://:password@host`` (or ``?password=``) sends the AUTH password in clear: one warning
+    per remote host naming it, none for loopback or ``rediss://`` (TLS); the password is in no
+    log line, repr or error (it warned for no host)."""
+    import logging
+
+    pytest.importorskip("redis", reason="redis-py is installed by scripts/test.sh")
+    pw = "PW-redis-7"
+    caplog.set_level(logging.WARNING, logger="kvpool.transfer.metadata")
+    silent = [
+        f"redis://:{pw}@127.0.0.1:6379/0",
+        f"redis://:{pw}@localhost:6379/0",
+        f"rediss://:{pw}@10.213.9.1:6380/0",
+        f"rediss://10.213.9.1:6380/0?password={pw}",
+        "redis://10.213.9.2:6379/0",  # no password
+    ]
+    for url in silent:
+        assert pw not in repr(open_metadata(url))
+    assert not caplog.records, caplog.text
+    metas = [open_metadata(f"redis://:{pw}@10.213.9.3:6379/0") for _ in range(2)]  # one line
+    metas.append(open_metadata(f"redis://alice:{pw}@10.213.9.4:6379/1"))
+    metas.append(open_metadata(f"redis://10.213.9.5:6379/0?password={pw}"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings
+    for w, host in zip(warnings, ("10.213.9.3:6379", "10.213.9.4:6379", "10.213.9.5:6379"), strict=True):
+        assert host in w and "redis://" in w and "rediss://" in w
+    assert pw not in caplog.text and "alice" not in caplog.text
+    assert all(pw not in repr(m) and "***" in repr(m) for m in metas)
+    with pytest.raises(MetadataError) as ei:  # nothing listens on port 1
+        open_metadata(f"redis://:{pw}@127.0.0.1:1/0", timeout_s=0.5).get("x")
+    assert pw not in str(ei.value) and ":***@127.0.0.1:1" in str(ei.value)
+
+
 def test_config_reprs_and_errors_redact_metadata_and_master_urls() -> None:
     """A metadata/master URL may hold a password (``user:pw@``, ``?password=``/``secret=``/
     ``token=``): every config object's repr and str, and a config error repeating the URL, show it

@@ -1,7 +1,7 @@
 """URLs that may carry credentials (metadata and master URLs): the one redaction used for error
 messages, reprs and logs (:func:`redact_url`), and the warning when credentials would travel in
-clear text (:func:`warn_clear_credentials`). Called by ``kvpool.transfer.metadata`` when it builds
-a backend or an error message, and by the config objects' reprs (``kvpool.config``).
+clear text (:func:`warn_clear_credentials`: http://, redis://). Called by ``kvpool.transfer.metadata``
+when it builds a backend or an error message, and by the config objects' reprs (``kvpool.config``).
 """
 
 from __future__ import annotations
@@ -38,15 +38,19 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts)
 
 
+#: Schemes whose credentials travel in clear text -> the scheme that carries them over TLS.
+_CLEAR_SCHEMES = {"http": "https", "redis": "rediss"}
+
 _warned: set[str] = set()  # hosts warn_clear_credentials warned about (one line each per process)
 _warned_lock = threading.Lock()
 
 
 def warn_clear_credentials(url: str) -> None:
-    """Log one warning per host when ``url`` sends credentials (``user:password@``, or a
-    ``password``/``secret``/``token`` query parameter) over plain ``http://`` to a host that is not
-    loopback: anyone on the network path reads them. Names the host, never the credentials. A
-    host name other than ``localhost`` is not resolved (no blocking look-up): it gets the warning."""
+    """Log one warning per host when ``url`` sends credentials (``user:password@``, ``:password@``,
+    or a ``password``/``secret``/``token`` query parameter) over plain ``http://`` or ``redis://``
+    (not ``https://``, ``rediss://``) to a host that is not loopback: anyone on the network path
+    reads them. Names the host, never the credentials. A host name other than ``localhost`` is not
+    resolved (no blocking look-up): it gets the warning."""
     try:
         parts = urllib.parse.urlsplit(url)
         name = parts.hostname or ""
@@ -54,7 +58,7 @@ def warn_clear_credentials(url: str) -> None:
     except ValueError:
         return  # the caller refuses the URL
     has_creds = parts.username is not None or any(k.lower() in SECRET_PARAMS for k, _ in query)
-    if parts.scheme != "http" or not has_creds:
+    if parts.scheme not in _CLEAR_SCHEMES or not has_creds:
         return
     try:
         if name == "localhost" or ipaddress.ip_address(name).is_loopback:
@@ -67,7 +71,9 @@ def warn_clear_credentials(url: str) -> None:
             return
         _warned.add(host)
     _log.warning(
-        "the metadata URL for %s sends credentials over plain http://, readable by anyone on the "
-        "network path; use https:// (or a metadata server on loopback)",
+        "the metadata URL for %s sends credentials over plain %s://, readable by anyone on the "
+        "network path; use %s:// (or a metadata server on loopback)",
         host,
+        parts.scheme,
+        _CLEAR_SCHEMES[parts.scheme],
     )

@@ -350,6 +350,7 @@ class RedisMetadata(MetadataBackend):
             raise InvalidArgument(
                 "redis metadata URL must look like redis://host:port[/db], got " + repr(_redact(url))
             )
+        warn_clear_credentials(url)  # redis:// sends its AUTH password in clear (rediss:// does not)
         self.url = url
         self.timeout_s = timeout_s
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
