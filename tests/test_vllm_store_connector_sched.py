@@ -3,6 +3,7 @@ through a real master and storage process (the forward pass is a test double).""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -412,77 +413,73 @@ def test_a_load_on_a_sliding_window_model_skips_the_null_block(tiny_llama: Path,
         b.close()
 
 
-def test_an_unexpected_error_in_a_load_fails_its_blocks_and_finishes_it(
-    tiny_llama: Path,  # noqa: F811
-    master: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """An asynchronous load that raises something other than a kvpool error: every block of it is
-    reported failed to vLLM (recomputed) and the request finishes loading (never waits forever)."""
-    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t5"})
-    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t5"})
+@pytest.fixture
+def loader(tiny_llama: Path, master: str, request: pytest.FixtureRequest) -> Iterator[Instance]:  # noqa: F811
+    """An instance that stored PROMPT's blocks (and finished) and the one yielded, of the same
+    model, about to load them, with kv_load_failure_policy=recompute (vLLM recomputes the blocks of
+    a failed load). A model tag of the test's own: no other test's keys."""
+    opts = {
+        "master": master,
+        "model_tag": "fail-" + hashlib.sha1(request.node.name.encode()).hexdigest()[:12],
+    }
+    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", opts)
+    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", opts)
     b.scheduler.recompute_kv_load_failures = True
     try:
-        a.add("f1", PROMPT, 1, None)
-        run_to_end(a, "f1")
+        a.add("saved", PROMPT, 1, None)
+        run_to_end(a, "saved")
         a.run_until(lambda o: a.free_blocks() == a.idle_free)
-
-        store = b.worker._worker.store
-        real = store.batch_get_into
-
-        def broken(*args: object, **kw: object) -> object:
-            monkeypatch.setattr(store, "batch_get_into", real)  # the first load only
-            raise RuntimeError("injected")
-
-        monkeypatch.setattr(store, "batch_get_into", broken)
-        reported: set[int] = set()
-        take = b.worker.get_block_ids_with_load_errors
-        monkeypatch.setattr(
-            b.worker, "get_block_ids_with_load_errors", lambda: reported.update(e := take()) or e
-        )
-        b.add("f2", PROMPT, 2, None)
-        out = b.step_until(lambda out: "f2" in out.kv_connector_metadata.loads)
-        loaded = {blk for blk, _ in out.kv_connector_metadata.loads["f2"]}
-        assert len(loaded) == 2
-        outputs = b.run_until(lambda o: "f2" in o and o["f2"].new_token_ids, timeout=20)
-        assert reported == loaded
-        assert outputs["f2"].finish_reason is None  # still running: vLLM looked it up and loaded again
-        assert b.worker._worker.loaded_blocks == 2
-        for got, want in zip(b.block_values("f2", 79), expected_rows(PROMPT, 79), strict=True):
-            assert torch.equal(got, want)
+        yield b
     finally:
         a.close()
         b.close()
 
 
+def test_an_unexpected_error_in_a_load_fails_its_blocks_and_finishes_it(
+    loader: Instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An asynchronous load that raises something other than a kvpool error: every block of it is
+    reported failed to vLLM (recomputed) and the request finishes loading (never waits forever)."""
+    b = loader
+    store = b.worker._worker.store
+    real = store.batch_get_into
+
+    def broken(*args: object, **kw: object) -> object:
+        monkeypatch.setattr(store, "batch_get_into", real)  # the first load only
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(store, "batch_get_into", broken)
+    reported: set[int] = set()
+    take = b.worker.get_block_ids_with_load_errors
+    monkeypatch.setattr(b.worker, "get_block_ids_with_load_errors", lambda: reported.update(e := take()) or e)
+    b.add("f2", PROMPT, 2, None)
+    out = b.step_until(lambda out: "f2" in out.kv_connector_metadata.loads)
+    loaded = {blk for blk, _ in out.kv_connector_metadata.loads["f2"]}
+    assert len(loaded) == 2
+    outputs = b.run_until(lambda o: "f2" in o and o["f2"].new_token_ids, timeout=20)
+    assert reported == loaded
+    assert outputs["f2"].finish_reason is None  # still running: vLLM looked it up and loaded again
+    assert b.worker._worker.loaded_blocks == 2
+    for got, want in zip(b.block_values("f2", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_load_that_fails_every_time_is_recomputed_not_retried_forever(
-    tiny_llama: Path,  # noqa: F811
-    master: str,
-    monkeypatch: pytest.MonkeyPatch,
+    loader: Instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With kv_load_failure_policy=recompute vLLM asks the connector again after a failed load; a
     load failing every time (a corrupt object) was offered and failed again every step, forever.
     At most two store loads per request: then vLLM recomputes, with the right rows."""
-    a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
-    b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
-    b.scheduler.recompute_kv_load_failures = True
-    try:
-        a.add("g1", PROMPT, 1, None)
-        run_to_end(a, "g1")
-        a.run_until(lambda o: a.free_blocks() == a.idle_free)
-        store = b.worker._worker.store
-        calls = []
+    b = loader
+    calls = []
 
-        def broken(*args: object, **kw: object) -> object:
-            calls.append(1)
-            raise RuntimeError("injected: every load fails")
+    def broken(*args: object, **kw: object) -> object:
+        calls.append(1)
+        raise RuntimeError("injected: every load fails")
 
-        monkeypatch.setattr(store, "batch_get_into", broken)
-        b.add("g2", PROMPT, 2, None)
-        outputs = b.run_until(lambda o: "g2" in o and o["g2"].new_token_ids, timeout=30)
-        assert outputs["g2"].new_token_ids and len(calls) == 2
-        for got, want in zip(b.block_values("g2", 79), expected_rows(PROMPT, 79), strict=True):
-            assert torch.equal(got, want)
-    finally:
-        a.close()
-        b.close()
+    monkeypatch.setattr(b.worker._worker.store, "batch_get_into", broken)
+    b.add("g2", PROMPT, 2, None)
+    outputs = b.run_until(lambda o: "g2" in o and o["g2"].new_token_ids, timeout=30)
+    assert outputs["g2"].new_token_ids and len(calls) == 2
+    for got, want in zip(b.block_values("g2", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, want)
