@@ -22,13 +22,10 @@ network failure, timeout or malformed answer as :class:`~kvpool.errors.MetadataE
 from __future__ import annotations
 
 import abc
-import base64
 import hashlib
 import hmac
 import http.client
 import os
-import socket
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -38,6 +35,14 @@ from typing import Any
 from kvpool._urls import redact_url as _redact
 from kvpool._urls import warn_clear_credentials
 from kvpool.errors import InvalidArgument, MetadataError
+from kvpool.transfer.metadata_http import (
+    MAX_VALUE_BYTES,
+    HttpClient,
+    Response,
+    check_name,
+    check_value,
+    failure_reason,
+)
 
 __all__ = [
     "KEY_PREFIX",
@@ -51,11 +56,6 @@ __all__ = [
 
 #: Prefix of the keys the etcd and redis backends store descriptors under.
 KEY_PREFIX = "kvpool/segments/"
-
-#: Largest descriptor a backend will read back; anything bigger is treated as a bad answer.
-MAX_VALUE_BYTES = 64 * 1024 * 1024
-
-_READ_CHUNK = 256 * 1024
 
 
 #: HTTP header carrying the proof of the cluster secret on metadata writes.
@@ -75,39 +75,6 @@ def auth_header(secret: str, method: str, name: str, body: bytes) -> str:
     itself never travels, and a captured header is good for this one write only (nonce, time)."""
     ts, nonce = str(int(time.time())), os.urandom(16).hex()
     return f"ts={ts},nonce={nonce},mac={write_mac(secret, method, name, ts, nonce, body)}"
-
-
-def _check_name(name: object) -> str:
-    """Return ``name`` if it is a usable segment name, else raise :class:`InvalidArgument`."""
-    if not isinstance(name, str):
-        raise InvalidArgument(f"segment name must be a str, got {type(name).__name__}")
-    if not name:
-        raise InvalidArgument("segment name must not be empty")
-    return name
-
-
-def _check_value(value: object) -> bytes:
-    """Return ``value`` as :class:`bytes`, raising :class:`InvalidArgument` for non-bytes-like values."""
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    raise InvalidArgument(f"descriptor value must be bytes, got {type(value).__name__}")
-
-
-def _reason(exc: BaseException) -> str:
-    """Describe a network exception in a few words, unwrapping :class:`urllib.error.URLError`."""
-    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
-        inner = exc.reason
-        if isinstance(inner, BaseException):
-            return _reason(inner)
-        return str(inner)
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class MetadataBackend(abc.ABC):
@@ -144,113 +111,6 @@ class MetadataBackend(abc.ABC):
         self.close()
 
 
-class _Response:
-    """Status and body of an HTTP exchange, whatever the status code."""
-
-    __slots__ = ("body", "status")
-
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status = status
-        self.body = body
-
-
-class _HttpClient:
-    """A small HTTP/1.1 client with an overall deadline, no environment proxies and bounded reads.
-
-    The whole exchange -- connect, request, status line, headers and body -- ends about
-    ``timeout_s`` after it started, however the server trickles its answer: each blocking socket
-    operation is limited by the time left, and a watchdog shuts the socket down at the deadline
-    (a per-recv timeout alone restarts with every byte of a header). Metadata servers live on the
-    cluster network: an ``http_proxy`` meant for the internet would only get in the way, so
-    environment proxies are deliberately not used.
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-
-    def request(
-        self,
-        method: str,
-        url: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> _Response:
-        """Perform one request, whatever its status; raise ``OSError``/``HTTPException`` on trouble
-        (``TimeoutError`` past the deadline).
-
-        ``timeout_s`` overrides the client's budget for this call (callers sharing one budget over
-        several attempts pass what is left of it).
-        """
-        budget = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + budget
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {_redact(url)}")
-        all_headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
-        if parts.username is not None:  # http://user:password@host/...
-            cred = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-            all_headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
-        all_headers.update(headers or {})
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = cls(parts.hostname, parts.port, timeout=budget)
-        watchdog = threading.Timer(budget, _shut_down, (conn,))
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            conn.request(method, path, body=body, headers=all_headers)
-            resp = conn.getresponse()
-            return _Response(int(resp.status), self._read_body(resp, deadline))
-        except (OSError, http.client.HTTPException):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no whole answer within {budget:g} s") from None
-            raise
-        finally:
-            watchdog.cancel()
-            conn.close()
-
-    def _read_body(self, resp: http.client.HTTPResponse, deadline: float) -> bytes:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("timed out while reading the answer")
-            _set_read_timeout(resp, remaining)
-            chunk = resp.read1(_READ_CHUNK)  # at most one recv, so the deadline is checked often
-            if not chunk:
-                if time.monotonic() >= deadline:  # the watchdog ended it: not the whole answer
-                    raise TimeoutError("timed out while reading the answer")
-                if resp.length:  # fewer bytes than Content-Length said
-                    raise http.client.IncompleteRead(b"".join(chunks), resp.length)
-                return b"".join(chunks)
-            total += len(chunk)
-            if total > MAX_VALUE_BYTES:
-                raise http.client.HTTPException(f"answer larger than {MAX_VALUE_BYTES} bytes")
-            chunks.append(chunk)
-
-
-def _shut_down(conn: http.client.HTTPConnection) -> None:
-    """The deadline watchdog of :class:`_HttpClient`: whatever the exchange waits for ends now."""
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def _set_read_timeout(resp: http.client.HTTPResponse, remaining: float) -> None:
-    """Shrink the socket timeout under ``resp`` to ``remaining`` seconds when it can be reached."""
-    sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
-    if isinstance(sock, socket.socket):
-        try:
-            sock.settimeout(max(remaining, 0.001))
-        except OSError:
-            pass
-
-
 class HttpMetadata(MetadataBackend):
     """Mooncake's HTTP metadata protocol.
 
@@ -269,13 +129,13 @@ class HttpMetadata(MetadataBackend):
         self.url = url
         self.timeout_s = timeout_s
         self._secret = secret or None  # writes carry an HMAC proof of it (kvpool metadata-server --secret)
-        self._client = _HttpClient(timeout_s)
+        self._client = HttpClient(timeout_s)
 
     def _key_url(self, name: str) -> str:
         sep = "&" if urllib.parse.urlsplit(self.url).query else "?"
         return f"{self.url}{sep}key={urllib.parse.quote(name, safe='')}"
 
-    def _request(self, method: str, name: str, body: bytes | None = None) -> _Response:
+    def _request(self, method: str, name: str, body: bytes | None = None) -> Response:
         headers = None
         if self._secret and method in ("PUT", "DELETE"):
             headers = {AUTH_HEADER: auth_header(self._secret, method, name, body or b"")}
@@ -283,12 +143,12 @@ class HttpMetadata(MetadataBackend):
             return self._client.request(method, self._key_url(name), body, headers)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise MetadataError(
-                f"HTTP metadata server {_redact(self.url)} failed on {method} {name!r}: {_reason(exc)} "
-                f"(timeout {self.timeout_s:g} s); check that the server is running (e.g. "
-                f"`kvpool metadata-server --port PORT`) and that the metadata URL is right"
+                f"HTTP metadata server {_redact(self.url)} failed on {method} {name!r}: "
+                f"{failure_reason(exc)} (timeout {self.timeout_s:g} s); check that the server is running "
+                f"(e.g. `kvpool metadata-server --port PORT`) and that the metadata URL is right"
             ) from exc
 
-    def _unexpected(self, method: str, name: str, resp: _Response) -> MetadataError:
+    def _unexpected(self, method: str, name: str, resp: Response) -> MetadataError:
         snippet = resp.body[:200].decode("utf-8", "replace").strip()
         hint = "check the metadata URL (host, port and path such as /metadata)"
         if resp.status == 413:
@@ -304,7 +164,7 @@ class HttpMetadata(MetadataBackend):
 
     def get(self, name: str) -> bytes | None:
         """Return the descriptor stored under ``name``, or ``None`` on 404."""
-        _check_name(name)
+        check_name(name)
         resp = self._request("GET", name)
         if resp.status == 200:
             return resp.body
@@ -314,14 +174,14 @@ class HttpMetadata(MetadataBackend):
 
     def put(self, name: str, value: bytes) -> None:
         """Store ``value`` under ``name`` with ``PUT``."""
-        _check_name(name)
-        resp = self._request("PUT", name, _check_value(value))
+        check_name(name)
+        resp = self._request("PUT", name, check_value(value))
         if not 200 <= resp.status < 300:
             raise self._unexpected("PUT", name, resp)
 
     def delete(self, name: str) -> None:
         """Remove ``name`` with ``DELETE``; a 404 (already absent) is fine."""
-        _check_name(name)
+        check_name(name)
         resp = self._request("DELETE", name)
         if not (200 <= resp.status < 300 or resp.status == 404):
             raise self._unexpected("DELETE", name, resp)
@@ -371,14 +231,14 @@ class RedisMetadata(MetadataBackend):
 
     def _fail(self, op: str, name: str, exc: BaseException) -> MetadataError:
         return MetadataError(
-            f"redis metadata {_redact(self.url)} failed on {op} {name!r}: {_reason(exc)} "
+            f"redis metadata {_redact(self.url)} failed on {op} {name!r}: {failure_reason(exc)} "
             f"(timeout {self.timeout_s:g} s); check that redis-server is running there and that "
             f"the URL (host, port, db, password) is right"
         )
 
     def get(self, name: str) -> bytes | None:
         """Return the descriptor stored under ``kvpool/segments/<name>``, or ``None``."""
-        _check_name(name)
+        check_name(name)
         try:
             value = self._client.get(self._key(name))
         except self._errors as exc:
@@ -392,8 +252,8 @@ class RedisMetadata(MetadataBackend):
 
     def put(self, name: str, value: bytes) -> None:
         """Store ``value`` under ``kvpool/segments/<name>``."""
-        _check_name(name)
-        data = _check_value(value)
+        check_name(name)
+        data = check_value(value)
         try:
             self._client.set(self._key(name), data)
         except self._errors as exc:
@@ -401,7 +261,7 @@ class RedisMetadata(MetadataBackend):
 
     def delete(self, name: str) -> None:
         """Delete ``kvpool/segments/<name>``; deleting an absent key is fine."""
-        _check_name(name)
+        check_name(name)
         try:
             self._client.delete(self._key(name))
         except self._errors as exc:

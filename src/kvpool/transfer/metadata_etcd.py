@@ -22,16 +22,8 @@ from typing import Any
 
 from kvpool._urls import warn_clear_credentials
 from kvpool.errors import InvalidArgument, MetadataError
-from kvpool.transfer.metadata import (
-    KEY_PREFIX,
-    MetadataBackend,
-    _check_name,
-    _check_value,
-    _HttpClient,
-    _reason,
-    _redact,
-    _Response,
-)
+from kvpool.transfer.metadata import KEY_PREFIX, MetadataBackend, _redact
+from kvpool.transfer.metadata_http import HttpClient, Response, check_name, check_value, failure_reason
 
 _DEFAULT_ETCD_PORT = 2379
 _UNAUTHENTICATED = 16  # gRPC code of "etcdserver: invalid auth token" (a token expired)
@@ -88,14 +80,14 @@ class EtcdMetadata(MetadataBackend):
         self.url = url
         self.timeout_s = timeout_s
         self._endpoints = endpoints
-        self._client = _HttpClient(timeout_s)
+        self._client = HttpClient(timeout_s)
         self._tokens: dict[str, str] = {}  # endpoint -> etcd auth token (dict ops are atomic)
 
     @staticmethod
     def _key(name: str) -> str:
         return _b64((KEY_PREFIX + name).encode("utf-8"))
 
-    def _post(self, endpoint: str, path: str, payload: dict[str, Any], deadline: float) -> _Response:
+    def _post(self, endpoint: str, path: str, payload: dict[str, Any], deadline: float) -> Response:
         """One POST to ``endpoint``, with its auth token when a user is configured (fetched, and
         fetched again once when etcd answers that it expired)."""
         body = json.dumps(payload).encode("ascii")
@@ -134,7 +126,7 @@ class EtcdMetadata(MetadataBackend):
         """POST ``payload`` to ``/v3/kv/<op>`` and return the decoded JSON answer."""
         deadline = time.monotonic() + self.timeout_s
         failure: BaseException | None = None
-        resp: _Response | None = None
+        resp: Response | None = None
         for endpoint in self._endpoints:
             if deadline - time.monotonic() <= 0:
                 break
@@ -144,7 +136,7 @@ class EtcdMetadata(MetadataBackend):
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 failure = exc
         if resp is None:
-            reason = _reason(failure) if failure is not None else "timed out"
+            reason = failure_reason(failure) if failure is not None else "timed out"
             raise MetadataError(
                 f"etcd metadata {_redact(self.url)} failed on {op} {name!r}: {reason} "
                 f"(timeout {self.timeout_s:g} s); check that etcd is running and that its client URL "
@@ -165,7 +157,7 @@ class EtcdMetadata(MetadataBackend):
 
     def get(self, name: str) -> bytes | None:
         """Return the descriptor stored under ``kvpool/segments/<name>``, or ``None``."""
-        _check_name(name)
+        check_name(name)
         answer = self._call("range", {"key": self._key(name)}, name)
         kvs = answer.get("kvs") or []
         if not kvs:
@@ -181,19 +173,19 @@ class EtcdMetadata(MetadataBackend):
 
     def put(self, name: str, value: bytes) -> None:
         """Store ``value`` under ``kvpool/segments/<name>``."""
-        _check_name(name)
-        self._call("put", {"key": self._key(name), "value": _b64(_check_value(value))}, name)
+        check_name(name)
+        self._call("put", {"key": self._key(name), "value": _b64(check_value(value))}, name)
 
     def delete(self, name: str) -> None:
         """Delete ``kvpool/segments/<name>``; deleting an absent key is fine."""
-        _check_name(name)
+        check_name(name)
         self._call("deleterange", {"key": self._key(name)}, name)
 
     def __repr__(self) -> str:
         return f"EtcdMetadata({_redact(self.url)!r}, timeout_s={self.timeout_s!r})"
 
 
-def _json(resp: _Response) -> dict[str, Any] | None:
+def _json(resp: Response) -> dict[str, Any] | None:
     """The answer's JSON object ({} for an empty body), or None when it is not one."""
     try:
         answer = json.loads(resp.body) if resp.body else {}
@@ -202,5 +194,5 @@ def _json(resp: _Response) -> dict[str, Any] | None:
     return answer if isinstance(answer, dict) else None
 
 
-def _token_expired(resp: _Response) -> bool:
+def _token_expired(resp: Response) -> bool:
     return resp.status == 401 or (_json(resp) or {}).get("code") == _UNAUTHENTICATED
