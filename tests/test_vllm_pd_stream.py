@@ -338,3 +338,29 @@ def test_a_stream_into_only_the_null_block_finishes_at_once(pd: tuple[LayerInsta
     p.run_until(lambda o: "pn1" in o and o["pn1"].finish_reason is not None)
     p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the decode's "done" freed them
     assert not d.kv[LAYERS[0]][0].any()
+
+
+def test_a_stream_given_more_blocks_than_the_prompt_is_recomputed_not_left_waiting(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """vLLM gives a streaming load more blocks than the prompt has (the per-request load refuses
+    such a load): the load fails at once, reporting its blocks (vLLM recomputes them) and the
+    request finished loading (it waited forever: nothing was ever reported); the prefill is still
+    told "done" and frees its blocks."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    p, d = pd
+    req = d.add("m1", PROMPT, 2, _decode_params(p, "tm1"))
+    blocks = d.scheduler.kv_cache_manager.block_pool.get_new_blocks(4)  # 80 tokens: 3 blocks
+    d.connector.update_state_after_alloc(req, KVCacheBlocks((blocks,)), 80)
+    meta = d.connector.build_connector_meta(None)
+    assert meta.recv["m1"].refused is not None
+    d.worker.bind_connector_metadata(meta)
+    d.worker.start_load_kv(None)
+    assert d.worker.get_finished(set()) == (None, {"m1"})
+    assert d.worker.get_block_ids_with_load_errors() == {b.block_id for b in blocks}
+    d.worker.clear_connector_metadata()
+    p.add("pm1", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "tm1"})
+    p.run_until(lambda o: "pm1" in o and o["pm1"].finish_reason is not None)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the decode's "done" freed them
+    assert not any(d.kv[name][b.block_id].any() for name in d.kv for b in blocks)  # nothing read

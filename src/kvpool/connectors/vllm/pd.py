@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from kvpool._rpc import RpcClient
@@ -356,6 +357,11 @@ class _PdWorker(DecodeLoads):
         for job in meta.recv.values():
             lane = self._lane(job)
             if job.transfer_id is not None:
+                if job.refused is not None:  # blocks that do not match: vLLM recomputes them
+                    self.stats.record_failure("BlocksMismatch")
+                    self._load_done(job, False)
+                    # the stream only waits for the prefill request, to tell it to free its blocks
+                    job = replace(job, local_block_ids=[], block_index=[], refused=None, waited=False)
                 ld = StreamLoad(job, now + self.cfg.abort_timeout_s)
                 with self._lock:
                     self._stream_loads[job.req_id] = ld

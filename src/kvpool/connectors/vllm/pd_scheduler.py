@@ -228,17 +228,18 @@ class _PdScheduler:
         total = len(request.prompt_token_ids or ())
         n = -(-total // self.block_size)
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        if len(local) > n:
-            log.warning("request %s: %d local blocks for a %d-token prompt; computing locally",
-                        request.request_id, len(local), total)  # fmt: skip
-            local = []
+        refused = None
+        if len(local) > n:  # the worker fails the load at once: vLLM recomputes (it waits for it)
+            refused = f"{len(local)} local blocks for a {n}-block prompt"
+            log.warning("request %s: %s; its KV is recomputed", request.request_id, refused)
         waited = bool(local)
         if waited:
             self._loading.add(request.request_id)
         # The local blocks receive the prompt's last ones. A sliding-window model: those out of
         # the decode's window are vLLM's null block (shared by every request): nothing is read
         # into them (vLLM needs no KV there); the others keep their place in the prompt.
-        pairs = [(lb, n - len(local) + i) for i, lb in enumerate(local) if lb != NULL_BLOCK]
+        first = n - len(local) if refused is None else 0
+        pairs = [(lb, first + i) for i, lb in enumerate(local) if lb != NULL_BLOCK]
         self._recv[request.request_id] = RecvJob(
             req_id=request.request_id,
             local_block_ids=[lb for lb, _ in pairs],
@@ -250,7 +251,8 @@ class _PdScheduler:
             remote_tp_size=r["tp_size"],
             transfer_id=r["transfer_id"],
             num_tokens=total,
-            block_index=[i for _, i in pairs],
+            block_index=[i for _, i in pairs] if refused is None else [],
+            refused=refused,
             waited=waited,
         )
 
