@@ -156,8 +156,9 @@ def prefill(port: int, scenario: str) -> None:
                         senders[r].failure_exception()
                     except Exception as exc:  # noqa: BLE001 - KVTransferError carries the reason
                         reason = str(exc)
+                refused = dict(server.bootstrap_auth.dropped) if hasattr(server, "bootstrap_auth") else {}
                 out(event="done", room=r, status=int(s), reason=reason, calls=mgr.transfer_calls,
-                    dropped=dict(mgr.control_auth.dropped))  # fmt: skip
+                    dropped=dict(mgr.control_auth.dropped), bootstrap_dropped=refused)  # fmt: skip
                 pending.discard(r)
         time.sleep(0.01)
     # abort-inflight: the room failed at the abort, its WRITE still runs; stay up until it drained.

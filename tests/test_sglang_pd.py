@@ -242,6 +242,118 @@ def test_control_messages_are_authenticated_with_a_secret(
         ctx.term()
 
 
+def _http(
+    port: int, method: str, path: str, payload: Any = None, headers: dict | None = None
+) -> tuple[int, Any]:
+    """(status, JSON or text) of one request to the bootstrap server."""
+    import urllib.error
+    import urllib.request
+
+    body = payload if isinstance(payload, bytes) or payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, method=method, headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def test_bootstrap_registrations_are_authenticated_with_a_secret(
+    roles: list[Role], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With KVPOOL_SECRET the bootstrap server refuses rank and DP-rank registrations that are
+    unsigned (401), signed with another secret or replayed (403): a forged registration of the
+    prefill's rank 0 pointing at this test's socket is not what decodes read, and the decode's
+    room is served by the real rank (which registered signed); a registration signed with the
+    secret is accepted."""
+    import zmq
+
+    from kvpool.connectors.sglang.bootstrap_auth import AUTH_HEADER, BootstrapAuth
+
+    secret = "pd-bootstrap-secret"
+    go = tmp_path / "go"
+    monkeypatch.setenv("KVPOOL_SECRET", secret)
+    monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
+    port = free_port()
+    p = Role("prefill", port, "auth")
+    roles.append(p)
+    rank_port = p.wait_for("ready")["rank_port"]
+    rank0 = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+    assert _http(port, "GET", rank0) == (200, {"rank_ip": "127.0.0.1", "rank_port": rank_port})
+    status, info = _http(
+        port, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    )
+    assert status == 200
+    ctx = zmq.Context()
+    trap = ctx.socket(zmq.PULL)  # where the forged registrations point decodes to
+    trap_port = trap.bind_to_random_port("tcp://127.0.0.1")
+    row = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+           "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+           "rank_ip": "127.0.0.1", "rank_port": trap_port, "page_size": info["page_size"],
+           "kv_cache_dtype": info["kv_cache_dtype"],
+           "decode_allocation_policy": info["decode_allocation_policy"]}  # fmt: skip
+    body = json.dumps(row).encode()
+
+    good, forger = BootstrapAuth(secret), BootstrapAuth("another secret")
+    try:
+        assert _http(port, "PUT", "/route", body, {"Content-Type": "application/json"})[0] == 401
+        assert _http(port, "PUT", "/route", body, forger.headers("PUT", "/route", body))[0] == 403
+        assert _http(port, "PUT", "/route", body, {AUTH_HEADER: "zz"})[0] == 401
+        # A signed registration's MAC covers the body: another rank_port under it is refused.
+        other = json.dumps(dict(row, rank_port=trap_port + 1)).encode()
+        assert _http(port, "PUT", "/route", other, good.headers("PUT", "/route", body))[0] == 403
+        assert _http(port, "GET", rank0) == (200, {"rank_ip": "127.0.0.1", "rank_port": rank_port})
+        # Signed with the secret: accepted (as rank 1's), once.
+        rank1 = json.dumps(dict(row, attn_tp_rank=1)).encode()
+        headers = good.headers("PUT", "/route", rank1)
+        assert _http(port, "PUT", "/route", rank1, headers) == (200, "OK")
+        assert _http(port, "PUT", "/route", rank1, headers)[0] == 403  # replayed
+        got = _http(port, "GET", rank0.replace("target_tp_rank=0", "target_tp_rank=1"))
+        assert got == (200, {"rank_ip": "127.0.0.1", "rank_port": trap_port})
+        # A room's DP rank: only the signed registration counts.
+        dp77, dp78 = (
+            json.dumps({"bootstrap_room": 77, "dp_rank": 0}),
+            json.dumps({"bootstrap_room": 78, "dp_rank": 0}),
+        )
+        assert _http(port, "POST", "/register_dp_rank", dp78.encode())[0] == 401
+        headers = good.headers("POST", "/register_dp_rank", dp77.encode())
+        assert _http(port, "POST", "/register_dp_rank", dp77.encode(), headers) == (200, "OK")
+        assert _http(port, "POST", "/query_dp_ranks", {"bootstrap_rooms": [77, 78]}) == (200, {"77": 0})
+        d = Role("decode", port, "auth")
+        roles.append(d)
+        p.wait_for("waiting-go", room=1)
+        go.touch()
+        got = d.wait_for("done", room=1)
+        assert got["status"] == SUCCESS, got["reason"]
+        done = p.wait_for("done", room=1)
+        assert done["status"] == SUCCESS
+        assert done["bootstrap_dropped"] == {"unsigned": 3, "bad MAC": 2, "replayed": 1}
+        assert trap.poll(500) == 0  # no decode sent anything to the forged rank
+    finally:
+        trap.close(0)
+        ctx.term()
+
+
+def test_bootstrap_auth_without_a_secret_signs_and_checks_nothing() -> None:
+    from kvpool.connectors.sglang.bootstrap_auth import AUTH_HEADER, BootstrapAuth
+
+    plain, signer = BootstrapAuth(None), BootstrapAuth("s")
+    assert plain.headers("PUT", "/route", b"{}") == {"Content-Type": "application/json"}
+    assert plain.check("PUT", "/route", b"{}", None) is None
+    headers = signer.headers("PUT", "/route", b"{}")
+    assert len(headers[AUTH_HEADER]) == 2 * 56
+    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER]) is None
+    # Method and path are signed too.
+    assert BootstrapAuth("s").check("POST", "/route", b"{}", headers[AUTH_HEADER])[0] == 403
+    assert BootstrapAuth("s").check("PUT", "/route", b"{}", None)[0] == 401
+
+
 def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch: pytest.MonkeyPatch) -> None:
     """Metadata beyond a room's decode ranks, beyond the room limit, and rooms no request claims
     within the TTL: refused (the decode rank gets Failed with the reason) or dropped, never kept."""

@@ -15,7 +15,8 @@ heartbeats and aborts come from them); kvpool adds the data path:
 * transfers run on background worker threads; ``poll()`` only reads status;
 * with a cluster secret (``KVPOOL_SECRET``) every control message is signed and checked
   (:mod:`kvpool.connectors.sglang.control_auth`): unsigned, forged, stale and replayed ones are
-  dropped, never acted on;
+  dropped, never acted on; so are the prefill's registrations with the bootstrap server
+  (:mod:`kvpool.connectors.sglang.bootstrap_auth`: others are refused with HTTP 401/403);
 * what a prefill keeps per room is bounded (:mod:`kvpool.connectors.sglang.rooms`): metadata
   beyond the bounds is refused and its decode rank told so;
 * a chunk whose pages the decode's destination list does not cover fails the room (a transfer
@@ -45,7 +46,6 @@ from sglang.srt.disaggregation.common.conn import (
     AbortAck,
     AbortNotification,
     AckTarget,
-    CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
@@ -55,6 +55,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 
 from kvpool.config import TransferConfig
+from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket
 from kvpool.connectors.sglang.rooms import RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable
@@ -112,7 +113,7 @@ def _engine(local_ip: str) -> TransferEngine:
     return TransferEngine(config=cfg)
 
 
-class KvpoolKVManager(CommonKVManager):
+class KvpoolKVManager(SignedRegistration, CommonKVManager):
     """Registers SGLang's KV/aux/state buffers with a kvpool transfer engine and moves pages."""
 
     kv_status_msg_carries_reason = True
@@ -572,7 +573,7 @@ class KvpoolKVManager(CommonKVManager):
                 log.exception("kvpool decode: control message failed")
 
 
-class KvpoolKVSender(CommonKVSender):
+class KvpoolKVSender(SignedDpRank, CommonKVSender):
     """SGLang's common sender; chunks go to :meth:`KvpoolKVManager.add_transfer_request`."""
 
     def __init__(self, mgr: KvpoolKVManager, *args: Any, **kwargs: Any) -> None:
@@ -597,7 +598,3 @@ class KvpoolKVReceiver(CommonKVReceiver):
         sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
         auth = getattr(self.kv_mgr, "control_auth", None)
         return (SigningSocket(sock, auth), lock) if auth is not None and auth.enabled else (sock, lock)
-
-
-class KvpoolKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's common bootstrap server: ``PUT/GET /route``, ``/register_dp_rank``, ``/health``."""

@@ -17,7 +17,8 @@ accepted from that sender or is more than :data:`REPLAY_WINDOW` behind the highe
 a sliding window as IPsec's, so messages reordered across threads or sockets still pass). The
 table of senders is bounded: a sender silent for ``2 * window_s`` is forgotten (its old messages
 are stale by then) and beyond ``max_senders`` the longest silent one is. Without a secret messages
-go unsigned and unchecked (logged once per process).
+go unsigned and unchecked (logged once per process). The bootstrap server's registrations use the
+same trailer with their own key (:mod:`kvpool.connectors.sglang.bootstrap_auth`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ TRAILER_LEN = 8 + 8 + 8 + 32
 REPLAY_WINDOW = 1024
 _HEADER = struct.Struct(">8sQQ")
 _LEN = struct.Struct(">Q")
-_warned_unauthenticated = False
+_warned_unauthenticated: set[bytes] = set()  # purposes whose missing secret was logged
+_CONTROL_WARNING = (
+    "kvpool SGLang backend: the P/D control socket is unauthenticated (no KVPOOL_SECRET): "
+    "anyone who reaches it can register destinations for KV writes and abort rooms"
+)
 
 
 class Throttle:
@@ -72,10 +77,16 @@ class ControlAuth:
         window_s: float | None = None,
         max_senders: int = 65536,
         clock: Callable[[], float] = time.time,
+        purpose: bytes = PURPOSE,
+        what: str = "control message",
+        warning: str = _CONTROL_WARNING,
     ) -> None:
+        """``purpose`` derives the key (one per use of the secret); ``what`` names the messages in
+        logs; ``warning`` is logged once per process and purpose when there is no secret."""
         self.enabled = bool(secret)
+        self.what = what
         key = (secret or "").encode("utf-8", "surrogatepass")
-        self._key = hmac.new(key, PURPOSE, hashlib.sha256).digest()
+        self._key = hmac.new(key, purpose, hashlib.sha256).digest()
         if window_s is None:
             window_s = float(os.environ.get("KVPOOL_SGLANG_AUTH_WINDOW_S", "120"))
         self.window_ms = int(window_s * 1000)
@@ -88,13 +99,9 @@ class ControlAuth:
         self._seen: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
         self.dropped: Counter[str] = Counter()
         self._throttle = Throttle()
-        global _warned_unauthenticated
-        if not self.enabled and not _warned_unauthenticated:
-            _warned_unauthenticated = True
-            log.warning(
-                "kvpool SGLang backend: the P/D control socket is unauthenticated (no KVPOOL_SECRET): "
-                "anyone who reaches it can register destinations for KV writes and abort rooms"
-            )
+        if not self.enabled and purpose not in _warned_unauthenticated:
+            _warned_unauthenticated.add(purpose)
+            log.warning(warning)
 
     def _mac(self, header: bytes, frames: Sequence[bytes]) -> bytes:
         h = hmac.new(self._key, header, hashlib.sha256)
@@ -116,19 +123,24 @@ class ControlAuth:
 
     def open(self, frames: Sequence[bytes]) -> list[bytes] | None:
         """The message without its trailer, or None when it must be dropped (counted and logged)."""
+        return self.check(frames)[0]
+
+    def check(self, frames: Sequence[bytes]) -> tuple[list[bytes] | None, str | None]:
+        """(the message without its trailer, None), or (None, why it was dropped: "unsigned",
+        "bad MAC", "stale (clock skew or replay)" or "replayed"; counted and logged)."""
         frames = list(frames)
         if not self.enabled:
-            return frames
+            return frames, None
         if len(frames) < 2 or len(frames[-1]) != TRAILER_LEN:
-            return self._drop("unsigned")
+            return None, self._drop("unsigned")
         trailer, body = bytes(frames[-1]), [bytes(f) for f in frames[:-1]]
         header, mac = trailer[: _HEADER.size], trailer[_HEADER.size :]
         if not hmac.compare_digest(mac, self._mac(header, body)):
-            return self._drop("bad MAC")
+            return None, self._drop("bad MAC")
         sender, counter, sent_ms = _HEADER.unpack(header)
         now_ms = int(self._clock() * 1000)
         if abs(now_ms - sent_ms) > self.window_ms:
-            return self._drop("stale (clock skew or replay)")
+            return None, self._drop("stale (clock skew or replay)")
         prev = self._seen.get(sender)
         if prev is None:
             top, bits = counter, 1
@@ -140,12 +152,12 @@ class ControlAuth:
                 bits = ((bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
                 top = counter
             elif top - counter >= REPLAY_WINDOW or (bits >> (top - counter)) & 1:
-                return self._drop("replayed")
+                return None, self._drop("replayed")
             else:
                 bits |= 1 << (top - counter)
         self._seen[sender] = (top, bits, now_ms)
         self._seen.move_to_end(sender)
-        return body
+        return body, None
 
     def _forget(self, now_ms: int) -> None:
         """Before a new sender is added: drop senders silent for 2 windows, and the longest silent
@@ -156,15 +168,16 @@ class ControlAuth:
                 break
             del self._seen[sender]
 
-    def _drop(self, why: str) -> None:  # returns None: the caller's "drop it"
+    def _drop(self, why: str) -> str:
         self.dropped[why] += 1
         if self._throttle.ready():
             log.warning(
-                "kvpool SGLang backend: dropped unauthenticated control message(s) (%s); so far: %s",
+                "kvpool SGLang backend: dropped unauthenticated %s(s) (%s); so far: %s",
+                self.what,
                 why,
                 dict(self.dropped),
             )
-        return None
+        return why
 
 
 class SigningSocket:

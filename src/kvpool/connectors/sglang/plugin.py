@@ -46,15 +46,23 @@ def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any, *args: 
     from sglang.srt.disaggregation.base import KVArgs
     from sglang.srt.disaggregation.utils import KVClassType
 
-    from kvpool.connectors.sglang import conn
+    from kvpool.connectors.sglang import bootstrap_server, conn
 
     return {
         KVClassType.KVARGS: KVArgs,
         KVClassType.MANAGER: conn.KvpoolKVManager,
         KVClassType.SENDER: conn.KvpoolKVSender,
         KVClassType.RECEIVER: conn.KvpoolKVReceiver,
-        KVClassType.BOOTSTRAP_SERVER: conn.KvpoolKVBootstrapServer,
+        KVClassType.BOOTSTRAP_SERVER: bootstrap_server.KvpoolKVBootstrapServer,
     }.get(class_type)
+
+
+def _has(obj: Any, dotted: str) -> bool:
+    for name in dotted.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
 
 
 def check_sglang() -> str:
@@ -74,6 +82,11 @@ def check_sglang() -> str:
             "CommonKVSender",
             "CommonKVReceiver",
             "CommonKVBootstrapServer",
+            # overridden to sign (prefill) and check (server) the bootstrap registrations
+            "CommonKVManager._register_topology_row",
+            "CommonKVSender._register_prefill_dp_rank",
+            "CommonKVBootstrapServer._handle_route_put",
+            "CommonKVBootstrapServer._handle_register_dp_rank",
         ],
     }
     import importlib
@@ -85,7 +98,7 @@ def check_sglang() -> str:
         except ImportError as exc:
             missing.append(f"{mod} ({exc})")
             continue
-        missing += [f"{mod}.{n}" for n in names if not hasattr(m, n)]
+        missing += [f"{mod}.{n}" for n in names if not _has(m, n)]
     if missing:
         raise ImportError(
             f"kvpool's SGLang backend supports SGLang {', '.join(SUPPORTED_SGLANG)}; SGLang {version} "
