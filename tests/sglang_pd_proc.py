@@ -167,8 +167,9 @@ def prefill(port: int, scenario: str) -> None:
 
 
 def prefill_bounds(port: int) -> None:
-    """A prefill whose control socket gets metadata over ZMQ from here, as decode ranks send it,
-    under small room bounds (KVPOOL_SGLANG_MAX_ROOMS, KVPOOL_SGLANG_ROOM_TTL_S from the test); the
+    """A prefill whose control socket gets metadata and registrations over ZMQ from here, as decode
+    ranks send them, under small bounds (KVPOOL_SGLANG_MAX_ROOMS, KVPOOL_SGLANG_ROOM_TTL_S,
+    KVPOOL_SGLANG_MAX_PEERS from the test); the
     Failed statuses it sends back come to a socket of this process. Prints one "bounds" event."""
     import msgpack
     import zmq
@@ -216,6 +217,20 @@ def prefill_bounds(port: int) -> None:
     res["status_after_ttl"] = sorted(mgr.request_status)
     rooms = getattr(mgr, "rooms", None)
     res["refused"], res["evicted"] = (rooms.refused, rooms.evicted) if rooms else (0, 0)
+    # Decode ranks register (KVPOOL_SGLANG_MAX_PEERS from the test): p0 .. p4.
+    for i in range(5):
+        body = {"ip": "127.0.0.1", "port": status_port, "session": f"p{i}", "kv_ptrs": [0] * len(bufs),
+                "kv_item_lens": [item] * len(bufs), "aux_ptrs": [0] * len(aux), "engine_rank": 0,
+                "aux_item_lens": list(AUX_ITEMS), "attn_tp_size": 1, "page_size": PAGE}  # fmt: skip
+        push.send_multipart([b"KVPOOL_REG", msgpack.packb(body)])
+    peers = mgr.peers
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10 and (
+        peers.get("p4") is None if hasattr(peers, "sessions") else "p4" not in peers
+    ):
+        time.sleep(0.01)
+    res["peers"] = peers.sessions() if hasattr(peers, "sessions") else list(peers)
+    res["peers_evicted"] = getattr(peers, "evicted", 0)
     out(event="bounds", **res)
     push.close(0)
     status.close(0)

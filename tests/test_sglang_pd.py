@@ -356,9 +356,11 @@ def test_bootstrap_auth_without_a_secret_signs_and_checks_nothing() -> None:
 
 def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch: pytest.MonkeyPatch) -> None:
     """Metadata beyond a room's decode ranks, beyond the room limit, and rooms no request claims
-    within the TTL: refused (the decode rank gets Failed with the reason) or dropped, never kept."""
+    within the TTL: refused (the decode rank gets Failed with the reason) or dropped, never kept;
+    decode registrations beyond KVPOOL_SGLANG_MAX_PEERS evict the oldest."""
     monkeypatch.setenv("KVPOOL_SGLANG_MAX_ROOMS", "4")
     monkeypatch.setenv("KVPOOL_SGLANG_ROOM_TTL_S", "2")
+    monkeypatch.setenv("KVPOOL_SGLANG_MAX_PEERS", "3")
     p = Role("prefill-bounds", free_port(), "bounds")
     roles.append(p)
     got = p.wait_for("bounds")
@@ -374,6 +376,21 @@ def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch
     assert got["after_ttl"] == [100, 300]
     assert got["status_after_ttl"] == [100, 300]  # the status complete metadata gave them went too
     assert got["refused"] == 4 and got["evicted"] == 3
+    # 5 decode ranks registered with at most 3 kept: the 2 registered first were evicted.
+    assert got["peers"] == ["p2", "p3", "p4"] and got["peers_evicted"] == 2
+
+
+def test_peer_table_evicts_the_registration_unused_longest() -> None:
+    from kvpool.connectors.sglang.rooms import PeerTable
+
+    t = PeerTable(max_peers=3)
+    for s in ("a", "b", "c"):
+        t.put(s, s.upper())
+    assert t.get("a") == "A"  # a transfer to a: b is now the one unused longest
+    t.put("d", "D")
+    assert t.sessions() == ["c", "a", "d"] and t.get("b") is None and t.evicted == 1
+    t.put("c", "C2")  # a decode registering again replaces its entry, evicts nothing
+    assert t.sessions() == ["a", "d", "c"] and t.get("c") == "C2" and t.evicted == 1 and len(t) == 3
 
 
 def test_control_auth_freshness_and_bounds() -> None:

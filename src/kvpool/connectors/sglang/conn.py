@@ -57,7 +57,7 @@ from sglang.srt.environ import envs
 from kvpool.config import TransferConfig
 from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket
-from kvpool.connectors.sglang.rooms import RoomTable
+from kvpool.connectors.sglang.rooms import PeerTable, RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -138,8 +138,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         self.register_buffer_to_engine()
         self.transfer_calls = 0
         if disaggregation_mode == DisaggregationMode.PREFILL:
-            self.peers: dict[str, PeerArgs] = {}
-            self._peer_lock = threading.Lock()
+            self.peers = PeerTable()  # session -> PeerArgs, bounded (KVPOOL_SGLANG_MAX_PEERS)
             # Rooms with a chunk being written, and the abort acks that wait for them to drain.
             self._room_lock = threading.Lock()
             self._in_flight: dict[int, int] = {}
@@ -319,8 +318,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 f"{peer.kv_item_lens[:2]}..."
             )
         self.check_peer_aux_buffer_count(peer.session, len(peer.aux_ptrs))
-        with self._peer_lock:
-            self.peers[peer.session] = peer
+        self.peers.put(peer.session, peer)
         if peer.incompatible:
             log.error("kvpool prefill: decode %s: %s", peer.session, peer.incompatible)
 
@@ -341,8 +339,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         if refused:
             self._refuse(info, refused)
             return
-        with self._peer_lock:
-            peer = self.peers.get(info.session)
+        peer = self.peers.get(info.session)
         if peer is not None and peer.incompatible and not info.is_dummy:
             self.transfer_infos.setdefault(room, {})[info.session] = info
             self.conclude_failure(bootstrap_room=room, failure_reason=peer.incompatible)
@@ -485,10 +482,12 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         for info in list(self.transfer_infos.get(room, {}).values()):
             if info.is_dummy:
                 continue
-            with self._peer_lock:
-                peer = self.peers.get(info.session)
+            peer = self.peers.get(info.session)
             if peer is None:
-                raise KvpoolError(f"decode {info.session} sent metadata before registering its buffers")
+                raise KvpoolError(
+                    f"decode {info.session} is not registered (metadata before its buffers' registration, "
+                    "or evicted beyond KVPOOL_SGLANG_MAX_PEERS)"
+                )
             if peer.incompatible:
                 self.conclude_failure(bootstrap_room=room, failure_reason=peer.incompatible)
                 return

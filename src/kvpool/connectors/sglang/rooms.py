@@ -14,14 +14,17 @@ forever. :class:`RoomTable` admits metadata only within bounds:
   ``KVPOOL_SGLANG_ROOM_TTL_S`` (default twice the longer of SGLang's bootstrap and waiting
   timeouts: its decode gave it up).
 
-A normal flow, where each room is cleared when done, never reaches them.
+A normal flow, where each room is cleared when done, never reaches them. :class:`PeerTable` bounds
+the decode ranks' registrations (``KVPOOL_SGLANG_MAX_PEERS``, the one unused longest is evicted).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -128,3 +131,57 @@ class RoomTable:
                     self.ttl_s,
                     evicted[:8],
                 )
+
+
+class PeerTable:
+    """The decode ranks registered with a prefill rank (session -> what its registration said),
+    bounded: at most ``max_peers`` (``KVPOOL_SGLANG_MAX_PEERS``, default 4096); a registration
+    beyond evicts the peer unused longest (neither registered nor written to), counted and logged
+    (rate-limited). A decode rank registers once per prefill rank and keeps its session for its
+    life, so only sessions of decodes long gone (restarted under a new session) or registrations
+    nobody uses reach the bound in practice. Its control thread calls :meth:`put`, transfer
+    workers :meth:`get`."""
+
+    def __init__(self, max_peers: int | None = None) -> None:
+        if max_peers is None:
+            max_peers = int(os.environ.get("KVPOOL_SGLANG_MAX_PEERS", "4096"))
+        self.max_peers = max(1, max_peers)
+        self._peers: OrderedDict[str, Any] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self.evicted = 0
+        self._log = Throttle()
+
+    def put(self, session: str, peer: Any) -> None:
+        """Store (or replace) a decode rank's registration; evicts the longest unused beyond the bound."""
+        with self._lock:
+            self._peers[session] = peer
+            self._peers.move_to_end(session)
+            gone = []
+            while len(self._peers) > self.max_peers:
+                gone.append(self._peers.popitem(last=False)[0])
+            self.evicted += len(gone)
+            evicted = self.evicted
+        if gone and self._log.ready():
+            log.warning(
+                "kvpool prefill: %d decode rank(s) registered (KVPOOL_SGLANG_MAX_PEERS); forgot the one(s) "
+                "unused longest: %s (%d so far); a room of theirs fails",
+                self.max_peers,
+                gone[:4],
+                evicted,
+            )
+
+    def get(self, session: str) -> Any:
+        """The registration of ``session`` (None when it never registered or was evicted)."""
+        with self._lock:
+            peer = self._peers.get(session)
+            if peer is not None:
+                self._peers.move_to_end(session)
+            return peer
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def sessions(self) -> list[str]:
+        """The registered sessions, unused longest first."""
+        with self._lock:
+            return list(self._peers)
