@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,6 +183,20 @@ def test_an_abort_is_acked_only_after_the_write_in_flight_finished(
         ctx.term()
 
 
+def _auth_prefill(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, secret: str, roles: list[Role]
+) -> tuple[Path, int, Role]:
+    """A prefill role in "auth" mode with ``secret`` in KVPOOL_SECRET (inherited by the roles
+    started after it): (its go file, bootstrap port, role)."""
+    go = tmp_path / "go"
+    monkeypatch.setenv("KVPOOL_SECRET", secret)
+    monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
+    port = free_port()
+    p = Role("prefill", port, "auth")
+    roles.append(p)
+    return go, port, p
+
+
 def test_control_messages_are_authenticated_with_a_secret(
     roles: list[Role], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,12 +209,7 @@ def test_control_messages_are_authenticated_with_a_secret(
     from kvpool.connectors.sglang.control_auth import ControlAuth
 
     secret = "pd-control-secret"
-    go = tmp_path / "go"
-    monkeypatch.setenv("KVPOOL_SECRET", secret)
-    monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
-    port = free_port()
-    p = Role("prefill", port, "auth")
-    roles.append(p)
+    go, port, p = _auth_prefill(monkeypatch, tmp_path, secret, roles)
     src = p.wait_for("src")
     rank_port = p.wait_for("ready")["rank_port"]
     d = Role("decode", port, "auth")
@@ -277,12 +287,7 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
     from kvpool.connectors.sglang.bootstrap_auth import AUTH_HEADER, BootstrapAuth
 
     secret = "pd-bootstrap-secret"
-    go = tmp_path / "go"
-    monkeypatch.setenv("KVPOOL_SECRET", secret)
-    monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
-    port = free_port()
-    p = Role("prefill", port, "auth")
-    roles.append(p)
+    go, port, p = _auth_prefill(monkeypatch, tmp_path, secret, roles)
     rank_port = p.wait_for("ready")["rank_port"]
     rank0 = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
     assert _http(port, "GET", rank0) == (200, {"rank_ip": "127.0.0.1", "rank_port": rank_port})
