@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -648,3 +649,17 @@ def test_the_ssd_copies_of_a_client_that_is_gone_are_let_go_of() -> None:
         assert r["results"][0][0] is None  # the key is free again
     finally:
         m.stop()
+
+
+def test_an_infinite_number_is_invalid_not_a_crash(master: Driver) -> None:
+    """int() of an infinite float (msgpack carries them) raised OverflowError, which ``handle`` let
+    escape: the RPC server answered a bare ERROR and logged a traceback per such request."""
+    for req in ({"op": "heartbeat", "client": "a", "floor": math.inf},
+                {"op": "changes", "after": 0, "limit": -math.inf},
+                {"op": "replica_start", "client": "r", "key": "k", "replicas": math.inf},
+                {"op": "mount", "client": "a", "segment": "s", "base": math.inf, "size": 1 << 20},
+                {"op": "put_start", "client": "r", "keys": ["k"], "sizes": [1],
+                 "config": {"replicas": math.inf}},
+                {"op": "put_start", "client": "r", "keys": ["k"], "sizes": [1],
+                 "config": {"soft_pin_ttl_s": 1 << 1100}}):  # fmt: skip
+        assert master.handle(req)["err"] == "INVALID", req

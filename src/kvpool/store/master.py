@@ -172,7 +172,8 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
             out["ok"] = True
         except _Err as exc:
             out = {"id": rid, "ok": False, "err": exc.code, "msg": str(exc)}
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+            # OverflowError: int() of an infinite float (msgpack carries them), float() of a huge int
             out = {"id": rid, "ok": False, "err": "INVALID", "msg": f"bad {op} request: {exc!r}"}
         dt = time.perf_counter() - t0
         self._rpc_time[op] += dt
