@@ -663,3 +663,16 @@ def test_an_infinite_number_is_invalid_not_a_crash(master: Driver) -> None:
                 {"op": "put_start", "client": "r", "keys": ["k"], "sizes": [1],
                  "config": {"soft_pin_ttl_s": 1 << 1100}}):  # fmt: skip
         assert master.handle(req)["err"] == "INVALID", req
+
+
+def test_a_bad_reserve_leaves_no_put_behind(master: Driver) -> None:
+    """put_start read ``reserve`` (and hashed the sizes for it) after placing the puts: a bad one
+    answered INVALID with the puts allocated, their keys taken until put_timeout_s."""
+    for bad in ({"reserve": "many"}, {"reserve": [1]}):
+        req = {"op": "put_start", "client": "r", "keys": ["k", "j"], "sizes": [4096, 4096], **bad}
+        assert master.handle(req)["err"] == "INVALID", bad
+        assert not master.m.objects and not master.m._pending and master.m.space.used == 0, bad
+    _put(master, "k")  # the key is free
+    req = {"op": "put_start", "client": "r", "keys": ["i", "j"], "sizes": [64, [1]], "reserve": 2}
+    out = master.handle(req)
+    assert [c for c, _ in out["results"]] == [None, "INVALID"] and "reserved" not in out  # the put answered

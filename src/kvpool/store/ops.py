@@ -49,6 +49,7 @@ class ObjectOps(_Base):
         if len(keys) != len(sizes):
             raise _Err("INVALID", "keys and sizes differ in length")
         pl = Placement.parse(req.get("config") or {})
+        reserve = int(req.get("reserve") or 0)  # checked before anything is allocated
         now = time.monotonic()
         fits = self.space.fits_anywhere
         need = sum(n + HEADER_SIZE for n in sizes if isinstance(n, int) and 0 < n and fits(n + HEADER_SIZE))
@@ -76,8 +77,7 @@ class ObjectOps(_Base):
                 else:
                     out.append([None, self._grant(self._new_pending(key, size, pl, placed, caller, now))])
         reply: dict[str, Any] = {"results": out, "epoch": self.incarnation}
-        reserve = int(req.get("reserve") or 0)
-        if reserve and len(set(sizes)) == 1 and out and out[0][0] is None:
+        if reserve > 0 and out and out[0][0] is None and all(n == sizes[0] for n in sizes):
             reply["reserved"] = self._reserve(caller, sizes[0], pl, reserve, now)
             reply["reserve_ttl_s"] = self.config.put_timeout_s
         self._evict(now)
