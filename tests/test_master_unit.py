@@ -676,3 +676,26 @@ def test_a_bad_reserve_leaves_no_put_behind(master: Driver) -> None:
     req = {"op": "put_start", "client": "r", "keys": ["i", "j"], "sizes": [64, [1]], "reserve": 2}
     out = master.handle(req)
     assert [c for c, _ in out["results"]] == [None, "INVALID"] and "reserved" not in out  # the put answered
+
+
+def test_a_bad_spill_report_leaves_the_task_and_its_object_as_they_were() -> None:
+    """task_done ended the task (and, for a spill, its object's busy count) before reading the
+    result: one that was not a map, or a spill's without its checksum, answered INVALID with the
+    task gone and the object busy for good (never evicted again, removable only by force)."""
+    m = Driver(Master(port=0))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 1 << 24})
+        _put(m, "k", replicas=1, client="a")
+        obj = m.m.objects["k"]
+        m.m._spill(obj, m.m.clients["a"])
+        (task,) = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        for result in ([[1]], "x", {}, {"checksum": 7}):
+            req = {"op": "task_done", "client": "a", "task": task["task"], "ok": True, "result": result}
+            assert m.handle(req)["err"] == "INVALID", result
+            assert obj.busy == 1 and task["task"] in m.m._tasks and obj.ssd is None, result
+        req.update(result={"checksum": "c"})
+        assert m.handle(req)["accepted"] is True
+        assert obj.busy == 0 and obj.ssd is not None and not m.m._tasks
+    finally:
+        m.stop()

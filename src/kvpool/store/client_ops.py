@@ -137,14 +137,19 @@ class ClientOps(_Base):
         says whether the report counted: a spill's file of one that did not (its task expired,
         or an earlier master's) belongs to no object, and the client removes it."""
         c = self._client(req, sess)
-        tid = int(req["task"])
+        tid, ok, result = int(req["task"]), bool(req["ok"]), req.get("result") or {}
+        if not isinstance(result, dict):
+            raise _Err("INVALID", "task_done: result must be a map")
         if req.get("epoch") not in (None, self.incarnation):
             self.stats["tasks_stale_reports"] += 1
             return {"accepted": False}
         if tid not in c.task_ids:
             self.stats["tasks_late_reports"] += 1
             return {"accepted": False}
-        self._finish_task(tid, bool(req["ok"]), req.get("result") or {})
+        if ok and self._tasks[tid][1]["type"] == "spill" and not isinstance(result.get("checksum"), str):
+            # checked before the task ends: a report that fails halfway left its object busy for good
+            raise _Err("INVALID", "task_done: a spill that succeeded names its file's checksum")
+        self._finish_task(tid, ok, result)
         return {"accepted": True}
 
     def _expire_tasks(self, now: float) -> None:
