@@ -699,3 +699,17 @@ def test_a_bad_spill_report_leaves_the_task_and_its_object_as_they_were() -> Non
         assert obj.busy == 0 and obj.ssd is not None and not m.m._tasks
     finally:
         m.stop()
+
+
+def test_register_refuses_an_ssd_dir_or_host_id_that_is_not_a_string() -> None:
+    """A spill's path is made of the client's ssd_dir: one of another type (bytes, a list) made
+    every eviction round raise, in a request (after it had placed its puts: their space leaked)
+    or in a tick, on the master's thread, which it ended."""
+    m = Driver(Master(port=0))
+    try:
+        for bad in ({"ssd_dir": b"/nonexistent"}, {"ssd_dir": [1]}, {"host_id": 7}, {"host_id": None}):
+            assert m.handle({"op": "register", "client": "a", **bad})["err"] == "INVALID", bad
+            assert "a" not in m.m.clients and not m.m._ssd_clients
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+    finally:
+        m.stop()

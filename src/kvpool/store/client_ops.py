@@ -33,9 +33,13 @@ class ClientOps(_Base):
     def _op_register(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A new client session, bound to this connection; ``token`` lets the client's other
         connections :meth:`_op_attach` to it. An id in use by another connection is refused."""
-        cid = req["client"]
+        cid, host_id, ssd_dir = req["client"], req.get("host_id", ""), req.get("ssd_dir")
         if not isinstance(cid, str) or not cid:
             raise _Err("INVALID", "client id must be a non-empty string")
+        if not isinstance(host_id, str) or not isinstance(ssd_dir, (str, type(None))):
+            # a spill's path is made of ssd_dir: one of another type raised in every eviction round
+            # (in a tick, on the master's thread: it ended the master)
+            raise _Err("INVALID", "host_id must be a string, ssd_dir a string or None")
         bound = sess.get("client")
         if bound is not None and bound != cid:
             raise _Err("INVALID", f"this connection belongs to client {bound!r}")
@@ -44,7 +48,7 @@ class ClientOps(_Base):
                 raise _Err("EXISTS", f"client id {cid!r} is registered by another connection")
             self._remove_client(cid)  # registering again on its own connection: a fresh session
         token = secrets.token_bytes(16)
-        cl = Client(cid, req.get("host_id", ""), time.monotonic(), req.get("ssd_dir"), token)
+        cl = Client(cid, host_id, time.monotonic(), ssd_dir, token)
         self.clients[cid] = cl
         if cl.ssd_dir:
             self._ssd_clients.append(cl)
