@@ -713,3 +713,14 @@ def test_register_refuses_an_ssd_dir_or_host_id_that_is_not_a_string() -> None:
         assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
     finally:
         m.stop()
+
+
+def test_mount_refuses_a_segment_past_the_64_bit_address_space_or_without_a_name(master: Driver) -> None:
+    """Addresses go on the wire as uint64: a segment reaching past 2**64 made every reply naming an
+    address in it unencodable (a put placed there answered ERROR with its space taken)."""
+    for bad in ({"base": (1 << 64) - 4096}, {"segment": 5}, {"segment": ""}, {"segment": None}):
+        req = {"op": "mount", "client": "a", "segment": "seg-x", "base": 1 << 20, "size": 1 << 20, **bad}
+        assert master.handle(req)["err"] == "INVALID", bad
+        assert set(master.m.space.segments) == {"seg-a", "seg-b"}
+    req = {"op": "mount", "client": "a", "segment": "seg-x", "base": (1 << 64) - (1 << 20), "size": 1 << 20}
+    assert master.handle(req)["ok"]  # ends at 2**64: its last address is 2**64 - 1

@@ -118,8 +118,13 @@ class ClientOps(_Base):
     def _op_mount(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         c = self._client(req, sess)
         name, base, size = req["segment"], int(req["base"]), int(req["size"])
-        if size <= HEADER_SIZE or base <= 0:
-            raise _Err("INVALID", f"segment base must be positive and size above {HEADER_SIZE} bytes")
+        if not isinstance(name, str) or not name:
+            raise _Err("INVALID", "segment name must be a non-empty string")
+        if size <= HEADER_SIZE or base <= 0 or base + size > 1 << 64:
+            # addresses in it go on the wire as uint64: one past 2**64 made every reply naming it
+            # unencodable (puts placed there answered ERROR with their space taken)
+            raise _Err("INVALID", f"segment base must be positive, size above {HEADER_SIZE} bytes, and the "
+                       "segment inside the 64-bit address space")  # fmt: skip
         if name in self.space.segments:
             raise _Err("EXISTS", f"segment {name!r} is already mounted")
         self.space.mount(name, c.id, base, size, c.host_id)
