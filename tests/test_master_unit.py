@@ -724,3 +724,21 @@ def test_mount_refuses_a_segment_past_the_64_bit_address_space_or_without_a_name
         assert set(master.m.space.segments) == {"seg-a", "seg-b"}
     req = {"op": "mount", "client": "a", "segment": "seg-x", "base": (1 << 64) - (1 << 20), "size": 1 << 20}
     assert master.handle(req)["ok"]  # ends at 2**64: its last address is 2**64 - 1
+
+
+def test_a_bad_replica_end_leaves_the_change_in_flight(master: Driver) -> None:
+    """replica_end took the change off the caller's list before reading ``segments``: a bad one
+    answered INVALID with the change forgotten, its object busy for good (never evicted, removable
+    only by force) and its new replica's space held until the object went."""
+    _put(master, "k", replicas=1)
+    out = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 2})
+    (dst,) = out["dst"]
+    obj = master.m.objects["k"]
+    for bad in (7, [[1]]):
+        req = {"op": "replica_end", "client": "r", "key": "k", "gen": out["gen"], "ok": True, "segments": bad}
+        assert master.handle(req)["err"] == "INVALID", bad
+        assert obj.busy == 1 and master.m.clients["r"].changing == [obj]
+    req.update(segments=[dst[0]])
+    assert master.handle(req)["replicas"] == 2 and obj.busy == 0
+    assert master.handle({"op": "remove", "client": "r", "keys": ["k"]})["results"] == [[None, None]]
+    assert master.m.space.used == 0

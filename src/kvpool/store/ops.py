@@ -379,13 +379,14 @@ class ObjectOps(_Base):
         ``ok`` commits the replicas on ``segments``, else they are taken back (fenced)."""
         caller = self._client(req, sess)
         key, ok, gen = req["key"], bool(req["ok"]), req.get("gen")
+        done = set(req.get("segments") or [])  # before the change ends: a bad one ends nothing
         obj = next((o for o in caller.changing if o.key == key and gen in (None, o.gen)), None)
         if obj is None or self.objects.get(key) is not obj:
             if obj is not None:
                 caller.changing.remove(obj)
             raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
         caller.changing.remove(obj)
-        self._end_change(obj, caller.id, set(req.get("segments") or []), ok)
+        self._end_change(obj, caller.id, done, ok)
         self._memory_changed(obj)  # promoted back into memory, or still SSD only
         return {"replicas": sum(r.committed for r in obj.replicas)}
 
