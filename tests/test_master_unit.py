@@ -742,3 +742,30 @@ def test_a_bad_replica_end_leaves_the_change_in_flight(master: Driver) -> None:
     assert master.handle(req)["replicas"] == 2 and obj.busy == 0
     assert master.handle({"op": "remove", "client": "r", "keys": ["k"]})["results"] == [[None, None]]
     assert master.m.space.used == 0
+
+
+def test_a_malformed_item_fails_alone_not_its_whole_batch(master: Driver) -> None:
+    """A batch with a malformed item (an unhashable key, a short item, a generation that is a list)
+    failed as a whole, INVALID, after the items before it had taken effect: a get's leases were
+    taken (the objects unremovable until the leases expired) and commits, puts, removes done
+    while the client was told the request failed. Now the bad item fails alone."""
+    m = master.m
+    _put(master, "k", replicas=1)
+    out = master.handle({"op": "get", "client": "r", "keys": ["k", ["x"]]})
+    assert [c for c, _ in out["results"]] == [None, "NOT_FOUND"]
+    lease = [["k", out["results"][0][1]["gen"], out["results"][0][1]["lease"]]]
+    assert master.handle({"op": "release", "client": "r", "leases": [*lease, 5, [["x"], 1, 0]]}) is not None
+    assert m.objects["k"].readers == 0  # the good lease ended
+    assert master.handle({"op": "remove", "client": "r", "keys": ["k", {"x": 1}]})["results"] == [
+        [None, None], ["NOT_FOUND", "no object under key {'x': 1}"]]  # fmt: skip
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["p", "q"], "sizes": [64, 64], "reserve": 2})
+    (gp, _, rp), (gq, _, rq) = (v for _, v in r["results"])
+    items = [["p", gp, 1, [rp[0][0]]], ["q", gq], ["q", gq, 1, 5]]
+    out = master.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})
+    assert [c for c, _ in out["results"]] == [None, "INVALID", "INVALID"] and m.objects["p"].committed
+    master.handle({"op": "put_revoke", "client": "r", "items": [[gq, False], [[1], False], 3]})
+    assert "q" not in m.objects
+    (g1, _, _), (g2, _, _) = r["reserved"]
+    items = [["r1", g1, 1], ["r2", [g2], 1], ["r2"]]
+    out = master.handle({"op": "commit", "client": "r", "items": items, "epoch": r["epoch"]})
+    assert [c for c, _ in out["results"]] == [None, "INVALID", "INVALID"] and m.objects["r1"].committed

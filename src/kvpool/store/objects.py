@@ -173,8 +173,12 @@ class KeyTable:
         self._d, self._mask = shards, mask
 
     def get(self, key: str, default: Obj | None = None) -> Obj | None:
-        """The object under ``key``, or ``default``."""
-        return self._d[hash(key) & self._mask].get(key, default)
+        """The object under ``key``, or ``default`` (also for a key no object can have: one that is
+        not hashable, from a bad request, is not found instead of failing the request halfway)."""
+        try:
+            return self._d[hash(key) & self._mask].get(key, default)
+        except TypeError:
+            return default
 
     def get_many(self, keys: list[str]) -> list[Obj | None]:
         """The object under each key (None where there is none), without a call per key."""

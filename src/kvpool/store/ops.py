@@ -126,7 +126,11 @@ class ObjectOps(_Base):
             pl = Placement.parse(req.get("config") or {})
         now = time.monotonic()
         out: list[list[Any]] = []
-        for key, gen, csum in items:
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 3 or type(item[1]) is not int:
+                out.append(["INVALID", "an item is [key, generation, checksum]"])
+                continue
+            key, gen, csum = item
             robj = self._resv.get(gen)
             if not isinstance(key, str) or not key:
                 out.append(["INVALID", "key must be a non-empty string"])
@@ -159,7 +163,11 @@ class ObjectOps(_Base):
         now = time.monotonic()
         out: list[list[Any]] = []
         get, cid = self.objects.get, caller.id
-        for key, gen, csum, written in items:
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 4 or not isinstance(item[3], list | tuple):
+                out.append(["INVALID", "an item is [key, generation, checksum, segments written]"])
+                continue
+            key, gen, csum, written = item
             obj = get(key)
             if obj is None or obj.committed or obj.gen != gen or obj.owner != cid:
                 out.append(["NOT_FOUND", f"no pending put of {key!r} by this client (revoked after "
@@ -170,7 +178,7 @@ class ObjectOps(_Base):
                 continue
             reps = obj.replicas
             if not (len(reps) == 1 and written == [reps[0].seg.name] and not reps[0].seg.dead):
-                ok = set(written)
+                ok = {w for w in written if type(w) is str}
                 for r in [r for r in reps if r.seg.name not in ok or r.seg.dead]:
                     self._take_replica(obj, r)
             if not obj.replicas:
@@ -189,7 +197,10 @@ class ObjectOps(_Base):
         self._check_batch(len(items))
         if req.get("epoch") not in (None, self.incarnation):
             return {}
-        for gen, written in items:
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 2 or type(item[0]) is not int:
+                continue  # not an allocation of this client's
+            gen, written = item
             obj = self._pending.get(gen)
             if obj is not None and obj.owner == caller.id:
                 self._drop(obj, written=bool(written))
@@ -264,7 +275,7 @@ class ObjectOps(_Base):
         holder = _lease_holder(sess)
         now = time.monotonic()
         for item in leases:
-            if len(item) != 3:
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
                 continue
             key, gen, seq = item
             obj = self.objects.get(key)
