@@ -132,7 +132,8 @@ def test_commit_brings_new_reservations_and_refuses_a_bad_ask_before_committing(
     assert len(r["reserved"]) == 4 and r["results"][0][0] is None
     gens = [g[0] for g in r["reserved"]]
     items = [[f"k{i + 1}", gen, 7] for i, gen in enumerate(gens)]
-    for bad in ({"reserve": "many", "size": 4096}, {"reserve": 4, "size": -1}, {"reserve": 4}):
+    for bad in ({"reserve": "many", "size": 4096}, {"reserve": 4, "size": -1}, {"reserve": 4},
+                {"reserve": 4, "size": 4096, "config": {"preferred_segment": []}}):  # fmt: skip
         out = master.handle({"op": "commit", "client": "r", "items": items, **bad})
         assert out["err"] == "INVALID", bad
         assert "k1" not in master.m.objects  # nothing was committed

@@ -124,6 +124,9 @@ class Placement:
         )
         if pl.replicas < 1 or pl.cache_class not in CACHE_CLASSES:
             raise MasterError("INVALID", f"replicas must be >= 1 and cache_class one of {CACHE_CLASSES}")
+        if pl.preferred is not None and not isinstance(pl.preferred, str):
+            # checked here, before a request changes anything: placement looked it up as a key
+            raise MasterError("INVALID", "preferred_segment must be a segment name (a string)")
         return pl
 
 
