@@ -770,3 +770,26 @@ def test_a_malformed_item_fails_alone_not_its_whole_batch(master: Driver) -> Non
     items = [["r1", g1, 1], ["r2", [g2], 1], ["r2"]]
     out = master.handle({"op": "commit", "client": "r", "items": items, "epoch": r["epoch"]})
     assert [c for c, _ in out["results"]] == [None, "INVALID", "INVALID"] and m.objects["r1"].committed
+
+
+def test_a_replicate_report_commits_only_its_own_replica(master: Driver) -> None:
+    """A hot-key copy's report committed the object's uncommitted replica on a segment of the
+    task's name, whoever's it was: after the segment was mounted again (the task's replica let go
+    of), another client's copy into it was committed before that client wrote it."""
+    m = master.m
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [4096],
+                       "config": {"preferred_segment": "seg-b"}})  # fmt: skip
+    gen, _, reps = r["results"][0][1]
+    master.handle({"op": "put_end", "client": "r", "items": [["k", gen, 7, ["seg-b"]]], "epoch": r["epoch"]})
+    obj = m.objects["k"]
+    m._replicate(obj, 1, time.monotonic())  # the hot-key policy: a copy into seg-a, by a
+    (task,) = master.handle({"op": "heartbeat", "client": "a"})["tasks"]
+    master.handle({"op": "unmount", "client": "a", "segment": "seg-a"})
+    master.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 1 << 24})
+    m._tick(time.monotonic())  # the old seg-a's replicas let go of
+    out = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 2})
+    assert [d[0] for d in out["dst"]] == ["seg-a"]  # r copies into the new seg-a
+    master.handle({"op": "task_done", "client": "a", "task": task["task"], "ok": True, "result": {}})
+    assert [(x.seg.name, x.committed) for x in obj.replicas] == [("seg-b", True), ("seg-a", False)]
+    got = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]
+    assert [x[0] for x in got["replicas"]] == ["seg-b"]  # never the copy r has not written

@@ -282,8 +282,11 @@ class Upkeep(_Base):
             obj = None  # the object was replaced meanwhile
         if task["type"] == "replicate" and obj is not None:
             obj.busy -= 1
+            seg, addr = task["dst"]
             for r in obj.replicas:
-                if r.seg.name == task["dst"][0] and not r.committed:
+                # this task's replica: another one on a segment of that name (mounted again since,
+                # the task's replica let go of) may be another client's copy, not written yet
+                if r.seg.name == seg and r.addr == addr and r.writer == cid and not r.committed:
                     if ok:
                         r.committed = True
                         r.writer = ""
