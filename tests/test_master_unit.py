@@ -793,3 +793,14 @@ def test_a_replicate_report_commits_only_its_own_replica(master: Driver) -> None
     assert [(x.seg.name, x.committed) for x in obj.replicas] == [("seg-b", True), ("seg-a", False)]
     got = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]
     assert [x[0] for x in got["replicas"]] == ["seg-b"]  # never the copy r has not written
+
+
+def test_mount_refuses_a_segment_over_the_clients_own_memory(master: Driver) -> None:
+    """A client's two segments over one memory (a buffer mounted twice under two names): objects
+    placed in one were written over by objects placed in the other."""
+    for base, size in ((1 << 20, 1 << 20), ((1 << 20) + (1 << 23), 1 << 24), (1 << 19, (1 << 19) + 64)):
+        req = {"op": "mount", "client": "a", "segment": "seg-a2", "base": base, "size": size}
+        assert master.handle(req)["err"] == "INVALID", (base, size)
+    for cid, base in (("a", (1 << 20) + (1 << 24)), ("r", 1 << 20)):  # next to it; another process's
+        req = {"op": "mount", "client": cid, "segment": f"seg-{cid}2", "base": base, "size": 1 << 20}
+        assert master.handle(req)["ok"], cid
