@@ -804,3 +804,12 @@ def test_mount_refuses_a_segment_over_the_clients_own_memory(master: Driver) -> 
     for cid, base in (("a", (1 << 20) + (1 << 24)), ("r", 1 << 20)):  # next to it; another process's
         req = {"op": "mount", "client": cid, "segment": f"seg-{cid}2", "base": base, "size": 1 << 20}
         assert master.handle(req)["ok"], cid
+
+
+def test_a_refused_replica_change_keeps_the_replica_count(master: Driver) -> None:
+    """replica_start recorded the count asked for before refusing a leased object (BUSY): the
+    hot-key policy later shrank the object to a count its owner was told had not been set."""
+    _put(master, "k", replicas=2)
+    assert master.handle({"op": "get", "client": "ra", "keys": ["k"]})["results"][0][0] is None  # leased
+    out = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 1})
+    assert out["err"] == "BUSY" and master.m.objects["k"].base_replicas == 2

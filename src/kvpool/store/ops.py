@@ -343,12 +343,13 @@ class ObjectOps(_Base):
         committed = [r for r in obj.replicas if r.committed and not r.seg.dead]
         if not committed:
             raise _Err("NOT_FOUND", f"object {key!r} has no memory replica")
-        obj.base_replicas = n
         if n <= len(obj.replicas):
             if self._leased(obj, time.monotonic()) or obj.busy:
                 raise _Err("BUSY", f"object {key!r} is leased or being copied; retry later")
+            obj.base_replicas = n  # after the checks: a refused change leaves the count
             self._shrink(obj, n)
             return {"src": None, "dst": []}
+        obj.base_replicas = n
         have = {r.seg for r in obj.replicas}
         placed = self._place_copies(obj, n - len(obj.replicas), have, time.monotonic())
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
