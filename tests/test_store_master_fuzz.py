@@ -130,6 +130,9 @@ def check_invariants(m: Master) -> None:
     for cl in m.clients.values():
         for name in cl.segments:
             assert name in sp.segments and sp.segments[name].client == cl.id
+        mine = sorted((sp.segments[n].base, sp.segments[n].size) for n in cl.segments)
+        for (b1, s1), (b2, _) in zip(mine, mine[1:], strict=False):
+            assert b1 + s1 <= b2, f"{cl.id}'s segments overlap"
     # -- LRU: committed objects in the key table, each once
     in_lru = 0
     for name, chain in m.lru.lists.items():
@@ -170,6 +173,7 @@ def state_of(m: Master) -> tuple[Any, ...]:
             len(o.replicas),
             o.busy,
             o.ssd is not None,
+            o.base_replicas,
             o.lease_until,
             o.readers,
         )
@@ -182,7 +186,7 @@ def state_of(m: Master) -> tuple[Any, ...]:
 def same(before: tuple[Any, ...], after: tuple[Any, ...], now: float) -> bool:
     def live(state: tuple[Any, ...]) -> tuple[Any, ...]:
         *rest, objs = state
-        return (*rest, [(*o[:6], o[7] if o[6] > now else 0) for o in objs])
+        return (*rest, [(*o[:7], o[8] if o[7] > now else 0) for o in objs])
 
     return live(before) == live(after)
 
