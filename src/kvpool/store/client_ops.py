@@ -128,8 +128,8 @@ class ClientOps(_Base):
         if name in self.space.segments:
             raise _Err("EXISTS", f"segment {name!r} is already mounted")
         for other in c.segments:
-            s = self.space.segments[other]
-            if base < s.base + s.size and s.base < base + size:
+            s = self.space.segments.get(other)
+            if s is not None and base < s.base + s.size and s.base < base + size:
                 # one memory under two segments: an object placed in one would be written over by
                 # objects placed in the other (a large one, checked by its header only, read wrong)
                 raise _Err("INVALID", f"segment {name!r} overlaps this client's segment {other!r}")
