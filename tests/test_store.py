@@ -834,3 +834,33 @@ def test_big_objects_read_twice_are_then_read_without_the_master(monkeypatch: py
         a.put("fresh", v1)
         assert b.get("fresh") == v1 and b.get("fresh") == v1
         assert b._loc.get("fresh", b.master_incarnation) is None  # not even noted: no checksum for nothing
+
+
+def test_an_ssd_sweep_capped_by_file_count_reaches_the_other_files_next_time(tmp_path, monkeypatch) -> None:
+    """A directory of more SSD-tier files than one sweep looks at (SWEEP_MAX_FILES, 4 here):
+    the first subdirectory's files are all live copies, the second's are nobody's. The next
+    sweeps go on from where the capped one stopped and remove those (each sweep looked at the
+    same first files again: the others stayed on the disk for good)."""
+    from kvpool.store import ssd
+
+    monkeypatch.setattr(ssd, "SWEEP_MAX_FILES", 4)
+    old = time.time() - 3600
+    known, stray = set(), []
+    for sub, names in (("00", known), ("01", None)):
+        os.makedirs(tmp_path / sub)
+        for i in range(4 if names is not None else 2):
+            name = f"{sub}{'0' * 38}-{i}.kvp"
+            path = tmp_path / sub / name
+            path.write_bytes(b"x")
+            os.utime(path, (old, old))
+            if names is not None:
+                names.add(name)
+            else:
+                stray.append(path)
+
+    def unknown(names: list[str]) -> tuple[list[str], float]:
+        return [n for n in names if n not in known], 60.0
+
+    removed = sum(ssd.sweep_ssd_dir(str(tmp_path), unknown) for _ in range(3))
+    assert removed == 2 and not any(p.exists() for p in stray)
+    assert sorted(os.listdir(tmp_path / "00")) == sorted(known)  # live copies' files stay

@@ -84,6 +84,8 @@ _FILE = re.compile(r"[0-9a-f]{40}-[0-9]+\.kvp")  # what the master's spills name
 _TMP = re.compile(r"[0-9a-f]{40}-[0-9]+\.kvp\.[0-9a-f]{32}\.tmp")  # a write killed midway
 SWEEP_MAX_FILES = 65536  # files one sweep looks at (the next sweep sees the others)
 SWEEP_BATCH = 512  # names per question to the master
+# ssd_dir -> the subdirectory the next sweep starts at (where the last one reached its cap)
+_resume: dict[str, str] = {}
 
 
 def sweep_ssd_dir(
@@ -104,12 +106,21 @@ def sweep_ssd_dir(
     seen = 0
     try:
         with os.scandir(ssd_dir) as it:
-            subdirs = [e.path for e in it if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+            subs = sorted(e.name for e in it if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
     except OSError:
         return 0
-    for sub in subdirs:
+    # From where the last sweep stopped, around: else, in a directory of more files than the
+    # cap, each sweep looked at the same first ones and never at the others
+    after = _resume.pop(ssd_dir, "")
+    start = next((i for i, n in enumerate(subs) if n >= after), 0)
+    subs = subs[start:] + subs[:start]
+    for i, name in enumerate(subs):
         if seen >= SWEEP_MAX_FILES:
+            # the next sweep starts at the one that reached the cap (past it when it was the
+            # first: a subdirectory of more files than the cap)
+            _resume[ssd_dir] = subs[max(i - 1, 1) % len(subs)]
             break
+        sub = os.path.join(ssd_dir, name)
         try:
             with os.scandir(sub) as it:
                 for e in it:
