@@ -394,6 +394,49 @@ def test_a_sweep_is_told_the_file_names_no_ssd_copy_has() -> None:
         m.stop()
 
 
+def test_a_sweep_is_never_told_the_file_of_a_spill_in_flight_is_unknown() -> None:
+    """A spill handed out and not reported yet: its file may be written, and (by another
+    client's clock, sharing the directory; or after a clock step) older than the grace. Its
+    name is known until the spill ends (it was unknown: the sweep removed the file, then the
+    report was taken: an SSD copy without a file); once refused, it is nobody's."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5, task_timeout_s=4.0))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        size, cfg = 1 << 20, {"cache_class": "persistent"}
+        spill = None
+        for i in range(64):  # fill the pool until eviction hands out a spill
+            r = m.handle(
+                {"op": "put_start", "client": "r", "keys": [f"k{i}"], "sizes": [size], "config": cfg}
+            )
+            if r["results"][0][0] is None:
+                g, _, reps = r["results"][0][1]
+                items = [[f"k{i}", g, 7, [reps[0][0]]]]
+                m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})
+            spills = [
+                t for t in m.handle({"op": "heartbeat", "client": "a"})["tasks"] if t["type"] == "spill"
+            ]
+            if spills:
+                spill = spills[0]
+                for t in spills[1:]:  # the others failed
+                    m.handle({"op": "task_done", "client": "a", "task": t["task"], "ok": False, "result": {}})
+                break
+        assert spill is not None, "no spill was handed out"
+        name = spill["path"].rsplit("/", 1)[-1]
+        ask = {"op": "ssd_known", "client": "a", "names": [name]}
+        assert m.handle(ask)["unknown"] == []  # in flight: its file stays
+        m.handle(
+            {"op": "task_done", "client": "a", "task": spill["task"], "ok": True, "result": {"checksum": "c"}}
+        )
+        assert m.handle(ask)["unknown"] == []  # a copy's file now
+        m.handle({"op": "remove", "client": "r", "keys": [spill["key"]], "force": True})
+        assert m.handle(ask)["unknown"] == [name]
+        assert not m.m._spilling  # nothing left behind
+    finally:
+        m.stop()
+
+
 def test_promotion_of_an_ssd_hit_names_the_generation_it_read() -> None:
     m = Driver(Master(port=0, eviction_high_watermark=0.5))
     try:

@@ -214,13 +214,15 @@ class ClientOps(_Base):
         """A client sweeping its SSD directory asks which of its file names (at most
         ``max_batch``) no SSD copy has (``unknown``); it removes those older than ``grace_s``
         (by then any spill that wrote one was reported done or given up on: one accepted is
-        listed). Only from a registered client."""
+        listed). Only from a registered client. The file of a spill in flight is known too: it
+        may be written, its report not taken yet, and its mtime older than the grace by another
+        clock's (a directory shared by two clients, on NFS or after a clock step)."""
         self._client(req, sess)
         names = req.get("names")
         if not isinstance(names, list) or len(names) > self.config.max_batch:
             raise _Err("INVALID", f"names must be a list of at most {self.config.max_batch} file names")
-        known = self._ssd_names
-        unknown = [n for n in names if isinstance(n, str) and n not in known]
+        known, flying = self._ssd_names, self._spilling
+        unknown = [n for n in names if isinstance(n, str) and n not in known and n not in flying]
         return {"unknown": unknown, "grace_s": 2 * self.config.task_timeout_s + 1}
 
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._ssd_dying: collections.deque[Client] = collections.deque()  # removed SSD clients
         self._ssd_clients: list[Client] = []
         self._ssd_names: set[str] = set()  # file names of the SSD copies (clients' sweeps keep those)
+        self._spilling: Counter[str] = Counter()  # file names of the spills in flight (kept too)
         self._next_gen = 0
         self._access: Counter[str] = Counter()  # gets per key since the hot-key policy last ran
         # the counts of the last hot_window_s, one per hot_interval_s, and their running sum
@@ -316,6 +317,8 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         if task["type"] not in ("unlink", "ssd_check"):  # fire and forget: never reported back
             c.task_ids.add(self._task_ids)
             self._tasks[self._task_ids] = (client, task)
+            if task["type"] == "spill":
+                self._spilling[os.path.basename(task["path"])] += 1
             due = time.monotonic() + self.config.task_timeout_s
             task["_due"] = due  # the heartbeat that hands it out sends what is left of it (ttl_s)
             self._task_deadlines.append((due, self._task_ids))

@@ -273,6 +273,11 @@ class Upkeep(_Base):
         if entry is None:
             return
         cid, task = entry
+        if task["type"] == "spill":
+            name = os.path.basename(task["path"])
+            self._spilling[name] -= 1
+            if self._spilling[name] <= 0:
+                del self._spilling[name]
         cl = self.clients.get(cid)
         if cl is not None:
             cl.task_ids.discard(tid)
