@@ -421,3 +421,50 @@ def test_a_stopped_peers_descriptor_is_fetched_once_per_window_not_once_per_call
             os.kill(p.pid, signal.SIGCONT)
         p.close()
         eng.close()
+
+
+def test_a_fetch_ended_by_another_threads_interrupt_is_not_shared_with_its_waiters() -> None:
+    """The thread fetching a descriptor is interrupted (KeyboardInterrupt, or a non-kvpool error
+    from a bug) while another thread waits for its result: the waiter fetches itself and gets
+    the segment (it raised a copy of the interrupt, in a thread nobody interrupted)."""
+    from kvpool.transfer.segments import RefetchGate
+
+    gate = RefetchGate(1.0)
+    entered, release, waiting = threading.Event(), threading.Event(), threading.Event()
+
+    class Watched(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()
+            return super().wait(timeout)
+
+    def interrupted():
+        gate._state["s"].flight.done = Watched()  # type: ignore[union-attr]  # to see the waiter wait
+        entered.set()
+        release.wait(5)
+        raise KeyboardInterrupt
+
+    handle = object()
+    got: list[object] = []
+
+    def lead() -> None:
+        try:
+            gate.run("s", interrupted)
+        except KeyboardInterrupt:
+            got.append("interrupted")
+
+    def follow() -> None:
+        try:
+            got.append(gate.run("s", lambda: handle))  # type: ignore[arg-type, return-value]
+        except BaseException as e:  # noqa: BLE001 - what the waiter raised is the point
+            got.append(e)
+
+    a = threading.Thread(target=lead)
+    a.start()
+    assert entered.wait(5)
+    b = threading.Thread(target=follow)
+    b.start()
+    assert waiting.wait(5)
+    release.set()
+    a.join(5)
+    b.join(5)
+    assert len(got) == 2 and "interrupted" in got and any(x is handle for x in got), got

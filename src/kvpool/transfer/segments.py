@@ -96,36 +96,37 @@ class RefetchGate:
 
     def run(self, name: str, fetch: Callable[[], SegmentHandle]) -> SegmentHandle:
         """``fetch()`` for ``name`` unless another thread is running it (then its result) or
-        it failed within the window (then its error, at once)."""
-        with self._mu:
-            st = self._state.get(name)
-            if st is None:
-                if len(self._state) >= self.MAX_NAMES:
-                    self._prune()
-                st = self._state[name] = _Backoff()
-            flight = st.flight
-            if flight is None:
-                left = st.until - time.monotonic()
-                if st.error is not None and left > 0:
-                    raise _again(
-                        st.error,
-                        f"(the segment's descriptor could not be fetched {st.delay - left:.2f} s ago; "
-                        f"it is not asked for again for {left:.2f} s)",
-                    )
-                flight = st.flight = _Flight()
-                lead = True
-            else:
-                lead = False
-        if not lead:
+        it failed within the window (then its error, at once). A fetch that another thread's
+        interrupt (KeyboardInterrupt) or a non-kvpool error ended is not that thread's to share:
+        a caller that waited for it fetches itself."""
+        while True:
+            with self._mu:
+                st = self._state.get(name)
+                if st is None:
+                    if len(self._state) >= self.MAX_NAMES:
+                        self._prune()
+                    st = self._state[name] = _Backoff()
+                flight = st.flight
+                if flight is None:
+                    left = st.until - time.monotonic()
+                    if st.error is not None and left > 0:
+                        raise _again(
+                            st.error,
+                            f"(the segment's descriptor could not be fetched {st.delay - left:.2f} s ago; "
+                            f"it is not asked for again for {left:.2f} s)",
+                        )
+                    flight = st.flight = _Flight()
+                    break
             if not flight.done.wait(self.wait_s):
                 raise SegmentNotFound(
                     f"segment {name!r}: another thread has been fetching its descriptor for "
                     f"{self.wait_s:.1f} s; try again"
                 )
-            if flight.error is not None:
+            if flight.error is None:
+                assert flight.handle is not None
+                return flight.handle
+            if isinstance(flight.error, KvpoolError):
                 raise _again(flight.error, "(raised by the fetch of another thread this call waited for)")
-            assert flight.handle is not None
-            return flight.handle
         try:
             flight.handle = fetch()
             return flight.handle
