@@ -468,3 +468,60 @@ def test_a_fetch_ended_by_another_threads_interrupt_is_not_shared_with_its_waite
     a.join(5)
     b.join(5)
     assert len(got) == 2 and "interrupted" in got and any(x is handle for x in got), got
+
+
+def test_a_range_registered_while_another_thread_fetches_the_descriptor_is_reached() -> None:
+    """A thread is fetching the target's descriptor (read before the target registered a second
+    buffer) when a WRITE into that buffer is refused by the cached one: the writer does not take
+    that fetch's descriptor, which lacks the buffer too; it fetches again and the WRITE lands (it
+    raised RemoteAccessError for memory the owner had registered)."""
+    ini = TransferEngine(protocol="tcp", timeout_s=2, connect_timeout_s=1)
+    tgt = TransferEngine(protocol="tcp")
+    try:
+        src = bytearray(os.urandom(4096))
+        saddr = ini.register_local_memory(src)
+        a1 = tgt.register_local_memory(bytearray(4096))
+        ini.transfer_sync(tgt.segment_name, saddr, a1, 4096, OpCode.WRITE)
+        name = tgt.segment_name
+        real_fetch = ini._fetch
+        entered, release, waiting = threading.Event(), threading.Event(), threading.Event()
+
+        class Watched(threading.Event):
+            def wait(self, timeout: float | None = None) -> bool:
+                waiting.set()
+                return super().wait(timeout)
+
+        def slow_fetch(n: str):  # the first fetch reads the descriptor now, returns it later
+            ini._fetch = real_fetch  # type: ignore[method-assign]
+            desc = real_fetch(n)
+            ini._refetch._state[n].flight.done = Watched()  # type: ignore[union-attr]
+            entered.set()
+            release.wait(5)
+            return desc
+
+        ini._fetch = slow_fetch  # type: ignore[method-assign]
+        other = threading.Thread(target=ini._open, args=(name,))
+        other.start()
+        assert entered.wait(5)
+        b2 = bytearray(4096)
+        a2 = tgt.register_local_memory(b2)
+        got: list[BaseException | None] = []
+
+        def write() -> None:
+            try:
+                ini.transfer_sync(name, saddr, a2, 4096, OpCode.WRITE)
+                got.append(None)
+            except KvpoolError as e:
+                got.append(e)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        assert waiting.wait(5)  # the writer waits for the other thread's fetch
+        release.set()
+        other.join(5)
+        writer.join(10)
+        assert got == [None], got
+        assert bytes(b2) == bytes(src)
+    finally:
+        ini.close()
+        tgt.close()

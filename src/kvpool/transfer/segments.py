@@ -94,11 +94,14 @@ class RefetchGate:
         self._mu = threading.Lock()  # guards _state; never held across a fetch
         self._state: dict[str, _Backoff] = {}
 
-    def run(self, name: str, fetch: Callable[[], SegmentHandle]) -> SegmentHandle:
+    def run(self, name: str, fetch: Callable[[], SegmentHandle], fresh: bool = False) -> SegmentHandle:
         """``fetch()`` for ``name`` unless another thread is running it (then its result) or
         it failed within the window (then its error, at once). A fetch that another thread's
         interrupt (KeyboardInterrupt) or a non-kvpool error ended is not that thread's to share:
-        a caller that waited for it fetches itself."""
+        a caller that waited for it fetches itself. ``fresh``: a descriptor fetched after this
+        call began (the caller saw the cached one lack a range): a fetch in flight then is waited
+        for, not taken (it may have read the descriptor before the owner registered that range)."""
+        begun = fresh  # a fetch in flight now began before this call
         while True:
             with self._mu:
                 st = self._state.get(name)
@@ -122,6 +125,10 @@ class RefetchGate:
                     f"segment {name!r}: another thread has been fetching its descriptor for "
                     f"{self.wait_s:.1f} s; try again"
                 )
+            if begun and flight.error is None:
+                begun = False
+                continue  # waited out; now fetched again (or the result of a fetch begun since)
+            begun = False
             if flight.error is None:
                 assert flight.handle is not None
                 return flight.handle
@@ -208,11 +215,11 @@ class Segments:
                 return cached[0]
         return self._open(name)
 
-    def _open(self, name: str) -> SegmentHandle:
+    def _open(self, name: str, fresh: bool = False) -> SegmentHandle:
         """Fetch ``name``'s descriptor and (re)attach the segment to the transport that reaches it:
         one thread at a time per segment, and not again within a while after a failed fetch (the
-        calls then raise its error at once: see :class:`RefetchGate`)."""
-        return self._refetch.run(name, lambda: self._attach(name))
+        calls then raise its error at once: see :class:`RefetchGate`; ``fresh``: its ``run``'s)."""
+        return self._refetch.run(name, lambda: self._attach(name), fresh)
 
     def _attach(self, name: str) -> SegmentHandle:
         desc = self._fetch(name)
@@ -293,7 +300,7 @@ class Segments:
                 continue
             old = cached[1]
             try:
-                self._open(name)  # type: ignore[arg-type]
+                self._open(name, fresh=True)  # type: ignore[arg-type]
             except KvpoolError:
                 continue  # unreachable now: the retried request fails with its own reason
             new = self._segments[name][1]  # type: ignore[index]
