@@ -464,3 +464,31 @@ except ImportError as e:
     out = subprocess.run([sglang_python(), "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert "refused:" in out.stdout, out.stderr[-2000:]
     assert "add_disagg_transfer_backend_choices" in out.stdout
+
+
+def test_a_room_seen_again_does_not_keep_older_rooms_from_their_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's room table (no SGLang needed): a room whose destinations were popped (its
+    last chunk went) gets late metadata again. It is the youngest room now, and an unclaimed
+    room older than the TTL is still dropped at the next admission (the re-seen room kept its
+    old place with a new time, and each sweep stopped at it)."""
+    from kvpool.connectors.sglang import rooms
+
+    now = [0.0]
+    monkeypatch.setattr(rooms.time, "monotonic", lambda: now[0])
+    infos: dict[int, dict[str, Any]] = {}
+    table = rooms.RoomTable(infos, lambda r: infos.pop(r, None), max_rooms=100, max_sessions=4, ttl_s=10.0)
+
+    def meta(room: int, at: float) -> None:
+        now[0] = at
+        assert table.admit(room, "s", 1) is None
+        infos.setdefault(room, {})["s"] = object()
+
+    meta(1, 0.0)
+    meta(2, 1.0)
+    meta(3, 2.0)
+    infos.pop(2)  # its last chunk was written (the sender clears the room later)
+    meta(2, 9.0)  # late metadata of room 2
+    meta(4, 11.0)  # room 1 is 11 s old: dropped
+    assert 1 not in infos
+    meta(5, 12.5)  # room 3 is 10.5 s old, no request claimed it
+    assert 3 not in infos and all(r in infos for r in (2, 4, 5))

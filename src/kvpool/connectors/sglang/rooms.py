@@ -82,6 +82,10 @@ class RoomTable:
             if len(self.infos) >= self.max_rooms:
                 why = f"the prefill holds destinations of {len(self.infos)} rooms (KVPOOL_SGLANG_MAX_ROOMS)"
             else:
+                # last in the age order (a room seen before, its destinations popped since, kept
+                # its old place with a new time: each sweep stopped at it, the rooms behind it
+                # not dropped for their age)
+                self._seen.pop(room, None)
                 self._seen[room] = now
         elif session not in infos and len(infos) >= min(max(1, need), self.max_sessions):
             why = f"room {room} already has its {len(infos)} decode destinations"
