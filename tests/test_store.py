@@ -864,3 +864,45 @@ def test_an_ssd_sweep_capped_by_file_count_reaches_the_other_files_next_time(tmp
     removed = sum(ssd.sweep_ssd_dir(str(tmp_path), unknown) for _ in range(3))
     assert removed == 2 and not any(p.exists() for p in stray)
     assert sorted(os.listdir(tmp_path / "00")) == sorted(known)  # live copies' files stay
+
+
+def test_an_ssd_check_that_cannot_open_the_file_for_lack_of_descriptors_keeps_the_copy(
+    tmp_path, monkeypatch
+) -> None:
+    """The copy's client checks an SSD file a reader could not use, and opening it fails with
+    EMFILE (the process is out of file descriptors: the file is fine). The copy is kept, and
+    read once descriptors are back (the check reported it corrupt: the master dropped the
+    object, its only copy)."""
+    import builtins
+    import errno
+
+    from kvpool.store import ssd
+    from kvpool.store.tasks import run_task
+
+    with Store.connect(
+        segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
+    ) as st:
+        m = st._master
+        st.put("k", pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
+        with m._lock:
+            m._spill(m.objects["k"], m.clients[st.client_id])  # as eviction does
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (st.info("k")["ssd"] is None or st.info("k")["replicas"]):
+            time.sleep(0.05)
+        info = st.info("k")
+        assert info["ssd"] and not info["replicas"]  # SSD only
+        with m._lock:
+            copy = m.objects["k"].ssd
+            task = {"type": "ssd_check", "key": "k", "gen": info["gen"], "path": copy.path, "size": 300_000,
+                    "checksum": copy.checksum}  # fmt: skip
+
+        def no_fds(path, *a, **kw):
+            if path == copy.path:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return builtins.open(path, *a, **kw)
+
+        monkeypatch.setattr(ssd, "open", no_fds, raising=False)
+        run_task(st, task)  # as the task thread runs it
+        monkeypatch.undo()
+        assert st.exists("k") and st.info("k")["ssd"] == copy.path
+        assert st.get("k") == pattern(300_000, 1)

@@ -56,7 +56,8 @@ def read_ssd_file(
     """Read and verify an SSD-tier file; None when missing, truncated or corrupt. ``why`` (when
     given) gets ``"corrupt"`` for a file that is there but is not this object's (truncated,
     another size or key, a checksum mismatch) or that the disk failed to read (EIO), else
-    ``"missing"``."""
+    ``"missing"`` when it is not there (ENOENT, ENOTDIR), ``"unreadable"`` for another error
+    (EMFILE, EACCES, ESTALE...: the file may be fine)."""
     try:
         with open(path, "rb") as f:
             hdr = f.read(_SSD_HDR.size)
@@ -67,7 +68,9 @@ def read_ssd_file(
     except struct.error:
         return _bad(why, "corrupt")
     except OSError as exc:
-        return _bad(why, "corrupt" if exc.errno == errno.EIO else "missing")
+        if exc.errno == errno.EIO:
+            return _bad(why, "corrupt")
+        return _bad(why, "missing" if exc.errno in (errno.ENOENT, errno.ENOTDIR) else "unreadable")
     if len(data) != size or xxhash.xxh3_64_intdigest(data) != digest or f"{digest:016x}" != checksum:
         return _bad(why, "corrupt")
     return data

@@ -132,9 +132,16 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
 
 def _ssd_check(store: Store, task: dict[str, Any]) -> None:
     """A reader could not use an SSD file of ours (off our host, or missing): read it here, and
-    report it corrupt when it is missing or bad (the master drops that copy)."""
+    report it corrupt when it is missing or bad (the master drops that copy). One we could not
+    read for another reason (out of file descriptors, a permission, a stale NFS handle) is not
+    reported: the file may be fine (a reader's next miss asks again)."""
     why: list[str] = []
     if read_ssd_file(task["path"], task["key"], task["size"], task["checksum"], why) is None:
+        if why and why[0] == "unreadable":
+            log.warning(
+                "SSD file %s of %r could not be read to check it (not reported)", task["path"], task["key"]
+            )
+            return
         log.warning("SSD file %s of %r is %s: reported", task["path"], task["key"], why[0] if why else "bad")
         store._hb_rpc.call(
             "report", segment="", kind="ssd_corrupt", key=task["key"], gen=task["gen"], path=task["path"]
