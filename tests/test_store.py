@@ -906,3 +906,47 @@ def test_an_ssd_check_that_cannot_open_the_file_for_lack_of_descriptors_keeps_th
         monkeypatch.undo()
         assert st.exists("k") and st.info("k")["ssd"] == copy.path
         assert st.get("k") == pattern(300_000, 1)
+
+
+def test_an_ssd_sweep_goes_on_past_a_file_removed_while_it_lists_the_directory(tmp_path, monkeypatch) -> None:
+    """A file of the SSD tier is removed between the sweep's listing of its subdirectory and its
+    look at it (another client on the directory unlinked it): the sweep goes on with the other
+    files of that subdirectory (it gave up on the rest of the subdirectory until the next
+    sweep, ssd_sweep_s later)."""
+    from kvpool.store import ssd
+
+    old = time.time() - 3600
+    os.makedirs(tmp_path / "00")
+    paths = []
+    for i in range(4):
+        p = tmp_path / "00" / f"00{'0' * 38}-{i}.kvp"
+        p.write_bytes(b"x")
+        os.utime(p, (old, old))
+        paths.append(p)
+    real = os.scandir
+
+    class Vanishing:  # the first entry listed in a subdirectory is unlinked before it is looked at
+        def __init__(self, path: str) -> None:
+            self._it = real(path)
+            self._first = os.path.basename(path) == "00"
+
+        def __enter__(self) -> Vanishing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._it.close()
+
+        def __iter__(self) -> Vanishing:
+            return self
+
+        def __next__(self) -> os.DirEntry[str]:
+            e = next(self._it)
+            if self._first:
+                self._first = False
+                os.unlink(e.path)
+            return e
+
+    monkeypatch.setattr(ssd.os, "scandir", Vanishing)
+    removed = ssd.sweep_ssd_dir(str(tmp_path), lambda names: (list(names), 60.0))
+    monkeypatch.undo()
+    assert removed == 3 and not any(p.exists() for p in paths)

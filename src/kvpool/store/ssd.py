@@ -133,7 +133,10 @@ def sweep_ssd_dir(
                     if not (is_file or is_tmp):
                         continue
                     seen += 1
-                    st = e.stat(follow_symlinks=False)
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # removed since it was listed (the rest of the directory is looked at)
                     if st.st_mtime < cutoff:
                         (old if is_file else tmps).append((e.path, st))
         except OSError:
