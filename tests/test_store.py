@@ -437,6 +437,21 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
                 st.get(k2)
 
 
+def _ssd_only(st: Store, key: str) -> dict:
+    """Put ``key`` (300,000 bytes of pattern 1, persistent), spill it as eviction does and wait
+    until its only copy is on SSD; its ``info``."""
+    m = st._master
+    st.put(key, pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
+    with m._lock:
+        m._spill(m.objects[key], m.clients[st.client_id])  # as eviction does
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (st.info(key)["ssd"] is None or st.info(key)["replicas"]):
+        time.sleep(0.05)
+    info = st.info(key)
+    assert info["ssd"] and not info["replicas"]  # SSD only
+    return info
+
+
 def test_an_ssd_only_object_whose_file_is_corrupt_is_let_go_of_and_its_key_can_be_put_again(tmp_path) -> None:
     """A reader on the SSD copy's host finds its file bad: a miss, and the master drops the copy
     (the object with it: no memory replica is left). The key held an object nobody could read:
@@ -444,15 +459,7 @@ def test_an_ssd_only_object_whose_file_is_corrupt_is_let_go_of_and_its_key_can_b
     with Store.connect(
         segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
     ) as st:
-        m = st._master
-        st.put("k", pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
-        with m._lock:
-            m._spill(m.objects["k"], m.clients[st.client_id])  # as eviction does
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (st.info("k")["ssd"] is None or st.info("k")["replicas"]):
-            time.sleep(0.05)
-        info = st.info("k")
-        assert info["ssd"] and not info["replicas"]  # SSD only
+        info = _ssd_only(st, "k")
         assert st.get("k") == pattern(300_000, 1)
         with open(info["ssd"], "r+b") as f:  # the disk returns other bytes now
             f.seek(-10, os.SEEK_END)
@@ -484,14 +491,7 @@ def test_an_ssd_only_object_whose_file_is_missing_is_let_go_of_whoever_reads_it(
         with Store.connect(master=m.address, segment_size=0, heartbeat_s=0.1) as far:
             far.host_id = "another-host"  # a reader on another machine
             for k, reader in (("k1", far), ("k2", st)):
-                st.put(k, pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
-                with m._lock:
-                    m._spill(m.objects[k], m.clients[st.client_id])  # as eviction does
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and (st.info(k)["ssd"] is None or st.info(k)["replicas"]):
-                    time.sleep(0.05)
-                info = st.info(k)
-                assert info["ssd"] and not info["replicas"]  # SSD only
+                info = _ssd_only(st, k)
                 os.remove(info["ssd"])  # the disk lost it
                 with pytest.raises(ObjectNotFound):
                     reader.get(k)
@@ -883,14 +883,7 @@ def test_an_ssd_check_that_cannot_open_the_file_for_lack_of_descriptors_keeps_th
         segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
     ) as st:
         m = st._master
-        st.put("k", pattern(300_000, 1), ReplicateConfig(cache_class="persistent"))
-        with m._lock:
-            m._spill(m.objects["k"], m.clients[st.client_id])  # as eviction does
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (st.info("k")["ssd"] is None or st.info("k")["replicas"]):
-            time.sleep(0.05)
-        info = st.info("k")
-        assert info["ssd"] and not info["replicas"]  # SSD only
+        info = _ssd_only(st, "k")
         with m._lock:
             copy = m.objects["k"].ssd
             task = {"type": "ssd_check", "key": "k", "gen": info["gen"], "path": copy.path, "size": 300_000,
