@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -415,8 +416,9 @@ def test_ssd_tier_spill_hit_promote_and_corruption(tmp_path) -> None:
         files = list(ssd.rglob("*.kvp"))
         assert files
         k = spilled[0]
-        # one file per generation: a late spill of an older one never replaces a newer one's
-        assert st.info(k)["ssd"].endswith(f"-{st.info(k)['gen']}.kvp")
+        # a file of its own per spill (generation and token): no other copy's ever shares its path
+        name = os.path.basename(st.info(k)["ssd"])
+        assert re.fullmatch(rf"[0-9a-f]{{40}}-{st.info(k)['gen']}-[0-9a-f]{{16}}\.kvp", name), name
         deadline = time.monotonic() + 5
         while st.info(k)["replicas"] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -547,7 +549,7 @@ def test_a_storage_client_does_not_start_a_task_the_master_gave_up_on(tmp_path) 
 def test_the_file_of_a_spill_that_reports_after_its_task_expired_is_removed(tmp_path) -> None:
     """A spill that ran long (a slow disk) reports after the master gave up on it (task_timeout_s):
     the report counts for nothing, and its file, no object's, is removed (it stayed for good). The
-    object's next spill here writes the same path (one per generation) and keeps its file."""
+    object's next spill here writes a file of its own, and keeps it."""
     with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), buffer_size=1 << 20) as st:
         m = st._master
         m.config = m.config.replace(task_timeout_s=0.2)
@@ -563,10 +565,10 @@ def test_the_file_of_a_spill_that_reports_after_its_task_expired_is_removed(tmp_
         st._run_task(late)  # started in time, done too late
         assert m.stats["tasks_late_reports"] == 1 and st.info("k")["ssd"] is None
         assert not os.path.exists(late["path"]), "the file of a spill the master gave up on stayed"
-        with m._lock:  # spilled again, to the same path
+        with m._lock:  # spilled again, to a path of its own
             m._spill(m.objects["k"], m.clients[st.client_id])
             again = m.clients[st.client_id].tasks.pop()
-        assert again["path"] == late["path"]
+        assert again["path"] != late["path"]
         st._run_task(again)
         assert st.info("k")["ssd"] == again["path"] and os.path.exists(again["path"])
         assert st.get("k") == value
@@ -943,3 +945,65 @@ def test_an_ssd_sweep_goes_on_past_a_file_removed_while_it_lists_the_directory(t
     removed = ssd.sweep_ssd_dir(str(tmp_path), lambda names: (list(names), 60.0))
     monkeypatch.undo()
     assert removed == 3 and not any(p.exists() for p in paths)
+
+
+def test_a_late_unlink_of_a_dropped_ssd_copy_leaves_the_next_copys_file(tmp_path) -> None:
+    """Two storage clients on one SSD directory (two servers of a host given the same one). a's
+    copy of k is dropped (its file reported bad; k keeps the memory a hit promoted it back into)
+    and its unlink handed to a, whose task thread is behind; meanwhile b spills k again. a's
+    unlink runs after that spill: b's file, the copy k lives on, stays. The new spill wrote the
+    very same path (one per key and generation), so that late unlink removed the new copy's file
+    and the SSD-only object could no longer be read."""
+    with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=60, buffer_size=1 << 20) as a:
+        m = a._master
+        with Store.connect(master=m.address, segment_size=0, ssd_dir=str(tmp_path), heartbeat_s=60) as b:
+            value = pattern(300_000, 6)
+            a.put("k", value, ReplicateConfig(cache_class="persistent"))
+            with m._lock:  # as eviction does; taken off the queue before a heartbeat hands it out
+                m._spill(m.objects["k"], m.clients[a.client_id])
+                first = m.clients[a.client_id].tasks.pop()
+            a._run_task(first)
+            assert a.info("k")["ssd"] == first["path"] and not a.info("k")["replicas"]
+            assert a.get("k") == value  # a hit on the SSD tier: promoted back into memory
+            assert a.info("k")["replicas"]
+            # a reader on the host found a's file bad: the copy is dropped, its unlink handed to a
+            a._rpc.call("report", segment="", kind="ssd_corrupt", key="k", gen=first["gen"],
+                        path=first["path"])  # fmt: skip
+            assert a.info("k")["ssd"] is None and a.info("k")["replicas"]
+            with m._lock:
+                (unlink,) = [t for t in m.clients[a.client_id].tasks if t["type"] == "unlink"]
+                m.clients[a.client_id].tasks.remove(unlink)  # a's task thread runs it later
+                m._spill(m.objects["k"], m.clients[b.client_id])  # k spilled again, by b
+                again = m.clients[b.client_id].tasks.pop()
+            b._run_task(again)
+            assert a.info("k")["ssd"] == again["path"] and not a.info("k")["replicas"]  # SSD only
+            a._run_task(unlink)  # the old copy's unlink, late
+            assert unlink["path"] == first["path"] and os.path.exists(again["path"])
+            assert a.info("k")["ssd"] == again["path"]
+            assert a.get("k") == value
+
+
+def test_the_sweep_knows_the_ssd_file_names_of_this_version_and_the_one_before(tmp_path) -> None:
+    """The sweep looks at the files a spill names now (``<sha1>-<gen>-<token>.kvp``), at those
+    of the naming before it (``<sha1>-<gen>.kvp``, still on disks written by an earlier
+    version) and at the temporary files of both; other names are left alone."""
+    from kvpool.store.ssd import sweep_ssd_dir
+
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    digest, tmp = "ab" * 20, "0" * 32
+    ours = [f"{digest}-7-0123456789abcdef.kvp", f"{digest}-7.kvp"]
+    ours += [f"{n}.{tmp}.tmp" for n in ours]
+    others = ["notes.txt", f"{digest}-7-xyz.kvp", f"{digest}-7-0123456789abcdef.kvp.bak", f"{digest}.kvp"]
+    for n in ours + others:
+        (sub / n).write_bytes(b"x")
+        os.utime(sub / n, (time.time() - 60, time.time() - 60))
+    asked: list[str] = []
+
+    def unknown(names: list[str]) -> tuple[list[str], float]:
+        asked.extend(names)
+        return names, 10.0
+
+    assert sweep_ssd_dir(str(tmp_path), unknown) == len(ours)
+    assert sorted(asked) == sorted(ours[:2])  # the temporary files are not asked about
+    assert sorted(p.name for p in sub.iterdir()) == sorted(others)

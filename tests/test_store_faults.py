@@ -706,3 +706,46 @@ def test_ssd_files_no_copy_has_are_swept_by_the_next_client_on_the_directory(tmp
                 for k in vals:  # whatever is still there reads as it was put
                     if st.exists(k):
                         assert st.get(k) == vals[k]
+
+
+def test_a_late_report_of_a_dropped_ssd_copy_leaves_the_objects_next_copy(tmp_path) -> None:
+    """An object's SSD file is reported bad by two readers on its host. The first report drops
+    that copy (the object keeps the memory a hit promoted it back into); the object is spilled
+    again, and only then does the second report arrive, naming the old copy's file: the new copy
+    and its file stay, and the object reads as it was put. The new spill wrote the very same path
+    (one per key and generation), so the late report dropped the new copy and unlinked its file,
+    and the object, on the SSD tier only by then, was lost."""
+    ssd = tmp_path / "ssd"
+    with MasterProcess(eviction_high_watermark=0.5, eviction_ratio=0.1) as m:
+        with StorageProcess(m.address, 8 << 20, ssd_dir=str(ssd), heartbeat_s=0.1):
+            with Store.connect(master=m.address, segment_size=0) as st:
+                persistent = ReplicateConfig(cache_class="persistent")
+                vals = {f"p{i}": pattern(512 << 10, i) for i in range(9)}
+                for k, v in vals.items():
+                    st.put(k, v, persistent)
+
+                def ssd_only(k: str) -> bool:
+                    info = st.info(k)
+                    return bool(info["ssd"]) and not info["replicas"]
+
+                wait_for(lambda: any(ssd_only(k) for k in vals), 20, what="an object on the SSD tier only")
+                k = next(k for k in vals if ssd_only(k))
+                old, gen = st.info(k)["ssd"], st.info(k)["gen"]
+                assert st.get(k) == vals[k]  # a hit on the SSD tier: promoted back into memory
+                assert st.info(k)["replicas"]
+                bad = {"segment": "", "kind": "ssd_corrupt", "key": k, "gen": gen, "path": old}
+                st._rpc.call("report", **bad)  # the first reader's report
+                assert st.info(k)["ssd"] is None and st.info(k)["replicas"]
+                for i in range(64):  # more persistent objects, until k is spilled again
+                    if ssd_only(k):
+                        break
+                    st.put(f"fill{i}", pattern(512 << 10, 100 + i), persistent)
+                    time.sleep(0.2)
+                wait_for(lambda: ssd_only(k), 10, what=f"{k} spilled again")
+                new = st.info(k)["ssd"]
+                assert os.path.exists(new)
+                st._rpc.call("report", **bad)  # the second reader's, late
+                time.sleep(1.0)  # an unlink it handed out would have run by now
+                assert st.exists(k) and st.info(k)["ssd"] == new and os.path.exists(new)
+                assert st.get(k) == vals[k]
+                assert stats(m.address)["counters"]["ssd_copies_corrupt"] == 1

@@ -1,5 +1,6 @@
-"""The SSD tier's object files: ``ssd_dir/xx/<sha1 of key>-<generation>.kvp`` (magic, size, xxh3-64,
-key, value).
+"""The SSD tier's object files: ``ssd_dir/xx/<sha1 of key>-<generation>-<token>.kvp`` (magic, size,
+xxh3-64, key, value); the master names each spill's file, with a random token of its own, so no
+two copies ever share a path (files named before, without the token, are still swept).
 
 Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none (a failed
 write removes its temporary file; one of a process killed mid-write stays, never read); a reader
@@ -83,8 +84,11 @@ def _bad(why: list[str] | None, reason: str) -> None:
 
 
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
-_FILE = re.compile(r"[0-9a-f]{40}-[0-9]+\.kvp")  # what the master's spills name (see upkeep)
-_TMP = re.compile(r"[0-9a-f]{40}-[0-9]+\.kvp\.[0-9a-f]{32}\.tmp")  # a write killed midway
+# What the master's spills name (see upkeep: Upkeep._spill); the token is optional, as the files
+# of earlier versions (named without it) are this tier's too.
+_NAME = r"[0-9a-f]{40}-[0-9]+(?:-[0-9a-f]{16})?\.kvp"
+_FILE = re.compile(_NAME)
+_TMP = re.compile(_NAME + r"\.[0-9a-f]{32}\.tmp")  # a write killed midway
 SWEEP_MAX_FILES = 65536  # files one sweep looks at (the next sweep sees the others)
 SWEEP_BATCH = 512  # names per question to the master
 # ssd_dir -> the subdirectory the next sweep starts at (where the last one reached its cap)

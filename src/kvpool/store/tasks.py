@@ -124,9 +124,8 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
         return
     if kind == "spill" and ok and reply.get("accepted") is False:
         # The master gave up on this spill (task_timeout_s) or is another one: no object has
-        # this file, and it stayed on the disk for good. Removed now, before the next task runs:
-        # a later spill of the same generation here writes the same path (an unlink task queued
-        # behind it would remove that one's file).
+        # this file, and it stayed on the disk for good. Removed now (the path is this spill's
+        # alone: no other copy's file is ever there).
         _unlink(task["path"])
 
 

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import secrets
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -98,9 +99,14 @@ class Upkeep(_Base):
         r = next(x for x in obj.replicas if x.committed)
         assert obj.key is not None
         digest = hashlib.sha1(obj.key.encode()).hexdigest()
-        # One file per generation: a spill of an older one that is still writing after its task
-        # expired (task_timeout_s) can never replace the file of a newer one under the same key.
-        path = os.path.join(client.ssd_dir or "", digest[:2], f"{digest}-{obj.gen}.kvp")
+        # A file name of its own per spill (generation and a random token): no two copies ever
+        # share a path, so nothing done for one (a late report, unlink, check or sweep; a spill
+        # still writing after its task expired; a copy of an earlier master, whose generations
+        # were the same numbers) can hit another's file: one that shared it with a copy dropped
+        # before (the same object spilled again, maybe by another client on the same directory)
+        # was dropped or unlinked by a late report or unlink for the old copy.
+        name = f"{digest}-{obj.gen}-{secrets.token_hex(8)}.kvp"
+        path = os.path.join(client.ssd_dir or "", digest[:2], name)
         obj.busy += 1
         task = {"type": "spill", "key": obj.key, "gen": obj.gen, "epoch": self.incarnation, "size": obj.size,
                 "checksum": obj.checksum, "src": [r.seg.name, r.addr], "path": path}  # fmt: skip
@@ -314,7 +320,7 @@ class Upkeep(_Base):
                         self._free_memory(obj)
             elif ok:
                 # The object was removed (or replaced) while it spilled: its file is nobody's, and
-                # no later spill writes that path (one per generation, never handed out again).
+                # no other spill writes that path (each spill names a file of its own).
                 self._give_task(cid, {"type": "unlink", "path": task["path"]})
 
     def _spill_ended(self, cl: Client | None, ok: bool, disk_error: bool) -> None:
