@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import threading
@@ -16,6 +17,7 @@ from kvpool.errors import (
     InvalidArgument,
     MasterUnavailable,
     ObjectBusy,
+    ObjectCorrupt,
     ObjectExists,
     ObjectNotFound,
     RegistrationError,
@@ -1007,3 +1009,49 @@ def test_the_sweep_knows_the_ssd_file_names_of_this_version_and_the_one_before(t
     assert sweep_ssd_dir(str(tmp_path), unknown) == len(ours)
     assert sorted(asked) == sorted(ours[:2])  # the temporary files are not asked about
     assert sorted(p.name for p in sub.iterdir()) == sorted(others)
+
+
+def test_a_late_corrupt_report_of_a_dropped_replica_leaves_the_next_one_on_that_segment() -> None:
+    """Two readers read k's replica on b's segment and find its bytes bad. The first report drops
+    it; k is copied to that segment again (a hot-key copy, at another address); only then does
+    the second reader's report arrive. It names the address it read: the new replica, good, is
+    kept and read. A report named the segment only, and the late one dropped the new replica."""
+    from kvpool.store.datapath import ReadJob
+    from kvpool.store.layout import HEADER_SIZE
+
+    cfg = {"segment_size": 4 << 20, "heartbeat_s": 60, "checksum": True, "location_cache": 0}
+    with Store.connect(**cfg) as a:
+        m = a._master
+        with Store.connect(master=m.address, **cfg) as b:
+            value = pattern(200_000, 7)
+            a.put("k", value, ReplicateConfig(replicas=2))
+            info = a.info("k")
+            (seg, addr, _) = next(r for r in info["replicas"] if r[0] == b.segment_name)
+            csum = m.objects["k"].checksum
+            ctypes.memset(addr + HEADER_SIZE + 100, 0xFF, 64)  # its bytes go bad (past the header)
+
+            def read_old_replica(reader: Store) -> None:  # a reader that looked k up before
+                job = ReadJob("k", info["size"], info["gen"], csum, [[seg, addr]], None, float("inf"))
+                reader._data.read(reader.master_incarnation, [job])
+                assert isinstance(job.error, ObjectCorrupt), job.error
+
+            def replicas() -> list[tuple[str, int]]:
+                return sorted((r[0], r[1]) for r in a.info("k")["replicas"] if r[2])
+
+            read_old_replica(a)  # the first reader's report drops it
+            deadline = time.monotonic() + 5
+            while len(replicas()) != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert seg not in dict(replicas())
+            with m._lock:  # a hot-key copy onto b's segment (the only other one), as upkeep does
+                m._replicate(m.objects["k"], 1, time.monotonic())
+                (task,) = m.clients[b.client_id].tasks
+                m.clients[b.client_id].tasks.clear()
+            b._run_task(task)
+            new = dict(replicas())[seg]
+            assert new != addr and len(replicas()) == 2
+            read_old_replica(b)  # the second reader's report, late
+            time.sleep(0.5)  # (one-way) taken by now
+            assert dict(replicas()).get(seg) == new, "the late report dropped the new replica"
+            assert m.stats["replicas_corrupt"] == 1
+            assert b.get("k") == value and a.get("k") == value

@@ -227,7 +227,8 @@ class ClientOps(_Base):
 
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A reader could not reach a segment (others skip it at once), found a replica whose
-        bytes fail their checksum (that replica is dropped), an SSD file that is not its
+        bytes fail their checksum (that replica, the one at ``addr``, is dropped: not one copied
+        there since), an SSD file that is not its
         object's (``ssd_corrupt``: that copy is dropped) or one it could not use
         (``ssd_missing``: :meth:`_ssd_missing`). Only from a registered client."""
         self._client(req, sess)
@@ -247,9 +248,10 @@ class ClientOps(_Base):
             seg.reported_until = now + self.config.client_ttl_s
         elif req["kind"] == "corrupt":
             obj = self.objects.get(req["key"])
+            addr = req.get("addr")  # the replica read (None: an older client's report, any there)
             if obj is not None and obj.gen == req["gen"]:
                 for r in obj.replicas:
-                    if r.seg is seg and r.committed:
+                    if r.seg is seg and r.committed and addr in (None, r.addr):
                         r.committed, r.writer = False, "?"  # fenced: whoever wrote over it may go on
                         self._take_replica(obj, r)
                         self.stats["replicas_corrupt"] += 1

@@ -51,8 +51,10 @@ from kvpool.transfer.types import OpCode, TransferRequest, TransferState
 
 log = logging.getLogger("kvpool.store")
 
-# report(segment, kind, key, gen): tell the master a segment is unreachable or a replica corrupt.
-Report = Callable[[str, str, "str | None", "int | None"], None]
+# report(segment, kind, key, gen, addr): tell the master a segment is unreachable or a replica
+# corrupt (``addr``: the address of the replica read, so a later one of the object there is not
+# taken for it).
+Report = Callable[[str, str, "str | None", "int | None", "int | None"], None]
 
 
 @dataclass
@@ -369,7 +371,7 @@ class DataPath:
             else:
                 bad_segs.add(seg)
         for seg in bad_segs:
-            self.report(seg, "unreachable", None, None)
+            self.report(seg, "unreachable", None, None, None)
 
     def write_small(
         self, epoch: int, key: str, gen: int, value: memoryview, seg: str, raddr: int
@@ -390,7 +392,7 @@ class DataPath:
             self.staging.give(token)
         if ok:
             return csum
-        self.report(seg, "unreachable", None, None)
+        self.report(seg, "unreachable", None, None, None)
         return None
 
     def _write_one(self, epoch: int, job: WriteJob) -> None:
@@ -431,7 +433,7 @@ class DataPath:
         if ok:
             job.written.append(seg)
         else:
-            self.report(seg, "unreachable", None, None)
+            self.report(seg, "unreachable", None, None, None)
 
     # ------------------------------------------------------------------ reads
     def read(self, epoch: int, jobs: list[ReadJob]) -> None:
@@ -500,7 +502,7 @@ class DataPath:
                 hid = handles.get(seg)
                 if hid is None:
                     j.error = TransferError(f"reading {j.key!r} from {seg}: segment cannot be opened")
-                    self.report(seg, "unreachable", None, None)
+                    self.report(seg, "unreachable", None, None, None)
                     continue
                 if j.size <= DIRECT_MIN:
                     n = HEADER_SIZE + j.size
@@ -540,7 +542,7 @@ class DataPath:
         seg = rep[0]
         if not good:
             j.error = TransferError(f"reading {j.key!r} from {seg} failed")
-            self.report(seg, "unreachable", None, None)
+            self.report(seg, "unreachable", None, None, None)
             return
         if done > j.deadline:
             j.error, j.retry = ObjectChanged(f"reading {j.key!r} outlived its lease; read again"), True
@@ -567,7 +569,7 @@ class DataPath:
                     )
                     return
                 j.error = ObjectCorrupt(f"{j.key!r} at {seg}: bytes do not match the object's checksum")
-                self.report(seg, "corrupt", j.key, j.gen)
+                self.report(seg, "corrupt", j.key, j.gen, rep[1])
                 return
         j.served_by = seg
         if sink[0] == "small":

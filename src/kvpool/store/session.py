@@ -131,10 +131,11 @@ class MasterSession(ClientBase):
         self._segment_view = self.engine.alloc_shared_buffer(self.config.segment_size, "kvpool-segment")
         self._segment_base = addr_of(self._segment_view)
 
-    def _report(self, segment: str, kind: str, key: str | None, gen: int | None) -> None:
-        """Tell the master a segment is unreachable or a replica corrupt (one-way)."""
+    def _report(self, segment: str, kind: str, key: str | None, gen: int | None, addr: int | None) -> None:
+        """Tell the master a segment is unreachable or a replica corrupt (the one at ``addr``),
+        one-way; called by the data path (:class:`DataPath`) when a read fails or its bytes do."""
         try:
-            self._rpc.send("report", segment=segment, kind=kind, key=key, gen=gen)
+            self._rpc.send("report", segment=segment, kind=kind, key=key, gen=gen, addr=addr)
         except KvpoolError as exc:
             log.debug("report to the master failed: %s", exc)
 
