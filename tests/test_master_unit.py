@@ -542,6 +542,40 @@ def test_replica_changes_that_place_nothing_or_whose_client_dies_leave_the_objec
     assert out["results"] == [[None, None], [None, None]]
 
 
+def test_a_replica_copys_end_touches_only_the_replicas_it_was_handed(master: Driver) -> None:
+    """r copies k to seg-b (change_replica); b is declared dead meanwhile, registers again and
+    mounts seg-b anew, and r starts another copy of k, which the master places on the new seg-b.
+    The first copy ends (ok: it wrote what was the old seg-b): the replica it was handed is gone,
+    so nothing is committed; the second copy's replica, not written yet, is committed only when
+    that copy ends. The end matched any unfinished replica of r's on a segment of that name, and
+    committed the second one before a byte of it was written (a reader got whatever was there)."""
+    m = master.m
+    _put(master, "k", replicas=1)
+    home = m.objects["k"].replicas[0].seg.name
+    other = "seg-b" if home == "seg-a" else "seg-a"
+    first = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 2})
+    assert [d[0] for d in first["dst"]] == [other]
+    m._remove_client(other[-1])  # declared dead (missed heartbeats)
+    assert master.handle({"op": "register", "client": other[-1], "host_id": "host-x"})["ok"]
+    assert master.handle(
+        {"op": "mount", "client": other[-1], "segment": other, "base": 1 << 20, "size": 1 << 24}
+    )["ok"]
+    m._tick(time.monotonic())  # the old segment's replicas are let go of
+    second = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 2})
+    assert [d[0] for d in second["dst"]] == [other]
+
+    def end(start: dict[str, Any]) -> dict[str, Any]:
+        return master.handle({"op": "replica_end", "client": "r", "key": "k", "gen": start["gen"], "ok": True,
+                              "segments": [other], "change": start.get("change")})  # fmt: skip
+
+    assert end(first)["replicas"] == 1
+    (new,) = [x for x in m.objects["k"].replicas if x.seg.name == other]
+    assert not new.committed, "the first copy's end committed the second copy's unwritten replica"
+    assert end(second)["replicas"] == 2 and new.committed and m.objects["k"].busy == 0
+    assert end(second)["err"] == "NOT_FOUND"  # ended once
+    assert first["change"] != second["change"]
+
+
 def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -> None:
     m = Driver(Master(port=0, eviction_high_watermark=0.5))
     try:
@@ -781,7 +815,7 @@ def test_a_bad_replica_end_leaves_the_change_in_flight(master: Driver) -> None:
     for bad in (7, [[1]]):
         req = {"op": "replica_end", "client": "r", "key": "k", "gen": out["gen"], "ok": True, "segments": bad}
         assert master.handle(req)["err"] == "INVALID", bad
-        assert obj.busy == 1 and master.m.clients["r"].changing == [obj]
+        assert obj.busy == 1 and [o for o, _ in master.m.clients["r"].changing.values()] == [obj]
     req.update(segments=[dst[0]])
     assert master.handle(req)["replicas"] == 2 and obj.busy == 0
     assert master.handle({"op": "remove", "client": "r", "keys": ["k"]})["results"] == [[None, None]]

@@ -155,7 +155,7 @@ def check_invariants(m: Master) -> None:
             busy[id(obj)] += 1
     for cl in m.clients.values():
         assert cl.task_ids <= set(m._tasks), f"{cl.id} waits for tasks the master forgot"
-        for obj in cl.changing:
+        for obj, _ in cl.changing.values():
             busy[id(obj)] += 1
     for obj in objs:
         if obj.key is not None and m.objects.get(obj.key) is obj:

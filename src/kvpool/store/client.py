@@ -440,7 +440,8 @@ class Store(MasterSession, PutPath, GetPath):
             ok = all(self._copy(r["size"], r["src"], r["dst"], check))
         finally:
             self._writes.end(epoch, [gen])
-            done = self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]])
+            done = self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]],
+                              change=r.get("change"))  # fmt: skip
         if not ok:
             raise TransferError(f"copying {key!r} to its new replicas failed")
         return int(done["replicas"])
@@ -460,7 +461,8 @@ class Store(MasterSession, PutPath, GetPath):
             ok = len(job.written) == len(r["dst"]) and r["checksum"] in (None, job.csum)
         finally:
             self._writes.end(epoch, [gen])
-            self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]])
+            self._call("replica_end", key=key, gen=gen, ok=ok, segments=[d[0] for d in r["dst"]],
+                       change=r.get("change"))  # fmt: skip
 
     # ------------------------------------------------------------------ master tasks
     def _run_task(self, task: dict[str, Any], deadline: float = float("inf")) -> None:

@@ -82,6 +82,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
         self._task_deadlines: collections.deque[tuple[float, int]] = collections.deque()  # oldest first
         self._task_ids = 0
+        self._change_ids = 0  # replica copies run by clients (replica/promote_start)
         self._evict_to: int | None = None
         self.n_committed = 0
         self.obj_bytes = 0

@@ -144,7 +144,8 @@ class Client:
     floor: int = 0  # it may still write allocations of this generation and newer (0: not reported)
     pending: set[Obj] = field(default_factory=set)  # its puts and reservations not yet committed
     task_ids: set[int] = field(default_factory=set)
-    changing: list[Obj] = field(default_factory=list)  # replica copies it runs (replica/promote_start)
+    # replica copies it runs (replica/promote_start): change id -> (object, the replicas it fills)
+    changing: dict[int, tuple[Obj, list[Replica]]] = field(default_factory=dict)
     spill_failures: int = 0  # spills its disk failed in a row (full, EIO)
     spill_after: float = 0.0  # no spill is handed to it before this (backoff after failures)
     ssd_objs: set[Obj] = field(default_factory=set)  # objects with their SSD copy on its disk

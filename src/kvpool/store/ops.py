@@ -355,8 +355,6 @@ class ObjectOps(_Base):
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
         if not new:  # nowhere to place one: nothing to copy, nothing to end
             return {"src": None, "dst": []}
-        obj.busy += 1
-        caller.changing.append(obj)
         src = committed[0]
         return {
             "src": [src.seg.name, src.addr],
@@ -364,7 +362,16 @@ class ObjectOps(_Base):
             "size": obj.alloc_size,
             "gen": obj.gen,
             "epoch": self.incarnation,
+            "change": self._start_change(caller, obj, new),
         }
+
+    def _start_change(self, caller: Client, obj: Obj, new: list[Replica]) -> int:
+        """A replica copy by ``caller`` into the ``new`` replicas begins; returns its id, which
+        its ``replica_end`` names: that ends these replicas, and no others."""
+        obj.busy += 1
+        self._change_ids += 1
+        caller.changing[self._change_ids] = (obj, new)
+        return self._change_ids
 
     def _op_promote_start(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Allocate a memory replica for an object that lives only on the SSD tier; ``gen`` is the
@@ -380,34 +387,40 @@ class ObjectOps(_Base):
             return {"dst": []}
         placed = self._place_copies(obj, 1, set(), time.monotonic())
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
-        if new:
-            obj.busy += 1
-            caller.changing.append(obj)
+        change = self._start_change(caller, obj, new) if new else None
         return {"dst": [[r.seg.name, r.addr] for r in new], "gen": obj.gen, "epoch": self.incarnation,
-                "checksum": obj.checksum}  # fmt: skip
+                "checksum": obj.checksum, "change": change}  # fmt: skip
 
     def _op_replica_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
-        """End the caller's copy into new replicas (``replica_start`` or ``promote_start``):
-        ``ok`` commits the replicas on ``segments``, else they are taken back (fenced)."""
+        """End the caller's copy into new replicas (``replica_start`` or ``promote_start``, named
+        by its ``change`` id; without one, an older client's, its first copy of ``key`` and
+        ``gen``): ``ok`` commits the replicas it was handed on ``segments``, else they are taken
+        back (fenced). No other replica is touched: one placed on a segment of that name since
+        (remounted after its client was declared dead) by another copy is that copy's."""
         caller = self._client(req, sess)
-        key, ok, gen = req["key"], bool(req["ok"]), req.get("gen")
+        key, ok, gen, change = req["key"], bool(req["ok"]), req.get("gen"), req.get("change")
         done = set(req.get("segments") or [])  # before the change ends: a bad one ends nothing
-        obj = next((o for o in caller.changing if o.key == key and gen in (None, o.gen)), None)
-        if obj is None or self.objects.get(key) is not obj:
-            if obj is not None:
-                caller.changing.remove(obj)
+        if change is None:
+            ids = (i for i, (o, _) in caller.changing.items() if o.key == key and gen in (None, o.gen))
+            change = next(ids, None)
+        entry = caller.changing.get(change) if isinstance(change, int) else None
+        if entry is None or entry[0].key != key:
+            raise _Err("NOT_FOUND", f"no change_replica of {key!r} by this client")
+        del caller.changing[change]
+        obj, mine = entry
+        if self.objects.get(key) is not obj:  # removed (or replaced): its replicas went with it
             raise _Err("NOT_FOUND", f"object {key!r} disappeared during change_replica")
-        caller.changing.remove(obj)
-        self._end_change(obj, caller.id, done, ok)
+        self._end_change(obj, mine, done, ok)
         self._memory_changed(obj)  # promoted back into memory, or still SSD only
         return {"replicas": sum(r.committed for r in obj.replicas)}
 
-    def _end_change(self, obj: Obj, writer: str, done: set[str] | None, ok: bool) -> None:
-        """A replica copy by ``writer`` ended: the object is no longer busy with it; its new
-        replicas on ``done`` segments (None: all of them) are committed when ``ok``, else taken."""
+    def _end_change(self, obj: Obj, mine: list[Replica], done: set[str] | None, ok: bool) -> None:
+        """A replica copy into ``mine`` ended: the object is no longer busy with it; those of its
+        replicas still there on ``done`` segments (None: all of them) are committed when ``ok``,
+        else taken."""
         obj.busy = max(0, obj.busy - 1)
         for r in list(obj.replicas):
-            if not r.committed and r.writer == writer and (done is None or r.seg.name in done):
+            if not r.committed and any(r is x for x in mine) and (done is None or r.seg.name in done):
                 if ok and not r.seg.dead:
                     r.committed, r.writer = True, ""
                 else:

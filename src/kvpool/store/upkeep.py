@@ -210,8 +210,8 @@ class Upkeep(_Base):
             self._drop(obj)  # its unfinished puts: fenced until its floor (or the hold) says so
         for tid in list(cl.task_ids):
             self._finish_task(tid, ok=False, result={})
-        for obj in cl.changing:  # its replica copies never end: their replicas are taken (fenced)
-            self._end_change(obj, cid, None, ok=False)
+        for obj, mine in cl.changing.values():  # its copies never end: their replicas are taken (fenced)
+            self._end_change(obj, mine, None, ok=False)
         if floor is not None:
             self._departed[cid] = floor
 
