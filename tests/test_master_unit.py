@@ -576,6 +576,36 @@ def test_a_replica_copys_end_touches_only_the_replicas_it_was_handed(master: Dri
     assert first["change"] != second["change"]
 
 
+def test_a_hot_key_copys_report_ends_only_the_replica_it_was_handed(master: Driver) -> None:
+    """A hot-key copy of k onto the other storage client's segment is under way when that client
+    unmounts the segment and mounts it again (the same name); r then copies k there
+    (change_replica). The hot-key copy reports done: the replica it was handed is gone, so
+    nothing is committed; r's replica, not written yet, is committed only when r's copy ends.
+    The report committed any unfinished replica on a segment of that name: r's, unwritten."""
+    m = master.m
+    _put(master, "k", replicas=1)
+    home = m.objects["k"].replicas[0].seg.name
+    other = "seg-b" if home == "seg-a" else "seg-a"
+    owner = other[-1]
+    m._replicate(m.objects["k"], 1, time.monotonic())
+    (task,) = master.handle({"op": "heartbeat", "client": owner})["tasks"]
+    assert task["type"] == "replicate" and task["dst"][0] == other
+    assert master.handle({"op": "unmount", "client": owner, "segment": other})["ok"]
+    m._tick(time.monotonic())  # the old segment's replicas are let go of
+    assert master.handle(
+        {"op": "mount", "client": owner, "segment": other, "base": 1 << 20, "size": 1 << 24}
+    )["ok"]
+    start = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 2})
+    assert [d[0] for d in start["dst"]] == [other]
+    done = {"op": "task_done", "client": owner, "task": task["task"], "ok": True, "epoch": task["epoch"]}
+    assert master.handle(done)["accepted"]
+    (new,) = [x for x in m.objects["k"].replicas if x.seg.name == other]
+    assert not new.committed, "the hot-key copy's report committed r's unwritten replica"
+    out = master.handle({"op": "replica_end", "client": "r", "key": "k", "gen": start["gen"], "ok": True,
+                         "segments": [other], "change": start.get("change")})  # fmt: skip
+    assert out["replicas"] == 2 and new.committed and m.objects["k"].busy == 0 and not m._task_dst
+
+
 def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -> None:
     m = Driver(Master(port=0, eviction_high_watermark=0.5))
     try:

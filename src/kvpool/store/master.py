@@ -83,6 +83,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._task_deadlines: collections.deque[tuple[float, int]] = collections.deque()  # oldest first
         self._task_ids = 0
         self._change_ids = 0  # replica copies run by clients (replica/promote_start)
+        self._task_dst: dict[int, Replica] = {}  # hot-key copy tasks -> the replica each fills
         self._evict_to: int | None = None
         self.n_committed = 0
         self.obj_bytes = 0

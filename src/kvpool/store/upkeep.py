@@ -258,9 +258,11 @@ class Upkeep(_Base):
         for seg, off in placed:
             r = self._add_replica(obj, seg, off, seg.client)
             obj.busy += 1
-            self._give_task(seg.client, {"type": "replicate", "key": obj.key, "gen": obj.gen,
-                                         "size": obj.alloc_size, "src": [src.seg.name, src.addr],
-                                         "dst": [seg.name, r.addr]})  # fmt: skip
+            tid = self._give_task(seg.client, {"type": "replicate", "key": obj.key, "gen": obj.gen,
+                                               "size": obj.alloc_size, "src": [src.seg.name, src.addr],
+                                               "dst": [seg.name, r.addr]})  # fmt: skip
+            if tid is not None:
+                self._task_dst[tid] = r  # its report ends this replica, no other
             self.stats["hot_replications"] += 1
 
     def _shrink(self, obj: Obj, n: int) -> int:
@@ -279,6 +281,7 @@ class Upkeep(_Base):
         if entry is None:
             return
         cid, task = entry
+        dst = self._task_dst.pop(tid, None)
         if task["type"] == "spill":
             name = os.path.basename(task["path"])
             self._spilling[name] -= 1
@@ -293,17 +296,15 @@ class Upkeep(_Base):
             obj = None  # the object was replaced meanwhile
         if task["type"] == "replicate" and obj is not None:
             obj.busy -= 1
-            seg, addr = task["dst"]
-            for r in obj.replicas:
-                # this task's replica: another one on a segment of that name (mounted again since,
-                # the task's replica let go of) may be another client's copy, not written yet
-                if r.seg.name == seg and r.addr == addr and r.writer == cid and not r.committed:
-                    if ok:
-                        r.committed = True
-                        r.writer = ""
-                    else:
-                        self._take_replica(obj, r)
-                    break
+            # The replica this task was handed, if still there: not another copy's placed since
+            # on a segment of that name (mounted anew), which this one never wrote.
+            r = next((x for x in obj.replicas if x is dst and not x.committed), None)
+            if r is not None:
+                if ok:
+                    r.committed = True
+                    r.writer = ""
+                else:
+                    self._take_replica(obj, r)
             self._memory_changed(obj)  # its source may have died meanwhile
         elif task["type"] == "spill":
             self._spill_ended(cl, ok, bool(result.get("disk_error")))
