@@ -6,7 +6,8 @@
   conductor = Mooncake Alg. 1) and the SLO gate (early / prediction-based rejection).
 * :mod:`~kvpool.conductor.cost` -- prefill / decode / transfer cost models.
 * :mod:`~kvpool.conductor.sim` -- the trace-driven simulator (``kvpool simulate``).
-* :mod:`~kvpool.conductor.live` -- the live router behind ``kvpool proxy --policy ...``.
+* :mod:`~kvpool.conductor.live` -- the live router behind ``kvpool proxy --policy ...``;
+  :mod:`~kvpool.conductor.events` -- its KV-event subscriber (one thread per instance).
 """
 
 from kvpool.conductor.cost import CostModel
