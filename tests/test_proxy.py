@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -1289,3 +1290,125 @@ def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
             loads_reply(data)
         return
     assert _same(loads_reply(data), want)
+
+
+#: A vLLM double in its own process for prompts of millions of token ids (its parsing must not
+#: count as the proxy's loop time): ``/v1/completions`` answers 200 when the prompt is
+#: ``range(argv[1], argv[1] + len)`` and prints ``len keys...`` of each body, else 400.
+BIG_COMPLETIONS = """
+import json, sys
+from aiohttp import web
+first = int(sys.argv[1])
+async def completions(request):
+    body = json.loads(await request.content.read())
+    prompt = body.get("prompt")
+    ok = isinstance(prompt, list) and prompt == list(range(first, first + len(prompt)))
+    print(len(prompt) if ok else -1, *sorted(body), flush=True)
+    return web.json_response({"choices": [{"text": "x"}]}, status=200 if ok else 400)
+async def health(request):
+    return web.Response()
+app = web.Application(client_max_size=1 << 27)
+app.router.add_post("/v1/completions", completions)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=lambda *a: print("up", flush=True))
+"""
+
+#: The 33 MiB prompt of token ids: 3.8M ids of 7 digits.
+BIG_IDS_FIRST, BIG_IDS_N = 1 << 20, (33 << 20) // 9
+
+
+@asynccontextmanager
+async def big_backend() -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """A ``BIG_COMPLETIONS`` process: (its URL, the process, whose stdout prints each body)."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", BIG_COMPLETIONS, str(BIG_IDS_FIRST), str(port), stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    try:
+        assert (await asyncio.wait_for(proc.stdout.readline(), 10)).startswith(b"up")
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+@asynccontextmanager
+async def loop_gaps() -> AsyncIterator[tuple[list[float], list[float]]]:
+    """While the block runs, a 1 ms ticker on the running loop: (the wall-clock gaps between its
+    ticks, the loop thread's CPU time in each gap). The CPU time is what the loop itself spent on
+    work between two ticks (waiting for the GIL or for a CPU does not count), so it measures the
+    code under test and not the machine's load; the cyclic GC (whose pauses with lists of
+    millions of items are CPython's, ~50 ms) is off meanwhile."""
+    gaps: list[float] = []
+    cpu: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last, last_cpu = time.perf_counter(), time.thread_time()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now, now_cpu = time.perf_counter(), time.thread_time()
+            gaps.append(now - last)
+            cpu.append(now_cpu - last_cpu)
+            last, last_cpu = now, now_cpu
+
+    gc.collect()
+    gc.disable()
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    try:
+        yield gaps, cpu
+    finally:
+        stop.set()
+        await tick
+        gc.enable()
+
+
+def test_routing_and_hot_copying_a_prompt_of_millions_of_token_ids_leave_the_event_loop_free() -> None:
+    """A 33 MiB prompt of 3.8M token ids: checking it (0.2 s), hashing its blocks (0.05-0.18 s),
+    recording them as routed (approximate mode, 0.5 s) and encoding a hot-prefix copy of it
+    (``json=``, 0.25 s) all took the proxy's event loop; now each runs in a thread a piece at a
+    time: the loop never works 20 ms between two ticks of a ticker (its wall-clock gaps, up to
+    0.2 s on a loaded machine, are not asserted). The router sees every block, and the copy
+    sends exactly the prefix."""
+    from kvpool.conductor.live import RouterConfig
+    from kvpool.connectors.openai_api import parse_raw_body
+
+    ids = list(range(BIG_IDS_FIRST, BIG_IDS_FIRST + BIG_IDS_N))
+    raw = parse_raw_body(json.dumps({"model": "m", "prompt": ids, "max_tokens": 4}).encode())
+    assert len(raw.data) > 32 << 20
+
+    async def go() -> None:
+        async with big_backend() as (url, proc):
+            cfg = RouterConfig(policy="cache", block_size=16)
+            proxy = PDProxy([url], [], router=cfg, health_interval_s=60.0)
+            await proxy.start("127.0.0.1", 0)
+            try:
+                router = proxy.router
+                assert router is not None
+                async with loop_gaps() as (gaps, cpu):
+                    routed = await proxy._route(raw, "/v1/completions", "r1", "req-1")
+                    assert not isinstance(routed, web.Response)
+                    inst = router.cluster.by_name[url]
+                    n = BIG_IDS_N - 5
+                    await proxy._copy_prefix(inst, ids, n, "copy-1", "m")
+                    for _ in range(500):  # the blocks are recorded in a thread
+                        if len(router.approx) == BIG_IDS_N // 16:
+                            break
+                        await asyncio.sleep(0.01)
+                assert len(router.approx) == BIG_IDS_N // 16
+                assert router.index.match(router.index.hash_tokens(ids))[inst.gpu.id] == BIG_IDS_N // 16
+                assert proc.stdout is not None
+                assert (await proc.stdout.readline()).split() == [
+                    str(n).encode(),
+                    b"max_tokens",
+                    b"model",
+                    b"prompt",
+                ]
+                assert "hot_copy_failed" not in router.counts
+                assert max(cpu) < 0.02, f"the event loop worked {max(cpu) * 1e3:.0f} ms between ticks"
+            finally:
+                await proxy.close()
+
+    asyncio.run(asyncio.wait_for(go(), 60))

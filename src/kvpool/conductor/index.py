@@ -126,6 +126,22 @@ class BlockIndex:
             extras = extra_keys(len(tokens) // self.block_size, lora_name=lora_name, cache_salt=cache_salt)
         return self.native.hash_tokens(tokens, extras)
 
+    def hash_tokens_in_pieces(
+        self, tokens: Sequence[int], *, cache_salt: str | None = None, piece_blocks: int = 4096
+    ) -> list[int]:
+        """:meth:`hash_tokens` (no LoRA name), ``piece_blocks`` blocks per native call, each
+        chained to the last hash of the one before: a thread hashing millions of token ids holds
+        the GIL only to convert one piece of the list at a time (the hashing itself releases it),
+        so the event loop runs between pieces. Called by the live router in a thread."""
+        step = piece_blocks * self.block_size
+        full = len(tokens) // self.block_size * self.block_size
+        out: list[int] = []
+        for a in range(0, full, step):
+            extras = extra_keys(1, cache_salt=cache_salt) if a == 0 and cache_salt else None
+            parent = out[-1] if out else None
+            out += self.native.hash_tokens(tokens[a : min(a + step, full)], extras, parent)
+        return out
+
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Per registered location (by id), how many leading blocks of ``hashes`` it holds."""
         return self.native.match(hashes, len(self.locations))
@@ -167,6 +183,11 @@ class BlockIndex:
         return st
 
 
+#: Hashes recorded per hold of :class:`ApproxTracker`'s lock (a few ms), so that a sweep on the
+#: event loop never waits for a thread recording a prompt of millions of tokens.
+_ROUTED_PIECE = 4096
+
+
 class ApproxTracker:
     """Approximate index entries for instances that publish no KV events.
 
@@ -194,19 +215,21 @@ class ApproxTracker:
         return len(self._expiry)
 
     def routed(self, loc: Location, hashes: Sequence[int], now: float | None = None) -> None:
-        """Record that ``loc`` now holds ``hashes`` (called by the live router per routed request)."""
+        """Record that ``loc`` now holds ``hashes`` (called by the live router per routed request, in
+        a thread for a long prompt; thread-safe)."""
         now = time.monotonic() if now is None else now
         exp = now + self.ttl_s
-        hs = list(hashes)
-        with self._lock:
-            expiry = self._expiry
-            for h in hs:
-                key = (loc.id, h)
-                expiry[key] = exp
-                expiry.move_to_end(key)
-            self.index.add(loc, hs)
-            if len(expiry) > self.max_entries:
-                self._sweep_locked(now, limit=len(expiry) - self.max_entries)
+        for a in range(0, len(hashes), _ROUTED_PIECE):  # the lock is never held long
+            hs = list(hashes[a : a + _ROUTED_PIECE])
+            with self._lock:
+                expiry = self._expiry
+                for h in hs:
+                    key = (loc.id, h)
+                    expiry[key] = exp
+                    expiry.move_to_end(key)
+                self.index.add(loc, hs)
+                if len(expiry) > self.max_entries:
+                    self._sweep_locked(now, limit=len(expiry) - self.max_entries)
 
     def sweep(self, now: float | None = None) -> int:
         """Remove expired entries from the index; returns how many blocks were removed."""

@@ -70,6 +70,7 @@ from kvpool.connectors.openai_api import (
     body_pieces,
     encode_body,
     encode_body_parts,
+    encode_ids_parts,
     error_response,
     error_text,
     loads_off_loop,
@@ -337,27 +338,23 @@ class PDProxy(StreamHalves):
     async def _read_body(self, request: web.Request, request_id: str) -> RawBody | web.Response:
         """The request's JSON object (with its text, to send it on), or the 400 reply saying in one
         line what is wrong with it."""
+        chat = request.path.endswith("/chat/completions")
+
+        def parse(data: bytes) -> RawBody:
+            raw = parse_raw_body(data)
+            if self.router is not None:  # the fields it reads (4.3M token ids: 0.2 s to check)
+                from kvpool.conductor.live import request_text
+
+                request_text(raw.obj, chat)
+            return raw
+
         try:
             data = await request.read()
-            if len(data) > 1 << 20:
-                raw = await asyncio.to_thread(parse_raw_body, data)
-            else:
-                raw = parse_raw_body(data)
-            body = raw.obj
+            return await asyncio.to_thread(parse, data) if len(data) > 1 << 20 else parse(data)
         except ValueError as exc:
             self._count("bad_request")
             _log.info("request %s refused: %s", request_id, exc)
             return error_response(400, str(exc), request_id)
-        if self.router is not None:
-            from kvpool.conductor.live import request_text
-
-            try:
-                request_text(body, request.path.endswith("/chat/completions"))
-            except ValueError as exc:
-                self._count("bad_request")
-                _log.info("request %s refused: %s", request_id, exc)
-                return error_response(400, str(exc), request_id)
-        return raw
 
     async def _tokenize(self, payload: dict[str, Any], raw: RawBody | None = None) -> Any:
         """``POST /tokenize`` on a healthy backend (the router's tokenizer when none is local): its
@@ -398,7 +395,7 @@ class PDProxy(StreamHalves):
         tokens = await router.prompt_tokens(
             raw.obj, path.endswith("/chat/completions"), lambda payload: self._tokenize(payload, raw)
         )
-        d, req = router.decide(rkey, tokens, body)
+        d, req = router.decide(rkey, tokens, body, await router.prompt_hashes(tokens, body))
         if d.reject:
             status = 503 if d.reject == "no_instance" else 429
             self._count("rejected_" + d.reject)
@@ -412,21 +409,28 @@ class PDProxy(StreamHalves):
         db = self._by_url.get(d.decode.url) if d.decode is not None else None
         return d, pb, db
 
-    async def _copy_prefix(self, inst: Any, ids: list[int], rid: str, model: Any) -> None:
+    async def _copy_prefix(self, inst: Any, tokens: Sequence[int], n: int, rid: str, model: Any) -> None:
         """One hot-prefix copy (see ``LiveRouter.plan_copy``): a ``max_tokens=1`` completion of the
-        prefix's token ids on ``inst``, which then holds the prefix's blocks (computed, or loaded
-        from the kvpool store by its ``KvpoolStoreConnector``). Runs as a background task. The
+        prefix's token ids ``tokens[:n]`` on ``inst``, which then holds the prefix's blocks
+        (computed, or loaded from the kvpool store by its ``KvpoolStoreConnector``). Runs as a
+        background task; the body of a long prefix is encoded in a thread and sent in pieces. The
         answer (one token) is read within ``timeout_s`` and at most ``max_prefill_reply_bytes``: a
         larger one fails the copy (counted as ``hot_copies_failed``) and drops the connection."""
         ok = False
-        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1}
+        head: dict[str, Any] = {"max_tokens": 1}
         if isinstance(model, str):
-            body["model"] = model
+            head["model"] = model
         limit = self.max_prefill_reply_bytes
         try:
+            if n > 1 << 16:
+                parts = await asyncio.to_thread(encode_ids_parts, head, "prompt", tokens, n)
+            else:
+                parts = encode_ids_parts(head, "prompt", tokens, n)
+            size = sum(len(p) for p in parts)
+            sent = b"".join(parts) if size <= THREAD_PARSE_BYTES else body_pieces(parts)
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.client.connect_timeout_s)
-            headers = {"X-Request-Id": rid}
-            async with self.client.session.post(f"{inst.url}/v1/completions", json=body, timeout=timeout,
+            headers = {"X-Request-Id": rid, "Content-Type": "application/json", "Content-Length": str(size)}
+            async with self.client.session.post(f"{inst.url}/v1/completions", data=sent, timeout=timeout,
                                           headers=headers) as resp:  # fmt: skip
                 data = await read_at_most(resp, limit, self.timeout_s)
                 if len(data) > limit:
