@@ -82,7 +82,7 @@ class FakeVllm:
         }
 
     async def start(self) -> str:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
@@ -117,6 +117,7 @@ class FakeVllm:
         if self.drop_next > 0 and request.transport is not None:
             self.drop_next -= 1
             self.dropped += 1
+            await request.read()  # all of it: a body larger than the socket buffers is not reset
             request.transport.close()
             raise asyncio.CancelledError  # nothing more on this connection
         body = await request.json()
@@ -407,15 +408,17 @@ def test_connection_failure_fails_over_to_other_decode() -> None:
     run(go)
 
 
-def test_request_closed_unanswered_on_a_kept_alive_connection_is_sent_once_more() -> None:
+@pytest.mark.parametrize("prompt", ["hi", "word " * 400_000])
+def test_request_closed_unanswered_on_a_kept_alive_connection_is_sent_once_more(prompt: str) -> None:
     """A server may close an idle kept-alive connection just as the proxy sends on it (uvicorn after
     5 s): the request is sent once more on a new connection, not failed with 502.  Twice in a row is
-    a failure (502 naming the backend), not a loop."""
+    a failure (502 naming the backend), not a loop. A body over 1 MiB (sent a piece at a time) is
+    sent whole again."""
 
     async def go() -> None:
         p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
         async with running([p], [d]) as (proxy, client):
-            req = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            req = {"model": "m", "prompt": prompt, "max_tokens": 2}
             for _ in range(2):  # the second request goes out on the kept-alive connections
                 async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
                     assert r.status == 200, await r.text()
@@ -425,6 +428,7 @@ def test_request_closed_unanswered_on_a_kept_alive_connection_is_sent_once_more(
                 assert (await r.json())["served_by"] == "d0"
             assert p.dropped == d.dropped == 1
             assert len(p.bodies) == len(d.bodies) == 3  # each request handled once
+            assert p.bodies[2]["prompt"] == d.bodies[2]["prompt"] == prompt
             p.drop_next = 2
             async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
                 assert r.status == 502
@@ -1294,7 +1298,8 @@ def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
 
 #: A vLLM double in its own process for prompts of millions of token ids (its parsing must not
 #: count as the proxy's loop time): ``/v1/completions`` answers 200 when the prompt is
-#: ``range(argv[1], argv[1] + len)`` and prints ``len keys...`` of each body, else 400.
+#: ``range(argv[1], argv[1] + len)`` or ``"word " * (len / 5)`` and prints ``len keys...`` of each
+#: body, else 400.
 BIG_COMPLETIONS = """
 import json, sys
 from aiohttp import web
@@ -1302,7 +1307,9 @@ first = int(sys.argv[1])
 async def completions(request):
     body = json.loads(await request.content.read())
     prompt = body.get("prompt")
-    ok = isinstance(prompt, list) and prompt == list(range(first, first + len(prompt)))
+    ok = prompt == "word " * (len(prompt) // 5) or (
+        isinstance(prompt, list) and prompt == list(range(first, first + len(prompt)))
+    )
     print(len(prompt) if ok else -1, *sorted(body), flush=True)
     return web.json_response({"choices": [{"text": "x"}]}, status=200 if ok else 400)
 async def health(request):
@@ -1412,3 +1419,60 @@ def test_routing_and_hot_copying_a_prompt_of_millions_of_token_ids_leave_the_eve
                 await proxy.close()
 
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_33_mib_request_is_read_and_sent_to_prefill_and_decode_in_pieces_leaving_the_event_loop_free() -> (
+    None
+):
+    """A 33 MiB request through P/D: the client's body was read whole (``request.read()`` copies
+    it on the event loop) and the prefill and the decode bodies handed to aiohttp whole, which
+    copied each into the socket's buffer on the loop (~50 ms per 33 MiB); now the body is joined
+    in the parse thread and the bodies are sent a piece at a time (again on a retry): the loop
+    never works 20 ms between two ticks. Both backends get the whole prompt, the client the
+    decode's answer. (The prompt is text: a parsed list of millions of ids takes ~20 ms to free
+    wherever its last reference goes, which this test does not measure.)"""
+    from kvpool.connectors.openai_api import body_pieces
+
+    words = (33 << 20) // 5
+    data = json.dumps({"model": "m", "prompt": "word " * words, "max_tokens": 4}).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+
+    async def go() -> None:
+        async with big_backend() as (purl, pproc), big_backend() as (durl, dproc):
+            proxy = PDProxy([purl], [durl], health_interval_s=60.0)
+            await proxy.start("127.0.0.1", 0)
+            try:
+                async with aiohttp.ClientSession() as client, loop_gaps() as (_, cpu):
+                    async with client.post(
+                        f"{proxy.url}/v1/completions", data=body_pieces([data]), headers=headers
+                    ) as r:
+                        assert r.status == 200, await r.text()
+                        assert await r.json() == {"choices": [{"text": "x"}]}
+                for proc, keys in ((pproc, b"kv_transfer_params max_tokens model prompt stream"),
+                                   (dproc, b"max_tokens model prompt")):  # fmt: skip
+                    assert proc.stdout is not None
+                    assert (await proc.stdout.readline()).split() == [str(words * 5).encode(), *keys.split()]
+                assert max(cpu) < 0.02, f"the event loop worked {max(cpu) * 1e3:.0f} ms between ticks"
+            finally:
+                await proxy.close()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_body_over_max_request_bytes_gets_413_and_nothing_is_sent() -> None:
+    """The proxy reads a client's body itself (a piece at a time): one byte over
+    ``max_request_bytes`` is refused with 413 as aiohttp's ``read()`` did, one at the limit is
+    served, and the refused one reaches no backend."""
+
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d], max_request_bytes=4096) as (proxy, client):
+            for extra, status in ((1, 413), (0, 200)):
+                head = '{"model": "m", "max_tokens": 2, "prompt": "'
+                text = head + "x" * (4096 + extra - len(head) - 2) + '"}'
+                assert len(text) == 4096 + extra
+                async with client.post(f"{proxy.url}/v1/completions", data=text.encode()) as r:
+                    assert r.status == status, await r.text()
+            assert len(p.bodies) == len(d.bodies) == 1
+
+    run(go)

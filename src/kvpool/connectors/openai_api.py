@@ -23,6 +23,7 @@ from aiohttp import web
 
 __all__ = [
     "ERROR_TYPES",
+    "BodyParts",
     "body_pieces",
     "MAX_BODY_DEPTH",
     "PREFILL_KV_TRANSFER_PARAMS",
@@ -36,6 +37,7 @@ __all__ = [
     "loads_reply",
     "parse_body",
     "parse_raw_body",
+    "read_body_chunks",
     "prefill_request_body",
     "snippet",
 ]
@@ -203,6 +205,40 @@ async def body_pieces(parts: Sequence[bytes | memoryview], piece: int = 1 << 20)
         view = memoryview(p)
         for i in range(0, len(view), piece):
             yield view[i : i + piece]
+
+
+async def read_body_chunks(request: web.Request, max_bytes: int) -> tuple[list[bytes], int]:
+    """A client's body as it came (its chunks, its size): ``request.read()`` (the same 413 past
+    ``max_bytes``) without joining it on the event loop (~25 ms per 33 MiB); the proxy joins it
+    in the thread that parses it."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > max_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_bytes, size)
+        chunks.append(chunk)
+    return chunks, size
+
+
+@dataclass(frozen=True, eq=False)
+class BodyParts:
+    """A JSON body encoded already, in the pieces :func:`encode_body_parts` (or
+    :func:`encode_ids_parts`) made: ``BackendClient.request`` sends it, again on each try."""
+
+    parts: Sequence[bytes | memoryview]
+
+    @property
+    def size(self) -> int:
+        """Its length in bytes (the request's ``Content-Length``)."""
+        return sum(len(p) for p in self.parts)
+
+    def payload(self) -> bytes | AsyncIterator[memoryview]:
+        """What aiohttp sends for one try: a body up to :data:`THREAD_PARSE_BYTES` joined (one
+        short copy), a longer one as a new :func:`body_pieces` iterator of its pieces."""
+        if self.size <= THREAD_PARSE_BYTES:
+            return b"".join(self.parts)
+        return body_pieces(self.parts)
 
 
 async def loads_off_loop(data: bytes) -> Any:

@@ -65,10 +65,8 @@ from kvpool.connectors.backends import (
     read_at_most,
 )
 from kvpool.connectors.openai_api import (
-    THREAD_PARSE_BYTES,
+    BodyParts,
     RawBody,
-    body_pieces,
-    encode_body,
     encode_body_parts,
     encode_ids_parts,
     error_response,
@@ -76,6 +74,7 @@ from kvpool.connectors.openai_api import (
     loads_off_loop,
     parse_raw_body,
     prefill_request_body,
+    read_body_chunks,
     snippet,
 )
 from kvpool.connectors.proxy_stream import StreamHalves
@@ -340,17 +339,17 @@ class PDProxy(StreamHalves):
         line what is wrong with it."""
         chat = request.path.endswith("/chat/completions")
 
-        def parse(data: bytes) -> RawBody:
-            raw = parse_raw_body(data)
+        def parse(chunks: list[bytes]) -> RawBody:
+            raw = parse_raw_body(b"".join(chunks))
             if self.router is not None:  # the fields it reads (4.3M token ids: 0.2 s to check)
                 from kvpool.conductor.live import request_text
 
                 request_text(raw.obj, chat)
             return raw
 
+        chunks, size = await read_body_chunks(request, self.max_request_bytes)
         try:
-            data = await request.read()
-            return await asyncio.to_thread(parse, data) if len(data) > 1 << 20 else parse(data)
+            return await asyncio.to_thread(parse, chunks) if size > 1 << 20 else parse(chunks)
         except ValueError as exc:
             self._count("bad_request")
             _log.info("request %s refused: %s", request_id, exc)
@@ -368,12 +367,10 @@ class PDProxy(StreamHalves):
         limit = self.client.max_reply_bytes
         deadline_s = min(self.timeout_s, 10.0)
         timeout = aiohttp.ClientTimeout(total=deadline_s)
-        parts = encode_body_parts(payload, raw)
-        size = sum(len(p) for p in parts)
-        sent = b"".join(parts) if size <= THREAD_PARSE_BYTES else body_pieces(parts)
-        headers = {"Content-Type": "application/json", "Content-Length": str(size)}
+        sent = BodyParts(encode_body_parts(payload, raw))
+        headers = {"Content-Type": "application/json", "Content-Length": str(sent.size)}
         async with self.client.session.post(
-            f"{b.url}/tokenize", data=sent, headers=headers, timeout=timeout
+            f"{b.url}/tokenize", data=sent.payload(), headers=headers, timeout=timeout
         ) as resp:
             if resp.status != 200:
                 return None
@@ -426,12 +423,14 @@ class PDProxy(StreamHalves):
                 parts = await asyncio.to_thread(encode_ids_parts, head, "prompt", tokens, n)
             else:
                 parts = encode_ids_parts(head, "prompt", tokens, n)
-            size = sum(len(p) for p in parts)
-            sent = b"".join(parts) if size <= THREAD_PARSE_BYTES else body_pieces(parts)
+            sent = BodyParts(parts)
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.client.connect_timeout_s)
-            headers = {"X-Request-Id": rid, "Content-Type": "application/json", "Content-Length": str(size)}
-            async with self.client.session.post(f"{inst.url}/v1/completions", data=sent, timeout=timeout,
-                                          headers=headers) as resp:  # fmt: skip
+            headers = {"X-Request-Id": rid, "Content-Type": "application/json"}
+            headers["Content-Length"] = str(sent.size)
+            url = f"{inst.url}/v1/completions"
+            async with self.client.session.post(
+                url, data=sent.payload(), timeout=timeout, headers=headers
+            ) as resp:
                 data = await read_at_most(resp, limit, self.timeout_s)
                 if len(data) > limit:
                     resp.close()  # the rest is never read: this connection is not reused
@@ -475,7 +474,8 @@ class PDProxy(StreamHalves):
         prefer_p: Backend | None, prefer_d: Backend | None,
     ) -> web.StreamResponse:  # fmt: skip
         """Forward the client's request: the bodies sent are top-level copies of it with a few keys
-        changed, encoded by ``encode_body`` (the client's big values are copied as text)."""
+        changed, encoded by ``encode_body_parts`` (the client's big values are copied as text) and
+        sent a piece at a time (``BodyParts``)."""
         body = raw.obj
         headers = self._backend_headers(request, request_id)
         stream = bool(body.get("stream", False))
@@ -492,7 +492,12 @@ class PDProxy(StreamHalves):
                 # a host and blocks the client names: never forwarded.
                 sent = {k: v for k, v in body.items() if k != "kv_transfer_params"}
                 dresp, dbackend = await self.client.send(
-                    self.prefill, "POST", path, encode_body(sent, raw), headers, prefer=prefer_p
+                    self.prefill,
+                    "POST",
+                    path,
+                    BodyParts(encode_body_parts(sent, raw)),
+                    headers,
+                    prefer=prefer_p,
                 )
             elif self.stream_kv and (pb := self.prefill.pick(prefer=prefer_p)) is not None and pb.kv_peer:
                 # Streaming P/D: both at once; the decode reads the KV while the prefill computes it.
@@ -505,7 +510,8 @@ class PDProxy(StreamHalves):
                     "transfer_id": tid,
                     **pb.kv_peer,
                 }
-                psent, dsent = encode_body(pbody, raw), encode_body(decode_body, raw)
+                psent = BodyParts(encode_body_parts(pbody, raw))
+                dsent = BodyParts(encode_body_parts(decode_body, raw))
                 ptask = asyncio.create_task(self._prefill_streamed(pb, path, psent, headers, request_id))
                 self._keep(ptask)
                 dresp, dbackend = await self._decode_beside(ptask, pb, path, dsent, headers, prefer_d)
@@ -513,7 +519,7 @@ class PDProxy(StreamHalves):
                     ptask.cancel()
             else:
                 # 1. Prefill.
-                psent = encode_body(prefill_request_body(body), raw)
+                psent = BodyParts(encode_body_parts(prefill_request_body(body), raw))
                 presp, pbackend = await self.client.send(
                     self.prefill, "POST", path, psent, headers, prefer=prefer_p
                 )
@@ -559,7 +565,12 @@ class PDProxy(StreamHalves):
 
                 # 2. Decode.
                 dresp, dbackend = await self.client.send(
-                    self.decode, "POST", path, encode_body(decode_body, raw), headers, prefer=prefer_d
+                    self.decode,
+                    "POST",
+                    path,
+                    BodyParts(encode_body_parts(decode_body, raw)),
+                    headers,
+                    prefer=prefer_d,
                 )
         except BackendError as exc:
             self._count("error")

@@ -22,7 +22,14 @@ from kvpool.connectors.backends import (
     learn_peer,
     read_at_most,
 )
-from kvpool.connectors.openai_api import ERROR_TYPES, error_response, error_text, loads_off_loop, snippet
+from kvpool.connectors.openai_api import (
+    ERROR_TYPES,
+    BodyParts,
+    error_response,
+    error_text,
+    loads_off_loop,
+    snippet,
+)
 
 _log = logging.getLogger("kvpool.connectors.proxy")
 
@@ -44,7 +51,7 @@ class StreamHalves:
         raise NotImplementedError
 
     async def _decode_beside(
-        self, ptask: asyncio.Task[str | None], pb: Backend, path: str, body: bytes,
+        self, ptask: asyncio.Task[str | None], pb: Backend, path: str, body: BodyParts,
         headers: dict[str, str], prefer: Backend | None,
     ) -> tuple[aiohttp.ClientResponse, Backend]:  # fmt: skip
         """Send the decode half of a streaming P/D request while its prefill half ``ptask`` runs.
@@ -69,7 +76,7 @@ class StreamHalves:
         return dresp, dbackend
 
     async def _prefill_streamed(
-        self, backend: Backend, path: str, body: bytes, headers: dict[str, str], request_id: str
+        self, backend: Backend, path: str, body: BodyParts, headers: dict[str, str], request_id: str
     ) -> str | None:
         """The prefill half of a streaming P/D request, next to its decode: its answer only updates
         the backend's side channel. Returns why it failed (the decode's answer is then cut off: its
