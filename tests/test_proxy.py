@@ -1299,11 +1299,11 @@ def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
 #: A vLLM double in its own process for prompts of millions of token ids (its parsing must not
 #: count as the proxy's loop time): ``/v1/completions`` answers 200 when the prompt is
 #: ``range(argv[1], argv[1] + len)`` or ``"word " * (len / 5)`` and prints ``len keys...`` of each
-#: body, else 400.
+#: body, else 400; it answers ``argv[3]`` seconds after printing.
 BIG_COMPLETIONS = """
-import json, sys
+import asyncio, json, sys
 from aiohttp import web
-first = int(sys.argv[1])
+first, delay = int(sys.argv[1]), float(sys.argv[3])
 async def completions(request):
     body = json.loads(await request.content.read())
     prompt = body.get("prompt")
@@ -1311,6 +1311,7 @@ async def completions(request):
         isinstance(prompt, list) and prompt == list(range(first, first + len(prompt)))
     )
     print(len(prompt) if ok else -1, *sorted(body), flush=True)
+    await asyncio.sleep(delay)
     return web.json_response({"choices": [{"text": "x"}]}, status=200 if ok else 400)
 async def health(request):
     return web.Response()
@@ -1325,11 +1326,12 @@ BIG_IDS_FIRST, BIG_IDS_N = 1 << 20, (33 << 20) // 9
 
 
 @asynccontextmanager
-async def big_backend() -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+async def big_backend(delay_s: float = 0.0) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     """A ``BIG_COMPLETIONS`` process: (its URL, the process, whose stdout prints each body)."""
     port = free_port()
+    args = (str(BIG_IDS_FIRST), str(port), str(delay_s))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", BIG_COMPLETIONS, str(BIG_IDS_FIRST), str(port), stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", BIG_COMPLETIONS, *args, stdout=asyncio.subprocess.PIPE
     )
     assert proc.stdout is not None
     try:
@@ -1476,3 +1478,42 @@ def test_a_body_over_max_request_bytes_gets_413_and_nothing_is_sent() -> None:
             assert len(p.bodies) == len(d.bodies) == 1
 
     run(go)
+
+
+def test_a_routed_request_of_millions_of_token_ids_leaves_the_event_loop_free_until_it_is_sent() -> None:
+    """With the router on, a 33 MiB request of 3.8M token ids through P/D: from the client's first
+    byte until the decode backend has its whole body, the loop never works 20 ms between two
+    ticks (the ids were checked on it when the body was read, 0.2 s). Measured until then
+    because freeing the parsed ids when the request ends takes ~20 ms wherever it happens."""
+    from kvpool.conductor.live import RouterConfig
+    from kvpool.connectors.openai_api import body_pieces
+
+    ids = list(range(BIG_IDS_FIRST, BIG_IDS_FIRST + BIG_IDS_N))
+    data = json.dumps({"model": "m", "prompt": ids, "max_tokens": 4}).encode()
+    del ids
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+
+    async def go() -> None:
+        async with big_backend() as (purl, pproc), big_backend(delay_s=1.0) as (durl, dproc):
+            router = RouterConfig(policy="cache", block_size=16)
+            proxy = PDProxy([purl], [durl], router=router, health_interval_s=60.0)
+            await proxy.start("127.0.0.1", 0)
+            assert pproc.stdout is not None and dproc.stdout is not None
+            try:
+                async with aiohttp.ClientSession() as client:
+                    post = client.post(
+                        f"{proxy.url}/v1/completions", data=body_pieces([data]), headers=headers
+                    )
+                    async with loop_gaps() as (_, cpu):
+                        task = asyncio.create_task(post.__aenter__())
+                        got = await dproc.stdout.readline()  # the decode has all of it
+                    r = await task
+                    assert r.status == 200, await r.text()
+                    r.release()
+                assert got.split() == [str(BIG_IDS_N).encode(), b"max_tokens", b"model", b"prompt"]
+                assert (await pproc.stdout.readline()).split()[0] == str(BIG_IDS_N).encode()
+                assert max(cpu) < 0.02, f"the event loop worked {max(cpu) * 1e3:.0f} ms between ticks"
+            finally:
+                await proxy.close()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
