@@ -1211,7 +1211,10 @@ async def health(request):
 app = web.Application()
 app.router.add_post("/tokenize", tokenize)
 app.router.add_get("/health", health)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[3]), print=lambda *a: print("up", flush=True))
+import socket
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))  # its own port, printed: no race for a port picked by the test
+web.run_app(app, sock=sock, print=lambda *a: print("up", sock.getsockname()[1], flush=True))
 """
 
 
@@ -1227,14 +1230,15 @@ def test_a_large_tokenize_request_and_answer_leave_the_event_loop_free() -> None
     raw = parse_raw_body(json.dumps({"model": "m", "prompt": ["word " * words], "max_tokens": 4}).encode())
 
     async def go() -> None:
-        port = free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", BIG_TOKENIZER, str(words), str(n), str(port), stdout=asyncio.subprocess.PIPE
+            sys.executable, "-c", BIG_TOKENIZER, str(words), str(n), stdout=asyncio.subprocess.PIPE
         )
         assert proc.stdout is not None
         proxy = None
         try:
-            assert (await asyncio.wait_for(proc.stdout.readline(), 10)).startswith(b"up")
+            up = (await asyncio.wait_for(proc.stdout.readline(), 60)).split()
+            assert up[0] == b"up", up
+            port = int(up[1])
             cfg = RouterConfig(policy="cache", block_size=4)
             url = f"http://127.0.0.1:{port}"
             proxy = PDProxy([url], [url], router=cfg, max_reply_bytes=32 << 20, health_interval_s=60.0)
@@ -1318,7 +1322,10 @@ async def health(request):
 app = web.Application(client_max_size=1 << 27)
 app.router.add_post("/v1/completions", completions)
 app.router.add_get("/health", health)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=lambda *a: print("up", flush=True))
+import socket
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))  # its own port, printed: no race for a port picked by the test
+web.run_app(app, sock=sock, print=lambda *a: print("up", sock.getsockname()[1], flush=True))
 """
 
 #: The 33 MiB prompt of token ids: 3.8M ids of 7 digits.
@@ -1328,15 +1335,15 @@ BIG_IDS_FIRST, BIG_IDS_N = 1 << 20, (33 << 20) // 9
 @asynccontextmanager
 async def big_backend(delay_s: float = 0.0) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     """A ``BIG_COMPLETIONS`` process: (its URL, the process, whose stdout prints each body)."""
-    port = free_port()
-    args = (str(BIG_IDS_FIRST), str(port), str(delay_s))
+    args = (str(BIG_IDS_FIRST), "0", str(delay_s))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", BIG_COMPLETIONS, *args, stdout=asyncio.subprocess.PIPE
     )
     assert proc.stdout is not None
     try:
-        assert (await asyncio.wait_for(proc.stdout.readline(), 10)).startswith(b"up")
-        yield f"http://127.0.0.1:{port}", proc
+        up = (await asyncio.wait_for(proc.stdout.readline(), 60)).split()
+        assert up[0] == b"up", up
+        yield f"http://127.0.0.1:{int(up[1])}", proc
     finally:
         proc.kill()
         await proc.wait()
