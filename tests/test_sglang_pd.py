@@ -206,7 +206,7 @@ def test_control_messages_are_authenticated_with_a_secret(
     signed by this test and its ABORT_ACK work."""
     import zmq
 
-    from kvpool.connectors.sglang.control_auth import ControlAuth
+    from kvpool.connectors.sglang.control_auth import ControlAuth, endpoint_id
 
     secret = "pd-control-secret"
     go, port, p = _auth_prefill(monkeypatch, tmp_path, secret, roles)
@@ -216,10 +216,12 @@ def test_control_messages_are_authenticated_with_a_secret(
     roles.append(d)
     decode_port = d.wait_for("dst")["rank_port"]
     p.wait_for("waiting-go", room=1)  # the decode's signed registration and metadata were accepted
-    auth, forger = ControlAuth(secret), ControlAuth("another secret")
     ctx = zmq.Context()
     acks = ctx.socket(zmq.PULL)
     ack_port = acks.bind_to_random_port("tcp://127.0.0.1")
+    prefill_id = endpoint_id("127.0.0.1", rank_port)
+    auth = ControlAuth(secret, receiver=endpoint_id("127.0.0.1", ack_port))  # the acks' receiver
+    forger = ControlAuth("another secret")
     to_prefill, to_decode = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
     to_prefill.connect(f"tcp://127.0.0.1:{rank_port}")
     to_decode.connect(f"tcp://127.0.0.1:{decode_port}")
@@ -229,23 +231,32 @@ def test_control_messages_are_authenticated_with_a_secret(
 
     try:
         to_prefill.send_multipart(abort(1, 1))  # unsigned
-        to_prefill.send_multipart(forger.seal(abort(1, 2)))  # signed with another secret
+        to_prefill.send_multipart(forger.seal(abort(1, 2), prefill_id))  # signed with another secret
+        # Signed with the secret for another manager's control endpoint (an ABORT captured on its
+        # way there): not for this prefill rank.
+        to_prefill.send_multipart(auth.seal(abort(1, 4), endpoint_id("127.0.0.1", decode_port)))
         to_decode.send_multipart([b"1", b"0", b"0", b"forged failure"])  # unsigned status: Failed
-        signed = auth.seal(abort(99, 3))
+        signed = auth.seal(abort(99, 3), prefill_id)
         to_prefill.send_multipart(signed)
         assert acks.poll(20000) != 0
-        # The first ack is the signed ABORT's (no forged one was acted on), and it is signed.
-        assert auth.open(acks.recv_multipart()) == [b"ABORT_ACK", b"99", b"0", b"3"]
+        # The first ack is the signed ABORT's (no forged one was acted on), and it is signed for
+        # the ack endpoint.
+        ack = acks.recv_multipart()
+        assert auth.open(ack) == [b"ABORT_ACK", b"99", b"0", b"3"]
+        assert ControlAuth(secret, receiver=endpoint_id("127.0.0.1", decode_port)).open(ack) is None
         to_prefill.send_multipart(signed)  # replayed
         assert acks.poll(2000) == 0
+        # The prefill's real ack, captured on its way to the ack endpoint, sent to the decode: its
+        # replay window has never seen it, but it was not sealed for the decode.
+        to_decode.send_multipart(ack)
         go.touch()
         got = d.wait_for("done", room=1)
         assert got["status"] == SUCCESS, got["reason"]
         assert got["kv"] == src["kv"]["1"] and got["aux"] == src["aux"]
-        assert got["dropped"] == {"unsigned": 1}
+        assert got["dropped"] == {"unsigned": 1, "bad MAC": 1}
         done = p.wait_for("done", room=1)
         assert done["status"] == SUCCESS
-        assert done["dropped"] == {"unsigned": 1, "bad MAC": 1, "replayed": 1}
+        assert done["dropped"] == {"unsigned": 1, "bad MAC": 2, "replayed": 1}
     finally:
         for s in (to_prefill, to_decode, acks):
             s.close(0)
@@ -400,8 +411,9 @@ def test_peer_table_evicts_the_registration_unused_longest() -> None:
 
 def test_control_auth_freshness_and_bounds() -> None:
     """The replay window (reordering passes, a repeat or a counter too far behind does not), the
-    time window, the bounded sender table, and no checks without a secret."""
-    from kvpool.connectors.sglang.control_auth import REPLAY_WINDOW, ControlAuth
+    time window, the receiver bound into the MAC, the bounded sender table, and no checks without a
+    secret."""
+    from kvpool.connectors.sglang.control_auth import REPLAY_WINDOW, ControlAuth, endpoint_id, endpoint_of
 
     now = [1000.0]
     a = ControlAuth("s", window_s=10, clock=lambda: now[0])
@@ -419,6 +431,13 @@ def test_control_auth_freshness_and_bounds() -> None:
     now[0] += 11
     assert b.open(msgs[6]) is None  # stale
     assert b.dropped == {"replayed": 3, "bad MAC": 1, "unsigned": 1, "stale (clock skew or replay)": 1}
+    # Sealed for another receiver than b's own id (b"", as a and b have): fails the MAC.
+    assert b.open(a.seal([b"T", b"x"], b"127.0.0.1:5000")) is None and b.dropped["bad MAC"] == 2
+    c = ControlAuth("s", window_s=10, clock=lambda: now[0], receiver=endpoint_id("::0:1", "5000"))
+    assert c.receiver == b"[::1]:5000" == endpoint_of("tcp://[::1]:5000")
+    assert c.open(a.seal([b"T"], endpoint_of("tcp://[::1]:5000"))) == [b"T"]
+    assert c.open(a.seal([b"T"], b"[::1]:5001")) is None and c.open(a.seal([b"T"])) is None
+    assert endpoint_id("Host-A", 7) == endpoint_of("tcp://host-a:7") == b"host-a:7"
     others = [ControlAuth("s", clock=lambda: now[0]) for _ in range(3)]
     for o in others:
         assert b.open(o.seal([b"T"])) == [b"T"]

@@ -11,7 +11,8 @@ rank that never sends.
 With a cluster secret (``KVPOOL_SECRET``) the prefill side signs what it registers: the
 ``X-Kvpool-Auth`` header carries, hex-encoded, the trailer of
 :mod:`kvpool.connectors.sglang.control_auth` (sender, counter, time, HMAC-SHA256) over the frames
-``method | path | body``, with a key derived from the secret and :data:`PURPOSE`. The server
+``method | path | body``, with a key derived from the secret and :data:`PURPOSE` and an empty
+receiver (the instance's one bootstrap server). The server
 refuses a registration whose header is missing (HTTP 401), whose MAC is wrong, whose time is more
 than ``KVPOOL_SGLANG_AUTH_WINDOW_S`` off, or that it already accepted (HTTP 403); refusals are
 counted (:attr:`BootstrapAuth.dropped`) and logged at most every 10 s, and change nothing, so the

@@ -56,7 +56,7 @@ from sglang.srt.environ import envs
 
 from kvpool.config import TransferConfig
 from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
-from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket
+from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.rooms import PeerTable, RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable
 from kvpool.transfer.engine import TransferEngine
@@ -132,8 +132,9 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self.engine = _engine(self.local_ip)
         self.session_id = self.engine.segment_name
-        # The transfer engine's secret (KVPOOL_SECRET) also signs the control messages.
-        self.control_auth = ControlAuth(self.engine.config.secret)
+        # KVPOOL_SECRET also signs the control messages; accepted: those sealed for this endpoint.
+        me = endpoint_id(self.local_ip, self.rank_port)  # what it registers and sends as its own
+        self.control_auth = ControlAuth(self.engine.config.secret, receiver=me)
         self._registered: list[int] = []
         self.register_buffer_to_engine()
         self.transfer_calls = 0
@@ -268,11 +269,11 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         return recv
 
     def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False) -> None:
-        """SGLang's send of a status/ABORT_ACK/CHUNK_READY message, signed under the socket's lock
-        (so the counters on one socket increase)."""
+        """SGLang's send of a status/ABORT_ACK/CHUNK_READY message, signed for ``endpoint`` under
+        the socket's lock (so the counters on one socket increase)."""
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
         with self._socket_send_locks[endpoint]:
-            sock.send_multipart(self.control_auth.seal(parts))
+            sock.send_multipart(self.control_auth.seal(parts, endpoint_of(endpoint)))
 
     def _prefill_control(self) -> None:
         recv = self._control_recv()
@@ -590,10 +591,14 @@ class KvpoolKVSender(SignedDpRank, CommonKVSender):
 
 class KvpoolKVReceiver(CommonKVReceiver):
     """SGLang's common receiver (bootstrap lookup, metadata, heartbeats, abort); what it sends to a
-    prefill rank (registration, metadata, BOOTSTRAP, ABORT) is signed with its manager's key."""
+    prefill rank (registration, metadata, BOOTSTRAP, ABORT) is signed with its manager's key, for
+    that prefill rank's control endpoint."""
 
     def _connect_to_bootstrap_server(self, bootstrap_info: dict) -> tuple[Any, Any]:  # type: ignore[override]
         """Called by SGLang's receiver for every message to a prefill rank."""
         sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
         auth = getattr(self.kv_mgr, "control_auth", None)
-        return (SigningSocket(sock, auth), lock) if auth is not None and auth.enabled else (sock, lock)
+        if auth is None or not auth.enabled:
+            return sock, lock
+        rank = endpoint_id(bootstrap_info["rank_ip"], bootstrap_info["rank_port"])
+        return SigningSocket(sock, auth, rank), lock

@@ -7,8 +7,17 @@ with the KV it believes arrived. With a cluster secret (``KVPOOL_SECRET``, the t
 ``secret``) every message carries one trailing frame of :data:`TRAILER_LEN` bytes::
 
     sender (8 random bytes, one per manager) | counter (u64 BE) | time (u64 BE, ms since epoch) | mac (32)
-    mac = HMAC-SHA256(key, sender | counter | time | for each frame: len (u64 BE) | frame)
-    key = HMAC-SHA256(secret, "kvpool-sglang-pd-control-v1")
+    mac = HMAC-SHA256(key, len(receiver) (u64 BE) | receiver | sender | counter | time
+                           | for each frame: len (u64 BE) | frame)
+    key = HMAC-SHA256(secret, "kvpool-sglang-pd-control-v2")
+
+``receiver`` is the control endpoint the message is sent to, ``host:port`` (:func:`endpoint_id`:
+an IP in its compressed form, IPv6 in brackets): the sender takes it from the address it sends
+to (a prefill rank's ``rank_ip``/``rank_port`` from the bootstrap server, a decode's ``ip``/``port``
+from its metadata or ABORT), the receiver from its own (``local_ip``, ``rank_port``), which is what
+it registers and sends. It is not in the trailer: a message sealed for one manager fails the MAC
+("bad MAC") at any other, so a message captured on its way to one decode rank or prefill rank
+cannot be replayed to another (each receiver's replay window only knows what it accepted).
 
 A receiver drops (counts, logs at most every 10 s, never acts on) a message whose trailer is
 missing or whose MAC is wrong, whose time is more than ``window_s`` from its own clock (replays
@@ -32,11 +41,12 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from ipaddress import ip_address
 from typing import Any
 
 log = logging.getLogger("kvpool.connectors.sglang")
 
-PURPOSE = b"kvpool-sglang-pd-control-v1"
+PURPOSE = b"kvpool-sglang-pd-control-v2"
 TRAILER_LEN = 8 + 8 + 8 + 32
 REPLAY_WINDOW = 1024
 _HEADER = struct.Struct(">8sQQ")
@@ -46,6 +56,23 @@ _CONTROL_WARNING = (
     "kvpool SGLang backend: the P/D control socket is unauthenticated (no KVPOOL_SECRET): "
     "anyone who reaches it can register destinations for KV writes and abort rooms"
 )
+
+
+def endpoint_id(host: str, port: int | str) -> bytes:
+    """The receiver id a message to the control socket at ``host``:``port`` is sealed for: an IP in
+    its compressed form (IPv6 in brackets), a host name in lower case."""
+    host = host.strip().strip("[]")
+    try:
+        host = ip_address(host).compressed
+    except ValueError:
+        host = host.lower()
+    return (f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}").encode()
+
+
+def endpoint_of(endpoint: str) -> bytes:
+    """:func:`endpoint_id` of a ZMQ endpoint such as ``tcp://10.0.0.1:5000`` or ``tcp://[::1]:5000``."""
+    host, _, port = endpoint.split("://", 1)[-1].rpartition(":")
+    return endpoint_id(host, port)
 
 
 class Throttle:
@@ -67,7 +94,8 @@ class ControlAuth:
     """Signs outgoing and checks incoming control messages of one manager.
 
     :meth:`seal` is called by any thread that sends (under the socket's send lock, so one socket
-    carries increasing counters); :meth:`open` by the manager's one control thread.
+    carries increasing counters) with the id of the receiver it sends to; :meth:`open` by the
+    manager's one control thread, which accepts only what was sealed for ``receiver``, its own id.
     """
 
     def __init__(
@@ -80,10 +108,14 @@ class ControlAuth:
         purpose: bytes = PURPOSE,
         what: str = "control message",
         warning: str = _CONTROL_WARNING,
+        receiver: bytes = b"",
     ) -> None:
         """``purpose`` derives the key (one per use of the secret); ``what`` names the messages in
-        logs; ``warning`` is logged once per process and purpose when there is no secret."""
+        logs; ``warning`` is logged once per process and purpose when there is no secret;
+        ``receiver``: this manager's own :func:`endpoint_id` (b"" where there is one receiver per
+        key, as the bootstrap server)."""
         self.enabled = bool(secret)
+        self.receiver = receiver
         self.what = what
         key = (secret or "").encode("utf-8", "surrogatepass")
         self._key = hmac.new(key, purpose, hashlib.sha256).digest()
@@ -103,15 +135,18 @@ class ControlAuth:
             _warned_unauthenticated.add(purpose)
             log.warning(warning)
 
-    def _mac(self, header: bytes, frames: Sequence[bytes]) -> bytes:
-        h = hmac.new(self._key, header, hashlib.sha256)
+    def _mac(self, receiver: bytes, header: bytes, frames: Sequence[bytes]) -> bytes:
+        h = hmac.new(self._key, _LEN.pack(len(receiver)), hashlib.sha256)
+        h.update(receiver)
+        h.update(header)
         for f in frames:
             h.update(_LEN.pack(len(f)))
             h.update(f)
         return h.digest()
 
-    def seal(self, frames: Sequence[bytes]) -> list[bytes]:
-        """``frames`` plus the trailer (unchanged without a secret)."""
+    def seal(self, frames: Sequence[bytes], receiver: bytes = b"") -> list[bytes]:
+        """``frames`` plus the trailer, sealed for ``receiver`` (the :func:`endpoint_id` of the
+        control socket it is sent to; unchanged without a secret)."""
         frames = [bytes(f) for f in frames]
         if not self.enabled:
             return frames
@@ -119,7 +154,7 @@ class ControlAuth:
             self._counter += 1
             counter = self._counter
         header = _HEADER.pack(self._sender, counter, int(self._clock() * 1000))
-        return [*frames, header + self._mac(header, frames)]
+        return [*frames, header + self._mac(receiver, header, frames)]
 
     def open(self, frames: Sequence[bytes]) -> list[bytes] | None:
         """The message without its trailer, or None when it must be dropped (counted and logged)."""
@@ -127,7 +162,8 @@ class ControlAuth:
 
     def check(self, frames: Sequence[bytes]) -> tuple[list[bytes] | None, str | None]:
         """(the message without its trailer, None), or (None, why it was dropped: "unsigned",
-        "bad MAC", "stale (clock skew or replay)" or "replayed"; counted and logged)."""
+        "bad MAC" (also: sealed for another receiver), "stale (clock skew or replay)" or
+        "replayed"; counted and logged)."""
         frames = list(frames)
         if not self.enabled:
             return frames, None
@@ -135,7 +171,7 @@ class ControlAuth:
             return None, self._drop("unsigned")
         trailer, body = bytes(frames[-1]), [bytes(f) for f in frames[:-1]]
         header, mac = trailer[: _HEADER.size], trailer[_HEADER.size :]
-        if not hmac.compare_digest(mac, self._mac(header, body)):
+        if not hmac.compare_digest(mac, self._mac(self.receiver, header, body)):
             return None, self._drop("bad MAC")
         sender, counter, sent_ms = _HEADER.unpack(header)
         now_ms = int(self._clock() * 1000)
@@ -181,15 +217,17 @@ class ControlAuth:
 
 
 class SigningSocket:
-    """Wraps a cached PUSH socket of SGLang's receiver so that each message it sends is signed
-    (SGLang's receiver sends under the socket's lock, so one socket carries increasing counters)."""
+    """Wraps a cached PUSH socket of SGLang's receiver so that each message it sends is signed for
+    ``receiver``, the prefill rank it is connected to (SGLang's receiver sends under the socket's
+    lock, so one socket carries increasing counters)."""
 
-    def __init__(self, sock: Any, auth: ControlAuth) -> None:
+    def __init__(self, sock: Any, auth: ControlAuth, receiver: bytes) -> None:
         self._sock = sock
         self._auth = auth
+        self._receiver = receiver
 
     def send_multipart(self, frames: Sequence[bytes], *args: Any, **kwargs: Any) -> Any:
-        return self._sock.send_multipart(self._auth.seal(frames), *args, **kwargs)
+        return self._sock.send_multipart(self._auth.seal(frames, self._receiver), *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
