@@ -920,3 +920,31 @@ def test_a_refused_replica_change_keeps_the_replica_count(master: Driver) -> Non
     assert master.handle({"op": "get", "client": "ra", "keys": ["k"]})["results"][0][0] is None  # leased
     out = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 1})
     assert out["err"] == "BUSY" and master.m.objects["k"].base_replicas == 2
+
+
+def test_a_commit_with_a_checksum_that_is_no_xxh3_64_is_refused_before_it_changes_anything(
+    master: Driver,
+) -> None:
+    """put_end and commit recorded any checksum: one past 64 bits made every get reply naming the
+    object unencodable (a batch get with it failed whole, the object unreadable for good), one of
+    another type failed every read. Now the item is INVALID and its allocation stays pending."""
+    m = master.m
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [100 << 10], "reserve": 1})
+    gen, verify, reps = r["results"][0][1]
+    assert not verify  # no checksum needed: None is fine, a bad one is not
+    ((rgen, _, _),) = r["reserved"]
+    used = m.space.used
+    for bad in (1 << 64, -1, "0123", 1.5, True, [7]):
+        item = ["k", gen, bad, [x[0] for x in reps]]
+        out = master.handle({"op": "put_end", "client": "r", "items": [item], "epoch": r["epoch"]})
+        assert out["results"][0][0] == "INVALID", bad
+        out = master.handle({"op": "commit", "client": "r", "items": [["j", rgen, bad]], "epoch": r["epoch"]})
+        assert out["results"][0][0] == "INVALID", bad
+        assert not m.objects["k"].committed and len(m.objects["k"].replicas) == len(reps)
+        assert "j" not in m.objects and rgen in m._resv and m.space.used == used
+    items = [["k", gen, (1 << 64) - 1, [x[0] for x in reps]]]
+    out = master.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})
+    assert out["results"] == [[None, None]]
+    out = master.handle({"op": "commit", "client": "r", "items": [["j", rgen, None]], "epoch": r["epoch"]})
+    assert out["results"] == [[None, None]]
+    assert m.objects["k"].checksum == (1 << 64) - 1 and m.objects["j"].committed

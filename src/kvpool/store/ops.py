@@ -27,6 +27,17 @@ HOT_KEYS_TRACKED = 1 << 16  # distinct keys counted per hot-key window
 _CONN_HOLDERS = itertools.count(1)
 
 
+def _bad_checksum(csum: Any, verify: bool) -> str | None:
+    """Why a commit's checksum is refused (None: it is fine). Checked before the item changes
+    anything: the master hands it to every reader, and one past 64 bits made every get reply
+    naming the object unencodable (a batch with it failed whole); another type failed each read."""
+    if csum is None:
+        return "this allocation needs a checksum" if verify else None
+    if type(csum) is not int or not 0 <= csum < 1 << 64:
+        return "a checksum is the value's xxh3-64: an int in [0, 2**64)"
+    return None
+
+
 def _lease_holder(sess: dict[str, Any]) -> Any:
     """Who a read lease belongs to: the connection's registered client id (a reconnect keeps its
     leases), else the connection itself (a token kept in its state)."""
@@ -139,8 +150,8 @@ class ObjectOps(_Base):
             elif key in self.objects:
                 o = self.objects[key]
                 out.append(["EXISTS", f"key {key!r} is {'committed' if o.committed else 'being put'}"])
-            elif robj.verify and csum is None:
-                out.append(["INVALID", "this allocation needs a checksum"])
+            elif (why := _bad_checksum(csum, robj.verify)) is not None:
+                out.append(["INVALID", why])
             else:
                 del self._resv[gen]
                 robj.key = key
@@ -173,8 +184,8 @@ class ObjectOps(_Base):
                 out.append(["NOT_FOUND", f"no pending put of {key!r} by this client (revoked after "
                             "put_timeout_s?)"])  # fmt: skip
                 continue
-            if obj.verify and csum is None:
-                out.append(["INVALID", "this allocation needs a checksum"])
+            if (why := _bad_checksum(csum, obj.verify)) is not None:
+                out.append(["INVALID", why])
                 continue
             reps = obj.replicas
             if not (len(reps) == 1 and written == [reps[0].seg.name] and not reps[0].seg.dead):
