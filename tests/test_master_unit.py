@@ -922,6 +922,59 @@ def test_a_refused_replica_change_keeps_the_replica_count(master: Driver) -> Non
     assert out["err"] == "BUSY" and master.m.objects["k"].base_replicas == 2
 
 
+def test_a_replica_end_ends_its_own_copys_replicas_all_of_them_and_no_other(master: Driver) -> None:
+    """A copy's end (replica_end, without a change id: an older client's) ends its own replicas
+    only, whatever segments it names (not a hot-key copy's into the caller's segment, nor a
+    second copy of its own: neither written yet), and all of them: the ones it does not name
+    are taken back (they stayed unfinished for good, their space held, the object's replica
+    count one too high)."""
+    m = master.m
+    master.handle({"op": "mount", "client": "ra", "segment": "seg-c", "base": 1 << 20, "size": 1 << 24})
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [4096],
+                       "config": {"preferred_segment": "seg-b"}})  # fmt: skip
+    gen = r["results"][0][1][0]
+    master.handle({"op": "put_end", "client": "r", "items": [["k", gen, 7, ["seg-b"]]], "epoch": r["epoch"]})
+    obj = m.objects["k"]
+
+    def state() -> list[tuple[str, bool]]:
+        return sorted((x.seg.name, x.committed) for x in obj.replicas)
+
+    def served() -> list[str]:
+        got = master.handle({"op": "get", "client": "r", "keys": ["k"]})["results"][0][1]
+        master.handle({"op": "release", "client": "r", "leases": [["k", got["gen"], got["lease"]]]})
+        return sorted(x[0] for x in got["replicas"])
+
+    # a hot-key copy into seg-a or seg-c (by its client), and that client's own copy of k meanwhile
+    m._replicate(obj, 1, time.monotonic())
+    ((cid, _),) = m._tasks.values()
+    (task,) = master.handle({"op": "heartbeat", "client": cid})["tasks"]
+    hot = task["dst"][0]
+    out = master.handle({"op": "replica_start", "client": cid, "key": "k", "replicas": 3})
+    (mine,) = [d[0] for d in out["dst"]]
+    assert {hot, mine} == {"seg-a", "seg-c"}
+    end = {"op": "replica_end", "client": cid, "key": "k", "gen": gen, "ok": True, "segments": [mine, hot]}
+    assert master.handle(end)["replicas"] == 2
+    assert state() == sorted([(mine, True), ("seg-b", True), (hot, False)])  # the task's: not written yet
+    assert served() == sorted([mine, "seg-b"])
+    master.handle({"op": "task_done", "client": cid, "task": task["task"], "ok": True, "result": {}})
+    assert state() == [("seg-a", True), ("seg-b", True), ("seg-c", True)] and obj.busy == 0
+    # two copies of k by r at once (k back on one segment): the first one's end names both segments
+    assert master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 1})["dst"] == []
+    ((base, _),) = state()
+    first = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 2})["dst"]
+    second = master.handle({"op": "replica_start", "client": "r", "key": "k", "replicas": 3})["dst"]
+    (s1,), (s2,) = [d[0] for d in first], [d[0] for d in second]
+    end = {"op": "replica_end", "client": "r", "key": "k", "gen": gen, "ok": True, "segments": [s1, s2]}
+    assert master.handle(end)["replicas"] == 2
+    assert state() == sorted([(base, True), (s1, True), (s2, False)]) and obj.busy == 1
+    assert served() == sorted([base, s1])
+    # the second one ends naming none of its segments: its replica is taken back, not left behind
+    used = m.space.used
+    assert master.handle({**end, "segments": []})["replicas"] == 2
+    assert state() == sorted([(base, True), (s1, True)]) and obj.busy == 0
+    assert m.space.fenced == 1 and m.space.used == used  # fenced: r may still write into it
+
+
 def test_a_commit_with_a_checksum_that_is_no_xxh3_64_is_refused_before_it_changes_anything(
     master: Driver,
 ) -> None:

@@ -153,10 +153,30 @@ def check_invariants(m: Master) -> None:
         obj = m.objects.get(task.get("key", ""))
         if obj is not None and obj.gen == task.get("gen"):
             busy[id(obj)] += 1
+    assert set(m._task_dst) <= set(m._tasks), "a hot-key copy's replica kept after its task ended"
+    # each copy in flight (a task's, a replica change's) owns its replicas: only its own end
+    # commits them, so none is committed yet, and none is two copies' (one's end would commit
+    # the other's before it was written); an unfinished replica of a committed object is a copy's
+    copying: dict[int, str] = {}
+
+    def copy_into(r: Any, what: str) -> None:
+        assert id(r) not in copying, f"replica on {r.seg.name} is {copying[id(r)]}'s and {what}'s"
+        copying[id(r)] = what
+
+    for tid, r in m._task_dst.items():
+        copy_into(r, f"task {tid}")
     for cl in m.clients.values():
         assert cl.task_ids <= set(m._tasks), f"{cl.id} waits for tasks the master forgot"
-        for obj, _ in cl.changing.values():
+        for cid_, (obj, mine) in cl.changing.items():
             busy[id(obj)] += 1
+            for r in mine:
+                copy_into(r, f"{cl.id}'s change {cid_} of {obj.key}")
+    for obj in objs:
+        for r in obj.replicas:
+            if id(r) in copying:
+                assert not r.committed, f"{obj.key}: {copying[id(r)]} in flight, its replica committed"
+            elif obj.committed and not r.committed and not r.seg.dead:
+                raise AssertionError(f"{obj.key}: unfinished replica on {r.seg.name} that no copy fills")
     for obj in objs:
         if obj.key is not None and m.objects.get(obj.key) is obj:
             assert obj.busy == busy[id(obj)], f"{obj.key}: busy {obj.busy}, {busy[id(obj)]} in flight"
@@ -215,9 +235,9 @@ class Fuzzer:
         self.resv: list[tuple[str, int, list[str]]] = []  # client, gen, segments
         self.leases: list[tuple[str, list[Any]]] = []  # client, [key, gen, lease]
         self.tasks: list[tuple[str, dict[str, Any]]] = []
-        self.changes: list[tuple[str, str, int, list[str]]] = []  # client, key, gen, segments
+        self.changes: list[tuple[str, str, int, list[str], Any]] = []  # client, key, gen, segments, id
         self.gens: list[int] = []
-        self.segs = {"a": "seg-a", "b": "seg-b"}
+        self.segs = {"a": "seg-a", "b": "seg-b", "r": "seg-r"}  # three: two copies of one object at once
         self.failures: list[str] = []
         self.tokens: dict[str, bytes] = {}
         self.n = Counter[str]()
@@ -346,7 +366,7 @@ class Fuzzer:
             ["put", "put_end", "revoke", "reserve", "commit", "get", "release", "exists", "remove", "replica",
              "replica_end", "promote", "heartbeat", "task_done", "report", "unmount", "register",
              "unregister", "changes", "info", "remove_all", "tick", "stats", "attach", "die"],
-            [10, 10, 2, 3, 5, 10, 6, 2, 4, 3, 4, 2, 8, 6, 2, 0.5, 0.5, 0.3, 1, 1, 0.2, 6, 0.3, 0.5, 0.3],
+            [10, 10, 2, 3, 5, 10, 6, 2, 4, 6, 5, 2, 8, 6, 2, 0.5, 0.5, 0.3, 1, 1, 0.2, 6, 0.3, 0.5, 0.3],
         )[0]  # fmt: skip
         getattr(self, f"do_{op}")(cid)
 
@@ -453,12 +473,17 @@ class Fuzzer:
         self.send(cid, {"op": "remove_all", "client": cid})
 
     def do_replica(self, cid: str) -> None:
-        key = self.rng.choice(self.keys)
+        held = [k for k in self.keys if (o := self.m.objects.get(k)) is not None and o.committed]
+        key = self.rng.choice(held if held and self.rng.random() < 0.7 else self.keys)
+        busy = [c[1] for c in self.changes if c[0] == cid] + [t["key"] for c, t in self.tasks if c == cid
+                                                              and t["type"] == "replicate"]  # fmt: skip
+        if busy and self.rng.random() < 0.5:
+            key = self.rng.choice(busy)  # a second copy of an object this client is copying already
         out = self.send(
             cid, {"op": "replica_start", "client": cid, "key": key, "replicas": self.rng.choice([1, 2, 3])}
         )
         if out and out.get("dst"):
-            self.changes.append((cid, key, out["gen"], [s for s, _ in out["dst"]]))
+            self.changes.append((cid, key, out["gen"], [s for s, _ in out["dst"]], out.get("change")))
 
     def do_promote(self, cid: str) -> None:
         key = self.rng.choice(self.keys)
@@ -466,14 +491,19 @@ class Fuzzer:
         if info and info["ssd"]:
             out = self.send(cid, {"op": "promote_start", "client": cid, "key": key, "gen": info["gen"]})
             if out and out.get("dst"):
-                self.changes.append((cid, key, out["gen"], [s for s, _ in out["dst"]]))
+                self.changes.append((cid, key, out["gen"], [s for s, _ in out["dst"]], out.get("change")))
 
     def do_replica_end(self, cid: str) -> None:
         got = self._pop(self.changes, cid)
         if got is not None:
-            _, key, gen, segs = got
-            self.send(cid, {"op": "replica_end", "client": cid, "key": key, "gen": gen,
-                            "ok": self.rng.random() < 0.7, "segments": segs})  # fmt: skip
+            _, key, gen, segs, change = got
+            if self.rng.random() < 0.2:  # segments of another copy in flight (or none at all)
+                segs = segs[1:] + self.rng.choice([[], list(self.segs.values())])
+            req = {"op": "replica_end", "client": cid, "key": key, "gen": gen, "ok": self.rng.random() < 0.7,
+                   "segments": segs}  # fmt: skip
+            if self.rng.random() < 0.7:
+                req["change"] = change  # else as an older client ends it: its first copy of key, gen
+            self.send(cid, req)
 
     def do_heartbeat(self, cid: str) -> None:
         out = self.send(cid, {"op": "heartbeat", "client": cid, "floor": max(self.gens[-50:], default=0) + 1

@@ -428,11 +428,12 @@ class ObjectOps(_Base):
     def _end_change(self, obj: Obj, mine: list[Replica], done: set[str] | None, ok: bool) -> None:
         """A replica copy into ``mine`` ended: the object is no longer busy with it; those of its
         replicas still there on ``done`` segments (None: all of them) are committed when ``ok``,
-        else taken."""
+        the rest taken (fenced). None is left unfinished: no end but this one would ever come
+        for it (it stayed, its space held and the object's count of replicas one too high)."""
         obj.busy = max(0, obj.busy - 1)
         for r in list(obj.replicas):
-            if not r.committed and any(r is x for x in mine) and (done is None or r.seg.name in done):
-                if ok and not r.seg.dead:
+            if not r.committed and any(r is x for x in mine):
+                if ok and (done is None or r.seg.name in done) and not r.seg.dead:
                     r.committed, r.writer = True, ""
                 else:
                     self._take_replica(obj, r)
