@@ -870,6 +870,47 @@ def test_an_ssd_sweep_capped_by_file_count_reaches_the_other_files_next_time(tmp
     assert sorted(os.listdir(tmp_path / "00")) == sorted(known)  # live copies' files stay
 
 
+def test_an_ssd_sweep_stops_at_its_time_budget_and_the_next_sweeps_go_on_from_there(tmp_path) -> None:
+    """The master is slow to answer a sweep's questions (0.3 s each; an NFS directory is slow to
+    stat alike): a sweep of six subdirectories of stray files (one question each) stops about
+    at its budget, so that the spills queued behind it on the task thread still start in time;
+    the next sweeps go on from where it stopped until every stray file is gone, the live
+    copies' files staying (one sweep held the task thread for all six questions, 1.8 s)."""
+    from kvpool.store import ssd
+
+    old = time.time() - 3600
+    known, stray = set(), []
+    for k in range(6):
+        sub = f"{k:02x}"
+        os.makedirs(tmp_path / sub)
+        for i in range(3):
+            name = f"{sub}{'0' * 38}-{i}.kvp"
+            path = tmp_path / sub / name
+            path.write_bytes(b"x")
+            os.utime(path, (old, old))
+            if i == 0:
+                known.add(name)
+            else:
+                stray.append(path)
+
+    def unknown(names: list[str]) -> tuple[list[str], float]:
+        if names:
+            time.sleep(0.3)
+        return [n for n in names if n not in known], 1.0  # a budget of 0.05 s (a tenth of ~0.5)
+
+    sweeps = 0
+    while any(p.exists() for p in stray):
+        assert sweeps < 20, "the sweeps did not get through the directory"
+        t0 = time.monotonic()
+        removed = ssd.sweep_ssd_dir(str(tmp_path), unknown, batch=3)  # the budget the grace gives
+        assert time.monotonic() - t0 < 0.9  # one question past the budget, not six
+        assert removed >= 1  # each sweep gets on
+        sweeps += 1
+    assert sweeps >= 3  # a sweep stopped at its budget
+    for k in range(6):  # live copies' files stay
+        assert os.listdir(tmp_path / f"{k:02x}") == [f"{k:02x}{'0' * 38}-0.kvp"]
+
+
 def test_an_ssd_check_that_cannot_open_the_file_for_lack_of_descriptors_keeps_the_copy(
     tmp_path, monkeypatch
 ) -> None:

@@ -96,7 +96,10 @@ _resume: dict[str, str] = {}
 
 
 def sweep_ssd_dir(
-    ssd_dir: str, unknown: Callable[[list[str]], tuple[list[str], float]], batch: int = SWEEP_BATCH
+    ssd_dir: str,
+    unknown: Callable[[list[str]], tuple[list[str], float]],
+    batch: int = SWEEP_BATCH,
+    budget_s: float | None = None,
 ) -> int:
     """Remove the SSD-tier files of ``ssd_dir`` that no SSD copy has; returns how many.
 
@@ -105,33 +108,42 @@ def sweep_ssd_dir(
     is that old only once its report was taken or refused). Only names this tier writes, in its
     two-hex-digit subdirectories, are touched; other files stay. A file replaced since it was
     looked at (another inode or time) stays. Called on the store client's task thread, which
-    also runs its spills (none writes meanwhile), at most :data:`SWEEP_MAX_FILES` files a call."""
+    also runs its spills (none writes meanwhile), at most :data:`SWEEP_MAX_FILES` files and
+    about ``budget_s`` seconds a call: the spills and copies queued behind it must start before
+    the master gives up on them (its ``task_timeout_s``; by default the budget is min(2 s, a
+    tenth of it), the grace being twice it and a second). Its first subdirectory is seen to
+    whole (a sweep stopped in it is taken up past it, the rest of it left for a full round).
+    A sweep stopped by either limit is taken up where it stopped by the next one."""
+    t0 = time.monotonic()
     _, grace = unknown([])
+    deadline = t0 + (min(2.0, grace / 20) if budget_s is None else budget_s)
     cutoff = time.time() - grace
-    old: list[tuple[str, os.stat_result]] = []  # (path, stat) of files older than the grace
-    tmps: list[tuple[str, os.stat_result]] = []
+    # (index in subs, path, stat, temporary?) of files older than the grace, in sweep order
+    found: list[tuple[int, str, os.stat_result, bool]] = []
     seen = 0
+    stop: int | None = None  # index in subs of the subdirectory the sweep stopped in
     try:
         with os.scandir(ssd_dir) as it:
             subs = sorted(e.name for e in it if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
     except OSError:
         return 0
     # From where the last sweep stopped, around: else, in a directory of more files than the
-    # cap, each sweep looked at the same first ones and never at the others
+    # cap (or than a sweep gets through in its budget), each sweep looked at the same first ones
     after = _resume.pop(ssd_dir, "")
     start = next((i for i, n in enumerate(subs) if n >= after), 0)
     subs = subs[start:] + subs[:start]
     for i, name in enumerate(subs):
         if seen >= SWEEP_MAX_FILES:
-            # the next sweep starts at the one that reached the cap (past it when it was the
-            # first: a subdirectory of more files than the cap)
-            _resume[ssd_dir] = subs[max(i - 1, 1) % len(subs)]
+            stop = i - 1  # the one that reached the cap
             break
         sub = os.path.join(ssd_dir, name)
         try:
             with os.scandir(sub) as it:
                 for e in it:
                     if seen >= SWEEP_MAX_FILES:
+                        break
+                    if i and time.monotonic() >= deadline:
+                        stop = i
                         break
                     is_file, is_tmp = _FILE.fullmatch(e.name), _TMP.fullmatch(e.name)
                     if not (is_file or is_tmp):
@@ -142,22 +154,39 @@ def sweep_ssd_dir(
                     except OSError:
                         continue  # removed since it was listed (the rest of the directory is looked at)
                     if st.st_mtime < cutoff:
-                        (old if is_file else tmps).append((e.path, st))
+                        found.append((i, e.path, st, not is_file))
         except OSError:
             continue  # the next sweep looks again
-    gone = list(tmps)  # a temporary file that old is a write that never finished
-    for a in range(0, len(old), batch):
-        chunk = old[a : a + batch]
-        names = set(unknown([os.path.basename(p) for p, _ in chunk])[0])
-        gone += [(p, st) for p, st in chunk if os.path.basename(p) in names]
-    removed = 0
-    for path, st in gone:
-        try:
-            now = os.stat(path, follow_symlinks=False)
-            if (now.st_ino, now.st_mtime_ns) != (st.st_ino, st.st_mtime_ns):
-                continue  # written again since
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            continue
+        if stop is not None:
+            break
+    removed, pos = 0, 0
+    while pos < len(found) and not (found[pos][0] and time.monotonic() >= deadline):
+        chunk = found[pos : pos + batch]
+        ask = [os.path.basename(p) for _, p, _, tmp in chunk if not tmp]
+        names = set(unknown(ask)[0]) if ask else set()
+        for j, (i, path, st, tmp) in enumerate(chunk):
+            if i and j and time.monotonic() >= deadline:
+                break  # (at least one file of each answer is seen to)
+            pos += 1
+            # a temporary file that old is a write that never finished
+            if tmp or os.path.basename(path) in names:
+                removed += _remove_unchanged(path, st)
+    if pos < len(found):
+        stop = found[pos][0]  # its files (and those after it) not seen to: the next sweep's
+    if stop is not None:
+        # the next sweep starts at the one it stopped in (past it when it was the first: one of
+        # more files than the cap, or than a sweep gets through in its budget)
+        _resume[ssd_dir] = subs[max(stop, 1) % len(subs)]
     return removed
+
+
+def _remove_unchanged(path: str, st: os.stat_result) -> int:
+    """Unlink ``path`` unless it was written again since ``st`` was taken; 1 if it did."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_ino, now.st_mtime_ns) != (st.st_ino, st.st_mtime_ns):
+            return 0  # written again since
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
