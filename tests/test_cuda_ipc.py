@@ -833,6 +833,61 @@ def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
         eng.unregister_local_memory(h)
 
 
+def test_sync_transfer_behind_a_long_moving_queue_waits_and_one_behind_a_stopped_stream_times_out(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer_sync whose CUDA IPC run is queued behind 16 runs on the same stream that finish
+    slowly but steadily (0.1 s each, all together three times timeout_s) waits for them and
+    returns its bytes: it raised TransferTimeout at timeout_s as under a hung stream. When the
+    stream then stops (its 9th run never finishes until the test lets it), the call raises
+    TransferTimeout about timeout_s after the last run finished, not before."""
+    import threading
+
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=0.5) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        r = peer.gpu[0]
+        assert peer.ask(f"fill {r} {34 * 4096} 6") == "ok"
+        eng.transfer_sync(peer.name, g, r, 4096, OpCode.READ)  # opens the mapping
+        seg, ipc = eng.open_segment(peer.name), _ipc(eng)
+        real_sync, release, left = ipc.driver.event_sync, threading.Event(), [1 << 30]
+
+        def stops(event: int) -> None:  # the stream stops once `left` runs finished
+            left[0] -= 1
+            if left[0] < 0:
+                release.wait(20)
+            real_sync(event)
+
+        monkeypatch.setattr(ipc.driver, "event_sync", stops)
+        monkeypatch.setenv("FAKECUDA_DELAY_US", "50000")  # each copy and event 50 ms: a run 0.1 s
+        bids = []
+        try:
+            for phase in range(2):
+                if phase:
+                    left[0] = 8
+                for k in range(17 * phase, 17 * phase + 16):
+                    bids.append(eng.allocate_batch_id(1))
+                    req = TransferRequest(OpCode.READ, g + k * 4096, seg, r + k * 4096, 4096)
+                    eng.submit_transfer(bids[-1], [req])
+                t0 = time.monotonic()
+                k = 17 * phase + 16
+                if not phase:
+                    assert eng.transfer_sync(peer.name, g + k * 4096, r + k * 4096, 4096, OpCode.READ) == 4096
+                    assert time.monotonic() - t0 > 1.4  # it waited for the 16 runs ahead
+                    continue
+                with pytest.raises(TransferTimeout, match="did not finish within 0.5 s"):
+                    eng.transfer_sync(peer.name, g + k * 4096, r + k * 4096, 4096, OpCode.READ)
+                assert 1.2 < time.monotonic() - t0 < 6  # 8 runs (0.8 s), then timeout_s without one
+        finally:
+            release.set()
+        monkeypatch.delenv("FAKECUDA_DELAY_US")
+        assert all(eng.wait_batch(b, 20).ok for b in bids)
+        assert _sha(drv, g, 34 * 4096) == peer.ask(f"dump {r} {34 * 4096}")  # every run's bytes landed
+
+
 def test_the_unregister_gate_refuses_only_submits_touching_the_closed_range():
     """A submit whose ranges lie on both sides of a registration being unregistered (a KV cache
     batch over buffers A and C while B, between them, goes) is not refused nor waited for."""

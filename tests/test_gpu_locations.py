@@ -804,3 +804,64 @@ def test_double_sync_staged_read_whose_host_to_device_copy_hangs_raises_at_the_t
         eng.free_batch_id(eng.allocate_batch_id(1))  # the first allocation after: frees it
         assert eng.batches.deferred() == 0
         assert xxhash.xxh3_64_hexdigest(dev.read()) == cpu_peer.checksum(0, MiB)
+
+
+def test_double_sync_staged_read_behind_moving_copies_waits_and_behind_stopped_ones_times_out(
+    rt, cpu_peer, monkeypatch
+):
+    """A synchronous staged READ whose host-to-device copy waits behind another submit's 16
+    copies that finish slowly but steadily (0.1 s each, three times timeout_s together) waits for
+    them and lands its bytes: it raised TransferTimeout at twice timeout_s as under a hung stream.
+    When the copies then stop (the 9th never finishes until the test lets it), it raises
+    TransferTimeout a look after the last copy finished, not before."""
+    import threading
+    import time
+
+    import xxhash
+
+    from kvpool.errors import TransferTimeout
+
+    cpu_peer.fill(4)
+    dev = rt.alloc(MiB)
+    real_h2d, release, left = rt.copy_h2d, threading.Event(), [1 << 30]
+
+    def slow(dst: int, src: int, n: int) -> None:  # 0.1 s a copy; none after `left` more
+        left[0] -= 1
+        if left[0] < 0:
+            release.wait(20)
+        time.sleep(0.1)
+        real_h2d(dst, src, n)
+
+    monkeypatch.setattr(rt, "copy_h2d", slow)
+    with _gpu_engine(rt, protocol="tcp", timeout_s=0.5) as eng:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        seg = eng.open_segment(cpu_peer.segment)
+        bids = []
+        try:
+            for phase in range(2):
+                if phase:
+                    left[0] = 8
+                base = 17 * phase * 4096
+                bids.append(eng.allocate_batch_id(16))
+                offs = [base + k * 4096 for k in range(16)]
+                reqs = [TransferRequest(OpCode.READ, a + o, seg, cpu_peer.addr + o, 4096) for o in offs]
+                eng.submit_transfer(bids[-1], reqs)
+                time.sleep(0.05)  # its READs arrived: the staging thread copies them
+                t0 = time.monotonic()
+                last = base + 16 * 4096
+                if not phase:
+                    n = eng.transfer_sync(cpu_peer.segment, a + last, cpu_peer.addr + last, 4096, OpCode.READ)
+                    assert n == 4096 and time.monotonic() - t0 > 1.4  # it waited for the 16 copies ahead
+                    continue
+                with pytest.raises(TransferTimeout, match="did not finish within 0.5 s"):
+                    eng.transfer_sync(cpu_peer.segment, a + last, cpu_peer.addr + last, 4096, OpCode.READ)
+                assert 1.2 < time.monotonic() - t0 < 6  # 8 copies (0.8 s), then a look without one
+        finally:
+            release.set()
+        assert all(eng.wait_batch(b, 20).ok for b in bids)
+        deadline = time.monotonic() + 10
+        while eng.batches.deferred() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            eng.free_batch_id(eng.allocate_batch_id(1))  # frees the timed-out call's batch once done
+        assert eng.batches.deferred() == 0
+        assert xxhash.xxh3_64_hexdigest(dev.read()[: 34 * 4096]) == cpu_peer.checksum(0, 34 * 4096)

@@ -100,6 +100,7 @@ class CudaIpcTransport(Transport):
         self._spares = _Spares(driver)  # address tables and events of finished runs
         self._uuids = {driver.uuid(d): d for d in range(driver.count)}
         self._runs: collections.deque[_Run] = collections.deque()
+        self._completed = 0  # runs completed so far: the queue's position (see unbounded)
         self._cond = threading.Condition()
         self._gate = _Gate(self._cond, self._runs, registry)
         self._closed = False
@@ -290,9 +291,15 @@ class CudaIpcTransport(Transport):
     # ------------------------------------------------------------------ initiator side: submit
     def unbounded(self, batch_id: int) -> bool:
         """Whether a run of the batch is still queued or running on our streams (their copies end
-        only when the GPU stream does; a hung stream never ends them)."""
+        only when the GPU stream does) *and* no run completed since the previous call for this
+        batch (the first: since the run was queued): a hung stream. A run behind a long queue
+        whose runs ahead keep completing is not (runs complete in queue order)."""
         with self._cond:
-            return any(r.batch_id == batch_id for r in self._runs)
+            mine = [r for r in self._runs if r.batch_id == batch_id]
+            stuck = bool(mine) and mine[0].seen == self._completed  # the first: the others wait for it
+            for r in mine:
+                r.seen = self._completed
+            return stuck
 
     def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
         """Columns may be lists or numpy arrays (``batch_transfer_sync`` passes arrays through).
@@ -426,7 +433,7 @@ class CudaIpcTransport(Transport):
         if not self._alive(peer):
             peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
-        pins = self._pin(peer, used)
+        pins = peer.pin(used)
         try:
             first_gpu = self.registry.gpu_region(int(locs[0]), int(lens[0]))
             dev = (
@@ -448,7 +455,7 @@ class CudaIpcTransport(Transport):
             lens = np.ascontiguousarray(lens, dtype=_U64)
             first = self.native.reserve_slots_buf(batch_id, lens)
         except BaseException:
-            self._unpin(peer, pins)
+            peer.unpin(pins)
             raise
         stream = table = event = None
         try:
@@ -466,14 +473,15 @@ class CudaIpcTransport(Transport):
         except BaseException as exc:
             self._settle(stream)  # copies queued before the failure still read/write the mappings
             self._spares.give_back(dev, table, event)  # after _settle: the table's copy has run
-            self._unpin(peer, pins)
+            peer.unpin(pins)
             self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
             raise
         with peer.lock:
             peer.inflight += 1
         with self._cond:
             lo, hi = int(locs.min()), int((locs + lens).max())
-            self._runs.append(_Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi))
+            run = _Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi, self._completed)
+            self._runs.append(run)
             self._cond.notify()
 
     def _settle(self, stream: int | None) -> None:
@@ -490,25 +498,6 @@ class CudaIpcTransport(Transport):
             if peer.bufs[k].gpu:
                 return self._uuids.get(peer.bufs[k].uuid, 0)
         return 0
-
-    def _pin(self, peer: _Peer, used: list[int]) -> list[tuple[int, int]]:
-        """Pin the owner's fence slot of every remote buffer used, at its published generation."""
-        pins: list[tuple[int, int]] = []
-        for k in used:
-            b = peer.bufs[k]
-            if peer.fence is None or b.slot < 0 or not peer.fence.pin(b.slot, b.gen):
-                self._unpin(peer, pins)
-                raise RemoteAccessError(
-                    f"remote buffer {b.addr:#x}+{b.length} is no longer registered by its owner "
-                    "(unregistered or re-registered); refetch the segment and retry"
-                )
-            pins.append((b.slot, b.gen))
-        return pins
-
-    @staticmethod
-    def _unpin(peer: _Peer, pins: list[tuple[int, int]]) -> None:
-        for slot, _ in pins:
-            peer.fence.unpin(slot)
 
     @staticmethod
     def _alive(peer: _Peer) -> bool:
@@ -563,7 +552,7 @@ class CudaIpcTransport(Transport):
                 self.driver.event_sync(run.event)  # GIL released
             except KvpoolError as exc:
                 error = f"CUDA IPC copy failed: {exc}"
-            self._unpin(run.peer, run.pins)
+            run.peer.unpin(run.pins)
             if error is None and not self._alive(run.peer):
                 run.peer.gone = True
                 error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
@@ -576,6 +565,7 @@ class CudaIpcTransport(Transport):
                 run.peer.inflight -= 1
             with self._cond:
                 self._runs.popleft()
+                self._completed += 1
                 self._cond.notify_all()
 
     def _fail(self, batch_id: int, first: int, lens: Any, reason: str) -> None:

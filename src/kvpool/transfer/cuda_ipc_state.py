@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.errors import AddressNotRegistered
+from kvpool.errors import AddressNotRegistered, RemoteAccessError
 from kvpool.transfer.cuda_driver import CudaDriver
 from kvpool.transfer.memory import LocalRegistry, Registration
 
@@ -65,6 +65,26 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     gone: bool = False  # its exit was reported to a caller: the next open_segment re-fetches
 
+    def pin(self, used: list[int]) -> list[tuple[int, int]]:
+        """Pin the owner's fence slot of every remote buffer used (indices into ``bufs``), at its
+        published generation; RemoteAccessError (nothing left pinned) once one was unregistered.
+        Called by CudaIpcTransport before it queues a run; :meth:`unpin` when the run ended."""
+        pins: list[tuple[int, int]] = []
+        for k in used:
+            b = self.bufs[k]
+            if self.fence is None or b.slot < 0 or not self.fence.pin(b.slot, b.gen):
+                self.unpin(pins)
+                raise RemoteAccessError(
+                    f"remote buffer {b.addr:#x}+{b.length} is no longer registered by its owner "
+                    "(unregistered or re-registered); refetch the segment and retry"
+                )
+            pins.append((b.slot, b.gen))
+        return pins
+
+    def unpin(self, pins: list[tuple[int, int]]) -> None:
+        for slot, _ in pins:
+            self.fence.unpin(slot)
+
 
 @dataclass
 class _Run:
@@ -80,6 +100,7 @@ class _Run:
     dev: int
     lo: int = 0  # the local address range the copies touch: [lo, hi)
     hi: int = 0
+    seen: int = 0  # runs completed when it was queued or last asked about (CudaIpcTransport.unbounded)
 
 
 def _col(c: Any) -> np.ndarray:

@@ -137,7 +137,7 @@ class _Record:
     maps private slots to caller slots when WRITEs were cut into pieces (None: one to one);
     private slots from ``sent`` on were never submitted (``unsent``: why)."""
 
-    __slots__ = ("private", "batch_id", "base", "n", "entries", "owner", "sent", "unsent")
+    __slots__ = ("private", "batch_id", "base", "n", "entries", "owner", "sent", "unsent", "seen")
 
     def __init__(
         self,
@@ -158,6 +158,7 @@ class _Record:
         self.owner = owner
         self.sent = n if sent is None else sent
         self.unsent = unsent
+        self.seen = -1  # GpuStaging._progress when unbounded last saw it wait for our copies only
 
 
 class GpuStaging:
@@ -195,6 +196,7 @@ class GpuStaging:
         self._closing: list[tuple[int, int]] = []  # GPU ranges being unregistered: submits refused
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._progress = 0  # copies and submits the completion thread finished (see unbounded)
 
     @property
     def pool(self) -> StagingPool:
@@ -372,19 +374,27 @@ class GpuStaging:
         return None
 
     def unbounded(self, batch_id: int) -> bool:
-        """Whether staged requests of the caller's batch ``batch_id`` wait for nothing but our
-        completion thread's GPU copies (their inner transfer finished; a host-to-device copy on
-        a hung stream never ends). Called by the engine's synchronous transfers, only when their
-        wait outlived ``timeout_s`` (as a transport's ``unbounded``)."""
+        """Whether a staged submit of the caller's batch ``batch_id`` waited for nothing but our
+        completion thread's GPU copies (its inner transfer finished) at the previous call for this
+        batch and still does, and that thread finished no copy nor submit in between: a
+        host-to-device copy on a hung stream, which never ends. A submit queued behind other
+        submits' copies that keep finishing is not. Called by the engine's synchronous transfers,
+        every ``timeout_s`` their wait outlives (as a transport's ``unbounded``): the first call
+        that sees a submit waiting only notes the thread's position in it (``_Record.seen``), so
+        both answers are about the same submit."""
         with self._cond:
-            privates = [r.private for r in self._records if r.batch_id == batch_id]
-        for private in privates:
+            recs = [r for r in self._records if r.batch_id == batch_id]
+            now = self._progress
+        stuck = False
+        for rec in recs:
             try:
-                if not self._batches.pending(private):
-                    return True
+                waiting = not self._batches.pending(rec.private)
             except KvpoolError:
-                continue  # completed and freed meanwhile
-        return False
+                continue  # completed and freed meanwhile (its completion moved the position)
+            if waiting:
+                stuck = stuck or rec.seen == now
+                rec.seen = now
+        return stuck
 
     def close_range(self, start: int, end: int) -> None:
         """Called by unregister of GPU memory [start, end) before it goes: BatchInFlight while a
@@ -479,9 +489,11 @@ class GpuStaging:
                     except Exception as exc:  # noqa: BLE001 - runtime errors become the slot's reason
                         error = f"GPU staging copy (host to device) failed: {exc}"
                         state = TransferState.FAILED
+                    self._progress += 1  # only this thread writes it
                 self._release(e)
             nbytes = st.transferred_bytes if error is None or e is None else 0
             self._batches.finish(rec.batch_id, rec.base + k, nbytes, error, state)
+        self._progress += 1
         self._batches.free(rec.private)
 
     def _results(self, rec: _Record) -> list[TransferStatus]:

@@ -383,18 +383,18 @@ class SyncTransfers:
         their requests by their own deadlines (a big batch over a slow link may take longer than
         ``timeout_s`` and still succeed); GPU copies end only when their stream does. So a batch
         with a CUDA IPC run still queued or running ``timeout_s`` after the submit, or with a
-        staged request waiting ``timeout_s`` more for its host-to-device copy alone (a hung
-        stream: a transport's or the staging's ``unbounded``, asked every ``timeout_s``), raises
-        TransferTimeout; the caller frees it once those copies finish
+        staged request waiting ``timeout_s`` more for its host-to-device copy alone, where the
+        queue it waits in did not move meanwhile (a hung stream: a transport's or the staging's
+        ``unbounded``, asked every ``timeout_s``; a run behind a long queue whose runs ahead keep
+        completing is waited for), raises TransferTimeout; the caller frees it once those copies finish
         (``Batches.free_when_done``: freeing is refused while they run, and unregistering the
         memory waits for them or raises). ``exc``: the error of a submit that raised after part
         of the batch was queued (see :meth:`_settle`), named in the TransferTimeout."""
         timeout = self.config.timeout_s
         st = self.wait_batch(bid, timeout)
-        staged = False  # a staged request waited for its GPU copy alone at the last look
         while st.state == TransferState.PENDING:
-            was, staged = staged, self._staging.unbounded(bid)
-            hung = (was and staged) or any(t.unbounded(bid) for t in self._transports)
+            hung = self._staging.unbounded(bid)  # asked every time: it notes where it saw the batch
+            hung = any(t.unbounded(bid) for t in self._transports) or hung
             if hung and self.batches.pending(bid):
                 what = f"{exc}; and the requests queued before it" if exc else "GPU copies of this transfer"
                 raise TransferTimeout(

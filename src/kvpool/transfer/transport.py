@@ -159,10 +159,12 @@ class Transport(ABC):
 
     def unbounded(self, batch_id: int) -> bool:
         """Whether requests of batch ``batch_id`` that no deadline of this transport ends are
-        still queued or running here (GPU copies: a hung stream never finishes them). Called by
-        the engine's synchronous transfers, only when their wait outlived ``timeout_s``: True
-        makes them raise TransferTimeout instead of waiting on. Default False: the transport
-        ends every request by its own deadlines (FAILED/TIMEOUT)."""
+        still queued or running here (GPU copies: a hung stream never finishes them) *and* the
+        queue they wait in did not move since the previous call for this batch (the first call:
+        since they were queued); a queue whose requests ahead keep finishing is not hung. Called
+        by the engine's synchronous transfers, each time their wait outlived ``timeout_s`` more:
+        True makes them raise TransferTimeout instead of waiting on. Default False: the
+        transport ends every request by its own deadlines (FAILED/TIMEOUT)."""
         return False
 
     def transfer_inline(
