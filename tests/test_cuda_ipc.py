@@ -888,6 +888,54 @@ def test_sync_transfer_behind_a_long_moving_queue_waits_and_one_behind_a_stopped
         assert _sha(drv, g, 34 * 4096) == peer.ask(f"dump {r} {34 * 4096}")  # every run's bytes landed
 
 
+def test_sync_transfer_whose_two_staged_submits_wait_in_turn_is_hung_only_after_a_still_look(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_transfer_sync READs into our GPU buffer from the peer's plain host memory (staged),
+    its GPU memory (a CUDA IPC run) and its host memory again: one batch, two staged submits.
+    The first submit's host-to-device copy takes 0.6 s, the second's never ends until the test
+    lets it: the call raises TransferTimeout a whole timeout_s after the copies stopped moving
+    (1.5 s), not at the second look (1.0 s): the first look's answer (the first submit waits for
+    its copy alone) and the second's (the second one does) were about different submits, and
+    two such answers in a row counted as one copy stuck for timeout_s."""
+    import threading
+
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=0.5) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        assert peer.ask(f"fill {peer.host} 8192 3") == "ok"
+        assert peer.ask(f"fill {peer.gpu[0]} 4096 4") == "ok"
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096, OpCode.READ)  # opens the mapping
+        rt = eng.device_runtime
+        real_h2d, release, calls = rt.copy_h2d, threading.Event(), []
+
+        def h2d(dst: int, src: int, n: int) -> None:  # the first copy is slow, the second hangs
+            calls.append(n)
+            if len(calls) == 1:
+                time.sleep(0.6)
+            else:
+                release.wait(20)
+            real_h2d(dst, src, n)
+
+        monkeypatch.setattr(rt, "copy_h2d", h2d)
+        locs, rems = [g, g + 4096, g + 8192], [peer.host, peer.gpu[0], peer.host + 4096]
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(TransferTimeout, match="did not finish within 0.5 s"):
+                eng.batch_transfer_sync(peer.name, locs, rems, [4096] * 3, OpCode.READ)
+            took = time.monotonic() - t0
+        finally:
+            release.set()
+        assert len(calls) == 2 and 1.3 < took < 6, (calls, took)
+        (bid,) = eng.batches._deferred
+        assert eng.wait_batch(bid, 10).ok
+        for k, r in enumerate(rems):
+            assert _sha(drv, g + k * 4096, 4096) == peer.ask(f"dump {r} 4096")  # every part landed
+
+
 def test_the_unregister_gate_refuses_only_submits_touching_the_closed_range():
     """A submit whose ranges lie on both sides of a registration being unregistered (a KV cache
     batch over buffers A and C while B, between them, goes) is not refused nor waited for."""
