@@ -470,6 +470,59 @@ def test_a_fetch_ended_by_another_threads_interrupt_is_not_shared_with_its_waite
     assert len(got) == 2 and "interrupted" in got and any(x is handle for x in got), got
 
 
+def test_the_refetch_gate_remembers_at_most_max_names_even_all_inside_their_window() -> None:
+    """Three times MAX_NAMES segment names whose fetch fails, all inside their window (a flood of
+    names from a hostile peer or metadata store): the gate remembers at most MAX_NAMES of them
+    (it kept every one: only names whose window ended were dropped), the latest failures among
+    them (a call for one raises at once, fetching nothing), and never forgets a fetch in flight
+    (a caller of that name waits for its result instead of fetching again)."""
+    from kvpool.errors import SegmentNotFound
+    from kvpool.transfer.segments import RefetchGate
+
+    gate = RefetchGate(1.0)
+    gate.base_s = gate.cap_s = 600.0  # every window outlasts the test
+    entered, release, fetches = threading.Event(), threading.Event(), []
+    handle = object()
+
+    def slow():
+        entered.set()
+        release.wait(10)
+        return handle
+
+    def fail():
+        fetches.append(1)
+        raise SegmentNotFound("no such peer")
+
+    got: list[object] = []
+    leader = threading.Thread(target=lambda: got.append(gate.run("in-flight", slow)))  # type: ignore[arg-type]
+    leader.start()
+    assert entered.wait(5)
+    n = 3 * RefetchGate.MAX_NAMES
+    for k in range(n):
+        with pytest.raises(SegmentNotFound):
+            gate.run(f"peer-{k}:1", fail)  # type: ignore[arg-type]
+    assert len(fetches) == n
+    assert len(gate._state) <= RefetchGate.MAX_NAMES, len(gate._state)
+    with pytest.raises(SegmentNotFound, match="not asked for again"):
+        gate.run(f"peer-{n - 1}:1", fail)  # type: ignore[arg-type]  # the latest failure: remembered
+    assert len(fetches) == n
+    waiting = threading.Event()
+
+    class Watched(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()
+            return super().wait(timeout)
+
+    gate._state["in-flight"].flight.done = Watched()  # type: ignore[union-attr]  # still remembered
+    follower = threading.Thread(target=lambda: got.append(gate.run("in-flight", fail)))  # type: ignore[arg-type]
+    follower.start()
+    assert waiting.wait(5)
+    release.set()
+    leader.join(5)
+    follower.join(5)
+    assert got == [handle, handle] and len(fetches) == n  # the follower took the leader's result
+
+
 def test_a_range_registered_while_another_thread_fetches_the_descriptor_is_reached() -> None:
     """A thread is fetching the target's descriptor (read before the target registered a second
     buffer) when a WRITE into that buffer is refused by the cached one: the writer does not take

@@ -84,7 +84,7 @@ class RefetchGate:
     success. Used by :meth:`Segments._open`, in the caller's thread;
     no lock is held across a fetch."""
 
-    MAX_NAMES = 4096  # failed names remembered; past that, those whose window ended are dropped
+    MAX_NAMES = 4096  # names remembered (failed, or being fetched); see _make_room
 
     def __init__(self, connect_timeout_s: float, fetch_bound_s: float | None = None) -> None:
         self.base_s = min(1.0, connect_timeout_s)
@@ -107,7 +107,7 @@ class RefetchGate:
                 st = self._state.get(name)
                 if st is None:
                     if len(self._state) >= self.MAX_NAMES:
-                        self._prune()
+                        self._make_room()
                     st = self._state[name] = _Backoff()
                 flight = st.flight
                 if flight is None:
@@ -146,19 +146,30 @@ class RefetchGate:
     def _finish(self, name: str, st: _Backoff, flight: _Flight) -> None:
         err = flight.error
         with self._mu:
-            st.flight = None
+            st.flight = None  # (an entry with a flight is never forgotten: st is still _state[name])
             if isinstance(err, KvpoolError) and not isinstance(err, InvalidArgument):
                 st.delay = self.base_s if st.error is None else min(self.cap_s, 2 * st.delay)
                 st.error = copy.copy(err)
                 st.until = time.monotonic() + st.delay
+                self._state[name] = self._state.pop(name, st)  # last: _make_room forgets the oldest first
             elif err is None or st.error is None:
                 self._state.pop(name, None)  # fetched: the next failure starts a new window
         flight.done.set()
 
-    def _prune(self) -> None:
+    def _make_room(self) -> None:
+        """Called with ``_mu`` held when ``MAX_NAMES`` names are remembered (a peer's or a
+        hostile metadata store's flood of names that fail): forget those whose window ended,
+        then, while over three quarters of ``MAX_NAMES``, those that failed longest ago (their
+        window cut short: such a name is fetched again sooner), so that memory stays bounded
+        and a full scan happens once per ``MAX_NAMES // 4`` new names. Never a fetch in flight:
+        its callers wait for it (there are at most as many as threads fetching)."""
         now = time.monotonic()
         for k in [k for k, v in self._state.items() if v.flight is None and v.until <= now]:
             del self._state[k]
+        excess = len(self._state) - self.MAX_NAMES * 3 // 4
+        if excess > 0:
+            for k in [k for k, v in self._state.items() if v.flight is None][:excess]:
+                del self._state[k]
 
 
 class Segments:
