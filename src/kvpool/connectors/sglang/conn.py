@@ -6,8 +6,8 @@ heartbeats and aborts come from them); kvpool adds the data path:
 
 * each manager registers its KV buffers (per layer K then V), aux (metadata) buffers and state
   buffers with a :class:`kvpool.TransferEngine` (``KVPOOL_*`` environment variables configure it);
-* the decode side registers its buffer addresses with every prefill rank once, then sends each
-  request's destination pages;
+* the decode side registers its buffer addresses with every prefill rank once
+  (:mod:`kvpool.connectors.sglang.peers`), then sends each request's destination pages;
 * the prefill side pushes (RDMA-style WRITE): for every chunk one transfer batch holding every
   layer's K and V, contiguous page runs merged into single requests (runs contiguous on both
   sides), plus the aux rows on the last chunk; the status (with the failure reason) goes back to
@@ -57,6 +57,7 @@ from sglang.srt.environ import envs
 from kvpool.config import TransferConfig
 from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
+from kvpool.connectors.sglang.peers import REG_TAG, PeerArgs, parse_registration, registration_message
 from kvpool.connectors.sglang.rooms import PeerTable, RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable
 from kvpool.transfer.engine import TransferEngine
@@ -64,23 +65,7 @@ from kvpool.transfer.types import OpCode
 
 log = logging.getLogger("kvpool.connectors.sglang")
 
-REG_TAG = b"KVPOOL_REG"
 META_TAG = b"KVPOOL_META"
-
-
-@dataclass
-class PeerArgs:
-    """A decode rank's buffers, as registered with this prefill rank."""
-
-    session: str
-    kv_ptrs: list[int]
-    kv_item_lens: list[int]
-    aux_ptrs: list[int]
-    aux_item_lens: list[int]
-    engine_rank: int
-    attn_tp_size: int
-    page_size: int
-    incompatible: str | None = None
 
 
 @dataclass
@@ -213,20 +198,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
 
     # ------------------------------------------------------------------ decode -> prefill messages
     def build_receiver_registration_message(self) -> list[bytes]:
-        a = self.kv_args
-        body = {
-            "ip": self.local_ip,
-            "port": self.rank_port,
-            "session": self.session_id,
-            "kv_ptrs": list(map(int, a.kv_data_ptrs)),
-            "kv_item_lens": list(map(int, a.kv_item_lens)),
-            "aux_ptrs": list(map(int, a.aux_data_ptrs)),
-            "aux_item_lens": list(map(int, a.aux_item_lens)),
-            "engine_rank": int(a.engine_rank),
-            "attn_tp_size": int(self.attn_tp_size),
-            "page_size": int(getattr(a, "page_size", 0) or 0),
-        }
-        return [REG_TAG, msgpack.packb(body)]
+        """Called by SGLang's receiver once per prefill rank (:mod:`kvpool.connectors.sglang.peers`)."""
+        return registration_message(self)
 
     def build_receiver_metadata_message(
         self,
@@ -294,30 +267,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 log.exception("kvpool prefill: control message failed")
 
     def _on_register(self, b: dict[str, Any]) -> None:
-        peer = PeerArgs(
-            str(b["session"]),
-            list(b["kv_ptrs"]),
-            list(b["kv_item_lens"]),
-            list(b["aux_ptrs"]),
-            list(b["aux_item_lens"]),
-            int(b["engine_rank"]),
-            int(b["attn_tp_size"]),
-            int(b["page_size"]),
-        )
-        a = self.kv_args
-        if peer.attn_tp_size != self.attn_tp_size and not self.is_mla_backend:
-            peer.incompatible = (
-                "kvpool backend needs equal attention TP sizes for non-MLA models: "
-                f"prefill {self.attn_tp_size}, decode {peer.attn_tp_size}"
-            )
-        elif len(peer.kv_ptrs) != len(a.kv_data_ptrs) or list(peer.kv_item_lens) != list(
-            map(int, a.kv_item_lens)
-        ):
-            peer.incompatible = (
-                f"KV layout differs: prefill has {len(a.kv_data_ptrs)} buffers of "
-                f"{list(a.kv_item_lens)[:2]}... bytes per page, decode {len(peer.kv_ptrs)} of "
-                f"{peer.kv_item_lens[:2]}..."
-            )
+        peer = parse_registration(b, self)
         self.check_peer_aux_buffer_count(peer.session, len(peer.aux_ptrs))
         self.peers.put(peer.session, peer)
         if peer.incompatible:
