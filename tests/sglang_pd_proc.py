@@ -231,6 +231,27 @@ def prefill_bounds(port: int) -> None:
         time.sleep(0.01)
     res["peers"] = peers.sessions() if hasattr(peers, "sessions") else list(peers)
     res["peers_evicted"] = getattr(peers, "evicted", 0)
+    # Registrations this prefill cannot serve: another page size; another TP size with 200,000 KV
+    # buffer addresses; aux rows shorter than the prefill's. Kept: their session and why.
+    good = {"ip": "127.0.0.1", "port": status_port, "kv_ptrs": [0] * len(bufs), "engine_rank": 0,
+            "kv_item_lens": [item] * len(bufs), "aux_ptrs": [0] * len(aux),
+            "aux_item_lens": list(AUX_ITEMS), "attn_tp_size": 1, "page_size": PAGE}  # fmt: skip
+    bad = {
+        "bad-page": {"page_size": PAGE * 2},
+        "bad-tp": {"attn_tp_size": 2, "kv_ptrs": [1] * 200_000},
+        "bad-aux": {"aux_item_lens": [AUX_ITEMS[0], AUX_ITEMS[1] - 1]},
+    }
+    for session, change in bad.items():
+        push.send_multipart([b"KVPOOL_REG", msgpack.packb(dict(good, session=session, **change))])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10 and peers.get("bad-aux") is None:
+        time.sleep(0.01)
+    res["refused_peers"] = {
+        s: [len(vars(peers.get(s))), len(getattr(peers.get(s), "kv_ptrs", ())), peers.get(s).incompatible]
+        for s in bad
+    }
+    meta(400, "bad-page")  # a room of a refused decode rank fails with the reason
+    res["refused_room"] = statuses(1)
     out(event="bounds", **res)
     push.close(0)
     status.close(0)

@@ -373,7 +373,8 @@ def test_bootstrap_auth_without_a_secret_signs_and_checks_nothing() -> None:
 def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch: pytest.MonkeyPatch) -> None:
     """Metadata beyond a room's decode ranks, beyond the room limit, and rooms no request claims
     within the TTL: refused (the decode rank gets Failed with the reason) or dropped, never kept;
-    decode registrations beyond KVPOOL_SGLANG_MAX_PEERS evict the oldest."""
+    decode registrations beyond KVPOOL_SGLANG_MAX_PEERS evict the oldest; registrations the
+    prefill cannot serve are refused, their session and reason kept, nothing more."""
     monkeypatch.setenv("KVPOOL_SGLANG_MAX_ROOMS", "4")
     monkeypatch.setenv("KVPOOL_SGLANG_ROOM_TTL_S", "2")
     monkeypatch.setenv("KVPOOL_SGLANG_MAX_PEERS", "3")
@@ -394,6 +395,16 @@ def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch
     assert got["refused"] == 4 and got["evicted"] == 3
     # 5 decode ranks registered with at most 3 kept: the 2 registered first were evicted.
     assert got["peers"] == ["p2", "p3", "p4"] and got["peers_evicted"] == 2
+    # Registrations the prefill cannot serve are refused at registration: only their session and
+    # the reason are kept (the old code kept them whole, 200,000 addresses, and took another page
+    # size), and a room of theirs fails on the decode's side with the reason.
+    refused = got["refused_peers"]
+    assert {s: r[:2] for s, r in refused.items()} == {"bad-page": [2, 0], "bad-tp": [2, 0], "bad-aux": [2, 0]}
+    assert "page sizes differ: prefill 16 tokens per page, decode 32" in refused["bad-page"][2]
+    assert "equal attention TP sizes" in refused["bad-tp"][2] and len(refused["bad-tp"][2]) <= 512
+    assert "aux (metadata) buffer 1 differs: prefill rows of 64 bytes, decode 63" in refused["bad-aux"][2]
+    assert [r[:2] for r in got["refused_room"]] == [[400, FAILED]]
+    assert "page sizes differ" in got["refused_room"][0][2]
 
 
 def test_peer_table_evicts_the_registration_unused_longest() -> None:

@@ -266,12 +266,16 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             except Exception:  # noqa: BLE001 - a bad message must not kill the control thread
                 log.exception("kvpool prefill: control message failed")
 
-    def _on_register(self, b: dict[str, Any]) -> None:
+    def _on_register(self, b: Any) -> None:
+        """A decode rank's registration (:mod:`kvpool.connectors.sglang.peers`): kept whole when
+        this rank can serve it, else refused, only its session and the reason kept."""
         peer = parse_registration(b, self)
-        self.check_peer_aux_buffer_count(peer.session, len(peer.aux_ptrs))
+        if peer is None:
+            log.error("kvpool prefill: a decode registration without a usable session dropped")
+            return
         self.peers.put(peer.session, peer)
         if peer.incompatible:
-            log.error("kvpool prefill: decode %s: %s", peer.session, peer.incompatible)
+            log.error("kvpool prefill: decode %s refused: %s", peer.session, peer.incompatible)
 
     def _on_metadata(self, b: dict[str, Any]) -> None:
         room = int(b["room"])
@@ -293,6 +297,11 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         peer = self.peers.get(info.session)
         if peer is not None and peer.incompatible and not info.is_dummy:
             self.transfer_infos.setdefault(room, {})[info.session] = info
+            if room not in self.request_status:  # no request holds it yet: no conclusion sent
+                target, why = [(info.endpoint, info.dst_port)], peer.incompatible
+                self.send_kv_status_message(
+                    targets=target, bootstrap_room=room, status=KVPoll.Failed, failure_reason=why
+                )
             self.conclude_failure(bootstrap_room=room, failure_reason=peer.incompatible)
             return
         infos = self.transfer_infos.setdefault(room, {})
