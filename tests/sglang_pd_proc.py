@@ -4,7 +4,8 @@ plugin, kvpool's manager/sender/receiver, KV laid out as SGLang's MHATokenToKVPo
 (per layer one K and one V buffer of ``(pages * page_size, kv_heads, head_dim)`` bf16, one page
 per ``item_len``) plus aux rows. Prints JSON lines.
 
-    python tests/sglang_pd_proc.py prefill|prefill-bounds|decode|decode-badaddr <bootstrap_port> <scenario>
+    python tests/sglang_pd_proc.py prefill|prefill-bounds|bootstrap|decode|decode-badaddr \\
+        <bootstrap_port> <scenario>
 """
 
 from __future__ import annotations
@@ -258,6 +259,22 @@ def prefill_bounds(port: int) -> None:
     server.close()
 
 
+def bootstrap(port: int) -> None:
+    """Only a bootstrap server (kvpool's, through the plugin), until killed."""
+    _, backend, get_kv_class, T, *_ = setup("prefill", port)
+    import urllib.request
+
+    server = get_kv_class(backend, T.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    for _ in range(600):  # it serves from a thread of its own: ready once it answers
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                break
+        except OSError:
+            time.sleep(0.1)
+    out(event="ready", server=type(server).__name__)
+    time.sleep(600)
+
+
 def decode(port: int, scenario: str, bad: bool) -> None:
     from sglang.srt.disaggregation.base import KVPoll
 
@@ -313,5 +330,7 @@ if __name__ == "__main__":
         prefill(port, scenario)
     elif role == "prefill-bounds":
         prefill_bounds(port)
+    elif role == "bootstrap":
+        bootstrap(port)
     else:
         decode(port, scenario, bad=role == "decode-badaddr")

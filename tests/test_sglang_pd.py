@@ -289,7 +289,8 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
     roles: list[Role], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With KVPOOL_SECRET the bootstrap server refuses rank and DP-rank registrations that are
-    unsigned (401), signed with another secret or replayed (403): a forged registration of the
+    unsigned (401), signed with another secret, for another bootstrap server or replayed (403): a
+    forged registration of the
     prefill's rank 0 pointing at this test's socket is not what decodes read, and the decode's
     room is served by the real rank (which registered signed); a registration signed with the
     secret is accepted."""
@@ -317,17 +318,28 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
     body = json.dumps(row).encode()
 
     good, forger = BootstrapAuth(secret), BootstrapAuth("another secret")
+    url = f"http://127.0.0.1:{port}"
     try:
         assert _http(port, "PUT", "/route", body, {"Content-Type": "application/json"})[0] == 401
-        assert _http(port, "PUT", "/route", body, forger.headers("PUT", "/route", body))[0] == 403
+        assert _http(port, "PUT", "/route", body, forger.headers("PUT", url + "/route", body))[0] == 403
         assert _http(port, "PUT", "/route", body, {AUTH_HEADER: "zz"})[0] == 401
         # A signed registration's MAC covers the body: another rank_port under it is refused.
         other = json.dumps(dict(row, rank_port=trap_port + 1)).encode()
-        assert _http(port, "PUT", "/route", other, good.headers("PUT", "/route", body))[0] == 403
+        assert _http(port, "PUT", "/route", other, good.headers("PUT", url + "/route", body))[0] == 403
         assert _http(port, "GET", rank0) == (200, {"rank_ip": "127.0.0.1", "rank_port": rank_port})
-        # Signed with the secret: accepted (as rank 1's), once.
+        # A registration signed with the secret for another prefill instance's bootstrap server,
+        # accepted there and captured on its way: not for this one, whose replay window never saw it.
         rank1 = json.dumps(dict(row, attn_tp_rank=1)).encode()
-        headers = good.headers("PUT", "/route", rank1)
+        other_port = free_port()
+        b = Role("bootstrap", other_port, "auth")
+        roles.append(b)
+        b.wait_for("ready")
+        elsewhere = good.headers("PUT", f"http://127.0.0.1:{other_port}/route", rank1)
+        assert _http(other_port, "PUT", "/route", rank1, elsewhere) == (200, "OK")
+        status, reason = _http(port, "PUT", "/route", rank1, elsewhere)
+        assert status == 403 and "bad MAC" in reason
+        # Signed with the secret: accepted (as rank 1's), once.
+        headers = good.headers("PUT", url + "/route", rank1)
         assert _http(port, "PUT", "/route", rank1, headers) == (200, "OK")
         assert _http(port, "PUT", "/route", rank1, headers)[0] == 403  # replayed
         got = _http(port, "GET", rank0.replace("target_tp_rank=0", "target_tp_rank=1"))
@@ -338,7 +350,7 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
             json.dumps({"bootstrap_room": 78, "dp_rank": 0}),
         )
         assert _http(port, "POST", "/register_dp_rank", dp78.encode())[0] == 401
-        headers = good.headers("POST", "/register_dp_rank", dp77.encode())
+        headers = good.headers("POST", url + "/register_dp_rank", dp77.encode())
         assert _http(port, "POST", "/register_dp_rank", dp77.encode(), headers) == (200, "OK")
         assert _http(port, "POST", "/query_dp_ranks", {"bootstrap_rooms": [77, 78]}) == (200, {"77": 0})
         d = Role("decode", port, "auth")
@@ -349,7 +361,7 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
         assert got["status"] == SUCCESS, got["reason"]
         done = p.wait_for("done", room=1)
         assert done["status"] == SUCCESS
-        assert done["bootstrap_dropped"] == {"unsigned": 3, "bad MAC": 2, "replayed": 1}
+        assert done["bootstrap_dropped"] == {"unsigned": 3, "bad MAC": 3, "replayed": 1}
         assert trap.poll(500) == 0  # no decode sent anything to the forged rank
     finally:
         trap.close(0)
@@ -357,17 +369,48 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
 
 
 def test_bootstrap_auth_without_a_secret_signs_and_checks_nothing() -> None:
-    from kvpool.connectors.sglang.bootstrap_auth import AUTH_HEADER, BootstrapAuth
+    from kvpool.connectors.sglang.bootstrap_auth import AUTH_HEADER, BootstrapAuth, server_id
 
     plain, signer = BootstrapAuth(None), BootstrapAuth("s")
-    assert plain.headers("PUT", "/route", b"{}") == {"Content-Type": "application/json"}
-    assert plain.check("PUT", "/route", b"{}", None) is None
-    headers = signer.headers("PUT", "/route", b"{}")
+    url, me = "http://10.0.0.1:8998/route", [b"10.0.0.1:8998"]
+    assert plain.headers("PUT", url, b"{}") == {"Content-Type": "application/json"}
+    assert plain.check("PUT", "/route", b"{}", None, me) is None
+    headers = signer.headers("PUT", url, b"{}")
     assert len(headers[AUTH_HEADER]) == 2 * 56
-    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER]) is None
+    assert server_id(url) == me[0] and server_id("http://[::0:1]/x") == b"[::1]:80"
+    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER], me) is None
     # Method and path are signed too.
-    assert BootstrapAuth("s").check("POST", "/route", b"{}", headers[AUTH_HEADER])[0] == 403
-    assert BootstrapAuth("s").check("PUT", "/route", b"{}", None)[0] == 401
+    assert BootstrapAuth("s").check("POST", "/route", b"{}", headers[AUTH_HEADER], me)[0] == 403
+    assert BootstrapAuth("s").check("PUT", "/route", b"{}", None, me)[0] == 401
+    # Sealed for 10.0.0.1:8998: refused by a server of other names, whose reason names them when
+    # the request was addressed to a name that is not its own.
+    refused = BootstrapAuth("s").check(
+        "PUT", "/route", b"{}", headers[AUTH_HEADER], [b"10.0.0.2:8998"], me[0]
+    )
+    assert refused is not None and refused[0] == 403
+    assert (
+        "addressed to 10.0.0.1:8998, which is not one of this server's names ['10.0.0.2:8998']" in refused[1]
+    )
+    two = [b"10.0.0.2:8998", b"10.0.0.1:8998"]
+    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER], two) is None
+
+
+def test_bootstrap_server_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names a bootstrap server accepts registrations sealed for: where the connection came in,
+    its bind address unless a wildcard, and KVPOOL_SGLANG_BOOTSTRAP_NAMES."""
+    from kvpool.connectors.sglang.bootstrap_auth import server_names
+
+    monkeypatch.delenv("KVPOOL_SGLANG_BOOTSTRAP_NAMES", raising=False)
+    assert server_names("0.0.0.0", 8998, ("127.0.0.1", 8998)) == [b"127.0.0.1:8998"]
+    assert server_names("::", 8998, ("::ffff:10.0.0.5", 8998, 0, 0)) == [b"10.0.0.5:8998"]
+    assert server_names("Prefill-A", 8998, ("10.0.0.5", 8998)) == [b"10.0.0.5:8998", b"prefill-a:8998"]
+    monkeypatch.setenv("KVPOOL_SGLANG_BOOTSTRAP_NAMES", "svc.ns:30998, [::1]:9000 ,gw,")
+    assert server_names("10.0.0.5", 8998, None) == [
+        b"10.0.0.5:8998",
+        b"svc.ns:30998",
+        b"[::1]:9000",
+        b"gw:8998",
+    ]
 
 
 def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch: pytest.MonkeyPatch) -> None:

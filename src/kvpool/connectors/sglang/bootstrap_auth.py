@@ -11,30 +11,42 @@ rank that never sends.
 With a cluster secret (``KVPOOL_SECRET``) the prefill side signs what it registers: the
 ``X-Kvpool-Auth`` header carries, hex-encoded, the trailer of
 :mod:`kvpool.connectors.sglang.control_auth` (sender, counter, time, HMAC-SHA256) over the frames
-``method | path | body``, with a key derived from the secret and :data:`PURPOSE` and an empty
-receiver (the instance's one bootstrap server). The server
-refuses a registration whose header is missing (HTTP 401), whose MAC is wrong, whose time is more
-than ``KVPOOL_SGLANG_AUTH_WINDOW_S`` off, or that it already accepted (HTTP 403); refusals are
-counted (:attr:`BootstrapAuth.dropped`) and logged at most every 10 s, and change nothing, so the
-reads decodes make return only what authenticated prefills registered. Without a secret nothing
-is signed or checked (a warning says so once per process). Reads (``GET /route``,
-``/query_dp_ranks``, ``/health``) stay open: they return addresses, no secrets.
+``method | path | body``, with a key derived from the secret and :data:`PURPOSE`, sealed for the
+receiver ``host:port`` of the URL the registration is sent to (:func:`server_id`, normalized as
+``control_auth.endpoint_id``). The server accepts only registrations sealed for one of its own
+names (:func:`server_names`): the address the connection came in on (its IP and port), the host
+and port it was started with (unless a wildcard address), and the ``host:port`` names in
+``KVPOOL_SGLANG_BOOTSTRAP_NAMES`` (comma-separated: the names it is reached by through DNS names
+other than its bind host, NAT or port mappings). So a registration captured on its way to one
+prefill instance's bootstrap server fails the MAC at any other.
+
+The server refuses a registration whose header is missing (HTTP 401), whose MAC is wrong (also:
+sealed for another server; the reason names the server's names when the request's ``Host`` is
+not one of them), whose time is more than ``KVPOOL_SGLANG_AUTH_WINDOW_S`` off, or that it already
+accepted (HTTP 403); refusals are counted (:attr:`BootstrapAuth.dropped`) and logged at most every
+10 s, and change nothing, so the reads decodes make return only what authenticated prefills
+registered. Without a secret nothing is signed or checked (a warning says so once per process).
+Reads (``GET /route``, ``/query_dp_ranks``, ``/health``) stay open: they return addresses, no
+secrets.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from collections.abc import Sequence
+from ipaddress import ip_address
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvpool.config import TransferConfig
-from kvpool.connectors.sglang.control_auth import TRAILER_LEN, ControlAuth
+from kvpool.connectors.sglang.control_auth import TRAILER_LEN, ControlAuth, endpoint_id
 
 log = logging.getLogger("kvpool.connectors.sglang")
 
-PURPOSE = b"kvpool-sglang-bootstrap-v1"
+PURPOSE = b"kvpool-sglang-bootstrap-v2"
 AUTH_HEADER = "X-Kvpool-Auth"
 _WARNING = (
     "kvpool SGLang backend: the bootstrap server's registrations are unauthenticated (no "
@@ -48,6 +60,35 @@ def secret_from_env() -> str | None:
     return TransferConfig.from_env().secret
 
 
+def server_id(url: str) -> bytes:
+    """The receiver id a registration sent to ``url`` is sealed for: its ``host:port`` (port 80
+    when the URL names none), as :func:`~kvpool.connectors.sglang.control_auth.endpoint_id`."""
+    parts = urlsplit(url)
+    return endpoint_id(parts.hostname or "", parts.port or 80)
+
+
+def server_names(host: str, port: int, sockname: Any = None) -> list[bytes]:
+    """The receiver ids a bootstrap server started on ``host``:``port`` accepts registrations
+    sealed for: the address a connection came in on (``sockname``, its socket's local address),
+    ``host``:``port`` unless ``host`` is a wildcard, and ``KVPOOL_SGLANG_BOOTSTRAP_NAMES``."""
+    names = []
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        try:
+            ip = ip_address(str(sockname[0]).split("%", 1)[0])
+            if ip.version == 6 and ip.ipv4_mapped is not None:  # a dual-stack socket's IPv4 peer
+                ip = ip.ipv4_mapped
+            names.append(endpoint_id(ip.compressed, int(sockname[1])))
+        except ValueError:
+            pass
+    if host and host not in ("0.0.0.0", "::", "[::]"):
+        names.append(endpoint_id(host, port))
+    for name in map(str.strip, os.environ.get("KVPOOL_SGLANG_BOOTSTRAP_NAMES", "").split(",")):
+        if name:  # host:port (an IPv6 address in brackets), or a host (this server's port)
+            h, colon, p = name.rpartition(":")
+            names.append(endpoint_id(h, p) if colon and h and p.isdigit() else endpoint_id(name, port))
+    return list(dict.fromkeys(names))
+
+
 class BootstrapAuth:
     """Signs (prefill managers, any thread) and checks (the bootstrap server's event loop, one
     thread) bootstrap registrations."""
@@ -59,25 +100,41 @@ class BootstrapAuth:
         self.enabled = self.auth.enabled
         self.dropped = self.auth.dropped  # why -> refused registrations
 
-    def headers(self, method: str, path: str, body: bytes) -> dict[str, str]:
-        """HTTP headers of a JSON request carrying ``body`` (signed when there is a secret)."""
+    def headers(self, method: str, url: str, body: bytes) -> dict[str, str]:
+        """HTTP headers of a JSON request carrying ``body`` to ``url`` (signed for the server
+        there when there is a secret)."""
         headers = {"Content-Type": "application/json"}
         if self.enabled:
-            trailer = self.auth.seal([method.upper().encode(), path.encode(), body])[-1]
-            headers[AUTH_HEADER] = trailer.hex()
+            frames = [method.upper().encode(), urlsplit(url).path.encode(), body]
+            headers[AUTH_HEADER] = self.auth.seal(frames, server_id(url))[-1].hex()
         return headers
 
-    def check(self, method: str, path: str, body: bytes, header: str | None) -> tuple[int, str] | None:
-        """None when the request may be acted on, else (HTTP status, reason)."""
+    def check(
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        header: str | None,
+        names: Sequence[bytes],
+        addressed: bytes | None = None,
+    ) -> tuple[int, str] | None:
+        """None when the request may be acted on, else (HTTP status, reason). ``names``: the
+        server's (:func:`server_names`); ``addressed``: the id of the request's ``Host`` (only
+        to say why a MAC failed)."""
         try:
             trailer = bytes.fromhex(header or "")
         except ValueError:
             trailer = b""
         if len(trailer) != TRAILER_LEN:
             trailer = b""  # counted as unsigned
-        _, why = self.auth.check([method.upper().encode(), path.encode(), body, trailer])
+        _, why = self.auth.check([method.upper().encode(), path.encode(), body, trailer], names)
         if why is None:
             return None
+        if why == "bad MAC" and addressed is not None and addressed not in names:
+            why += (
+                f"; addressed to {addressed.decode(errors='replace')[:300]}, which is not one of this "
+                f"server's names {[n.decode() for n in names]} (add it to KVPOOL_SGLANG_BOOTSTRAP_NAMES)"
+            )
         return (401 if why == "unsigned" else 403), f"kvpool bootstrap: registration refused ({why})"
 
 
@@ -87,7 +144,7 @@ def send_json(auth: BootstrapAuth, method: str, url: str, payload: Any, timeout_
 
     body = json.dumps(payload).encode()
     return requests.request(
-        method, url, data=body, headers=auth.headers(method, urlsplit(url).path, body), timeout=timeout_s
+        method, url, data=body, headers=auth.headers(method, url, body), timeout=timeout_s
     )
 
 

@@ -15,6 +15,8 @@ from kvpool.connectors.sglang.bootstrap_auth import (
     register_row,
     secret_from_env,
     send_json,
+    server_id,
+    server_names,
 )
 
 log = logging.getLogger("kvpool.connectors.sglang")
@@ -75,8 +77,14 @@ class KvpoolKVBootstrapServer(CommonKVBootstrapServer):
     async def _refusal(self, request: web.Request) -> web.Response | None:
         """The response refusing a registration, or None when it is authenticated (event loop)."""
         body = await request.read()  # cached: SGLang's handler reads it again
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        names = server_names(self.host, self.port, sock)  # sealed for any of them: accepted
+        try:
+            addressed = server_id(f"http://{request.host}/")
+        except ValueError:  # an unparsable Host: only the reason lacks it
+            addressed = None
         refused = self.bootstrap_auth.check(
-            request.method, request.path, body, request.headers.get(AUTH_HEADER)
+            request.method, request.path, body, request.headers.get(AUTH_HEADER), names, addressed
         )
         return None if refused is None else web.Response(status=refused[0], text=refused[1])
 

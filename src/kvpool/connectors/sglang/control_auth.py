@@ -160,10 +160,13 @@ class ControlAuth:
         """The message without its trailer, or None when it must be dropped (counted and logged)."""
         return self.check(frames)[0]
 
-    def check(self, frames: Sequence[bytes]) -> tuple[list[bytes] | None, str | None]:
+    def check(
+        self, frames: Sequence[bytes], receivers: Sequence[bytes] | None = None
+    ) -> tuple[list[bytes] | None, str | None]:
         """(the message without its trailer, None), or (None, why it was dropped: "unsigned",
         "bad MAC" (also: sealed for another receiver), "stale (clock skew or replay)" or
-        "replayed"; counted and logged)."""
+        "replayed"; counted and logged). ``receivers``: the ids it may be sealed for (default:
+        this manager's own)."""
         frames = list(frames)
         if not self.enabled:
             return frames, None
@@ -171,7 +174,8 @@ class ControlAuth:
             return None, self._drop("unsigned")
         trailer, body = bytes(frames[-1]), [bytes(f) for f in frames[:-1]]
         header, mac = trailer[: _HEADER.size], trailer[_HEADER.size :]
-        if not hmac.compare_digest(mac, self._mac(self.receiver, header, body)):
+        ids = (self.receiver,) if receivers is None else receivers
+        if not any(hmac.compare_digest(mac, self._mac(r, header, body)) for r in ids):
             return None, self._drop("bad MAC")
         sender, counter, sent_ms = _HEADER.unpack(header)
         now_ms = int(self._clock() * 1000)
