@@ -325,7 +325,9 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
         assert _http(port, "PUT", "/route", body, {AUTH_HEADER: "zz"})[0] == 401
         # A signed registration's MAC covers the body: another rank_port under it is refused.
         other = json.dumps(dict(row, rank_port=trap_port + 1)).encode()
-        assert _http(port, "PUT", "/route", other, good.headers("PUT", url + "/route", body))[0] == 403
+        nonce = good.server_nonce(url)  # this server's challenge
+        assert len(nonce) == 16
+        assert _http(port, "PUT", "/route", other, good.headers("PUT", url + "/route", body, nonce))[0] == 403
         assert _http(port, "GET", rank0) == (200, {"rank_ip": "127.0.0.1", "rank_port": rank_port})
         # A registration signed with the secret for another prefill instance's bootstrap server,
         # accepted there and captured on its way: not for this one, whose replay window never saw it.
@@ -334,12 +336,13 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
         b = Role("bootstrap", other_port, "auth")
         roles.append(b)
         b.wait_for("ready")
-        elsewhere = good.headers("PUT", f"http://127.0.0.1:{other_port}/route", rank1)
+        there = f"http://127.0.0.1:{other_port}/route"
+        elsewhere = good.headers("PUT", there, rank1, good.server_nonce(there))
         assert _http(other_port, "PUT", "/route", rank1, elsewhere) == (200, "OK")
         status, reason = _http(port, "PUT", "/route", rank1, elsewhere)
         assert status == 403 and "bad MAC" in reason
         # Signed with the secret: accepted (as rank 1's), once.
-        headers = good.headers("PUT", url + "/route", rank1)
+        headers = good.headers("PUT", url + "/route", rank1, nonce)
         assert _http(port, "PUT", "/route", rank1, headers) == (200, "OK")
         assert _http(port, "PUT", "/route", rank1, headers)[0] == 403  # replayed
         got = _http(port, "GET", rank0.replace("target_tp_rank=0", "target_tp_rank=1"))
@@ -350,7 +353,7 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
             json.dumps({"bootstrap_room": 78, "dp_rank": 0}),
         )
         assert _http(port, "POST", "/register_dp_rank", dp78.encode())[0] == 401
-        headers = good.headers("POST", url + "/register_dp_rank", dp77.encode())
+        headers = good.headers("POST", url + "/register_dp_rank", dp77.encode(), nonce)
         assert _http(port, "POST", "/register_dp_rank", dp77.encode(), headers) == (200, "OK")
         assert _http(port, "POST", "/query_dp_ranks", {"bootstrap_rooms": [77, 78]}) == (200, {"77": 0})
         d = Role("decode", port, "auth")
@@ -368,6 +371,40 @@ def test_bootstrap_registrations_are_authenticated_with_a_secret(
         ctx.term()
 
 
+def test_a_restarted_bootstrap_server_refuses_registrations_sealed_before(
+    roles: list[Role], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration is sealed with the nonce the bootstrap server draws at each start: one
+    captured before a restart is refused by the restarted server (whose replay window, kept in
+    memory, never saw it; it was accepted once before); a signer whose kept nonce went stale
+    fetches it again and is accepted."""
+    from kvpool.connectors.sglang.bootstrap_auth import BootstrapAuth, send_json
+
+    monkeypatch.setenv("KVPOOL_SECRET", "restart-secret")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/route"
+    row = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+           "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+           "rank_ip": "127.0.0.1", "rank_port": 4242, "page_size": 16, "kv_cache_dtype": "bf16"}  # fmt: skip
+    body, signer = json.dumps(row).encode(), BootstrapAuth("restart-secret")
+    first = Role("bootstrap", port, "auth")
+    roles.append(first)
+    first.wait_for("ready")
+    before = signer.server_nonce(url)
+    captured = signer.headers("PUT", url, body, before)
+    assert _http(port, "PUT", "/route", body, captured) == (200, "OK")
+    assert _http(port, "PUT", "/route", body, captured)[0] == 403  # replayed
+    first.kill()
+    again = Role("bootstrap", port, "auth")
+    roles.append(again)
+    again.wait_for("ready")
+    status, reason = _http(port, "PUT", "/route", body, captured)
+    assert status == 403 and "bad MAC" in reason
+    assert signer.server_nonce(url) == before  # kept: stale now
+    r = send_json(signer, "PUT", url, row)  # refused with the stale nonce, sealed anew: accepted
+    assert (r.status_code, r.text) == (200, "OK") and signer.server_nonce(url) not in (before, b"")
+
+
 def test_bootstrap_auth_without_a_secret_signs_and_checks_nothing() -> None:
     from kvpool.connectors.sglang.bootstrap_auth import AUTH_HEADER, BootstrapAuth, server_id
 
@@ -375,24 +412,26 @@ def test_bootstrap_auth_without_a_secret_signs_and_checks_nothing() -> None:
     url, me = "http://10.0.0.1:8998/route", [b"10.0.0.1:8998"]
     assert plain.headers("PUT", url, b"{}") == {"Content-Type": "application/json"}
     assert plain.check("PUT", "/route", b"{}", None, me) is None
-    headers = signer.headers("PUT", url, b"{}")
+    checker = BootstrapAuth("s")  # a server: its nonce
+    headers = signer.headers("PUT", url, b"{}", checker.nonce)
     assert len(headers[AUTH_HEADER]) == 2 * 56
     assert server_id(url) == me[0] and server_id("http://[::0:1]/x") == b"[::1]:80"
-    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER], me) is None
+    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER], me)[0] == 403  # other nonce
+    assert checker.check("PUT", "/route", b"{}", headers[AUTH_HEADER], me) is None
+    assert checker.check("PUT", "/route", b"{}", headers[AUTH_HEADER], me)[1].endswith("(replayed)")
+    headers = signer.headers("PUT", url, b"{}", checker.nonce)
     # Method and path are signed too.
-    assert BootstrapAuth("s").check("POST", "/route", b"{}", headers[AUTH_HEADER], me)[0] == 403
+    assert checker.check("POST", "/route", b"{}", headers[AUTH_HEADER], me)[0] == 403
     assert BootstrapAuth("s").check("PUT", "/route", b"{}", None, me)[0] == 401
     # Sealed for 10.0.0.1:8998: refused by a server of other names, whose reason names them when
     # the request was addressed to a name that is not its own.
-    refused = BootstrapAuth("s").check(
-        "PUT", "/route", b"{}", headers[AUTH_HEADER], [b"10.0.0.2:8998"], me[0]
-    )
+    refused = checker.check("PUT", "/route", b"{}", headers[AUTH_HEADER], [b"10.0.0.2:8998"], me[0])
     assert refused is not None and refused[0] == 403
     assert (
         "addressed to 10.0.0.1:8998, which is not one of this server's names ['10.0.0.2:8998']" in refused[1]
     )
     two = [b"10.0.0.2:8998", b"10.0.0.1:8998"]
-    assert BootstrapAuth("s").check("PUT", "/route", b"{}", headers[AUTH_HEADER], two) is None
+    assert checker.check("PUT", "/route", b"{}", headers[AUTH_HEADER], two) is None
 
 
 def test_bootstrap_server_names(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,9 +11,17 @@ rank that never sends.
 With a cluster secret (``KVPOOL_SECRET``) the prefill side signs what it registers: the
 ``X-Kvpool-Auth`` header carries, hex-encoded, the trailer of
 :mod:`kvpool.connectors.sglang.control_auth` (sender, counter, time, HMAC-SHA256) over the frames
-``method | path | body``, with a key derived from the secret and :data:`PURPOSE`, sealed for the
-receiver ``host:port`` of the URL the registration is sent to (:func:`server_id`, normalized as
-``control_auth.endpoint_id``). The server accepts only registrations sealed for one of its own
+``method | path | body | nonce``, with a key derived from the secret and :data:`PURPOSE`, sealed
+for the receiver ``host:port`` of the URL the registration is sent to (:func:`server_id`,
+normalized as ``control_auth.endpoint_id``). ``nonce`` is the server's challenge: 16 random bytes
+drawn at each start of the server, which it hands out, hex-encoded, at ``GET`` :data:`NONCE_PATH`
+(open, as the reads: it is no secret); a prefill fetches it before it signs and keeps it
+(:meth:`BootstrapAuth.server_nonce`), and fetches it again and re-signs once when a registration
+is refused (:func:`send_json`). A restarted server has a new nonce, so a registration captured
+before the restart fails its MAC although the new server's replay window (in memory) never saw
+it; clocks play no part in that. SGLang's Rust server answers 404 there: the registration is
+then sealed with an empty nonce, which no kvpool server accepts, and the Rust server checks
+nothing. The server accepts only registrations sealed for one of its own
 names (:func:`server_names`): the address the connection came in on (its IP and port), the host
 and port it was started with (unless a wildcard address), and the ``host:port`` names in
 ``KVPOOL_SGLANG_BOOTSTRAP_NAMES`` (comma-separated: the names it is reached by through DNS names
@@ -48,6 +56,8 @@ log = logging.getLogger("kvpool.connectors.sglang")
 
 PURPOSE = b"kvpool-sglang-bootstrap-v2"
 AUTH_HEADER = "X-Kvpool-Auth"
+NONCE_PATH = "/kvpool/bootstrap_nonce"
+NONCE_LEN = 16
 _WARNING = (
     "kvpool SGLang backend: the bootstrap server's registrations are unauthenticated (no "
     "KVPOOL_SECRET): anyone who reaches its port can register a prefill rank that decodes send "
@@ -99,15 +109,36 @@ class BootstrapAuth:
         )
         self.enabled = self.auth.enabled
         self.dropped = self.auth.dropped  # why -> refused registrations
+        self.nonce = os.urandom(NONCE_LEN)  # a server's: this start's challenge
+        self._nonces: dict[str, bytes] = {}  # a signer's: bootstrap server (host:port) -> nonce
 
-    def headers(self, method: str, url: str, body: bytes) -> dict[str, str]:
+    def headers(self, method: str, url: str, body: bytes, nonce: bytes = b"") -> dict[str, str]:
         """HTTP headers of a JSON request carrying ``body`` to ``url`` (signed for the server
-        there when there is a secret)."""
+        there and its ``nonce`` when there is a secret)."""
         headers = {"Content-Type": "application/json"}
         if self.enabled:
-            frames = [method.upper().encode(), urlsplit(url).path.encode(), body]
+            frames = [method.upper().encode(), urlsplit(url).path.encode(), body, nonce]
             headers[AUTH_HEADER] = self.auth.seal(frames, server_id(url))[-1].hex()
         return headers
+
+    def server_nonce(self, url: str, fresh: bool = False) -> bytes:
+        """The nonce of the bootstrap server at ``url`` (``GET`` :data:`NONCE_PATH` there, kept
+        until ``fresh``; raises as ``requests`` does). b"" from a server without one (SGLang's
+        Rust server, which checks nothing): no kvpool server accepts a registration sealed with it."""
+        import requests
+
+        parts = urlsplit(url)
+        nonce = None if fresh else self._nonces.get(parts.netloc)
+        if nonce is None:
+            r = requests.get(f"{parts.scheme}://{parts.netloc}{NONCE_PATH}", timeout=5)
+            try:
+                nonce = bytes.fromhex(r.text.strip()) if r.status_code == 200 else b""
+            except ValueError:
+                nonce = b""
+            if len(self._nonces) >= 64:  # a signer talks to one server or a few
+                self._nonces.clear()
+            self._nonces[parts.netloc] = nonce
+        return nonce
 
     def check(
         self,
@@ -127,7 +158,8 @@ class BootstrapAuth:
             trailer = b""
         if len(trailer) != TRAILER_LEN:
             trailer = b""  # counted as unsigned
-        _, why = self.auth.check([method.upper().encode(), path.encode(), body, trailer], names)
+        frames = [method.upper().encode(), path.encode(), body, self.nonce, trailer]
+        _, why = self.auth.check(frames, names)
         if why is None:
             return None
         if why == "bad MAC" and addressed is not None and addressed not in names:
@@ -139,13 +171,20 @@ class BootstrapAuth:
 
 
 def send_json(auth: BootstrapAuth, method: str, url: str, payload: Any, timeout_s: float = 5.0) -> Any:
-    """One signed JSON request (``requests``' response; raises as ``requests`` does)."""
+    """One signed JSON request (``requests``' response; raises as ``requests`` does), sealed with
+    the server's nonce; refused (401/403, e.g. the server restarted since its nonce was fetched),
+    sent once more, sealed anew with the nonce fetched afresh."""
     import requests
 
     body = json.dumps(payload).encode()
-    return requests.request(
-        method, url, data=body, headers=auth.headers(method, url, body), timeout=timeout_s
-    )
+    for fresh in (False, True):
+        nonce = auth.server_nonce(url, fresh) if auth.enabled else b""
+        r = requests.request(
+            method, url, data=body, headers=auth.headers(method, url, body, nonce), timeout=timeout_s
+        )
+        if not auth.enabled or r.status_code not in (401, 403):
+            break
+    return r
 
 
 def register_row(auth: BootstrapAuth, url: str, payload: dict[str, Any]) -> None:

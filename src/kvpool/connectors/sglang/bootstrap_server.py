@@ -11,6 +11,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 from kvpool.connectors.sglang.bootstrap_auth import (
     AUTH_HEADER,
+    NONCE_PATH,
     BootstrapAuth,
     register_row,
     secret_from_env,
@@ -73,6 +74,14 @@ class KvpoolKVBootstrapServer(CommonKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         self.bootstrap_auth = BootstrapAuth(secret_from_env())  # before SGLang starts serving
         super().__init__(host, port)
+
+    def _setup_routes(self) -> None:
+        """SGLang's routes, and the challenge: ``GET /kvpool/bootstrap_nonce`` (this start's nonce)."""
+        super()._setup_routes()
+        self.app.router.add_get(NONCE_PATH, self._handle_nonce)
+
+    async def _handle_nonce(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.bootstrap_auth.nonce.hex())
 
     async def _refusal(self, request: web.Request) -> web.Response | None:
         """The response refusing a registration, or None when it is authenticated (event loop)."""

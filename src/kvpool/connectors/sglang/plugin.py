@@ -87,6 +87,7 @@ def check_sglang() -> str:
             "CommonKVSender._register_prefill_dp_rank",
             "CommonKVBootstrapServer._handle_route_put",
             "CommonKVBootstrapServer._handle_register_dp_rank",
+            "CommonKVBootstrapServer._setup_routes",  # extended: the nonce route
         ],
     }
     import importlib
