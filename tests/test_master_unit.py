@@ -1001,3 +1001,73 @@ def test_a_commit_with_a_checksum_that_is_no_xxh3_64_is_refused_before_it_change
     out = master.handle({"op": "commit", "client": "r", "items": [["j", rgen, None]], "epoch": r["epoch"]})
     assert out["results"] == [[None, None]]
     assert m.objects["k"].checksum == (1 << 64) - 1 and m.objects["j"].committed
+
+
+def _replica_on(m: Driver, key: str, seg: str, client: str = "r") -> tuple[list[Any], int]:
+    """The replica of ``key`` on ``seg`` as a get reply names it, and the reply's epoch (the
+    lease taken is released)."""
+    reply = m.handle({"op": "get", "client": client, "keys": [key]})
+    code, info = reply["results"][0]
+    assert code is None
+    m.handle({"op": "release", "client": client, "leases": [[key, info["gen"], info["lease"]]]})
+    return next(rep for rep in info["replicas"] if rep[0] == seg), reply["epoch"]
+
+
+def test_a_late_corrupt_report_leaves_a_new_replica_at_the_same_address(master: Driver) -> None:
+    """Two readers found k's replica on seg-b bad. The first report drops it; once its range is
+    free again, a hot-key copy puts k there again at the very same address; only then does the
+    second reader's report come. It names the replica it read (the id its get reply gave), not
+    this one: the new replica stays. Named by segment and address, the late report dropped it
+    (lost the object were it its last). A report without an id (an older client) acts as before."""
+    m = master.m
+    m.space.quarantine_s = m.space.fence_hold_s = 0.0
+    gen = _put(master, "k", size=200_000)
+    (seg, addr, _, rid, mount), epoch = _replica_on(master, "k", "seg-b")
+    bad = {"op": "report", "client": "r", "kind": "corrupt", "segment": "seg-b", "key": "k", "gen": gen,
+           "addr": addr, "replica": rid, "mount": mount, "epoch": epoch}  # fmt: skip
+    master.handle(bad)  # the first reader's report
+    obj = m.objects["k"]
+    assert [r.seg.name for r in obj.replicas] == ["seg-a"] and m.stats["replicas_corrupt"] == 1
+    m.space.release(m._floor_of, time.monotonic() + 1)  # its range is free again
+    m._replicate(obj, 1, time.monotonic())  # a hot-key copy onto seg-b, the only other segment
+    (task,) = master.handle({"op": "heartbeat", "client": "b"})["tasks"]
+    assert task["dst"] == ["seg-b", addr]  # the same address
+    master.handle({"op": "task_done", "client": "b", "task": task["task"], "ok": True})
+    new = _replica_on(master, "k", "seg-b")[0]
+    assert new[:2] == [seg, addr] and new[3] != rid
+    master.handle(bad)  # the second reader's report, late
+    assert sorted(r.seg.name for r in obj.replicas if r.committed) == ["seg-a", "seg-b"]
+    assert m.stats["replicas_corrupt"] == 1
+    master.handle({**bad, "epoch": epoch + 1, "replica": new[3]})  # about another master's replica
+    assert len(obj.replicas) == 2 and m.stats["replicas_corrupt"] == 1
+    master.handle({**bad, "replica": new[3]})  # a report of the new replica drops it
+    assert [r.seg.name for r in obj.replicas] == ["seg-a"] and m.stats["replicas_corrupt"] == 2
+    old = {k: v for k, v in bad.items() if k not in ("replica", "mount", "epoch")}
+    master.handle({**old, "segment": "seg-a", "addr": _replica_on(master, "k", "seg-a")[0][1]})
+    assert "k" not in m.objects  # an older client's report, by address: its last replica went
+
+
+def test_a_late_unreachable_report_leaves_the_segment_mounted_again(master: Driver) -> None:
+    """A reader could not reach seg-b; its report comes only after seg-b was unmounted and mounted
+    again (its client back with fresh memory). The report names the mount its get reply gave:
+    the new mount is not demoted (served last, placed on last for client_ttl_s). It named the
+    segment only and demoted the new mount. A report of the current mount, or without one (an
+    older client), demotes it."""
+    m = master.m
+    _put(master, "k")
+    (_, _, _, _, mount), epoch = _replica_on(master, "k", "seg-b")
+    late = {"op": "report", "client": "r", "kind": "unreachable", "segment": "seg-b", "mount": mount,
+            "epoch": epoch}  # fmt: skip
+    master.handle({"op": "unmount", "client": "b", "segment": "seg-b"})
+    master.handle({"op": "mount", "client": "b", "segment": "seg-b", "base": 1 << 30, "size": 1 << 24})
+    seg = m.space.segments["seg-b"]
+    assert seg.mount != mount
+    master.handle(late)
+    assert seg.reported_until == 0.0 and m.stats["segments_reported"] == 0
+    master.handle({**late, "mount": seg.mount, "epoch": epoch + 1})  # another master's
+    assert seg.reported_until == 0.0
+    master.handle({**late, "mount": seg.mount})
+    assert seg.reported_until > time.monotonic() and m.stats["segments_reported"] == 1
+    seg.reported_until = 0.0
+    master.handle({"op": "report", "client": "r", "kind": "unreachable", "segment": "seg-b"})
+    assert seg.reported_until > time.monotonic()

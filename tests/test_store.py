@@ -1096,3 +1096,60 @@ def test_a_late_corrupt_report_of_a_dropped_replica_leaves_the_next_one_on_that_
             assert dict(replicas()).get(seg) == new, "the late report dropped the new replica"
             assert m.stats["replicas_corrupt"] == 1
             assert b.get("k") == value and a.get("k") == value
+
+
+def test_a_reader_reports_the_replica_and_the_mount_it_read() -> None:
+    """A reader's report names what its get reply gave it: the replica's id and the segment's
+    mount (and the master's epoch), so that the master can tell a late report about a replica
+    dropped since (or an earlier mount of the segment) from one about what is there now. A read
+    through a cached location (segment and address only) reports nothing: it is retried through
+    the master, whose reply names them."""
+    from kvpool.store.datapath import ReadJob
+    from kvpool.store.layout import HEADER_SIZE
+
+    cfg = {"segment_size": 4 << 20, "heartbeat_s": 60, "checksum": True, "location_cache": 0}
+    with Store.connect(**cfg) as a:
+        m = a._master
+        with Store.connect(master=m.address, **cfg) as b:
+            value = pattern(200_000, 7)
+            a.put("k", value, ReplicateConfig(replicas=2))
+            with m._lock:
+                r = next(r for r in m.objects["k"].replicas if r.seg.name == b.segment_name)
+                rid, mount = r.id, r.seg.mount
+            ctypes.memset(r.addr + HEADER_SIZE + 100, 0xFF, 64)  # its bytes go bad (past the header)
+            (code, info), epoch, deadline = (lambda x: (x[0][0], x[1], x[2]))(a._lookup(["k"]))
+            assert code is None
+            rep = next(rep for rep in info["replicas"] if rep[0] == b.segment_name)
+            sent: list[tuple[object, ...]] = []
+            a._data.report = lambda *x: sent.append(x)  # type: ignore[assignment,method-assign]
+
+            def read(rep: list[object], cached: bool = False) -> ReadJob:
+                job = ReadJob("k", info["size"], info["gen"], info["checksum"], [rep], None, deadline,
+                              cached=cached)  # fmt: skip
+                a._data.read(epoch, [job])
+                return job
+
+            assert isinstance(read(rep).error, ObjectCorrupt)
+            fields = {
+                "key": "k",
+                "gen": info["gen"],
+                "addr": r.addr,
+                "epoch": epoch,
+                "replica": rid,
+                "mount": mount,
+            }
+            assert sent == [(b.segment_name, "corrupt", fields)]
+            assert read([rep[0], 1 << 62, *rep[2:]]).error is not None  # outside the segment: unreachable
+            assert sent[1] == (
+                b.segment_name,
+                "unreachable",
+                {"epoch": epoch, "replica": rid, "mount": mount},
+            )
+            assert isinstance(read(rep, cached=True).error, ObjectCorrupt) and len(sent) == 2
+            a._report_read(*sent[0])  # sent for real: the master drops that replica
+            deadline = time.monotonic() + 5
+            while len(a.info("k")["replicas"]) != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert [x[0] for x in a.info("k")["replicas"]] == [a.segment_name]
+            a._flush_releases(a._rpc)
+            assert b.get("k") == value

@@ -55,6 +55,11 @@ def check_invariants(m: Master) -> None:
             assert obj.key == key, (key, obj.key)
             assert obj.committed or m._pending.get(obj.gen) is obj, f"uncommitted {key!r} is not pending"
     assert n_keys == len(m.objects)
+    # -- ids: a replica's (reports name it) and a mount's are the master's only one of that id
+    rids = [r.id for o in objs for r in o.replicas]
+    assert len(set(rids)) == len(rids) and 0 not in rids, "two replicas share an id"
+    mounts = [s.mount for s in sp.segments.values()]
+    assert len(set(mounts)) == len(mounts) and 0 not in mounts, "two mounts share an id"
     assert m.n_committed == sum(o.committed for o in objs if o.key is not None and m.objects.get(o.key) is o)
     for gen, obj in m._pending.items():
         assert obj.gen == gen and not obj.committed
@@ -237,6 +242,7 @@ class Fuzzer:
         self.tasks: list[tuple[str, dict[str, Any]]] = []
         self.changes: list[tuple[str, str, int, list[str], Any]] = []  # client, key, gen, segments, id
         self.gens: list[int] = []
+        self.seen: list[tuple[str, int, list[Any], int]] = []  # key, gen, replica, epoch of get replies
         self.segs = {"a": "seg-a", "b": "seg-b", "r": "seg-r"}  # three: two copies of one object at once
         self.failures: list[str] = []
         self.tokens: dict[str, bytes] = {}
@@ -291,10 +297,11 @@ class Fuzzer:
             if obj is None or obj.gen != info["gen"] or not obj.committed:
                 self.fail(f"get of {key!r} named generation {info['gen']}, not the object under it")
                 return
-            for seg, addr, _ in info["replicas"]:
+            for seg, addr, _, rid, mount in info["replicas"]:
                 if not any(r.seg.name == seg and r.addr == addr and r.committed and not r.seg.dead
-                           for r in obj.replicas):  # fmt: skip
-                    self.fail(f"get of {key!r} named {seg}+{addr}, no committed replica of it")
+                           and r.id == rid and r.seg.mount == mount for r in obj.replicas):  # fmt: skip
+                    self.fail(f"get of {key!r} named {seg}+{addr} (replica {rid}, mount {mount}), "
+                              "no committed replica of it")  # fmt: skip
 
     def fail(self, msg: str) -> None:
         self.failures.append(msg)
@@ -453,6 +460,8 @@ class Fuzzer:
         for key, (code, info) in zip(keys, (out or {}).get("results", []), strict=False):
             if code is None:
                 self.leases.append((cid, [key, info["gen"], info["lease"]]))
+                self.seen += [(key, info["gen"], rep, out["epoch"]) for rep in info["replicas"]]  # type: ignore[index]
+                del self.seen[:-64]
                 if info["ssd"] is not None and self.rng.random() < 0.3:
                     self.send(cid, {"op": "report", "client": cid, "segment": "", "kind": "ssd_corrupt",
                                     "key": key, "gen": info["gen"], "path": info["ssd"][0]})  # fmt: skip
@@ -526,6 +535,9 @@ class Fuzzer:
                         "epoch": got[1]["epoch"]})  # fmt: skip
 
     def do_report(self, cid: str) -> None:
+        if self.seen and self.rng.random() < 0.6:
+            self._report_seen(cid, *self.rng.choice(self.seen))
+            return
         key = self.rng.choice(self.keys)
         info = self.send(cid, {"op": "info", "client": cid, "key": key}, mutate=False)
         if info and info["replicas"]:
@@ -533,6 +545,24 @@ class Fuzzer:
             kind = self.rng.choice(["corrupt", "unreachable"])
             self.send(cid, {"op": "report", "client": cid, "segment": seg, "kind": kind, "key": key,
                             "gen": info["gen"]})  # fmt: skip
+
+    def _report_seen(self, cid: str, key: str, gen: int, rep: list[Any], epoch: int) -> None:
+        """A report about a replica a get reply named (maybe long ago): it drops that replica or
+        none, and demotes that mount of its segment or none."""
+        seg, addr, _, rid, mount = rep
+        kind = self.rng.choice(["corrupt", "unreachable"])
+        obj = self.m.objects.get(key)
+        before = {r.id for r in obj.replicas if r.committed} if obj is not None else set()
+        live = self.m.space.segments.get(seg)
+        until = live.reported_until if live is not None else 0.0
+        req = {"op": "report", "client": cid, "segment": seg, "kind": kind, "key": key, "gen": gen,
+               "addr": addr, "replica": rid, "mount": mount, "epoch": epoch}  # fmt: skip
+        self.send(cid, req, mutate=False)
+        after = {r.id for r in obj.replicas if r.committed} if obj is not None else set()
+        if not before - after <= {rid}:
+            self.fail(f"a report of replica {rid} of {key!r} dropped replicas {before - after}")
+        if live is not None and live.mount != mount and live.reported_until != until:
+            self.fail(f"a report of mount {mount} of {seg} demoted mount {live.mount}")
 
     def do_unmount(self, cid: str) -> None:
         if cid in self.segs:

@@ -153,7 +153,7 @@ class Store(MasterSession, PutPath, GetPath):
         self._rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
         self._hb_rpc = RpcClient(master_addr, config.rpc_timeout_s, config.secret, **rpc_args)
         self._staging = Staging(self.engine, config.buffer_size)
-        self._data = DataPath(self.engine, self._staging, self._report, config.checksum)
+        self._data = DataPath(self.engine, self._staging, self._report_read, config.checksum)
         self._writes = WriteFloor()
         self._resv = ReservationPool(self._writes)
         self._loc = LocationCache(config.location_cache, config.location_cache_ttl_s)

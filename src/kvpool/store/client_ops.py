@@ -133,7 +133,7 @@ class ClientOps(_Base):
                 # one memory under two segments: an object placed in one would be written over by
                 # objects placed in the other (a large one, checked by its header only, read wrong)
                 raise _Err("INVALID", f"segment {name!r} overlaps this client's segment {other!r}")
-        self.space.mount(name, c.id, base, size, c.host_id)
+        self.space.mount(name, c.id, base, size, c.host_id).mount = self._new_id()
         c.segments.add(name)
         return {}
 
@@ -227,11 +227,19 @@ class ClientOps(_Base):
 
     def _op_report(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """A reader could not reach a segment (others skip it at once), found a replica whose
-        bytes fail their checksum (that replica, the one at ``addr``, is dropped: not one copied
-        there since), an SSD file that is not its
+        bytes fail their checksum (that replica is dropped), an SSD file that is not its
         object's (``ssd_corrupt``: that copy is dropped) or one it could not use
-        (``ssd_missing``: :meth:`_ssd_missing`). Only from a registered client."""
+        (``ssd_missing``: :meth:`_ssd_missing`). Only from a registered client.
+
+        A report names what its reader saw in its get reply: the master's ``epoch``, the
+        segment's ``mount`` and the ``replica`` id; one about another master, an earlier mount
+        of the segment (mounted again since: it is not demoted) or another replica (a later one
+        at the same address: it is kept) is ignored. Without them (older clients) a report
+        names the segment, and a corrupt one the replica's ``addr`` (None: any replica there)."""
         self._client(req, sess)
+        if req.get("epoch") not in (None, self.incarnation):
+            self.stats["reports_stale"] += 1
+            return {}
         if req["kind"] == "ssd_corrupt":
             self._ssd_corrupt(req["key"], req["gen"], req["path"])
             return {}
@@ -242,16 +250,21 @@ class ClientOps(_Base):
         seg = self.space.segments.get(req["segment"])
         if seg is None:
             return {}
+        if req.get("mount") not in (None, seg.mount):
+            self.stats["reports_stale"] += 1  # about an earlier mount of the segment
+            return {}
         if req["kind"] == "unreachable":
             if seg.reported_until <= now:
                 self.stats["segments_reported"] += 1
             seg.reported_until = now + self.config.client_ttl_s
         elif req["kind"] == "corrupt":
             obj = self.objects.get(req["key"])
-            addr = req.get("addr")  # the replica read (None: an older client's report, any there)
+            rid, addr = req.get("replica"), req.get("addr")
             if obj is not None and obj.gen == req["gen"]:
                 for r in obj.replicas:
-                    if r.seg is seg and r.committed and addr in (None, r.addr):
+                    if r.seg is not seg or not r.committed:
+                        continue
+                    if r.id == rid if rid is not None else addr in (None, r.addr):
                         r.committed, r.writer = False, "?"  # fenced: whoever wrote over it may go on
                         self._take_replica(obj, r)
                         self.stats["replicas_corrupt"] += 1

@@ -51,10 +51,19 @@ from kvpool.transfer.types import OpCode, TransferRequest, TransferState
 
 log = logging.getLogger("kvpool.store")
 
-# report(segment, kind, key, gen, addr): tell the master a segment is unreachable or a replica
-# corrupt (``addr``: the address of the replica read, so a later one of the object there is not
-# taken for it).
-Report = Callable[[str, str, "str | None", "int | None", "int | None"], None]
+# report(segment, kind, fields): tell the master a segment is unreachable or a replica corrupt;
+# ``fields`` name what the reader saw (see :func:`_seen`), so that a late report does not hit a
+# later mount of the segment, or a later replica at the same address.
+Report = Callable[[str, str, dict[str, Any]], None]
+
+
+def _seen(epoch: int, rep: list[Any]) -> dict[str, Any]:
+    """What a report says of replica ``rep`` ([segment, address, host, replica id, mount id] of a
+    get reply): the master's epoch, the segment's mount and the replica's id. An older master's
+    replica ([segment, address, host]) has none: the report names the segment (and address)."""
+    if len(rep) < 5:
+        return {}
+    return {"epoch": epoch, "replica": rep[3], "mount": rep[4]}
 
 
 @dataclass
@@ -87,6 +96,10 @@ class ReadJob:
     retry: bool = False  # the error means: look the object up again and read again
     served_by: str | None = None
     local_csum: bool = False  # ``csum`` is the reading client's own (not in the header)
+    # read through a cached location, (segment, address) only: nothing is reported (a report
+    # could not say which mount or replica it read); the caller asks the master, whose
+    # replicas the next read reports by their ids
+    cached: bool = False
 
 
 def _mem(addr: int, size: int) -> memoryview:
@@ -371,7 +384,7 @@ class DataPath:
             else:
                 bad_segs.add(seg)
         for seg in bad_segs:
-            self.report(seg, "unreachable", None, None, None)
+            self.report(seg, "unreachable", {})
 
     def write_small(
         self, epoch: int, key: str, gen: int, value: memoryview, seg: str, raddr: int
@@ -392,7 +405,7 @@ class DataPath:
             self.staging.give(token)
         if ok:
             return csum
-        self.report(seg, "unreachable", None, None, None)
+        self.report(seg, "unreachable", {})
         return None
 
     def _write_one(self, epoch: int, job: WriteJob) -> None:
@@ -433,7 +446,7 @@ class DataPath:
         if ok:
             job.written.append(seg)
         else:
-            self.report(seg, "unreachable", None, None, None)
+            self.report(seg, "unreachable", {})
 
     # ------------------------------------------------------------------ reads
     def read(self, epoch: int, jobs: list[ReadJob]) -> None:
@@ -502,7 +515,8 @@ class DataPath:
                 hid = handles.get(seg)
                 if hid is None:
                     j.error = TransferError(f"reading {j.key!r} from {seg}: segment cannot be opened")
-                    self.report(seg, "unreachable", None, None, None)
+                    if not j.cached:
+                        self.report(seg, "unreachable", _seen(epoch, rep))
                     continue
                 if j.size <= DIRECT_MIN:
                     n = HEADER_SIZE + j.size
@@ -542,7 +556,8 @@ class DataPath:
         seg = rep[0]
         if not good:
             j.error = TransferError(f"reading {j.key!r} from {seg} failed")
-            self.report(seg, "unreachable", None, None, None)
+            if not j.cached:
+                self.report(seg, "unreachable", _seen(epoch, rep))
             return
         if done > j.deadline:
             j.error, j.retry = ObjectChanged(f"reading {j.key!r} outlived its lease; read again"), True
@@ -569,7 +584,10 @@ class DataPath:
                     )
                     return
                 j.error = ObjectCorrupt(f"{j.key!r} at {seg}: bytes do not match the object's checksum")
-                self.report(seg, "corrupt", j.key, j.gen, rep[1])
+                if not j.cached:
+                    self.report(
+                        seg, "corrupt", {"key": j.key, "gen": j.gen, "addr": rep[1], **_seen(epoch, rep)}
+                    )
                 return
         j.served_by = seg
         if sink[0] == "small":

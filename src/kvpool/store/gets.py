@@ -37,6 +37,16 @@ class GetPath(ClientBase):
     def _promote(self, key: str, gen: int, data: bytes) -> None:
         raise NotImplementedError  # Store._promote: an SSD hit (of generation gen) copied back to memory
 
+    def _report_read(self, segment: str, kind: str, fields: dict[str, Any]) -> None:
+        """Tell the master, one-way, that a segment is unreachable or a replica corrupt, with
+        ``fields`` naming what was read (epoch, mount, replica id, and a corrupt one's key,
+        generation and address); called by the data path (:class:`DataPath`, its ``report``)
+        in the reading thread when a transfer fails or its bytes do."""
+        try:
+            self._rpc.send("report", segment=segment, kind=kind, **fields)
+        except KvpoolError as exc:
+            log.debug("report to the master failed: %s", exc)
+
     def _get_cached(self, key: str, loc: Loc) -> bytes | None:
         """One small object through its cached location: one engine READ of header + value into
         the staging slot, checked there (the common case of :meth:`_get`, without its lists)."""
@@ -96,7 +106,7 @@ class GetPath(ClientBase):
             if loc.kind == LOCAL:
                 local_bytes += loc.size
             cached.append((i, ReadJob(keys[i], loc.size, loc.gen, loc.csum, loc.replicas, dest, float("inf"),
-                                      local_csum=loc.kind == LOCAL)))  # fmt: skip
+                                      local_csum=loc.kind == LOCAL, cached=True)))  # fmt: skip
         if local_bytes and (len(cached) < n or local_bytes > LOCAL_READ_MAX):
             # Objects known by this client's own checksum are read without the master only when
             # that saves the round trip and checksumming them costs less than it does.

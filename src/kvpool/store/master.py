@@ -74,6 +74,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self._ssd_names: set[str] = set()  # file names of the SSD copies (clients' sweeps keep those)
         self._spilling: Counter[str] = Counter()  # file names of the spills in flight (kept too)
         self._next_gen = 0
+        self._ids = 0  # the last replica or segment mount id handed out (see _new_id)
         self._access: Counter[str] = Counter()  # gets per key since the hot-key policy last ran
         # the counts of the last hot_window_s, one per hot_interval_s, and their running sum
         n_counts = max(1, round(self.config.hot_window_s / self.config.hot_interval_s))
@@ -225,8 +226,15 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         c = self.clients.get(cid)
         return c.floor if c is not None else self._departed.get(cid)
 
+    def _new_id(self) -> int:
+        """A fresh id for a replica or a segment's mount: get replies carry them, and a reader's
+        report names them, so a late report about an earlier replica at the same address (or an
+        earlier mount of the segment) matches nothing."""
+        self._ids += 1
+        return self._ids
+
     def _add_replica(self, obj: Obj, seg: Segment, offset: int, writer: str) -> Replica:
-        r = Replica(seg, offset, False, writer)
+        r = Replica(seg, offset, False, writer, self._new_id())
         obj.replicas.append(r)
         seg.objs.add(obj)
         self.obj_bytes += obj.size

@@ -41,6 +41,7 @@ class Segment:
     dead: bool = False  # unmounted: its objects are being let go of (a few per tick)
     reported_until: float = 0.0  # a reader could not reach it: served last, not placed on, until then
     suspect: list[tuple[int, int]] = field(default_factory=list)  # ranges a lost writer may still hit
+    mount: int = 0  # this mount's id (unique in the master): reports name it (not an earlier mount's)
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +52,7 @@ class Replica:
     offset: int
     committed: bool
     writer: str = ""  # uncommitted: the client writing it (its range is fenced if taken back)
+    id: int = 0  # unique in the master: a reader's corrupt report names it (not a later one there)
 
     @property
     def addr(self) -> int:

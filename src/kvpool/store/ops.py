@@ -255,9 +255,10 @@ class ObjectOps(_Base):
             if reps:
                 reps[0].seg.reads += 1
             ssd = None if obj.ssd is None else [obj.ssd.path, obj.ssd.host_id, obj.ssd.checksum]
+            # a replica: [segment, address, host, replica id, mount id] (the ids: see _op_report)
             out.append([None, {"size": obj.size, "gen": obj.gen, "checksum": obj.checksum, "ssd": ssd,
-                               "replicas": [[r.seg.name, r.addr, r.seg.host_id] for r in reps],
-                               "lease": obj.lease_seq}])  # fmt: skip
+                               "replicas": [[r.seg.name, r.addr, r.seg.host_id, r.id, r.seg.mount]
+                                            for r in reps], "lease": obj.lease_seq}])  # fmt: skip
         return {"results": out, "epoch": self.incarnation, "lease_s": ttl}
 
     @staticmethod

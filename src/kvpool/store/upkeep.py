@@ -108,8 +108,9 @@ class Upkeep(_Base):
         name = f"{digest}-{obj.gen}-{secrets.token_hex(8)}.kvp"
         path = os.path.join(client.ssd_dir or "", digest[:2], name)
         obj.busy += 1
+        src = [r.seg.name, r.addr, r.seg.host_id, r.id, r.seg.mount]  # as a get reply names it
         task = {"type": "spill", "key": obj.key, "gen": obj.gen, "epoch": self.incarnation, "size": obj.size,
-                "checksum": obj.checksum, "src": [r.seg.name, r.addr], "path": path}  # fmt: skip
+                "checksum": obj.checksum, "src": src, "path": path}  # fmt: skip
         self._give_task(client.id, task)
         self.stats["spills"] += 1
 
