@@ -1153,3 +1153,59 @@ def test_a_reader_reports_the_replica_and_the_mount_it_read() -> None:
             assert [x[0] for x in a.info("k")["replicas"]] == [a.segment_name]
             a._flush_releases(a._rpc)
             assert b.get("k") == value
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"checksum": "0"},
+        {"checksum": 1.5},
+        {"checksum": -1},
+        {"gen": "1"},
+        {"gen": -1},
+        {"size": 2.0},
+        {"size": None},
+        {"replicas": "seg"},
+        {"replicas": [["seg", "0x1000"]]},
+        {"replicas": [[7, 4096]]},
+        {"ssd": [1, 2, 3]},
+        {"results": "x"},
+        {"results": []},
+        {"results": [[7, {}]]},
+        {"epoch": "e"},
+        {"lease_s": "5"},
+        {"lease_s": float("nan")},
+    ],
+    ids=lambda d: "-".join(f"{k}={v!r}" for k, v in d.items()),
+)
+def test_a_get_reply_of_bad_types_fails_the_get_with_a_protocol_error(bad: dict[str, object]) -> None:
+    """A master (hostile, or buggy) answers a get with a field of the wrong type or range: the
+    get fails with ProtocolError, a kvpool error, and the client goes on. A checksum that was no
+    int failed the get with a TypeError; a generation past 64 bits, with a struct.error."""
+    from kvpool.errors import ProtocolError
+
+    with Store.connect(segment_size=4 << 20, location_cache=0) as st:
+        m = st._master
+        value = pattern(5000, 3)
+        st.put("k", value)
+        real = m._handlers["get"]
+
+        def get(req: dict[str, object], sess: dict[str, object]) -> dict[str, object]:
+            reply = real(req, sess)
+            for field, v in bad.items():
+                if field in ("results", "epoch", "lease_s"):
+                    reply[field] = v
+                else:
+                    reply["results"][0][1][field] = v  # type: ignore[index]
+            return reply
+
+        m._handlers["get"] = get
+        with pytest.raises(ProtocolError):
+            st.get("k")
+        if {"epoch", "lease_s"} & bad.keys() or bad.get("results") in ("x", []):  # the batch fails
+            with pytest.raises(ProtocolError):
+                st.batch_get_into(["k"], [bytearray(8192)], [8192])
+        else:  # one key's answer: that key fails
+            assert isinstance(st.batch_get_into(["k"], [bytearray(8192)], [8192])[0], ProtocolError)
+        m._handlers["get"] = real
+        assert st.get("k") == value

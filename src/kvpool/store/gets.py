@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool._rpc import RpcClient
-from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound
+from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound, ProtocolError
 from kvpool.store.client_base import ClientBase, _err
 from kvpool.store.datapath import ReadJob, copy_out, host_view
 from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
@@ -29,6 +29,43 @@ log = logging.getLogger("kvpool.store")
 # the master when they are all it reads and total at most this: xxh3 of 8 MiB (~130 us) costs
 # about one master round trip.
 LOCAL_READ_MAX = 8 << 20
+
+
+_U64 = 1 << 64
+
+
+def _u64(x: Any) -> bool:
+    return type(x) is int and 0 <= x < _U64
+
+
+def _bad_info(code: Any, info: Any) -> str | None:
+    """Why one ``[code, info]`` of a master's get reply cannot be used (None: it can). Every
+    field the read uses is checked before it is used: one of another type failed the get with
+    a TypeError (a checksum that is no int, compared with the value's) or a struct.error (a
+    generation past 64 bits, packed into the location cache), not a kvpool error."""
+    if code is not None:
+        return (
+            None
+            if isinstance(code, str) and isinstance(info, str)
+            else "an error that is no code and message"
+        )
+    if not isinstance(info, dict):
+        return "an answer that is no map"
+    if not (_u64(info.get("size")) and _u64(info.get("gen"))):
+        return "a size or generation that is no int in [0, 2**64)"
+    if info.get("checksum") is not None and not _u64(info["checksum"]):
+        return "a checksum that is neither None nor an int in [0, 2**64)"
+    reps = info.get("replicas")
+    if not isinstance(reps, list) or not all(
+        isinstance(r, list) and len(r) >= 2 and isinstance(r[0], str) and _u64(r[1]) for r in reps
+    ):
+        return "replicas that are not [[segment, address, ...]]"
+    ssd = info.get("ssd")
+    if ssd is not None and not (
+        isinstance(ssd, list) and len(ssd) == 3 and all(isinstance(x, str) for x in ssd)
+    ):
+        return "an SSD copy that is not [path, host, checksum]"
+    return None
 
 
 class GetPath(ClientBase):
@@ -80,8 +117,17 @@ class GetPath(ClientBase):
         lease_s = self._lease_s
         for a, b in self._chunks(len(keys)):
             reply = self._call("get", keys=list(keys[a:b]))
-            results += reply["results"]
-            epoch, lease_s = reply["epoch"], reply["lease_s"]
+            got, epoch, lease_s = reply.get("results"), reply.get("epoch"), reply.get("lease_s")
+            if not (
+                isinstance(got, list)
+                and len(got) == b - a
+                and all(isinstance(x, list) and len(x) == 2 for x in got)
+                and _u64(epoch)
+                and type(lease_s) in (int, float)
+                and 0 < lease_s < 1e9  # a NaN fails too
+            ):
+                raise ProtocolError("the store master's get reply is malformed (results, epoch, lease_s)")
+            results += got
         return results, epoch, t0 + lease_s * 0.99
 
     def _get(
@@ -132,7 +178,13 @@ class GetPath(ClientBase):
         """One lookup + read round for keys ``todo``; returns the keys to try again."""
         infos, epoch, deadline = self._lookup([keys[i] for i in todo])
         jobs: list[tuple[int, ReadJob, dict[str, Any]]] = []
+        bad: set[int] = set()
         for i, (code, info) in zip(todo, infos, strict=True):
+            why = _bad_info(code, info)
+            if why is not None:
+                out[i] = ProtocolError(f"the store master's answer for {keys[i]!r} is malformed: {why}")
+                bad.add(i)
+                continue
             if code is not None:
                 out[i] = _err(code, info)
                 continue
@@ -162,7 +214,8 @@ class GetPath(ClientBase):
                 out[i] = j.error
         # [key, gen, lease epoch]: a release the master can tell from a later reader's lease
         leases = [[keys[i], info["gen"], info.get("lease")]
-                  for i, (code, info) in zip(todo, infos, strict=True) if code is None]  # fmt: skip
+                  for i, (code, info) in zip(todo, infos, strict=True)
+                  if code is None and i not in bad]  # fmt: skip
         if leases:
             # Reads are done: the leases end with this client's next request (or heartbeat).
             with self._release_lock:
