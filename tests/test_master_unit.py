@@ -603,7 +603,7 @@ def test_a_hot_key_copys_report_ends_only_the_replica_it_was_handed(master: Driv
     assert not new.committed, "the hot-key copy's report committed r's unwritten replica"
     out = master.handle({"op": "replica_end", "client": "r", "key": "k", "gen": start["gen"], "ok": True,
                          "segments": [other], "change": start.get("change")})  # fmt: skip
-    assert out["replicas"] == 2 and new.committed and m.objects["k"].busy == 0 and not m._task_dst
+    assert out["replicas"] == 2 and new.committed and m.objects["k"].busy == 0 and not m._tasks
 
 
 def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -> None:
@@ -617,7 +617,7 @@ def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -
         assert m.handle({"op": "remove", "client": "r", "keys": ["k", "j"]})["results"] == [[None, None]] * 2
         tasks = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
         assert sum(t["type"] == "unlink" for t in tasks) == 2  # handed out (the client runs them) ...
-        assert all(t["type"] != "unlink" for _, t in m.m._tasks.values())  # ... and not kept
+        assert all(t["type"] != "unlink" for _, t, _ in m.m._tasks.values())  # ... and not kept
         assert m.m.clients["a"].task_ids == set(m.m._tasks)
     finally:
         m.stop()
@@ -946,7 +946,7 @@ def test_a_replica_end_ends_its_own_copys_replicas_all_of_them_and_no_other(mast
 
     # a hot-key copy into seg-a or seg-c (by its client), and that client's own copy of k meanwhile
     m._replicate(obj, 1, time.monotonic())
-    ((cid, _),) = m._tasks.values()
+    ((cid, _, _),) = m._tasks.values()
     (task,) = master.handle({"op": "heartbeat", "client": cid})["tasks"]
     hot = task["dst"][0]
     out = master.handle({"op": "replica_start", "client": cid, "key": "k", "replicas": 3})

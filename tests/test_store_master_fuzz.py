@@ -152,13 +152,12 @@ def check_invariants(m: Master) -> None:
         assert obj.committed and obj.ssd is not None and obj.lru is None
     # -- tasks and replica changes: every busy object has that many in flight
     busy: Counter[int] = Counter()
-    for tid, (cid, task) in m._tasks.items():
+    for tid, (cid, task, _) in m._tasks.items():
         cl = m.clients.get(cid)
         assert cl is not None and tid in cl.task_ids, f"task {tid} of a gone client"
         obj = m.objects.get(task.get("key", ""))
         if obj is not None and obj.gen == task.get("gen"):
             busy[id(obj)] += 1
-    assert set(m._task_dst) <= set(m._tasks), "a hot-key copy's replica kept after its task ended"
     # each copy in flight (a task's, a replica change's) owns its replicas: only its own end
     # commits them, so none is committed yet, and none is two copies' (one's end would commit
     # the other's before it was written); an unfinished replica of a committed object is a copy's
@@ -168,8 +167,9 @@ def check_invariants(m: Master) -> None:
         assert id(r) not in copying, f"replica on {r.seg.name} is {copying[id(r)]}'s and {what}'s"
         copying[id(r)] = what
 
-    for tid, r in m._task_dst.items():
-        copy_into(r, f"task {tid}")
+    for tid, (_, _, dst) in m._tasks.items():
+        if dst is not None:
+            copy_into(dst, f"task {tid}")
     for cl in m.clients.values():
         assert cl.task_ids <= set(m._tasks), f"{cl.id} waits for tasks the master forgot"
         for cid_, (obj, mine) in cl.changing.items():

@@ -80,11 +80,11 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         n_counts = max(1, round(self.config.hot_window_s / self.config.hot_interval_s))
         self._access_hist: collections.deque[Counter[str]] = collections.deque(maxlen=n_counts)
         self._access_window: Counter[str] = Counter()
-        self._tasks: dict[int, tuple[str, dict[str, Any]]] = {}
+        # tasks a report is waited for: id -> client, task, and the replica a hot-key copy fills
+        self._tasks: dict[int, tuple[str, dict[str, Any], Replica | None]] = {}
         self._task_deadlines: collections.deque[tuple[float, int]] = collections.deque()  # oldest first
         self._task_ids = 0
         self._change_ids = 0  # replica copies run by clients (replica/promote_start)
-        self._task_dst: dict[int, Replica] = {}  # hot-key copy tasks -> the replica each fills
         self._evict_to: int | None = None
         self.n_committed = 0
         self.obj_bytes = 0
@@ -316,7 +316,9 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
             obj.lease_seq += 1
         return obj.readers > 0
 
-    def _give_task(self, client: str, task: dict[str, Any]) -> int | None:
+    def _give_task(self, client: str, task: dict[str, Any], dst: Replica | None = None) -> int | None:
+        """Queue ``task`` for ``client``'s next heartbeat; returns its id (None: no such client).
+        ``dst``: the replica a hot-key copy fills (its report ends that one, no other)."""
         c = self.clients.get(client)
         if c is None:
             return None
@@ -326,7 +328,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         c.tasks.append(task)
         if task["type"] not in ("unlink", "ssd_check"):  # fire and forget: never reported back
             c.task_ids.add(self._task_ids)
-            self._tasks[self._task_ids] = (client, task)
+            self._tasks[self._task_ids] = (client, task, dst)
             if task["type"] == "spill":
                 self._spilling[os.path.basename(task["path"])] += 1
             due = time.monotonic() + self.config.task_timeout_s

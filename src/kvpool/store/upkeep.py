@@ -259,11 +259,9 @@ class Upkeep(_Base):
         for seg, off in placed:
             r = self._add_replica(obj, seg, off, seg.client)
             obj.busy += 1
-            tid = self._give_task(seg.client, {"type": "replicate", "key": obj.key, "gen": obj.gen,
-                                               "size": obj.alloc_size, "src": [src.seg.name, src.addr],
-                                               "dst": [seg.name, r.addr]})  # fmt: skip
-            if tid is not None:
-                self._task_dst[tid] = r  # its report ends this replica, no other
+            self._give_task(seg.client, {"type": "replicate", "key": obj.key, "gen": obj.gen,
+                                         "size": obj.alloc_size, "src": [src.seg.name, src.addr],
+                                         "dst": [seg.name, r.addr]}, dst=r)  # fmt: skip
             self.stats["hot_replications"] += 1
 
     def _shrink(self, obj: Obj, n: int) -> int:
@@ -281,8 +279,7 @@ class Upkeep(_Base):
         entry = self._tasks.pop(tid, None)
         if entry is None:
             return
-        cid, task = entry
-        dst = self._task_dst.pop(tid, None)
+        cid, task, dst = entry
         if task["type"] == "spill":
             name = os.path.basename(task["path"])
             self._spilling[name] -= 1
