@@ -1300,6 +1300,114 @@ def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
     assert _same(loads_reply(data), want)
 
 
+def gil_hold(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` in this thread while a 1 ms ticker thread runs: (its result, the most CPU time
+    this thread spent between two ticks). A C call holding the GIL keeps the ticker (and an event
+    loop) waiting all along; the thread's own CPU time does not count the machine's load."""
+    import threading
+
+    clock = time.pthread_getcpuclockid(threading.get_ident())
+    worst = 0.0
+    stop = threading.Event()
+
+    def tick() -> None:
+        nonlocal worst
+        last = time.clock_gettime(clock)
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.clock_gettime(clock)
+            worst = max(worst, now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    try:
+        out = fn()
+    finally:
+        stop.set()
+        ticker.join()
+    return out, worst
+
+
+def test_large_bodies_parse_a_piece_at_a_time_to_what_json_loads_says(monkeypatch: Any) -> None:
+    """``parse_big`` (bodies over 1 MiB: strings decoded and flat arrays parsed a piece per C
+    call, containers walked with a stack) is ``json.loads``: the same object, key order and
+    top-level spans, the same refusals, wherever the pieces are cut (3-17 characters here:
+    inside escapes, surrogate pairs and numbers), and deep nesting refused as it goes."""
+    import random
+
+    from kvpool.connectors import proxy_json
+    from kvpool.connectors.proxy_json import BodyTooDeep, parse_big
+
+    rnd = random.Random(7)
+    chars = 'ab\n\\"\u00e9\U0001f600\x01 x1fu[]{},:/\ud83d'
+    bad = ["\\x", "\\u12", "\\ud83d\\ude00", "\\u00e9", ",]", ",}", "01", "1.", "[", "]", "{", ":", "\x01"]
+
+    def rs() -> str:
+        return "".join(rnd.choice(chars) for _ in range(rnd.randint(0, 40)))
+
+    def rv(d: int = 0) -> Any:
+        r = rnd.random()
+        if d > 4 or r < 0.4:
+            return rs()
+        if r < 0.55:
+            return rnd.choice([1, -2.5, float("nan"), True, None, 10**30])
+        if r < 0.8:
+            return [rv(d + 1) for _ in range(rnd.randint(0, 5))]
+        return {rs(): rv(d + 1) for _ in range(rnd.randint(0, 5))}
+
+    refused = 0
+    for piece in (3, 8, 17):
+        monkeypatch.setattr(proxy_json, "PIECE", piece)
+        for _ in range(1500):
+            text = json.dumps({rs(): rv() for _ in range(rnd.randint(0, 5))},
+                              ensure_ascii=rnd.random() < 0.5, indent=rnd.choice([None, 1]))  # fmt: skip
+            if rnd.random() < 0.3:  # a small change that json.loads may refuse
+                k = rnd.randrange(len(text) + 1)
+                text = text[:k] + rnd.choice(bad) + text[k + rnd.randint(0, 2) :]
+            try:
+                want = json.loads(text)
+            except ValueError:
+                want = None
+            if not isinstance(want, dict):
+                refused += 1
+                with pytest.raises(ValueError):
+                    parse_big(text, 64)
+                continue
+            got, spans = parse_big(text, 64)
+            assert _same(got, want) and list(got) == list(want), text
+            if spans is not None:
+                assert list(spans) == list(want)
+                assert all(_same(json.loads(text[a:b]), want[k]) for k, (a, b) in spans.items())
+    assert refused > 500
+    parse_big('{"a": ' + "[" * 63 + "]" * 63 + "}", 64)
+    for deep in ('{"a": ' + "[" * 64 + "]" * 64 + "}", '{"a": ' + '{"b": ' * 64 + "1" + "}" * 65):
+        with pytest.raises(BodyTooDeep):
+            parse_big(deep, 64)
+
+
+def test_a_33_mib_prompt_string_is_parsed_without_holding_the_gil_long() -> None:
+    """A 33 MiB prompt string (plain, in a one-string list, as a chat message's content): json's
+    scanner decoded it in one GIL-holding call and the depth check ran one regex over the whole
+    body (80-500 ms), so the thread parsing it stalled the proxy's event loop as long. Now the
+    body is parsed a bounded piece per C call: between two ticks of a 1 ms ticker thread, the
+    parsing thread spends under 50 ms of CPU time (its own CPU time: the machine's load does not
+    count; what is left are two ~15 ms copies). The result is ``json.loads``'s."""
+    from kvpool.connectors.openai_api import parse_raw_body
+
+    words = (33 << 20) // 5
+    for body in (
+        {"model": "m", "prompt": "word " * words, "max_tokens": 4},
+        {"model": "m", "prompt": ["word\n " * (words // 2)], "max_tokens": 4},
+        {"model": "m", "messages": [{"role": "user", "content": "w\u00f6rd\n " * (words // 2)}]},
+    ):
+        data = json.dumps(body).encode()
+        raw, worst = gil_hold(lambda: parse_raw_body(data))  # noqa: B023
+        assert raw.obj == body
+        assert worst < 0.05, f"parsing held the GIL {worst * 1e3:.0f} ms at a time"
+
+
 #: A vLLM double in its own process for prompts of millions of token ids (its parsing must not
 #: count as the proxy's loop time): ``/v1/completions`` answers 200 when the prompt is
 #: ``range(argv[1], argv[1] + len)`` or ``"word " * (len / 5)`` and prints ``len keys...`` of each

@@ -21,6 +21,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpool.connectors.proxy_json import BodyTooDeep, parse_big
+
 __all__ = [
     "ERROR_TYPES",
     "BodyParts",
@@ -258,11 +260,25 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 def parse_raw_body(raw: bytes) -> RawBody:
     """:func:`parse_body`, keeping the body's text and its top-level values' spans (none when a key
-    repeats) for :func:`encode_body`; about as fast as ``json.loads`` (its C scanner)."""
+    repeats) for :func:`encode_body`; about as fast as ``json.loads`` (its C scanner). A body over
+    :data:`THREAD_PARSE_BYTES` (parsed in a thread) is parsed by
+    :func:`kvpool.connectors.proxy_json.parse_big`, a bounded piece per C call, so that the
+    thread leaves the event loop free (json's scanner holds the GIL for a whole value: 0.1-0.3 s
+    for a 33 MiB prompt string)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("request body is not UTF-8") from None
+    if len(text) > THREAD_PARSE_BYTES:  # parsed in a thread: a bounded piece per C call
+        try:
+            body, spans = parse_big(text, MAX_BODY_DEPTH)
+        except BodyTooDeep as exc:
+            raise ValueError(str(exc)) from None
+        except (ValueError, IndexError) as exc:
+            if str(exc) == "request body must be a JSON object":
+                raise
+            raise ValueError(f"request body is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+        return _checked(raw, text, body, spans)
     try:
         body, spans = _scan_object(text)
     except (ValueError, RecursionError, IndexError):
@@ -286,6 +302,13 @@ def parse_raw_body(raw: bytes) -> RawBody:
         raise ValueError(f"request body nests deeper than {MAX_BODY_DEPTH} levels")
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
+    return _checked(raw, text, body, spans)
+
+
+def _checked(
+    raw: bytes, text: str, body: dict[str, Any], spans: dict[str, tuple[int, int]] | None
+) -> RawBody:
+    """The parsed body, once the fields the proxy reads have their types (else ValueError)."""
     for key, kind in (("stream", bool), ("max_tokens", int), ("model", str)):
         if key in body and body[key] is not None and not isinstance(body[key], kind):
             raise ValueError(f"'{key}' must be a {kind.__name__}")
