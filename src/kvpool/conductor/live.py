@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,9 +107,10 @@ class _Pending:
     instances: list[Instance] = field(default_factory=list)
 
 
-def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, list[int] | None]:
+def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, Sequence[int] | None]:
     """(prompt text, token ids) of an OpenAI request body as given; raises ValueError with a
-    one-line reason when the fields the router reads have the wrong shape."""
+    one-line reason when the fields the router reads have the wrong shape. The ids are the
+    body's: a list, or the ``array('I')`` the proxy parses a long one into."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
@@ -117,6 +119,8 @@ def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, list[int
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt, None
+    if isinstance(prompt, array) and prompt.typecode == "I" and prompt:  # in [0, 2**32) already
+        return None, prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         if not all(0 <= t < 1 << 32 for t in prompt):
             raise ValueError("'prompt' token ids must be in [0, 2**32)")
@@ -126,14 +130,27 @@ def request_text(body: dict[str, Any], chat: bool) -> tuple[str | None, list[int
     raise ValueError("'prompt' must be a string or a list of token ids (batched prompts are not routed)")
 
 
+def _ids(tokens: Sequence[int]) -> Sequence[int]:
+    """A local tokenizer's ids: an ``array('I')`` when long (a list when one is out of range)."""
+    if len(tokens) <= LONG_PROMPT_TOKENS:
+        return list(tokens)
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError):
+        return list(tokens)
+
+
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     """Done callback of a background job: log its failure (nobody awaits it)."""
     if not fut.cancelled() and fut.exception() is not None:
         _log.error("router background job failed", exc_info=fut.exception())
 
 
-def _token_ids(tokens: list[Any]) -> list[int] | None:
-    """A ``/tokenize`` answer's token ids as ints, or None when one is out of [0, 2**32)."""
+def _token_ids(tokens: Sequence[Any]) -> Sequence[int] | None:
+    """A ``/tokenize`` answer's token ids as ints, or None when one is out of [0, 2**32); an
+    ``array('I')`` (a long answer, as the proxy parses it) as it is."""
+    if isinstance(tokens, array) and tokens.typecode == "I":
+        return tokens
     ids = [int(t) for t in tokens]
     return ids if all(0 <= t < 1 << 32 for t in ids) else None
 
@@ -250,9 +267,14 @@ class LiveRouter:
 
     # -- tokens ---------------------------------------------------------------------------------------
 
-    async def prompt_tokens(self, body: dict[str, Any], chat: bool, tokenize_remote: Any) -> list[int] | None:
+    async def prompt_tokens(
+        self, body: dict[str, Any], chat: bool, tokenize_remote: Any
+    ) -> Sequence[int] | None:
         """The request's prompt token ids, or None when they cannot be had (routing then ignores
-        caches). ``tokenize_remote(payload)`` posts to a backend's ``/tokenize``."""
+        caches). ``tokenize_remote(payload)`` posts to a backend's ``/tokenize``. Millions of ids
+        are held as an ``array('I')`` (a long prompt of ids in the body, a long ``/tokenize``
+        answer, a local tokenizer's): a list of them took tens of ms to free on the event loop
+        and young-generation GCs walked it."""
         prompt = body.get("prompt")
         if not chat and isinstance(prompt, list) and len(prompt) > LONG_PROMPT_TOKENS:
             text, ids = await asyncio.to_thread(request_text, body, chat)
@@ -264,15 +286,15 @@ class LiveRouter:
         try:
             if tok is not None:
                 if chat:
-                    return list(await asyncio.to_thread(
-                        tok.apply_chat_template, body["messages"], add_generation_prompt=True, tokenize=True
-                    ))  # fmt: skip
-                return list(await asyncio.to_thread(lambda: tok(text)["input_ids"]))
+                    return await asyncio.to_thread(lambda: _ids(tok.apply_chat_template(
+                        body["messages"], add_generation_prompt=True, tokenize=True
+                    )))  # fmt: skip
+                return await asyncio.to_thread(lambda: _ids(tok(text)["input_ids"]))
             payload: dict[str, Any] = {"messages": body["messages"]} if chat else {"prompt": text}
             if isinstance(body.get("model"), str):
                 payload["model"] = body["model"]
             got = await tokenize_remote(payload)
-            if isinstance(got, dict) and isinstance(got.get("tokens"), list):
+            if isinstance(got, dict) and isinstance(got.get("tokens"), (list, array)):
                 toks = got["tokens"]  # millions of ids take the loop 0.1 s per pass: in a thread
                 ids = await asyncio.to_thread(_token_ids, toks) if len(toks) > 1 << 16 else _token_ids(toks)
                 if ids is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpool.connectors.proxy_json import BodyTooDeep, parse_big
+from kvpool.connectors.proxy_json import BodyTooDeep, jsonable, loads_ids, parse_big
 
 __all__ = [
     "ERROR_TYPES",
@@ -243,13 +243,14 @@ class BodyParts:
         return body_pieces(self.parts)
 
 
-async def loads_off_loop(data: bytes) -> Any:
+async def loads_off_loop(data: bytes, ids: bool = False) -> Any:
     """A backend's JSON answer parsed (the proxy's event loop awaits it): a small one at once,
-    one over :data:`THREAD_PARSE_BYTES` by :func:`loads_reply` in a thread. Raises what
-    ``json.loads`` raises."""
+    one over :data:`THREAD_PARSE_BYTES` by :func:`loads_reply` in a thread (``ids``: by
+    :func:`kvpool.connectors.proxy_json.loads_ids`, long arrays of token ids as ``array('I')``,
+    for a ``/tokenize`` answer). Raises what ``json.loads`` raises."""
     if len(data) <= THREAD_PARSE_BYTES:
         return json.loads(data)
-    return await asyncio.to_thread(loads_reply, data)
+    return await asyncio.to_thread(loads_ids if ids else loads_reply, data)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -264,7 +265,7 @@ def parse_raw_body(raw: bytes) -> RawBody:
     :data:`THREAD_PARSE_BYTES` (parsed in a thread) is parsed by
     :func:`kvpool.connectors.proxy_json.parse_big`, a bounded piece per C call, so that the
     thread leaves the event loop free (json's scanner holds the GIL for a whole value: 0.1-0.3 s
-    for a 33 MiB prompt string)."""
+    for a 33 MiB prompt string); its long arrays of token ids come as ``array('I')``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -327,7 +328,7 @@ def encode_body(out: dict[str, Any], raw: RawBody | None = None) -> bytes:
 def encode_body_parts(out: dict[str, Any], raw: RawBody | None = None) -> list[bytes | memoryview]:
     """:func:`encode_body` in the pieces it joins (the client's values as views of its bytes)."""
     if raw is None or not raw.spans:
-        return [json.dumps(out).encode()]
+        return [json.dumps(out, default=jsonable).encode()]
     same_bytes = len(raw.data) == len(raw.text)  # ASCII: text offsets are byte offsets
     view = memoryview(raw.data)
     parts: list[bytes | memoryview] = [b"{"]
@@ -347,20 +348,22 @@ def encode_body_parts(out: dict[str, Any], raw: RawBody | None = None) -> list[b
             a, b = span
             parts.append(view[a:b] if same_bytes else raw.text[a:b].encode())
         else:
-            parts.append(json.dumps(value).encode())
+            parts.append(json.dumps(value, default=jsonable).encode())
     parts.append(b"}")
     return parts
 
 
 def encode_ids_parts(head: dict[str, Any], key: str, ids: Sequence[int], n: int) -> list[bytes]:
-    """``json.dumps({**head, key: list(ids[:n])}).encode()`` in pieces (``key`` last), the ids
-    encoded :data:`_IDS_PIECE` at a time: json's encoder holds the GIL for a whole list (4.3M ids:
-    0.25 s), so a thread encoding it a piece at a time lets the event loop run between pieces."""
+    """``json.dumps({**head, key: list(ids[:n])}).encode()`` (``ids``: a list or an ``array``)
+    in pieces (``key`` last), the ids encoded :data:`_IDS_PIECE` at a time: json's encoder holds
+    the GIL for a whole list (4.3M ids: 0.25 s), so a thread encoding it a piece at a time lets
+    the event loop run between pieces."""
     parts = [json.dumps(head)[:-1].encode() + (b", " if head else b"") + json.dumps(key).encode() + b": ["]
     for a in range(0, n, _IDS_PIECE):
         if a:
             parts.append(b", ")
-        parts.append(json.dumps(ids[a : min(a + _IDS_PIECE, n)])[1:-1].encode())
+        piece = ids[a : min(a + _IDS_PIECE, n)]
+        parts.append(json.dumps(piece if isinstance(piece, list) else list(piece))[1:-1].encode())
     parts.append(b"]}")
     return parts
 

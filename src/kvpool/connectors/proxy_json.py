@@ -13,7 +13,8 @@ body's decoding, a long string's pieces joined: ~15 ms per 33 MiB each, bounded 
 ``max_request_bytes``). Called by
 :func:`kvpool.connectors.openai_api.parse_raw_body` for bodies over 1 MiB (in a thread).
 
-The result is ``json.loads``'s for every body it accepts; it refuses what ``json.loads`` refuses
+The result is ``json.loads``'s for every body it accepts (long arrays of token ids as
+``array('I')``: see :func:`parse_big`); it refuses what ``json.loads`` refuses
 (with its own one-line reason), and bodies nested deeper than ``max_depth``.
 """
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
-__all__ = ["PIECE", "BodyTooDeep", "parse_big"]
+__all__ = ["PIECE", "BodyTooDeep", "jsonable", "loads_ids", "parse_big"]
 
 #: Characters handed to one C call (a string's piece, a flat array's piece): about a millisecond.
 PIECE = 1 << 18
@@ -36,6 +38,8 @@ _STR_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)
 #: piece ending on anything else ends on a whole escape and no surrogate pair is cut).
 _NO_CUT = "0123456789abcdefABCDEFu\\"
 _scan_once = json.JSONDecoder().scan_once
+#: A character that is not in a list of non-negative ints.
+_NOT_ID = re.compile(r"[^0-9,\s]")
 
 
 class BodyTooDeep(ValueError):
@@ -74,12 +78,15 @@ def _has_any(text: str, chars: str, a: int, b: int) -> bool:
     return False
 
 
-def _flat_numbers(text: str, i: int) -> tuple[list[Any], int] | None:
+def _flat_numbers(text: str, i: int) -> tuple[list[Any] | array[int], int] | None:
     """The long array of numbers (no strings, arrays or objects) at ``text[i] == '['`` parsed a
-    piece (cut at commas) per C call, and the index past it; None when it is not one."""
+    piece (cut at commas) per C call, and the index past it; None when it is not one. Token ids
+    (ints in [0, 2**32) only) come as an ``array('I')``: a list of millions of ints takes tens
+    of ms to free (one reference at a time, the GIL held) and is walked by the cyclic GC."""
     end = text.find("]", i)
     if end - i <= PIECE or _has_any(text, '"[{', i + 1, end):
         return None
+    ids: array[int] | None = array("I")
     out: list[Any] = []
     a = i + 1
     while True:
@@ -88,17 +95,23 @@ def _flat_numbers(text: str, i: int) -> tuple[list[Any], int] | None:
         part = json.loads("[" + text[a:b] + "]")
         if not part:  # "[1,]", "[1,,2]"
             raise ValueError(f"expected a value at char {b}")
-        out += part
+        if ids is not None and _NOT_ID.search(text, a, b) is None and max(part) < 1 << 32:
+            ids.extend(part)
+        else:
+            if ids is not None:  # not token ids after all (rare): a list, like json.loads
+                out, ids = ids.tolist(), None
+            out += part
         if b == end:
-            return out, end + 1
+            return (out if ids is None else ids), end + 1
         a = b + 1
 
 
 def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]] | None]:
     """``json.loads(text)`` of a JSON object, with each top-level value's span in ``text`` (None
-    when a key repeats), a bounded piece per C call. Raises ValueError with a one-line reason for
-    anything ``json.loads`` refuses or that is not an object, :class:`BodyTooDeep` past
-    ``max_depth`` levels (the top-level object is one)."""
+    when a key repeats), a bounded piece per C call; an array of over :data:`PIECE` characters
+    of ints in [0, 2**32) (token ids) comes as an ``array('I')`` of them. Raises ValueError with
+    a one-line reason for anything ``json.loads`` refuses or that is not an object,
+    :class:`BodyTooDeep` past ``max_depth`` levels (the top-level object is one)."""
     ws = _WS.match
     i = ws(text, 0).end()
     if not text.startswith("{", i):
@@ -174,3 +187,22 @@ def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tupl
                 return root, None if repeated else spans
             value = cur
             cur, is_obj, key, start = stack.pop()
+
+
+def loads_ids(data: bytes) -> Any:
+    """``json.loads(data)`` of a backend's answer (a ``/tokenize`` answer), a bounded piece per
+    C call, its long arrays of token ids as ``array('I')`` (:func:`parse_big`, no depth limit:
+    it keeps its own stack); an answer that is not an object is ``json.loads``'s. Called in a
+    thread by the proxy."""
+    try:
+        return parse_big(data.decode("utf-8"), 1 << 30)[0]
+    except ValueError:
+        return json.loads(data)  # what json.loads says (or parses all the same)
+
+
+def jsonable(value: Any) -> Any:
+    """``default`` of ``json.dumps`` for the values :func:`parse_big` makes: an ``array`` as a
+    list (TypeError for anything else, as without it)."""
+    if isinstance(value, array):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
