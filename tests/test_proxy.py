@@ -439,6 +439,97 @@ def test_request_closed_unanswered_on_a_kept_alive_connection_is_sent_once_more(
     run(go)
 
 
+class ResettingBackend:
+    """A backend on a real socket (asyncio streams, HTTP/1.1 keep-alive) that answers every
+    ``POST`` with a one-token completion, except that on its first connection the request
+    numbered ``reset_at`` (1-based) is reset (RST, ``SO_LINGER`` 0) after ``read_before_reset``
+    bytes of its body; ``bodies`` has (connection number, whole body) of every request it read
+    whole."""
+
+    def __init__(self, reset_at: int, read_before_reset: int) -> None:
+        self.reset_at = reset_at
+        self.read_before_reset = read_before_reset
+        self.conns = 0
+        self.resets = 0
+        self.bodies: list[tuple[int, bytes]] = []
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import re
+        import socket
+        import struct
+
+        self.conns += 1
+        conn, n = self.conns, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n += 1
+                m = re.search(rb"(?i)content-length: *(\d+)", head)
+                length = int(m.group(1)) if m else 0
+                if conn == 1 and n == self.reset_at:
+                    await reader.readexactly(min(length, self.read_before_reset))
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.resets += 1
+                    writer.transport.abort()
+                    return
+                self.bodies.append((conn, await reader.readexactly(length)))
+                out = json.dumps({"choices": [{"text": "x"}], "conn": conn}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(out)).encode() + b"\r\n\r\n" + out)  # fmt: skip
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def test_a_kept_alive_connection_reset_while_a_large_body_is_sent_is_resent_once_on_a_new_one() -> None:
+    """A kept-alive backend connection reset while a 16 MiB body is being written (the backend
+    read 64 KiB of it) made aiohttp raise ClientOSError, which was not resent: the client got
+    502. The backend never had the whole body, so the request is sent once more on a new
+    connection and served. A reset after the backend read the whole body is not resent (it may
+    be running the request): 502, and the backend had it once."""
+
+    async def go() -> None:
+        prompt = "word " * ((16 << 20) // 5)
+        req = {"model": "m", "prompt": prompt, "max_tokens": 1}
+        for read_before_reset, status in ((1 << 16, 200), (1 << 30, 502)):
+            backend = ResettingBackend(reset_at=2, read_before_reset=read_before_reset)
+            url = await backend.start()
+            proxy = PDProxy([url], [], health_interval_s=0)
+            await proxy.start("127.0.0.1", 0)
+            try:
+                async with aiohttp.ClientSession() as client:
+                    small = {"model": "m", "prompt": "hi", "max_tokens": 1}
+                    async with client.post(f"{proxy.url}/v1/completions", json=small) as r:
+                        assert r.status == 200 and (await r.json())["conn"] == 1
+                    async with client.post(f"{proxy.url}/v1/completions", json=req) as r:
+                        assert r.status == status, await r.text()
+                        if status == 200:
+                            assert (await r.json())["conn"] == 2  # a new connection
+                        else:
+                            assert url in (await r.json())["error"]["message"]
+                assert backend.resets == 1
+                big = [c for c, body in backend.bodies if len(body) > 1 << 20]
+                assert big == ([2] if status == 200 else [])
+                if status == 200:
+                    assert json.loads(backend.bodies[-1][1])["prompt"] == prompt
+            finally:
+                await proxy.close()
+                await backend.close()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
 def test_health_follows_backend_health_checks() -> None:
     async def go() -> None:
         p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,14 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int, deadline_s: flo
     return await asyncio.wait_for(chunks(), deadline_s)
 
 
+async def _taken(pieces: AsyncIterator[memoryview], whole: list[bool]) -> AsyncIterator[memoryview]:
+    """``pieces``; sets ``whole[0]`` once aiohttp asks past the last one (it has written them
+    all to the connection)."""
+    async for piece in pieces:
+        yield piece
+    whole[0] = True
+
+
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -203,6 +211,7 @@ class BackendClient:
             raise InvalidArgument("max_reply_bytes must be > 0")
         self.max_reply_bytes = int(max_reply_bytes)
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # one connection per request: resends
         self._health_task: asyncio.Task[None] | None = None
 
     @property
@@ -213,17 +222,17 @@ class BackendClient:
         return self._session
 
     async def open(self) -> None:
-        """Create the session (connections kept alive for :data:`KEEPALIVE_S`)."""
+        """Create the session (connections kept alive for :data:`KEEPALIVE_S`), and the one that
+        resends a request on a new connection (none kept)."""
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s
+        )
         connector = aiohttp.TCPConnector(
             limit=self.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.connect_timeout_s, sock_read=self.timeout_s
-            ),
-            auto_decompress=True,
-        )
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+        fresh = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, force_close=True)
+        self._fresh = aiohttp.ClientSession(connector=fresh, timeout=timeout, auto_decompress=True)
 
     def start_polling(self, backends: Callable[[], list[Backend]]) -> None:
         """Poll the health of ``backends()`` every ``health_interval_s`` seconds (when not 0)."""
@@ -242,6 +251,9 @@ class BackendClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._fresh is not None:
+            await self._fresh.close()
+            self._fresh = None
 
     # -- health --------------------------------------------------------------------------------------
 
@@ -335,24 +347,45 @@ class BackendClient:
     ) -> aiohttp.ClientResponse:
         """One request to ``backend`` (``body``: a JSON object, or one encoded already, whole or in
         pieces: a body of tens of MiB handed to aiohttp whole is copied into the socket's buffer on
-        the event loop, ~50 ms per 33 MiB), sent twice if the first is closed before any answer: a
-        kept-alive connection the server closed (its keep-alive timeout) as the request went out
-        looks just like that (the request then never reached the server's handler)."""
+        the event loop, ~50 ms per 33 MiB), sent once more, on a new connection, when the first
+        try cannot have reached the server's handler:
+
+        * the connection is closed before any answer: a kept-alive connection the server closed
+          (its keep-alive timeout) as the request went out looks just like that;
+        * the connection fails (reset, broken pipe) before aiohttp has taken the last piece of a
+          body sent in pieces: the server never had all of the body (a request whose whole body
+          was sent is not sent again: the server may be running it)."""
         kw: dict[str, Any] = {"json": body, "headers": headers}
+        whole = [True]  # False until aiohttp has taken the last piece of a body sent in pieces
         if isinstance(body, bytes):
             kw = {"data": body, "headers": {**headers, "Content-Type": "application/json"}}
         elif isinstance(body, BodyParts):
             length = {"Content-Type": "application/json", "Content-Length": str(body.size)}
-            kw = {"data": body.payload(), "headers": {**headers, **length}}
+            data = body.payload()
+            if not isinstance(data, bytes):
+                whole[0] = False
+                data = _taken(data, whole)
+            kw = {"data": data, "headers": {**headers, **length}}
         try:
             return await self.session.request(method, backend.url + path, **kw)
         except aiohttp.ServerDisconnectedError:
             _log.info(
                 "%s backend %s closed the connection unanswered; sending once more", backend.role, backend.url
             )
+        except (aiohttp.ClientConnectorError, asyncio.TimeoutError):
+            raise
+        except aiohttp.ClientConnectionError as exc:
+            if whole[0]:  # the server may have all of it
+                raise
+            _log.info(
+                "%s backend %s: the connection failed while the request's body was sent (%s); sending "
+                "once more on a new connection",
+                backend.role, backend.url, error_text(exc),
+            )  # fmt: skip
         if isinstance(body, BodyParts):  # the pieces again (the first try took some or all)
             kw["data"] = body.payload()
-        return await self.session.request(method, backend.url + path, **kw)
+        assert self._fresh is not None
+        return await self._fresh.request(method, backend.url + path, **kw)
 
     async def read(self, resp: aiohttp.ClientResponse, backend: Backend, limit: int | None = None) -> bytes:
         """The whole body of ``resp``, read within one deadline of ``timeout_s`` and at most ``limit``
