@@ -911,6 +911,119 @@ def test_an_ssd_sweep_stops_at_its_time_budget_and_the_next_sweeps_go_on_from_th
         assert os.listdir(tmp_path / f"{k:02x}") == [f"{k:02x}{'0' * 38}-0.kvp"]
 
 
+def _stray_files(sub_dir, n: int, known_every: int = 0) -> tuple[set[str], list]:
+    """``n`` SSD-tier files an hour old in ``sub_dir`` (every ``known_every``-th one a live
+    copy's); the live copies' names and the other files' paths."""
+    old = time.time() - 3600
+    os.makedirs(sub_dir, exist_ok=True)
+    known, stray = set(), []
+    for i in range(n):
+        name = f"{sub_dir.name}{i:038x}-1.kvp"
+        (sub_dir / name).write_bytes(b"x")
+        os.utime(sub_dir / name, (old, old))
+        if known_every and i % known_every == 0:
+            known.add(name)
+        else:
+            stray.append(sub_dir / name)
+    return known, stray
+
+
+def test_an_ssd_sweep_keeps_to_its_budget_in_one_big_subdirectory_of_slow_storage(
+    tmp_path, monkeypatch
+) -> None:
+    """All the stray files are in one subdirectory, on slow storage (a stat takes 20 ms, as on a
+    loaded NFS server): a sweep stops about at its budget (0.1 s) in the middle of that
+    subdirectory, and the next ones go on from the file it stopped at until every stray file is
+    gone, the live copies' files staying. The budget held only past a sweep's first
+    subdirectory: the first sweep stat'ed all 60 files (1.2 s on the task thread, the spills
+    queued behind it past the master's task_timeout_s)."""
+    from kvpool.store import ssd
+
+    known, _ = _stray_files(tmp_path / "00", 60, known_every=5)
+    real_lstat, real_stat = os.lstat, os.stat
+
+    def slow(real):
+        def stat(path, *a, **kw):
+            time.sleep(0.02)
+            return real(path, *a, **kw)
+
+        return stat
+
+    monkeypatch.setattr(ssd.os, "lstat", slow(real_lstat))
+    monkeypatch.setattr(ssd.os, "stat", slow(real_stat))
+    real_scandir = os.scandir
+
+    class SlowEntries:  # an entry's own stat is as slow (what the sweep used before)
+        def __init__(self, path):
+            self._it = real_scandir(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._it.close()
+
+        def __iter__(self):
+            for e in self._it:
+                yield SlowEntry(e)
+
+    class SlowEntry:
+        def __init__(self, e):
+            self._e, self.name, self.path = e, e.name, e.path
+
+        def is_dir(self, **kw):
+            return self._e.is_dir(**kw)
+
+        def stat(self, **kw):
+            time.sleep(0.02)
+            return self._e.stat(**kw)
+
+    monkeypatch.setattr(ssd.os, "scandir", SlowEntries)
+    asked: list[int] = []
+
+    def unknown(names: list[str]) -> tuple[list[str], float]:
+        asked.append(len(names))
+        return [n for n in names if n not in known], 60.0
+
+    sweeps = 0
+    while set(os.listdir(tmp_path / "00")) - known:  # (os.stat is the slow one, for everyone)
+        assert sweeps < 60, "the sweeps did not get through the directory"
+        t0 = time.monotonic()
+        removed = ssd.sweep_ssd_dir(str(tmp_path), unknown, budget_s=0.1)
+        assert time.monotonic() - t0 < 0.6, "a sweep went on well past its budget"
+        assert removed >= 1  # each sweep gets on
+        sweeps += 1
+    assert sweeps >= 4  # each sweep saw to a part of the subdirectory only
+    assert sorted(os.listdir(tmp_path / "00")) == sorted(known)  # live copies' files stay
+
+
+def test_an_ssd_sweep_stopped_in_a_subdirectory_by_a_slow_master_goes_on_from_there(tmp_path) -> None:
+    """One subdirectory of 30 stray files and live copies' files; the master takes 0.2 s a
+    question and a question names 4 files: each sweep asks one question past its budget at most
+    and the next sweep takes up the subdirectory past the last file seen to, until every stray
+    file is gone and the live copies' files stay. The first sweep asked all 10 questions (2 s),
+    its first subdirectory being seen to whole whatever its budget."""
+    from kvpool.store import ssd
+
+    known, stray = _stray_files(tmp_path / "00", 40, known_every=4)
+    _, others = _stray_files(tmp_path / "01", 2)  # the next subdirectory is reached in turn
+
+    def unknown(names: list[str]) -> tuple[list[str], float]:
+        if names:
+            time.sleep(0.2)
+        return [n for n in names if n not in known], 60.0
+
+    sweeps = 0
+    while any(p.exists() for p in stray + others):
+        assert sweeps < 30, "the sweeps did not get through the directory"
+        t0 = time.monotonic()
+        assert ssd.sweep_ssd_dir(str(tmp_path), unknown, batch=4, budget_s=0.05) >= 1
+        assert time.monotonic() - t0 < 0.5, "more than one question past the budget"
+        sweeps += 1
+    assert sweeps >= 10
+    assert sorted(os.listdir(tmp_path / "00")) == sorted(known)
+
+
 def test_an_ssd_check_that_cannot_open_the_file_for_lack_of_descriptors_keeps_the_copy(
     tmp_path, monkeypatch
 ) -> None:

@@ -18,7 +18,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import xxhash
 
@@ -91,8 +91,10 @@ _FILE = re.compile(_NAME)
 _TMP = re.compile(_NAME + r"\.[0-9a-f]{32}\.tmp")  # a write killed midway
 SWEEP_MAX_FILES = 65536  # files one sweep looks at (the next sweep sees the others)
 SWEEP_BATCH = 512  # names per question to the master
-# ssd_dir -> the subdirectory the next sweep starts at (where the last one reached its cap)
-_resume: dict[str, str] = {}
+# ssd_dir -> (subdirectory, file name) of the last file a sweep saw to: the next one starts past it
+_resume: dict[str, tuple[str, str]] = {}
+# a file's path, its stat and the name the master is asked about (None: a temporary file)
+_Found = tuple[str, os.stat_result, str | None]
 
 
 def sweep_ssd_dir(
@@ -107,77 +109,96 @@ def sweep_ssd_dir(
     SSD copies has, and the grace period: only files older than it are removed (a spill's file
     is that old only once its report was taken or refused). Only names this tier writes, in its
     two-hex-digit subdirectories, are touched; other files stay. A file replaced since it was
-    looked at (another inode or time) stays. Called on the store client's task thread, which
-    also runs its spills (none writes meanwhile), at most :data:`SWEEP_MAX_FILES` files and
-    about ``budget_s`` seconds a call: the spills and copies queued behind it must start before
-    the master gives up on them (its ``task_timeout_s``; by default the budget is min(2 s, a
-    tenth of it), the grace being twice it and a second). Its first subdirectory is seen to
-    whole (a sweep stopped in it is taken up past it, the rest of it left for a full round).
-    A sweep stopped by either limit is taken up where it stopped by the next one."""
+    looked at (another inode or time) stays.
+
+    A temporary file that old is a write that never finished (not asked about).
+
+    Called on the store client's task thread, which also runs its spills (none writes
+    meanwhile): the spills and copies queued behind it must start before the master gives up on
+    them (its ``task_timeout_s``). So a call looks at :data:`SWEEP_MAX_FILES` files at most and
+    stops about ``budget_s`` seconds in (by default min(2 s, a tenth of ``task_timeout_s``, the
+    grace being twice it and a second)) wherever it is, in a subdirectory too: past the budget
+    it asks one more question at most, about the files it looked at, and removes those of the
+    answer (no more files than it looked at within the budget, or ``batch``). Each call sees to one
+    file at least, and the next call starts past the last file it saw to (subdirectories, and
+    the files of each, in sorted order, around), so every file is looked at in turn. A call
+    lists the subdirectories it goes through (names only; a file is stat'ed when its turn
+    comes)."""
     t0 = time.monotonic()
     _, grace = unknown([])
     deadline = t0 + (min(2.0, grace / 20) if budget_s is None else budget_s)
     cutoff = time.time() - grace
-    # (index in subs, path, stat, temporary?) of files older than the grace, in sweep order
-    found: list[tuple[int, str, os.stat_result, bool]] = []
-    seen = 0
-    stop: int | None = None  # index in subs of the subdirectory the sweep stopped in
     try:
         with os.scandir(ssd_dir) as it:
             subs = sorted(e.name for e in it if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
     except OSError:
         return 0
-    # From where the last sweep stopped, around: else, in a directory of more files than the
-    # cap (or than a sweep gets through in its budget), each sweep looked at the same first ones
-    after = _resume.pop(ssd_dir, "")
-    start = next((i for i, n in enumerate(subs) if n >= after), 0)
-    subs = subs[start:] + subs[:start]
-    for i, name in enumerate(subs):
-        if seen >= SWEEP_MAX_FILES:
-            stop = i - 1  # the one that reached the cap
-            break
-        sub = os.path.join(ssd_dir, name)
+    after = _resume.pop(ssd_dir, None)
+    done = after  # every file up to this one (in this sweep's order) seen to
+    last = after  # the last file looked at
+    found: list[_Found] = []  # looked at, older than the grace, not asked about yet
+    removed = seen = 0
+    complete = False
+    try:
+        for key, path in _in_order(ssd_dir, subs, after):
+            if seen >= SWEEP_MAX_FILES or (seen and time.monotonic() >= deadline):
+                break
+            tmp = _TMP.fullmatch(key[1])
+            if not (tmp or _FILE.fullmatch(key[1])):
+                continue
+            seen += 1
+            last = key
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None  # removed since it was listed (the rest of the directory is looked at)
+            if st is not None and st.st_mtime < cutoff:
+                found.append((path, st, None if tmp else key[1]))
+            if len(found) >= batch:
+                removed += _settle(found, unknown)
+                found = []
+            if not found:
+                done = key
+        else:
+            complete = True
+        if found:  # the files looked at but not asked about yet: one more question
+            removed += _settle(found, unknown)
+            done = last
+    finally:
+        if not complete and done is not None:
+            _resume[ssd_dir] = done
+    return removed
+
+
+def _in_order(
+    ssd_dir: str, subs: list[str], after: tuple[str, str] | None
+) -> Iterator[tuple[tuple[str, str], str]]:
+    """(subdirectory, name) and path of the files of ``subs``, in order, around, from past
+    ``after`` (the subdirectory of it that is listed is listed once: its files past ``after``
+    first, those up to it last). A subdirectory that cannot be listed is skipped."""
+    start = 0 if after is None else next((i for i, n in enumerate(subs) if n >= after[0]), 0)
+    head: list[str] = []
+    for k in range(len(subs)):
+        sub = subs[(start + k) % len(subs)]
         try:
-            with os.scandir(sub) as it:
-                for e in it:
-                    if seen >= SWEEP_MAX_FILES:
-                        break
-                    if i and time.monotonic() >= deadline:
-                        stop = i
-                        break
-                    is_file, is_tmp = _FILE.fullmatch(e.name), _TMP.fullmatch(e.name)
-                    if not (is_file or is_tmp):
-                        continue
-                    seen += 1
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue  # removed since it was listed (the rest of the directory is looked at)
-                    if st.st_mtime < cutoff:
-                        found.append((i, e.path, st, not is_file))
+            with os.scandir(os.path.join(ssd_dir, sub)) as it:
+                names = sorted(e.name for e in it)
         except OSError:
             continue  # the next sweep looks again
-        if stop is not None:
-            break
-    removed, pos = 0, 0
-    while pos < len(found) and not (found[pos][0] and time.monotonic() >= deadline):
-        chunk = found[pos : pos + batch]
-        ask = [os.path.basename(p) for _, p, _, tmp in chunk if not tmp]
-        names = set(unknown(ask)[0]) if ask else set()
-        for j, (i, path, st, tmp) in enumerate(chunk):
-            if i and j and time.monotonic() >= deadline:
-                break  # (at least one file of each answer is seen to)
-            pos += 1
-            # a temporary file that old is a write that never finished
-            if tmp or os.path.basename(path) in names:
-                removed += _remove_unchanged(path, st)
-    if pos < len(found):
-        stop = found[pos][0]  # its files (and those after it) not seen to: the next sweep's
-    if stop is not None:
-        # the next sweep starts at the one it stopped in (past it when it was the first: one of
-        # more files than the cap, or than a sweep gets through in its budget)
-        _resume[ssd_dir] = subs[max(stop, 1) % len(subs)]
-    return removed
+        if k == 0 and after is not None and sub == after[0]:
+            head = [n for n in names if n <= after[1]]
+            names = [n for n in names if n > after[1]]
+        for name in names:
+            yield (sub, name), os.path.join(ssd_dir, sub, name)
+    for name in head:
+        yield (subs[start], name), os.path.join(ssd_dir, subs[start], name)
+
+
+def _settle(found: list[_Found], unknown: Callable[[list[str]], tuple[list[str], float]]) -> int:
+    """Ask the master about ``found`` and remove those no copy has; returns how many."""
+    ask = sorted({name for *_, name in found if name is not None})
+    names = set(unknown(ask)[0]) if ask else set()
+    return sum(_remove_unchanged(path, st) for path, st, name in found if name is None or name in names)
 
 
 def _remove_unchanged(path: str, st: os.stat_result) -> int:
