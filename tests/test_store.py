@@ -1161,8 +1161,43 @@ def test_the_sweep_knows_the_ssd_file_names_of_this_version_and_the_one_before(t
         return names, 10.0
 
     assert sweep_ssd_dir(str(tmp_path), unknown) == len(ours)
-    assert sorted(asked) == sorted(ours[:2])  # the temporary files are not asked about
+    assert sorted(asked) == sorted(ours[:2])  # a temporary file is asked about by its file's name
     assert sorted(p.name for p in sub.iterdir()) == sorted(others)
+
+
+def test_an_ssd_sweep_leaves_the_temporary_file_of_a_spill_in_flight_whatever_its_age(tmp_path) -> None:
+    """Two clients share an SSD directory, their clocks apart: b's spill of k is writing its
+    temporary file, whose time by a's clock is an hour back, when a sweeps the directory. The
+    master has that spill in flight: its temporary file stays, and the spill lands (the sweep
+    removed any temporary file older than the grace by its time alone, and b's spill lost its
+    file). The temporary file of a spill the master no longer has in flight (a write killed
+    midway) is removed."""
+    from kvpool.store.tasks import run_task
+
+    with Store.connect(segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=60) as a:
+        m = a._master
+        with Store.connect(master=m.address, segment_size=0, ssd_dir=str(tmp_path), heartbeat_s=60) as b:
+            value = pattern(300_000, 6)
+            a.put("k", value, ReplicateConfig(cache_class="persistent"))
+            with m._lock:  # as eviction does; taken off the queue before a heartbeat hands it out
+                m._spill(m.objects["k"], m.clients[b.client_id])
+                spill = m.clients[b.client_id].tasks.pop()
+            old = time.time() - 3600
+            writing = f"{spill['path']}.{'1' * 32}.tmp"  # b's write, well under way
+            killed = os.path.join(
+                os.path.dirname(spill["path"]), f"{'ab' * 20}-9-{'0' * 16}.kvp.{'2' * 32}.tmp"
+            )
+            for p in (writing, killed):
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                with open(p, "wb") as f:
+                    f.write(b"x" * 1000)
+                os.utime(p, (old, old))
+            run_task(a, {"type": "ssd_sweep"})  # as a's task thread runs it
+            assert os.path.exists(writing), "a spill in flight lost its temporary file"
+            assert not os.path.exists(killed)
+            b._run_task(spill)
+            assert a.info("k")["ssd"] == spill["path"]
+            assert not a.info("k")["replicas"] and a.get("k") == value  # read from b's file
 
 
 def test_a_late_corrupt_report_of_a_dropped_replica_leaves_the_next_one_on_that_segment() -> None:

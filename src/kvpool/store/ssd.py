@@ -3,8 +3,8 @@ xxh3-64, key, value); the master names each spill's file, with a random token of
 two copies ever share a path (files named before, without the token, are still swept).
 
 Written to a temporary file, fsynced and renamed, so a reader sees a whole file or none (a failed
-write removes its temporary file; one of a process killed mid-write stays, never read); a reader
-checks the key, size and checksum, and treats any mismatch as a miss.
+write removes its temporary file; one of a process killed mid-write stays, never read, until
+swept); a reader checks the key, size and checksum, and treats any mismatch as a miss.
 
 Files no copy has (a spill whose report was lost, copies of a client that came back under another
 id or never) are removed by the directory's client: :func:`sweep_ssd_dir`, run on its task thread.
@@ -88,13 +88,13 @@ _SUBDIR = re.compile(r"[0-9a-f]{2}")
 # of earlier versions (named without it) are this tier's too.
 _NAME = r"[0-9a-f]{40}-[0-9]+(?:-[0-9a-f]{16})?\.kvp"
 _FILE = re.compile(_NAME)
-_TMP = re.compile(_NAME + r"\.[0-9a-f]{32}\.tmp")  # a write killed midway
+_TMP = re.compile(f"({_NAME})" + r"\.[0-9a-f]{32}\.tmp")  # a write (of group 1's file) killed midway
 SWEEP_MAX_FILES = 65536  # files one sweep looks at (the next sweep sees the others)
 SWEEP_BATCH = 512  # names per question to the master
 # ssd_dir -> (subdirectory, file name) of the last file a sweep saw to: the next one starts past it
 _resume: dict[str, tuple[str, str]] = {}
-# a file's path, its stat and the name the master is asked about (None: a temporary file)
-_Found = tuple[str, os.stat_result, str | None]
+# a file's path, its stat and the name the master is asked about (a temporary file's: its file's)
+_Found = tuple[str, os.stat_result, str]
 
 
 def sweep_ssd_dir(
@@ -111,7 +111,14 @@ def sweep_ssd_dir(
     two-hex-digit subdirectories, are touched; other files stay. A file replaced since it was
     looked at (another inode or time) stays.
 
-    A temporary file that old is a write that never finished (not asked about).
+    A temporary file (``<file>.<random>.tmp``: a spill writing, or one killed midway) is
+    removed on the same terms as the file it is to become, whose name the master is asked
+    about: the master knows the file of every spill in flight, and names each spill's file once
+    (a token of its own in it), so once that name is unknown no spill the master runs writes it
+    any more, and the temporary file is abandoned. By its age alone (as it went before), on a
+    directory several clients share, with clocks apart, a running spill of another client could
+    lose its temporary file. (A spill the master gave up on may still be writing: its temporary
+    file may go, and the write fail; its report would have been refused anyway.)
 
     Called on the store client's task thread, which also runs its spills (none writes
     meanwhile): the spills and copies queued behind it must start before the master gives up on
@@ -153,7 +160,7 @@ def sweep_ssd_dir(
             except OSError:
                 st = None  # removed since it was listed (the rest of the directory is looked at)
             if st is not None and st.st_mtime < cutoff:
-                found.append((path, st, None if tmp else key[1]))
+                found.append((path, st, tmp.group(1) if tmp else key[1]))
             if len(found) >= batch:
                 removed += _settle(found, unknown)
                 found = []
@@ -196,9 +203,8 @@ def _in_order(
 
 def _settle(found: list[_Found], unknown: Callable[[list[str]], tuple[list[str], float]]) -> int:
     """Ask the master about ``found`` and remove those no copy has; returns how many."""
-    ask = sorted({name for *_, name in found if name is not None})
-    names = set(unknown(ask)[0]) if ask else set()
-    return sum(_remove_unchanged(path, st) for path, st, name in found if name is None or name in names)
+    names = set(unknown(sorted({name for *_, name in found}))[0])
+    return sum(_remove_unchanged(path, st) for path, st, name in found if name in names)
 
 
 def _remove_unchanged(path: str, st: os.stat_result) -> int:
