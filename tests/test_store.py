@@ -1053,9 +1053,110 @@ def test_an_ssd_check_that_cannot_open_the_file_for_lack_of_descriptors_keeps_th
             return builtins.open(path, *a, **kw)
 
         monkeypatch.setattr(ssd, "open", no_fds, raising=False)
-        run_task(st, task)  # as the task thread runs it
+        monkeypatch.setattr(ssd, "UNREADABLE_GAP_S", 0.0)
+        for _ in range(2 * ssd.UNREADABLE_CHECKS):  # however often: the file may be fine
+            run_task(st, task)  # as the task thread runs it
         monkeypatch.undo()
         assert st.exists("k") and st.info("k")["ssd"] == copy.path
+        assert st.get("k") == pattern(300_000, 1)
+
+
+def _ssd_check_task(st: Store, key: str) -> dict:
+    """The ssd_check task the master hands ``key``'s SSD copy's client when a reader missed."""
+    m = st._master
+    with m._lock:
+        obj = m.objects[key]
+        return {"type": "ssd_check", "key": key, "gen": obj.gen, "path": obj.ssd.path, "size": obj.size,
+                "checksum": obj.ssd.checksum}  # fmt: skip
+
+
+def _deny_reads(monkeypatch, path: str, stat_too: bool = False) -> None:
+    """Opening ``path`` fails with EACCES (and so does a stat of it when ``stat_too``: its
+    directory not searchable). By its mode when not root; as root, who reads whatever the
+    mode, the error is raised at the open (and stat) calls of kvpool.store.ssd."""
+    import builtins
+    import errno
+
+    from kvpool.store import ssd
+
+    if os.geteuid() != 0 and not stat_too:
+        os.chmod(path, 0)
+        return
+
+    def denied(p, *a, **kw):
+        if str(p) == path:
+            raise PermissionError(errno.EACCES, "Permission denied", p)
+        return builtins.open(p, *a, **kw)
+
+    monkeypatch.setattr(ssd, "open", denied, raising=False)
+    if stat_too:
+        real = os.stat
+
+        def stat(p, *a, **kw):
+            if str(p) == path:
+                raise PermissionError(errno.EACCES, "Permission denied", p)
+            return real(p, *a, **kw)
+
+        monkeypatch.setattr(ssd.os, "stat", stat)
+
+
+def test_an_ssd_file_its_client_cannot_open_on_checks_apart_is_reported_lost(tmp_path, monkeypatch) -> None:
+    """An SSD-only object's file can no longer be opened by its client (EACCES: its mode was
+    changed; by chmod when not root, injected at the open call as root), the directory fine.
+    The checks readers' misses ask for count once per UNREADABLE_GAP_S (0.2 s here): the copy
+    is kept until the third such check, then reported, and the master lets go of the object,
+    whose key can be put again. It was kept for good: exists said yes, every get was a miss,
+    every put of the key was refused."""
+    from kvpool.store import ssd
+    from kvpool.store.tasks import run_task
+
+    monkeypatch.setattr(ssd, "UNREADABLE_GAP_S", 0.2)
+    with Store.connect(
+        segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
+    ) as st:
+        _ssd_only(st, "k")
+        task = _ssd_check_task(st, "k")
+        _deny_reads(monkeypatch, task["path"])
+        for _ in range(ssd.UNREADABLE_CHECKS - 1):
+            run_task(st, task)
+            run_task(st, task)  # right after: not another count
+            assert st.exists("k") and st.info("k")["ssd"] == task["path"]
+            time.sleep(0.25)
+        run_task(st, task)  # the third check apart: lost
+        assert not st.exists("k")
+        st.put("k", b"again")
+        assert st.get("k") == b"again"
+
+
+def test_an_ssd_file_unreadable_but_read_in_between_or_in_an_unsearchable_directory_is_kept(
+    tmp_path, monkeypatch
+) -> None:
+    """Opening an SSD file fails with EACCES on checks apart, but a check in between read it
+    (the count starts again); and a file whose directory cannot be searched either (a stat of
+    it fails too: every copy in it alike, maybe a mount coming back) is never counted: the
+    copies are kept and read once the files can be read again."""
+    from kvpool.store import ssd
+    from kvpool.store.tasks import run_task
+
+    monkeypatch.setattr(ssd, "UNREADABLE_GAP_S", 0.0)
+    with Store.connect(
+        segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
+    ) as st:
+        _ssd_only(st, "k")
+        task = _ssd_check_task(st, "k")
+        for _ in range(3):
+            with monkeypatch.context() as mp:
+                _deny_reads(mp, task["path"])
+                for _ in range(ssd.UNREADABLE_CHECKS - 1):
+                    run_task(st, task)
+                if os.geteuid() != 0:
+                    os.chmod(task["path"], 0o644)
+            run_task(st, task)  # read: fine
+        with monkeypatch.context() as mp:
+            _deny_reads(mp, task["path"], stat_too=True)
+            for _ in range(2 * ssd.UNREADABLE_CHECKS):
+                run_task(st, task)
+        assert st.exists("k") and st.info("k")["ssd"] == task["path"]
         assert st.get("k") == pattern(300_000, 1)
 
 

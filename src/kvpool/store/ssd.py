@@ -52,13 +52,19 @@ def write_ssd_file(path: str, key: str, data: memoryview | bytes) -> str:
 
 
 def read_ssd_file(
-    path: str, key: str, size: int, checksum: str, why: list[str] | None = None
+    path: str,
+    key: str,
+    size: int,
+    checksum: str,
+    why: list[str] | None = None,
+    err: list[int] | None = None,
 ) -> bytes | None:
     """Read and verify an SSD-tier file; None when missing, truncated or corrupt. ``why`` (when
     given) gets ``"corrupt"`` for a file that is there but is not this object's (truncated,
     another size or key, a checksum mismatch) or that the disk failed to read (EIO), else
     ``"missing"`` when it is not there (ENOENT, ENOTDIR), ``"unreadable"`` for another error
-    (EMFILE, EACCES, ESTALE...: the file may be fine)."""
+    (EMFILE, EACCES, ESTALE...: the file may be fine; its errno goes to ``err``, when given:
+    see :class:`UnreadableFiles`)."""
     try:
         with open(path, "rb") as f:
             hdr = f.read(_SSD_HDR.size)
@@ -71,7 +77,11 @@ def read_ssd_file(
     except OSError as exc:
         if exc.errno == errno.EIO:
             return _bad(why, "corrupt")
-        return _bad(why, "missing" if exc.errno in (errno.ENOENT, errno.ENOTDIR) else "unreadable")
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return _bad(why, "missing")
+        if err is not None:
+            err.append(exc.errno or 0)
+        return _bad(why, "unreadable")
     if len(data) != size or xxhash.xxh3_64_intdigest(data) != digest or f"{digest:016x}" != checksum:
         return _bad(why, "corrupt")
     return data
@@ -81,6 +91,55 @@ def _bad(why: list[str] | None, reason: str) -> None:
     if why is not None:
         why.append(reason)
     return None
+
+
+#: errnos of a process or system out of a resource: a file opened in vain with one may be fine
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR})
+UNREADABLE_CHECKS = 3  # checks, UNREADABLE_GAP_S apart at least, a file is unreadable on to be lost
+UNREADABLE_GAP_S = 30.0
+UNREADABLE_MAX = 4096  # files an UnreadableFiles keeps count of (the oldest forgotten first)
+
+
+class UnreadableFiles:
+    """When an SSD file its own client cannot open is lost (its copy to be let go of): the
+    store client's task thread asks (:meth:`lost`) on each check of a file it could not open
+    (``ssd_check``, handed out when a reader missed, at most once per copy per the master's
+    ``client_ttl_s``), and says which it read or found missing or bad (:meth:`done`).
+
+    Out of a resource (EMFILE, ENFILE, ENOMEM...), the file may be fine: never lost. Another
+    error (EACCES, EPERM: a mode, owner, ACL or security label changed; ESTALE...) with the
+    file there and its directory searchable (a stat of it works: else the directory's trouble,
+    every copy in it alike, maybe a mount coming back) counts once per :data:`UNREADABLE_GAP_S`
+    at most, and the file is lost on the :data:`UNREADABLE_CHECKS`-th count with no read in
+    between: a file unreadable that long (a minute at least, by default) is not coming back by
+    itself, and every read of it misses meanwhile. (A copy whose file could not be opened was
+    kept for good: an SSD-only object that nobody could read, its key refused to every put.)"""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, tuple[int, float]] = {}  # path -> (counts, when last counted)
+
+    def lost(self, path: str, err: int, now: float | None = None) -> bool:
+        """``path`` could not be opened (errno ``err``) on a check: True when it is lost."""
+        if err in _TRANSIENT:
+            return False
+        try:
+            os.stat(path)
+        except OSError:
+            return False  # not the file's trouble (or it went meanwhile: the next check says)
+        now = time.monotonic() if now is None else now
+        n, at = self._counts.pop(path, (0, float("-inf")))
+        if now - at >= UNREADABLE_GAP_S:
+            n, at = n + 1, now
+        if n >= UNREADABLE_CHECKS:
+            return True
+        while len(self._counts) >= UNREADABLE_MAX:
+            del self._counts[next(iter(self._counts))]
+        self._counts[path] = (n, at)
+        return False
+
+    def done(self, path: str) -> None:
+        """``path`` was read, or found missing or bad, on a check: its count starts again."""
+        self._counts.pop(path, None)
 
 
 _SUBDIR = re.compile(r"[0-9a-f]{2}")

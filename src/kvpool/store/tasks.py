@@ -10,6 +10,7 @@ that long would get a healthy client declared dead (its segment unmounted, its o
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -21,7 +22,7 @@ from kvpool._rpc import UnknownClient
 from kvpool.errors import KvpoolError
 from kvpool.store.datapath import ReadJob
 from kvpool.store.layout import HEADER_SIZE, header_mismatch, key_hash
-from kvpool.store.ssd import SWEEP_BATCH, read_ssd_file, sweep_ssd_dir, write_ssd_file
+from kvpool.store.ssd import SWEEP_BATCH, UnreadableFiles, read_ssd_file, sweep_ssd_dir, write_ssd_file
 from kvpool.transfer.types import OpCode
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class TaskRunner:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.dropped = 0
+        self.unreadable = UnreadableFiles()  # SSD files of ours a check could not open
 
     def submit(self, task: dict[str, Any], deadline: float) -> None:
         """Queue one task (heartbeat thread, per task of a reply); returns at once."""
@@ -132,19 +134,29 @@ def run_task(store: Store, task: dict[str, Any], deadline: float = float("inf"))
 def _ssd_check(store: Store, task: dict[str, Any]) -> None:
     """A reader could not use an SSD file of ours (off our host, or missing): read it here, and
     report it corrupt when it is missing or bad (the master drops that copy). One we could not
-    read for another reason (out of file descriptors, a permission, a stale NFS handle) is not
-    reported: the file may be fine (a reader's next miss asks again)."""
+    open for another reason (out of file descriptors, a permission, a stale NFS handle) is
+    reported only once :class:`UnreadableFiles` calls it lost (a permission denied on checks a
+    while apart, the directory fine): till then the file may be fine (a reader's next miss asks
+    again)."""
     why: list[str] = []
-    if read_ssd_file(task["path"], task["key"], task["size"], task["checksum"], why) is None:
-        if why and why[0] == "unreadable":
-            log.warning(
-                "SSD file %s of %r could not be read to check it (not reported)", task["path"], task["key"]
-            )
+    err: list[int] = []
+    path, unreadable = task["path"], store._task_runner.unreadable
+    if read_ssd_file(path, task["key"], task["size"], task["checksum"], why, err) is not None:
+        unreadable.done(path)
+        return
+    if why and why[0] == "unreadable":
+        code = errno.errorcode.get(err[0], str(err[0])) if err else "?"
+        if not unreadable.lost(path, err[0] if err else 0):
+            log.warning("SSD file %s of %r could not be opened (%s) to check it (not reported)",
+                        path, task["key"], code)  # fmt: skip
             return
-        log.warning("SSD file %s of %r is %s: reported", task["path"], task["key"], why[0] if why else "bad")
-        store._hb_rpc.call(
-            "report", segment="", kind="ssd_corrupt", key=task["key"], gen=task["gen"], path=task["path"]
+        log.warning(
+            "SSD file %s of %r could not be opened (%s) on checks apart: reported", path, task["key"], code
         )
+    else:
+        unreadable.done(path)
+        log.warning("SSD file %s of %r is %s: reported", path, task["key"], why[0] if why else "bad")
+    store._hb_rpc.call("report", segment="", kind="ssd_corrupt", key=task["key"], gen=task["gen"], path=path)
 
 
 def _ssd_sweep(store: Store) -> None:
