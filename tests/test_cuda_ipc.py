@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -644,6 +646,135 @@ def test_release_exited_closes_a_dead_peers_mappings(peer: Peer, fake_driver: st
         assert not _ipc(eng)._peers
         with pytest.raises((SegmentNotFound, TransferError)):
             eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+
+
+def _stop_stream(monkeypatch: pytest.MonkeyPatch, ipc: CudaIpcTransport) -> threading.Event:
+    """Stop our GPU stream: every run's event waits until the returned event is set (a hung
+    stream; its copies already ran on the fake driver, so the bytes are right once let go)."""
+    real_sync, release = ipc.driver.event_sync, threading.Event()
+
+    def stopped(event: int) -> None:
+        release.wait(30)  # the old code's release_exited / close_segment / close waited here
+        real_sync(event)
+
+    monkeypatch.setattr(ipc.driver, "event_sync", stopped)
+    return release
+
+
+def _returns_within(call: Callable[[], object], seconds: float) -> list[object]:
+    """Run ``call`` in a thread; assert it returned (or raised) within ``seconds``; its outcome."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # noqa: BLE001 - the caller checks it
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still blocked after {seconds} s"
+    out.append(time.monotonic() - t0)
+    return out
+
+
+@pytest.mark.parametrize("how", ["release_exited", "close_segment", "reattach_then_close_segment"])
+def test_letting_a_peer_go_under_a_stopped_stream_does_not_wait_nor_unmap(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """release_exited_peers (a store client's heartbeat thread) and close_segment of a peer whose
+    CUDA IPC run is still queued on a stopped GPU stream return at once: they waited for the
+    stream forever (the heartbeat stopped, and the master dropped the client's leases). The
+    peer's mappings and pidfd stay open while the run is queued (its copies still use them; the
+    completion thread asks the pidfd whether the peer exited during the copy), and are closed
+    by the completion thread once the run ended; an exited peer's run fails, typed. Also when the
+    run was queued through an earlier record of the same attachment (a refreshed descriptor of
+    the same process keeps the mapping): the old code closed it under that run at once."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # maps the peer's GPU buffer
+        ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+        (rec,) = ipc._peers.values()
+        (mapped,) = [b.mapped for b in rec.bufs if b.gpu and b.mapped]
+        closed: list[int] = []
+        real_close = ipc.driver.ipc_close
+        monkeypatch.setattr(ipc.driver, "ipc_close", lambda base: (closed.append(base), real_close(base)))
+        release = _stop_stream(monkeypatch, ipc)
+        try:
+            bid = eng.allocate_batch_id(1)
+            eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
+            assert len(ipc._runs) == 1
+            if how.startswith("reattach"):
+                eng._open(peer.name)  # the same process: a new record sharing the mapping and pidfd
+                (rec,) = ipc._peers.values()
+                assert rec is not ipc._runs[0].peer and mapped in [b.mapped for b in rec.bufs]
+            if how == "release_exited":
+                peer.p.send_signal(signal.SIGKILL)
+                peer.p.wait(10)
+                count, took = _returns_within(eng.release_exited_peers, 2)
+                assert count == 1 and took < 1
+            else:
+                result, took = _returns_within(lambda: eng.close_segment(seg), 2)
+                assert result is None and took < 1
+            assert not ipc._peers and len(ipc._runs) == 1  # let go, its run still queued
+            time.sleep(0.2)
+            assert not closed and drv.pointer_device(mapped) == 0 and rec.pidfd >= 0  # nothing closed
+        finally:
+            release.set()
+        st = eng.wait_batch(bid, 10)
+        if how == "release_exited":
+            assert not st.ok and "exited" in (eng.get_transfer_status(bid, 0).error or "")
+        else:
+            assert st.ok
+        deadline = time.monotonic() + 5
+        while rec.pidfd >= 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed and drv.pointer_device(mapped) is None and rec.pidfd == -1  # closed after the run
+
+
+def test_engine_close_under_a_stopped_stream_raises_and_keeps_the_mappings(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TransferEngine.close with a CUDA IPC run queued on a stopped GPU stream raises
+    TransferTimeout once no run completed for timeout_s (it waited forever), after closing the
+    rest of the engine; the peer's mapping stays while the run is queued and is closed, with
+    our streams, by the completion thread once the run ended."""
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    eng = TransferEngine(timeout_s=0.5)
+    g = drv.alloc(1 << 20, 0)
+    eng.register_local_memory(g, 1 << 20, location="cuda:0")
+    eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+    ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+    (rec,) = ipc._peers.values()
+    (mapped,) = [b.mapped for b in rec.bufs if b.gpu and b.mapped]
+    destroyed: list[int] = []
+    real_destroy = ipc.driver.stream_destroy
+    monkeypatch.setattr(ipc.driver, "stream_destroy", lambda s: (destroyed.append(s), real_destroy(s)))
+    release = _stop_stream(monkeypatch, ipc)
+    try:
+        bid = eng.allocate_batch_id(1)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
+        error, took = _returns_within(eng.close, 5)
+        assert isinstance(error, TransferTimeout) and "did not finish within 0.5 s" in str(error)
+        assert 0.4 < took < 3
+        host, port = eng.segment_name.rsplit(":", 1)
+        with pytest.raises(OSError):  # the rest closed: the engine stopped serving
+            socket.create_connection((host, int(port)), timeout=2).close()
+        time.sleep(0.2)
+        assert drv.pointer_device(mapped) == 0 and rec.pidfd >= 0 and not destroyed  # still in use
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while not destroyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert destroyed and drv.pointer_device(mapped) is None and rec.pidfd == -1
+    assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0] + 4096} 4096")  # the copy itself ran
 
 
 def test_failed_kernel_launches_give_their_address_tables_back(

@@ -21,7 +21,8 @@ generation its descriptor named; a pin fails once the owner unregistered the ran
 refused with RemoteAccessError), and unregistering waits for pinned copies to finish. The pins are
 dropped when the run's event completed. A run whose owner exited while it was in flight fails
 (TransferError) instead of reporting bytes that nobody holds; mappings of a peer are closed when
-the engine detaches it (close, restart) after its copies finished.
+the engine detaches it (close, restart) or it exited, once its copies finished: by the completion
+thread when runs are still queued (detach and release_exited never wait for a GPU stream).
 
 Completion: one thread per transport waits on the runs' events in order (``cuEventSynchronize``,
 GIL released) and completes their slots with one native call per run.
@@ -35,10 +36,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import mmap
 import os
 import select
 import threading
+import time
 from importlib import resources
 from typing import Any
 
@@ -51,10 +52,11 @@ from kvpool.errors import (
     RegistrationError,
     RemoteAccessError,
     SegmentNotFound,
+    TransferTimeout,
 )
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
-from kvpool.transfer.cuda_ipc_state import _U64, _col, _Export, _Gate, _Peer, _RemoteBuf, _Run, _Shm, _Spares
+from kvpool.transfer.cuda_ipc_state import _U64, _col, _Export, _Gate, _Peer, _RemoteBuf, _Run, _Spares
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import READ, Requests, Transport
@@ -95,6 +97,7 @@ class CudaIpcTransport(Transport):
         self._exports: dict[int, _Export] = {}
         self._peers: dict[int, _Peer] = {}
         self._released: set[int] = set()  # handles whose exited peer release_exited let go
+        self._doomed: list[tuple[_Peer, list[_RemoteBuf], bool]] = []  # closed after their runs (_retire)
         self._streams: dict[int, int] = {}
         self._kernels: dict[int, int] = {}
         self._spares = _Spares(driver)  # address tables and events of finished runs
@@ -104,6 +107,7 @@ class CudaIpcTransport(Transport):
         self._cond = threading.Condition()
         self._gate = _Gate(self._cond, self._runs, registry)
         self._closed = False
+        self._late = False  # close() gave up on a hung stream: the completion thread tears down
         self._thread = threading.Thread(target=self._complete_loop, name="kvpool-cuda-ipc", daemon=True)
         self._thread.start()
         self.launches = 0  # kernel launches and cuMemcpyAsync runs, for tests and benchmarks
@@ -190,9 +194,9 @@ class CudaIpcTransport(Transport):
                 k = kept.pop((b.addr, b.handle, b.shm_fd), None)
                 if k is not None:
                     b.mapped, b.keep = k.mapped, k.keep
-            self._close_bufs(old, list(kept.values()))
+            self._retire(old, list(kept.values()), pidfd=False)  # the new record keeps the pidfd
         elif old is not None:
-            self._retire_peer(old)
+            self._retire(old, old.bufs)
         fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
         same = old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation
         if same and old is not None and old.pidfd >= 0:
@@ -211,6 +215,7 @@ class CudaIpcTransport(Transport):
             np.array([b.gpu for b in bufs], dtype=bool),
             fence,
             pidfd,
+            lineage=old.lineage if same and old is not None else object(),
         )
 
     def detach(self, handle: int) -> None:
@@ -218,18 +223,19 @@ class CudaIpcTransport(Transport):
         self._released.discard(handle)
         peer = self._peers.pop(handle, None)
         if peer is not None:
-            self._retire_peer(peer)
+            self._retire(peer, peer.bufs)
 
     def release_exited(self) -> list[int]:
         """Close the mappings (GPU IPC, shared host buffers), fence and pidfd of peers whose process
         exited, after our copies in flight to them finished; with the inner transport's. Called
-        by the engine (``release_exited_peers``: a store client's heartbeat) and by attach. The
-        next open of a released handle re-fetches it (:meth:`peer_gone`)."""
+        by the engine (``release_exited_peers``: a store client's heartbeat) and by attach; never
+        waits for the GPU (see :meth:`_retire`). The next open of a released handle re-fetches it
+        (:meth:`peer_gone`)."""
         out = set(self.inner.release_exited())
         for h, peer in list(self._peers.items()):
             if peer.pidfd >= 0 and not self._alive(peer):
                 del self._peers[h]
-                self._retire_peer(peer)
+                self._retire(peer, peer.bufs)
                 self._released.add(h)
                 out.add(h)
         return sorted(out)
@@ -244,49 +250,17 @@ class CudaIpcTransport(Transport):
             return True
         return (peer is not None and peer.gone) or self.inner.peer_gone(handle)
 
-    def _retire_peer(self, peer: _Peer) -> None:
-        """Close a peer's mappings once its copies in flight finished (waits for them)."""
-        self._drain(peer)
-        self._close_bufs(peer, peer.bufs)
-        if peer.pidfd >= 0:
-            os.close(peer.pidfd)
-            peer.pidfd = -1
-
-    def _close_bufs(self, peer: _Peer, bufs: list[_RemoteBuf]) -> None:
-        for b in bufs:
-            if not b.mapped:
-                continue
-            if b.gpu:
-                try:  # the mapping's own base (b.mapped points b.offset into it)
-                    self.driver.ipc_close(b.mapped - b.offset)
-                except KvpoolError as exc:
-                    log.warning("CUDA IPC: closing a mapping of pid %d failed: %s", peer.pid, exc)
-            else:
-                self.driver.host_unregister(b.mapped)
-                b.keep.close()
-            b.mapped, b.keep = 0, None
-
-    def _open(self, peer: _Peer, b: _RemoteBuf, device: int) -> int:
-        """Base address here of a remote buffer's mapping (opened on first use)."""
-        if b.mapped:
-            return b.mapped
-        with peer.lock:
-            if b.mapped:
-                return b.mapped
-            if b.gpu:
-                dev = self._uuids.get(b.uuid, device)
-                b.mapped = self.driver.ipc_open(b.handle, dev) + b.offset
-                self.driver.enable_peer(device, dev)
-            else:
-                fd = os.open(f"/proc/{peer.pid}/fd/{b.shm_fd}", os.O_RDWR | os.O_CLOEXEC)
-                try:
-                    m = mmap.mmap(fd, b.length)
-                finally:
-                    os.close(fd)
-                base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-                self.driver.host_register(base, b.length)
-                b.keep, b.mapped = _Shm(m), base
-            return b.mapped
+    def _retire(self, peer: _Peer, bufs: list[_RemoteBuf], pidfd: bool = True) -> None:
+        """Close ``bufs``' mappings of a peer (and its pidfd, when ``pidfd``) now if no run of ours
+        to its process is queued (through this record or an earlier one of the same attachment:
+        ``lineage``), else leave them to the completion thread, which closes them once the last
+        such run ended. Never waits (a hung GPU stream must not stop a store client's heartbeat,
+        which calls release_exited) and never unmaps memory a queued copy still reads or writes."""
+        with self._cond:
+            if any(r.peer.lineage is peer.lineage for r in self._runs):
+                self._doomed.append((peer, bufs, pidfd))
+                return
+        peer.close(self.driver, bufs, pidfd)
 
     # ------------------------------------------------------------------ initiator side: submit
     def unbounded(self, batch_id: int) -> bool:
@@ -446,7 +420,7 @@ class CudaIpcTransport(Transport):
             starts = np.zeros(len(peer.bufs), dtype=_U64)
             for k in used:
                 b = peer.bufs[k]
-                bases[k] = self._open(peer, b, dev)
+                bases[k] = peer.open(b, dev, self.driver, self._uuids)
                 starts[k] = b.addr
             remote = bases[ridx] + (rems - starts[ridx])
             reading = ops == READ
@@ -544,7 +518,7 @@ class CudaIpcTransport(Transport):
                 while not self._runs and not self._closed:
                     self._cond.wait()
                 if not self._runs:
-                    return
+                    break
                 run = self._runs[0]
             error = None
             try:
@@ -566,7 +540,16 @@ class CudaIpcTransport(Transport):
             with self._cond:
                 self._runs.popleft()
                 self._completed += 1
+                ready: list[tuple[_Peer, list[_RemoteBuf], bool]] = []
+                if self._doomed:
+                    busy = {id(r.peer.lineage) for r in self._runs}
+                    ready = [d for d in self._doomed if id(d[0].lineage) not in busy]
+                    self._doomed = [d for d in self._doomed if id(d[0].lineage) in busy]
                 self._cond.notify_all()
+            for peer, bufs, pidfd in ready:  # the last queued run to their process ended (_retire)
+                peer.close(self.driver, bufs, pidfd)
+        if self._late:  # set under the lock with _closed, before the runs left emptied the queue
+            self._teardown()
 
     def _fail(self, batch_id: int, first: int, lens: Any, reason: str) -> None:
         for i in range(len(lens)):
@@ -575,20 +558,40 @@ class CudaIpcTransport(Transport):
             except KvpoolError:
                 pass  # finished already
 
-    def _drain(self, peer: _Peer | None = None) -> None:
-        with self._cond:
-            while any(peer is None or r.peer is peer for r in self._runs):
-                self._cond.wait(0.1)
-
     def close(self) -> None:
-        self._drain()
+        """Called by TransferEngine.close: waits for our queued runs while they keep completing,
+        then closes the peers' mappings, our streams and spares. A queue in which no run completed
+        for ``timeout_s`` (a hung stream): TransferTimeout, and what its runs use (mappings,
+        streams, tables, events) stays until they end; the completion thread closes it then."""
+        with self._cond:
+            seen, deadline = -1, 0.0
+            while self._runs:
+                if seen != self._completed:
+                    seen, deadline = self._completed, time.monotonic() + self.timeout_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.1))
+        peers = list(self._peers.values())
+        self._peers.clear()
+        for peer in peers:
+            self._retire(peer, peer.bufs)
         with self._cond:
             self._closed = True
+            queued = len(self._runs)
+            self._late = queued > 0
             self._cond.notify_all()
+        if queued:
+            raise TransferTimeout(
+                f"CUDA IPC: {queued} queued GPU copy runs did not finish within {self.timeout_s:g} s of "
+                "the last one (a hung GPU stream?); their mappings stay until they end"
+            )
         self._thread.join(timeout=5)
-        for peer in list(self._peers.values()):
-            self._retire_peer(peer)
-        self._peers.clear()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Destroy our streams and spare tables and events: by close, or by the completion thread
+        after the last run a timed-out close left behind."""
         for s in self._streams.values():
             self.driver.stream_destroy(s)
         self._spares.close()

@@ -6,7 +6,10 @@ our submits against the unregister of local memory."""
 from __future__ import annotations
 
 import collections
+import ctypes
+import logging
 import mmap
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.errors import AddressNotRegistered, RemoteAccessError
+from kvpool.errors import AddressNotRegistered, KvpoolError, RemoteAccessError
 from kvpool.transfer.cuda_driver import CudaDriver
 from kvpool.transfer.memory import LocalRegistry, Registration
 
 _U64 = np.uint64
+log = logging.getLogger("kvpool.transfer.cuda_ipc")
 
 
 @dataclass
@@ -64,6 +68,53 @@ class _Peer:
     inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     gone: bool = False  # its exit was reported to a caller: the next open_segment re-fetches
+    # shared by the records of one process's attachments (a re-attach keeps mappings and pidfd):
+    # what one of them retires waits for the runs of all (CudaIpcTransport._retire)
+    lineage: object = field(default_factory=object)
+
+    def open(self, b: _RemoteBuf, device: int, driver: CudaDriver, uuids: dict[bytes, int]) -> int:
+        """Base address here of a remote buffer's mapping (opened on first use, for a run on
+        ``device``; ``uuids``: our devices by UUID). Called by CudaIpcTransport before it queues a run."""
+        if b.mapped:
+            return b.mapped
+        with self.lock:
+            if b.mapped:
+                return b.mapped
+            if b.gpu:
+                dev = uuids.get(b.uuid, device)
+                b.mapped = driver.ipc_open(b.handle, dev) + b.offset
+                driver.enable_peer(device, dev)
+            else:
+                fd = os.open(f"/proc/{self.pid}/fd/{b.shm_fd}", os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    m = mmap.mmap(fd, b.length)
+                finally:
+                    os.close(fd)
+                base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                driver.host_register(base, b.length)
+                b.keep, b.mapped = _Shm(m), base
+            return b.mapped
+
+    def close(self, driver: CudaDriver, bufs: list[_RemoteBuf], pidfd: bool) -> None:
+        """Close these buffers' mappings here (GPU IPC, shared host buffers), and the pidfd when
+        ``pidfd``. Called by CudaIpcTransport only while no run of ours to this peer is queued:
+        a queued copy still reads or writes the mappings, and the completion thread asks the
+        pidfd whether the peer exited during the copy."""
+        for b in bufs:
+            if not b.mapped:
+                continue
+            if b.gpu:
+                try:  # the mapping's own base (b.mapped points b.offset into it)
+                    driver.ipc_close(b.mapped - b.offset)
+                except KvpoolError as exc:
+                    log.warning("CUDA IPC: closing a mapping of pid %d failed: %s", self.pid, exc)
+            else:
+                driver.host_unregister(b.mapped)
+                b.keep.close()
+            b.mapped, b.keep = 0, None
+        if pidfd and self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
     def pin(self, used: list[int]) -> list[tuple[int, int]]:
         """Pin the owner's fence slot of every remote buffer used (indices into ``bufs``), at its

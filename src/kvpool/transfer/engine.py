@@ -213,13 +213,19 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Stop serving, cancel queued transfers and withdraw the descriptor."""
+        """Stop serving, cancel queued transfers and withdraw the descriptor. A transport that
+        could not close (CUDA IPC copies on a hung GPU stream: TransferTimeout) does not stop the
+        rest from closing; its error is raised at the end."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        failed: list[KvpoolError] = []
         for t in self._transports:
-            t.close()
+            try:
+                t.close()
+            except KvpoolError as exc:
+                failed.append(exc)
         self._native.shutdown()
         self._staging.close()
         if self._meta is not None:
@@ -228,6 +234,8 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
             except KvpoolError as exc:
                 log.warning("could not withdraw descriptor of %s: %s", self.segment_name, exc)
             self._meta.close()
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> TransferEngine:
         return self

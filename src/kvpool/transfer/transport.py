@@ -200,4 +200,6 @@ class Transport(ABC):
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Stop threads and release resources; pending requests end CANCELED or FAILED. Called once."""
+        """Stop threads and release resources; pending requests end CANCELED or FAILED. Called once,
+        by TransferEngine.close, which closes the rest and re-raises when this raises a kvpool
+        error (memory a copy still uses, e.g. on a hung GPU stream, stays until the copy ends)."""
