@@ -12,17 +12,20 @@
 // parent links back to ours, per location.
 //
 // Thread safety: one shared_mutex per index; ingest/add/remove/clear take it exclusively, match and
-// the readers shared. Locations are 0..63 (one bit each in a block's mask).
+// the readers shared (an ingest that evicts under the cap lets it go every kEvictPerHold entries
+// evicted, between consistent states). Locations are 0..63 (one bit each in a block's mask).
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <algorithm>
 #include <vector>
 
@@ -267,7 +270,7 @@ inline bool eq(std::pair<const uint8_t*, size_t> s, const char* lit) {
 }
 
 struct IngestStats {
-  uint64_t batches = 0, malformed = 0, stored = 0, removed = 0, cleared = 0;
+  uint64_t batches = 0, malformed = 0, stored = 0, removed = 0, cleared = 0, evicted = 0;
   uint64_t skipped_block_size = 0, skipped_orphan = 0, skipped_group = 0, skipped_medium = 0,
            skipped_shape = 0;
   int64_t last_bad_block_size = -1;
@@ -279,13 +282,14 @@ struct Span {
   size_t n = 0;
 };
 
-// Open-addressing hash map uint64 -> uint64 (linear probing, backward-shift deletion). Keys are
+// Open-addressing hash map uint64 -> V (linear probing, backward-shift deletion). Keys are
 // hashes already; key 0 is the empty marker, so a key of 0 is stored as kZeroKey.
-class FlatMap {
+template <typename V>
+class FlatMapT {
  public:
   static constexpr uint64_t kZeroKey = 0x9E3779B97F4A7C15ULL;
 
-  FlatMap() { rehash(16); }
+  FlatMapT() { rehash(16); }
 
   void reserve(size_t n) {
     size_t cap = 16;
@@ -294,16 +298,16 @@ class FlatMap {
   }
   size_t size() const { return size_; }
 
-  const uint64_t* find(uint64_t k) const {
+  const V* find(uint64_t k) const {
     k = fix(k);
     for (size_t i = slot(k);; i = (i + 1) & mask_) {
       if (keys_[i] == k) return &vals_[i];
       if (keys_[i] == 0) return nullptr;
     }
   }
-  uint64_t* find(uint64_t k) { return const_cast<uint64_t*>(static_cast<const FlatMap*>(this)->find(k)); }
+  V* find(uint64_t k) { return const_cast<V*>(static_cast<const FlatMapT*>(this)->find(k)); }
 
-  uint64_t& at_or_zero(uint64_t k) {  // inserts 0 when missing
+  V& at_or_zero(uint64_t k) {  // inserts V{} when missing
     if ((size_ + 1) * 10 > keys_.size() * 7) rehash(keys_.size() * 2);
     k = fix(k);
     size_t i = slot(k);
@@ -312,7 +316,7 @@ class FlatMap {
       if (keys_[i] == 0) break;
     }
     keys_[i] = k;
-    vals_[i] = 0;
+    vals_[i] = V{};
     ++size_;
     return vals_[i];
   }
@@ -347,7 +351,7 @@ class FlatMap {
     if (size_ == 0) return;
     if (keys_.size() > 1024) {
       keys_.assign(16, 0);
-      vals_.assign(16, 0);
+      vals_.assign(16, V{});
       mask_ = 15;
     } else {
       std::fill(keys_.begin(), keys_.end(), 0);
@@ -366,9 +370,10 @@ class FlatMap {
   size_t slot(uint64_t k) const { return static_cast<size_t>((k ^ (k >> 31)) * 0x9E3779B97F4A7C15ULL >> 7) & mask_; }
 
   void rehash(size_t cap) {
-    std::vector<uint64_t> ok = std::move(keys_), ov = std::move(vals_);
+    std::vector<uint64_t> ok = std::move(keys_);
+    std::vector<V> ov = std::move(vals_);
     keys_.assign(cap, 0);
-    vals_.assign(cap, 0);
+    vals_.assign(cap, V{});
     mask_ = cap - 1;
     size_ = 0;
     for (size_t i = 0; i < ok.size(); ++i) {
@@ -381,24 +386,92 @@ class FlatMap {
     }
   }
 
-  std::vector<uint64_t> keys_, vals_;
+  std::vector<uint64_t> keys_;
+  std::vector<V> vals_;
   size_t mask_ = 0, size_ = 0;
 };
 
+using FlatMap = FlatMapT<uint64_t>;
+
+constexpr uint32_t kNil = 0xffffffffu;
+
+// A location's engine map entry: our hash of the block and its node in the location's Order.
+struct EngineEntry {
+  uint64_t ours = 0;
+  uint32_t node = kNil;
+};
+
+// A location's engine map entries in the order they were stored, oldest first: a doubly linked list
+// over a pool of nodes (freed nodes reused), so that a store, a removal and an eviction of the
+// oldest are O(1) each, with no stale entries to skip or compact.
+class Order {
+ public:
+  struct Node {
+    uint64_t fp;  // the engine hash fingerprint (its key in the engine map)
+    uint32_t prev, next;
+  };
+
+  uint32_t head() const { return head_; }
+  size_t pool() const { return nodes_.size(); }
+  const Node& operator[](uint32_t i) const { return nodes_[i]; }
+
+  uint32_t push(uint64_t fp) {
+    uint32_t i;
+    if (free_ != kNil) {
+      i = free_;
+      free_ = nodes_[i].next;
+    } else {
+      if (nodes_.size() >= kNil) throw std::length_error("a location holds 2^32 blocks");
+      i = static_cast<uint32_t>(nodes_.size());
+      nodes_.emplace_back();
+    }
+    nodes_[i] = Node{fp, tail_, kNil};
+    if (tail_ != kNil) nodes_[tail_].next = i;
+    else head_ = i;
+    tail_ = i;
+    return i;
+  }
+
+  void unlink(uint32_t i) {
+    Node& n = nodes_[i];
+    if (n.prev != kNil) nodes_[n.prev].next = n.next;
+    else head_ = n.next;
+    if (n.next != kNil) nodes_[n.next].prev = n.prev;
+    else tail_ = n.prev;
+    n.next = free_;
+    free_ = i;
+  }
+
+  void clear() {
+    nodes_.clear();
+    nodes_.shrink_to_fit();
+    head_ = tail_ = free_ = kNil;
+  }
+
+ private:
+  std::deque<Node> nodes_;  // a deque: growing it never copies (no pause under the lock)
+  uint32_t head_ = kNil, tail_ = kNil, free_ = kNil;
+};
+
 constexpr int kMaxLocations = 64;
+// Eviction under the cap: entries evicted per hold of the exclusive lock (~0.1 ms), and per choice
+// of the location holding the most blocks.
+constexpr size_t kEvictPerHold = 1024;
+constexpr size_t kEvictPerPick = 64;
 
 }  // namespace
 
 class PrefixIndex {
  public:
-  PrefixIndex(uint32_t block_size, uint64_t root_seed, size_t expected_blocks)
-      : block_size_(block_size), root_(root_seed) {
+  PrefixIndex(uint32_t block_size, uint64_t root_seed, size_t expected_blocks, size_t max_blocks)
+      : block_size_(block_size), root_(root_seed), max_blocks_(max_blocks) {
     if (block_size == 0) throw std::invalid_argument("block_size must be > 0");
     if (expected_blocks) blocks_.reserve(expected_blocks);
   }
 
   uint32_t block_size() const { return block_size_; }
   uint64_t root_seed() const { return root_; }
+  size_t max_blocks() const { return max_blocks_; }
 
   // -- hashing -----------------------------------------------------------------------------------
 
@@ -488,6 +561,7 @@ class PrefixIndex {
     } catch (const ParseError&) {
       ++st.malformed;  // the part before the error is applied; the rest of the batch is dropped
     }
+    evict_over_cap(lk, loc_gpu, loc_cpu, loc_other, st);
   }
 
   // -- queries ---------------------------------------------------------------------------------------
@@ -574,7 +648,8 @@ class PrefixIndex {
   // the exclusive lock over the whole table each time.
   void clear_locked(int loc, uint64_t bit) {
     size_t left = loc_count_[loc];
-    engine_[loc].for_each([&](uint64_t, uint64_t ours) {
+    engine_[loc].for_each([&](uint64_t, const EngineEntry& e) {
+      uint64_t ours = e.ours;
       uint64_t* v = left ? blocks_.find(ours) : nullptr;
       if (!v || !(*v & bit)) return;
       *v &= ~bit;
@@ -594,6 +669,65 @@ class PrefixIndex {
     }
     loc_count_[loc] = 0;
     engine_[loc].clear();
+    order_[loc].clear();
+  }
+
+  // -- the cap (max_blocks_) -------------------------------------------------------------------------
+  //
+  // Each location fed by events keeps its engine map's entries in the order they were stored
+  // (Order). When an ingest leaves more than max_blocks_ blocks in the index, the oldest entries of
+  // the location holding the most blocks are evicted (as if the engine had removed them) until the
+  // index is ~1/64 under the cap, so one instance's churn evicts its own old blocks, not another's
+  // hot prefixes. A location whose engine map alone is over the cap (one block stored under many
+  // engine hashes) is cut the same way. Work: O(1) per evicted entry, each entry evicted at most
+  // once per store, plus a scan of the 64 locations per kEvictPerPick evictions; the lock is let go
+  // every kEvictPerHold evictions.
+
+  // Evict location `loc`'s oldest entry; false when it has none.
+  bool evict_oldest(int loc, IngestStats& st) {
+    Order& order = order_[loc];
+    uint32_t i = order.head();
+    if (i == kNil) return false;
+    uint64_t fp = order[i].fp;
+    auto& emap = engine_[loc];
+    const EngineEntry* e = emap.find(fp);
+    if (e) remove_one(loc, 1ULL << loc, e->ours);
+    order.unlink(i);
+    emap.erase(fp);
+    ++st.evicted;
+    return true;
+  }
+
+  // Under the lock `lk` (held): see above; the index ends at most max_blocks_ - max_blocks_/64
+  // blocks when its event-fed entries allow. The lock is released and taken again every
+  // kEvictPerHold evictions so that readers (match) wait ~0.1 ms at most.
+  void evict_over_cap(std::unique_lock<std::shared_mutex>& lk, int loc_gpu, int loc_cpu,
+                      int loc_other, IngestStats& st) {
+    if (!max_blocks_) return;
+    const size_t target = max_blocks_ - max_blocks_ / 64;
+    size_t done = 0;
+    auto pause = [&] {
+      if (++done % kEvictPerHold) return;
+      lk.unlock();
+      std::this_thread::yield();  // let the readers and writers waiting for the lock in
+      lk.lock();
+    };
+    for (int loc : {loc_gpu, loc_cpu, loc_other}) {  // engine maps over the cap on their own
+      if (loc < 0 || engine_[loc].size() <= max_blocks_) continue;
+      while (engine_[loc].size() > target && evict_oldest(loc, st)) pause();
+    }
+    if (blocks_.size() <= max_blocks_) return;
+    while (blocks_.size() > target) {
+      int best = -1;
+      for (int loc = 0; loc < kMaxLocations; ++loc)
+        if (order_[loc].head() != kNil && (best < 0 || loc_count_[loc] > loc_count_[best]))
+          best = loc;
+      if (best < 0) break;  // nothing evictable left (blocks added by add() only)
+      for (size_t i = 0; i < kEvictPerPick && blocks_.size() > target; ++i) {
+        if (!evict_oldest(best, st)) break;
+        pause();
+      }
+    }
   }
 
   // Token ids of a BlockStored event straight into tok_ (one pass; false if one is not a uint32).
@@ -716,9 +850,10 @@ class PrefixIndex {
     auto& emap = engine_[loc];
     if (kind == REMOVED) {
       for (uint64_t fp : fps_) {
-        const uint64_t* ours = emap.find(fp);
-        if (!ours) continue;
-        remove_one(loc, bit, *ours);
+        const EngineEntry* ent = emap.find(fp);
+        if (!ent) continue;
+        remove_one(loc, bit, ent->ours);
+        order_[loc].unlink(ent->node);
         emap.erase(fp);
         ++st.removed;
       }
@@ -736,16 +871,25 @@ class PrefixIndex {
     }
     uint64_t seed = root_;
     if (have_parent) {
-      const uint64_t* ps = emap.find(parent_fp);
+      const EngineEntry* ps = emap.find(parent_fp);
       if (!ps) {
         st.skipped_orphan += n;
         return;
       }
-      seed = *ps;
+      seed = ps->ours;
     }
+    if (order_[loc].pool() + n >= kNil) throw ParseError("a location would hold 2^32 blocks");
     chain_into(tok_.data(), tok_.size(), extra_, seed, ours_);
     for (size_t i = 0; i < n; ++i) {
-      emap.at_or_zero(fps_[i]) = ours_[i];
+      EngineEntry& ent = emap.at_or_zero(fps_[i]);
+      if (ent.node != kNil) {  // stored again: now the newest
+        // The engine hash named another block (a collision, or a lost BlockRemoved): that block
+        // is removed as BlockRemoved would, not left in the index with no entry to evict it by.
+        if (ent.ours != ours_[i]) remove_one(loc, bit, ent.ours);
+        order_[loc].unlink(ent.node);
+      }
+      ent.ours = ours_[i];
+      ent.node = order_[loc].push(fps_[i]);
       add_one(loc, bit, ours_[i]);
       ++st.stored;
     }
@@ -753,10 +897,12 @@ class PrefixIndex {
 
   uint32_t block_size_;
   uint64_t root_;
+  size_t max_blocks_;  // 0: no cap
   mutable std::shared_mutex mu_;
-  FlatMap blocks_;                 // our hash -> location mask
-  FlatMap engine_[kMaxLocations];  // per location: engine hash fingerprint -> our hash
+  FlatMap blocks_;  // our hash -> location mask
+  FlatMapT<EngineEntry> engine_[kMaxLocations];  // per location: engine hash fingerprint -> ours
   size_t loc_count_[kMaxLocations] = {};
+  Order order_[kMaxLocations];  // per location: its engine map's entries, oldest first
   std::vector<uint32_t> tok_;  // scratch of ingest (under the exclusive lock)
   std::vector<uint64_t> fps_, ours_;
   std::vector<Span> extra_;
@@ -803,6 +949,7 @@ py::dict stats_dict(const IngestStats& st) {
   d["stored"] = st.stored;
   d["removed"] = st.removed;
   d["cleared"] = st.cleared;
+  d["evicted"] = st.evicted;
   d["skipped_block_size"] = st.skipped_block_size;
   d["skipped_orphan"] = st.skipped_orphan;
   d["skipped_group"] = st.skipped_group;
@@ -828,9 +975,12 @@ PYBIND11_MODULE(_conductor, m) {
       py::arg("data"), py::arg("seed") = 0, "XXH64 of bytes (the block hash primitive).");
 
   py::class_<PrefixIndex>(m, "PrefixIndex")
-      .def(py::init<uint32_t, uint64_t, size_t>(), py::arg("block_size"), py::arg("root_seed") = 0,
-           py::arg("expected_blocks") = 0)
+      .def(py::init<uint32_t, uint64_t, size_t, size_t>(), py::arg("block_size"),
+           py::arg("root_seed") = 0, py::arg("expected_blocks") = 0, py::arg("max_blocks") = 0,
+           "`max_blocks` (0: none): after an ingest that leaves more blocks than this, the oldest "
+           "event-fed entries of the locations holding the most are evicted to ~1/64 under it.")
       .def_property_readonly("block_size", &PrefixIndex::block_size)
+      .def_property_readonly("max_blocks", &PrefixIndex::max_blocks)
       .def_property_readonly("root_seed", &PrefixIndex::root_seed)
       .def(
           "hash_tokens",

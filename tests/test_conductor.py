@@ -115,6 +115,123 @@ def test_clear_drops_a_location_from_every_block_however_it_was_added():
     assert idx.match(hs) == [1, 2]
 
 
+def chain_event(first_hash, t):
+    return batch(stored(list(range(first_hash, first_hash + len(t) // BS)), t))
+
+
+def test_index_cap_evicts_the_oldest_entries_of_the_location_holding_the_most():
+    """Over ``max_blocks`` after an ingest, the index evicts the oldest entries of the location
+    holding the most blocks down to 1/64 under the cap: one instance's churn keeps another's hot
+    prefix (an instance pushing it over had all its entries cleared, hot prefixes included), and
+    the biggest instance loses its oldest blocks first, not all of them."""
+    idx = BlockIndex(BS, max_blocks=1000)
+    a = idx.add_location("a", Tier.GPU)
+    b = idx.add_location("b", Tier.GPU)
+    insts = [Instance("a", 0, gpu=a), Instance("b", 1, gpu=b)]
+    c = Cluster(idx, CostModel.paper(), insts)
+    hot = tokens(20 * BS, seed=1)
+    hot_hs = idx.hash_tokens(hot)
+    b_chains = [tokens(200 * BS, seed=100 + k) for k in range(8)]
+    for k, t in enumerate(b_chains[:5]):  # 1000 blocks: at the cap, not over
+        assert idx.ingest(chain_event(1000 * (k + 1), t), b)["evicted"] == 0
+    st = idx.ingest(chain_event(1, hot), a)  # a's event takes the index over the cap
+    assert st["stored"] == 20 and st["evicted"] == 35 and len(idx) == 985
+    assert idx.match(hot_hs) == [20, 0] and idx.blocks_at(b) == 965
+    for k, t in enumerate(b_chains[5:], 5):  # b churns: 200 new blocks, 200 of its oldest go
+        st = idx.ingest(chain_event(1000 * (k + 1), t), b)
+        assert st["evicted"] == 200 and len(idx) == 985
+    assert idx.counters["evicted"] == 35 + 3 * 200
+    # b kept its newest 965: chains 4-7 whole, the first 35 blocks of chain 3 went with 0-2
+    assert [idx.match(idx.hash_tokens(t))[1] for t in b_chains] == [0, 0, 0, 0, 200, 200, 200, 200]
+    assert idx.match(idx.hash_tokens(b_chains[3])[35:]) == [0, 165]
+    assert idx.match(hot_hs) == [20, 0]
+    d = make_policy("cache").route(req("r", hot_hs, prompt=len(hot)), c, 0.0)
+    assert d.prefill.name == "a" and d.estimate.local_blocks == 20
+    d = make_policy("cache").route(req("r2", idx.hash_tokens(b_chains[7]), prompt=200 * BS), c, 0.0)
+    assert d.prefill.name == "b" and d.estimate.local_blocks == 200
+    # a grows biggest: its oldest (the hot prefix first) go, its newest chain and b's stay
+    a_chains = [tokens(400 * BS, seed=200 + k) for k in range(2)]
+    idx.ingest(chain_event(10_000, a_chains[0]), a)  # 420 + 965: b (the biggest) loses 400
+    assert idx.blocks_at(b) == 565 and idx.match(hot_hs) == [20, 0]
+    st = idx.ingest(chain_event(20_000, a_chains[1]), a)  # 820 + 565: a is the biggest now
+    assert st["evicted"] == 400 and len(idx) == 985
+    assert idx.match(hot_hs) == [0, 0] and idx.match(idx.hash_tokens(a_chains[1])) == [400, 0]
+    assert idx.match(idx.hash_tokens(b_chains[7])) == [0, 200]
+    assert abs(idx.blocks_at(a) - idx.blocks_at(b)) <= 64  # evicted from the biggest in turn
+    # a removal and a clear after evictions stay exact
+    idx.ingest(batch(removed([20_000])), a)
+    assert idx.match(idx.hash_tokens(a_chains[1])) == [0, 0]
+    idx.ingest(batch({"type": "AllBlocksCleared"}), a)
+    assert idx.blocks_at(a) == 0 and len(idx) == idx.blocks_at(b)
+
+
+def test_index_cap_bounds_one_locations_engine_hashes():
+    """One block stored under ever new engine hashes adds no block to the index but an entry to the
+    location's engine-hash map: that map is bounded by the cap too. An engine hash stored again for
+    another block no longer leaves the first block in the index with no entry to remove it by."""
+    idx = BlockIndex(BS, max_blocks=100)
+    a = idx.add_location("a", Tier.GPU)
+    t = tokens(BS)
+    st = idx.ingest(batch(*[stored([h], t) for h in range(1, 301)]), a)
+    assert st["stored"] == 300 and st["evicted"] == 300 - 99  # down to 100 - 100 // 64
+    idx.ingest(batch(stored([1000], t)), a)
+    hs = idx.hash_tokens(t)
+    assert idx.match(hs) == [1]
+    t2 = tokens(BS, seed=7)
+    idx.ingest(batch(stored([1000], t2)), a)  # engine hash 1000 now names another block
+    assert idx.match(hs) == [0] and idx.match(idx.hash_tokens(t2)) == [1] and len(idx) == 1
+    idx.ingest(batch(removed([1000])), a)
+    assert len(idx) == 0
+
+
+def test_index_cap_holds_with_concurrent_publishers_and_readers():
+    """Three publishers ingest at once (big batches: an eviction lets the lock go every 1,024
+    entries) while a reader matches: the index ends within the cap and every stored entry is
+    accounted for as kept, removed or evicted."""
+    import threading
+
+    idx = BlockIndex(BS, max_blocks=3000)
+    locs = [idx.add_location(f"i{k}", Tier.GPU) for k in range(3)]
+    totals = [dict(stored=0, removed=0, evicted=0) for _ in locs]
+    errors: list[BaseException] = []
+
+    def publish(k: int) -> None:
+        try:
+            rng = random.Random(k)
+            for j in range(40):
+                n = 2500 if j == 0 else rng.randrange(1, 80)
+                base = k * 10**7 + j * 10**4
+                evs = [stored(list(range(base, base + n)), [rng.randrange(1000) for _ in range(n * BS)])]
+                if j and rng.random() < 0.5:
+                    evs.append(removed([base + rng.randrange(n)]))
+                st = idx.ingest(batch(*evs), locs[k])
+                for key in totals[k]:
+                    totals[k][key] += st[key]
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            assert len(idx.match([1, 2, 3])) == 3
+
+    threads = [threading.Thread(target=publish, args=(k,)) for k in range(3)]
+    reader = threading.Thread(target=read)
+    reader.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    done.set()
+    reader.join(10)
+    assert not errors, errors
+    assert len(idx) <= 3000 and sum(t["evicted"] for t in totals) >= 2 * 2500 - 3000
+    kept = sum(idx.blocks_at(loc) for loc in locs)
+    assert kept == len(idx) and all(idx.blocks_at(loc) == len(idx.hashes_at(loc)) for loc in locs)
+    assert sum(t["stored"] - t["removed"] - t["evicted"] for t in totals) == kept
+
+
 def test_ingest_counts_bad_payloads_and_block_size_mismatch():
     idx = BlockIndex(BS)
     a = idx.add_location("a", Tier.GPU)
@@ -430,7 +547,8 @@ def test_approx_tracker_memory_is_bounded_when_one_prompt_repeats():
 def test_event_subscriber_bounds_message_size_and_index_size():
     """A KV-event publisher cannot grow the router's memory without bound: a message larger than
     ``max_msg_bytes`` is refused by ZMQ (MAXMSGSIZE; it was taken whole), and events that take the
-    index past ``max_blocks`` evict that instance's entries (the index had no cap)."""
+    index past its ``max_blocks`` evict the oldest entries of the instance holding the most, not
+    all of the publishing instance's (they were cleared)."""
     import zmq
 
     from kvpool.conductor.live import EventSubscriber
@@ -451,23 +569,29 @@ def test_event_subscriber_bounds_message_size_and_index_size():
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    idx = BlockIndex(BS)
+    idx = BlockIndex(BS, max_blocks=1000)
     a = idx.add_location("a", Tier.GPU)
-    sub = EventSubscriber(idx, f"tcp://127.0.0.1:{port}", a, None, max_msg_bytes=128 * 1024, max_blocks=1000)
+    b = idx.add_location("b", Tier.GPU)
+    sub = EventSubscriber(idx, f"tcp://127.0.0.1:{port}", a, None, max_msg_bytes=128 * 1024)
     sub.start()
     try:
         big = stored(1, 3000)
         assert len(big) > 128 * 1024
         publish_until(pub, big, lambda: sub.batches > 0)
         assert sub.batches == 0 and len(idx) == 0 and sub.disconnects >= 1
-        publish_until(pub, stored(1, 500), lambda: len(idx) == 500)
-        assert len(idx) == 500 and sub.evicted == 0
-        publish_until(pub, stored(501, 600), lambda: sub.evicted > 0, tries=1)
+        publish_until(pub, stored(1, 300), lambda: len(idx) == 300)
+        assert len(idx) == 300 and sub.evicted == 0
+        idx.ingest(stored(2001, 600), b)  # b: 600 blocks, a's 300 kept under the cap of 1000
+        publish_until(pub, stored(301, 200), lambda: sub.evicted > 0, tries=1)
         for _ in range(40):
             if sub.evicted:
                 break
             time.sleep(0.05)
-        assert sub.evicted == 1 and len(idx) == 0
+        # 1100 blocks: b (the biggest) loses its oldest 115; all of a's stay
+        assert sub.evicted == 115 and len(idx) == 985 and idx.blocks_at(a) == 500
+        assert idx.blocks_at(b) == 485 and idx.counters["evicted"] == 115
+        own = list(range(301 * BS, 501 * BS))
+        assert idx.match(idx.hash_tokens(own)) == [200, 0]
     finally:
         sub.stop()
         sub.join(2.0)

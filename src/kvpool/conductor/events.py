@@ -24,13 +24,14 @@ class EventSubscriber(threading.Thread):
     Messages are ``(topic, seq, payload)``; a gap in ``seq`` is counted (``gaps``) -- the index
     may then miss blocks until they are stored again. Bounded: the socket's receive high-water
     mark caps what is queued, ``max_msg_bytes`` each message (ZMQ ``MAXMSGSIZE``); payloads are
-    parsed in C++ without the GIL. When the index holds more than ``max_blocks`` after one of this
-    publisher's messages, this instance's entries are cleared (counted as ``evicted``).
+    parsed in C++ without the GIL. The index's own cap (``BlockIndex(max_blocks=...)``) bounds what
+    the events add: an ingest that takes it over evicts the oldest entries of the location holding
+    the most blocks (``evicted`` counts the entries evicted after this publisher's messages).
     """
 
     def __init__(self, index: BlockIndex, endpoint: str, gpu: Location, cpu: Location | None,
-                 topic: str = "", name: str = "", *, max_msg_bytes: int = 16 * 1024 * 1024,
-                 max_blocks: int = 8_000_000) -> None:  # fmt: skip
+                 topic: str = "", name: str = "", *,
+                 max_msg_bytes: int = 16 * 1024 * 1024) -> None:  # fmt: skip
         super().__init__(name=f"kvpool-kv-events-{name}", daemon=True)
         self.index = index
         self.endpoint = endpoint
@@ -45,7 +46,6 @@ class EventSubscriber(threading.Thread):
         self.last_recv = 0.0
         self.first_block_size_error: int | None = None
         self.max_msg_bytes = int(max_msg_bytes)
-        self.max_blocks = int(max_blocks)
         self.evicted = 0
         self.disconnects = 0
 
@@ -107,15 +107,14 @@ class EventSubscriber(threading.Thread):
         self.last_seq = seq
         st = self.index.ingest(payload, self.gpu, self.cpu)
         self.batches += 1
-        if len(self.index) > self.max_blocks:
-            self.evicted += 1
-            _log.warning(
-                "the prefix index holds more than %d blocks after KV events from %s: clearing its entries",
-                self.max_blocks, self.endpoint,
-            )  # fmt: skip
-            self.index.clear(self.gpu)
-            if self.cpu is not None:
-                self.index.clear(self.cpu)
+        if st["evicted"]:
+            if not self.evicted:
+                _log.warning(
+                    "the prefix index reached its cap of %d blocks after KV events from %s: evicting "
+                    "the oldest entries of the instances holding the most",
+                    self.index.max_blocks, self.endpoint,
+                )  # fmt: skip
+            self.evicted += int(st["evicted"])
         self.last_recv = time.time()
         if st["last_ts"]:
             self.last_event_ts = float(st["last_ts"])

@@ -82,13 +82,23 @@ class BlockIndex:
         root_seed: seed of the first block's hash (one per model/deployment; all conductors of a
             deployment must use the same).
         expected_blocks: pre-size the table (avoids rehash pauses while it fills).
+        max_blocks: most blocks the index holds (0: no cap). After an :meth:`ingest` that leaves
+            more, the oldest entries (in the order their events stored them) of the location
+            holding the most blocks are evicted, as if its engine had removed them, until the index
+            is ~1/64 under the cap; so is a location whose own engine-hash map is over it. Counted
+            in ``counters["evicted"]``. Entries made by :meth:`add` are never evicted.
     """
 
-    def __init__(self, block_size: int, *, root_seed: int = 0, expected_blocks: int = 0) -> None:
+    def __init__(
+        self, block_size: int, *, root_seed: int = 0, expected_blocks: int = 0, max_blocks: int = 0
+    ) -> None:
         if block_size <= 0:
             raise InvalidArgument("block_size must be > 0")
+        if max_blocks < 0:
+            raise InvalidArgument("max_blocks must be >= 0")
         self.block_size = int(block_size)
-        self.native = PrefixIndex(self.block_size, root_seed, expected_blocks)
+        self.max_blocks = int(max_blocks)
+        self.native = PrefixIndex(self.block_size, root_seed, expected_blocks, self.max_blocks)
         self.locations: list[Location] = []
         self._by_key: dict[tuple[str | None, Tier], Location] = {}
         self.counters: dict[str, int] = {}
@@ -170,7 +180,8 @@ class BlockIndex:
         """Apply one vLLM ``KVEventBatch`` msgpack payload from the instance owning ``gpu``.
 
         Returns the native counters of this payload (``stored``, ``removed``, ``cleared``,
-        ``skipped_*``, ``malformed``, ``last_ts``) and adds them to :attr:`counters`."""
+        ``evicted`` (entries of any location evicted under ``max_blocks`` after it), ``skipped_*``,
+        ``malformed``, ``last_ts``) and adds them to :attr:`counters`."""
         st = self.native.ingest(payload, gpu.id, cpu.id if cpu is not None else -1, -1)
         with self._lock:
             for k, v in st.items():

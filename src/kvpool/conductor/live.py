@@ -78,8 +78,10 @@ class RouterConfig:
     max_event_bytes: int = 16 * 1024 * 1024
     """Largest KV-event message taken from a publisher (ZMQ ``MAXMSGSIZE``: larger drops its connection)."""
     max_index_blocks: int = 8_000_000
-    """Most blocks the index holds: an instance whose events take it past this has its entries cleared
-    (evicted; its events fill them again), so a busy or hostile publisher cannot grow it unbounded."""
+    """Most blocks the index holds, so a busy or hostile publisher cannot grow it unbounded: KV events
+    that take it past this evict the oldest entries (in the order they were stored) of the location
+    holding the most blocks until it is ~1/64 under (``/health`` ``event_evictions``); another
+    instance's hot prefixes stay, and an evicted block comes back with its next ``BlockStored``."""
     approx_ttl_s: float = 120.0
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
@@ -173,7 +175,7 @@ class LiveRouter:
                 "per prefill instance in the same order (or 'none' for an instance without events)"
             )
         self.config = config
-        self.index = BlockIndex(config.block_size)
+        self.index = BlockIndex(config.block_size, max_blocks=config.max_index_blocks)
         self.cost = config.cost_model or CostModel.paper()
         insts = []
         for k, (url, role) in enumerate(zip(urls, roles, strict=True)):
@@ -216,7 +218,6 @@ class LiveRouter:
                         config.kv_events_topic,
                         inst.name,
                         max_msg_bytes=config.max_event_bytes,
-                        max_blocks=config.max_index_blocks,
                     )  # fmt: skip
                 )
         self._tokenizer: Any = None
