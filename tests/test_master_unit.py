@@ -500,6 +500,36 @@ def test_a_bad_ssd_file_report_drops_that_copy_only() -> None:
         m.stop()
 
 
+def test_an_unreadable_ssd_file_report_is_its_copys_clients_and_counted_apart() -> None:
+    """``ssd_unreadable`` (the copy's own client could not open its file on checks apart) drops
+    that copy as ``ssd_corrupt`` does, counted in ``ssd_copies_unreadable``, not in
+    ``ssd_copies_corrupt``; one from another client (which cannot tell: the file is not its own)
+    changes nothing. Every report's reply lists the kinds the master knows (an older master
+    answers {} and ignores an unknown kind: the client falls back to ``ssd_corrupt``)."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        gen = _spilled(m, "j", csum=None)
+        obj = m.m.objects["j"]
+        lost = {"op": "report", "kind": "ssd_unreadable", "segment": "", "key": "j", "gen": gen,
+                "path": obj.ssd.path}  # fmt: skip
+        out = m.handle({**lost, "client": "r"})  # a reader: not its file
+        assert "ssd_unreadable" in out["kinds"] and "ssd_corrupt" in out["kinds"]
+        assert obj.ssd is not None and m.m.objects["j"] is obj
+        m.handle({**lost, "client": "a", "gen": gen + 1})  # another generation's
+        m.handle({**lost, "client": "a", "epoch": m.m.incarnation + 1})  # another master's
+        assert obj.ssd is not None and m.m.stats["ssd_copies_unreadable"] == 0
+        out = m.handle({**lost, "client": "a", "epoch": m.m.incarnation})
+        assert "ssd_unreadable" in out["kinds"]
+        assert "j" not in m.m.objects  # SSD only: nothing left of it
+        assert m.m.stats["ssd_copies_unreadable"] == 1 and m.m.stats["ssd_copies_corrupt"] == 0
+        assert m.m.stats["objects_lost"] == 1
+    finally:
+        m.stop()
+
+
 def test_asking_more_replicas_than_segments_evicts_only_what_the_placeable_ones_need() -> None:
     m = Driver(Master(port=0))
     try:

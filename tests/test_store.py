@@ -1124,6 +1124,44 @@ def test_an_ssd_file_its_client_cannot_open_on_checks_apart_is_reported_lost(tmp
             time.sleep(0.25)
         run_task(st, task)  # the third check apart: lost
         assert not st.exists("k")
+        counters = st._master.stats
+        assert counters["ssd_copies_unreadable"] == 1 and counters["ssd_copies_corrupt"] == 0
+        st.put("k", b"again")
+        assert st.get("k") == b"again"
+
+
+def test_an_ssd_file_reported_lost_to_an_older_master_is_reported_corrupt(tmp_path, monkeypatch) -> None:
+    """A master older than the ``ssd_unreadable`` report ignores that kind (its reply is {}, no
+    ``kinds``: the report names no segment of it) and lets go of a copy on ``ssd_corrupt`` only:
+    the client reports a file it could not open on checks apart as corrupt to such a master, and
+    the copy is let go of there too (else it was kept for good)."""
+    from kvpool.store import ssd
+    from kvpool.store.tasks import run_task
+
+    monkeypatch.setattr(ssd, "UNREADABLE_GAP_S", 0.0)
+    with Store.connect(
+        segment_size=4 << 20, ssd_dir=str(tmp_path), heartbeat_s=0.1, promote_on_hit=False
+    ) as st:
+        m = st._master
+        new = m._handlers["report"]
+        kinds: list[str] = []
+
+        def older(req: dict, sess: dict) -> dict:
+            """_op_report before ssd_unreadable: an unknown kind fell through to the segment
+            lookup ("" is no segment's name) and was ignored; every reply was {}."""
+            kinds.append(req["kind"])
+            if req["kind"] in ("unreachable", "corrupt", "ssd_corrupt", "ssd_missing"):
+                new(req, sess)
+            return {}
+
+        monkeypatch.setitem(m._handlers, "report", older)
+        _ssd_only(st, "k")
+        task = _ssd_check_task(st, "k")
+        _deny_reads(monkeypatch, task["path"])
+        for _ in range(ssd.UNREADABLE_CHECKS):
+            run_task(st, task)
+        assert kinds == ["ssd_unreadable", "ssd_corrupt"]
+        assert not st.exists("k") and m.stats["ssd_copies_corrupt"] == 1
         st.put("k", b"again")
         assert st.get("k") == b"again"
 

@@ -1,8 +1,9 @@
 """The store master's RPC operations on clients and their segments: ``ping``, ``register``,
 ``attach``, ``unregister``, ``heartbeat`` (liveness, write floor, queued tasks), ``mount``,
-``unmount``, ``task_done`` and ``report`` (an unreachable segment, a corrupt replica). A mixin of
-:class:`kvpool.store.master.Master`, whose state and helpers it uses; every operation runs under
-the master's lock, called by :meth:`Master.handle` once per request."""
+``unmount``, ``task_done`` and ``report`` (an unreachable segment, a corrupt replica, a bad or
+unreadable SSD file). A mixin of :class:`kvpool.store.master.Master`, whose state and helpers it
+uses; every operation runs under the master's lock, called by :meth:`Master.handle` once per
+request."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ else:
     _Base = object
 
 _Err = MasterError
+
+#: The kinds of report this master takes (:meth:`ClientOps._op_report`), listed in its reply.
+REPORT_KINDS = ("unreachable", "corrupt", "ssd_corrupt", "ssd_missing", "ssd_unreadable")
 
 
 class ClientOps(_Base):
@@ -177,16 +181,20 @@ class ClientOps(_Base):
                 self._finish_task(tid, ok=False, result={})
                 self.stats["tasks_expired"] += 1
 
-    def _ssd_corrupt(self, key: str, gen: int, path: str) -> None:
+    def _ssd_corrupt(self, key: str, gen: int, path: str, by: str | None = None) -> None:
         """A reader on its host found an object's SSD file bad: the copy is let go of (its file
-        unlinked), and the object too when no memory replica is left."""
+        unlinked), and the object too when no memory replica is left. ``by``: the client that
+        reported it ``ssd_unreadable`` (its own check could not open it on checks apart), which
+        must be the copy's own client; that copy is counted in ``ssd_copies_unreadable``."""
         obj = self.objects.get(key)
         if obj is None or obj.gen != gen or obj.ssd is None or obj.ssd.path != path:
             return
+        if by is not None and by != obj.ssd.client:
+            return  # only the copy's client can tell its file cannot be opened there
         self._forget_ssd(obj)
         self._ssd_only.discard(obj)
         self._spilled.discard(obj)  # its memory is kept: no other copy
-        self.stats["ssd_copies_corrupt"] += 1
+        self.stats["ssd_copies_corrupt" if by is None else "ssd_copies_unreadable"] += 1
         if obj.committed and not any(r.committed for r in obj.replicas):
             self._drop(obj)
             self.stats["objects_lost"] += 1
@@ -229,30 +237,40 @@ class ClientOps(_Base):
         """A reader could not reach a segment (others skip it at once), found a replica whose
         bytes fail their checksum (that replica is dropped), an SSD file that is not its
         object's (``ssd_corrupt``: that copy is dropped) or one it could not use
-        (``ssd_missing``: :meth:`_ssd_missing`). Only from a registered client.
+        (``ssd_missing``: :meth:`_ssd_missing`); or its own client's check could not open one
+        of its SSD files on checks apart (``ssd_unreadable``: that copy is dropped, counted
+        apart from corrupt ones). Only from a registered client. The reply lists the ``kinds``
+        this master knows: an older one ignores a kind it does not know and answers ``{}``
+        (the client then reports ``ssd_unreadable`` as ``ssd_corrupt``).
 
         A report names what its reader saw in its get reply: the master's ``epoch``, the
         segment's ``mount`` and the ``replica`` id; one about another master, an earlier mount
         of the segment (mounted again since: it is not demoted) or another replica (a later one
         at the same address: it is kept) is ignored. Without them (older clients) a report
         names the segment, and a corrupt one the replica's ``addr`` (None: any replica there)."""
-        self._client(req, sess)
+        c = self._client(req, sess)
+        self._report(c, req)
+        return {"kinds": REPORT_KINDS}
+
+    def _report(self, c: Client, req: dict[str, Any]) -> None:
+        """Take one report of client ``c`` (:meth:`_op_report`)."""
         if req.get("epoch") not in (None, self.incarnation):
             self.stats["reports_stale"] += 1
-            return {}
-        if req["kind"] == "ssd_corrupt":
-            self._ssd_corrupt(req["key"], req["gen"], req["path"])
-            return {}
+            return
+        if req["kind"] in ("ssd_corrupt", "ssd_unreadable"):
+            by = c.id if req["kind"] == "ssd_unreadable" else None
+            self._ssd_corrupt(req["key"], req["gen"], req["path"], by)
+            return
         if req["kind"] == "ssd_missing":
             self._ssd_missing(req["key"], req["gen"], req["path"])
-            return {}
+            return
         now = time.monotonic()
         seg = self.space.segments.get(req["segment"])
         if seg is None:
-            return {}
+            return
         if req.get("mount") not in (None, seg.mount):
             self.stats["reports_stale"] += 1  # about an earlier mount of the segment
-            return {}
+            return
         if req["kind"] == "unreachable":
             if seg.reported_until <= now:
                 self.stats["segments_reported"] += 1
@@ -270,4 +288,3 @@ class ClientOps(_Base):
                         self.stats["replicas_corrupt"] += 1
                         break
                 self._memory_changed(obj)  # SSD only, or lost, when no memory replica is left
-        return {}

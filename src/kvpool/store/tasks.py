@@ -135,12 +135,13 @@ def _ssd_check(store: Store, task: dict[str, Any]) -> None:
     """A reader could not use an SSD file of ours (off our host, or missing): read it here, and
     report it corrupt when it is missing or bad (the master drops that copy). One we could not
     open for another reason (out of file descriptors, a permission, a stale NFS handle) is
-    reported only once :class:`UnreadableFiles` calls it lost (a permission denied on checks a
-    while apart, the directory fine): till then the file may be fine (a reader's next miss asks
-    again)."""
+    reported (``ssd_unreadable``) only once :class:`UnreadableFiles` calls it lost (a permission
+    denied on checks a while apart, the directory fine): till then the file may be fine (a
+    reader's next miss asks again)."""
     why: list[str] = []
     err: list[int] = []
     path, unreadable = task["path"], store._task_runner.unreadable
+    kind = "ssd_corrupt"
     if read_ssd_file(path, task["key"], task["size"], task["checksum"], why, err) is not None:
         unreadable.done(path)
         return
@@ -153,10 +154,16 @@ def _ssd_check(store: Store, task: dict[str, Any]) -> None:
         log.warning(
             "SSD file %s of %r could not be opened (%s) on checks apart: reported", path, task["key"], code
         )
+        kind = "ssd_unreadable"
     else:
         unreadable.done(path)
         log.warning("SSD file %s of %r is %s: reported", path, task["key"], why[0] if why else "bad")
-    store._hb_rpc.call("report", segment="", kind="ssd_corrupt", key=task["key"], gen=task["gen"], path=path)
+    fields = dict(segment="", key=task["key"], gen=task["gen"], path=path, epoch=task.get("epoch"))
+    reply = store._hb_rpc.call("report", kind=kind, **fields)
+    if kind == "ssd_unreadable" and kind not in (reply or {}).get("kinds", ()):
+        # A master older than this kind: it ignores one it does not know (answers {}), and lets
+        # go of the copy on ``ssd_corrupt``.
+        store._hb_rpc.call("report", kind="ssd_corrupt", **fields)
 
 
 def _ssd_sweep(store: Store) -> None:
