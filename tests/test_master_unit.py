@@ -688,6 +688,51 @@ def test_tasks_of_a_lost_heartbeat_reply_expire_and_a_late_report_commits_nothin
         m.stop()
 
 
+def test_a_late_disk_error_of_an_expired_spill_changes_nothing() -> None:
+    """A spill the master gave up on (``task_timeout_s``) reports late that its disk failed
+    (``disk_error``): the report is not taken (``accepted`` false, counted late), the client gets
+    no spill backoff and its expired spill's object is left as it is (spilled again, or free);
+    a disk error of a spill still in flight does back the client off."""
+    m = Driver(Master(port=0, eviction_high_watermark=0.5, task_timeout_s=0.3))
+    try:
+        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+        assert m.handle({"op": "register", "client": "r"})["ok"]
+        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+        cfg = {"cache_class": "persistent"}
+        for i in range(15):
+            r = m.handle(
+                {"op": "put_start", "client": "r", "keys": [f"p{i}"], "sizes": [1 << 20], "config": cfg}
+            )
+            gen, _, reps = r["results"][0][1]
+            items = [[f"p{i}", gen, 7, [reps[0][0]]]]
+            assert m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
+        expired = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        assert expired and all(t["type"] == "spill" for t in expired)
+        time.sleep(0.35)
+        m.m._tick(time.monotonic())  # they failed: their objects are spilled again
+        again = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
+        assert again and m.m.stats["tasks_expired"] == len(expired)
+        cl = m.m.clients["a"]
+        before = {
+            t["key"]: (m.m.objects[t["key"]].busy, len(m.m.objects[t["key"]].replicas)) for t in expired
+        }
+        for t in expired:
+            late = {"op": "task_done", "client": "a", "task": t["task"], "ok": False, "epoch": t["epoch"],
+                    "result": {"disk_error": "[Errno 28] No space left on device"}}  # fmt: skip
+            assert m.handle(late)["accepted"] is False
+        assert m.m.stats["tasks_late_reports"] == len(expired) and m.m.stats["spill_disk_errors"] == 0
+        assert cl.spill_failures == 0 and cl.spill_after == 0.0
+        assert {k: (m.m.objects[k].busy, len(m.m.objects[k].replicas)) for k in before} == before
+        assert all(m.m.objects[t["key"]].ssd is None for t in expired)
+        t = again[0]  # one still in flight: its disk error counts
+        failed = {"op": "task_done", "client": "a", "task": t["task"], "ok": False, "epoch": t["epoch"],
+                  "result": {"disk_error": "[Errno 28] No space left on device"}}  # fmt: skip
+        assert m.handle(failed)["accepted"] is True
+        assert cl.spill_failures == 1 and cl.spill_after > time.monotonic()
+    finally:
+        m.stop()
+
+
 def test_a_task_handed_out_late_carries_only_what_is_left_of_its_deadline() -> None:
     """A task waits in the master's queue until the client's next heartbeat: its ``ttl_s`` is
     what is left of ``task_timeout_s`` then (the client counts it from its heartbeat), so the
