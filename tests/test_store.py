@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -1339,6 +1340,20 @@ def test_an_ssd_sweep_leaves_the_temporary_file_of_a_spill_in_flight_whatever_it
             assert not a.info("k")["replicas"] and a.get("k") == value  # read from b's file
 
 
+@contextlib.contextmanager
+def _two_clients_with_k() -> Iterator[tuple[Store, Store, Master, bytes]]:
+    """Clients a (with its own master) and b, each with a 4 MiB segment, checksums on and no
+    location cache, and ``k`` (200 kB) put with a replica on each: yields a, b, the master and
+    k's value."""
+    cfg = {"segment_size": 4 << 20, "heartbeat_s": 60, "checksum": True, "location_cache": 0}
+    with Store.connect(**cfg) as a:
+        m = a._master
+        with Store.connect(master=m.address, **cfg) as b:
+            value = pattern(200_000, 7)
+            a.put("k", value, ReplicateConfig(replicas=2))
+            yield a, b, m, value
+
+
 def test_a_late_corrupt_report_of_a_dropped_replica_leaves_the_next_one_on_that_segment() -> None:
     """Two readers read k's replica on b's segment and find its bytes bad. The first report drops
     it; k is copied to that segment again (a hot-key copy, at another address); only then does
@@ -1347,42 +1362,37 @@ def test_a_late_corrupt_report_of_a_dropped_replica_leaves_the_next_one_on_that_
     from kvpool.store.datapath import ReadJob
     from kvpool.store.layout import HEADER_SIZE
 
-    cfg = {"segment_size": 4 << 20, "heartbeat_s": 60, "checksum": True, "location_cache": 0}
-    with Store.connect(**cfg) as a:
-        m = a._master
-        with Store.connect(master=m.address, **cfg) as b:
-            value = pattern(200_000, 7)
-            a.put("k", value, ReplicateConfig(replicas=2))
-            info = a.info("k")
-            (seg, addr, _) = next(r for r in info["replicas"] if r[0] == b.segment_name)
-            csum = m.objects["k"].checksum
-            ctypes.memset(addr + HEADER_SIZE + 100, 0xFF, 64)  # its bytes go bad (past the header)
+    with _two_clients_with_k() as (a, b, m, value):
+        info = a.info("k")
+        (seg, addr, _) = next(r for r in info["replicas"] if r[0] == b.segment_name)
+        csum = m.objects["k"].checksum
+        ctypes.memset(addr + HEADER_SIZE + 100, 0xFF, 64)  # its bytes go bad (past the header)
 
-            def read_old_replica(reader: Store) -> None:  # a reader that looked k up before
-                job = ReadJob("k", info["size"], info["gen"], csum, [[seg, addr]], None, float("inf"))
-                reader._data.read(reader.master_incarnation, [job])
-                assert isinstance(job.error, ObjectCorrupt), job.error
+        def read_old_replica(reader: Store) -> None:  # a reader that looked k up before
+            job = ReadJob("k", info["size"], info["gen"], csum, [[seg, addr]], None, float("inf"))
+            reader._data.read(reader.master_incarnation, [job])
+            assert isinstance(job.error, ObjectCorrupt), job.error
 
-            def replicas() -> list[tuple[str, int]]:
-                return sorted((r[0], r[1]) for r in a.info("k")["replicas"] if r[2])
+        def replicas() -> list[tuple[str, int]]:
+            return sorted((r[0], r[1]) for r in a.info("k")["replicas"] if r[2])
 
-            read_old_replica(a)  # the first reader's report drops it
-            deadline = time.monotonic() + 5
-            while len(replicas()) != 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert seg not in dict(replicas())
-            with m._lock:  # a hot-key copy onto b's segment (the only other one), as upkeep does
-                m._replicate(m.objects["k"], 1, time.monotonic())
-                (task,) = m.clients[b.client_id].tasks
-                m.clients[b.client_id].tasks.clear()
-            b._run_task(task)
-            new = dict(replicas())[seg]
-            assert new != addr and len(replicas()) == 2
-            read_old_replica(b)  # the second reader's report, late
-            time.sleep(0.5)  # (one-way) taken by now
-            assert dict(replicas()).get(seg) == new, "the late report dropped the new replica"
-            assert m.stats["replicas_corrupt"] == 1
-            assert b.get("k") == value and a.get("k") == value
+        read_old_replica(a)  # the first reader's report drops it
+        deadline = time.monotonic() + 5
+        while len(replicas()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seg not in dict(replicas())
+        with m._lock:  # a hot-key copy onto b's segment (the only other one), as upkeep does
+            m._replicate(m.objects["k"], 1, time.monotonic())
+            (task,) = m.clients[b.client_id].tasks
+            m.clients[b.client_id].tasks.clear()
+        b._run_task(task)
+        new = dict(replicas())[seg]
+        assert new != addr and len(replicas()) == 2
+        read_old_replica(b)  # the second reader's report, late
+        time.sleep(0.5)  # (one-way) taken by now
+        assert dict(replicas()).get(seg) == new, "the late report dropped the new replica"
+        assert m.stats["replicas_corrupt"] == 1
+        assert b.get("k") == value and a.get("k") == value
 
 
 def test_a_reader_reports_the_replica_and_the_mount_it_read() -> None:
@@ -1394,52 +1404,47 @@ def test_a_reader_reports_the_replica_and_the_mount_it_read() -> None:
     from kvpool.store.datapath import ReadJob
     from kvpool.store.layout import HEADER_SIZE
 
-    cfg = {"segment_size": 4 << 20, "heartbeat_s": 60, "checksum": True, "location_cache": 0}
-    with Store.connect(**cfg) as a:
-        m = a._master
-        with Store.connect(master=m.address, **cfg) as b:
-            value = pattern(200_000, 7)
-            a.put("k", value, ReplicateConfig(replicas=2))
-            with m._lock:
-                r = next(r for r in m.objects["k"].replicas if r.seg.name == b.segment_name)
-                rid, mount = r.id, r.seg.mount
-            ctypes.memset(r.addr + HEADER_SIZE + 100, 0xFF, 64)  # its bytes go bad (past the header)
-            (code, info), epoch, deadline = (lambda x: (x[0][0], x[1], x[2]))(a._lookup(["k"]))
-            assert code is None
-            rep = next(rep for rep in info["replicas"] if rep[0] == b.segment_name)
-            sent: list[tuple[object, ...]] = []
-            a._data.report = lambda *x: sent.append(x)  # type: ignore[assignment,method-assign]
+    with _two_clients_with_k() as (a, b, m, value):
+        with m._lock:
+            r = next(r for r in m.objects["k"].replicas if r.seg.name == b.segment_name)
+            rid, mount = r.id, r.seg.mount
+        ctypes.memset(r.addr + HEADER_SIZE + 100, 0xFF, 64)  # its bytes go bad (past the header)
+        (code, info), epoch, deadline = (lambda x: (x[0][0], x[1], x[2]))(a._lookup(["k"]))
+        assert code is None
+        rep = next(rep for rep in info["replicas"] if rep[0] == b.segment_name)
+        sent: list[tuple[object, ...]] = []
+        a._data.report = lambda *x: sent.append(x)  # type: ignore[assignment,method-assign]
 
-            def read(rep: list[object], cached: bool = False) -> ReadJob:
-                job = ReadJob("k", info["size"], info["gen"], info["checksum"], [rep], None, deadline,
-                              cached=cached)  # fmt: skip
-                a._data.read(epoch, [job])
-                return job
+        def read(rep: list[object], cached: bool = False) -> ReadJob:
+            job = ReadJob("k", info["size"], info["gen"], info["checksum"], [rep], None, deadline,
+                          cached=cached)  # fmt: skip
+            a._data.read(epoch, [job])
+            return job
 
-            assert isinstance(read(rep).error, ObjectCorrupt)
-            fields = {
-                "key": "k",
-                "gen": info["gen"],
-                "addr": r.addr,
-                "epoch": epoch,
-                "replica": rid,
-                "mount": mount,
-            }
-            assert sent == [(b.segment_name, "corrupt", fields)]
-            assert read([rep[0], 1 << 62, *rep[2:]]).error is not None  # outside the segment: unreachable
-            assert sent[1] == (
-                b.segment_name,
-                "unreachable",
-                {"epoch": epoch, "replica": rid, "mount": mount},
-            )
-            assert isinstance(read(rep, cached=True).error, ObjectCorrupt) and len(sent) == 2
-            a._report_read(*sent[0])  # sent for real: the master drops that replica
-            deadline = time.monotonic() + 5
-            while len(a.info("k")["replicas"]) != 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert [x[0] for x in a.info("k")["replicas"]] == [a.segment_name]
-            a._flush_releases(a._rpc)
-            assert b.get("k") == value
+        assert isinstance(read(rep).error, ObjectCorrupt)
+        fields = {
+            "key": "k",
+            "gen": info["gen"],
+            "addr": r.addr,
+            "epoch": epoch,
+            "replica": rid,
+            "mount": mount,
+        }
+        assert sent == [(b.segment_name, "corrupt", fields)]
+        assert read([rep[0], 1 << 62, *rep[2:]]).error is not None  # outside the segment: unreachable
+        assert sent[1] == (
+            b.segment_name,
+            "unreachable",
+            {"epoch": epoch, "replica": rid, "mount": mount},
+        )
+        assert isinstance(read(rep, cached=True).error, ObjectCorrupt) and len(sent) == 2
+        a._report_read(*sent[0])  # sent for real: the master drops that replica
+        deadline = time.monotonic() + 5
+        while len(a.info("k")["replicas"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [x[0] for x in a.info("k")["replicas"]] == [a.segment_name]
+        a._flush_releases(a._rpc)
+        assert b.get("k") == value
 
 
 @pytest.mark.parametrize(
