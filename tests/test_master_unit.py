@@ -1146,3 +1146,32 @@ def test_a_late_unreachable_report_leaves_the_segment_mounted_again(master: Driv
     seg.reported_until = 0.0
     master.handle({"op": "report", "client": "r", "kind": "unreachable", "segment": "seg-b"})
     assert seg.reported_until > time.monotonic()
+
+
+def test_replies_that_grant_allocations_name_each_segments_mount(master: Driver) -> None:
+    """put_start (its allocations and reservations), reserve and a commit that brings
+    reservations name the mount of every segment they place a replica on (``mounts``, beside
+    the grants: an older client ignores it), so that a failed write's report can name the mount
+    it was granted; a segment mounted again has a new one."""
+    m = master.m
+
+    def mounts() -> dict[str, int]:
+        return {name: seg.mount for name, seg in m.space.segments.items()}
+
+    def segs(grants: list[Any]) -> set[str]:
+        return {rep[0] for _, _, reps in grants for rep in reps}
+
+    cfg = {"replicas": 2}
+    r = master.handle({"op": "put_start", "client": "r", "keys": ["k"], "sizes": [4096], "config": cfg,
+                       "reserve": 4})  # fmt: skip
+    assert r["results"][0][0] is None and r["reserved"]
+    assert segs([r["results"][0][1], *r["reserved"]]) == {"seg-a", "seg-b"} and r["mounts"] == mounts()
+    master.handle({"op": "unmount", "client": "b", "segment": "seg-b"})
+    master.handle({"op": "mount", "client": "b", "segment": "seg-b", "base": 1 << 30, "size": 1 << 24})
+    assert mounts()["seg-b"] not in r["mounts"].values()
+    r = master.handle({"op": "reserve", "client": "r", "size": 4096, "count": 2, "config": cfg})
+    assert segs(r["reserved"]) == {"seg-a", "seg-b"} and r["mounts"] == mounts()
+    gen = r["reserved"][0][0]
+    c = master.handle({"op": "commit", "client": "r", "items": [["j", gen, 7]], "epoch": r["epoch"],
+                       "reserve": 2, "size": 4096, "config": cfg})  # fmt: skip
+    assert c["results"] == [[None, None]] and c["reserved"] and c["mounts"] == mounts()

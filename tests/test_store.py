@@ -1447,6 +1447,53 @@ def test_a_reader_reports_the_replica_and_the_mount_it_read() -> None:
         assert b.get("k") == value
 
 
+@pytest.mark.parametrize("how", ["put", "batch_put"])
+def test_a_late_write_report_leaves_the_segment_mounted_again_since_as_it_is(how: str) -> None:
+    """a holds reservations (granted with its first put) on b's segment, the only one. b is
+    declared dead, registers again and mounts fresh memory (a new mount of its segment, at other
+    addresses). a's next put (or batch put) writes into reservations on the old memory: refused
+    (unregistered), a reports the segment unreachable and puts the normal way. The report names
+    the mount its reservation was granted on: the master ignores it, the new mount is not
+    demoted. A write's report named the segment alone, and the late one demoted the new mount
+    for client_ttl_s (used last by every placement and read)."""
+    with Store.connect(segment_size=0, heartbeat_s=60, protocol="tcp", location_cache=0) as a:
+        m = a._master
+        assert m is not None
+        with Store.connect(master=m.address, segment_size=4 << 20, heartbeat_s=0.1, protocol="tcp") as b:
+            seg = b.segment_name
+            a.put("k0", pattern(4096, 0))  # a's first put of this size brings reservations
+            held = a._resv.held()
+            with m._lock:
+                old = m.space.segments[seg].mount
+                m._remove_client(b.client_id)  # declared dead (missed heartbeats), as upkeep does
+            assert len(held) >= 2 and all(e.mounts == {seg: old} for e in held)
+
+            def mount() -> int | None:
+                with m._lock:
+                    s = m.space.segments.get(seg)
+                    return None if s is None else s.mount
+
+            deadline = time.monotonic() + 10
+            while mount() in (None, old) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert mount() not in (None, old), "b did not mount its segment again"
+            values = {f"k{i}": pattern(4096, i) for i in range(1, 3 if how == "batch_put" else 2)}
+            if how == "put":
+                a.put("k1", values["k1"])
+            else:
+                assert a.batch_put(list(values), list(values.values())) == [None, None]
+            # the write into a reservation failed: a let go of those on the old mount
+            assert all(e.mounts == {seg: mount()} for e in a._resv.held())
+            deadline = time.monotonic() + 5
+            while not m.stats["reports_stale"] + m.stats["segments_reported"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with m._lock:
+                assert m.space.segments[seg].reported_until <= time.monotonic(), "the new mount was demoted"
+            assert m.stats["segments_reported"] == 0 and m.stats["reports_stale"] == 1
+            for k, v in values.items():
+                assert b.get(k) == v and a.get(k) == v
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -50,6 +50,7 @@ from kvpool.store.reservations import (
     RESERVE_MAX,
     ReservationPool,
     WriteFloor,
+    mounts_of,
     reserve_count,
 )
 from kvpool.store.session import MasterSession
@@ -453,7 +454,8 @@ class Store(MasterSession, PutPath, GetPath):
         if not r["dst"]:
             return
         epoch, gen = r["epoch"], r["gen"]
-        job = WriteJob(key, len(data), memoryview(data), gen, r["checksum"] is not None, r["dst"])
+        verify = r["checksum"] is not None
+        job = WriteJob(key, len(data), memoryview(data), gen, verify, r["dst"], mounts=mounts_of(r))
         ok = False
         self._writes.begin(epoch, [gen])
         try:

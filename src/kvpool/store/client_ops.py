@@ -243,11 +243,12 @@ class ClientOps(_Base):
         this master knows: an older one ignores a kind it does not know and answers ``{}``
         (the client then reports ``ssd_unreadable`` as ``ssd_corrupt``).
 
-        A report names what its reader saw in its get reply: the master's ``epoch``, the
-        segment's ``mount`` and the ``replica`` id; one about another master, an earlier mount
-        of the segment (mounted again since: it is not demoted) or another replica (a later one
-        at the same address: it is kept) is ignored. Without them (older clients) a report
-        names the segment, and a corrupt one the replica's ``addr`` (None: any replica there)."""
+        A report names what its reader saw in its get reply (a writer: what its put reply
+        granted, ``mounts``): the master's ``epoch``, the segment's ``mount`` and (a reader's)
+        the ``replica`` id; one about another master, an earlier mount of the segment (mounted
+        again since: it is not demoted) or another replica (a later one at the same address: it
+        is kept) is ignored. Without them (older clients) a report names the segment, and a
+        corrupt one the replica's ``addr`` (None: any replica there)."""
         c = self._client(req, sess)
         self._report(c, req)
         return {"kinds": REPORT_KINDS}

@@ -52,8 +52,8 @@ from kvpool.transfer.types import OpCode, TransferRequest, TransferState
 log = logging.getLogger("kvpool.store")
 
 # report(segment, kind, fields): tell the master a segment is unreachable or a replica corrupt;
-# ``fields`` name what the reader saw (see :func:`_seen`), so that a late report does not hit a
-# later mount of the segment, or a later replica at the same address.
+# ``fields`` name what the reader saw or the writer was granted (:func:`_seen`, :func:`_granted`),
+# so that a late report does not hit a later mount of the segment, or a later replica there.
 Report = Callable[[str, str, dict[str, Any]], None]
 
 
@@ -64,6 +64,12 @@ def _seen(epoch: int, rep: list[Any]) -> dict[str, Any]:
     if len(rep) < 5:
         return {}
     return {"epoch": epoch, "replica": rep[3], "mount": rep[4]}
+
+
+def _granted(epoch: int, mount: int | None) -> dict[str, Any]:
+    """What a writer's report says of a segment: the master's epoch and the segment's mount the
+    allocation was granted on (put replies' ``mounts``; an older master's name none)."""
+    return {"epoch": epoch} if mount is None else {"epoch": epoch, "mount": mount}
 
 
 @dataclass
@@ -78,6 +84,7 @@ class WriteJob:
     replicas: list[list[Any]]
     csum: int | None = None  # filled in: the value's checksum, when computed
     written: list[str] = field(default_factory=list)  # filled in: segments written completely
+    mounts: dict[str, int] = field(default_factory=dict)  # segment -> mount id, as granted
 
 
 @dataclass
@@ -254,15 +261,8 @@ class DataPath:
                 return False
         return False
 
-    def sync_ranges(
-        self,
-        segment: str,
-        locs: list[int],
-        rems: list[int],
-        lens: list[int],
-        op: OpCode,
-        scratch: tuple[int, int, bool] | None = None,
-    ) -> bool:
+    def sync_ranges(self, segment: str, locs: list[int], rems: list[int], lens: list[int], op: OpCode,
+                    scratch: tuple[int, int, bool] | None = None) -> bool:  # fmt: skip
         """A few ranges of one segment, in order, in this thread when a lane is free (one frame
         exchange over TCP); False on failure (the caller reports or fails over). ``scratch``:
         unregistered host memory the ranges use, registered for the call alone (see
@@ -377,22 +377,21 @@ class DataPath:
             for k, fine in zip(owner, ok, strict=True):
                 if not fine:
                     good[k] = False
-        bad_segs = set()
+        bad: set[tuple[str, int | None]] = set()  # (segment, mount granted on): reported once each
         for (job, seg), fine in zip(pairs, good, strict=True):
             if fine:
                 job.written.append(seg)
             else:
-                bad_segs.add(seg)
-        for seg in bad_segs:
-            self.report(seg, "unreachable", {})
+                bad.add((seg, job.mounts.get(seg)))
+        for seg, mount in bad:
+            self.report(seg, "unreachable", _granted(epoch, mount))
 
-    def write_small(
-        self, epoch: int, key: str, gen: int, value: memoryview, seg: str, raddr: int
-    ) -> int | None:
+    def write_small(self, epoch: int, key: str, gen: int, value: memoryview, seg: str, raddr: int,
+                    mount: int | None = None) -> int | None:  # fmt: skip
         """Write one small host ``value`` (at most ``DIRECT_MIN`` bytes) with its header to one
         replica, in this thread: :meth:`write` of that one job with fewer layers, for the
         reserved put (its most common caller, once per put). Returns the value's checksum, or
-        None when the write failed (the segment is reported)."""
+        None when the write failed (the segment is reported, naming ``mount``: the grant's)."""
         size = value.nbytes
         csum = checksum(value)
         n = HEADER_SIZE + size
@@ -405,7 +404,7 @@ class DataPath:
             self.staging.give(token)
         if ok:
             return csum
-        self.report(seg, "unreachable", {})
+        self.report(seg, "unreachable", _granted(epoch, mount))
         return None
 
     def _write_one(self, epoch: int, job: WriteJob) -> None:
@@ -415,7 +414,7 @@ class DataPath:
         size = job.size
         seg, raddr = job.replicas[0][0], job.replicas[0][1]
         if size <= DIRECT_MIN:  # checksummed always (DIRECT_MIN <= CHECKSUM_ALWAYS_MAX)
-            job.csum = self.write_small(epoch, job.key, job.gen, value, seg, raddr)
+            job.csum = self.write_small(epoch, job.key, job.gen, value, seg, raddr, job.mounts.get(seg))
             if job.csum is not None:
                 job.written.append(seg)
             return
@@ -446,7 +445,7 @@ class DataPath:
         if ok:
             job.written.append(seg)
         else:
-            self.report(seg, "unreachable", {})
+            self.report(seg, "unreachable", _granted(epoch, job.mounts.get(seg)))
 
     # ------------------------------------------------------------------ reads
     def read(self, epoch: int, jobs: list[ReadJob]) -> None:

@@ -88,11 +88,22 @@ class ObjectOps(_Base):
                 else:
                     out.append([None, self._grant(self._new_pending(key, size, pl, placed, caller, now))])
         reply: dict[str, Any] = {"results": out, "epoch": self.incarnation}
+        grants = [val for code, val in out if code is None]
         if reserve > 0 and out and out[0][0] is None and all(n == sizes[0] for n in sizes):
             reply["reserved"] = self._reserve(caller, sizes[0], pl, reserve, now)
             reply["reserve_ttl_s"] = self.config.put_timeout_s
+            grants += reply["reserved"]
+        reply["mounts"] = self._mounts(grants)
         self._evict(now)
         return reply
+
+    def _mounts(self, grants: list[list[Any]]) -> dict[str, int]:
+        """Segment -> mount id of each segment ``grants`` ([gen, verify, [[segment, address]]])
+        place a replica on, as put replies carry it (beside the grants: older clients ignore
+        it). A writer's unreachable report names the mount it was granted, so that a late one
+        does not demote the segment mounted again since (see ``_op_report``)."""
+        segs = self.space.segments
+        return {name: segs[name].mount for g in grants for name, _ in g[2]}
 
     def _reserve(self, caller: Client, size: int, pl: Placement, count: int, now: float) -> list[list[Any]]:
         """Reservations: space for future puts of one size and config, so that each of them needs
@@ -121,7 +132,8 @@ class ObjectOps(_Base):
         caller = self._client(req, sess)
         pl = Placement.parse(req.get("config") or {})
         reserved = self._reserve(caller, req["size"], pl, int(req["count"]), time.monotonic())
-        return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s, "epoch": self.incarnation}
+        return {"reserved": reserved, "reserve_ttl_s": self.config.put_timeout_s, "epoch": self.incarnation,
+                "mounts": self._mounts(reserved)}  # fmt: skip
 
     def _op_commit(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """Commit reservations (written by the caller) under keys: ``items`` = [[key, gen, checksum]];
@@ -162,6 +174,7 @@ class ObjectOps(_Base):
         if count:  # a batch's reservations for the next batch of its shape
             reply["reserved"] = self._reserve(caller, size, pl, count, now)
             reply["reserve_ttl_s"] = self.config.put_timeout_s
+            reply["mounts"] = self._mounts(reply["reserved"])
         return reply
 
     def _op_put_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +414,8 @@ class ObjectOps(_Base):
         new = [self._add_replica(obj, seg, off, caller.id) for seg, off in placed]
         change = self._start_change(caller, obj, new) if new else None
         return {"dst": [[r.seg.name, r.addr] for r in new], "gen": obj.gen, "epoch": self.incarnation,
-                "checksum": obj.checksum, "change": change}  # fmt: skip
+                "checksum": obj.checksum, "change": change,
+                "mounts": {r.seg.name: r.seg.mount for r in new}}  # fmt: skip
 
     def _op_replica_end(self, req: dict[str, Any], sess: dict[str, Any]) -> dict[str, Any]:
         """End the caller's copy into new replicas (``replica_start`` or ``promote_start``, named

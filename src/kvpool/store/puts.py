@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import Fenced, InvalidArgument, InvalidType, KvpoolError, TransferError
 from kvpool.store.client_base import ClientBase, _err
 from kvpool.store.datapath import WriteJob
-from kvpool.store.reservations import RESERVE_BATCH_MAX, RESERVE_BYTES
+from kvpool.store.reservations import RESERVE_BATCH_MAX, RESERVE_BYTES, mounts_of
 from kvpool.store.staging import DIRECT_MIN
 
 if TYPE_CHECKING:
@@ -58,14 +58,13 @@ class PutPath(ClientBase):
         cfg = None if config is None else config.wire()
         t0 = time.monotonic()
         reply = self._call("put_start", keys=keys, sizes=sizes, config=cfg, reserve=reserve)
-        epoch, results = reply["epoch"], reply["results"]
+        epoch, results, mounts = reply["epoch"], reply["results"], mounts_of(reply)
         gens = [val[0] for code, val in results if code is None]
         self._writes.begin(epoch, gens)
         if reply.get("reserved"):
             deadline = t0 + self._write_window_s
-            self._resv.add(
-                self._resv_key(sizes[0], config), epoch, reply["reserved"], deadline, self.master_incarnation
-            )
+            self._resv.add(self._resv_key(sizes[0], config), epoch, reply["reserved"], deadline,
+                           self.master_incarnation, mounts)  # fmt: skip
         out: list[KvpoolError | None] = [None] * len(keys)
         jobs: list[tuple[int, WriteJob]] = []
         try:
@@ -73,7 +72,8 @@ class PutPath(ClientBase):
                 if code is not None:
                     out[i] = _err(code, val)
                 else:
-                    jobs.append((i, WriteJob(keys[i], sizes[i], sources[i], val[0], val[1], val[2])))
+                    jobs.append((i, WriteJob(keys[i], sizes[i], sources[i], val[0], val[1], val[2],
+                                             mounts=mounts)))  # fmt: skip
             if time.monotonic() > t0 + self._write_window_s:
                 late = [[j.gen, False] for _, j in jobs]
                 self._call("put_revoke", items=late, epoch=epoch)
@@ -124,7 +124,7 @@ class PutPath(ClientBase):
         try:
             if any(e.epoch != epoch for e in entries):
                 return None
-            jobs = [WriteJob(k, size, src, e.gen, e.verify, e.replicas)
+            jobs = [WriteJob(k, size, src, e.gen, e.verify, e.replicas, mounts=e.mounts)
                     for k, src, e in zip(keys, sources, entries, strict=True)]  # fmt: skip
             self._data.write(epoch, jobs)
             retry = [i for i, j in enumerate(jobs) if len(j.written) < len(j.replicas)]
@@ -144,7 +144,8 @@ class PutPath(ClientBase):
         if reply is not None:
             if reply.get("reserved"):
                 deadline = t0 + self._write_window_s
-                self._resv.add(ck, epoch, reply["reserved"], deadline, self.master_incarnation)
+                mounts = mounts_of(reply)
+                self._resv.add(ck, epoch, reply["reserved"], deadline, self.master_incarnation, mounts)
             known, unused = [], []
             for i, (code, msg) in zip(todo, reply["results"], strict=True):
                 j = jobs[i]
@@ -200,10 +201,12 @@ class PutPath(ClientBase):
         small = len(replicas) == 1 and size <= DIRECT_MIN  # the common case, with fewer layers
         try:
             if small:
-                csum = self._data.write_small(entry.epoch, key, entry.gen, view, *replicas[0][:2])
-                written = [] if csum is None else [replicas[0][0]]
+                seg, raddr = replicas[0][0], replicas[0][1]
+                mount = entry.mounts.get(seg)
+                csum = self._data.write_small(entry.epoch, key, entry.gen, view, seg, raddr, mount)
+                written = [] if csum is None else [seg]
             else:
-                job = WriteJob(key, size, view, entry.gen, entry.verify, replicas)
+                job = WriteJob(key, size, view, entry.gen, entry.verify, replicas, mounts=entry.mounts)
                 self._data.write(entry.epoch, [job])
                 csum, written = job.csum, job.written
             if len(written) < len(replicas):

@@ -14,6 +14,16 @@ RESERVE_LOW = 6  # below this many left, a pool is refilled in the background
 RESERVE_BATCH_MAX = 64  # batch puts of up to this many equal-sized values use reservations
 
 
+def mounts_of(reply: dict[str, Any]) -> dict[str, int]:
+    """The ``mounts`` of a master's reply that grants allocations (segment -> the mount id the
+    grant is on, which a failed write's report names); empty from an older master (its reports
+    name the segment alone) or when not a map of names to ints."""
+    m = reply.get("mounts")
+    if not isinstance(m, dict):
+        return {}
+    return {k: v for k, v in m.items() if type(k) is str and type(v) is int}
+
+
 def reserve_count(size: int) -> int:
     """How many reservations to ask for with a put of ``size`` bytes (2 to 16)."""
     return max(2, min(16, RESERVE_BYTES // size)) if 0 < size <= RESERVE_MAX else 0
@@ -68,6 +78,7 @@ class Resv(NamedTuple):
     gen: int
     verify: bool
     replicas: list[list[Any]]
+    mounts: dict[str, int]  # segment -> the mount the grant is on (see :func:`mounts_of`)
 
 
 class ReservationPool:
@@ -82,12 +93,14 @@ class ReservationPool:
         self.wanted = threading.Event()
 
     def add(self, key: tuple[Any, ...], epoch: int, granted: list[list[Any]], deadline: float,
-            current_epoch: int | None) -> None:  # fmt: skip
-        """Reservations from a reply of the master of ``epoch`` (dropped if it is not current)."""
+            current_epoch: int | None, mounts: dict[str, int] | None = None) -> None:  # fmt: skip
+        """Reservations from a reply of the master of ``epoch`` (dropped if it is not current);
+        ``mounts``: the reply's (:func:`mounts_of`; None: unknown, reports name the segment)."""
         if not granted:
             return
         self.writes.begin(epoch, [g[0] for g in granted])
-        entries = [Resv(deadline, epoch, gen, verify, reps) for gen, verify, reps in granted]
+        m = {} if mounts is None else mounts
+        entries = [Resv(deadline, epoch, gen, verify, reps, m) for gen, verify, reps in granted]
         with self.lock:
             if epoch == current_epoch:
                 self._pools.setdefault(key, [])[:0] = entries
