@@ -404,6 +404,15 @@ class Fuzzer:
         for gen, _, reps in out.get("reserved", []):
             self.gens.append(gen)
             self.resv.append((cid, gen, [s for s, _ in reps]))
+        self._granted(out, [val for code, val in out["results"] if code is None] + out.get("reserved", []))
+
+    def _granted(self, out: dict[str, Any] | None, grants: list[Any]) -> None:
+        """A reply that grants allocations names the mount of each segment they are on, the one
+        there now (nothing ran since), and of no other: a writer's report names it."""
+        segs = {rep[0] for _, _, reps in grants for rep in reps}
+        named = (out or {}).get("mounts")
+        if segs and named != {s: self.m.space.segments[s].mount for s in segs}:
+            self.fail(f"a reply granting allocations on {sorted(segs)} named mounts {named}")
 
     def _pop(self, items: list[Any], cid: str) -> Any:
         mine = [i for i, x in enumerate(items) if x[0] == cid or self.rng.random() < 0.05]
@@ -433,6 +442,7 @@ class Fuzzer:
         for gen, _, reps in (out or {}).get("reserved", []):
             self.gens.append(gen)
             self.resv.append((cid, gen, [s for s, _ in reps]))
+        self._granted(out, (out or {}).get("reserved", []))
 
     def do_commit(self, cid: str) -> None:
         items = []
@@ -449,6 +459,7 @@ class Fuzzer:
         for gen, _, reps in (out or {}).get("reserved", []):
             self.gens.append(gen)
             self.resv.append((cid, gen, [s for s, _ in reps]))
+        self._granted(out, (out or {}).get("reserved", []))
 
     def do_get(self, cid: str) -> None:
         keys = self.rng.sample(self.keys, self.rng.choice([1, 3]))
