@@ -1548,3 +1548,24 @@ def test_a_get_reply_of_bad_types_fails_the_get_with_a_protocol_error(bad: dict[
             assert isinstance(st.batch_get_into(["k"], [bytearray(8192)], [8192])[0], ProtocolError)
         m._handlers["get"] = real
         assert st.get("k") == value
+
+
+def test_reservations_the_heartbeat_thread_tops_up_name_their_mounts() -> None:
+    """Reservations fetched off the put path (the heartbeat thread's refill of a pool running
+    low) keep the mount of each segment the master's reply names, as a put's do: a write into
+    one that fails then reports that mount (without it, the segment by name: a late report
+    demoted a segment mounted again since)."""
+    with Store.connect(segment_size=4 << 20, heartbeat_s=60, protocol="tcp") as a:
+        m = a._master
+        assert m is not None
+        for i in range(200):
+            a.put(f"k{i}", pattern(4096, i))
+            if a._resv.wanted.is_set():
+                break
+        assert a._resv.wanted.is_set(), "no pool ran low"
+        before = {e.gen for e in a._resv.held()}
+        a._refill()
+        new = [e for e in a._resv.held() if e.gen not in before]
+        with m._lock:
+            mount = m.space.segments[a.segment_name].mount
+        assert new and all(e.mounts == {a.segment_name: mount} for e in new)

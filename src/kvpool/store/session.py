@@ -15,7 +15,7 @@ from typing import Any
 from kvpool._rpc import RpcClient, UnknownClient
 from kvpool.errors import ConfigError, KvpoolError, MasterUnavailable
 from kvpool.store.client_base import ClientBase
-from kvpool.store.reservations import reserve_count
+from kvpool.store.reservations import mounts_of, reserve_count
 from kvpool.store.staging import addr_of
 from kvpool.store.tasks import TaskRunner
 
@@ -131,14 +131,6 @@ class MasterSession(ClientBase):
         self._segment_view = self.engine.alloc_shared_buffer(self.config.segment_size, "kvpool-segment")
         self._segment_base = addr_of(self._segment_view)
 
-    def _report(self, segment: str, kind: str, key: str | None, gen: int | None, addr: int | None) -> None:
-        """Tell the master a segment is unreachable or a replica corrupt (the one at ``addr``),
-        one-way; called by the data path (:class:`DataPath`) when a read fails or its bytes do."""
-        try:
-            self._rpc.send("report", segment=segment, kind=kind, key=key, gen=gen, addr=addr)
-        except KvpoolError as exc:
-            log.debug("report to the master failed: %s", exc)
-
     def _refill(self) -> None:
         """Top up reservation pools that ran low (off the put path, on the heartbeat connection)."""
         for ck, (size, config) in self._resv.to_refill().items():
@@ -146,7 +138,9 @@ class MasterSession(ClientBase):
             t0 = time.monotonic()
             reply = self._hb_rpc.call("reserve", size=size, config=cfg, count=reserve_count(size))
             deadline = t0 + self._write_window_s
-            self._resv.add(ck, reply["epoch"], reply["reserved"], deadline, self.master_incarnation)
+            self._resv.add(
+                ck, reply["epoch"], reply["reserved"], deadline, self.master_incarnation, mounts_of(reply)
+            )
 
     def _heartbeat_loop(self) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_s
