@@ -464,7 +464,7 @@ def test_reattaching_the_same_peer_keeps_one_pidfd(fake_driver: str) -> None:
             eng._open(target.segment_name)
         assert len(os.listdir("/proc/self/fd")) - before < 5
         peer = _ipc(eng)._peers[h.id]
-        assert CudaIpcTransport._alive(peer)
+        assert peer.alive()
 
 
 def test_driver_copies_make_a_context_current_on_any_thread(fake_driver: str) -> None:
@@ -734,6 +734,100 @@ def test_letting_a_peer_go_under_a_stopped_stream_does_not_wait_nor_unmap(
         while rec.pidfd >= 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert closed and drv.pointer_device(mapped) is None and rec.pidfd == -1  # closed after the run
+
+
+def _pause_in(
+    monkeypatch: pytest.MonkeyPatch, obj: object, name: str, thread: str
+) -> tuple[threading.Event, threading.Event]:
+    """Stop the first call of ``obj.name`` made by the thread named ``thread`` before it runs:
+    (entered, go) - the call waits for ``go`` once it set ``entered``."""
+    real, entered, go = getattr(obj, name), threading.Event(), threading.Event()
+
+    def paused(*args: object) -> object:
+        if threading.current_thread().name == thread and not entered.is_set():
+            entered.set()
+            go.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(obj, name, paused)
+    return entered, go
+
+
+@pytest.mark.parametrize("when", ["before_open", "in_open", "in_open_reattach", "before_queue"])
+def test_letting_a_peer_go_during_a_submit_never_unmaps_under_it(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """close_segment (or a re-attach) while a submit to the peer is between taking its record and
+    queuing its run: the old code closed the mappings under the submit (its copies then went to
+    an unmapped address - or, reused by a later open, to another peer's buffer) or let it map a
+    buffer of the retired record that nobody closed again. Now the submit either finishes its
+    copy (the mapping closed by the completion thread after the run; a re-attach hands it to the
+    new record) or, when it had yet to map a buffer of the retired record, is refused, typed,
+    with nothing mapped; close_segment never waits for the submit's copies."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+        if when == "before_queue":
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # maps the peer's GPU buffer
+        (rec,) = ipc._peers.values()
+        mapped = [b.mapped - b.offset for b in rec.bufs if b.gpu and b.mapped]  # before_queue's
+        opened: list[int] = []
+        closed: list[int] = []
+        real_open, real_close = ipc.driver.ipc_open, ipc.driver.ipc_close
+        monkeypatch.setattr(ipc.driver, "ipc_open", lambda h, d: opened.append(real_open(h, d)) or opened[-1])
+        monkeypatch.setattr(ipc.driver, "ipc_close", lambda base: (closed.append(base), real_close(base)))
+        call = {"before_open": "use", "in_open": "ipc_open", "in_open_reattach": "ipc_open"}.get(
+            when, "memcpy_async"
+        )
+        entered, go = _pause_in(monkeypatch, ipc.driver, call, "submitter")
+        bid = eng.allocate_batch_id(1)
+        out: list[object] = []
+
+        def submit() -> None:
+            try:
+                eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
+                out.append(None)
+            except KvpoolError as exc:
+                out.append(exc)
+
+        sub = threading.Thread(target=submit, name="submitter", daemon=True)
+        sub.start()
+        try:
+            assert entered.wait(10)
+            if when == "in_open_reattach":  # the same process: waits for the open, then keeps it
+                let_go = threading.Thread(target=eng._open, args=(peer.name,), daemon=True)
+            else:
+                let_go = threading.Thread(target=eng.close_segment, args=(seg,), daemon=True)
+            t0 = time.monotonic()
+            let_go.start()
+            let_go.join(0.5)
+            if not when.startswith("in_open"):  # nothing of ours to wait for: returns at once
+                assert not let_go.is_alive() and time.monotonic() - t0 < 1
+            assert not closed  # the submit is inside: nothing unmapped under it
+        finally:
+            go.set()
+        sub.join(10)
+        let_go.join(10)
+        assert not sub.is_alive() and not let_go.is_alive()
+        if when == "before_open":  # the retired record maps nothing: refused, nothing queued
+            assert isinstance(out[0], SegmentNotFound) and not opened and not ipc._runs
+            assert rec.pidfd == -1 and not ipc._doomed
+            return
+        assert out == [None] and eng.wait_batch(bid, 10).ok
+        assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0] + 4096} 4096")
+        (base,) = mapped or opened  # the mapping the copy used
+        if when == "in_open_reattach":  # handed to the new record: kept, used by the next copy
+            (new,) = ipc._peers.values()
+            assert new is not rec and base in [b.mapped - b.offset for b in new.bufs]
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+            assert len(opened) == 1 and not closed and drv.pointer_device(base) == 0
+            return
+        deadline = time.monotonic() + 5
+        while rec.pidfd >= 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed == [base] and drv.pointer_device(base) is None and rec.pidfd == -1  # after the run
 
 
 def test_engine_close_under_a_stopped_stream_raises_and_keeps_the_mappings(

@@ -21,8 +21,8 @@ generation its descriptor named; a pin fails once the owner unregistered the ran
 refused with RemoteAccessError), and unregistering waits for pinned copies to finish. The pins are
 dropped when the run's event completed. A run whose owner exited while it was in flight fails
 (TransferError) instead of reporting bytes that nobody holds; mappings of a peer are closed when
-the engine detaches it (close, restart) or it exited, once its copies finished: by the completion
-thread when runs are still queued (detach and release_exited never wait for a GPU stream).
+the engine detaches it (close, restart) or it exited, once our submits and copies to it ended: by
+the completion thread or the last submit (detach and release_exited never wait for a GPU stream).
 
 Completion: one thread per transport waits on the runs' events in order (``cuEventSynchronize``,
 GIL released) and completes their slots with one native call per run.
@@ -37,7 +37,6 @@ import collections
 import ctypes
 import logging
 import os
-import select
 import threading
 import time
 from importlib import resources
@@ -46,17 +45,21 @@ from typing import Any
 import numpy as np
 
 from kvpool import _native
-from kvpool.errors import (
-    AddressNotRegistered,
-    KvpoolError,
-    RegistrationError,
-    RemoteAccessError,
-    SegmentNotFound,
-    TransferTimeout,
-)
+from kvpool.errors import KvpoolError, RegistrationError, RemoteAccessError, SegmentNotFound, TransferTimeout
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
-from kvpool.transfer.cuda_ipc_state import _U64, _col, _Export, _Gate, _Peer, _RemoteBuf, _Run, _Spares
+from kvpool.transfer.cuda_ipc_state import (
+    _U64,
+    _col,
+    _Export,
+    _Gate,
+    _Lineage,
+    _local_gpu,
+    _Peer,
+    _RemoteBuf,
+    _Run,
+    _Spares,
+)
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import READ, Requests, Transport
@@ -97,7 +100,7 @@ class CudaIpcTransport(Transport):
         self._exports: dict[int, _Export] = {}
         self._peers: dict[int, _Peer] = {}
         self._released: set[int] = set()  # handles whose exited peer release_exited let go
-        self._doomed: list[tuple[_Peer, list[_RemoteBuf], bool]] = []  # closed after their runs (_retire)
+        self._doomed: list[tuple[_Peer, bool]] = []  # closed after their runs and submits (_retire)
         self._streams: dict[int, int] = {}
         self._kernels: dict[int, int] = {}
         self._spares = _Spares(driver)  # address tables and events of finished runs
@@ -188,17 +191,17 @@ class CudaIpcTransport(Transport):
                 bufs.append(_RemoteBuf(b.addr, b.length, False, b.fence_slot, b.fence_gen, shm_fd=b.shm_fd))
         bufs.sort(key=lambda b: b.addr)
         old = self._peers.get(handle)
-        if old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation:
-            kept = {(b.addr, b.handle, b.shm_fd): b for b in old.bufs if b.mapped}
-            for b in bufs:  # the same registration: keep its mapping
-                k = kept.pop((b.addr, b.handle, b.shm_fd), None)
-                if k is not None:
-                    b.mapped, b.keep = k.mapped, k.keep
-            self._retire(old, list(kept.values()), pidfd=False)  # the new record keeps the pidfd
-        elif old is not None:
-            self._retire(old, old.bufs)
-        fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
         same = old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation
+        if old is not None:
+            with old.lock:  # an open through it in progress ends first, none starts after (retired)
+                old.retired = True
+                kept = {(b.addr, b.handle, b.shm_fd): b for b in old.bufs if b.mapped and same}
+                for b in bufs:  # the same registration: keep its mapping
+                    k = kept.pop((b.addr, b.handle, b.shm_fd), None)
+                    if k is not None:
+                        b.mapped, b.keep, k.handed = k.mapped, k.keep, True
+            self._retire(old, pidfd=not same)  # the same process: the new record keeps the pidfd
+        fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
         if same and old is not None and old.pidfd >= 0:
             pidfd = old.pidfd  # the same process: its pidfd is kept (a new one per re-attach leaked)
         else:
@@ -215,7 +218,7 @@ class CudaIpcTransport(Transport):
             np.array([b.gpu for b in bufs], dtype=bool),
             fence,
             pidfd,
-            lineage=old.lineage if same and old is not None else object(),
+            lineage=old.lineage if same and old is not None else _Lineage(),
         )
 
     def detach(self, handle: int) -> None:
@@ -223,7 +226,7 @@ class CudaIpcTransport(Transport):
         self._released.discard(handle)
         peer = self._peers.pop(handle, None)
         if peer is not None:
-            self._retire(peer, peer.bufs)
+            self._retire(peer)
 
     def release_exited(self) -> list[int]:
         """Close the mappings (GPU IPC, shared host buffers), fence and pidfd of peers whose process
@@ -233,9 +236,9 @@ class CudaIpcTransport(Transport):
         (:meth:`peer_gone`)."""
         out = set(self.inner.release_exited())
         for h, peer in list(self._peers.items()):
-            if peer.pidfd >= 0 and not self._alive(peer):
+            if peer.pidfd >= 0 and not peer.alive():
                 del self._peers[h]
-                self._retire(peer, peer.bufs)
+                self._retire(peer)
                 self._released.add(h)
                 out.add(h)
         return sorted(out)
@@ -250,17 +253,50 @@ class CudaIpcTransport(Transport):
             return True
         return (peer is not None and peer.gone) or self.inner.peer_gone(handle)
 
-    def _retire(self, peer: _Peer, bufs: list[_RemoteBuf], pidfd: bool = True) -> None:
-        """Close ``bufs``' mappings of a peer (and its pidfd, when ``pidfd``) now if no run of ours
-        to its process is queued (through this record or an earlier one of the same attachment:
-        ``lineage``), else leave them to the completion thread, which closes them once the last
-        such run ended. Never waits (a hung GPU stream must not stop a store client's heartbeat,
-        which calls release_exited) and never unmaps memory a queued copy still reads or writes."""
+    def _retire(self, peer: _Peer, pidfd: bool = True) -> None:
+        """Let go of a record taken out of ``_peers``: it maps nothing more (``retired``), and its
+        mappings (those not handed to the next record) and its pidfd (when ``pidfd``) are closed
+        now if no run or submit of ours to its process is in flight (through this record or
+        another of the same attachment: ``lineage``), else by whoever ends the last of them (the
+        completion thread after a run, :meth:`_let_go` after a submit). Never waits for the GPU
+        (a hung stream must not stop a store client's heartbeat, which calls release_exited),
+        only for an open in progress through the record; never unmaps memory a copy may use."""
+        with peer.lock:
+            peer.retired = True
         with self._cond:
-            if any(r.peer.lineage is peer.lineage for r in self._runs):
-                self._doomed.append((peer, bufs, pidfd))
+            if peer.lineage.submits or any(r.peer.lineage is peer.lineage for r in self._runs):
+                self._doomed.append((peer, pidfd))
                 return
-        peer.close(self.driver, bufs, pidfd)
+        peer.close(self.driver, peer.bufs, pidfd)
+
+    def _hold(self, handle: int) -> _Peer:
+        """The record a submit copies through, counted in flight (:meth:`_retire` closes nothing
+        of its lineage until :meth:`_let_go`): taken under ``_cond``, so a detach either sees the
+        count or retired the record first (then the submit is refused and queues nothing)."""
+        with self._cond:
+            peer = self._peers.get(handle)
+            if peer is None or peer.retired:
+                raise SegmentNotFound("segment is not open on the CUDA IPC path (closed concurrently?)")
+            peer.lineage.submits += 1
+        return peer
+
+    def _let_go(self, peer: _Peer) -> None:
+        """A submit through ``peer`` ended (its run queued, or it failed): closes what waited for it."""
+        with self._cond:
+            peer.lineage.submits -= 1
+            ready = self._ready()
+        for p, pidfd in ready:
+            p.close(self.driver, p.bufs, pidfd)
+
+    def _ready(self) -> list[tuple[_Peer, bool]]:
+        """Under ``_cond``: the retired records no run or submit of ours uses any more, taken
+        out of ``_doomed`` (the caller closes them, outside the lock)."""
+        if not self._doomed:
+            return []
+        busy = {id(r.peer.lineage) for r in self._runs}
+        ready = [d for d in self._doomed if id(d[0].lineage) not in busy and not d[0].lineage.submits]
+        self._doomed = [d for d in self._doomed if all(d is not r for r in ready)]
+        return ready
 
     # ------------------------------------------------------------------ initiator side: submit
     def unbounded(self, batch_id: int) -> bool:
@@ -297,24 +333,26 @@ class CudaIpcTransport(Transport):
             return
         gate = self._gate.enter(locs, lens)  # before the checks
         try:
-            self._submit_one(batch_id, reqs, ops, locs, rems, lens, stage_wait_s, gate)
+            peer = self._hold(reqs.peers[0])
+            try:
+                self._submit_one(batch_id, peer, reqs, ops, locs, rems, lens, stage_wait_s, gate)
+            finally:
+                self._let_go(peer)
         finally:
             self._gate.leave(gate)
 
     def _submit_one(
-        self, batch_id: int, reqs: Requests, ops: np.ndarray, locs: np.ndarray, rems: np.ndarray,
-        lens: np.ndarray, stage_wait_s: float | None, gate: tuple[np.ndarray, np.ndarray],
+        self, batch_id: int, peer: _Peer, reqs: Requests, ops: np.ndarray, locs: np.ndarray,
+        rems: np.ndarray, lens: np.ndarray, stage_wait_s: float | None, gate: tuple[np.ndarray, np.ndarray],
     ) -> None:  # fmt: skip
-        """:meth:`submit` to one segment, inside the gate (left before a staged wait with no run after)."""
-        peer = self._peers.get(reqs.peers[0])
-        if peer is None:
-            raise SegmentNotFound("segment is not open on the CUDA IPC path (closed concurrently?)")
-        local_gpu = self._local_gpu(ops, locs, lens)
+        """:meth:`submit` to one segment, inside the gate (left before a staged wait with no run
+        after), through ``peer`` held (:meth:`_hold`)."""
+        local_gpu = _local_gpu(self.registry, ops, locs, lens)
         ridx = np.searchsorted(peer.starts, rems, side="right").astype(np.int64) - 1
         known = ridx >= 0
         ridx_c = np.where(known, ridx, 0)
         inside = known & (rems + lens <= peer.ends[ridx_c]) if len(peer.bufs) else known
-        if not inside.all() and not self._alive(peer):
+        if not inside.all() and not peer.alive():
             # outside the descriptor we hold: maybe a restarted owner's new memory; say it exited
             # (the next open_segment re-fetches) rather than refuse the range forever
             peer.gone = True
@@ -370,23 +408,6 @@ class CudaIpcTransport(Transport):
         else:
             self.inner.submit(batch_id, reqs)
 
-    def _local_gpu(self, ops: np.ndarray, locs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """Which local ranges are GPU memory; AddressNotRegistered for unregistered ones."""
-        regs, (starts, ends, ro, gpu) = self.registry.columns()
-        i = np.searchsorted(starts, locs, side="right").astype(np.int64) - 1
-        ok = i >= 0
-        ic = np.where(ok, i, 0)
-        ok &= locs + lens <= ends[ic] if regs else ok
-        if not ok.all():
-            k = int(np.flatnonzero(~ok)[0])
-            raise AddressNotRegistered(
-                f"local range {int(locs[k]):#x}+{int(lens[k])} is not inside registered memory; call "
-                f"register_local_memory first (request {k})"
-            )
-        if ro.any() and (ro[ic] & (ops == READ)).any():
-            raise AddressNotRegistered("local range is registered read-only: it cannot receive a READ")
-        return gpu[ic]
-
     def _submit_gpu(
         self,
         batch_id: int,
@@ -404,7 +425,7 @@ class CudaIpcTransport(Transport):
         if (ridx < 0).any():
             raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
         used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
-        if not self._alive(peer):
+        if not peer.alive():
             peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
         pins = peer.pin(used)
@@ -413,7 +434,7 @@ class CudaIpcTransport(Transport):
             dev = (
                 int(first_gpu.desc.location.partition(":")[2] or 0)
                 if first_gpu
-                else self._buf_dev(peer, used)
+                else peer.device_of(used, self._uuids)
             )
             self.driver.use(dev)
             bases = np.zeros(len(peer.bufs), dtype=_U64)
@@ -467,20 +488,6 @@ class CudaIpcTransport(Transport):
         except KvpoolError as exc:  # the stream's own error: its copies are over either way
             log.warning("CUDA IPC: the stream of a failed run reported: %s", exc)
 
-    def _buf_dev(self, peer: _Peer, used: list[int]) -> int:
-        for k in used:
-            if peer.bufs[k].gpu:
-                return self._uuids.get(peer.bufs[k].uuid, 0)
-        return 0
-
-    @staticmethod
-    def _alive(peer: _Peer) -> bool:
-        if peer.pidfd < 0:
-            return True  # no pidfd (old kernel): the fence pin decides
-        p = select.poll()  # not select(): it refuses descriptors >= 1024
-        p.register(peer.pidfd, select.POLLIN)
-        return not p.poll(0)  # readable = exited
-
     def _stream(self, dev: int) -> int:
         s = self._streams.get(dev)
         if s is None:
@@ -527,7 +534,7 @@ class CudaIpcTransport(Transport):
             except KvpoolError as exc:
                 error = f"CUDA IPC copy failed: {exc}"
             run.peer.unpin(run.pins)
-            if error is None and not self._alive(run.peer):
+            if error is None and not run.peer.alive():
                 run.peer.gone = True
                 error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
             if error is None:
@@ -540,14 +547,10 @@ class CudaIpcTransport(Transport):
             with self._cond:
                 self._runs.popleft()
                 self._completed += 1
-                ready: list[tuple[_Peer, list[_RemoteBuf], bool]] = []
-                if self._doomed:
-                    busy = {id(r.peer.lineage) for r in self._runs}
-                    ready = [d for d in self._doomed if id(d[0].lineage) not in busy]
-                    self._doomed = [d for d in self._doomed if id(d[0].lineage) in busy]
+                ready = self._ready()
                 self._cond.notify_all()
-            for peer, bufs, pidfd in ready:  # the last queued run to their process ended (_retire)
-                peer.close(self.driver, bufs, pidfd)
+            for peer, pidfd in ready:  # the last run to their process ended (_retire)
+                peer.close(self.driver, peer.bufs, pidfd)
         if self._late:  # set under the lock with _closed, before the runs left emptied the queue
             self._teardown()
 
@@ -575,7 +578,7 @@ class CudaIpcTransport(Transport):
         peers = list(self._peers.values())
         self._peers.clear()
         for peer in peers:
-            self._retire(peer, peer.bufs)
+            self._retire(peer)
         with self._cond:
             self._closed = True
             queued = len(self._runs)

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import mmap
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.errors import AddressNotRegistered, KvpoolError, RemoteAccessError
+from kvpool.errors import AddressNotRegistered, KvpoolError, RemoteAccessError, SegmentNotFound
 from kvpool.transfer.cuda_driver import CudaDriver
 from kvpool.transfer.memory import LocalRegistry, Registration
+from kvpool.transfer.transport import READ
 
 _U64 = np.uint64
 log = logging.getLogger("kvpool.transfer.cuda_ipc")
@@ -53,6 +55,19 @@ class _RemoteBuf:
     shm_fd: int = -1
     mapped: int = 0  # base of the mapping here (0: not opened yet)
     keep: Any = None
+    handed: bool = False  # its mapping went to the next record of the same attachment (attach)
+
+
+class _Lineage:
+    """What the records of one process's attachments share (a re-attach keeps mappings and
+    pidfd): how many of our submits to them are between taking the record and queuing their run
+    (CudaIpcTransport._hold/_let_go, under its ``_cond``). A retired record's mappings are closed
+    only when none is, and no run to the lineage is queued (CudaIpcTransport._retire)."""
+
+    __slots__ = ("submits",)
+
+    def __init__(self) -> None:
+        self.submits = 0
 
 
 @dataclass
@@ -69,17 +84,25 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     gone: bool = False  # its exit was reported to a caller: the next open_segment re-fetches
     # shared by the records of one process's attachments (a re-attach keeps mappings and pidfd):
-    # what one of them retires waits for the runs of all (CudaIpcTransport._retire)
-    lineage: object = field(default_factory=object)
+    # what one of them retires waits for the runs and submits of all (CudaIpcTransport._retire)
+    lineage: _Lineage = field(default_factory=_Lineage)
+    retired: bool = False  # let go (detach, release_exited, re-attach): maps nothing more (open)
 
     def open(self, b: _RemoteBuf, device: int, driver: CudaDriver, uuids: dict[bytes, int]) -> int:
         """Base address here of a remote buffer's mapping (opened on first use, for a run on
-        ``device``; ``uuids``: our devices by UUID). Called by CudaIpcTransport before it queues a run."""
+        ``device``; ``uuids``: our devices by UUID). Called by CudaIpcTransport before it queues a run.
+        A record already retired opens nothing (its mappings are being closed, and one opened
+        now would never be): SegmentNotFound, the caller opens the segment again."""
         if b.mapped:
             return b.mapped
         with self.lock:
             if b.mapped:
                 return b.mapped
+            if self.retired:
+                raise SegmentNotFound(
+                    f"the segment of pid {self.pid} was let go or re-attached while this transfer was "
+                    "submitted; open (refetch) the segment and retry"
+                )
             if b.gpu:
                 dev = uuids.get(b.uuid, device)
                 b.mapped = driver.ipc_open(b.handle, dev) + b.offset
@@ -97,11 +120,11 @@ class _Peer:
 
     def close(self, driver: CudaDriver, bufs: list[_RemoteBuf], pidfd: bool) -> None:
         """Close these buffers' mappings here (GPU IPC, shared host buffers), and the pidfd when
-        ``pidfd``. Called by CudaIpcTransport only while no run of ours to this peer is queued:
-        a queued copy still reads or writes the mappings, and the completion thread asks the
-        pidfd whether the peer exited during the copy."""
+        ``pidfd``. Called by CudaIpcTransport only while no run or submit of ours to this peer is
+        in flight: a queued copy still reads or writes the mappings, and the completion thread
+        asks the pidfd whether the peer exited during the copy."""
         for b in bufs:
-            if not b.mapped:
+            if not b.mapped or b.handed:
                 continue
             if b.gpu:
                 try:  # the mapping's own base (b.mapped points b.offset into it)
@@ -115,6 +138,21 @@ class _Peer:
         if pidfd and self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+    def alive(self) -> bool:
+        """Whether the peer's process still runs (its pidfd is not readable)."""
+        if self.pidfd < 0:
+            return True  # no pidfd (old kernel): the fence pin decides
+        p = select.poll()  # not select(): it refuses descriptors >= 1024
+        p.register(self.pidfd, select.POLLIN)
+        return not p.poll(0)  # readable = exited
+
+    def device_of(self, used: list[int], uuids: dict[bytes, int]) -> int:
+        """Our device of the first GPU buffer among ``used`` (0 when none is GPU memory)."""
+        for k in used:
+            if self.bufs[k].gpu:
+                return uuids.get(self.bufs[k].uuid, 0)
+        return 0
 
     def pin(self, used: list[int]) -> list[tuple[int, int]]:
         """Pin the owner's fence slot of every remote buffer used (indices into ``bufs``), at its
@@ -152,6 +190,25 @@ class _Run:
     lo: int = 0  # the local address range the copies touch: [lo, hi)
     hi: int = 0
     seen: int = 0  # runs completed when it was queued or last asked about (CudaIpcTransport.unbounded)
+
+
+def _local_gpu(registry: LocalRegistry, ops: np.ndarray, locs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Which local ranges are GPU memory; AddressNotRegistered for unregistered ones (and for a
+    READ into read-only memory). Called by CudaIpcTransport's submit."""
+    regs, (starts, ends, ro, gpu) = registry.columns()
+    i = np.searchsorted(starts, locs, side="right").astype(np.int64) - 1
+    ok = i >= 0
+    ic = np.where(ok, i, 0)
+    ok &= locs + lens <= ends[ic] if regs else ok
+    if not ok.all():
+        k = int(np.flatnonzero(~ok)[0])
+        raise AddressNotRegistered(
+            f"local range {int(locs[k]):#x}+{int(lens[k])} is not inside registered memory; call "
+            f"register_local_memory first (request {k})"
+        )
+    if ro.any() and (ro[ic] & (ops == READ)).any():
+        raise AddressNotRegistered("local range is registered read-only: it cannot receive a READ")
+    return gpu[ic]
 
 
 def _col(c: Any) -> np.ndarray:
