@@ -806,6 +806,46 @@ def test_double_sync_staged_read_whose_host_to_device_copy_hangs_raises_at_the_t
         assert xxhash.xxh3_64_hexdigest(dev.read()) == cpu_peer.checksum(0, MiB)
 
 
+def test_double_engine_close_under_a_hung_staged_copy_raises_at_the_timeout(rt, cpu_peer, monkeypatch):
+    """TransferEngine.close while a staged READ's host-to-device copy does not finish (a hung
+    GPU) raises TransferTimeout once no staged copy finished for timeout_s, after closing the
+    rest: it returned after 5 s as if done, with the copy still to write the caller's GPU
+    memory. The staging thread finishes the copy and the slot when the copy ends."""
+    import threading
+    import time
+
+    import xxhash
+
+    from kvpool.errors import TransferTimeout
+
+    cpu_peer.fill(5)
+    dev = rt.alloc(MiB)
+    real_h2d, release, copying = rt.copy_h2d, threading.Event(), threading.Event()
+
+    def hung(dst: int, src: int, n: int) -> None:
+        copying.set()
+        release.wait(20)
+        real_h2d(dst, src, n)
+
+    monkeypatch.setattr(rt, "copy_h2d", hung)
+    eng = _gpu_engine(rt, protocol="tcp", timeout_s=0.3)
+    try:
+        a = eng.register_local_memory(dev, remote_accessible=False)
+        bid = eng.allocate_batch_id(1)
+        seg = eng.open_segment(cpu_peer.segment)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.READ, a, seg, cpu_peer.addr, MiB)])
+        assert copying.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="did not finish within 0.3 s"):
+            eng.close()
+        assert 0.25 < time.monotonic() - t0 < 3
+        assert eng.batches.status(bid, 0).state == TransferState.PENDING  # not reported done
+    finally:
+        release.set()
+    assert eng.wait_batch(bid, 10).ok  # the copy was not cut short
+    assert xxhash.xxh3_64_hexdigest(dev.read()) == cpu_peer.checksum(0, MiB)
+
+
 def test_double_sync_staged_read_behind_moving_copies_waits_and_behind_stopped_ones_times_out(
     rt, cpu_peer, monkeypatch
 ):

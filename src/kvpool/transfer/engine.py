@@ -214,8 +214,8 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Stop serving, cancel queued transfers and withdraw the descriptor. A transport that
-        could not close (CUDA IPC copies on a hung GPU stream: TransferTimeout) does not stop the
-        rest from closing; its error is raised at the end."""
+        could not close (CUDA IPC copies on a hung GPU stream, or staged copies on a hung GPU:
+        TransferTimeout) does not stop the rest from closing; its error is raised at the end."""
         with self._lock:
             if self._closed:
                 return
@@ -227,7 +227,10 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
             except KvpoolError as exc:
                 failed.append(exc)
         self._native.shutdown()
-        self._staging.close()
+        try:
+            self._staging.close(self.config.timeout_s)
+        except KvpoolError as exc:
+            failed.append(exc)
         if self._meta is not None:
             try:
                 self._meta.delete(self.segment_name)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvpool.errors import (
@@ -535,10 +536,25 @@ class GpuStaging:
             self._pool.release(e.stage, e.n)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Finish what is in flight (the inner transports cancel their queues first), stop the thread."""
+        """Called by TransferEngine.close after the inner transports canceled their queues: waits
+        for the staging thread to finish what is in flight while its copies keep finishing. None
+        finished for ``timeout_s`` (a host-to-device copy on a hung GPU): TransferTimeout; the
+        thread finishes its copies and slots when they end (the pinned pool stays until then).
+        It returned after 5 s as if done, with a staged copy still to write the caller's GPU memory."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             t = self._thread
-        if t is not None:
-            t.join(timeout_s)
+        seen, deadline = -1, 0.0
+        while t is not None and t.is_alive():
+            if seen != self._progress:
+                seen, deadline = self._progress, time.monotonic() + timeout_s
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with self._cond:
+                    n = len(self._records)
+                raise TransferTimeout(
+                    f"GPU staging: {n} staged submits did not finish within {timeout_s:g} s of the last "
+                    "copy (a hung GPU copy?); their pinned staging stays until they end"
+                )
+            t.join(min(left, 0.05))
