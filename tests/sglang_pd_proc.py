@@ -253,6 +253,20 @@ def prefill_bounds(port: int) -> None:
     }
     meta(400, "bad-page")  # a room of a refused decode rank fails with the reason
     res["refused_room"] = statuses(1)
+    # The prefill's request for room 400 comes after its metadata: its sender fails at once.
+    from sglang.srt.disaggregation.base import KVPoll
+
+    late = get_kv_class(backend, T.SENDER)(mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=400)
+    t0 = time.monotonic()
+    while late.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    late_status, late_reason = int(late.poll()), None
+    if late_status == KVPoll.Failed:
+        try:
+            late.failure_exception()
+        except Exception as exc:  # noqa: BLE001 - KVTransferError carries the reason
+            late_reason = str(exc)
+    res["refused_late_sender"] = [late_status, late_reason]
     out(event="bounds", **res)
     push.close(0)
     status.close(0)

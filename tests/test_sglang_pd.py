@@ -487,6 +487,10 @@ def test_prefill_bounds_the_destinations_it_keeps(roles: list[Role], monkeypatch
     assert "aux (metadata) buffer 1 differs: prefill rows of 64 bytes, decode 63" in refused["bad-aux"][2]
     assert [r[:2] for r in got["refused_room"]] == [[400, FAILED]]
     assert "page sizes differ" in got["refused_room"][0][2]
+    # The prefill's request for that room, created after the refusal, fails at once with the reason
+    # (the old code left it Bootstrapping until SGLang's bootstrap timeout).
+    late_status, late_reason = got["refused_late_sender"]
+    assert late_status == FAILED and "page sizes differ" in late_reason
 
 
 def test_peer_table_evicts_the_registration_unused_longest() -> None:

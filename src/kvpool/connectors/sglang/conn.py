@@ -81,6 +81,7 @@ class TransferInfo:
     required_dst_info_num: int
     decode_prefix_len: int
     is_dummy: bool
+    refused: str | None = None  # why this prefill cannot serve the decode rank (its registration)
 
 
 @dataclass
@@ -296,6 +297,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             return
         peer = self.peers.get(info.session)
         if peer is not None and peer.incompatible and not info.is_dummy:
+            info.refused = peer.incompatible  # a sender created later fails with it (refusal())
             self.transfer_infos.setdefault(room, {})[info.session] = info
             if room not in self.request_status:  # no request holds it yet: no conclusion sent
                 target, why = [(info.endpoint, info.dst_port)], peer.incompatible
@@ -309,6 +311,14 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         if len(infos) == info.required_dst_info_num:
             self.req_to_decode_prefix_len[room] = info.decode_prefix_len
             self.update_status(room, KVPoll.WaitingForInput)
+
+    def refusal(self, room: int) -> str | None:
+        """Why ``room`` cannot be served (a decode rank of it was refused at registration), or None.
+        Called by :class:`KvpoolKVSender` when created: its metadata may have come first."""
+        for info in list(self.transfer_infos.get(room, {}).values()):
+            if info.refused:
+                return info.refused
+        return None
 
     def _drop_room(self, room: int) -> None:
         """What SGLang keeps for a room no sender holds (metadata made it WaitingForInput), when
@@ -537,9 +547,16 @@ class KvpoolKVSender(SignedDpRank, CommonKVSender):
 
     def __init__(self, mgr: KvpoolKVManager, *args: Any, **kwargs: Any) -> None:
         """Created by SGLang's prefill scheduler for each request: the room is held (its
-        destinations are never dropped for their age)."""
+        destinations are never dropped for their age). A room whose decode rank was refused before
+        (its metadata came first: nothing would conclude it) fails now with the refusal's reason,
+        as SGLang's own failures at creation do (its decode rank was told when the metadata came)."""
         super().__init__(mgr, *args, **kwargs)
-        mgr.rooms.claim(self.bootstrap_room)
+        room = self.bootstrap_room
+        mgr.rooms.claim(room)
+        why = mgr.refusal(room)
+        if why and mgr.request_status.get(room) not in (None, KVPoll.Failed):
+            mgr.record_failure(room, why)
+            mgr.update_status(room, KVPoll.Failed)
 
     def clear(self) -> None:
         """Called by SGLang's prefill scheduler when the request is done: SGLang drops what it kept
