@@ -5,7 +5,7 @@ JSON line.
 
     python tests/sglang_hicache_proc.py write|read <master> <n_pages>
     python tests/sglang_hicache_proc.py pages-write|pages-read <master> <n_pages> mha|mla <layout> \
-        <tp_rank> <tp_size>
+        <tp_rank> <tp_size> [<start_layer> <pp_rank> <pp_size>]
 """
 
 from __future__ import annotations
@@ -32,18 +32,21 @@ def pool_args(layout: str) -> tuple:
     return (2.0, 0, PAGE, layout)
 
 
-def pool_kwargs(tokens: int) -> dict:
-    """Keyword arguments every SGLang host pool of these tests takes: plain CPU memory, all L layers."""
+def pool_kwargs(tokens: int, start_layer: int = 0) -> dict:
+    """Keyword arguments every SGLang host pool of these tests takes: plain CPU memory, L layers
+    from ``start_layer`` (a pipeline stage's first layer)."""
     return {
         "pin_memory": False,
         "device": "cpu",
         "device_capacity_tokens": tokens,
-        "start_layer": 0,
-        "end_layer": L,
+        "start_layer": start_layer,
+        "end_layer": start_layer + L,
     }
 
 
-def host_pool(dtype: torch.dtype = torch.bfloat16, layout: str = "page_first") -> MHATokenToKVPoolHost:
+def host_pool(
+    dtype: torch.dtype = torch.bfloat16, layout: str = "page_first", start_layer: int = 0
+) -> MHATokenToKVPoolHost:
     tokens = 64 * PAGE
     k = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
     v = [torch.zeros(tokens + PAGE, H, D, dtype=dtype) for _ in range(L)]
@@ -60,7 +63,7 @@ def host_pool(dtype: torch.dtype = torch.bfloat16, layout: str = "page_first") -
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    return MHATokenToKVPoolHost(info, *pool_args(layout), **pool_kwargs(tokens))
+    return MHATokenToKVPoolHost(info, *pool_args(layout), **pool_kwargs(tokens, start_layer))
 
 
 def mla_pool(layout: str) -> MLATokenToKVPoolHost:
@@ -99,13 +102,18 @@ def page_digests(hp: MHATokenToKVPoolHost | MLATokenToKVPoolHost, indices: torch
 
 
 def storage_config(
-    master: str, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, page_first: bool = True
+    master: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    page_first: bool = True,
+    pp: tuple[int, int] = (0, 1),
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp[0],
+        pp_size=pp[1],
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
@@ -122,12 +130,22 @@ def storage_config(
     )
 
 
-def pages(role: str, master: str, n: int, kind: str, layout: str, tp_rank: int, tp_size: int) -> dict:
-    """One rank of a TP group writes or reads ``n`` pages through the v1 interface."""
-    hp = mla_pool(layout) if kind == "mla" else host_pool(layout=layout)
-    backend = StorageBackendFactory.create_backend(
-        "dynamic", storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page")), hp
-    )
+def pages(
+    role: str,
+    master: str,
+    n: int,
+    kind: str,
+    layout: str,
+    tp_rank: int,
+    tp_size: int,
+    start_layer: int = 0,
+    pp: tuple[int, int] = (0, 1),
+) -> dict:
+    """One rank of a TP group (of pipeline stage ``pp`` = (rank, size), its layers from
+    ``start_layer``; MHA only) writes or reads ``n`` pages through the v1 interface."""
+    hp = mla_pool(layout) if kind == "mla" else host_pool(layout=layout, start_layer=start_layer)
+    cfg = storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page"), pp)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, hp)
     backend.register_mem_pool_host(hp)
     keys = page_keys(n)
     out: dict = {"parts": list(backend._parts), "before": backend.batch_exists(keys)}
@@ -182,7 +200,9 @@ def main() -> None:
         return
     if role.startswith("pages-"):
         kind, layout, rank, size = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
-        print(json.dumps(pages(role, master, n, kind, layout, rank, size)), flush=True)
+        start, pp_rank, pp_size = (int(a) for a in (sys.argv[8:11] or (0, 0, 1)))
+        got = pages(role, master, n, kind, layout, rank, size, start, (pp_rank, pp_size))
+        print(json.dumps(got), flush=True)
         return
     cfg = storage_config(master)
     hp = host_pool()

@@ -77,6 +77,20 @@ def test_layer_first_host_pools_store_every_buffer_of_a_page(master: str, kind: 
     assert r["get"] == [True] * n and r["digests"] == w["digests"]  # every layer of every page
 
 
+def test_pipeline_stages_with_other_layers_share_no_pages(master: str) -> None:
+    """Pipeline stage 1 of a 12-layer model split 8 + 4 (layers 8-11) stores its pages; stage 1
+    of the same model split 4 + 4 + 4 (layers 4-7: the same stage rank, TP rank and layer count)
+    finds none of them (the old key named the stage rank only: it read layers 8-11's KV as its
+    own layers 4-7); a stage with the writer's layers reads them back byte for byte."""
+    n = 3
+    w = run("pages-write", master, n, "mha", "page_first", 0, 1, 8, 1, 2)
+    assert w["set"] == [True] * n and w["exists"] == n
+    other = run("pages-read", master, n, "mha", "page_first", 0, 1, 4, 1, 3)
+    assert other["before"] == 0 and other["get"] == [False] * n
+    same = run("pages-read", master, n, "mha", "page_first", 0, 1, 8, 1, 2)
+    assert same["before"] == n and same["get"] == [True] * n and same["digests"] == w["digests"]
+
+
 def test_hicache_backend_needs_a_master() -> None:
     code = (
         "from kvpool.connectors.sglang.hicache import KvpoolHiCacheStorage\n"

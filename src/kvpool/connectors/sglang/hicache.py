@@ -13,8 +13,9 @@ SGLang's page keys are SHA-256 chains over the tokens that already cover LoRA / 
 ``cache_salt`` (SGLang seeds the chain with ``storage_namespace_seed``), but not the KV layout;
 objects are stored as ``kvpool/sgl/<tag>/<model>/<layout>/<key>_<tp_rank>of<tp_size>_k`` (and
 ``_v``), one object per page and K/V half, so ranks never collide. ``<layout>`` names the host
-pool's KV dtype, layout, page size and bytes per token (set in :meth:`register_mem_pool_host`):
-an fp8 pool, another head split or another page layout never reads these objects. Every read
+pool's KV dtype, layout, page size and bytes per token, and a pipeline stage's first layer unless
+0 (set in :meth:`register_mem_pool_host`): an fp8 pool, another head split, another page layout
+or a stage holding other layers never reads these objects. Every read
 checks each object's exact size; a shorter object is a failed page. The zero-copy v1 path moves
 bytes straight between the host pool (registered once in :meth:`register_mem_pool_host`) and the
 pool; ``batch_exists`` returns the leading run of pages whose objects all exist.
@@ -39,10 +40,14 @@ _STORE_KEYS = ("hostname", "segment_size", "buffer_size", "protocol", "secret", 
 
 def host_layout(hp: Any) -> str:
     """Namespace part naming a host pool's KV layout: dtype, layout, page size, bytes per token
-    (covers head count x head dim x layers) and MLA."""
+    (covers head count x head dim x layers) and, for a pipeline stage that does not start at
+    layer 0, its first layer (``-l<n>``): stages of other splits with as many layers hold other
+    layers' KV."""
     dtype = str(getattr(hp, "dtype", "?")).replace("torch.", "")
     layout = str(getattr(hp, "layout", "?"))
-    return f"{dtype}-{layout}-p{getattr(hp, 'page_size', '?')}-t{getattr(hp, 'size_per_token', '?')}"
+    name = f"{dtype}-{layout}-p{getattr(hp, 'page_size', '?')}-t{getattr(hp, 'size_per_token', '?')}"
+    start = getattr(hp, "start_layer", 0)
+    return name if start == 0 else f"{name}-l{start}"
 
 
 def page_parts(hp: Any, is_mla: bool) -> tuple[str, ...]:
