@@ -5,7 +5,7 @@ JSON line.
 
     python tests/sglang_hicache_proc.py write|read <master> <n_pages>
     python tests/sglang_hicache_proc.py pages-write|pages-read <master> <n_pages> mha|mla <layout> \
-        <tp_rank> <tp_size> [<start_layer> <pp_rank> <pp_size>]
+        <tp_rank> <tp_size> [<start_layer> <pp_rank> <pp_size> <cp_rank> <cp_size>]
 """
 
 from __future__ import annotations
@@ -108,14 +108,15 @@ def storage_config(
     mla: bool = False,
     page_first: bool = True,
     pp: tuple[int, int] = (0, 1),
+    cp: tuple[int, int] = (0, 1),
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
         pp_rank=pp[0],
         pp_size=pp[1],
-        attn_cp_rank=0,
-        attn_cp_size=1,
+        attn_cp_rank=cp[0],
+        attn_cp_size=cp[1],
         is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=page_first,
@@ -140,11 +141,13 @@ def pages(
     tp_size: int,
     start_layer: int = 0,
     pp: tuple[int, int] = (0, 1),
+    cp: tuple[int, int] = (0, 1),
 ) -> dict:
     """One rank of a TP group (of pipeline stage ``pp`` = (rank, size), its layers from
-    ``start_layer``; MHA only) writes or reads ``n`` pages through the v1 interface."""
+    ``start_layer``, MHA only; of attention context-parallel group ``cp`` = (rank, size)) writes or
+    reads ``n`` pages through the v1 interface."""
     hp = mla_pool(layout) if kind == "mla" else host_pool(layout=layout, start_layer=start_layer)
-    cfg = storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page"), pp)
+    cfg = storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page"), pp, cp)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, hp)
     backend.register_mem_pool_host(hp)
     keys = page_keys(n)
@@ -200,8 +203,8 @@ def main() -> None:
         return
     if role.startswith("pages-"):
         kind, layout, rank, size = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
-        start, pp_rank, pp_size = (int(a) for a in (sys.argv[8:11] or (0, 0, 1)))
-        got = pages(role, master, n, kind, layout, rank, size, start, (pp_rank, pp_size))
+        start, pp_rank, pp_size, cp_rank, cp_size = (int(a) for a in (sys.argv[8:13] or (0, 0, 1, 0, 1)))
+        got = pages(role, master, n, kind, layout, rank, size, start, (pp_rank, pp_size), (cp_rank, cp_size))
         print(json.dumps(got), flush=True)
         return
     cfg = storage_config(master)

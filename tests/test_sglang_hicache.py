@@ -83,11 +83,25 @@ def test_pipeline_stages_with_other_layers_share_no_pages(master: str) -> None:
     finds none of them (the old key named the stage rank only: it read layers 8-11's KV as its
     own layers 4-7); a stage with the writer's layers reads them back byte for byte."""
     n = 3
-    w = run("pages-write", master, n, "mha", "page_first", 0, 1, 8, 1, 2)
+    w = run("pages-write", master, n, "mha", "page_first", 0, 1, 8, 1, 2, 0, 1)
     assert w["set"] == [True] * n and w["exists"] == n
-    other = run("pages-read", master, n, "mha", "page_first", 0, 1, 4, 1, 3)
+    other = run("pages-read", master, n, "mha", "page_first", 0, 1, 4, 1, 3, 0, 1)
     assert other["before"] == 0 and other["get"] == [False] * n
-    same = run("pages-read", master, n, "mha", "page_first", 0, 1, 8, 1, 2)
+    same = run("pages-read", master, n, "mha", "page_first", 0, 1, 8, 1, 2, 0, 1)
+    assert same["before"] == n and same["get"] == [True] * n and same["digests"] == w["digests"]
+
+
+def test_attention_cp_ranks_keep_their_own_slices_of_mla_pages(master: str) -> None:
+    """Under attention context parallelism (NSA's CP) each CP rank holds a disjoint slice of every
+    page: MLA pages, otherwise shared by all TP ranks, are stored per CP rank. CP rank 1 of 2
+    finds none of CP rank 0's pages (the old key named no CP rank: it read rank 0's slice as its
+    own); another TP rank of CP rank 0 reads them back byte for byte."""
+    n = 3
+    w = run("pages-write", master, n, "mla", "page_first", 0, 2, 0, 0, 1, 0, 2)
+    assert w["set"] == [True] * n and w["exists"] == n
+    other = run("pages-read", master, n, "mla", "page_first", 0, 2, 0, 0, 1, 1, 2)
+    assert other["before"] == 0 and other["get"] == [False] * n
+    same = run("pages-read", master, n, "mla", "page_first", 1, 2, 0, 0, 1, 0, 2)
     assert same["before"] == n and same["get"] == [True] * n and same["digests"] == w["digests"]
 
 

@@ -12,7 +12,8 @@ contributes, default 0), ``buffer_size``, ``protocol``, ``secret``, ``key_tag`` 
 SGLang's page keys are SHA-256 chains over the tokens that already cover LoRA / ``extra_key`` and
 ``cache_salt`` (SGLang seeds the chain with ``storage_namespace_seed``), but not the KV layout;
 objects are stored as ``kvpool/sgl/<tag>/<model>/<layout>/<key>_<tp_rank>of<tp_size>_k`` (and
-``_v``), one object per page and K/V half, so ranks never collide. ``<layout>`` names the host
+``_v``; ``_pp<rank>`` for a pipeline stage, ``_cp<rank>of<size>`` for an attention context-parallel
+rank), one object per page and K/V half, so ranks never collide. ``<layout>`` names the host
 pool's KV dtype, layout, page size and bytes per token, and a pipeline stage's first layer unless
 0 (set in :meth:`register_mem_pool_host`): an fp8 pool, another head split, another page layout
 or a stage holding other layers never reads these objects. Every read
@@ -94,6 +95,9 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         rank = "mla" if self.is_mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
         if getattr(storage_config, "pp_size", 1) > 1:
             rank += f"_pp{storage_config.pp_rank}"
+        cp_size = int(getattr(storage_config, "attn_cp_size", 1) or 1)
+        if cp_size > 1:  # each attention-CP rank holds its own slice of every page (NSA's CP)
+            rank += f"_cp{storage_config.attn_cp_rank}of{cp_size}"
         self._base = f"kvpool/sgl/{tag}/{model}/"
         self.prefix = self._base + "nolayout/"  # until the host pool is registered
         self.suffix = f"_{rank}"
