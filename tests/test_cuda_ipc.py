@@ -1110,6 +1110,9 @@ def test_sync_transfer_behind_a_long_moving_queue_waits_and_one_behind_a_stopped
             release.set()
         monkeypatch.delenv("FAKECUDA_DELAY_US")
         assert all(eng.wait_batch(b, 20).ok for b in bids)
+        deadline = time.monotonic() + 20  # the timed-out transfer's run (not in bids) ends too
+        while ipc._runs and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert _sha(drv, g, 34 * 4096) == peer.ask(f"dump {r} {34 * 4096}")  # every run's bytes landed
 
 
