@@ -42,28 +42,27 @@ def _bad_info(code: Any, info: Any) -> str | None:
     """Why one ``[code, info]`` of a master's get reply cannot be used (None: it can). Every
     field the read uses is checked before it is used: one of another type failed the get with
     a TypeError (a checksum that is no int, compared with the value's) or a struct.error (a
-    generation past 64 bits, packed into the location cache), not a kvpool error."""
+    generation past 64 bits, packed into the location cache), not a kvpool error. Once per key
+    of a get (batch gets of small objects: keep it cheap, no generators or calls per field)."""
     if code is not None:
-        return (
-            None
-            if isinstance(code, str) and isinstance(info, str)
-            else "an error that is no code and message"
-        )
-    if not isinstance(info, dict):
+        return None if type(code) is str and type(info) is str else "an error that is no code and message"
+    if type(info) is not dict:
         return "an answer that is no map"
-    if not (_u64(info.get("size")) and _u64(info.get("gen"))):
+    size, gen, csum = info.get("size"), info.get("gen"), info.get("checksum")
+    if not (type(size) is int and type(gen) is int and 0 <= size < _U64 and 0 <= gen < _U64):
         return "a size or generation that is no int in [0, 2**64)"
-    if info.get("checksum") is not None and not _u64(info["checksum"]):
+    if csum is not None and not (type(csum) is int and 0 <= csum < _U64):
         return "a checksum that is neither None nor an int in [0, 2**64)"
     reps = info.get("replicas")
-    if not isinstance(reps, list) or not all(
-        isinstance(r, list) and len(r) >= 2 and isinstance(r[0], str) and _u64(r[1]) for r in reps
-    ):
+    if type(reps) is not list:
         return "replicas that are not [[segment, address, ...]]"
+    for r in reps:
+        if not (
+            type(r) is list and len(r) >= 2 and type(r[0]) is str and type(r[1]) is int and 0 <= r[1] < _U64
+        ):
+            return "replicas that are not [[segment, address, ...]]"
     ssd = info.get("ssd")
-    if ssd is not None and not (
-        isinstance(ssd, list) and len(ssd) == 3 and all(isinstance(x, str) for x in ssd)
-    ):
+    if ssd is not None and not (type(ssd) is list and len(ssd) == 3 and all(type(x) is str for x in ssd)):
         return "an SSD copy that is not [path, host, checksum]"
     return None
 
