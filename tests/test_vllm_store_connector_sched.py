@@ -483,3 +483,41 @@ def test_a_load_that_fails_every_time_is_recomputed_not_retried_forever(
     assert outputs["g2"].new_token_ids and len(calls) == 2
     for got, want in zip(b.block_values("g2", 79), expected_rows(PROMPT, 79), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_pipeline_stage_saves_its_layers_when_another_stage_committed_the_block(
+    tiny_llama: Path,  # noqa: F811
+    master: str,
+) -> None:
+    """Pipeline stages write one commit marker per block (it names no stage) but their own layers'
+    objects: the stage that saves second stores its layers too, instead of taking the first
+    stage's marker for its own layers and leaving the block without them (a hit whose load fails
+    on every instance, forever)."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store_worker import _StoreWorker
+    from tests.vllm_sched import vllm_config
+
+    cfg = VllmConnectorConfig(master=master, model_tag="pp-" + hashlib.sha1(b"pp").hexdigest()[:8])
+    vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master}, 4)
+    vc.parallel_config.pipeline_parallel_size = 2
+    stages = []
+    for layer in (0, 1):  # stage 0 holds layer 0, stage 1 layer 1 (vLLM's names: whole-model index)
+        w = _StoreWorker(cfg, vc, None)
+        t = torch.full((4, 2, 32, 8), float(layer + 1))
+        w.register_kv_caches({f"model.layers.{layer}.self_attn.attn": t})
+        stages.append((w, t))
+    try:
+        key = block_keys(stages[0][0].namespace, PROMPT, 32)[0]
+        for w, _ in stages:
+            w._save([(2, key)])
+        for w, t in stages:
+            keys, _, sizes, _ = w._ranges([(2, key)])
+            assert all(w.store.batch_exists(keys)), "a stage's layer was never saved"
+            out = torch.zeros_like(t)
+            w.store.register_buffer(out)
+            assert w.store.batch_get_into(keys, [out.data_ptr() + 2 * out.stride(0) * 4], sizes) == sizes
+            assert torch.equal(out[2], t[2])
+        assert [w.saved_blocks for w, _ in stages] == [1, 1]
+    finally:
+        for w, _ in stages:
+            w.close()

@@ -46,6 +46,9 @@ class _StoreWorker:
         self.tp_rank, _ = _tp(vllm_config)
         self.namespace0 = namespace_for(cfg, vllm_config, 0)
         self.namespace = namespace_for(cfg, vllm_config, self.tp_rank)
+        # Pipeline stages share a block's commit marker (the key names no stage; the layer objects
+        # name their layer): a stage may skip a block only when its own layers are all stored.
+        self.pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.store: Store | None = None
         self.regions: list[Region] = []
@@ -202,7 +205,16 @@ class _StoreWorker:
         t0 = time.perf_counter()
         try:
             # Blocks another instance committed since the scheduler's lookup are not written again.
-            have = self.store.batch_exists([self._key(k) for _, k in blocks])
+            # With pipeline stages the marker says only that some stage stored its layers (another
+            # stage, or the stage of another split): what this stage skips is decided by its own
+            # layer objects (their names hold the layer's index in the whole model).
+            if self.pp_size == 1:
+                have = self.store.batch_exists([self._key(k) for _, k in blocks])
+            else:
+                keys, _, _, owners = self._ranges(blocks)
+                found = self.store.batch_exists(keys)
+                missing = {o for o, f in zip(owners, found, strict=True) if not f}
+                have = [b not in missing for b, _ in blocks]
             blocks = [b for b, h in zip(blocks, have, strict=True) if not h]
             self.breaker.ok()
             if not blocks:
