@@ -521,3 +521,31 @@ def test_a_pipeline_stage_saves_its_layers_when_another_stage_committed_the_bloc
     finally:
         for w, _ in stages:
             w.close()
+
+
+def test_with_decode_context_parallel_a_key_covers_the_tokens_of_one_block_id(tiny_llama: Path) -> None:  # noqa: F811
+    """With DCP each rank holds a slice of every block's tokens: one block id covers
+    ``block_size * dcp`` tokens (vLLM's scheduler block size). Keys are made over that many tokens
+    and the namespace names the DCP split: a block is never saved under the key of a shorter
+    prefix (another prompt sharing only that prefix would load the block's other tokens' KV)."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import _StoreScheduler, namespace_for
+    from tests.vllm_sched import make_request, vllm_config
+
+    cfg = VllmConnectorConfig(master="127.0.0.1:1", model_tag="dcp")
+    vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": "x:1"}, 8)
+    plain = namespace_for(cfg, vc, 0)
+    vc.parallel_config.decode_context_parallel_size = 2
+    sched = _StoreScheduler(cfg, vc)
+    try:
+        assert sched.block_size == 64
+        assert sched.namespace != plain and "/bs64/" in sched.namespace and "+dcp2i1/" in sched.namespace
+        vc.parallel_config.cp_kv_cache_interleave_size = 16
+        assert namespace_for(cfg, vc, 0) != sched.namespace  # another interleave: other slices
+        req = make_request("d1", PROMPT, 1)
+        req.num_computed_tokens = len(PROMPT)
+        # 80 prompt tokens: block 5 holds tokens 0-63 (this rank's slice), block 6 tokens 64-79.
+        assert sched.request_finished(req, [5, 6]) == (True, None)
+        assert sched.build_meta().saves == {"d1": [(5, block_keys(sched.namespace, PROMPT, 64)[0])]}
+    finally:
+        sched.close()

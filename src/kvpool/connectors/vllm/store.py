@@ -5,7 +5,8 @@ prefix-cache block hash covers: BLAKE2b-128 over the parent block's digest, the 
 ids and vLLM's extra keys for that block (``generate_block_hash_extra_keys``: LoRA name and path,
 multimodal hashes and offsets, ``cache_salt`` on the first block, prompt-embeds digests). The
 chain starts from the namespace, which names the model, model dtype, KV cache dtype
-(``cache_dtype``, fp8 variants included), KV heads x head size, block size, TP rank and size and
+(``cache_dtype``, fp8 variants included), KV heads x head size (with decode context parallel:
+its size and interleave), the tokens of one block id (block size x DCP size), TP rank and size and
 device (``kvpool/v2/<model>/<dtype>/kv-<cache_dtype>/h<heads>x<head>/bs<N>/tp<r>of<n>/<device>``).
 vLLM's own ``request.block_hashes`` are not reused: their seed (``NONE_HASH``) is random per
 process for non-cryptographic hash settings; this chain is deterministic across processes and
@@ -91,7 +92,8 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> s
     """Key namespace: model, model dtype (with the checkpoint's quantization and revision when
     set: one served name for two of them must not share KV; and a digest of the RoPE settings
     when the model scales RoPE or the server overrides its config: K differs with them), KV cache
-    dtype, KV heads x head size, block size, TP rank and size, device."""
+    dtype, KV heads x head size (and the DCP size and interleave when DCP > 1), the tokens of one
+    block id (:func:`key_block_size`), TP rank and size, device."""
     mc = vllm_config.model_config
     model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
     dtype = str(mc.dtype).replace("torch.", "")
@@ -109,8 +111,24 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> s
     except Exception:  # noqa: BLE001 - a model config without attention geometry
         heads = "h?"
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
-    bs = vllm_config.cache_config.block_size
+    bs = key_block_size(vllm_config)
+    dcp = _dcp_size(vllm_config)
+    if dcp > 1:  # which tokens of a block a rank holds: DCP size and interleave
+        pc = vllm_config.parallel_config
+        heads += f"+dcp{dcp}i{int(getattr(pc, 'cp_kv_cache_interleave_size', 1) or 1)}"
     return f"kvpool/v2/{model}/{dtype}/kv-{cache_dtype}/{heads}/bs{bs}/tp{tp_rank}of{tp}/{device}"
+
+
+def _dcp_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
+def key_block_size(vllm_config: Any) -> int:
+    """Tokens one vLLM block id covers, the unit of store keys: ``cache_config.block_size`` times
+    the decode context parallel size (vLLM's scheduler block size: with DCP each rank holds a
+    slice of every block's tokens in its ``block_size`` slots, so a block id covers
+    ``block_size * dcp`` prompt tokens)."""
+    return int(vllm_config.cache_config.block_size) * _dcp_size(vllm_config)
 
 
 def _rope_tag(mc: Any) -> str | None:
@@ -230,7 +248,7 @@ class _StoreScheduler:
 
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any) -> None:
         self.cfg = cfg
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_size = key_block_size(vllm_config)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # TP rank 0's namespace decides hits (every rank saves the same blocks).
         self.namespace = namespace_for(cfg, vllm_config, 0)
