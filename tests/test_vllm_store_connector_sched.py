@@ -549,3 +549,34 @@ def test_with_decode_context_parallel_a_key_covers_the_tokens_of_one_block_id(ti
         assert sched.build_meta().saves == {"d1": [(5, block_keys(sched.namespace, PROMPT, 64)[0])]}
     finally:
         sched.close()
+
+
+def test_the_speculative_draft_model_is_in_the_namespace(tiny_llama: Path) -> None:  # noqa: F811
+    """A draft model's layers' KV caches are registered and stored with the target model's, under
+    layer names another draft model of the same shapes has too: two instances of one target model
+    with different draft models (or none) never share keys; an n-gram drafter has no KV."""
+    from types import SimpleNamespace
+
+    from kvpool.connectors.blockkeys import NAMESPACE_RE
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import namespace_for
+    from tests.vllm_sched import vllm_config
+
+    cfg = VllmConnectorConfig(master="x:1", model_tag="m")
+    vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": "x:1"}, 8)
+    plain = namespace_for(cfg, vc, 0)
+
+    def with_draft(method: str, draft: str | None) -> str:
+        dmc = (
+            None
+            if draft is None
+            else SimpleNamespace(model=draft, revision=None, quantization=None, dtype="bf16")
+        )
+        object.__setattr__(vc, "speculative_config", SimpleNamespace(method=method, draft_model_config=dmc))
+        return namespace_for(cfg, vc, 0)
+
+    eagle_a, eagle_b = with_draft("eagle", "org/eagle-a"), with_draft("eagle", "org/eagle-b")
+    assert len({plain, eagle_a, eagle_b}) == 3
+    assert with_draft("eagle", "org/eagle-a") == eagle_a
+    assert with_draft("ngram", None) == plain
+    assert NAMESPACE_RE.match(eagle_a + "/" + "0" * 32)["model"] == "m"

@@ -91,7 +91,8 @@ def request_block_keys(namespace: str, request: Any, block_size: int) -> list[st
 def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> str:
     """Key namespace: model, model dtype (with the checkpoint's quantization and revision when
     set: one served name for two of them must not share KV; and a digest of the RoPE settings
-    when the model scales RoPE or the server overrides its config: K differs with them), KV cache
+    when the model scales RoPE or the server overrides its config: K differs with them; and of the
+    speculative decoding draft model, whose layers' KV is stored too), KV cache
     dtype, KV heads x head size (and the DCP size and interleave when DCP > 1), the tokens of one
     block id (:func:`key_block_size`), TP rank and size, device."""
     mc = vllm_config.model_config
@@ -101,6 +102,7 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> s
         ("q", getattr(mc, "quantization", None)),
         ("rev", getattr(mc, "revision", None)),
         ("rope", _rope_tag(mc)),
+        ("draft", _draft_tag(vllm_config)),
     ):
         if value:
             dtype += f"+{tag}-" + str(value).replace("/", "_")
@@ -129,6 +131,19 @@ def key_block_size(vllm_config: Any) -> int:
     slice of every block's tokens in its ``block_size`` slots, so a block id covers
     ``block_size * dcp`` prompt tokens)."""
     return int(vllm_config.cache_config.block_size) * _dcp_size(vllm_config)
+
+
+def _draft_tag(vllm_config: Any) -> str | None:
+    """A digest of the speculative decoding draft model (method, model, revision, quantization),
+    or None without one: its layers' KV caches are stored with the target model's, under layer
+    names another draft model of the same shapes has too."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    dmc = getattr(sc, "draft_model_config", None)
+    if sc is None or dmc is None:
+        return None  # no speculative decoding, or a method without a draft model (n-gram): no KV
+    fields = [str(getattr(sc, "method", None))]
+    fields += [str(getattr(dmc, k, None)) for k in ("model", "revision", "quantization", "dtype")]
+    return digest(json.dumps(fields).encode()).hex()[:8]
 
 
 def _rope_tag(mc: Any) -> str | None:
