@@ -167,3 +167,34 @@ def test_a_layer_is_saved_only_once_its_kv_is_written() -> None:
     saves.finish()
     time.sleep(0.2)
     assert order == []  # neither read nor committed
+
+
+def test_an_unexpected_error_in_a_layer_load_fails_its_blocks(
+    tiny_llama: Path,  # noqa: F811
+    master: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An in-forward layer load that raises something other than a kvpool error: its blocks are
+    reported to vLLM as failed (recomputed), never taken as loaded with whatever bytes they held."""
+    extra = {"master": master, "model_tag": "lw-err", "layerwise": True, "load_async": False}
+    b = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    try:
+        w = b.worker._worker
+        calls = []
+
+        def second_layer_breaks(keys: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            return list(sizes)  # the first layer's objects all read in full
+
+        monkeypatch.setattr(w.store, "batch_get_into", second_layer_breaks)
+        keys = block_keys(w.namespace, PROMPT, BS)
+        w.layer_loads.begin([(3, keys[0]), (4, keys[1])])
+        for name in LAYERS:
+            w.wait_layer_load(name)
+        w.finish_step()
+        assert len(calls) == len(LAYERS) == 2
+        assert w.take_load_errors() == {3, 4}
+    finally:
+        b.close()

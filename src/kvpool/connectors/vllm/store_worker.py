@@ -130,7 +130,7 @@ class _StoreWorker:
             elif self.cfg.layerwise:
                 layer_loads += blocks
             else:
-                self._load(blocks)
+                self._load_or_fail(blocks, None, True)
         self.layer_loads.begin(layer_loads)
         for rid, blocks in meta.saves.items():
             self._saves.put(lambda rid=rid, blocks=blocks: self._save_job(rid, blocks))
@@ -272,7 +272,20 @@ class _StoreWorker:
 
     def _get_layer(self, blocks: list[tuple[int, str]], regions: list[Region], first: bool) -> None:
         """Load thread, layer-wise: one layer's objects of ``blocks``."""
-        self._load(blocks, regions, count=first)
+        self._load_or_fail(blocks, regions, first)
+
+    def _load_or_fail(self, blocks: list[tuple[int, str]], regions: list[Region] | None, first: bool) -> None:
+        """In-forward loads (layer-wise, or synchronous): an unexpected error fails every block of
+        the batch (reported to vLLM, recomputed), never leaves them as if loaded."""
+        try:
+            self._load(blocks, regions, count=first)
+        except Exception:  # noqa: BLE001 - the forward pass goes on: the blocks must be reported
+            layer = regions[0].name if regions else "(all)"
+            log.exception("kvpool store: loading layer %s of %d blocks failed", layer, len(blocks))
+            with self._lock:
+                self._errors.update(b for b, _ in blocks)
+            if first:
+                self.stats.record_misses("load_error", len(blocks))
 
     def _load(
         self, blocks: list[tuple[int, str]], regions: list[Region] | None = None, count: bool = True
