@@ -580,3 +580,20 @@ def test_the_speculative_draft_model_is_in_the_namespace(tiny_llama: Path) -> No
     assert with_draft("eagle", "org/eagle-a") == eagle_a
     assert with_draft("ngram", None) == plain
     assert NAMESPACE_RE.match(eagle_a + "/" + "0" * 32)["model"] == "m"
+
+
+def test_prefill_context_parallel_is_refused(tiny_llama: Path) -> None:  # noqa: F811
+    """PCP ranks of one TP rank hold other token slices or only the requests they own, and the key
+    names the TP rank only: both halves refuse PCP > 1 at start rather than share keys."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import _StoreScheduler
+    from kvpool.connectors.vllm.store_worker import _StoreWorker
+    from kvpool.errors import ConfigError
+    from tests.vllm_sched import vllm_config
+
+    cfg = VllmConnectorConfig(master="127.0.0.1:1", model_tag="pcp")
+    vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": "x:1"}, 8)
+    vc.parallel_config.prefill_context_parallel_size = 2
+    for half in (_StoreScheduler, _StoreWorker):
+        with pytest.raises(ConfigError, match="prefill_context_parallel_size"):
+            half(cfg, vc, None) if half is _StoreWorker else half(cfg, vc)

@@ -200,6 +200,17 @@ def _check_master(cfg: VllmConnectorConfig) -> None:
         )
 
 
+def check_parallel(vllm_config: Any) -> None:
+    """Refuse prefill context parallel (PCP > 1): its ranks of one TP rank hold other token
+    slices (DCP across PCP) or only the requests they own (PCP alone), and the key names the TP
+    rank only, so they would write different bytes under one key."""
+    pcp = int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
+    if pcp > 1:
+        raise ConfigError(
+            f"KvpoolStoreConnector does not support prefill_context_parallel_size > 1 (got {pcp})"
+        )
+
+
 def _connect(cfg: VllmConnectorConfig, segment_size: int, buffer_size: int) -> Store:
     from kvpool.store.client import Store
 
@@ -262,6 +273,7 @@ class _StoreScheduler:
     unreachable (requests are computed locally meanwhile)."""
 
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any) -> None:
+        check_parallel(vllm_config)
         self.cfg = cfg
         self.block_size = key_block_size(vllm_config)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)

@@ -18,7 +18,13 @@ from kvpool.connectors.vllm.common import Region, VllmConnectorConfig, kv_region
 from kvpool.connectors.vllm.layerwise import LayerLoads, LayerSaves
 from kvpool.connectors.vllm.nonblocking import Breaker
 from kvpool.connectors.vllm.stats import make_stats
-from kvpool.connectors.vllm.store import KvpoolStoreMetadata, _connect, layout_signature, namespace_for
+from kvpool.connectors.vllm.store import (
+    KvpoolStoreMetadata,
+    _connect,
+    check_parallel,
+    layout_signature,
+    namespace_for,
+)
 from kvpool.errors import KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
 
 if TYPE_CHECKING:
@@ -42,6 +48,7 @@ class _StoreWorker:
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         from kvpool.connectors.vllm.pd import _tp
 
+        check_parallel(vllm_config)
         self.cfg = cfg
         self.tp_rank, _ = _tp(vllm_config)
         self.namespace0 = namespace_for(cfg, vllm_config, 0)
