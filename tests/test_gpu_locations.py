@@ -828,6 +828,7 @@ def test_double_engine_close_under_a_hung_staged_copy_raises_at_the_timeout(rt, 
         real_h2d(dst, src, n)
 
     monkeypatch.setattr(rt, "copy_h2d", hung)
+    freed = _count_pinned_frees(rt, monkeypatch)
     eng = _gpu_engine(rt, protocol="tcp", timeout_s=0.3)
     try:
         a = eng.register_local_memory(dev, remote_accessible=False)
@@ -840,10 +841,57 @@ def test_double_engine_close_under_a_hung_staged_copy_raises_at_the_timeout(rt, 
             eng.close()
         assert 0.25 < time.monotonic() - t0 < 3
         assert eng.batches.status(bid, 0).state == TransferState.PENDING  # not reported done
+        time.sleep(0.2)
+        assert freed == []  # the hung copy still reads the pool: not freed under it
     finally:
         release.set()
     assert eng.wait_batch(bid, 10).ok  # the copy was not cut short
     assert xxhash.xxh3_64_hexdigest(dev.read()) == cpu_peer.checksum(0, MiB)
+    deadline = time.monotonic() + 10
+    while not freed and time.monotonic() < deadline:  # the staging thread frees it as it ends
+        time.sleep(0.01)
+    assert freed == [eng.staging.pool.base]
+
+
+def _count_pinned_frees(rt, monkeypatch) -> list[int]:
+    """The addresses ``cuMemFreeHost`` is called on through ``rt``'s driver, in order."""
+    freed: list[int] = []
+    real = rt.driver.free_host
+
+    def free_host(addr: int) -> None:
+        freed.append(addr)
+        real(addr)
+
+    monkeypatch.setattr(rt.driver, "free_host", free_host)
+    return freed
+
+
+def test_double_engine_close_frees_the_staging_pool_and_refuses_later_staging(rt, cpu_peer, monkeypatch):
+    """TransferEngine.close frees the pinned staging pool through the driver (cuMemFreeHost), once:
+    it stayed allocated until the engine was garbage-collected. A staged submit after close is
+    refused (TransferError) instead of staging into the freed pool."""
+    import gc
+
+    from kvpool.errors import TransferError
+    from kvpool.transfer.transport import WRITE, Requests
+
+    freed = _count_pinned_frees(rt, monkeypatch)
+    dev = rt.alloc(MiB)
+    dev.write(os.urandom(MiB))
+    eng = _gpu_engine(rt, protocol="tcp")
+    a = eng.register_local_memory(dev, remote_accessible=False)
+    assert eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB]) == MiB
+    pool = eng.staging.pool
+    assert rt.pinned_bytes == pool.size and freed == []
+    seg = eng.open_segment(cpu_peer.segment)
+    inner, bid = eng._transports[0], eng.allocate_batch_id(1)  # TCP
+    eng.close()
+    assert freed == [pool.base]
+    reqs = Requests([WRITE], [a], [seg], [cpu_peer.addr], [MiB])
+    with pytest.raises(TransferError, match="closed"):
+        eng.staging.submit(inner, bid, reqs)
+    gc.collect()
+    assert freed == [pool.base]  # not a second time
 
 
 def test_double_sync_staged_read_behind_moving_copies_waits_and_behind_stopped_ones_times_out(

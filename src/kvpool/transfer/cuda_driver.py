@@ -18,12 +18,15 @@ machine without a GPU keeps every CPU behaviour).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import Any
 
 from kvpool.errors import InvalidArgument, KvpoolError, ProtocolUnavailable, TransferError
+
+log = logging.getLogger("kvpool.transfer")
 
 CUresult = c_int
 CUdeviceptr = c_ulonglong
@@ -378,6 +381,10 @@ class DriverRuntime:
         addr = self.driver.host_alloc(n)
         return addr, _PinnedBlock(self.driver, addr)
 
+    def free_pinned(self, addr: int, keep: Any) -> None:
+        """``cuMemFreeHost`` now (not when the block is garbage-collected)."""
+        keep.free()
+
     def copy_d2h(self, dst: int, src: int, n: int) -> None:
         self.driver.memcpy(dst, src, n)
 
@@ -392,13 +399,25 @@ class DriverRuntime:
 
 
 class _PinnedBlock:
-    """Frees page-locked memory when the staging pool drops it."""
+    """Page-locked memory of a staging pool: freed by :meth:`free` (the pool's close), else when
+    the pool drops it."""
 
     def __init__(self, driver: CudaDriver, addr: int) -> None:
         self.driver, self.addr = driver, addr
 
+    def free(self) -> None:
+        """``cuMemFreeHost`` once; a failure is logged (the memory stays: nothing else to do)."""
+        addr, self.addr = self.addr, 0
+        if addr:
+            try:
+                self.driver.free_host(addr)
+            except Exception as exc:  # noqa: BLE001 - a close goes on
+                log.warning("cuMemFreeHost of a staging pool at %#x failed: %s", addr, exc)
+
     def __del__(self) -> None:
-        try:
-            self.driver.free_host(self.addr)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        addr, self.addr = self.addr, 0
+        if addr:
+            try:
+                self.driver.free_host(addr)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass

@@ -4,7 +4,8 @@ Everything CUDA-specific the transfer engine needs goes through :class:`DeviceRu
 
 - ``device_count()``; ``pointer_device(addr)`` -> the ordinal of the device whose memory ``addr`` is,
   or None (host memory, unknown pointer);
-- ``alloc_pinned(n)`` -> ``(addr, keepalive)`` of page-locked host memory;
+- ``alloc_pinned(n)`` -> ``(addr, keepalive)`` of page-locked host memory; ``free_pinned(addr,
+  keepalive)`` gives it back (called once, when nothing uses it any more);
 - ``copy_d2h(dst, src, n)`` / ``copy_h2d(dst, src, n)``: synchronous copies (return when done);
 - ``synchronize()``; ``dmabuf_fd(addr, n)`` -> ``(fd, offset)`` of a DMA-BUF covering the range, or None.
 
@@ -38,6 +39,8 @@ class DeviceRuntime(Protocol):
     def pointer_device(self, addr: int) -> int | None: ...
 
     def alloc_pinned(self, n: int) -> tuple[int, Any]: ...
+
+    def free_pinned(self, addr: int, keep: Any) -> None: ...
 
     def copy_d2h(self, dst: int, src: int, n: int) -> None: ...
 
@@ -147,6 +150,9 @@ class TorchCudaRuntime:
         t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=True)
         return int(t.data_ptr()), t
 
+    def free_pinned(self, addr: int, keep: Any) -> None:
+        """Nothing to call: the caller drops the tensor, which gives it back to torch's host allocator."""
+
     def _views(self, host: int, dev: int, n: int) -> tuple[Any, Any]:
         torch = self.torch
         return torch.frombuffer(_host_bytes(host, n), dtype=torch.uint8), torch.as_tensor(_CudaArray(dev, n))
@@ -201,6 +207,9 @@ class CupyCudaRuntime:
     def alloc_pinned(self, n: int) -> tuple[int, Any]:
         mem = self.cupy.cuda.alloc_pinned_memory(n)
         return int(mem.ptr), mem
+
+    def free_pinned(self, addr: int, keep: Any) -> None:
+        """Nothing to call: the caller drops the pointer, which gives it back to cupy's pinned pool."""
 
     def copy_d2h(self, dst: int, src: int, n: int) -> None:
         self.rt.memcpy(dst, src, n, getattr(self.rt, "memcpyDeviceToHost", 2))

@@ -56,7 +56,9 @@ class StagingPool:
 
     def __init__(self, rt: DeviceRuntime, size: int) -> None:
         self.size = size
+        self._rt = rt
         self.base, self._keep = rt.alloc_pinned(size)
+        self.freed = False  # set by GpuStaging (under its lock) once nothing can use the pool again
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted
         self._cond = threading.Condition()
         self.in_use = 0
@@ -117,6 +119,13 @@ class StagingPool:
     def free_bytes(self) -> int:
         with self._cond:
             return self.size - self.in_use
+
+    def free(self) -> None:
+        """Give the pinned memory back as it was allocated (``DeviceRuntime.free_pinned``). Called
+        once by GpuStaging after close, when no staged copy nor submit can use it any more."""
+        keep, self._keep = self._keep, None
+        if keep is not None:
+            self._rt.free_pinned(self.base, keep)
 
 
 class _Entry:
@@ -204,6 +213,8 @@ class GpuStaging:
         """The pinned pool (allocated and registered on first use)."""
         with self._cond:
             if self._pool is None:
+                if self._closed:
+                    raise TransferError("GPU staging: the engine is closed")
                 pool = StagingPool(self._runtime(), self._pool_size)
                 self._pin(pool.base, pool.size)
                 self._pool = pool
@@ -229,6 +240,8 @@ class GpuStaging:
         (the registrations are read only after it)."""
         token = (batch_id, list(reqs.locs))
         with self._cond:
+            if self._closed:
+                raise TransferError("GPU staging: the engine is closed")
             for lo, hi in self._closing:
                 a = next((a for a in token[1] if lo <= a < hi), None)
                 if a is not None:
@@ -239,6 +252,9 @@ class GpuStaging:
         finally:
             with self._cond:
                 self._submitting.remove(token)
+                pool = self._idle_pool()
+            if pool is not None:  # the engine closed during this submit, which tracked nothing
+                pool.free()
 
     def _submit(self, inner: Transport, batch_id: int, reqs: Requests, wait_s: float | None) -> None:
         ops, locs, _, _, lens = reqs
@@ -451,13 +467,31 @@ class GpuStaging:
                 self._thread.start()
             self._cond.notify_all()
 
+    def _idle_pool(self) -> StagingPool | None:
+        """Under ``_cond``: the pool to free now (marked freed), when closed and nothing can use it
+        again (no staged submit tracked or in progress, no staging thread), else None."""
+        pool = self._pool
+        if (
+            pool is None
+            or pool.freed
+            or not self._closed
+            or self._records
+            or self._submitting
+            or self._thread is not None
+        ):
+            return None
+        pool.freed = True
+        return pool
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._records and not self._closed:
                     self._cond.wait()
-                if not self._records:
-                    return
+                if not self._records:  # closed with every staged copy ended: the pool goes
+                    self._thread = None  # a submit that entered before close and tracks later starts another
+                    pool = self._idle_pool()
+                    break
                 recs = list(self._records)
             try:
                 done = [r for r in recs if not self._batches.pending(r.private)]
@@ -473,6 +507,8 @@ class GpuStaging:
                     self._abandon(r)
             with self._cond:
                 self._records = [r for r in self._records if r not in done]
+        if pool is not None:  # outside the lock: freeing pinned memory may wait for the device
+            pool.free()
 
     def _complete(self, rec: _Record) -> None:
         """READs: staging -> device; ranges back to the pool; then the caller's slots."""
@@ -537,14 +573,18 @@ class GpuStaging:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Called by TransferEngine.close after the inner transports canceled their queues: waits
-        for the staging thread to finish what is in flight while its copies keep finishing. None
-        finished for ``timeout_s`` (a host-to-device copy on a hung GPU): TransferTimeout; the
-        thread finishes its copies and slots when they end (the pinned pool stays until then).
-        It returned after 5 s as if done, with a staged copy still to write the caller's GPU memory."""
+        for the staging thread to finish what is in flight while its copies keep finishing, then
+        the pinned pool is freed (by the thread as it ends, or here when none runs; a submit in
+        progress frees it when it ends instead); later submits raise TransferError. None finished
+        for ``timeout_s`` (a host-to-device copy on a hung GPU): TransferTimeout; the thread
+        finishes its copies and slots when they end and frees the pool then, never under a copy."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             t = self._thread
+            pool = self._idle_pool()
+        if pool is not None:
+            pool.free()
         seen, deadline = -1, 0.0
         while t is not None and t.is_alive():
             if seen != self._progress:
