@@ -743,11 +743,11 @@ def _pause_in(
     (entered, go) - the call waits for ``go`` once it set ``entered``."""
     real, entered, go = getattr(obj, name), threading.Event(), threading.Event()
 
-    def paused(*args: object) -> object:
+    def paused(*args: object, **kw: object) -> object:
         if threading.current_thread().name == thread and not entered.is_set():
             entered.set()
             go.wait(30)
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(obj, name, paused)
     return entered, go
@@ -828,6 +828,41 @@ def test_letting_a_peer_go_during_a_submit_never_unmaps_under_it(
         while rec.pidfd >= 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert closed == [base] and drv.pointer_device(base) is None and rec.pidfd == -1  # after the run
+
+
+def test_a_submit_during_a_reattach_goes_through_the_new_record(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit to a peer whose segment is being re-attached (a refreshed descriptor), arriving
+    after the old record was retired: the old code stored the new record only after retiring
+    the old one (and mapping its fence, opening a pidfd), so the submit found the retired record
+    and failed with SegmentNotFound. Now the re-attach puts the new record in place in the same
+    step as it retires the old one: the submit copies through the new record (the mapping handed
+    over), and the re-attach still closes nothing under it."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # maps the peer's GPU buffer
+        (rec,) = ipc._peers.values()
+        closed: list[int] = []
+        real_close = ipc.driver.ipc_close
+        monkeypatch.setattr(ipc.driver, "ipc_close", lambda base: (closed.append(base), real_close(base)))
+        entered, go = _pause_in(monkeypatch, ipc, "_retire", "reattacher")
+        again = threading.Thread(target=eng._open, args=(peer.name,), name="reattacher", daemon=True)
+        again.start()
+        bid = eng.allocate_batch_id(1)
+        try:
+            assert entered.wait(10) and rec.retired
+            eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
+        finally:
+            go.set()
+            again.join(10)
+        assert not again.is_alive() and eng.wait_batch(bid, 10).ok
+        assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0] + 4096} 4096")
+        (new,) = ipc._peers.values()
+        assert new is not rec and not new.retired and not closed  # the mapping was handed over
 
 
 def test_engine_close_under_a_stopped_stream_raises_and_keeps_the_mappings(

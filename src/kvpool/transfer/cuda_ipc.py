@@ -192,15 +192,6 @@ class CudaIpcTransport(Transport):
         bufs.sort(key=lambda b: b.addr)
         old = self._peers.get(handle)
         same = old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation
-        if old is not None:
-            with old.lock:  # an open through it in progress ends first, none starts after (retired)
-                old.retired = True
-                kept = {(b.addr, b.handle, b.shm_fd): b for b in old.bufs if b.mapped and same}
-                for b in bufs:  # the same registration: keep its mapping
-                    k = kept.pop((b.addr, b.handle, b.shm_fd), None)
-                    if k is not None:
-                        b.mapped, b.keep, k.handed = k.mapped, k.keep, True
-            self._retire(old, pidfd=not same)  # the same process: the new record keeps the pidfd
         fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
         if same and old is not None and old.pidfd >= 0:
             pidfd = old.pidfd  # the same process: its pidfd is kept (a new one per re-attach leaked)
@@ -209,17 +200,23 @@ class CudaIpcTransport(Transport):
                 pidfd = os.pidfd_open(desc.pid)
             except OSError:
                 pidfd = -1
-        self._peers[handle] = _Peer(
-            desc.pid,
-            desc.incarnation,
-            bufs,
-            np.array([b.addr for b in bufs], dtype=_U64),
-            np.array([b.addr + b.length for b in bufs], dtype=_U64),
-            np.array([b.gpu for b in bufs], dtype=bool),
-            fence,
-            pidfd,
-            lineage=old.lineage if same and old is not None else _Lineage(),
-        )
+        cols = (np.array([b.addr for b in bufs], dtype=_U64), np.array([b.addr + b.length for b in bufs],
+                dtype=_U64), np.array([b.gpu for b in bufs], dtype=bool))  # fmt: skip
+        lineage = old.lineage if same and old is not None else _Lineage()
+        new = _Peer(desc.pid, desc.incarnation, bufs, *cols, fence, pidfd, lineage=lineage)
+        if old is None:
+            self._peers[handle] = new
+            return
+        with old.lock:  # an open through it in progress ends first, none starts after (retired)
+            kept = {(b.addr, b.handle, b.shm_fd): b for b in old.bufs if b.mapped and same}
+            for b in bufs:  # the same registration: keep its mapping
+                k = kept.pop((b.addr, b.handle, b.shm_fd), None)
+                if k is not None:
+                    b.mapped, b.keep, k.handed = k.mapped, k.keep, True
+            with self._cond:  # one step for _hold: a submit takes the old record (not retired) or the new
+                old.retired = True
+                self._peers[handle] = new
+        self._retire(old, pidfd=not same)  # the same process: the new record keeps the pidfd
 
     def detach(self, handle: int) -> None:
         self.inner.detach(handle)
