@@ -124,8 +124,9 @@ class StagingPool:
         """Give the pinned memory back as it was allocated (``DeviceRuntime.free_pinned``). Called
         once by GpuStaging after close, when no staged copy nor submit can use it any more."""
         keep, self._keep = self._keep, None
-        if keep is not None:
-            self._rt.free_pinned(self.base, keep)
+        free = getattr(self._rt, "free_pinned", None)  # a runtime written before it: dropped only
+        if keep is not None and free is not None:
+            free(self.base, keep)
 
 
 class _Entry:
@@ -471,14 +472,9 @@ class GpuStaging:
         """Under ``_cond``: the pool to free now (marked freed), when closed and nothing can use it
         again (no staged submit tracked or in progress, no staging thread), else None."""
         pool = self._pool
-        if (
-            pool is None
-            or pool.freed
-            or not self._closed
-            or self._records
-            or self._submitting
-            or self._thread is not None
-        ):
+        if pool is None or pool.freed or not self._closed:
+            return None
+        if self._records or self._submitting or self._thread is not None:
             return None
         pool.freed = True
         return pool
