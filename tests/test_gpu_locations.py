@@ -886,6 +886,8 @@ def test_double_engine_close_frees_the_staging_pool_and_refuses_later_staging(rt
     seg = eng.open_segment(cpu_peer.segment)
     inner, bid = eng._transports[0], eng.allocate_batch_id(1)  # TCP
     eng.close()
+    assert pool.freeing is not None
+    pool.freeing.join(5)  # on a thread of its own: cuMemFreeHost may wait for the whole device
     assert freed == [pool.base]
     reqs = Requests([WRITE], [a], [seg], [cpu_peer.addr], [MiB])
     with pytest.raises(TransferError, match="closed"):
@@ -953,3 +955,34 @@ def test_double_sync_staged_read_behind_moving_copies_waits_and_behind_stopped_o
             eng.free_batch_id(eng.allocate_batch_id(1))  # frees the timed-out call's batch once done
         assert eng.batches.deferred() == 0
         assert xxhash.xxh3_64_hexdigest(dev.read()[: 34 * 4096]) == cpu_peer.checksum(0, 34 * 4096)
+
+
+def test_double_engine_close_does_not_wait_for_a_pinned_free_that_blocks(rt, cpu_peer, monkeypatch):
+    """Freeing the staging pool may wait for the whole device (cuMemFreeHost synchronizes: a GPU
+    stream hung elsewhere holds it): TransferEngine.close returns all the same, the pool is given
+    back on a thread of its own once the free returns."""
+    import threading
+    import time
+
+    gate, calls = threading.Event(), []
+    real = rt.driver.free_host
+
+    def free_host(addr: int) -> None:
+        calls.append(addr)
+        gate.wait(20)
+        real(addr)
+
+    monkeypatch.setattr(rt.driver, "free_host", free_host)
+    dev = rt.alloc(MiB)
+    dev.write(os.urandom(MiB))
+    eng = _gpu_engine(rt, protocol="tcp")
+    a = eng.register_local_memory(dev, remote_accessible=False)
+    assert eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB]) == MiB
+    pool = eng.staging.pool
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 5  # it returned while the free still waits
+    assert pool.freeing is not None and pool.freeing.is_alive()
+    gate.set()
+    pool.freeing.join(5)
+    assert calls == [pool.base] and not pool.freeing.is_alive()

@@ -59,6 +59,7 @@ class StagingPool:
         self._rt = rt
         self.base, self._keep = rt.alloc_pinned(size)
         self.freed = False  # set by GpuStaging (under its lock) once nothing can use the pool again
+        self.freeing: threading.Thread | None = None  # the thread giving it back (see free)
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted
         self._cond = threading.Condition()
         self.in_use = 0
@@ -121,12 +122,14 @@ class StagingPool:
             return self.size - self.in_use
 
     def free(self) -> None:
-        """Give the pinned memory back as it was allocated (``DeviceRuntime.free_pinned``). Called
-        once by GpuStaging after close, when no staged copy nor submit can use it any more."""
+        """Give the pinned memory back (``DeviceRuntime.free_pinned``) on a thread of its own: it may
+        wait for the whole device, and a stream hung elsewhere must not hang close. Called once by
+        GpuStaging after close, when no staged copy nor submit can use it any more."""
         keep, self._keep = self._keep, None
         free = getattr(self._rt, "free_pinned", None)  # a runtime written before it: dropped only
         if keep is not None and free is not None:
-            free(self.base, keep)
+            self.freeing = threading.Thread(target=free, args=(self.base, keep), daemon=True)
+            self.freeing.start()
 
 
 class _Entry:
