@@ -866,6 +866,17 @@ def _count_pinned_frees(rt, monkeypatch) -> list[int]:
     return freed
 
 
+def _staged_once(rt, cpu_peer):
+    """A TCP engine that staged one 1 MiB WRITE of GPU memory to ``cpu_peer`` (its pool
+    allocated): the engine and the GPU buffer's address."""
+    dev = rt.alloc(MiB)
+    dev.write(os.urandom(MiB))
+    eng = _gpu_engine(rt, protocol="tcp")
+    a = eng.register_local_memory(dev, remote_accessible=False)
+    assert eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB]) == MiB
+    return eng, a
+
+
 def test_double_engine_close_frees_the_staging_pool_and_refuses_later_staging(rt, cpu_peer, monkeypatch):
     """TransferEngine.close frees the pinned staging pool through the driver (cuMemFreeHost), once:
     it stayed allocated until the engine was garbage-collected. A staged submit after close is
@@ -876,11 +887,7 @@ def test_double_engine_close_frees_the_staging_pool_and_refuses_later_staging(rt
     from kvpool.transfer.transport import WRITE, Requests
 
     freed = _count_pinned_frees(rt, monkeypatch)
-    dev = rt.alloc(MiB)
-    dev.write(os.urandom(MiB))
-    eng = _gpu_engine(rt, protocol="tcp")
-    a = eng.register_local_memory(dev, remote_accessible=False)
-    assert eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB]) == MiB
+    eng, a = _staged_once(rt, cpu_peer)
     pool = eng.staging.pool
     assert rt.pinned_bytes == pool.size and freed == []
     seg = eng.open_segment(cpu_peer.segment)
@@ -973,11 +980,7 @@ def test_double_engine_close_does_not_wait_for_a_pinned_free_that_blocks(rt, cpu
         real(addr)
 
     monkeypatch.setattr(rt.driver, "free_host", free_host)
-    dev = rt.alloc(MiB)
-    dev.write(os.urandom(MiB))
-    eng = _gpu_engine(rt, protocol="tcp")
-    a = eng.register_local_memory(dev, remote_accessible=False)
-    assert eng.batch_transfer_sync(cpu_peer.segment, [a], [cpu_peer.addr], [MiB]) == MiB
+    eng, a = _staged_once(rt, cpu_peer)
     pool = eng.staging.pool
     t0 = time.monotonic()
     eng.close()
