@@ -476,6 +476,24 @@ class Fuzzer:
                 if info["ssd"] is not None and self.rng.random() < 0.3:
                     self.send(cid, {"op": "report", "client": cid, "segment": "", "kind": "ssd_corrupt",
                                     "key": key, "gen": info["gen"], "path": info["ssd"][0]})  # fmt: skip
+                elif info["ssd"] is not None and self.rng.random() < 0.2:
+                    self._report_unreadable(cid, key, info["gen"], info["ssd"][0])
+
+    def _report_unreadable(self, cid: str, key: str, gen: int, path: str) -> None:
+        """An ``ssd_unreadable`` report (its client's check could not open the file): it drops
+        that SSD copy when ``cid`` is the copy's own client and the copy is still that file;
+        from any other client it changes nothing."""
+        obj = self.m.objects.get(key)
+        copy = obj.ssd if obj is not None else None
+        own = copy is not None and obj.gen == gen and copy.path == path and copy.client == cid  # type: ignore[union-attr]
+        req = {"op": "report", "client": cid, "segment": "", "kind": "ssd_unreadable", "key": key, "gen": gen,
+               "path": path}  # fmt: skip
+        if self.send(cid, req, mutate=False) is None or obj is None:
+            return
+        if own and obj.ssd is not None:
+            self.fail(f"{cid}'s ssd_unreadable report of its own copy of {key!r} did not drop it")
+        if not own and obj.ssd is not copy:
+            self.fail(f"{cid}'s ssd_unreadable report of {key!r} (a copy of another client) dropped it")
 
     def do_release(self, cid: str) -> None:
         got = self._pop(self.leases, cid)
@@ -546,6 +564,12 @@ class Fuzzer:
                         "epoch": got[1]["epoch"]})  # fmt: skip
 
     def do_report(self, cid: str) -> None:
+        on_ssd = [(k, o) for k in self.keys if (o := self.m.objects.get(k)) is not None and o.ssd is not None]
+        if on_ssd and self.rng.random() < 0.3:  # half the time a copy of this client's (its check)
+            mine = [(k, o) for k, o in on_ssd if o.ssd.client == cid]  # type: ignore[union-attr]
+            key, obj = self.rng.choice(mine if mine and self.rng.random() < 0.5 else on_ssd)
+            self._report_unreadable(cid, key, obj.gen, obj.ssd.path)  # type: ignore[union-attr]
+            return
         if self.seen and self.rng.random() < 0.6:
             self._report_seen(cid, *self.rng.choice(self.seen))
             return
