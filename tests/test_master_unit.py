@@ -653,20 +653,25 @@ def test_ssd_unlink_tasks_are_not_kept_waiting_for_a_report_that_never_comes() -
         m.stop()
 
 
+def _over_the_watermark(m: Driver) -> None:
+    """Client ``a`` (with an SSD directory) mounts a 16 MiB segment and ``r`` puts 15 persistent
+    1 MiB objects on it: past the master's eviction watermark (0.5), so ``a``'s next heartbeat
+    hands out spills."""
+    assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
+    assert m.handle({"op": "register", "client": "r"})["ok"]
+    m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
+    cfg = {"cache_class": "persistent"}
+    for i in range(15):
+        r = m.handle({"op": "put_start", "client": "r", "keys": [f"p{i}"], "sizes": [1 << 20], "config": cfg})
+        gen, _, reps = r["results"][0][1]
+        items = [[f"p{i}", gen, 7, [reps[0][0]]]]
+        assert m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
+
+
 def test_tasks_of_a_lost_heartbeat_reply_expire_and_a_late_report_commits_nothing() -> None:
     m = Driver(Master(port=0, eviction_high_watermark=0.5, task_timeout_s=0.3))
     try:
-        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
-        assert m.handle({"op": "register", "client": "r"})["ok"]
-        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
-        cfg = {"cache_class": "persistent"}
-        for i in range(15):
-            r = m.handle(
-                {"op": "put_start", "client": "r", "keys": [f"p{i}"], "sizes": [1 << 20], "config": cfg}
-            )
-            gen, _, reps = r["results"][0][1]
-            items = [[f"p{i}", gen, 7, [reps[0][0]]]]
-            assert m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
+        _over_the_watermark(m)
         lost = m.handle({"op": "heartbeat", "client": "a"})["tasks"]  # this reply never arrives
         assert lost and all(t["type"] == "spill" and 0 < t["ttl_s"] <= 0.3 for t in lost)
         busy = [t["key"] for t in lost]
@@ -695,17 +700,7 @@ def test_a_late_disk_error_of_an_expired_spill_changes_nothing() -> None:
     a disk error of a spill still in flight does back the client off."""
     m = Driver(Master(port=0, eviction_high_watermark=0.5, task_timeout_s=0.3))
     try:
-        assert m.handle({"op": "register", "client": "a", "ssd_dir": "/nonexistent"})["ok"]
-        assert m.handle({"op": "register", "client": "r"})["ok"]
-        m.handle({"op": "mount", "client": "a", "segment": "seg-a", "base": 1 << 20, "size": 16 << 20})
-        cfg = {"cache_class": "persistent"}
-        for i in range(15):
-            r = m.handle(
-                {"op": "put_start", "client": "r", "keys": [f"p{i}"], "sizes": [1 << 20], "config": cfg}
-            )
-            gen, _, reps = r["results"][0][1]
-            items = [[f"p{i}", gen, 7, [reps[0][0]]]]
-            assert m.handle({"op": "put_end", "client": "r", "items": items, "epoch": r["epoch"]})["ok"]
+        _over_the_watermark(m)
         expired = m.handle({"op": "heartbeat", "client": "a"})["tasks"]
         assert expired and all(t["type"] == "spill" for t in expired)
         time.sleep(0.35)
