@@ -77,18 +77,24 @@ def test_layer_first_host_pools_store_every_buffer_of_a_page(master: str, kind: 
     assert r["get"] == [True] * n and r["digests"] == w["digests"]  # every layer of every page
 
 
+def _kept_apart(master: str, writer: tuple, other: tuple, same: tuple, n: int = 3) -> None:
+    """A ``pages-write`` process with ``writer``'s arguments stores ``n`` pages; a ``pages-read``
+    one with ``other``'s finds none of them, one with ``same``'s reads them back byte for byte."""
+    w = run("pages-write", master, n, *writer)
+    assert w["set"] == [True] * n and w["exists"] == n
+    out = run("pages-read", master, n, *other)
+    assert out["before"] == 0 and out["get"] == [False] * n
+    back = run("pages-read", master, n, *same)
+    assert back["before"] == n and back["get"] == [True] * n and back["digests"] == w["digests"]
+
+
 def test_pipeline_stages_with_other_layers_share_no_pages(master: str) -> None:
     """Pipeline stage 1 of a 12-layer model split 8 + 4 (layers 8-11) stores its pages; stage 1
     of the same model split 4 + 4 + 4 (layers 4-7: the same stage rank, TP rank and layer count)
     finds none of them (the old key named the stage rank only: it read layers 8-11's KV as its
     own layers 4-7); a stage with the writer's layers reads them back byte for byte."""
-    n = 3
-    w = run("pages-write", master, n, "mha", "page_first", 0, 1, 8, 1, 2, 0, 1)
-    assert w["set"] == [True] * n and w["exists"] == n
-    other = run("pages-read", master, n, "mha", "page_first", 0, 1, 4, 1, 3, 0, 1)
-    assert other["before"] == 0 and other["get"] == [False] * n
-    same = run("pages-read", master, n, "mha", "page_first", 0, 1, 8, 1, 2, 0, 1)
-    assert same["before"] == n and same["get"] == [True] * n and same["digests"] == w["digests"]
+    layers = ("mha", "page_first", 0, 1)  # then: first layer, stage rank, stages, CP rank, CP size
+    _kept_apart(master, (*layers, 8, 1, 2, 0, 1), (*layers, 4, 1, 3, 0, 1), (*layers, 8, 1, 2, 0, 1))
 
 
 def test_attention_cp_ranks_keep_their_own_slices_of_mla_pages(master: str) -> None:
@@ -96,13 +102,8 @@ def test_attention_cp_ranks_keep_their_own_slices_of_mla_pages(master: str) -> N
     page: MLA pages, otherwise shared by all TP ranks, are stored per CP rank. CP rank 1 of 2
     finds none of CP rank 0's pages (the old key named no CP rank: it read rank 0's slice as its
     own); another TP rank of CP rank 0 reads them back byte for byte."""
-    n = 3
-    w = run("pages-write", master, n, "mla", "page_first", 0, 2, 0, 0, 1, 0, 2)
-    assert w["set"] == [True] * n and w["exists"] == n
-    other = run("pages-read", master, n, "mla", "page_first", 0, 2, 0, 0, 1, 1, 2)
-    assert other["before"] == 0 and other["get"] == [False] * n
-    same = run("pages-read", master, n, "mla", "page_first", 1, 2, 0, 0, 1, 0, 2)
-    assert same["before"] == n and same["get"] == [True] * n and same["digests"] == w["digests"]
+    tp = ("mla", "page_first")  # then: TP rank, TP size, first layer, stage rank, stages, CP rank, CP size
+    _kept_apart(master, (*tp, 0, 2, 0, 0, 1, 0, 2), (*tp, 0, 2, 0, 0, 1, 1, 2), (*tp, 1, 2, 0, 0, 1, 0, 2))
 
 
 def test_hicache_backend_needs_a_master() -> None:
