@@ -231,3 +231,29 @@ def test_an_abort_before_allocation_notifies_every_prefill_rank(tiny_llama: Path
         assert job.local_block_ids == [] and job.remote_tp_size == 2 and job.remote_engine_id == "e"
     finally:
         d.close()
+
+
+def test_a_read_from_a_restarted_prefill_with_the_same_engine_id_fails(tiny_llama: Path) -> None:  # noqa: F811
+    """The prefill restarts on its side-channel port with the engine id set by hand (the same
+    one): the old params' block ids name blocks of the new instance, which never held that
+    request. The decode's read must fail (recompute), not be confirmed by the new instance."""
+    port = free_port()
+    extra = {"side_channel_port": port, "abort_timeout_s": 30}
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    try:
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        params = o["p1"].kv_transfer_params
+        p.close()
+        p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
+        p.add("p2", [(i * 11) % 450 + 5 for i in range(90)], 1, {"do_remote_decode": True})
+        p.step()  # the new instance's blocks hold another prompt's KV
+        d.add("d1", PROMPT, 2, copy.deepcopy(params))
+        out = _finished(d, "d1", other=p)
+        assert _failures(d).get("Unconfirmed") == 1
+        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
+            assert _kv_ok(d, "d1", PROMPT)
+    finally:
+        d.close()
+        p.close()

@@ -32,7 +32,13 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 
 def vllm_config(
-    model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int, dtype: str = "float32"
+    model: Path,
+    connector: str,
+    role: str,
+    extra: dict[str, Any],
+    blocks: int,
+    dtype: str = "float32",
+    engine_id: str | None = None,
 ) -> VllmConfig:
     """A VllmConfig for the tiny model with a kvpool connector."""
     vc = VllmConfig(
@@ -46,6 +52,7 @@ def vllm_config(
             kv_connector_module_path=None if connector == "MultiConnector" else "kvpool.connectors.vllm",
             kv_role=role,
             kv_connector_extra_config=extra,
+            engine_id=engine_id,
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -72,11 +79,11 @@ class Instance:
 
     def __init__(
         self, model: Path, connector: str, role: str, extra: dict[str, Any], blocks: int = 64,
-        dtype: str = "float32", sliding_window: int | None = None,
+        dtype: str = "float32", sliding_window: int | None = None, engine_id: str | None = None,
     ) -> None:  # fmt: skip
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        self.vc = vllm_config(model, connector, role, extra, blocks, dtype)
+        self.vc = vllm_config(model, connector, role, extra, blocks, dtype, engine_id)
         kcc = kv_cache_config(blocks, sliding_window)
         self.scheduler = Scheduler(
             self.vc, kcc, StructuredOutputManager(self.vc), block_size=BS, log_stats=True

@@ -305,7 +305,11 @@ class _PdWorker(DecodeLoads):
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, meta: KvpoolConnectorMetadata) -> None:
-        """Model thread, before the forward pass: this step's streaming requests (prefill)."""
+        """Model thread, before the forward pass: this step's streaming requests (prefill), and
+        the engine id of this incarnation (the scheduler's; until the first step, the configured
+        one, which matches no params: nothing was prefilled yet)."""
+        if meta.engine_id:
+            self.engine_id = meta.engine_id
         if self.streams is not None:
             self.streams.begin_step(meta, _EXPIRED_KEEP_S)
         if meta.stream_end:

@@ -15,6 +15,7 @@ each layer's final blocks while later layers are still being computed.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,7 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     stream: dict[str, StreamStep] = field(default_factory=dict)  # prefill req id -> this step
     stream_end: set[str] = field(default_factory=set)  # prefill req ids aborted while streaming
     cancel: set[str] = field(default_factory=set)  # decode req ids whose streaming load ends
+    engine_id: str = ""  # this incarnation's engine id (the workers answer "done" with it)
 
 
 def _tp(vllm_config: Any) -> tuple[int, int]:
@@ -142,7 +144,13 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
 class _PdScheduler:
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str) -> None:
         self.cfg = cfg
-        self.engine_id = engine_id
+        # The engine id the params name and the workers answer with: the configured one (often set
+        # by hand, so a restarted instance keeps it) plus a nonce of this incarnation. A decode's
+        # "done" fence fails a read whose answer names another id: after a restart on that port,
+        # the old params' block ids name blocks of the new instance, which never held the request
+        # and would answer "held" (it cannot tell a request it never had from one whose "send"
+        # notice has not reached its worker yet).
+        self.engine_id = f"{engine_id}.{secrets.token_hex(8)}"
         self.block_size = int(vllm_config.cache_config.block_size)
         _, self.tp_size = _tp(vllm_config)
         self._recv: dict[str, RecvJob] = {}
@@ -261,7 +269,9 @@ class _PdScheduler:
 
     def build_meta(self, out: Any = None) -> KvpoolConnectorMetadata:
         """vLLM's scheduler, once per step (``out``: its ``SchedulerOutput``)."""
-        meta = KvpoolConnectorMetadata(recv=self._recv, send=self._send, cancel=self._cancel)
+        meta = KvpoolConnectorMetadata(
+            recv=self._recv, send=self._send, cancel=self._cancel, engine_id=self.engine_id
+        )
         self._recv, self._send, self._cancel = {}, {}, set()
         if self._streams and out is not None:
             meta.stream = self._stream_steps(out)
