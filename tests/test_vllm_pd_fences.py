@@ -257,3 +257,22 @@ def test_a_read_from_a_restarted_prefill_with_the_same_engine_id_fails(tiny_llam
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("cp", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallel_instances_refuse_to_start(tiny_llama: Path, cp: str) -> None:  # noqa: F811
+    """DCP/PCP shard each block's tokens over ranks: an MLA prefill at TP 8 and a DCP 8 decode
+    have per-rank caches of one shape, and a block-for-block copy fed the decode tokens of other
+    positions. Both connector halves refuse such an instance at start."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.pd_scheduler import _PdScheduler
+    from kvpool.errors import ConfigError
+    from tests.vllm_sched import kv_cache_config, vllm_config
+
+    vc = vllm_config(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()}, 64)
+    object.__setattr__(vc.parallel_config, cp, 2)
+    cfg = VllmConnectorConfig()
+    with pytest.raises(ConfigError, match="context parallelism"):
+        _PdScheduler(cfg, vc, "e")
+    with pytest.raises(ConfigError, match="context parallelism"):
+        pd_mod._PdWorker(cfg, vc, "e", kv_cache_config(64))

@@ -38,7 +38,12 @@ from kvpool.connectors.vllm.common import (
     kv_regions,
 )
 from kvpool.connectors.vllm.pd_load import MAX_DONE_IDS, DecodeLoads, _PeerLane, _Remote
-from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, _PdScheduler, _tp
+from kvpool.connectors.vllm.pd_scheduler import (
+    KvpoolConnectorMetadata,
+    _PdScheduler,
+    _tp,
+    refuse_context_parallel,
+)
 from kvpool.connectors.vllm.pd_stream import (
     LONG_POLL_S,
     MAX_PROGRESS_IDS,
@@ -105,6 +110,7 @@ class _PdWorker(DecodeLoads):
     def __init__(
         self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str, kv_cache_config: Any
     ) -> None:
+        refuse_context_parallel(vllm_config)
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.kv_layout: KvLayout | None = None  # for heterogeneous TP (reshard plans)

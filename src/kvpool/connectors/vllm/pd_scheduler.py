@@ -22,6 +22,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool.connectors.vllm.common import VllmConnectorConfig
+from kvpool.errors import ConfigError
 
 log = logging.getLogger("kvpool.connectors.vllm")
 
@@ -141,8 +142,30 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
         return 0, size
 
 
+def refuse_context_parallel(vllm_config: Any) -> None:
+    """Raise ConfigError when the instance shards each block's tokens over ranks (decode or
+    prefill context parallelism, DCP/PCP > 1). Called by both halves of the connector at start.
+
+    Such a rank holds every DCP-th token of a block (its scheduler's blocks are ``block_size *
+    DCP`` tokens long): a rank-to-rank copy of blocks lined up by ``block_size`` fed a decode's
+    block tokens of other positions -- e.g. an MLA prefill at TP 8 and a DCP 8 decode, whose
+    per-rank caches have the same shape, so no size or layout check told them apart."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    sizes = {
+        name: int(getattr(pc, name, 1) or 1)
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+    }
+    if any(v > 1 for v in sizes.values()):
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ConfigError(
+            f"KvpoolConnector (P/D) does not support context parallelism ({shown}): each rank holds "
+            "only some tokens of a block; serve P/D instances without DCP/PCP"
+        )
+
+
 class _PdScheduler:
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str) -> None:
+        refuse_context_parallel(vllm_config)
         self.cfg = cfg
         # The engine id the params name and the workers answer with: the configured one (often set
         # by hand, so a restarted instance keeps it) plus a nonce of this incarnation. A decode's
