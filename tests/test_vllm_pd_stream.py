@@ -364,3 +364,30 @@ def test_a_stream_given_more_blocks_than_the_prompt_is_recomputed_not_left_waiti
     p.run_until(lambda o: "pm1" in o and o["pm1"].finish_reason is not None)
     p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the decode's "done" freed them
     assert not any(d.kv[name][b.block_id].any() for name in d.kv for b in blocks)  # nothing read
+
+
+def test_a_transfer_id_taken_over_by_another_prefill_request_fails_the_load() -> None:
+    """A client sends one transfer id with two prefill requests (prompts of one length): the
+    decode read some layers of the first one's blocks; once the id names the other request, the
+    load fails instead of reading the rest from the other request's blocks."""
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob
+    from kvpool.connectors.vllm.pd_stream import StreamLoad, _advance
+    from kvpool.errors import TransferError
+
+    regions = [Region("l0", 0x1000, 64, 64, 8), Region("l1", 0x2000, 64, 64, 8)]
+    reads: list[Any] = []
+    engine = SimpleNamespace(batch_transfer_sync=lambda *a: reads.append(a))
+    worker = SimpleNamespace(block_size=BS, tp_size=1, regions=regions, engine=engine,
+                             _check_layout=lambda rem: None)  # fmt: skip
+    rem = SimpleNamespace(block_size=BS, segment="p", regions={r.name: r for r in regions})
+    job = RecvJob("d1", [5], [], "127.0.0.1", 1, "", transfer_id="t", num_tokens=BS)
+    ld = StreamLoad(job, time.monotonic() + 30)
+
+    def state(req_id: str, final: list[int]) -> dict[str, Any]:
+        return {"state": "live", "req_id": req_id, "gen": 0, "total": BS, "blocks": [3], "final": final}
+
+    assert _advance(worker, rem, ld, state("pA", [BS, 0]), {}) == (False, 64)  # layer 0 of pA
+    assert len(reads) == 1
+    with pytest.raises(TransferError, match="now names prefill request pB"):
+        _advance(worker, rem, ld, state("pB", [BS, BS]), {})
+    assert len(reads) == 1  # nothing of pB's blocks was read

@@ -336,7 +336,14 @@ def _advance(
     nblocks = -(-total // bs)
     blocks = [int(b) for b in st["blocks"]][:nblocks]
     final = [int(f) for f in st["final"]]
-    job.remote_request_id = str(st["req_id"])
+    req_id = str(st["req_id"])
+    if job.remote_request_id and req_id != job.remote_request_id:
+        # Another prefill request took the transfer id over (a client that sent one id twice):
+        # the blocks read so far hold the first one's KV, the rest would come from the other's.
+        raise TransferError(
+            f"transfer {job.transfer_id} now names prefill request {req_id}, not {job.remote_request_id}"
+        )
+    job.remote_request_id = req_id
     job.remote_engine_id = job.remote_engine_id or engine
     if ld.gen != int(st["gen"]):  # first answer, or the prefill was preempted: read from the start
         ld.gen, ld.read = int(st["gen"]), {}
