@@ -276,3 +276,24 @@ def test_context_parallel_instances_refuse_to_start(tiny_llama: Path, cp: str) -
         _PdScheduler(cfg, vc, "e")
     with pytest.raises(ConfigError, match="context parallelism"):
         pd_mod._PdWorker(cfg, vc, "e", kv_cache_config(64))
+
+
+def test_params_of_a_shorter_prompt_in_as_many_blocks_fail_the_load(tiny_llama: Path) -> None:  # noqa: F811
+    """The prefill computed 70 tokens (3 blocks), the decode's prompt has 80 (3 blocks too): the
+    block counts match, but tokens 70-79 of the last block hold no KV of this prompt. The params'
+    remote_num_tokens tells: the load is refused (recomputed), not read."""
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", PROMPT[:70], 1, {"do_remote_decode": True})
+        _, o = p.step()
+        params = o["p1"].kv_transfer_params
+        assert params["remote_num_tokens"] == 70 and len(params["remote_block_ids"]) == 3
+        d.add("d1", PROMPT, 2, params)
+        out = _finished(d, "d1", other=p)
+        assert _failures(d).get("BlocksMismatch") == 1
+        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
+            assert _kv_ok(d, "d1", PROMPT)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill was still told "done"
+    finally:
+        d.close()
+        p.close()

@@ -65,8 +65,11 @@ def remote_params(params: dict[str, Any]) -> dict[str, Any] | None:
         out["transfer_id"] = _text(params.get("transfer_id"), 256)
         return out if out["transfer_id"] is not None else None
     out["request_id"] = _text(params.get("remote_request_id"))
+    computed = params.get("remote_num_tokens")
+    out["num_tokens"] = None if computed is None else _int(computed, 0, 1 << 40)
     if (
         out["request_id"] is None
+        or (computed is not None and out["num_tokens"] is None)
         or not isinstance(blocks, list)
         or len(blocks) > _MAX_BLOCKS
         or not all(type(b) is int and 0 <= b < 1 << 31 for b in blocks)
@@ -225,8 +228,14 @@ class _PdScheduler:
         # rest of the prompt's, aligned from the head.
         n = -(-len(request.prompt_token_ids or ()) // self.block_size)
         refused = None
+        prompt = len(request.prompt_token_ids or ())
         if len(local) > n or len(remote) < n:
             refused = f"{len(local)} local blocks, {len(remote)} remote ones for a {n}-block prompt"
+        elif r["num_tokens"] is not None and r["num_tokens"] < prompt - 1:
+            # The prefill computed a shorter prompt (vLLM needs the KV of all but the last token):
+            # the tail of its last block holds no KV of this request.
+            refused = f"the prefill computed {r['num_tokens']} tokens of a {prompt}-token prompt"
+        if refused is not None:
             log.warning("request %s: %s; its KV is recomputed", request.request_id, refused)
         remote = remote[:n][n - len(local) :] if local and refused is None else []
         waited = bool(local)
