@@ -297,3 +297,27 @@ def test_params_of_a_shorter_prompt_in_as_many_blocks_fail_the_load(tiny_llama: 
     finally:
         d.close()
         p.close()
+
+
+def test_a_read_after_the_prefill_slept_and_woke_is_not_confirmed(tiny_llama: Path) -> None:  # noqa: F811
+    """vLLM's sleep mode releases the prefill's KV cache while a request's blocks are held for a
+    decode; after the wake-up those block ids hold the restored cache, not the request's KV. A
+    decode reading them then must fail (recompute), not be confirmed "held"."""
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        params = o["p1"].kv_transfer_params
+        p.step()  # the worker holds p1's blocks (vLLM sleeps an idle engine)
+        assert "p1" in p.worker._worker._pending_send
+        p.worker.unregister_kv_caches()
+        p.kv = {name: torch.zeros_like(t) for name, t in p.kv.items()}
+        p.worker.restore_kv_caches(p.kv)
+        d.add("d1", PROMPT, 2, params)
+        out = _finished(d, "d1", other=p)
+        assert _failures(d).get("PrefillFreed") == 1
+        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
+            assert _kv_ok(d, "d1", PROMPT)
+    finally:
+        d.close()
+        p.close()

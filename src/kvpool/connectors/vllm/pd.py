@@ -217,6 +217,16 @@ class _PdWorker(DecodeLoads):
             return None
 
     def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 sleep mode (the connector's ``unregister_kv_caches``): the KV cache memory is
+        released, and with it the KV of the requests held for decodes. They are freed at the next
+        ``get_finished`` and answered "expired" from now on: a decode that reads their block ids
+        after the wake-up reads whatever the restored cache holds there."""
+        now = time.monotonic()
+        with self._lock:
+            for rid in self._pending_send:
+                self._pending_send[rid] = now - 1.0
+                self._expired[rid] = now
+                self._expired.move_to_end(rid)
         if self.engine is not None:
             for r in {r.addr for r in self.regions}:
                 try:
