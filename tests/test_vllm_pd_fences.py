@@ -321,3 +321,42 @@ def test_a_read_after_the_prefill_slept_and_woke_is_not_confirmed(tiny_llama: Pa
     finally:
         d.close()
         p.close()
+
+
+def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(tiny_llama: Path) -> None:  # noqa: F811
+    """The decode cached the prefill's layout (segment, region addresses) from a first load; the
+    prefill restarts on that port with another cache (other addresses). The next load's params
+    name the new incarnation: the decode asks for the layout again and reads the right KV."""
+    port = free_port()
+    extra = {"side_channel_port": port, "abort_timeout_s": 30}
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    try:
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        d.add("d1", PROMPT, 2, o["p1"].kv_transfer_params)
+        assert _finished(d, "d1", other=p).new_token_ids and _kv_ok(d, "d1", PROMPT)
+        old = d.worker._worker._remotes[("127.0.0.1", port)]
+        p.close()
+        keep = p  # its cache stays allocated: the new one lies elsewhere
+        p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, blocks=48, engine_id="prefill-0")
+        prompt = [(i * 11) % 450 + 5 for i in range(90)]
+        # the first load after the restart may fail on the side-channel connection to the old
+        # instance (closed by it): then recomputed, never read from the old layout
+        p.add("p2", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        d.add("d2", PROMPT, 2, o["p2"].kv_transfer_params)
+        out = _finished(d, "d2", other=p)
+        if out is not None and out.new_token_ids:
+            assert _kv_ok(d, "d2", PROMPT)
+        before = _failures(d)
+        p.add("p3", prompt, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        d.add("d3", prompt, 2, o["p3"].kv_transfer_params)
+        out = _finished(d, "d3", other=p)
+        assert _failures(d) == before and out.new_token_ids and _kv_ok(d, "d3", prompt)
+        assert d.worker._worker._remotes[("127.0.0.1", port)] is not old
+        del keep
+    finally:
+        d.close()
+        p.close()

@@ -69,6 +69,8 @@ class _Remote:
     """This decode rank's regions paired with this prefill rank's (once, on the first resharded load)."""
     compatible: bool = False
     """Equal TP: its layout was found to be this rank's (once per handshake)."""
+    engine_id: str | None = None
+    """The incarnation that answered the handshake: its regions are where its blocks are."""
 
 
 def _addr(r: Region) -> RegionAddr:
@@ -193,15 +195,23 @@ class DecodeLoads(_Base):
             rpc = self._rpcs[key] = RpcClient(f"{host}:{port}", self.cfg.transfer_timeout_s, self.cfg.secret)
         return rpc
 
-    def _remote(self, host: str, port: int) -> _Remote:
+    def _remote(self, host: str, port: int, engine_id: str | None = None) -> _Remote:
+        """The prefill rank's segment, regions and layout from its ``layout`` handshake (cached).
+        ``engine_id``: the incarnation a load's params name; a handshake answered by another one
+        (the prefill restarted on that port: its regions may have moved) is made again."""
         key = (host, port)
         rem = self._remotes.get(key)
+        if rem is not None and engine_id and rem.engine_id != engine_id:
+            rem = self._remotes.pop(key)
+            rem = None
         if rem is None:
             assert self.engine is not None
             reply = self._rpc(host, port).call("layout")
             regions = {r.name: r for r in map(Region.from_wire, reply["regions"])}
+            eid = reply.get("engine_id")
             rem = _Remote(reply["segment"], self.engine.open_segment(reply["segment"]), regions,
-                          int(reply["block_size"]), reply.get("kv_layout"))  # fmt: skip
+                          int(reply["block_size"]), reply.get("kv_layout"),
+                          engine_id=eid if isinstance(eid, str) else None)  # fmt: skip
             self._remotes[key] = rem
         return rem
 
@@ -243,7 +253,7 @@ class DecodeLoads(_Base):
                 f"prefill TP {ptp} and decode TP {self.tp_size} differ and this decode's KV cache cannot be "
                 f"resharded ({self._layout_why}); use equal TP sizes"
             )
-        first = self._remote(job.remote_host, job.remote_port)
+        first = self._remote(job.remote_host, job.remote_port, job.remote_engine_id)
         if first.kv_layout is None:
             raise ReshardError(
                 f"prefill TP {ptp} != decode TP {self.tp_size} and the prefill sent no KV layout"
@@ -254,7 +264,7 @@ class DecodeLoads(_Base):
         lb, rb = job.local_block_ids, job.remote_block_ids
         parts = []  # (segment, locals, remotes, lengths) per source rank, numpy columns
         for p in sources:
-            rem = self._remote(job.remote_host, job.remote_port + p)
+            rem = self._remote(job.remote_host, job.remote_port + p, job.remote_engine_id)
             pl = rem.layout
             if pl is None:
                 pl = rem.layout = KvLayout.from_wire(rem.kv_layout or {})
@@ -396,7 +406,7 @@ class DecodeLoads(_Base):
                     nbytes = self._load_resharded(job)
                 else:
                     port = job.remote_port + self.tp_rank
-                    rem = self._remote(job.remote_host, port)
+                    rem = self._remote(job.remote_host, port, job.remote_engine_id)
                     locs, rems, lens = self._columns(rem, job)
                     nbytes = sum(lens)
                     assert self.engine is not None
