@@ -391,3 +391,30 @@ def test_a_transfer_id_taken_over_by_another_prefill_request_fails_the_load() ->
     with pytest.raises(TransferError, match="now names prefill request pB"):
         _advance(worker, rem, ld, state("pB", [BS, BS]), {})
     assert len(reads) == 1  # nothing of pB's blocks was read
+
+
+def test_a_stream_never_reads_through_a_layout_cached_from_a_predecessor() -> None:
+    """The decode's cached layout of a prefill port came from an earlier incarnation; a stream
+    whose params name no engine adopts the one that answers. Its region addresses may be stale:
+    the load fails (and the layout is asked again) instead of reading through them."""
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob
+    from kvpool.connectors.vllm.pd_stream import StreamLoad, _advance
+    from kvpool.errors import TransferError
+
+    regions = [Region("l0", 0x1000, 64, 64, 8)]
+    reads: list[Any] = []
+    engine = SimpleNamespace(batch_transfer_sync=lambda *a: reads.append(a))
+    worker = SimpleNamespace(block_size=BS, tp_size=1, tp_rank=0, regions=regions, engine=engine,
+                             _check_layout=lambda rem: None)  # fmt: skip
+    rem = SimpleNamespace(block_size=BS, segment="p", regions={"l0": regions[0]}, engine_id="e.old")
+    fresh = SimpleNamespace(block_size=BS, segment="p2", regions={"l0": regions[0]}, engine_id="e.new")
+    asked: list[Any] = []
+    answers = [rem, fresh]  # the handshake asked again: first still the old one, then the new one
+    worker._remote = lambda host, port, eid=None: asked.append(eid) or answers.pop(0)
+    job = RecvJob("d1", [5], [], "127.0.0.1", 1, "", transfer_id="t", num_tokens=BS)
+    st = {"state": "live", "req_id": "pA", "gen": 0, "total": BS, "blocks": [3], "final": [BS]}
+    with pytest.raises(TransferError, match="restarted"):
+        _advance(worker, rem, StreamLoad(job, time.monotonic() + 30), st, {"engine_id": "e.new"})
+    assert reads == [] and asked == ["e.new"]
+    assert _advance(worker, rem, StreamLoad(job, time.monotonic() + 30), st, {"engine_id": "e.new"})[0]
+    assert asked == ["e.new", "e.new"] and [a[0] for a in reads] == ["p2"]  # through the new layout

@@ -329,6 +329,12 @@ def _advance(
     engine = reply.get("engine_id")
     if job.remote_engine_id and engine and engine != job.remote_engine_id:
         raise TransferError(f"{job.remote_host}:{job.remote_port} is another instance now ({engine})")
+    if engine and getattr(rem, "engine_id", None) and rem.engine_id != engine:
+        # The cached layout (region addresses) came from another incarnation on that port (a
+        # predecessor, or this one before its first step): asked again, never read through.
+        rem = worker._remote(job.remote_host, _asked_port(worker, job), engine)
+        if rem.engine_id != engine:
+            raise TransferError(f"{job.remote_host}:{job.remote_port} restarted since its layout was read")
     bs = worker.block_size
     total = int(st["total"])
     if total != job.num_tokens:
