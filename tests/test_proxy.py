@@ -1451,12 +1451,17 @@ def test_large_bodies_parse_a_piece_at_a_time_to_what_json_loads_says(monkeypatc
             return [rv(d + 1) for _ in range(rnd.randint(0, 5))]
         return {rs(): rv(d + 1) for _ in range(rnd.randint(0, 5))}
 
-    refused = 0
+    refused = repeated = 0
     for piece in (3, 8, 17):
         monkeypatch.setattr(proxy_json, "PIECE", piece)
         for _ in range(1500):
             text = json.dumps({rs(): rv() for _ in range(rnd.randint(0, 5))},
                               ensure_ascii=rnd.random() < 0.5, indent=rnd.choice([None, 1]))  # fmt: skip
+            if rnd.random() < 0.2 and text.rstrip().endswith("}"):  # a top-level key again
+                again = rnd.choice([*json.loads(text), rs()])
+                text = text.rstrip()[:-1].rstrip() + f", {json.dumps(again)}: {json.dumps(rv())}}}"
+                text = text.replace("{, ", "{", 1)
+                repeated += 1
             if rnd.random() < 0.3:  # a small change that json.loads may refuse
                 k = rnd.randrange(len(text) + 1)
                 text = text[:k] + rnd.choice(bad) + text[k + rnd.randint(0, 2) :]
@@ -1471,10 +1476,9 @@ def test_large_bodies_parse_a_piece_at_a_time_to_what_json_loads_says(monkeypatc
                 continue
             got, spans = parse_big(text, 64)
             assert _same(got, want) and list(got) == list(want), text
-            if spans is not None:
-                assert list(spans) == list(want)
-                assert all(_same(json.loads(text[a:b]), want[k]) for k, (a, b) in spans.items())
-    assert refused > 500
+            assert list(spans) == list(want)  # a repeated key: its last value's span
+            assert all(_same(json.loads(text[a:b]), want[k]) for k, (a, b) in spans.items())
+    assert refused > 500 and repeated > 500
     parse_big('{"a": ' + "[" * 63 + "]" * 63 + "}", 64)
     for deep in ('{"a": ' + "[" * 64 + "]" * 64 + "}", '{"a": ' + '{"b": ' * 64 + "1" + "}" * 65):
         with pytest.raises(BodyTooDeep):
@@ -1500,6 +1504,27 @@ def test_a_33_mib_prompt_string_is_parsed_without_holding_the_gil_long() -> None
         raw, worst = gil_hold(lambda: parse_raw_body(data))  # noqa: B023
         assert raw.obj == body
         assert worst < 0.05, f"parsing held the GIL {worst * 1e3:.0f} ms at a time"
+
+
+def test_an_invalid_33_mib_body_is_refused_without_holding_the_gil_long() -> None:
+    """An invalid body or backend answer of 33 MiB (a bad escape, a missing bracket at the very
+    end): its error came from ``json.loads`` over the whole text (one GIL-holding call, 0.1 s and
+    more); now ``parse_big``'s own one-line reason, a bounded piece per C call all along."""
+    from kvpool.connectors.openai_api import loads_reply, parse_raw_body
+    from kvpool.connectors.proxy_json import loads_ids
+
+    words = (33 << 20) // 5
+    prompt = json.dumps("word " * words)
+    for text in (
+        '{"model": "m", "prompt": ' + prompt[:-1] + '\\x"}',
+        '{"model": "m", "prompt": ' + prompt + ', "max_tokens": 4',
+        '{"tokens": [' + ", ".join(["12345"] * (words // 2)) + "}",
+    ):
+        data = text.encode()
+        for parse in (parse_raw_body, loads_ids, loads_reply):
+            err, worst = gil_hold(lambda: pytest.raises(ValueError, parse, data))  # noqa: B023
+            assert len(str(err.value).splitlines()) == 1, err.value
+            assert worst < 0.05, f"{parse.__name__} held the GIL {worst * 1e3:.0f} ms at a time"
 
 
 #: A vLLM double in its own process for prompts of millions of token ids (its parsing must not
@@ -1703,6 +1728,30 @@ def test_a_non_ascii_prompt_is_sent_on_as_a_view_of_the_clients_bytes() -> None:
         out = {**raw.obj, "x": "ÿ"}
         out.pop("c", None)
         assert json.loads(encode_body(out, raw)) == out
+
+
+def test_a_body_with_a_repeated_key_is_sent_on_as_views_of_the_clients_bytes() -> None:
+    """A top-level key given twice (``json.loads`` keeps the last value): the body's spans were
+    dropped, so each body sent on encoded a 33 MiB prompt again on the event loop; now the
+    repeated key's span is its last value's, copied like any other, and the bodies parse to
+    what ``json.loads`` gives."""
+    from kvpool.connectors.openai_api import encode_body_parts, parse_raw_body, prefill_request_body
+
+    big = json.dumps("word " * ((33 << 20) // 5))
+    for text in (
+        '{"prompt": "x", "model": "m", "prompt": ' + big + ', "max_tokens": 4}',
+        '{"prompt": ' + big + ', "model": "m", "max_tokens": 4, "prompt": ' + big + "}",
+        '{"model": "m", "prompt": "small", "prompt": ' + big + ', "model": "n"}',
+    ):
+        raw = parse_raw_body(text.encode())
+        want = json.loads(text)
+        assert raw.obj == want and list(raw.obj) == list(want)
+        for out in (prefill_request_body(raw.obj), dict(raw.obj)):
+            parts = encode_body_parts(out, raw)
+            assert max(len(p) for p in parts if not isinstance(p, memoryview)) < 1000
+            assert json.loads(b"".join(parts)) == out
+    small = parse_raw_body(b'{"a": [1], "b": 2, "a": [3, 4]}')  # a small body: the same
+    assert small.spans == {"a": (24, 30), "b": (16, 17)} and small.obj == {"a": [3, 4], "b": 2}
 
 
 def test_a_long_prompt_of_token_ids_is_held_as_an_array_and_freed_at_once() -> None:

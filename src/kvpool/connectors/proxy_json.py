@@ -26,7 +26,7 @@ from array import array
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
-__all__ = ["PIECE", "BodyTooDeep", "jsonable", "loads_ids", "parse_big"]
+__all__ = ["PIECE", "BodyTooDeep", "NotAnObject", "jsonable", "loads_ids", "parse_big"]
 
 #: Characters handed to one C call (a string's piece, a flat array's piece): about a millisecond.
 PIECE = 1 << 18
@@ -44,6 +44,10 @@ _NOT_ID = re.compile(r"[^0-9,\s]")
 
 class BodyTooDeep(ValueError):
     """The body nests deeper than the depth given to :func:`parse_big`."""
+
+
+class NotAnObject(ValueError):
+    """The body given to :func:`parse_big` does not start with ``{``."""
 
 
 def _scan_string(text: str, i: int) -> tuple[str, int]:
@@ -106,19 +110,19 @@ def _flat_numbers(text: str, i: int) -> tuple[list[Any] | array[int], int] | Non
         a = b + 1
 
 
-def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]] | None]:
-    """``json.loads(text)`` of a JSON object, with each top-level value's span in ``text`` (None
-    when a key repeats), a bounded piece per C call; an array of over :data:`PIECE` characters
-    of ints in [0, 2**32) (token ids) comes as an ``array('I')`` of them. Raises ValueError with
-    a one-line reason for anything ``json.loads`` refuses or that is not an object,
-    :class:`BodyTooDeep` past ``max_depth`` levels (the top-level object is one)."""
+def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """``json.loads(text)`` of a JSON object, with each top-level value's span in ``text`` (a key
+    that repeats: its last value's, the one ``json.loads`` keeps), a bounded piece per C call;
+    an array of over :data:`PIECE` characters of ints in [0, 2**32) (token ids) comes as an
+    ``array('I')`` of them. Raises ValueError with a one-line reason for anything ``json.loads``
+    refuses or that is not an object (:class:`NotAnObject`), :class:`BodyTooDeep` past
+    ``max_depth`` levels (the top-level object is one)."""
     ws = _WS.match
     i = ws(text, 0).end()
     if not text.startswith("{", i):
-        raise ValueError("request body must be a JSON object")
+        raise NotAnObject("request body must be a JSON object")
     root: dict[str, Any] = {}
     spans: dict[str, tuple[int, int]] = {}
-    repeated = False
     # parents: (container, is object, key in it, start of the child's text)
     stack: list[tuple[Any, bool, Any, int]] = []
     cur: Any = root
@@ -168,7 +172,6 @@ def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tupl
         while True:  # store value in cur, then its separator (closing containers)
             if is_obj:
                 if cur is root:
-                    repeated = repeated or key in cur
                     spans[key] = (start, i)
                 cur[key] = value
             else:
@@ -184,7 +187,7 @@ def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tupl
             if not stack:
                 if ws(text, i).end() != len(text):
                     raise ValueError(f"extra data at char {i}")
-                return root, None if repeated else spans
+                return root, spans
             value = cur
             cur, is_obj, key, start = stack.pop()
 
@@ -192,11 +195,12 @@ def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tupl
 def loads_ids(data: bytes) -> Any:
     """``json.loads(data)`` of a backend's answer (a ``/tokenize`` answer), a bounded piece per
     C call, its long arrays of token ids as ``array('I')`` (:func:`parse_big`, no depth limit:
-    it keeps its own stack); an answer that is not an object is ``json.loads``'s. Called in a
-    thread by the proxy."""
+    it keeps its own stack): an invalid one raises its one-line ValueError (``json.loads`` over
+    the whole text held the GIL as long); an answer that is not an object is ``json.loads``'s.
+    Called in a thread by the proxy."""
     try:
         return parse_big(data.decode("utf-8"), 1 << 30)[0]
-    except ValueError:
+    except (NotAnObject, UnicodeDecodeError):
         return json.loads(data)  # what json.loads says (or parses all the same)
 
 
