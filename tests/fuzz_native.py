@@ -6,7 +6,7 @@ touched, a successful reply stays within bounds, the component still works after
 a summary. ``tests/test_fuzz_native.py`` runs them on the installed build and, in a subprocess, on
 an AddressSanitizer + UBSan build of the same sources::
 
-    python -m tests.fuzz_native {server,client,ingest} SEED N
+    python -m tests.fuzz_native {server,client,ingest,capped} SEED N
 """
 
 from __future__ import annotations
@@ -340,7 +340,82 @@ def fuzz_ingest(seed: int, n: int) -> dict[str, int]:
     return stats
 
 
+def fuzz_ingest_capped(seed: int, n: int) -> dict[str, int]:
+    """The same payloads into indexes capped at a few blocks (``max_blocks`` 8-300), so that most
+    ingests evict: four threads ingest at locations of their own (GPU, CPU) while a fifth
+    matches, reads masks and sizes and clears or removes at random (``ingest`` and ``match``
+    release the GIL: they run at once). Asserts the readers' answers stay in bounds, that an
+    index ends at most at its cap once an ingest has run alone, and that it still stores and
+    matches an honest chain; ``n``: payloads per ingest thread, over all caps."""
+    from kvpool import _conductor
+
+    bs = 16
+    stats = {"payloads": 0, "stored": 0, "evicted": 0, "matches": 0}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    for cap in (8, 37, 300):
+        idx = _conductor.PrefixIndex(bs, 0, 0, cap)
+        done = threading.Event()
+
+        def ingest(t: int, idx: Any = idx, cap: int = cap) -> None:
+            rng, prev = random.Random(seed * 1000 + t * 7 + cap), []
+            try:
+                for _ in range(n // 3):
+                    try:
+                        st = idx.ingest(_payload(rng, prev, bs), t, t + 8, rng.choice([-1, 16]))
+                    except (ValueError, OverflowError, RuntimeError):
+                        continue
+                    with lock:
+                        stats["payloads"] += 1
+                        stats["stored"] += int(st["stored"])
+                        stats["evicted"] += int(st["evicted"])
+            except BaseException as exc:  # noqa: BLE001 -- reported by the main thread
+                errors.append(exc)
+
+        def read(idx: Any = idx, cap: int = cap, done: threading.Event = done) -> None:
+            rng, prev = random.Random(seed + cap), []
+            try:
+                while not done.is_set():
+                    _payload(rng, prev, bs)  # its chains' hashes, for lookups
+                    hs = rng.sample(prev, min(len(prev), rng.randrange(1, 40)))
+                    got = idx.match(hs, 17)
+                    assert len(got) == 17 and all(0 <= c <= len(hs) for c in got), (hs, got)
+                    for h in hs[:4]:
+                        assert idx.mask(h) >> 17 == 0, hex(idx.mask(h))
+                    assert all(idx.location_size(loc) >= 0 for loc in range(17))
+                    r = rng.random()
+                    if r < 0.02:
+                        idx.clear(rng.randrange(17))
+                    elif r < 0.05:
+                        idx.remove(rng.randrange(4), hs[:3])
+                    with lock:
+                        stats["matches"] += 1
+            except BaseException as exc:  # noqa: BLE001 -- reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ingest, args=(t,)) for t in range(4)]
+        reader = threading.Thread(target=read)
+        for th in [*threads, reader]:
+            th.start()
+        for th in threads:
+            th.join()
+        done.set()
+        reader.join()
+        if errors:
+            raise errors[0]
+        toks = list(range(3 * bs))
+        st = idx.ingest(msgpack.packb([0.0, [_stored([11, 12, 13], None, toks, bs, "GPU")], None]), 5, -1, -1)
+        assert st["stored"] == 3 and len(idx) <= cap, (st, len(idx), cap)
+        assert idx.match(idx.hash_tokens(toks, None, None), 6)[5] == 3, "the capped index lost a chain"
+        for loc in range(17):
+            idx.clear(loc)
+        assert len(idx) == 0, len(idx)
+    return stats
+
+
 if __name__ == "__main__":
     kind, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    fn = {"server": fuzz_server, "client": fuzz_client, "ingest": fuzz_ingest}[kind]
+    fn = {"server": fuzz_server, "client": fuzz_client, "ingest": fuzz_ingest, "capped": fuzz_ingest_capped}[
+        kind
+    ]
     print(kind, "ok", fn(seed, count), flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from tests.fuzz_native import fuzz_client, fuzz_ingest, fuzz_server
+from tests.fuzz_native import fuzz_client, fuzz_ingest, fuzz_ingest_capped, fuzz_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SANITIZE = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -O1"
@@ -33,6 +33,11 @@ def test_random_reply_frames_end_in_success_or_a_typed_error() -> None:
 def test_random_kv_event_payloads_are_counted_and_the_index_still_works() -> None:
     st = fuzz_ingest(seed=13, n=20_000)
     assert st["stored"] > 100 and st["malformed"] > 1_000, st
+
+
+def test_capped_indexes_evict_under_concurrent_ingest_and_match() -> None:
+    st = fuzz_ingest_capped(seed=14, n=6_000)
+    assert st["evicted"] > 500 and st["stored"] > 1_000 and st["matches"] > 100, st
 
 
 def _runtime(name: str) -> str:
@@ -85,7 +90,12 @@ def test_the_fuzzers_are_clean_under_address_and_undefined_behavior_sanitizers(t
         UBSAN_OPTIONS="print_stacktrace=1",
     )
     env.pop("PYTHONPATH", None)
-    for kind, seed, n in (("server", 21, 1_500), ("client", 22, 200), ("ingest", 23, 60_000)):
+    for kind, seed, n in (
+        ("server", 21, 1_500),
+        ("client", 22, 200),
+        ("ingest", 23, 60_000),
+        ("capped", 24, 6_000),
+    ):
         proc = subprocess.run(
             [sys.executable, "-c", _BOOT, str(site), str(ROOT), kind, str(seed), str(n)],
             env=env, capture_output=True, text=True, timeout=600,
