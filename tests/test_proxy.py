@@ -1804,6 +1804,23 @@ def test_a_body_over_max_request_bytes_gets_413_and_nothing_is_sent() -> None:
     run(go)
 
 
+def test_an_invalid_body_over_1_mib_gets_a_400_with_a_one_line_reason() -> None:
+    """A client body over 1 MiB (parsed in a thread by ``parse_big``) that is not valid JSON:
+    400 with ``parse_big``'s one-line reason, and it reaches no backend."""
+
+    async def go() -> None:
+        p, d = FakeVllm("p0", "prefill"), FakeVllm("d0", "decode")
+        async with running([p], [d]) as (proxy, client):
+            big = json.dumps("word " * (3 << 18))
+            for text in ('{"model": "m", "prompt": ' + big[:-1] + '\\x"}', '{"prompt": ' + big + ", "):
+                async with client.post(f"{proxy.url}/v1/completions", data=text.encode()) as r:
+                    msg = json.loads(await r.text())["error"]["message"]
+                    assert r.status == 400 and "not valid JSON" in msg and "\n" not in msg, msg
+            assert not p.bodies and not d.bodies
+
+    run(go)
+
+
 def test_a_routed_request_of_millions_of_token_ids_leaves_the_event_loop_free_until_it_is_sent() -> None:
     """With the router on, a 33 MiB request of 3.8M token ids through P/D: from the client's first
     byte until the decode backend has its whole body, the loop never works 20 ms between two
