@@ -22,6 +22,7 @@ from kvpool.errors import (
     ObjectExists,
     ObjectNotFound,
     RegistrationError,
+    StoreError,
     StoreFull,
 )
 from kvpool.store.master import Master
@@ -1548,6 +1549,65 @@ def test_a_get_reply_of_bad_types_fails_the_get_with_a_protocol_error(bad: dict[
             assert isinstance(st.batch_get_into(["k"], [bytearray(8192)], [8192])[0], ProtocolError)
         m._handlers["get"] = real
         assert st.get("k") == value
+
+
+def test_a_get_reply_naming_a_size_no_client_could_hold_fails_that_key_with_a_store_error() -> None:
+    """A master (hostile, or buggy) answers a get with a size past this host's memory: the get
+    fails with a StoreError before anything is allocated (it ended in a MemoryError, no kvpool
+    error), a batch fails that key only, a get into a buffer too small says so; the client goes on."""
+    from kvpool.store.gets import HOST_MEMORY
+
+    with Store.connect(segment_size=4 << 20, location_cache=0) as st:
+        m = st._master
+        big, small = pattern(100 << 10, 1), pattern(5000, 2)
+        st.put("big", big)
+        st.put("small", small)
+        real = m._handlers["get"]
+
+        def get(req: dict[str, object], sess: dict[str, object]) -> dict[str, object]:
+            reply = real(req, sess)
+            for key, r in zip(req["keys"], reply["results"], strict=True):  # type: ignore[call-overload]
+                if key == "big":
+                    r[1]["size"] = max(HOST_MEMORY + 1, 1 << 62)
+            return reply
+
+        m._handlers["get"] = get
+        with pytest.raises(StoreError, match="memory"):
+            st.get("big")
+        got = st._get(["big", "small"], [None, None])
+        assert isinstance(got[0], StoreError) and got[1] == small
+        with pytest.raises(InvalidArgument, match="too small"):
+            st.get_into("big", bytearray(200 << 10))
+        m._handlers["get"] = real
+        assert st.get("big") == big
+
+
+def test_a_value_that_cannot_be_allocated_fails_its_key_with_a_store_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The allocation of a value read into new bytes fails (MemoryError: this client is out of
+    memory): that key fails with a StoreError, the other keys of
+    its batch are read; a MemoryError ended the get, or the whole batch."""
+    with Store.connect(segment_size=8 << 20, location_cache=0) as st:
+        a, b, small = pattern(100 << 10, 1), pattern(200 << 10, 2), pattern(5000, 3)
+        for k, v in (("a", a), ("b", b), ("small", small)):
+            st.put(k, v)
+        real, calls = _native.new_bytes, []
+
+        def new_bytes(n: int) -> object:
+            calls.append(n)
+            if n == len(a):
+                raise MemoryError
+            return real(n)
+
+        monkeypatch.setattr(_native, "new_bytes", new_bytes)
+        with pytest.raises(StoreError, match="no memory"):
+            st.get("a")
+        assert calls == [len(a)]
+        got = st._get(["a", "b", "small"], [None, None, None])
+        assert isinstance(got[0], StoreError) and got[1] == b and got[2] == small
+        monkeypatch.setattr(_native, "new_bytes", real)
+        assert st.get("a") == a
 
 
 def test_reservations_the_heartbeat_thread_tops_up_name_their_mounts() -> None:

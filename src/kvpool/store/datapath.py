@@ -33,6 +33,7 @@ from kvpool.errors import (
     ObjectCorrupt,
     RegistrationError,
     RemoteAccessError,
+    StoreError,
     TransferError,
 )
 from kvpool.store.layout import (
@@ -107,6 +108,14 @@ class ReadJob:
     # could not say which mount or replica it read); the caller asks the master, whose
     # replicas the next read reports by their ids
     cached: bool = False
+    oom: bool = False  # the value could not be allocated here: no other replica or copy is tried
+
+
+def _no_room(j: ReadJob) -> StoreError:
+    """The error of a read whose value could not be allocated (MemoryError): that key fails
+    with a kvpool error, its batch goes on."""
+    j.oom = True
+    return StoreError(f"no memory for the {j.size} bytes of {j.key!r} on this client")
 
 
 def _mem(addr: int, size: int) -> memoryview:
@@ -461,7 +470,7 @@ class DataPath:
             self._attempt(epoch, first, 0)
         for j in first:
             i = 1
-            while j.error is not None and not j.retry and i < len(j.replicas):
+            while j.error is not None and not j.retry and not j.oom and i < len(j.replicas):
                 j.error = None
                 self._read_one(epoch, j, i)
                 i += 1
@@ -482,7 +491,11 @@ class DataPath:
                     vaddr, out = j.dest[0], None
                 else:
                     # a fresh bytes object, registered for the call by the native call itself
-                    out, vaddr = _native.new_bytes(j.size)
+                    try:
+                        out, vaddr = _native.new_bytes(j.size)
+                    except MemoryError:
+                        j.error = _no_room(j)
+                        return
                     scratch = (vaddr, j.size, False)
                 haddr, hregion, token = self.staging.take(HEADER_SIZE)
                 tokens.append(token)
@@ -531,7 +544,11 @@ class DataPath:
                 if j.dest is not None:
                     vaddr, out = j.dest[0], None
                 else:
-                    vaddr, out, token = self.staging.sink(j.size)
+                    try:
+                        vaddr, out, token = self.staging.sink(j.size)
+                    except MemoryError:
+                        j.error = _no_room(j)
+                        continue
                     tokens.append(token)
                 ops += (READ, READ)
                 locs += (vaddr, hbase + hpos)

@@ -10,12 +10,13 @@ of ``Store`` in the caller's thread (``_flush_releases_idle`` from its heartbeat
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvpool._rpc import RpcClient
-from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound, ProtocolError
+from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound, ProtocolError, StoreError
 from kvpool.store.client_base import ClientBase, _err
 from kvpool.store.datapath import ReadJob, copy_out, host_view
 from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
@@ -32,6 +33,19 @@ LOCAL_READ_MAX = 8 << 20
 
 
 _U64 = 1 << 64
+
+
+def _host_memory() -> int:
+    """Bytes of this host's physical memory: a value larger can never be held here."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return _U64
+
+
+# A get into new bytes of an object larger than this fails that key with a StoreError before
+# anything is allocated: the size is the master's word (a hostile or buggy one could name any).
+HOST_MEMORY = _host_memory()
 
 
 def _u64(x: Any) -> bool:
@@ -192,6 +206,8 @@ class GetPath(ClientBase):
                 out[i] = InvalidArgument(
                     f"buffer of {dest[1]} bytes is too small for {keys[i]!r} ({size} bytes)"
                 )
+            elif dest is None and size > HOST_MEMORY:
+                out[i] = StoreError(f"{keys[i]!r} is {size} bytes: more than this host's memory")
             else:
                 jobs.append((i, ReadJob(keys[i], size, info["gen"], info["checksum"], info["replicas"], dest,
                                         deadline), info))  # fmt: skip
@@ -207,7 +223,7 @@ class GetPath(ClientBase):
                     self._remember_read(j, epoch)
             elif j.retry and not last:
                 again.append(i)
-            elif info["ssd"] is not None and not j.retry:
+            elif info["ssd"] is not None and not j.retry and not j.oom:
                 out[i] = self._get_from_ssd(keys[i], info, dests[i])
             else:
                 out[i] = j.error
@@ -275,7 +291,10 @@ class GetPath(ClientBase):
             return ObjectNotFound(f"object {key!r} has no readable copy")
         path, host, checksum = info["ssd"]
         why: list[str] = []
-        data = read_ssd_file(path, key, info["size"], checksum, why)
+        try:
+            data = read_ssd_file(path, key, info["size"], checksum, why)
+        except MemoryError:
+            return StoreError(f"no memory for the {info['size']} bytes of {key!r} on this client")
         if data is None:
             # The copy's own host read it and it is bad: the master lets go of it (else the key
             # stayed taken by an object nobody can read: every put of it was refused). Missing,
