@@ -597,3 +597,30 @@ def test_prefill_context_parallel_is_refused(tiny_llama: Path) -> None:  # noqa:
     for half in (_StoreScheduler, _StoreWorker):
         with pytest.raises(ConfigError, match="prefill_context_parallel_size"):
             half(cfg, vc, None) if half is _StoreWorker else half(cfg, vc)
+
+
+def test_a_block_is_a_hit_only_when_every_tp_rank_committed_it(tiny_llama: Path, master: str) -> None:  # noqa: F811
+    """Each TP rank writes its own commit marker once its own shard is stored; the scheduler's
+    lookup needs every rank's: rank 0's alone (another rank's save failed) made a hit whose load
+    failed on that rank, recomputed after a wasted load, every time the prefix came back."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import _StoreScheduler, namespace_for
+    from tests.vllm_sched import vllm_config
+
+    cfg = VllmConnectorConfig(master=master, model_tag="tp-" + hashlib.sha1(b"tp2").hexdigest()[:8])
+    vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master}, 4)
+    vc.parallel_config.tensor_parallel_size = 2
+    sched = _StoreScheduler(cfg, vc)
+    try:
+        ns0, ns1 = sched.namespace, namespace_for(cfg, vc, 1)
+        assert ns0 != ns1
+        keys = block_keys(ns0, PROMPT, 32)
+        with Store.connect(master=master, segment_size=0) as st:
+            st.batch_put([keys[0], keys[1], ns1 + keys[1][len(ns0) :]], [b"m"] * 3)  # rank 1 lacks block 0
+        lookup = sched._lookups.submit(keys + [ns0 + "/missing"])
+        deadline = time.monotonic() + 10
+        while not lookup.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lookup.error is None and lookup.found == [False, True, False]
+    finally:
+        sched.close()

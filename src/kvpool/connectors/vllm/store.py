@@ -281,9 +281,9 @@ class _StoreScheduler:
         self.namespace = namespace_for(cfg, vllm_config, 0)
         _check_master(cfg)
         self.breaker = Breaker(f"kvpool store master {cfg.master}", cfg.store_retry_s)
-        self._lookups = AsyncLookups(
-            lambda: _connect(cfg, 0, 1 << 16), lambda store, keys: store.batch_exists(keys)
-        )
+        # Every TP rank writes its own marker once its own objects are stored: a hit needs all.
+        self._rank_ns = [namespace_for(cfg, vllm_config, r) for r in range(1, self.tp_size)]
+        self._lookups = AsyncLookups(lambda: _connect(cfg, 0, 1 << 16), self._committed)
         self._pending: dict[str, Lookup] = {}  # req -> its lookup (until allocated or finished)
         self._probe: Lookup | None = None
         self._hits: dict[str, tuple[int, list[str]]] = {}  # req -> (local computed tokens, hit keys)
@@ -300,6 +300,16 @@ class _StoreScheduler:
         self._lw = LayerwiseSaveScheduler(self.block_size) if cfg.layerwise else None
         self._reqs: dict[str, Any] = {}  # layer-wise: req -> its Request (keys of its blocks)
         self.events = StoreEvents(vllm_config)
+
+    def _committed(self, store: Store, keys: list[str]) -> list[bool]:
+        """The lookup thread, per batch of lookups: whether every TP rank committed each block
+        (its marker in each rank's namespace). Rank 0's marker alone made a hit whose load failed
+        on a rank that had not stored its shard (recomputed, but a wasted load each time)."""
+        if not self._rank_ns:
+            return store.batch_exists(keys)
+        n, m = len(self.namespace), len(keys)
+        found = store.batch_exists(keys + [ns + k[n:] for ns in self._rank_ns for k in keys])
+        return [all(found[i + r * m] for r in range(self.tp_size)) for i in range(m)]
 
     @property
     def store(self) -> Store | None:
