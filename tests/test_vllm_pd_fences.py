@@ -61,15 +61,27 @@ def _finished(d: Instance, rid: str, steps: int = 300, other: Instance | None = 
     raise AssertionError(f"{rid} still {d.scheduler.requests[rid].status} after {steps} steps")
 
 
+def _prefill(p: Instance, rid: str, prompt: list[int]) -> dict[str, Any]:
+    """Add a one-token prefill request ``rid`` to ``p``, run one step; its kv_transfer_params."""
+    p.add(rid, prompt, 1, {"do_remote_decode": True})
+    _, o = p.step()
+    return o[rid].kv_transfer_params
+
+
+def _assert_refused(d: Instance, rid: str, out: Any, failure: str, prompt: list[int] = PROMPT) -> None:
+    """The decode's load of ``rid`` failed once with ``failure``; if it recomputed, from the right KV."""
+    assert _failures(d).get(failure) == 1, _failures(d)
+    if out is not None and out.new_token_ids:  # recomputed: then from the right KV
+        assert _kv_ok(d, rid, prompt)
+
+
 def test_a_second_read_of_blocks_the_prefill_already_freed_is_not_confirmed(tiny_llama: Path) -> None:  # noqa: F811
     """Two decode requests carry the same kv_transfer_params (vLLM copies them into every child
     of an n > 1 request; a client may retry). The first read frees the prefill's blocks, another
     prefill request reuses them; the second read must fail (recompute), not be confirmed "held"."""
     p, d = _pd(tiny_llama)
     try:
-        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        params = o["p1"].kv_transfer_params
+        params = _prefill(p, "p1", PROMPT)
         d.add("d1", PROMPT, 2, copy.deepcopy(params))
         d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
         p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the done notice freed p1's blocks
@@ -77,9 +89,7 @@ def test_a_second_read_of_blocks_the_prefill_already_freed_is_not_confirmed(tiny
         p.step()  # p2 computes into the freed blocks
         d.add("d2", PROMPT, 2, copy.deepcopy(params))
         out = _finished(d, "d2")
-        assert _failures(d).get("PrefillFreed") == 1
-        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
-            assert _kv_ok(d, "d2", PROMPT)
+        _assert_refused(d, "d2", out, "PrefillFreed")
     finally:
         d.close()
         p.close()
@@ -157,9 +167,7 @@ def test_hostile_peers_do_not_kill_the_load_threads(
             _finished(d, f"evil{i}")
         lanes = d.worker._worker._lane_list
         assert len(lanes) == 1 and lanes[0].thread.is_alive()
-        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        d.add("good", PROMPT, 2, o["p1"].kv_transfer_params)
+        d.add("good", PROMPT, 2, _prefill(p, "p1", PROMPT))
         out = _finished(d, "good", other=p)
         assert out is not None and out.new_token_ids and out.finish_reason != "error"
         assert _kv_ok(d, "good", PROMPT)
@@ -180,9 +188,7 @@ def test_a_kv_dtype_that_differs_fails_the_load(tiny_llama: Path) -> None:  # no
     )
     try:
         assert p.worker._worker.kv_layout.dtype != d.worker._worker.kv_layout.dtype
-        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        d.add("d1", PROMPT, 2, o["p1"].kv_transfer_params)
+        d.add("d1", PROMPT, 2, _prefill(p, "p1", PROMPT))
         _finished(d, "d1")
         assert _failures(d).get("ReshardError") == 1, _failures(d)
         assert d.worker._worker.loaded_blocks == 0
@@ -242,18 +248,14 @@ def test_a_read_from_a_restarted_prefill_with_the_same_engine_id_fails(tiny_llam
     p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
     d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
     try:
-        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        params = o["p1"].kv_transfer_params
+        params = _prefill(p, "p1", PROMPT)
         p.close()
         p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
         p.add("p2", [(i * 11) % 450 + 5 for i in range(90)], 1, {"do_remote_decode": True})
         p.step()  # the new instance's blocks hold another prompt's KV
         d.add("d1", PROMPT, 2, copy.deepcopy(params))
         out = _finished(d, "d1", other=p)
-        assert _failures(d).get("Unconfirmed") == 1
-        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
-            assert _kv_ok(d, "d1", PROMPT)
+        _assert_refused(d, "d1", out, "Unconfirmed")
     finally:
         d.close()
         p.close()
@@ -284,15 +286,11 @@ def test_params_of_a_shorter_prompt_in_as_many_blocks_fail_the_load(tiny_llama: 
     remote_num_tokens tells: the load is refused (recomputed), not read."""
     p, d = _pd(tiny_llama)
     try:
-        p.add("p1", PROMPT[:70], 1, {"do_remote_decode": True})
-        _, o = p.step()
-        params = o["p1"].kv_transfer_params
+        params = _prefill(p, "p1", PROMPT[:70])
         assert params["remote_num_tokens"] == 70 and len(params["remote_block_ids"]) == 3
         d.add("d1", PROMPT, 2, params)
         out = _finished(d, "d1", other=p)
-        assert _failures(d).get("BlocksMismatch") == 1
-        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
-            assert _kv_ok(d, "d1", PROMPT)
+        _assert_refused(d, "d1", out, "BlocksMismatch")
         p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the prefill was still told "done"
     finally:
         d.close()
@@ -305,9 +303,7 @@ def test_a_read_after_the_prefill_slept_and_woke_is_not_confirmed(tiny_llama: Pa
     decode reading them then must fail (recompute), not be confirmed "held"."""
     p, d = _pd(tiny_llama)
     try:
-        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        params = o["p1"].kv_transfer_params
+        params = _prefill(p, "p1", PROMPT)
         p.step()  # the worker holds p1's blocks (vLLM sleeps an idle engine)
         assert "p1" in p.worker._worker._pending_send
         p.worker.unregister_kv_caches()
@@ -315,9 +311,7 @@ def test_a_read_after_the_prefill_slept_and_woke_is_not_confirmed(tiny_llama: Pa
         p.worker.restore_kv_caches(p.kv)
         d.add("d1", PROMPT, 2, params)
         out = _finished(d, "d1", other=p)
-        assert _failures(d).get("PrefillFreed") == 1
-        if out is not None and out.new_token_ids:  # recomputed: then from the right KV
-            assert _kv_ok(d, "d1", PROMPT)
+        _assert_refused(d, "d1", out, "PrefillFreed")
     finally:
         d.close()
         p.close()
@@ -332,9 +326,7 @@ def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(tiny
     p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
     d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
     try:
-        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        d.add("d1", PROMPT, 2, o["p1"].kv_transfer_params)
+        d.add("d1", PROMPT, 2, _prefill(p, "p1", PROMPT))
         assert _finished(d, "d1", other=p).new_token_ids and _kv_ok(d, "d1", PROMPT)
         old = d.worker._worker._remotes[("127.0.0.1", port)]
         p.close()
@@ -343,16 +335,12 @@ def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(tiny
         prompt = [(i * 11) % 450 + 5 for i in range(90)]
         # the first load after the restart may fail on the side-channel connection to the old
         # instance (closed by it): then recomputed, never read from the old layout
-        p.add("p2", PROMPT, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        d.add("d2", PROMPT, 2, o["p2"].kv_transfer_params)
+        d.add("d2", PROMPT, 2, _prefill(p, "p2", PROMPT))
         out = _finished(d, "d2", other=p)
         if out is not None and out.new_token_ids:
             assert _kv_ok(d, "d2", PROMPT)
         before = _failures(d)
-        p.add("p3", prompt, 1, {"do_remote_decode": True})
-        _, o = p.step()
-        d.add("d3", prompt, 2, o["p3"].kv_transfer_params)
+        d.add("d3", prompt, 2, _prefill(p, "p3", prompt))
         out = _finished(d, "d3", other=p)
         assert _failures(d) == before and out.new_token_ids and _kv_ok(d, "d3", prompt)
         assert d.worker._worker._remotes[("127.0.0.1", port)] is not old
