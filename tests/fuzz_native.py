@@ -404,12 +404,15 @@ def fuzz_ingest_capped(seed: int, n: int) -> dict[str, int]:
         if errors:
             raise errors[0]
         toks = list(range(3 * bs))
-        st = idx.ingest(msgpack.packb([0.0, [_stored([11, 12, 13], None, toks, bs, "GPU")], None]), 5, -1, -1)
-        assert st["stored"] == 3 and len(idx) <= cap, (st, len(idx), cap)
-        assert idx.match(idx.hash_tokens(toks, None, None), 6)[5] == 3, "the capped index lost a chain"
+        chain = msgpack.packb([0.0, [_stored([11, 12, 13], None, toks, bs, "GPU")], None])
+        st = idx.ingest(chain, 5, -1, -1)  # alone: the index ends at most at its cap (this chain's
+        assert st["stored"] == 3 and len(idx) <= cap, (st, len(idx), cap)  # blocks may go too)
         for loc in range(17):
             idx.clear(loc)
-        assert len(idx) == 0, len(idx)
+        assert len(idx) == 0, len(idx)  # the counts stayed consistent through the churn
+        st = idx.ingest(chain, 5, -1, -1)
+        assert st["stored"] == 3 and st["evicted"] == 0 and len(idx) == 3, (st, len(idx))
+        assert idx.match(idx.hash_tokens(toks, None, None), 6)[5] == 3, "the capped index lost a chain"
     return stats
 
 
