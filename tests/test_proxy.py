@@ -1379,9 +1379,9 @@ def test_a_large_tokenize_request_and_answer_leave_the_event_loop_free() -> None
     ],
 )
 def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
-    """``loads_reply`` (long flat arrays cut at commas, a piece per C call) is ``json.loads``:
+    """``loads_ids`` (long flat arrays cut at commas, a piece per C call) is ``json.loads``:
     the same value, the same refusals, whatever the pieces hold."""
-    from kvpool.connectors.openai_api import loads_reply
+    from kvpool.connectors.proxy_json import loads_ids
 
     data = ('{"x": 1, "tokens": ' + text + ', "y": [1]}').encode()
     assert len(text) > 1 << 18  # longer than a piece
@@ -1389,9 +1389,9 @@ def test_replies_parse_in_pieces_to_what_json_loads_says(text: str) -> None:
         want = json.loads(data)
     except ValueError:
         with pytest.raises(ValueError):
-            loads_reply(data)
+            loads_ids(data)
         return
-    assert _same(loads_reply(data), want)
+    assert _same(loads_ids(data), want)
 
 
 def gil_hold(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -1510,7 +1510,7 @@ def test_an_invalid_33_mib_body_is_refused_without_holding_the_gil_long() -> Non
     """An invalid body or backend answer of 33 MiB (a bad escape, a missing bracket at the very
     end): its error came from ``json.loads`` over the whole text (one GIL-holding call, 0.1 s and
     more); now ``parse_big``'s own one-line reason, a bounded piece per C call all along."""
-    from kvpool.connectors.openai_api import loads_reply, parse_raw_body
+    from kvpool.connectors.openai_api import parse_raw_body
     from kvpool.connectors.proxy_json import loads_ids
 
     words = (33 << 20) // 5
@@ -1521,7 +1521,7 @@ def test_an_invalid_33_mib_body_is_refused_without_holding_the_gil_long() -> Non
         '{"tokens": [' + ", ".join(["12345"] * (words // 2)) + "}",
     ):
         data = text.encode()
-        for parse in (parse_raw_body, loads_ids, loads_reply):
+        for parse in (parse_raw_body, loads_ids):  # loads_off_loop parses answers by loads_ids
             err, worst = gil_hold(lambda: pytest.raises(ValueError, parse, data))  # noqa: B023
             assert len(str(err.value).splitlines()) == 1, err.value
             assert worst < 0.05, f"{parse.__name__} held the GIL {worst * 1e3:.0f} ms at a time"

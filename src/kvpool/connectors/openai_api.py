@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpool.connectors.proxy_json import BodyTooDeep, NotAnObject, jsonable, loads_ids, parse_big
+from kvpool.connectors.proxy_json import PIECE, BodyTooDeep, NotAnObject, jsonable, loads_ids, parse_big
 
 __all__ = [
     "ERROR_TYPES",
@@ -36,7 +36,6 @@ __all__ = [
     "error_response",
     "error_text",
     "loads_off_loop",
-    "loads_reply",
     "parse_body",
     "parse_raw_body",
     "read_body_chunks",
@@ -113,35 +112,6 @@ class RawBody:
 
 _WS = re.compile(r"[ \t\n\r]*")
 _scan_once = json.JSONDecoder().scan_once  # the C scanner behind json.loads
-#: Characters of a long flat array (token ids) parsed per C call: json's scanner holds the GIL for
-#: a whole value, so a thread parsing a 30 MiB array held the event loop as long (0.2 s).
-_PIECE = 1 << 18
-
-
-def _scan_value(text: str, i: int) -> tuple[Any, int]:
-    """``scan_once(text, i)``; a long array without nested arrays is parsed a piece (about
-    :data:`_PIECE` characters, cut at commas) at a time, so that a thread parsing it lets the
-    event loop run between pieces. The pieces being valid element lists makes the commas they
-    were cut at the array's own, so the result is scan_once's; any doubt falls back to it."""
-    if text.startswith("[", i):
-        end = text.find("]", i)
-        if end - i > _PIECE:
-            out: list[Any] = []
-            a = i + 1
-            try:
-                while True:
-                    b = text.find(",", min(a + _PIECE, end), end)
-                    b = end if b < 0 else b
-                    part = json.loads("[" + text[a:b] + "]")
-                    if not part:  # "[1,]", "[1,,2]": let scan_once say what is wrong
-                        raise ValueError("empty element")
-                    out += part
-                    if b == end:
-                        return out, end + 1
-                    a = b + 1
-            except (ValueError, RecursionError):
-                pass
-    return _scan_once(text, i)
 
 
 def _scan_object(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
@@ -167,7 +137,7 @@ def _scan_object(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]
                 raise ValueError("expected ':'")
             i = ws(text, i + 1).end()
             try:
-                value, end = _scan_value(text, i)
+                value, end = _scan_once(text, i)
             except StopIteration:
                 raise ValueError("expected a value") from None
             obj[key] = value
@@ -182,17 +152,6 @@ def _scan_object(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]
     if ws(text, i).end() != len(text):
         raise ValueError("extra data")
     return obj, spans
-
-
-def loads_reply(data: bytes) -> Any:
-    """``json.loads(data)`` of a backend's answer over :data:`THREAD_PARSE_BYTES` (a prefill
-    answer, read for its ``kv_transfer_params``), parsed in a thread by
-    :func:`~kvpool.connectors.proxy_json.loads_ids`: a bounded piece per C call, so that the
-    thread leaves the event loop free (json's scanner held the GIL over a whole long string, and
-    an invalid answer's error came from ``json.loads`` over the whole text: 0.15 s per 33 MiB);
-    long arrays of token ids come as ``array('I')``. An invalid object raises a one-line
-    ValueError."""
-    return loads_ids(data)
 
 
 #: Answers longer than this are parsed in a thread (shorter ones take the loop under ~5 ms).
@@ -243,14 +202,15 @@ class BodyParts:
         return body_pieces(self.parts)
 
 
-async def loads_off_loop(data: bytes, ids: bool = False) -> Any:
+async def loads_off_loop(data: bytes) -> Any:
     """A backend's JSON answer parsed (the proxy's event loop awaits it): a small one at once,
-    one over :data:`THREAD_PARSE_BYTES` by :func:`loads_reply` in a thread (``ids``: by
-    :func:`kvpool.connectors.proxy_json.loads_ids`, long arrays of token ids as ``array('I')``,
-    for a ``/tokenize`` answer). Raises what ``json.loads`` raises."""
+    one over :data:`THREAD_PARSE_BYTES` in a thread by
+    :func:`kvpool.connectors.proxy_json.loads_ids` (a bounded piece per C call, so the thread
+    leaves the loop free; long arrays of token ids as ``array('I')``; an invalid object raises a
+    one-line ValueError). Raises what ``json.loads`` raises."""
     if len(data) <= THREAD_PARSE_BYTES:
         return json.loads(data)
-    return await asyncio.to_thread(loads_ids if ids else loads_reply, data)
+    return await asyncio.to_thread(loads_ids, data)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -326,8 +286,8 @@ def _byte_spans(text: str, spans: dict[str, tuple[int, int]]) -> dict[str, tuple
     at: dict[int, int] = {}
     pos = off = 0
     for p in sorted({p for span in spans.values() for p in span}):
-        for a in range(pos, p, _PIECE):
-            off += len(text[a : min(a + _PIECE, p)].encode())
+        for a in range(pos, p, PIECE):
+            off += len(text[a : min(a + PIECE, p)].encode())
         pos, at[p] = p, off
     return {k: (at[a], at[b]) for k, (a, b) in spans.items()}
 

@@ -379,7 +379,7 @@ class PDProxy(StreamHalves):
                 resp.close()  # the rest is never read: this connection is not reused
                 _log.info("backend %s answered /tokenize with more than %d bytes", b.url, limit)
                 return None
-        return await loads_off_loop(data, ids=True)  # millions of ids: an array('I')
+        return await loads_off_loop(data)  # millions of ids: an array('I')
 
     async def _route(
         self, raw: RawBody, path: str, rkey: str, request_id: str
