@@ -8,6 +8,8 @@ per block and plane):
 - ``whole``: one range of 1 MiB / 64 MiB / 512 MiB, GPU -> GPU (targets >= 100 / - / 1,000 GB/s);
 - ``host``: 16 MiB and 64 MiB between our GPU and the peer's shared host memory (target >= 40 GB/s);
 - ``limit``: one cuMemcpy of the contiguous 128 MiB inside the peer's mapped memory (the ceiling);
+- ``store``: ``Store.get_into`` / ``put_from`` of 1 MiB values between a GPU buffer and a same-host
+  storage process (target: get_into >= 20 GB/s);
 - ``tcp``: ``protocol="tcp"`` (no CUDA IPC): 64 MiB GPU -> peer GPU and back (staged on both sides),
   GPU -> peer host 16 MiB (the issue's "before" anchor: 6.2 GB/s), and host -> peer host 64 MiB in the
   same run (target: GPU <-> GPU over TCP >= 80 % of host <-> host).
@@ -55,6 +57,46 @@ def serve() -> None:
     eng.close()
 
 
+class Figures(dict):
+    """The figures, each printed as it is measured (a later step that hangs or fails on a GPU
+    leaves the earlier ones in the log)."""
+
+    def __setitem__(self, key: str, value: float) -> None:
+        super().__setitem__(key, value)
+        print(f"{key} = {value:.4g}", flush=True)
+
+
+def _store(drv, reps: int) -> dict[str, float]:  # noqa: ANN001 - the driver
+    """Store put_from / get_into of 1 MiB values between a GPU buffer here and a same-host storage
+    process's shared memory (target: get_into >= 20 GB/s)."""
+    from kvpool import Store
+    from kvpool.store.procs import MasterProcess, StorageProcess
+
+    out = Figures()
+    size, n = 1 << 20, 64
+    with MasterProcess() as m, StorageProcess(m.address, 512 << 20):
+        st = Store.connect(master=m.address, segment_size=0)
+        try:
+            g = drv.alloc(n * size, 0)
+            st.register_buffer(g, n * size, location="cuda:0")
+            keys = [f"v{k}" for k in range(n)]
+            addrs = [g + k * size for k in range(n)]
+            for k, a in zip(keys, addrs):
+                st.put_from(k, a, size)
+            t = _time(lambda: [st.get_into(k, a, size) for k, a in zip(keys, addrs)], reps)
+            out["store_get_into_gpu_1MiB_GBps"] = n * size / t / 1e9
+            if hasattr(st, "batch_get_into"):
+                t = _time(lambda: st.batch_get_into(keys, addrs, [size] * n), reps)
+                out["store_batch_get_into_gpu_64x1MiB_GBps"] = n * size / t / 1e9
+            st.remove_all()
+            t = _time(lambda: [st.put_from(k, a, size) or st.remove(k) for k, a in zip(keys, addrs)], 3)
+            out["store_put_from_gpu_1MiB_GBps_with_remove"] = n * size / t / 1e9
+        finally:
+            st.remove_all()
+            st.close()
+    return out
+
+
 def _time(fn, reps: int) -> float:  # noqa: ANN001 - a no-argument callable
     fn()  # warm: mappings opened, kernel loaded
     best = float("inf")
@@ -67,7 +109,7 @@ def _time(fn, reps: int) -> float:  # noqa: ANN001 - a no-argument callable
 
 def _tcp(drv, info: dict, mine: int, reps: int) -> dict[str, float]:  # noqa: ANN001 - the driver
     """The TCP figures (an engine that initiates over TCP only: GPU memory staged on both sides)."""
-    out: dict[str, float] = {}
+    out: dict[str, float] = Figures()
     size = 64 << 20
     with TransferEngine(protocol="tcp") as eng:
         g = drv.alloc(size, 0)
@@ -104,7 +146,7 @@ def main() -> None:
         [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     info = json.loads(peer.stdout.readline())
-    out: dict[str, float] = {}
+    out: dict[str, float] = Figures()
     try:
         with TransferEngine() as eng:
             mine = drv.alloc(CACHE, 0)
@@ -116,6 +158,8 @@ def main() -> None:
             t = _time(lambda: eng.batch_transfer_sync(name, src, dst, [BLOCK] * NBLOCKS), a.reps)
             out["scattered_4096x32KiB_ms"] = t * 1e3
             out["scattered_GBps"] = NBLOCKS * BLOCK / t / 1e9
+            t = _time(lambda: eng.batch_transfer_sync(name, src, dst, [BLOCK] * NBLOCKS, OpCode.READ), a.reps)
+            out["scattered_read_4096x32KiB_ms"] = t * 1e3
             for size in (1 << 20, 64 << 20, 512 << 20):
                 t = _time(lambda s=size: eng.transfer_sync(name, mine, info["gpu"], s), a.reps)
                 out[f"whole_{size >> 20}MiB_GBps"] = size / t / 1e9
@@ -134,7 +178,11 @@ def main() -> None:
 
             t = _time(limit, a.reps)
             out["limit_contiguous_128MiB_ms"] = t * 1e3
-        out.update(_tcp(drv, info, mine, a.reps))
+        for step in (_tcp, _store):
+            try:  # one failing section must not hide the others' figures
+                out.update(step(drv, info, mine, a.reps) if step is _tcp else step(drv, a.reps))
+            except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                print(f"{step.__name__[1:]}: FAILED {type(exc).__name__}: {exc}", flush=True)
     finally:
         peer.stdin.close()
         peer.wait(30)

@@ -30,12 +30,21 @@ run)
     tail -n 20 "$OUT/$name.log"
   }
   step gpu 20 nvidia-smi
-  step deps 60 python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/whl/*.whl
+  export PYTHONUNBUFFERED=1
+  step deps 30 python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/whl/*.whl
   export PYTHONPATH=/tmp/site
-  step build 150 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/kv .
+  step build 120 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/kv .
   export PYTHONPATH=/tmp/kv:/tmp/site
-  step suite 180 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/test_gpu_real.py
+  step suite 150 python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/test_gpu_real.py
   step bench 150 python3 benchmarks/gpu_kv.py --reps 10 --json "$OUT/gpu_kv.json"
+  # kvpool bench transfer: CUDA IPC (auto) and TCP with GPU memory on both sides next to host <->
+  # host TCP in the same run (issue 10: GPU over TCP >= 80 % of host, >= 3x Mooncake's 1.35 GB/s)
+  kv() { python3 -c 'import sys; from kvpool.cli import main; sys.exit(main())' bench transfer \
+           --duration 2 --json --quiet "$@"; }
+  step cli 90 bash -c "$(declare -f kv); set -x
+    kv --protocol auto --location cuda:0 --remote-location cuda:0 --block-size 1M 64M --threads 1
+    kv --protocol tcp --location cuda:0 --remote-location cuda:0 --block-size 1M --threads 2
+    kv --protocol tcp --block-size 1M --threads 2"
   ;;
 *)
   echo "usage: bash scripts/gpu_session.sh prepare|run" >&2

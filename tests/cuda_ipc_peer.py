@@ -1,6 +1,7 @@
 """A target process for the CUDA IPC tests (run with KVPOOL_CUDA_DRIVER pointing at the fake
 driver), ``cuda_ipc_peer.py NBUFS SIZE [PORT]``: registers GPU buffers, one shared host buffer and
-one plain host buffer (no GPU copy reaches it: staged), prints one JSON line
+one plain host buffer (no GPU copy reaches it: staged; with ``KVPOOL_TEST_PEER_ALLOC=torch`` on a real
+GPU the GPU buffers are slices of one torch tensor, 4 KiB past its start), prints one JSON line
 {"name", "gpu": [addr...], "shm": addr, "host": addr}, then answers stdin commands one line each:
 ``dump ADDR LEN`` -> hex sha256 of the bytes; ``fill ADDR LEN SEED`` -> ok; ``unregister ADDR`` ->
 ok or the error; ``exit``."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,10 +60,21 @@ def main() -> None:
     assert drv is not None, "the fake CUDA driver did not load"
     eng = TransferEngine(timeout_s=5.0, port=port)
     gpu = []
-    for k in range(nbufs):
-        p = drv.alloc(size, k % drv.count)
-        eng.register_local_memory(p, size, location=f"cuda:{k % drv.count}")
-        gpu.append(p)
+    keep = []
+    if os.environ.get("KVPOOL_TEST_PEER_ALLOC") == "torch":  # real GPU only: torch's caching allocator
+        import torch  # one tensor, buffers 4 KiB past its start: inside one cudaMalloc block
+
+        big = torch.zeros(nbufs * size + 4096, dtype=torch.uint8, device="cuda:0")
+        keep.append(big)
+        for k in range(nbufs):
+            t = big[4096 + k * size : 4096 + (k + 1) * size]
+            eng.register_local_memory(t)
+            gpu.append(t.data_ptr())
+    else:
+        for k in range(nbufs):
+            p = drv.alloc(size, k % drv.count)
+            eng.register_local_memory(p, size, location=f"cuda:{k % drv.count}")
+            gpu.append(p)
     shm = eng.alloc_shared_buffer(size)
     shm_addr = _native.buffer_address(shm)[0]
     host = bytearray(size)

@@ -161,3 +161,53 @@ def test_store_get_into_gpu(drv) -> None:  # noqa: ANN001
         finally:
             st.remove_all()
             st.close()
+
+
+def test_torch_tensors_inside_one_allocation(drv) -> None:  # noqa: ANN001
+    """vLLM/SGLang register torch tensors: the caching allocator hands out slices of one cudaMalloc
+    block, so a registered tensor rarely starts at its allocation's base (the IPC handle is the
+    block's; the offset must be applied on the other side). Both sides torch, both directions."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    size = 8 << 20
+    p = Peer(2, size, env=dict(os.environ, KVPOOL_TEST_PEER_ALLOC="torch"))
+    try:
+        with TransferEngine() as eng:
+            big = torch.randint(0, 256, (2 * size + 8192,), dtype=torch.uint8, device="cuda:0")
+            t = big[8192:]
+            back = torch.zeros(2 * size, dtype=torch.uint8, device="cuda:0")
+            eng.register_local_memory(t)
+            eng.register_local_memory(back)
+            a, b = t.data_ptr(), back.data_ptr()
+            assert eng.batch_transfer_sync(p.name, [a, a + size], [p.gpu[1], p.gpu[0]], [size, size]) == 2 * size
+            h = t.cpu().numpy().tobytes()
+            assert p.ask(f"dump {p.gpu[1]} {size}") == hashlib.sha256(h[:size]).hexdigest()
+            assert p.ask(f"dump {p.gpu[0]} {size}") == hashlib.sha256(h[size:]).hexdigest()
+            eng.batch_transfer_sync(p.name, [b, b + size], [p.gpu[1], p.gpu[0]], [size, size], OpCode.READ)
+            assert torch.equal(back, t)
+    finally:
+        p.close()
+
+
+def test_owner_killed_mid_traffic_fails_cleanly(drv) -> None:  # noqa: ANN001
+    """The target process is SIGKILLed: later transfers to its GPU memory raise a kvpool error (its
+    mappings closed), none hangs, and the initiator's own memory stays intact."""
+    from kvpool.errors import KvpoolError
+
+    p = Peer(1, SIZE)
+    try:
+        with TransferEngine(timeout_s=5.0) as eng:
+            g = drv.alloc(SIZE, 0)
+            eng.register_local_memory(g, SIZE, location="cuda:0", remote_accessible=False)
+            _fill(drv, g, SIZE, 9)
+            before = _sha(drv, g, SIZE)
+            eng.transfer_sync(p.name, g, p.gpu[0], SIZE)
+            p.p.kill()
+            p.p.wait()
+            with pytest.raises(KvpoolError):
+                for _ in range(50):  # the death is seen within the engine's peer checks
+                    eng.transfer_sync(p.name, g, p.gpu[0], SIZE)
+            assert _sha(drv, g, SIZE) == before
+    finally:
+        p.close()
