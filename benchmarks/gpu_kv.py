@@ -4,7 +4,8 @@ limit measured in the same run (issue 10's targets).
 Shapes (a Llama-8B-like FlashAttention KV cache: bf16, 8 KV heads, head 128, block 16 -> 32 KiB
 per block and plane):
 - ``scattered``: 4,096 blocks of 32 KiB (a 128 MiB request) at random block ids of a 1 GiB cache
-  on each side, GPU -> GPU (target <= 0.15 ms from submit to completion seen by the caller);
+  on each side, GPU -> GPU (target <= 0.15 ms from submit to completion seen by the caller), with
+  the addresses as Python lists and as numpy uint64 arrays;
 - ``whole``: one range of 1 MiB / 64 MiB / 512 MiB, GPU -> GPU (targets >= 100 / - / 1,000 GB/s);
 - ``host``: 16 MiB and 64 MiB between our GPU and the peer's shared host memory (target >= 40 GB/s);
 - ``limit``: one cuMemcpy of the contiguous 128 MiB inside the peer's mapped memory (the ceiling);
@@ -81,15 +82,17 @@ def _store(drv, reps: int) -> dict[str, float]:  # noqa: ANN001 - the driver
             st.register_buffer(g, n * size, location="cuda:0")
             keys = [f"v{k}" for k in range(n)]
             addrs = [g + k * size for k in range(n)]
-            for k, a in zip(keys, addrs):
+            for k, a in zip(keys, addrs, strict=True):
                 st.put_from(k, a, size)
-            t = _time(lambda: [st.get_into(k, a, size) for k, a in zip(keys, addrs)], reps)
+            t = _time(lambda: [st.get_into(k, a, size) for k, a in zip(keys, addrs, strict=True)], reps)
             out["store_get_into_gpu_1MiB_GBps"] = n * size / t / 1e9
             if hasattr(st, "batch_get_into"):
                 t = _time(lambda: st.batch_get_into(keys, addrs, [size] * n), reps)
                 out["store_batch_get_into_gpu_64x1MiB_GBps"] = n * size / t / 1e9
             st.remove_all()
-            t = _time(lambda: [st.put_from(k, a, size) or st.remove(k) for k, a in zip(keys, addrs)], 3)
+            t = _time(
+                lambda: [st.put_from(k, a, size) or st.remove(k) for k, a in zip(keys, addrs, strict=True)], 3
+            )
             out["store_put_from_gpu_1MiB_GBps_with_remove"] = n * size / t / 1e9
         finally:
             st.remove_all()
@@ -160,6 +163,10 @@ def main() -> None:
             out["scattered_GBps"] = NBLOCKS * BLOCK / t / 1e9
             t = _time(lambda: eng.batch_transfer_sync(name, src, dst, [BLOCK] * NBLOCKS, OpCode.READ), a.reps)
             out["scattered_read_4096x32KiB_ms"] = t * 1e3
+            # the block tables as numpy uint64 arrays (how a connector holds them): no list conversion
+            cols = (np.array(src, np.uint64), np.array(dst, np.uint64), np.full(NBLOCKS, BLOCK, np.uint64))
+            t = _time(lambda: eng.batch_transfer_sync(name, *cols), a.reps)
+            out["scattered_arrays_4096x32KiB_ms"] = t * 1e3
             for size in (1 << 20, 64 << 20, 512 << 20):
                 t = _time(lambda s=size: eng.transfer_sync(name, mine, info["gpu"], s), a.reps)
                 out[f"whole_{size >> 20}MiB_GBps"] = size / t / 1e9

@@ -12,6 +12,8 @@
 #include "engine.h"
 #include "hmac.h"
 
+void bind_ipc_plan(pybind11::module_& m);  // ipc_plan.cpp
+
 namespace py = pybind11;
 using namespace kvpool;
 
@@ -170,6 +172,7 @@ py::tuple reshard_ranges(py::handle d_rows, py::handle p_rows, py::handle lblock
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
+  bind_ipc_plan(m);
   m.doc() = "kvpool native data path (TCP and same-host transports, batches, registry)";
   load_error_classes();
   py::register_exception_translator([](std::exception_ptr p) {

@@ -139,6 +139,8 @@ def test_scattered_gpu_blocks_one_launch_both_directions(peer: Peer, fake_driver
         eng.register_local_memory(src, SIZE, location="cuda:0", remote_accessible=False)
         eng.register_local_memory(back, SIZE, location="cuda:0", remote_accessible=False)
         _fill(drv, src, SIZE, 5)
+        h = bytearray(SIZE)  # the source's bytes before anything moved (a swapped copy direction
+        drv.memcpy(_native.buffer_address(h)[0], src, SIZE)  # would change them: checked below)
         blk, n = 4096, 512  # scattered: block k of ours -> block (k * 7) % 1024 of the peer's buffer
         rem = peer.gpu[1]  # on the peer's cuda:1: a peer-device copy
         locs = [src + k * blk for k in range(n)]
@@ -149,10 +151,8 @@ def test_scattered_gpu_blocks_one_launch_both_directions(peer: Peer, fake_driver
         assert ipc.launches == launches + 1  # 512 blocks, one kernel launch
         assert eng.batch_transfer_sync(peer.name, [back + k * blk for k in range(n)], rems, [blk] * n,
                                        OpCode.READ) == n * blk  # fmt: skip
-        assert _sha(drv, back, n * blk) == _sha(drv, src, n * blk)
+        assert _sha(drv, back, n * blk) == _sha(drv, src, n * blk) == hashlib.sha256(h[: n * blk]).hexdigest()
         # byte-exact in the peer's own memory, where we put each block
-        h = bytearray(SIZE)
-        drv.memcpy(_native.buffer_address(h)[0], src, SIZE)
         expect = bytearray(SIZE)
         for k in range(n):
             d = ((k * 7) % 1024) * blk
@@ -167,17 +167,23 @@ def test_gpu_to_peer_shared_host_and_host_to_peer_gpu(peer: Peer, fake_driver: s
         g = drv.alloc(1 << 20, 0)
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
         _fill(drv, g, 1 << 20, 11)
+        want = _sha(drv, g, 16 * 8192)  # before the copy: a copy the wrong way would change g
         before = _ipc(eng).launches + _ipc(eng).memcpy_runs
         eng.batch_transfer_sync(peer.name, [g + k * 8192 for k in range(16)],
                                 [peer.shm + k * 8192 for k in range(16)], [8192] * 16)  # fmt: skip
         assert _ipc(eng).launches + _ipc(eng).memcpy_runs == before + 1  # GPU -> mapped shm, no staging
         assert eng.staging.pool_if_made is None
-        assert peer.ask(f"dump {peer.shm} {16 * 8192}") == _sha(drv, g, 16 * 8192)
+        assert peer.ask(f"dump {peer.shm} {16 * 8192}") == want == _sha(drv, g, 16 * 8192)
         host = bytearray(1 << 20)
         _native.fill_pattern(_native.buffer_address(host)[0], len(host), 3)
+        sent = hashlib.sha256(host[: 1 << 19]).hexdigest()
         h = eng.register_local_memory(host)
         eng.transfer_sync(peer.name, h, peer.gpu[0] + 4096, 1 << 19)  # pageable host -> peer GPU
-        assert peer.ask(f"dump {peer.gpu[0] + 4096} {1 << 19}") == hashlib.sha256(host[: 1 << 19]).hexdigest()
+        assert (
+            peer.ask(f"dump {peer.gpu[0] + 4096} {1 << 19}")
+            == sent
+            == hashlib.sha256(host[: 1 << 19]).hexdigest()
+        )
 
 
 def test_mixed_batch_keeps_request_order(peer: Peer, fake_driver: str) -> None:

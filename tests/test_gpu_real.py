@@ -63,6 +63,8 @@ def test_scattered_blocks_gpu_to_gpu_both_directions(drv, peer: Peer) -> None:  
         eng.register_local_memory(mine, SIZE, location="cuda:0", remote_accessible=False)
         eng.register_local_memory(back, SIZE, location="cuda:0", remote_accessible=False)
         _fill(drv, mine, SIZE, 1)
+        h = bytearray(SIZE)  # the source before anything moved (a copy the wrong way changes it)
+        drv.memcpy(_native.buffer_address(h)[0], mine, SIZE)
         blk = 32 << 10
         n = SIZE // blk
         perm = np.random.default_rng(0).permutation(n)
@@ -71,9 +73,7 @@ def test_scattered_blocks_gpu_to_gpu_both_directions(drv, peer: Peer) -> None:  
         assert eng.batch_transfer_sync(peer.name, locs, rems, [blk] * n) == SIZE
         assert eng.batch_transfer_sync(peer.name, [back + k * blk for k in range(n)], rems, [blk] * n,
                                        OpCode.READ) == SIZE  # fmt: skip
-        assert _sha(drv, back, SIZE) == _sha(drv, mine, SIZE)
-        h = bytearray(SIZE)
-        drv.memcpy(_native.buffer_address(h)[0], mine, SIZE)
+        assert _sha(drv, back, SIZE) == _sha(drv, mine, SIZE) == hashlib.sha256(h).hexdigest()
         expect = bytearray(SIZE)
         for k, p in enumerate(perm):
             expect[int(p) * blk : (int(p) + 1) * blk] = h[k * blk : (k + 1) * blk]
@@ -180,7 +180,8 @@ def test_torch_tensors_inside_one_allocation(drv) -> None:  # noqa: ANN001
             eng.register_local_memory(t)
             eng.register_local_memory(back)
             a, b = t.data_ptr(), back.data_ptr()
-            assert eng.batch_transfer_sync(p.name, [a, a + size], [p.gpu[1], p.gpu[0]], [size, size]) == 2 * size
+            pairs = [p.gpu[1], p.gpu[0]]
+            assert eng.batch_transfer_sync(p.name, [a, a + size], pairs, [size, size]) == 2 * size
             h = t.cpu().numpy().tobytes()
             assert p.ask(f"dump {p.gpu[1]} {size}") == hashlib.sha256(h[:size]).hexdigest()
             assert p.ask(f"dump {p.gpu[0]} {size}") == hashlib.sha256(h[size:]).hexdigest()

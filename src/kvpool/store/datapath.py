@@ -512,10 +512,13 @@ class DataPath:
     def _attempt(self, epoch: int, jobs: list[ReadJob], idx: int) -> None:
         """Every job from its replica ``idx`` in one batch of request columns: small objects
         (header + value) side by side in one staging region, the headers of big ones in
-        another, big values straight into their destination; then each is checked."""
+        another, big values straight into their destination; then each is checked. The headers
+        of big ones go after every other request: a batch of values into GPU memory is then one
+        run of GPU copies (CUDA IPC: one kernel) and one of host copies, not two runs per value."""
         cols = Requests([], [], [], [], [])
         ops, locs, peers, rems, lens = cols
-        plan: list[tuple[ReadJob, list[Any], Any, int]] = []  # job, replica, sink, requests
+        plan: list[tuple[ReadJob, list[Any], Any, int, int]] = []  # job, replica, sink, request, header's
+        heads = Requests([], [], [], [], [])  # big values' headers: appended to cols after the loop
         handles = _Handles(self.engine)
         tokens: list[Any] = []
         try:
@@ -539,7 +542,7 @@ class DataPath:
                     lens.append(n)
                     sink: Any = ("small", sview[spos : spos + n])
                     spos += n
-                    plan.append((j, rep, sink, 1))
+                    plan.append((j, rep, sink, len(ops) - 1, -1))
                     continue
                 if j.dest is not None:
                     vaddr, out = j.dest[0], None
@@ -550,19 +553,20 @@ class DataPath:
                         j.error = _no_room(j)
                         continue
                     tokens.append(token)
-                ops += (READ, READ)
-                locs += (vaddr, hbase + hpos)
-                peers += (hid, hid)
-                rems += (raddr + HEADER_SIZE, raddr)
-                lens += (j.size, HEADER_SIZE)
-                plan.append((j, rep, ("big", hview[hpos : hpos + HEADER_SIZE], vaddr, out), 2))
+                for col, v in zip(cols, (READ, vaddr, hid, raddr + HEADER_SIZE, j.size), strict=True):
+                    col.append(v)
+                for col, v in zip(heads, (READ, hbase + hpos, hid, raddr, HEADER_SIZE), strict=True):
+                    col.append(v)
+                sink = ("big", hview[hpos : hpos + HEADER_SIZE], vaddr, out)
+                plan.append((j, rep, sink, len(ops) - 1, len(heads.ops) - 1))
                 hpos += HEADER_SIZE
+            nbody = len(ops)
+            for col, h in zip(cols, heads, strict=True):
+                col.extend(h)
             ok = self.run_columns(cols, handles)
             done = time.monotonic()
-            pos = 0
-            for j, rep, sink, n in plan:
-                good = ok[pos] if n == 1 else ok[pos] and ok[pos + 1]
-                pos += n
+            for j, rep, sink, i, h in plan:
+                good = ok[i] if h < 0 else ok[i] and ok[nbody + h]
                 self._check(epoch, j, rep, sink, good, done)
         finally:
             for t in tokens:

@@ -255,9 +255,14 @@ class CudaDriver:
 
     def memcpy(self, dst: int, src: int, n: int) -> None:
         """Synchronous copy between any two addresses (unified addressing); makes a context
-        current on the calling thread first when it has none (the driver needs one)."""
+        current on the calling thread first when it has none (the driver needs one). cuMemcpy
+        alone may return before a device -> device copy, or the DMA of a pageable host -> device
+        copy, has ended (CUDA's "API synchronization behavior"): the legacy stream it ran on is
+        synchronised, so the bytes are in place on return (a peer's copy on another stream, or a
+        host read, sees them)."""
         self.current(dst, src)
         self._check(self.lib.cuMemcpy(dst, src, n), "cuMemcpy")
+        self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
 
     def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
         self._check(self.lib.cuMemcpyAsync(dst, src, n, stream), "cuMemcpyAsync")

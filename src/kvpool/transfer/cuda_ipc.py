@@ -54,15 +54,15 @@ from kvpool.transfer.cuda_ipc_state import (
     _Export,
     _Gate,
     _Lineage,
-    _local_gpu,
     _Peer,
+    _plan,
     _RemoteBuf,
     _Run,
     _Spares,
 )
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
-from kvpool.transfer.transport import READ, Requests, Transport
+from kvpool.transfer.transport import Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor
 
 log = logging.getLogger(__name__)
@@ -344,23 +344,18 @@ class CudaIpcTransport(Transport):
     ) -> None:  # fmt: skip
         """:meth:`submit` to one segment, inside the gate (left before a staged wait with no run
         after), through ``peer`` held (:meth:`_hold`)."""
-        local_gpu = _local_gpu(self.registry, ops, locs, lens)
-        ridx = np.searchsorted(peer.starts, rems, side="right").astype(np.int64) - 1
-        known = ridx >= 0
-        ridx_c = np.where(known, ridx, 0)
-        inside = known & (rems + lens <= peer.ends[ridx_c]) if len(peer.bufs) else known
-        if not inside.all() and not peer.alive():
+        plan = _plan(self.registry, peer, ops, locs, rems, lens)
+        local_gpu, ridx, ipc = plan.local_gpu, plan.ridx, plan.ipc
+        if not plan.all_inside and not peer.alive():
             # outside the descriptor we hold: maybe a restarted owner's new memory; say it exited
             # (the next open_segment re-fetches) rather than refuse the range forever
             peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
-        rgpu = inside & peer.gpu[ridx_c] if len(peer.bufs) else inside
-        ipc = rgpu | (local_gpu & inside)  # GPU memory on one side, reachable memory on the other
-        if not ipc.any():
+        if not plan.n_ipc:
             self._gate.leave(gate)  # no run of ours: staging tracks its own copies (busy())
             self._inner_submit(batch_id, reqs, local_gpu, stage_wait_s)
             return
-        if ipc.all():
+        if plan.n_ipc == len(ipc):
             self._submit_gpu(batch_id, peer, ops, locs, rems, lens, ridx, local_gpu)
             return
         edges = np.flatnonzero(np.diff(ipc.astype(np.int8))) + 1
@@ -382,19 +377,7 @@ class CudaIpcTransport(Transport):
         peer = self._peers.get(handle)
         if peer is None or not len(locs):
             return False
-        locs, rems, lens = _col(locs), _col(rems), _col(lens)
-        gpu = self.registry.gpu_region
-        local_gpu = np.array(
-            [gpu(a, n) is not None for a, n in zip(locs.tolist(), lens.tolist(), strict=True)]
-        )
-        if not local_gpu.any():
-            return False
-        if not len(peer.bufs):
-            return True
-        ridx = np.searchsorted(peer.starts, rems, side="right").astype(np.int64) - 1
-        ridx_c = np.where(ridx >= 0, ridx, 0)
-        inside = (ridx >= 0) & (rems + lens <= peer.ends[ridx_c])
-        return bool((local_gpu & ~inside).any())
+        return _plan(self.registry, peer, None, _col(locs), _col(rems), _col(lens)).staged
 
     def _inner_submit(
         self, batch_id: int, reqs: Requests, local_gpu: np.ndarray, wait_s: float | None
@@ -440,10 +423,9 @@ class CudaIpcTransport(Transport):
                 b = peer.bufs[k]
                 bases[k] = peer.open(b, dev, self.driver, self._uuids)
                 starts[k] = b.addr
-            remote = bases[ridx] + (rems - starts[ridx])
-            reading = ops == READ
-            src = np.where(reading, remote, locs)
-            dst = np.where(reading, locs, remote)
+            addrs = np.empty(2 * len(lens), dtype=_U64)  # sources, then destinations
+            _native.ipc_addresses(ops, locs, rems, ridx, bases, starts, addrs.ctypes.data)
+            src, dst = addrs[: len(lens)], addrs[len(lens) :]
             lens = np.ascontiguousarray(lens, dtype=_U64)
             first = self.native.reserve_slots_buf(batch_id, lens)
         except BaseException:

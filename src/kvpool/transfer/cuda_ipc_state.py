@@ -14,14 +14,14 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvpool import _native
 from kvpool.errors import AddressNotRegistered, KvpoolError, RemoteAccessError, SegmentNotFound
 from kvpool.transfer.cuda_driver import CudaDriver
 from kvpool.transfer.memory import LocalRegistry, Registration
-from kvpool.transfer.transport import READ
 
 _U64 = np.uint64
 log = logging.getLogger("kvpool.transfer.cuda_ipc")
@@ -192,23 +192,48 @@ class _Run:
     seen: int = 0  # runs completed when it was queued or last asked about (CudaIpcTransport.unbounded)
 
 
-def _local_gpu(registry: LocalRegistry, ops: np.ndarray, locs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Which local ranges are GPU memory; AddressNotRegistered for unregistered ones (and for a
-    READ into read-only memory). Called by CudaIpcTransport's submit."""
-    regs, (starts, ends, ro, gpu) = registry.columns()
-    i = np.searchsorted(starts, locs, side="right").astype(np.int64) - 1
-    ok = i >= 0
-    ic = np.where(ok, i, 0)
-    ok &= locs + lens <= ends[ic] if regs else ok
-    if not ok.all():
-        k = int(np.flatnonzero(~ok)[0])
-        raise AddressNotRegistered(
-            f"local range {int(locs[k]):#x}+{int(lens[k])} is not inside registered memory; call "
-            f"register_local_memory first (request {k})"
-        )
-    if ro.any() and (ro[ic] & (ops == READ)).any():
-        raise AddressNotRegistered("local range is registered read-only: it cannot receive a READ")
-    return gpu[ic]
+_NO_OPS = np.zeros(0, dtype=np.uint8)
+_PLAN_ERRORS = {
+    1: "is not inside registered memory; call register_local_memory first",
+    2: "is registered read-only: it cannot receive a READ",
+    3: "runs past registered GPU memory",
+}
+
+
+class Plan(NamedTuple):
+    """Where a submit's requests lie (``_native.ipc_classify``, one C++ pass over the columns):
+    ``local_gpu`` (bool[n]: the local range is GPU memory), ``ridx`` (int64[n]: the peer buffer
+    holding the remote range's start, -1: none), ``ipc`` (bool[n]: a GPU copy does it — GPU memory
+    on one side, memory the copy reaches on the other), ``staged`` (a local GPU range goes to a peer
+    range no GPU copy reaches), ``all_inside`` (every remote range lies in a published buffer),
+    ``n_ipc`` (how many are ``ipc``)."""
+
+    local_gpu: np.ndarray
+    ridx: np.ndarray
+    ipc: np.ndarray
+    staged: bool
+    all_inside: bool
+    n_ipc: int
+
+
+def _plan(
+    registry: LocalRegistry, peer: _Peer, ops: np.ndarray | None, locs: np.ndarray, rems: np.ndarray,
+    lens: np.ndarray,
+) -> Plan:  # fmt: skip
+    """Classify request columns (uint64; ``ops`` uint8) against our registrations and ``peer``'s
+    buffers. With ``ops`` (a submit): AddressNotRegistered for a local range outside registered
+    memory or a READ into read-only memory; without (CudaIpcTransport.needs_staging, before a
+    synchronous transfer is cut into rounds): only for a range that starts in GPU memory and runs
+    past it. Called on every CUDA IPC submit: no per-request Python."""
+    _regs, (starts, ends, ro, gpu) = registry.columns()
+    code, bad, local_gpu, ridx, ipc, staged, all_inside, n_ipc = _native.ipc_classify(
+        _NO_OPS if ops is None else ops, locs, rems, lens, starts, ends, ro, gpu,
+        peer.starts, peer.ends, peer.gpu, ops is not None,
+    )  # fmt: skip
+    if code:
+        raise AddressNotRegistered(f"local range {int(locs[bad]):#x}+{int(lens[bad])} {_PLAN_ERRORS[code]} "
+                                   f"(request {bad})")  # fmt: skip
+    return Plan(local_gpu, ridx, ipc, staged, all_inside, n_ipc)
 
 
 def _col(c: Any) -> np.ndarray:

@@ -247,6 +247,8 @@ class SyncTransfers:
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
+        if n > INLINE_MAX and "cuda" in t.locations and self._registry.gpu_count:
+            arrays = _u64_columns(arrays)  # once: needs_staging and the run below take these
         # the CUDA IPC route stages local GPU ranges to peer ranges no GPU copy reaches: rounds too
         staged = "cuda" in t.locations and self._registry.gpu_count and t.needs_staging(handle.id, *arrays)
         gpu_ok = not staged and ("cuda" in t.locations or not self._registry.gpu_count)  # else lists

@@ -1,0 +1,137 @@
+// Per-request work of a CUDA IPC run, in one pass each (kvpool/transfer/cuda_ipc.py calls these
+// on every submit; with 4,096 scattered KV blocks a dozen numpy passes cost more than the copy).
+// Pure functions over arrays: no CUDA, no engine state, the GIL held (they take microseconds).
+//
+// ipc_classify: where each request's local range lies in our registrations and its remote range
+// in the peer's published buffers (both tables sorted by start, as the Python side keeps them).
+// ipc_addresses: the source and destination device addresses of a run, from the peer buffers'
+// mapped bases (the gather kernel's table, or the cuMemcpyAsync arguments).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "wire.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+const T* column(const py::buffer_info& b, py::ssize_t n, const char* what) {
+  if (b.ndim != 1 || b.itemsize != static_cast<py::ssize_t>(sizeof(T)) || b.shape[0] != n ||
+      (n > 1 && b.strides[0] != static_cast<py::ssize_t>(sizeof(T))))
+    throw py::value_error(std::string("ipc plan: bad column ") + what);
+  return static_cast<const T*>(b.ptr);
+}
+
+// Index of the last start <= a in sorted `starts` (m entries), or -1.
+inline int64_t last_le(const uint64_t* starts, int64_t m, uint64_t a) {
+  return static_cast<int64_t>(std::upper_bound(starts, starts + m, a) - starts) - 1;
+}
+
+// Codes of ipc_classify's first result.
+constexpr int OK = 0, NOT_REGISTERED = 1, READ_ONLY = 2, GPU_PAST_END = 3;
+constexpr uint8_t READ_OP = kvpool::OP_READ;  // kvpool.transfer.transport.READ
+
+// (code, index of the first bad request, local_gpu bool[n], ridx int64[n], ipc bool[n],
+// staged: some local GPU range goes to a peer range no GPU copy reaches, all_inside: every remote
+// range lies in a peer buffer, n_ipc: how many requests are ipc).
+// strict: every local range must lie in a registration (and a READ not into read-only memory);
+// else (needs_staging's view) only a range starting in GPU memory and running past it is an error.
+py::tuple ipc_classify(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, py::buffer lens_b,
+                       py::buffer rs_b, py::buffer re_b, py::buffer ro_b, py::buffer rg_b, py::buffer ps_b,
+                       py::buffer pe_b, py::buffer pg_b, bool strict) {
+  auto lb = locs_b.request();
+  const py::ssize_t n = lb.ndim == 1 ? lb.shape[0] : -1;
+  auto ob = ops_b.request(), rb = rems_b.request(), nb = lens_b.request();
+  auto rsb = rs_b.request(), reb = re_b.request(), rob = ro_b.request(), rgb = rg_b.request();
+  auto psb = ps_b.request(), peb = pe_b.request(), pgb = pg_b.request();
+  const auto m = rsb.shape[0], p = psb.shape[0];
+  const uint8_t* ops = ob.size == 0 ? nullptr : column<uint8_t>(ob, n, "ops");  // none: all WRITEs
+  const uint64_t* locs = column<uint64_t>(lb, n, "locs");
+  const uint64_t* rems = column<uint64_t>(rb, n, "rems");
+  const uint64_t* lens = column<uint64_t>(nb, n, "lens");
+  const uint64_t* rs = column<uint64_t>(rsb, m, "registration starts");
+  const uint64_t* re = column<uint64_t>(reb, m, "registration ends");
+  const uint8_t* ro = column<uint8_t>(rob, m, "registration read-only flags");
+  const uint8_t* rg = column<uint8_t>(rgb, m, "registration gpu flags");
+  const uint64_t* ps = column<uint64_t>(psb, p, "peer starts");
+  const uint64_t* pe = column<uint64_t>(peb, p, "peer ends");
+  const uint8_t* pg = column<uint8_t>(pgb, p, "peer gpu flags");
+  py::array_t<bool> local_gpu(n), ipc(n);
+  py::array_t<int64_t> ridx(n);
+  bool* lg = local_gpu.mutable_data();
+  bool* ip = ipc.mutable_data();
+  int64_t* ri = ridx.mutable_data();
+  int code = OK;
+  int64_t bad = -1;
+  bool staged = false, all_inside = true;
+  int64_t n_ipc = 0;
+  for (py::ssize_t k = 0; k < n; ++k) {
+    const uint64_t a = locs[k], len = lens[k], end = a + len;
+    const int64_t i = last_le(rs, m, a);
+    const bool in_reg = i >= 0 && a < re[i];
+    const bool gpu = in_reg && rg[i];
+    if (code == OK) {
+      if (strict && !(i >= 0 && end <= re[i] && end >= a)) {
+        code = NOT_REGISTERED;
+      } else if (gpu && (end > re[i] || end < a)) {
+        code = GPU_PAST_END;
+      } else if (strict && ro[i] && ops != nullptr && ops[k] == READ_OP) {
+        code = READ_ONLY;
+      }
+      if (code != OK) bad = k;
+    }
+    const int64_t r = last_le(ps, p, rems[k]);
+    const uint64_t rend = rems[k] + len;
+    const bool inside = r >= 0 && rend <= pe[r] && rend >= rems[k];
+    lg[k] = gpu;
+    ri[k] = r;
+    ip[k] = (inside && pg[r]) || (gpu && inside);
+    n_ipc += ip[k];
+    staged = staged || (gpu && !inside);
+    all_inside = all_inside && inside;
+  }
+  return py::make_tuple(code, bad, local_gpu, ridx, ipc, staged, all_inside, n_ipc);
+}
+
+// Writes src[n] then dst[n] (uint64) at `out` (a buffer of >= 2n uint64, e.g. the pinned table of
+// the gather kernel): the remote side of request k is bases[ridx[k]] + (rems[k] - starts[ridx[k]]),
+// the source for a WRITE, the destination for a READ.
+void ipc_addresses(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, py::buffer ridx_b, py::buffer bases_b,
+                   py::buffer starts_b, uint64_t out) {
+  auto lb = locs_b.request();
+  const py::ssize_t n = lb.ndim == 1 ? lb.shape[0] : -1;
+  auto ob = ops_b.request(), rb = rems_b.request(), ib = ridx_b.request(), bb = bases_b.request(),
+       sb = starts_b.request();
+  const auto p = bb.shape[0];
+  const uint8_t* ops = column<uint8_t>(ob, n, "ops");
+  const uint64_t* locs = column<uint64_t>(lb, n, "locs");
+  const uint64_t* rems = column<uint64_t>(rb, n, "rems");
+  const int64_t* ridx = column<int64_t>(ib, n, "ridx");
+  const uint64_t* bases = column<uint64_t>(bb, p, "bases");
+  const uint64_t* starts = column<uint64_t>(sb, p, "starts");
+  for (py::ssize_t k = 0; k < n; ++k)
+    if (ridx[k] < 0 || ridx[k] >= p || bases[ridx[k]] == 0)
+      throw py::value_error("ipc plan: request outside the peer's mapped buffers");
+  auto* src = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(out));
+  uint64_t* dst = src + n;
+  for (py::ssize_t k = 0; k < n; ++k) {
+    const uint64_t remote = bases[ridx[k]] + (rems[k] - starts[ridx[k]]);
+    const bool reading = ops[k] == READ_OP;
+    src[k] = reading ? remote : locs[k];
+    dst[k] = reading ? locs[k] : remote;
+  }
+}
+
+}  // namespace
+
+void bind_ipc_plan(py::module_& m) {
+  m.def("ipc_classify", &ipc_classify,
+        "CUDA IPC run planning: (code, bad index, local_gpu, ridx, ipc, staged) of request columns");
+  m.def("ipc_addresses", &ipc_addresses, "CUDA IPC run planning: src then dst addresses written at out");
+}
