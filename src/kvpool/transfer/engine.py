@@ -337,9 +337,10 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         if n == 0:
             self.batches.reserve(batch_id, [])  # nothing to queue; an unknown batch still raises
             return
-        self._refresh_stale(set(peers))
         first = peers[0]
-        if peers.count(first) == n:  # the common case: one segment, one transport, no per-request work
+        one = peers.count(first) == n
+        self._refresh_stale({first} if one else set(peers))
+        if one:  # the common case: one segment, one transport, no per-request work
             runs = [(0, n, self._route(first))]
         else:
             routes = [self._route(p) for p in peers]
