@@ -45,6 +45,12 @@ run)
     kv --protocol auto --location cuda:0 --remote-location cuda:0 --block-size 1M 64M --threads 1
     kv --protocol tcp --location cuda:0 --remote-location cuda:0 --block-size 1M --threads 2
     kv --protocol tcp --block-size 1M --threads 2"
+  # NIXL in the same run, when its wheels were put in .dev/nixl and ../shared/gpu's anchor script in
+  # .dev/gpu (recipe: ../shared/gpu/README.md; 59 MB: within the device tool's carry limit)
+  if ls .dev/nixl/*.whl > /dev/null 2>&1 && [ -f .dev/gpu/gpu_nixl_anchor.py ]; then
+    step nixl_install 60 python3 -m pip install -q --no-index --no-deps --target /tmp/nx .dev/nixl/*.whl
+    step nixl 150 env PYTHONPATH="/tmp/nx:$PYTHONPATH" python3 .dev/gpu/gpu_nixl_anchor.py
+  fi
   ;;
 *)
   echo "usage: bash scripts/gpu_session.sh prepare|run" >&2
