@@ -9,13 +9,16 @@ per block and plane):
 - ``whole``: one range of 1 MiB / 64 MiB / 512 MiB, GPU -> GPU (targets >= 100 / - / 1,000 GB/s);
 - ``host``: 16 MiB and 64 MiB between our GPU and the peer's shared host memory (target >= 40 GB/s);
 - ``limit``: one cuMemcpy of the contiguous 128 MiB inside the peer's mapped memory (the ceiling);
+- ``vllm``: a decode's P/D load of a 4,096-token request from vLLM FlashAttention-layout caches of a
+  Llama-8B-shaped model (32 layers, bf16, ``(2, blocks, 16, 8, 128)`` per layer: 16,384 ranges of
+  32 KiB, 512 MiB), planned by the connector's own ``plan_columns``, bytes checked;
 - ``store``: ``Store.get_into`` / ``put_from`` of 1 MiB values between a GPU buffer and a same-host
   storage process (target: get_into >= 20 GB/s);
 - ``tcp``: ``protocol="tcp"`` (no CUDA IPC): 64 MiB GPU -> peer GPU and back (staged on both sides),
   GPU -> peer host 16 MiB (the issue's "before" anchor: 6.2 GB/s), and host -> peer host 64 MiB in the
   same run (target: GPU <-> GPU over TCP >= 80 % of host <-> host).
 
-    python benchmarks/gpu_kv.py [--reps 20] [--json out.json]
+    python benchmarks/gpu_kv.py [--reps 20] [--vllm-blocks 2048] [--json out.json]
 
 Needs a CUDA driver that sees a GPU (or ``KVPOOL_CUDA_DRIVER`` = the fake driver of
 ``kvpool.testing.fakecuda``, which checks that the benchmark runs; its figures mean nothing).
@@ -33,17 +36,20 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool import OpCode, TransferEngine
+from kvpool import OpCode, TransferEngine, _native
 from kvpool.transfer.cuda_driver import load_driver
 
 CACHE = 1 << 30
 BLOCK = 32 << 10
 NBLOCKS = 4096
 HOST = 256 << 20
+LAYERS = 32
 
 
-def serve() -> None:
-    """The peer: a 1 GiB GPU cache and a shared host buffer, registered; waits for stdin EOF."""
+def serve(vllm_blocks: int) -> None:
+    """The peer: a 1 GiB GPU cache and a shared host buffer, registered, and with ``vllm_blocks``
+    the prefill side's vLLM-shaped caches (:func:`_vllm_caches`, each region filled with its own
+    pattern); waits for stdin EOF."""
     drv = load_driver()
     if drv is None:
         sys.exit("no CUDA driver")
@@ -51,11 +57,73 @@ def serve() -> None:
     g = drv.alloc(CACHE, 0)
     eng.register_local_memory(g, CACHE, location="cuda:0")
     shm = eng.alloc_shared_buffer(HOST)
-    from kvpool import _native
-
-    print(json.dumps({"name": eng.segment_name, "gpu": g, "shm": _native.buffer_address(shm)[0]}), flush=True)
+    layers = _vllm_caches(drv, eng, vllm_blocks, fill=True) if vllm_blocks else []
+    info = {"name": eng.segment_name, "gpu": g, "shm": _native.buffer_address(shm)[0], "layers": layers}
+    print(json.dumps(info), flush=True)
     sys.stdin.read()
     eng.close()
+
+
+def _vllm_caches(drv, eng: TransferEngine, nblocks: int, fill: bool) -> list[int]:  # noqa: ANN001
+    """vLLM FlashAttention-layout KV caches of a Llama-8B-shaped model: 32 layers, each one
+    ``(2, nblocks, 16, 8, 128)`` bf16 tensor (K and V planes; 32 KiB per block and plane),
+    registered; with ``fill`` region r (layer * 2 + plane) holds ``fill_pattern(seed=r)``."""
+    size = 2 * nblocks * BLOCK
+    bases = []
+    for layer in range(LAYERS):
+        a = drv.alloc(size, 0)
+        eng.register_local_memory(a, size, location="cuda:0", remote_accessible=fill)
+        if fill:
+            host = bytearray(nblocks * BLOCK)
+            for plane in range(2):
+                _native.fill_pattern(_native.buffer_address(host)[0], len(host), layer * 2 + plane)
+                drv.memcpy(a + plane * nblocks * BLOCK, _native.buffer_address(host)[0], len(host))
+        bases.append(a)
+    return bases
+
+
+def _vllm(drv, eng: TransferEngine, info: dict, nblocks: int, reps: int) -> dict[str, float]:  # noqa: ANN001
+    """A decode's P/D load of a 4,096-token request (256 blocks at random ids on both sides) from
+    the peer's vLLM-shaped caches, planned by the connector's own code (``region_pairs`` +
+    ``plan_columns``: every layer and plane, contiguous runs merged) and read with one
+    ``batch_transfer_sync``; bytes checked on 8 of the 64 regions."""
+    from kvpool.connectors.vllm.reshard import KvLayout, RegionAddr, plan_columns, region_pairs
+
+    out = Figures()
+    mine = _vllm_caches(drv, eng, nblocks, fill=False)
+    lay = KvLayout("heads", 1, 0, 8, 128, "bfloat16", 16, LAYERS, 256, order="NHD")
+    regions = [
+        (
+            RegionAddr(d + plane * nblocks * BLOCK, BLOCK, nblocks),
+            RegionAddr(p + plane * nblocks * BLOCK, BLOCK, nblocks),
+        )
+        for d, p in zip(mine, info["layers"], strict=True)
+        for plane in range(2)
+    ]
+    rng = np.random.default_rng(1)
+    want = 4096 // 16
+    lb, rb = rng.permutation(nblocks)[:want], rng.permutation(nblocks)[:want]
+    rp = region_pairs(lay, lay, regions)
+    t0 = time.perf_counter()
+    cols = plan_columns(lay, lay, rp, lb, rb)
+    plan_s = time.perf_counter() - t0
+    t = _time(lambda: eng.batch_transfer_sync(info["name"], *cols, OpCode.READ), reps)
+    total = want * BLOCK * 2 * LAYERS
+    out["vllm_4096tok_ranges"] = float(len(cols[0]))
+    out["vllm_4096tok_plan_ms"] = plan_s * 1e3
+    out["vllm_4096tok_read_ms"] = t * 1e3
+    out["vllm_4096tok_GBps"] = total / t / 1e9
+    host = bytearray(nblocks * BLOCK)
+    got = bytearray(BLOCK)
+    for r in rng.permutation(2 * LAYERS)[:8].tolist():
+        _native.fill_pattern(_native.buffer_address(host)[0], len(host), r)
+        base = mine[r // 2] + (r % 2) * nblocks * BLOCK
+        for k in rng.permutation(want)[:16].tolist():
+            drv.memcpy(_native.buffer_address(got)[0], base + int(lb[k]) * BLOCK, BLOCK)
+            if got != host[int(rb[k]) * BLOCK : (int(rb[k]) + 1) * BLOCK]:
+                raise AssertionError(f"vLLM-shaped load: region {r} block {int(lb[k])} holds other bytes")
+    out["vllm_4096tok_bytes_checked"] = 1.0
+    return out
 
 
 class Figures(dict):
@@ -136,18 +204,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument(
+        "--vllm-blocks",
+        type=int,
+        default=2048,
+        help="blocks per layer of the vLLM-shaped caches on each side (0: skip that section)",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        serve()
+        serve(a.vllm_blocks)
         return
     drv = load_driver()
     if drv is None:
         sys.exit("kvpool: ProtocolUnavailable: no CUDA driver sees a GPU (KVPOOL_CUDA_DRIVER: the fake)")
     fake = "fakecuda" in (os.environ.get("KVPOOL_CUDA_DRIVER") or "")
     peer = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+        [sys.executable, __file__, "--serve", "--vllm-blocks", str(a.vllm_blocks)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     info = json.loads(peer.stdout.readline())
     out: dict[str, float] = Figures()
     try:
@@ -185,6 +260,11 @@ def main() -> None:
 
             t = _time(limit, a.reps)
             out["limit_contiguous_128MiB_ms"] = t * 1e3
+            if a.vllm_blocks:
+                try:
+                    out.update(_vllm(drv, eng, info, a.vllm_blocks, a.reps))
+                except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                    print(f"vllm: FAILED {type(exc).__name__}: {exc}", flush=True)
         for step in (_tcp, _store):
             try:  # one failing section must not hide the others' figures
                 out.update(step(drv, info, mine, a.reps) if step is _tcp else step(drv, a.reps))

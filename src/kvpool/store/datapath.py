@@ -518,7 +518,8 @@ class DataPath:
         cols = Requests([], [], [], [], [])
         ops, locs, peers, rems, lens = cols
         plan: list[tuple[ReadJob, list[Any], Any, int, int]] = []  # job, replica, sink, request, header's
-        heads = Requests([], [], [], [], [])  # big values' headers: appended to cols after the loop
+        hpeers: list[int] = []  # big values' headers (segment, address): after the loop, after the values
+        hrems: list[int] = []
         handles = _Handles(self.engine)
         tokens: list[Any] = []
         try:
@@ -553,16 +554,23 @@ class DataPath:
                         j.error = _no_room(j)
                         continue
                     tokens.append(token)
-                for col, v in zip(cols, (READ, vaddr, hid, raddr + HEADER_SIZE, j.size), strict=True):
-                    col.append(v)
-                for col, v in zip(heads, (READ, hbase + hpos, hid, raddr, HEADER_SIZE), strict=True):
-                    col.append(v)
-                sink = ("big", hview[hpos : hpos + HEADER_SIZE], vaddr, out)
-                plan.append((j, rep, sink, len(ops) - 1, len(heads.ops) - 1))
+                ops.append(READ)
+                locs.append(vaddr)
+                peers.append(hid)
+                rems.append(raddr + HEADER_SIZE)
+                lens.append(j.size)
+                plan.append(
+                    (j, rep, ("big", hview[hpos : hpos + HEADER_SIZE], vaddr, out), len(ops) - 1, len(hrems))
+                )
+                hrems.append(raddr)
+                hpeers.append(hid)
                 hpos += HEADER_SIZE
-            nbody = len(ops)
-            for col, h in zip(cols, heads, strict=True):
-                col.extend(h)
+            nbody, nh = len(ops), len(hrems)
+            ops += [READ] * nh
+            locs += range(hbase, hbase + nh * HEADER_SIZE, HEADER_SIZE)  # header k at hbase + k * HEADER_SIZE
+            peers += hpeers
+            rems += hrems
+            lens += [HEADER_SIZE] * nh
             ok = self.run_columns(cols, handles)
             done = time.monotonic()
             for j, rep, sink, i, h in plan:
