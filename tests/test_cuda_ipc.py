@@ -1037,7 +1037,9 @@ def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
     """transfer_sync, batch_transfer_sync (lists and columns) and batch_transfer_sync_multi whose
     CUDA IPC run does not finish (a hung stream: its event never completes here until the test
     lets it) raise TransferTimeout at the engine's timeout; they waited for the stream forever.
-    Each batch is freed by the first allocation after its copies finished, and the bytes land."""
+    The error names the batch, which ``batch_settled`` reports unsettled while the stream is
+    stopped and settled (freed) once its copies finished; a batch nobody asks about is freed by
+    the first allocation after its copies finished, and the bytes land."""
     import threading
 
     import numpy as np
@@ -1080,15 +1082,17 @@ def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
                 if k == 3:  # batch_transfer_sync_multi gathers in one batch only with no GPU registered
                     release.set()
                     assert all(eng.wait_batch(b, 10).ok for b in hung)
+                    assert all(eng.batch_settled(b) for b in hung) and eng.batches.deferred() == 0  # freed
                     assert _sha(drv, g, 16384) == peer.ask(f"dump {r} 16384")  # the bytes landed
                     eng.unregister_local_memory(g)
                     eng.register_local_memory(h, len(host))
                     release.clear()
                 t0 = time.monotonic()
-                with pytest.raises(TransferTimeout, match="did not finish within 0.3 s"):
+                with pytest.raises(TransferTimeout, match="did not finish within 0.3 s") as err:
                     call()
                 assert 0.25 < time.monotonic() - t0 < 5, k
                 hung.append(ipc._runs[-1].batch_id)
+                assert err.value.batch_id == hung[-1] and not eng.batch_settled(hung[-1])
                 assert eng.batches.pending(hung[-1]) and eng.batches.deferred() >= 1
         finally:
             release.set()

@@ -51,7 +51,14 @@ class TransferError(KvpoolError):
 
 
 class TransferTimeout(TransferError, TimeoutError):
-    """A transfer did not complete within the configured timeout (peer gone or stalled)."""
+    """A transfer did not complete within the configured timeout (peer gone or stalled).
+
+    ``batch_id``: set where copies of the call may still run after it raised (a synchronous
+    call's batch whose GPU copies outlived ``timeout_s``: a hung stream); they may still write
+    the local memory until :meth:`~kvpool.transfer.engine.TransferEngine.batch_settled` answers
+    True for it. None where nothing of the call is still in flight."""
+
+    batch_id: int | None = None
 
 
 class BatchInFlight(KvpoolError):

@@ -54,6 +54,28 @@ class Batches:
         except KvpoolError:
             pass
 
+    def settled(self, batch_id: int) -> bool:
+        """Whether no slot of the batch is PENDING any more: nothing of it still copies into or out
+        of the local memory. A batch given up on by :meth:`free_when_done` is freed here once it
+        settled (not only by the next :meth:`alloc`); a batch already freed (ids are never reused)
+        is settled. Never blocks: one native call. Polled by whoever must not reuse the memory of
+        a timed-out transfer before its late copies ended (the vLLM connector's load threads)."""
+        try:
+            if self.pending(batch_id):
+                return False
+        except KvpoolError:
+            return True  # freed
+        with self._lock:
+            deferred = batch_id in self._deferred
+        if deferred:
+            try:
+                self.free(batch_id)
+            except KvpoolError:
+                pass  # freed by another thread's reap meanwhile
+            with self._lock:
+                self._deferred.discard(batch_id)
+        return True
+
     def deferred(self) -> int:
         """How many batches wait to be freed once their copies finish (:meth:`free_when_done`)."""
         return len(self._deferred)

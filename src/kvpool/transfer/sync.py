@@ -388,7 +388,8 @@ class SyncTransfers:
         staged request waiting ``timeout_s`` more for its host-to-device copy alone, where the
         queue it waits in did not move meanwhile (a hung stream: a transport's or the staging's
         ``unbounded``, asked every ``timeout_s``; a run behind a long queue whose runs ahead keep
-        completing is waited for), raises TransferTimeout; the caller frees it once those copies finish
+        completing is waited for), raises TransferTimeout (its ``batch_id``: this batch, for
+        :meth:`batch_settled`); the caller frees it once those copies finish
         (``Batches.free_when_done``: freeing is refused while they run, and unregistering the
         memory waits for them or raises). ``exc``: the error of a submit that raised after part
         of the batch was queued (see :meth:`_settle`), named in the TransferTimeout."""
@@ -399,12 +400,22 @@ class SyncTransfers:
             hung = any(t.unbounded(bid) for t in self._transports) or hung
             if hung and self.batches.pending(bid):
                 what = f"{exc}; and the requests queued before it" if exc else "GPU copies of this transfer"
-                raise TransferTimeout(
+                err = TransferTimeout(
                     f"{what} did not finish within {timeout:g} s (a hung GPU stream?): they may still "
                     "copy into or out of the local memory"
-                ) from exc
+                )
+                err.batch_id = bid  # the caller asks batch_settled(bid) before reusing that memory
+                raise err from exc
             st = self.wait_batch(bid, timeout)
         return st
+
+    def batch_settled(self, batch_id: int) -> bool:
+        """Whether the copies of a synchronous call that raised TransferTimeout (its
+        ``batch_id``) ended: True once none still writes or reads the local memory (the batch
+        is then freed), False while a hung GPU stream still holds them. Never blocks (poll it).
+        Called by a caller that must not hand that memory to anyone else before then (the vLLM
+        connector's load threads, for the KV blocks a timed-out load read into)."""
+        return self.batches.settled(batch_id)
 
     def _settle(self, bid: int, exc: Exception) -> None:
         """A submit of a synchronous call raised ``exc`` after part of its batch was queued (a
