@@ -348,3 +348,129 @@ def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(tiny
     finally:
         d.close()
         p.close()
+
+
+def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_ended(
+    fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode worker whose KV blocks are (fake-driver) GPU memory READs a prefill's GPU blocks
+    over CUDA IPC; the stream then stops (its event never completes until the test lets it). A
+    per-request load and a streamed one raise TransferTimeout at the engine's timeout, but their
+    copies may still land in the blocks: neither is reported (not finished, no load error: vLLM
+    keeps the requests waiting and the blocks allocated) while the stream is stopped. Once it
+    resumes and the copies landed, both are reported failed (recompute), never before. The
+    prefill is a scripted side channel over a real socket, its memory a real peer process."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from kvpool import TransferEngine, _native
+    from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob
+    from kvpool.connectors.vllm.pd_stream import StreamLoad
+    from kvpool.transfer.cuda_driver import load_driver
+    from kvpool.transfer.cuda_ipc import CudaIpcTransport
+    from tests.cuda_ipc_peer import Peer
+
+    bs, nb, bb = 16, 8, 4096  # tokens per block, blocks, bytes per block
+    drv = load_driver()
+    assert drv is not None
+    peer = Peer(1, nb * bb)
+    r = peer.gpu[0]
+    assert peer.ask(f"fill {r} {nb * bb} 7") == "ok"
+    remote = Region("l0", r, bb, bb, nb)
+
+    def prefill(req: dict[str, Any]) -> dict[str, Any]:
+        op, rid = req.get("op"), req.get("id")
+        if op == "layout":
+            return {"id": rid, "ok": True, "engine_id": "e1", "segment": peer.name, "block_size": bs,
+                    "tp_rank": 0, "tp_size": 1, "regions": [remote.wire()], "kv_layout": None}  # fmt: skip
+        if op == "progress":
+            live = {"state": "live", "req_id": "ps1", "gen": 0, "total": bs, "blocks": [7], "final": [bs]}
+            return {"id": rid, "ok": True, "streams": {"t1": live}, "version": 1, "engine_id": "e1"}
+        return {"id": rid, "ok": True, "expired": [], "engine_id": "e1"}  # "done": held
+
+    pport = free_port()
+    srv = RpcServer("127.0.0.1", pport, prefill, lambda: None)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    cfg = VllmConnectorConfig(side_channel_port=free_port(), transfer_timeout_s=10.0)
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=bs, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+    )
+    w = pd_mod._PdWorker(cfg, vc, "d", SimpleNamespace(num_blocks=nb))
+    w.engine = TransferEngine(**{**cfg.engine_kwargs(), "timeout_s": 0.5})
+    g = drv.alloc(nb * bb, 0)
+    w.engine.register_local_memory(g, nb * bb, location="cuda:0")
+    w.regions = [Region("l0", g, bb, bb, nb)]
+
+    def sha(addr: int, n: int) -> str:
+        buf = bytearray(n)
+        drv.memcpy(_native.buffer_address(buf)[0], addr, n)
+        return hashlib.sha256(buf).hexdigest()
+
+    def reported() -> tuple[set[str], set[int]]:
+        return w.get_finished()[1] or set(), w.take_load_errors()
+
+    def job(rid: str, local: list[int], remote: list[int], **kw: Any) -> RecvJob:
+        return RecvJob(rid, local, remote, "127.0.0.1", pport, f"p{rid}", **kw)
+
+    release, landed = threading.Event(), []
+    try:
+        first = job("d0", [0, 1], [0, 1])
+        w._lane(first).load(first)
+        deadline = time.monotonic() + 20
+        got: tuple[set[str], set[int]] = (set(), set())
+        while not got[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+            got = reported()
+        assert got == ({"d0"}, set())  # read and confirmed: the setup moves bytes
+        assert sha(g, 2 * bb) == peer.ask(f"dump {r} {2 * bb}")
+
+        ipc = next(t for t in w.engine._transports if isinstance(t, CudaIpcTransport))
+        real_sync = ipc.driver.event_sync
+
+        def stopped(event: int) -> None:  # the stream stops until the test lets it go
+            release.wait(30)
+            real_sync(event)
+            landed.append(time.monotonic())
+
+        monkeypatch.setattr(ipc.driver, "event_sync", stopped)
+        try:
+            hung = job("d1", [2, 3], [4, 5])
+            w._lane(hung).load(hung)
+            streamed = job("s1", [6], [], transfer_id="t1", num_tokens=bs)
+            w._lane(streamed).stream(StreamLoad(streamed, time.monotonic() + 30))
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                fails = dict(w.stats.data.get("failures") or {})
+                if fails.get("TransferTimeout") == 1 and fails.get("StreamFailed") == 1:
+                    break
+                assert reported() == (set(), set()), "reported while its copies were still queued"
+                time.sleep(0.01)
+            else:
+                raise AssertionError(f"the loads did not time out: {w.stats.data.get('failures')}")
+            time.sleep(0.3)  # the lane looks at its parked loads meanwhile
+            assert reported() == (set(), set())  # still parked: neither finished nor failed
+            assert not landed
+        finally:
+            release.set()
+        done: set[str] = set()
+        errors: set[int] = set()
+        deadline = time.monotonic() + 20
+        while done != {"d1", "s1"} and time.monotonic() < deadline:
+            fin, errs = reported()
+            # each reported load's copy had landed before (the stream runs them in order)
+            assert len(landed) >= len(done | fin), (done | fin, landed)
+            done |= fin
+            errors |= errs
+            time.sleep(0.01)
+        assert done == {"d1", "s1"} and errors == {2, 3, 6}  # failed: vLLM recomputes them
+        assert sha(g + 2 * bb, 2 * bb) == peer.ask(f"dump {r + 4 * bb} {2 * bb}")  # the late bytes
+        assert sha(g + 6 * bb, bb) == peer.ask(f"dump {r + 7 * bb} {bb}")
+        assert w.engine.batches.deferred() == 0  # the timed-out batches were freed
+    finally:
+        release.set()
+        w.close()
+        srv.stop()
+        peer.close()

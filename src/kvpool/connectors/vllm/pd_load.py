@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool._rpc import RpcClient
@@ -36,7 +36,7 @@ from kvpool.connectors.vllm.reshard import (
     plan_sources,
     region_pairs,
 )
-from kvpool.errors import KvpoolError, TransferError
+from kvpool.errors import KvpoolError, TransferError, TransferTimeout
 from kvpool.transfer.types import OpCode
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ MAX_PEER_THREADS = 32
 _LOADS_BEFORE_NOTICES = 8
 #: Request ids one "done" notice carries at most (a prefill refuses a longer one whole).
 MAX_DONE_IDS = 4096
+#: Seconds between a lane's looks at its parked loads' copies (doubling up to the maximum).
+PARK_POLL_MIN_S, PARK_POLL_MAX_S = 0.01, 0.5
 
 
 @dataclass
@@ -77,10 +79,25 @@ def _addr(r: Region) -> RegionAddr:
     return RegionAddr(r.addr, r.stride, r.num_blocks)
 
 
+@dataclass
+class _Parked:
+    """A failed load whose READ raised TransferTimeout while its GPU copies were still queued (a
+    hung stream): they may still land in its blocks. It stays in progress -- neither finished nor
+    a load error, so vLLM keeps the request waiting and its blocks allocated -- until the engine
+    says the batch ended (:meth:`~kvpool.transfer.engine.TransferEngine.batch_settled`); only then
+    are its blocks reported (recompute). Held and polled by the job's lane."""
+
+    job: RecvJob
+    batch_id: int
+    why: str
+    since: float = field(default_factory=time.monotonic)
+
+
 class _PeerLane:
     """Load thread of one prefill peer (past :data:`MAX_PEER_THREADS` peers, of a few): its loads
-    first, then its "done" notices, one RPC per peer. A dead or stalled peer holds up only the
-    requests whose KV is on it."""
+    first, then its "done" notices, one RPC per peer; between them it looks at its parked loads
+    (:class:`_Parked`: failed, their late GPU copies not ended yet). A dead or stalled peer holds
+    up only the requests whose KV is on it."""
 
     def __init__(self, worker: DecodeLoads, name: str) -> None:
         self.worker = worker
@@ -88,6 +105,7 @@ class _PeerLane:
         self._loads: deque[RecvJob] = deque()
         self._notices: deque[RecvJob] = deque()
         self._new: list[StreamLoad] = []
+        self._new_parked: list[_Parked] = []
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -107,6 +125,12 @@ class _PeerLane:
             self._new.append(ld)
             self._cv.notify()
 
+    def park(self, p: _Parked) -> None:
+        """Hold a failed load until its copies end (any thread: the lane itself or ``start``)."""
+        with self._cv:
+            self._new_parked.append(p)
+            self._cv.notify()
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True
@@ -117,18 +141,25 @@ class _PeerLane:
         active: list[StreamLoad] = []  # streaming loads: one progress question per round
         seen: dict[tuple[str, int], int] = {}  # per prefill peer: the progress version last seen
         wait_s = POLL_MIN_S
+        parked: list[_Parked] = []  # failed loads whose late copies may still land in their blocks
+        park_s = PARK_POLL_MIN_S
         while True:
             with self._cv:
-                if active:
-                    if not (self._loads or self._notices or self._new or self._stop):
-                        self._cv.wait(wait_s)
+                if active or parked:
+                    if not (self._loads or self._notices or self._new or self._new_parked or self._stop):
+                        step = min(wait_s, park_s) if parked else wait_s
+                        self._cv.wait(step if active else park_s)
                 else:
-                    while not (self._loads or self._notices or self._new or self._stop):
+                    while not (self._loads or self._notices or self._new or self._new_parked or self._stop):
                         self._cv.wait()
                 if self._stop:
                     return
                 active.extend(self._new)
                 self._new.clear()
+                if self._new_parked:
+                    parked.extend(self._new_parked)
+                    self._new_parked.clear()
+                    park_s = PARK_POLL_MIN_S
                 job = None
                 notices: list[RecvJob] = []
                 if self._loads and (in_a_row < _LOADS_BEFORE_NOTICES or not self._notices):
@@ -162,6 +193,10 @@ class _PeerLane:
                 wait_s = (
                     0.0 if waited else POLL_MIN_S if moved else min(max(wait_s, POLL_MIN_S) * 2, POLL_MAX_S)
                 )
+            if parked:
+                n = len(parked)
+                parked = self.worker._settle_parked(parked)
+                park_s = PARK_POLL_MIN_S if len(parked) < n else min(park_s * 2, PARK_POLL_MAX_S)
 
 
 class DecodeLoads(_Base):
@@ -365,6 +400,10 @@ class DecodeLoads(_Base):
             self._load_done(job, True, ld.nbytes, ld.read_s)
             return True
         self.stats.record_failure("StreamFailed")
+        late = self._late_batch(ld.error) if ld.error is not None else None
+        if late is not None:
+            self._park(job, late, why)  # a READ of this round may still land in its blocks
+            return bool(job.remote_request_id)
         log.warning("kvpool connector: streaming the KV of %s from %s:%d failed (%s); blocks reported to "
                     "vLLM (kv_load_failure_policy: recompute or fail)",
                     job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
@@ -395,11 +434,50 @@ class DecodeLoads(_Base):
         for p in {self.tp_rank, *ranks}:
             self._remotes.pop((job.remote_host, job.remote_port + p), None)
 
+    def _late_batch(self, exc: Exception) -> int | None:
+        """The batch of a READ that raised TransferTimeout while its GPU copies still run (they
+        may still land in the load's blocks), or None where nothing of it is in flight."""
+        bid = exc.batch_id if isinstance(exc, TransferTimeout) else None
+        if bid is None or self.engine is None or self.engine.batch_settled(bid):
+            return None
+        return bid
+
+    def _park(self, job: RecvJob, batch_id: int, why: str) -> None:
+        """A load failed with its copies still queued: its lane holds it (:class:`_Parked`) until
+        they end. Runs on the lane or, for a load done in ``start``, the model thread (the job's
+        lane exists then: ``start`` made it)."""
+        log.warning("kvpool connector: loading KV of %s from %s:%d failed (%s); the request keeps waiting "
+                    "(its blocks stay allocated) until those GPU copies end, then its blocks are reported to "
+                    "vLLM", job.req_id, job.remote_host, job.remote_port, why)  # fmt: skip
+        key = (job.remote_host, job.remote_port + self.tp_rank)
+        lane = self._lanes.get(key) or self._lane(job)
+        lane.park(_Parked(job, batch_id, why))
+
+    def _settle_parked(self, parked: list[_Parked]) -> list[_Parked]:
+        """Lane thread: report the parked loads whose copies ended (failed: their blocks go to
+        vLLM, which recomputes them); returns those still copying. Never blocks (one native
+        status call each)."""
+        assert self.engine is not None
+        keep = []
+        for p in parked:
+            if not self.engine.batch_settled(p.batch_id):
+                keep.append(p)
+                continue
+            log.warning("kvpool connector: the late GPU copies of %s's failed load (%s) ended after %.1f s; "
+                        "blocks reported to vLLM (kv_load_failure_policy: recompute or fail)",
+                        p.job.req_id, p.why, time.monotonic() - p.since)  # fmt: skip
+            self._load_done(p.job, False)
+        return keep
+
     def _load(self, job: RecvJob) -> None:
+        """READ one request's KV into its blocks (a lane, or ``start`` for a small same-host
+        load) and record the outcome; a READ whose GPU copies outlived the engine's timeout is
+        parked instead (:meth:`_park`): reported only once they ended."""
         t0 = time.perf_counter()
         ok = True
         why = ""
         nbytes = 0
+        late = None
         try:
             if job.local_block_ids:
                 if job.remote_tp_size != self.tp_size:
@@ -416,10 +494,14 @@ class DecodeLoads(_Base):
             ok, why = False, str(exc)
             self.stats.record_failure(type(exc).__name__)
             self._forget_remotes(job)
+            late = self._late_batch(exc)
         except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
             ok, why = False, f"{type(exc).__name__}: {exc}"
             self.stats.record_failure(type(exc).__name__)
         seconds = time.perf_counter() - t0
+        if late is not None:
+            self._park(job, late, why)
+            return
         if ok and job.local_block_ids:
             log.info("kvpool connector: loaded %d blocks (%d bytes) for %s in %.2f ms",
                      len(job.local_block_ids), nbytes, job.req_id, seconds * 1e3)  # fmt: skip

@@ -233,6 +233,8 @@ class StreamLoad:
     read_s: float = 0.0  # time spent in READs (not waiting for the prefill)
     rounds: int = 0
     cancelled: bool = False
+    error: KvpoolError | None = None
+    """The typed error that ended it (a TransferTimeout's copies may still land: the lane parks it)."""
 
 
 def region_columns(
@@ -305,6 +307,7 @@ def stream_round(
                     done, n = _advance(worker, rem, ld, states.get(ld.job.transfer_id) or {}, reply)
                 except KvpoolError as exc:
                     worker._forget_remotes(ld.job)  # a restarted prefill is asked again next time
+                    ld.error = exc
                     ended.append((ld, str(exc)))
                     continue
                 except Exception as exc:  # noqa: BLE001 - a malformed answer: never a load left waiting
