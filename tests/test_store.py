@@ -21,6 +21,7 @@ from kvpool.errors import (
     ObjectCorrupt,
     ObjectExists,
     ObjectNotFound,
+    ProtocolError,
     RegistrationError,
     StoreError,
     StoreFull,
@@ -240,6 +241,44 @@ def test_change_replica_up_and_down_and_survive_sigkill() -> None:
                 assert st.get(k) == v, k
                 assert s2.segment not in {r[0] for r in st.info(k)["replicas"]}
         s2.close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"size": 1 << 62},  # a corrupt size: would be mapped as a staging buffer
+        {"size": 3},  # shorter than the header
+        {"src": ["seg", -1]},
+        {"dst": [["seg", "0x10"]]},
+        {"epoch": "1"},
+        {"dst": "all"},
+    ],
+)
+def test_a_malformed_replica_plan_from_the_master_is_refused_before_any_copy(
+    edit: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """change_replica acts on the master's replica_start answer (what to read where, how many
+    bytes, where to write): a malformed one raises ProtocolError before anything is read or
+    written (not OverflowError/MemoryError from the staging buffer, not a copy to a bad place)."""
+    with MasterProcess() as m, StorageProcess(m.address, 32 << 20), StorageProcess(m.address, 32 << 20):
+        with Store.connect(master=m.address, segment_size=0) as st:
+            st.put("k", pattern(100_000, 1))
+            real = st._call
+
+            def call(op: str, **kw: object) -> object:
+                r = real(op, **kw)
+                if op == "replica_start":
+                    r = {**r, **edit}
+                return r
+
+            monkeypatch.setattr(st, "_call", call)
+            copies = []
+            monkeypatch.setattr(st, "_copy", lambda *a: copies.append(a) or [True])
+            with pytest.raises(ProtocolError, match="replica_start"):
+                st.change_replica("k", 2)
+            assert copies == []
+            monkeypatch.setattr(st, "_call", real)
+            assert st.get("k") == pattern(100_000, 1)
 
 
 def test_master_killed_mid_put_then_clients_recover() -> None:

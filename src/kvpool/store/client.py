@@ -37,6 +37,7 @@ from kvpool.errors import (
     InvalidType,
     KvpoolError,
     ObjectChanged,
+    ProtocolError,
     RegistrationError,
     TransferError,
 )
@@ -59,6 +60,8 @@ from kvpool.store.tasks import TaskRunner, run_task
 from kvpool.transfer.device import device_buffer
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, host_id
+
+_MAX_COPY = 1 << 40  # bytes a replica copy may name (a bigger size is a corrupt answer, not an object)
 
 log = logging.getLogger("kvpool.store")
 
@@ -115,6 +118,31 @@ def _check_key(key: Any) -> None:
 def _check_config(config: Any) -> None:
     if config is not None and not isinstance(config, ReplicateConfig):
         raise InvalidType(f"config must be a ReplicateConfig or None, not {type(config).__name__}")
+
+
+def _place(x: Any) -> bool:
+    """A replica's place in a master answer: [segment name, address, ...]."""
+    return (
+        isinstance(x, (list, tuple)) and len(x) >= 2 and isinstance(x[0], str) and type(x[1]) is int
+        and 0 <= x[1] < 1 << 64
+    )  # fmt: skip
+
+
+def _bad_replica_plan(r: Any) -> str | None:
+    """Why a ``replica_start`` answer cannot be acted on, or None. Called by
+    :meth:`Store.change_replica` before it reads or writes anything the answer names."""
+    if not isinstance(r, dict) or not isinstance(r.get("dst"), list):
+        return "no dst list"
+    if not r["dst"]:
+        return None  # nothing to copy
+    if not all(_place(d) for d in r["dst"]) or not _place(r.get("src")):
+        return "src/dst are not [segment, address] places"
+    size = r.get("size")
+    if type(size) is not int or not HEADER_SIZE < size <= _MAX_COPY:
+        return f"size {size!r} outside ({HEADER_SIZE}, {_MAX_COPY}]"
+    if type(r.get("epoch")) is not int or type(r.get("gen")) is not int:
+        return "epoch/gen are not integers"
+    return None
 
 
 class Store(MasterSession, PutPath, GetPath):
@@ -430,6 +458,9 @@ class Store(MasterSession, PutPath, GetPath):
         buffer), never through the master. Raising is capped by the number of segments.
         """
         r = self._call("replica_start", key=key, replicas=replicas)
+        why = _bad_replica_plan(r)
+        if why is not None:  # the master's answer decides what is read and written where
+            raise ProtocolError(f"the store master's replica_start answer for {key!r} is malformed: {why}")
         if not r["dst"]:
             return len([x for x in self.info(key)["replicas"] if x[2]])
         epoch, gen = r["epoch"], r["gen"]
