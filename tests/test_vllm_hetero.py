@@ -18,7 +18,7 @@ from kvpool.child import free_port_range
 from kvpool.connectors.vllm import pd
 from kvpool.connectors.vllm.common import VllmConnectorConfig
 from kvpool.connectors.vllm.pd import _PdWorker
-from kvpool.connectors.vllm.pd_scheduler import RecvJob
+from kvpool.connectors.vllm.pd_scheduler import RecvJob, blocks_digest
 
 LAYERS, NB, BS, HEADS, HS = 2, 16, 16, 4, 8
 
@@ -82,7 +82,16 @@ def _ref() -> torch.Tensor:
 
 
 def _job(rid: str, local: list[int], remote: list[int], port: int, ptp: int) -> RecvJob:
-    return RecvJob(rid, local, remote, "127.0.0.1", port, rid, None, ptp)
+    return RecvJob(
+        rid, local, remote, "127.0.0.1", port, rid, None, ptp, blocks_digest=blocks_digest(rid, remote)
+    )
+
+
+def _hold(ranks: list[tuple[_PdWorker, Any]], rid: str, remote: list[int]) -> None:
+    """The prefill scheduler's metadata: every rank holds ``remote`` for ``rid``."""
+    meta = pd.KvpoolConnectorMetadata(send={rid: 30.0}, send_digest={rid: blocks_digest(rid, remote)})
+    for p, _ in ranks:
+        p.start(meta)
 
 
 @pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 1), (2, 2)])
@@ -96,8 +105,7 @@ def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
         _instance(monkeypatch, ptp, "kv_producer", ref, pport) as P,
         _instance(monkeypatch, dtp, "kv_consumer", None, dport) as D,
     ):
-        for p, _ in P:
-            p.start(pd.KvpoolConnectorMetadata(send={"r1": 30.0}))
+        _hold(P, "r1", remote)
         for d, _ in D:
             d._load(_job("r1", local, remote, pport, ptp))
             assert d.take_load_errors() == set()
@@ -133,6 +141,7 @@ def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPat
     ):
         assert len(P) == 2
         d, caches = D[0]
+        _hold(P, "r0", [0])
         d._load(_job("r0", [0], [0], pport, 2))  # both ranks' layouts known, segments open
         d._notify([_job("r0", [0], [0], pport, 2)])
         assert d.take_load_errors() == set()
@@ -205,6 +214,7 @@ def test_a_streamed_heterogeneous_load_waits_for_every_prefill_rank(monkeypatch:
         assert d.get_finished()[1] is None
         assert not any(c.any() for c in caches.values())
         P[1][0].step_done()
+        _hold(P, "r1", remote)  # the request finished: its blocks wait for the decode's notice
         deadline = time.monotonic() + 10
         done: set[str] = set()
         while not done and time.monotonic() < deadline:

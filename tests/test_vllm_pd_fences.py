@@ -62,9 +62,12 @@ def _finished(d: Instance, rid: str, steps: int = 300, other: Instance | None = 
 
 
 def _prefill(p: Instance, rid: str, prompt: list[int]) -> dict[str, Any]:
-    """Add a one-token prefill request ``rid`` to ``p``, run one step; its kv_transfer_params."""
+    """Add a one-token prefill request ``rid`` to ``p``, run one step, and the next one (it hands
+    the worker the blocks held for ``rid``: a decode's "done" notice is confirmed only then); its
+    kv_transfer_params."""
     p.add(rid, prompt, 1, {"do_remote_decode": True})
     _, o = p.step()
+    p.step()
     return o[rid].kv_transfer_params
 
 
@@ -103,6 +106,7 @@ def test_remote_blocks_are_lined_up_from_the_head_of_the_prompt(tiny_llama: Path
     try:
         p.add("p1", prompt, 3, {"do_remote_decode": True})
         o = p.run_until(lambda o: "p1" in o and o["p1"].finish_reason)
+        p.step()  # the worker learns the blocks held for p1
         params = o["p1"].kv_transfer_params
         assert len(params["remote_block_ids"]) == 3
         d.add("d1", prompt, 2, params)
@@ -199,8 +203,9 @@ def test_a_kv_dtype_that_differs_fails_the_load(tiny_llama: Path) -> None:  # no
 
 def test_done_notices_are_bounded(tiny_llama: Path) -> None:  # noqa: F811
     """A "done" notice longer than MAX_DONE_IDS is refused whole (nothing recorded, so nothing of
-    it is confirmed); notices for requests the prefill does not hold are kept up to a bound, and
-    a step stays cheap (2M ids held the worker lock ~1 s and slowed every step for 120 s)."""
+    it is confirmed); notices for requests the prefill does not hold are answered "expired" and
+    kept nowhere, and a step stays cheap (2M ids held the worker lock ~1 s and slowed every step
+    for 120 s)."""
     p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": free_port()})
     try:
         w = p.worker._worker
@@ -209,12 +214,111 @@ def test_done_notices_are_bounded(tiny_llama: Path) -> None:  # noqa: F811
         assert reply["ok"] is False and len(w._notified) == 0
         for k in range(20):  # 81,920 unknown ids in allowed notices
             ids = [f"{k}-{i}" for i in range(pd_load.MAX_DONE_IDS)]
-            assert w._handle({"op": "done", "id": 2, "req_ids": ids})["ok"] is True
-        assert len(w._notified) == pd_mod._NOTIFIED_MAX
+            reply = w._handle({"op": "done", "id": 2, "req_ids": ids, "wait_s": 5})
+            assert reply["ok"] is True and reply["expired"] == ids and reply["unknown"] == ids
+        assert len(w._notified) == 0 and not w._parked_done
         t = time.perf_counter()
         p.step()
         assert time.perf_counter() - t < 0.5
     finally:
+        p.close()
+
+
+def test_done_notices_waiting_for_unknown_requests_are_bounded(tiny_llama: Path) -> None:  # noqa: F811
+    """Notices naming requests the prefill does not know yet wait (parked) for at most
+    _PARKED_IDS_MAX ids in all; past that they are answered at once, "expired", and a parked one
+    is answered "expired" at its deadline: no notice waits forever, none is confirmed."""
+    from kvpool._rpc import RpcClient
+
+    port = free_port()
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", {"side_channel_port": port})
+    try:
+        w = p.worker._worker
+        ids = [f"w-{i}" for i in range(pd_load.MAX_DONE_IDS)]
+        replies: list[Any] = []
+        clients = [RpcClient(f"127.0.0.1:{port}", 10.0) for _ in range(5)]
+        threads = [
+            threading.Thread(target=lambda c=c: replies.append(c.call("done", req_ids=ids, wait_s=1.0)))
+            for c in clients
+        ]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for _ in range(200):
+            if len(replies) == 1 and w._parked_ids == pd_mod._PARKED_IDS_MAX:
+                break
+            time.sleep(0.01)
+        assert len(replies) == 1 and replies[0]["expired"] == ids  # the fifth: no room, at once
+        assert w._parked_ids == pd_mod._PARKED_IDS_MAX
+        for t in threads:
+            t.join(5)
+        assert 0.9 < time.monotonic() - t0 < 3 and len(replies) == 5
+        assert all(r["expired"] == ids for r in replies) and w._parked_ids == 0 and not w._notified
+        for c in clients:
+            c.close()
+    finally:
+        p.close()
+
+
+def test_params_naming_one_requests_id_and_anothers_blocks_are_not_confirmed(tiny_llama: Path) -> None:  # noqa: F811
+    """kv_transfer_params edited on the way (a hostile client, a buggy proxy): request A's id with
+    request B's block ids (B is still held for its decode). The decode reads B's blocks; the prefill
+    must not confirm the read as A's "held" (the decode ran on another prompt's KV): the load fails
+    (recomputed from the right prompt), and neither request's blocks are freed by that notice."""
+    other = [(i * 11) % 450 + 5 for i in range(80)]
+    p, d = _pd(tiny_llama)
+    try:
+        pa, pb = _prefill(p, "pA", PROMPT), _prefill(p, "pB", other)
+        assert pa["remote_block_ids"] != pb["remote_block_ids"]
+        forged = {**copy.deepcopy(pa), "remote_block_ids": list(pb["remote_block_ids"])}
+        forged.pop("remote_blocks_digest", None)  # (the client drops the digest it cannot match)
+        d.add("d1", PROMPT, 2, forged)
+        out = _finished(d, "d1", other=p)
+        _assert_refused(d, "d1", out, "Unconfirmed")
+        held = p.worker._worker._pending_send
+        assert "pA" in held and "pB" in held  # the forged notice freed nothing
+        d.add("d2", PROMPT, 2, pa)  # A's own decode still reads A's KV
+        out = _finished(d, "d2", other=p)
+        assert out.new_token_ids and _kv_ok(d, "d2", PROMPT) and _failures(d) == {"Unconfirmed": 1}
+        # the prefill's digest kept with the forged blocks: refused before any read
+        forged = {**copy.deepcopy(pb), "remote_block_ids": list(pa["remote_block_ids"])}
+        d.add("d3", other, 2, forged)
+        _finished(d, "d3", other=p)
+        assert _failures(d) == {"Unconfirmed": 1, "BlocksMismatch": 1}
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_done_notice_before_the_prefill_knows_the_request_waits_for_it(
+    tiny_llama: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode's "done" notice can reach the prefill worker before the step that hands it the
+    request's blocks. It is not answered "held" then (the worker cannot tell such a request from
+    one it never had): the load completes once the metadata arrived, or fails at the deadline."""
+    monkeypatch.setattr(pd_load, "DONE_WAIT_S", 0.5, raising=False)
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        params = p.step()[1]["p1"].kv_transfer_params  # the worker learns p1 in the next step
+        d.add("d1", PROMPT, 2, copy.deepcopy(params))
+        for _ in range(30):  # the read is made, its notice waits at the prefill
+            d.step()
+            time.sleep(0.005)
+        assert "d1" in d.scheduler.requests and not d.scheduler.requests["d1"].output_token_ids
+        assert p.worker._worker._parked_ids == 1
+        p.step()
+        out = _finished(d, "d1")
+        assert out.new_token_ids and _kv_ok(d, "d1", PROMPT) and not _failures(d)
+        # never learnt: failed at the deadline, not confirmed
+        p.add("p2", PROMPT, 1, {"do_remote_decode": True})
+        params = p.step()[1]["p2"].kv_transfer_params
+        d.add("d2", PROMPT, 2, params)
+        out = _finished(d, "d2", steps=400)
+        _assert_refused(d, "d2", out, "Unconfirmed")
+    finally:
+        d.close()
         p.close()
 
 

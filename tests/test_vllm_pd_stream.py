@@ -89,6 +89,7 @@ def test_decode_reads_each_layer_while_the_prefill_computes_the_next(
     _, outputs = p.step()
     assert outputs["p1"].finish_reason is not None
     assert seen == [(True, False)]  # layer 0 arrived before layer 1 was even computed
+    p.step()  # the worker learns p1's blocks are held (the decode's "done" notice waits for that)
     outputs = d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
     assert outputs["d1"].new_token_ids == [7]
     for got, w in zip(d.block_values("d1", 79), expected_rows(PROMPT, 79), strict=True):
@@ -115,6 +116,7 @@ def test_chunked_prefill_streams_each_chunk_and_a_local_hit_reads_only_the_tail(
     _until(lambda: torch.equal(_rows(d, job.local_block_ids[:1], 1, BS), expected_rows(LONG, 96)[1][64:96]))
     assert not _rows(d, job.local_block_ids[1:2], 0, BS).any()  # block 3 is not final yet
     p.run_until(lambda o: "p2" in o and o["p2"].finish_reason is not None)
+    p.step()  # the worker learns p2's blocks are held
     outputs = d.run_until(lambda o: "d2" in o and o["d2"].new_token_ids)
     for got, w in zip(d.block_values("d2", 199), expected_rows(LONG, 199), strict=True):
         assert torch.equal(got, w)
@@ -184,6 +186,7 @@ def test_a_malformed_progress_answer_fails_the_load_and_stops_nothing_else(
     d.step()
     p.add("p10", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "t10"})
     p.step()
+    p.step()  # the worker learns p10's blocks are held
     outputs = d.run_until(lambda o: "d10" in o and o["d10"].new_token_ids)
     for got, w in zip(d.block_values("d10", 79), expected_rows(PROMPT, 79), strict=True):
         assert torch.equal(got, w)
@@ -280,6 +283,7 @@ def test_a_sliding_window_stream_reads_nothing_into_or_out_of_the_null_block(tin
         assert 0 not in job.local_block_ids and job.block_index == [4, 5, 6]
         p.add("pw1", LONG, 1, {"do_remote_decode": True, "transfer_id": "tw1"})
         p.step()
+        p.step()  # the worker learns pw1's blocks are held
         outputs = d.run_until(lambda o: "w1" in o and o["w1"].new_token_ids)
         assert outputs["w1"].new_token_ids == [7]
         assert all(not d.kv[name][0].any() for name in d.kv)  # the decode's null block untouched

@@ -15,7 +15,9 @@ comes costs blocks for ``abort_timeout_s`` only. The same choice as vLLM's NixlC
 
 Side channel (one per prefill TP rank, msgpack over TCP, ``side_channel_port + rank``):
 ``layout`` returns the engine's segment name and the KV block regions; ``done`` carries the
-request ids whose blocks were read (or given up on) and answers which of them it had freed unread.
+request ids whose blocks were read (or given up on), each with the digest of the (id, block ids)
+its params named, and answers which of them it had freed unread or never handed out those blocks
+for (:meth:`_PdWorker._done`).
 The scheduler half lives in :mod:`kvpool.connectors.vllm.pd_scheduler`, the decode's loads in
 :mod:`kvpool.connectors.vllm.pd_load`.
 """
@@ -26,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpool._rpc import RpcClient
@@ -64,8 +66,27 @@ log = logging.getLogger("kvpool.connectors.vllm")
 # answer a late decode's "done" notice with "expired".
 _EXPIRED_KEEP_S = 3600.0
 _EXPIRED_MAX = 1 << 16
-# "done" notices kept for requests this prefill does not hold (yet) at most.
-_NOTIFIED_MAX = 1 << 16
+# A "done" notice naming requests this prefill does not know yet waits for them this long at most
+# (the decode asks for less than its RPC timeout); this many notices / ids wait at most.
+_DONE_WAIT_MAX_S = 10.0
+_PARKED_DONE_MAX = 256
+_PARKED_IDS_MAX = 1 << 14
+
+
+@dataclass(eq=False)
+class _Notice:
+    """A "done" notice being decided (side channel): what is decided so far, what waits."""
+
+    conn: Any
+    rid: Any
+    of: int
+    gens: dict[Any, Any]
+    digests: dict[Any, Any]
+    until: float
+    waiting: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
 
 
 class KvpoolConnector(KvpoolConnectorBase):
@@ -126,7 +147,11 @@ class _PdWorker(DecodeLoads):
         self.regions: list[Region] = []
         self._lock = threading.Lock()
         self._pending_send: dict[str, float] = {}  # req id -> deadline (monotonic)
-        # "done" seen -> when (may precede the metadata); oldest first, bounded
+        self._digests: dict[str, str] = {}  # req id -> blocks_digest of the blocks held for it
+        # "done" notices waiting for requests this worker does not know yet (bounded)
+        self._parked_done: list[_Notice] = []
+        self._parked_ids = 0
+        # "done" confirmed -> when (held requests; a stale streamed read's may precede them)
         self._notified: OrderedDict[str, float] = OrderedDict()
         # Freed by abort_timeout_s unread -> when (bounded). Ordered: get_finished drops the oldest
         # from the front each step, O(1) each (a plain dict's first item is found by skipping the
@@ -269,49 +294,127 @@ class _PdWorker(DecodeLoads):
                     return None  # answered by _answer_parked: news, or the wait is over
             return {"id": rid, **self._progress(ids)}
         if op == "done":
-            # The answer fences late reads: "expired" names the requests freed unread after
-            # abort_timeout_s (their blocks may hold another request's KV now); "engine_id" tells a
-            # restarted instance (that never held the blocks) from the one that did.
-            now = time.monotonic()
-            of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
-            gens = req.get("gens") or {}  # streamed reads: the generation they were made under
-            req_ids = req.get("req_ids") or []
-            if not isinstance(req_ids, list) or len(req_ids) > MAX_DONE_IDS:
-                # Refused whole (a decode sends at most MAX_DONE_IDS): nothing recorded, its
-                # sender treats every read in it as unconfirmed.
-                msg = f"req_ids must be a list of at most {MAX_DONE_IDS}"
-                return {"id": rid, "ok": False, "err": "INVALID", "msg": msg}
-            expired: list[str] = []
-            with self._lock:
-                for r in req_ids:
-                    r = str(r)[:256]
-                    if r in self._expired:
-                        expired.append(r)
-                        continue
-                    g = gens.get(r) if isinstance(gens, dict) else None
-                    if g is not None and self.streams is not None and not self.streams.gen_ok(r, int(g)):
-                        expired.append(r)  # preempted or aborted since that read: the bytes may be stale
-                    if of > 1:
-                        n = self._notice_counts.get(r, 0) + 1
-                        if n < of and len(self._notice_counts) < 1 << 16:
-                            self._notice_counts[r] = n
-                            continue
-                        self._notice_counts.pop(r, None)
-                    if r not in self._pending_send and len(self._notified) >= _NOTIFIED_MAX:
-                        continue  # bounded: an unknown id's notice is kept only while there is room
-                    self._notified[r] = now
-                    self._notified.move_to_end(r)
-            return {"id": rid, "ok": True, "expired": expired, "engine_id": self.engine_id}
+            return self._done(req, conn)
         return {"id": rid, "ok": False, "err": "INVALID", "msg": f"unknown op {op!r}"}
+
+    def _done(self, req: dict[str, Any], conn: Any) -> dict[str, Any] | None:
+        """Side channel, ``done``: a decode read (or gave up on) the blocks of ``req_ids``.
+
+        The answer fences late or misdirected reads. "held" (not listed) only for a request this
+        worker holds (its ``send`` metadata arrived) whose notice carries the :func:`blocks_digest`
+        of this request's own id and blocks; "expired": freed unread after abort_timeout_s, freed
+        by an earlier notice, a stale streamed read, or a digest that is not this request's (its
+        params were edited: the decode read other blocks; missing counts as wrong) -- that notice
+        frees nothing. A request not known yet (a notice can beat the metadata) is parked up to
+        ``wait_s`` (capped) until it is, then answered "expired" (``unknown``): never "held"
+        unchecked. "engine_id" tells a restarted instance (that never held the blocks) from the
+        one that did."""
+        rid = req.get("id")
+        of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
+        gens = req.get("gens") or {}  # streamed reads: the generation they were made under
+        digests = req.get("digests") or {}
+        engines = req.get("engines") or {}  # the incarnation each read's params named
+        req_ids = req.get("req_ids") or []
+        if not isinstance(req_ids, list) or len(req_ids) > MAX_DONE_IDS:
+            # Refused whole (a decode sends at most MAX_DONE_IDS): nothing recorded, its
+            # sender treats every read in it as unconfirmed.
+            msg = f"req_ids must be a list of at most {MAX_DONE_IDS}"
+            return {"id": rid, "ok": False, "err": "INVALID", "msg": msg}
+        if not all(isinstance(m, dict) for m in (gens, digests, engines)):
+            return {"id": rid, "ok": False, "err": "INVALID", "msg": "gens, digests, engines must be maps"}
+        wait = req.get("wait_s")
+        wait = min(float(wait), _DONE_WAIT_MAX_S) if isinstance(wait, (int, float)) else 0.0
+        gens = {k: g for k, g in gens.items() if type(g) is int}  # (another value: no generation)
+        notice = _Notice(conn, rid, of, gens, digests, time.monotonic() + wait)
+        with self._lock:
+            notice.waiting = [str(r)[:256] for r in req_ids]
+            self._settle(notice, time.monotonic())
+            # named by another incarnation's params: this one will never learn it, answered now
+            mine = [engines.get(r, self.engine_id) == self.engine_id for r in notice.waiting]
+            notice.unknown = [r for r, m in zip(notice.waiting, mine, strict=True) if not m]
+            notice.waiting = [r for r, m in zip(notice.waiting, mine, strict=True) if m]
+            parked = (
+                notice.waiting and wait > 0 and conn is not None
+                and len(self._parked_done) < _PARKED_DONE_MAX
+                and self._parked_ids + len(notice.waiting) <= _PARKED_IDS_MAX
+            )  # fmt: skip
+            if parked:
+                self._parked_done.append(notice)
+                self._parked_ids += len(notice.waiting)
+                return None  # answered by _answer_parked: once every id is known, or at the deadline
+        return {"id": rid, **self._done_answer(notice)}
+
+    def _settle(self, n: _Notice, now: float) -> None:
+        """Decide the ids of ``n`` this worker can (caller holds ``_lock``); the others stay in
+        ``n.waiting`` (not known yet)."""
+        left: list[str] = []
+        for r in n.waiting:
+            if r in self._expired:
+                n.expired.append(r)
+                continue
+            g = n.gens.get(r)
+            if g is not None and self.streams is not None and not self.streams.gen_ok(r, g):
+                n.expired.append(r)  # preempted or aborted since that read: the bytes may be stale
+            elif r not in self._pending_send:
+                left.append(r)  # its metadata has not arrived (or never will: answered at the deadline)
+                continue
+            elif g is None or r in n.digests:  # (a streamed read names no digest: its blocks came from here)
+                want, got = self._digests.get(r), n.digests.get(r)
+                if want is None or got != want:
+                    n.expired.append(r)  # other blocks than this request's were read: frees nothing
+                    n.refused.append(r)
+                    continue
+            if n.of > 1:
+                k = self._notice_counts.get(r, 0) + 1
+                if k < n.of and len(self._notice_counts) < 1 << 16:
+                    self._notice_counts[r] = k
+                    continue
+                self._notice_counts.pop(r, None)
+            self._notified[r] = now
+            self._notified.move_to_end(r)
+        n.waiting = left
+
+    def _done_answer(self, n: _Notice) -> dict[str, Any]:
+        """The reply to a ``done`` notice; ids still unknown are answered "expired"."""
+        unknown = n.unknown + n.waiting
+        return {
+            "ok": True, "expired": n.expired + unknown, "refused": n.refused, "unknown": unknown,
+            "engine_id": self.engine_id,
+        }  # fmt: skip
 
     def _answer_parked(self) -> None:
         """Side-channel thread (its tick, or woken by a change): answer the parked progress
-        questions that have news or waited long enough."""
+        questions that have news or waited long enough, and the parked "done" notices whose
+        requests are all known now or whose wait is over."""
         table, server = self.streams, self._server
-        if table is None or server is None:
+        if server is None:
             return
-        for conn, rid, ids in table.due(time.monotonic()):
-            server.reply(conn, rid, self._progress(ids))
+        now = time.monotonic()
+        due: list[_Notice] = []
+        if self._parked_done:
+            with self._lock:  # at most _PARKED_IDS_MAX ids looked up again
+                keep = []
+                for n in self._parked_done:
+                    self._parked_ids -= len(n.waiting)
+                    self._settle(n, now)
+                    self._parked_ids += len(n.waiting)
+                    if n.waiting and now < n.until:
+                        keep.append(n)
+                    else:
+                        self._parked_ids -= len(n.waiting)
+                        due.append(n)
+                self._parked_done = keep
+        for n in due:
+            server.reply(n.conn, n.rid, self._done_answer(n))
+        if table is not None:
+            for conn, rid, ids in table.due(now):
+                server.reply(conn, rid, self._progress(ids))
+
+    def _wake_parked_done(self) -> None:
+        """Model thread: requests became known or expired; parked "done" notices are decided again."""
+        server = self._server
+        if server is not None and self._parked_done:  # (one parked under the lock is seen here)
+            server.call_soon(self._answer_parked)
 
     def _progress(self, ids: list[str]) -> dict[str, Any]:
         """The answer to a progress question (side-channel thread)."""
@@ -333,6 +436,7 @@ class _PdWorker(DecodeLoads):
             with self._lock:
                 for rid in meta.stream_end:  # aborted while streaming: its blocks are freed now
                     self._expired[rid] = now
+            self._wake_parked_done()
 
     def layer_saved(self, layer_name: str, kv_layer: Any) -> None:
         """Model thread, after each attention layer: the layer is final for this step's streams."""
@@ -368,6 +472,10 @@ class _PdWorker(DecodeLoads):
             with self._lock:
                 for rid, ttl in meta.send.items():
                     self._pending_send[rid] = now + ttl
+                    digest = meta.send_digest.get(rid)
+                    if digest is not None:
+                        self._digests[rid] = digest
+            self._wake_parked_done()
         if meta.cancel:
             with self._lock:
                 for rid in meta.cancel:
@@ -429,6 +537,7 @@ class _PdWorker(DecodeLoads):
                 del self._pending_send[rid]
                 self._notified.pop(rid, None)
                 self._notice_counts.pop(rid, None)
+                self._digests.pop(rid, None)
                 # Freed now: a later "done" for it (a second read of the same params: a decode
                 # request with n > 1, a retried one) is answered "expired", never "held".
                 self._expired[rid] = now

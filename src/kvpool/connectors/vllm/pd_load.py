@@ -56,6 +56,9 @@ _LOADS_BEFORE_NOTICES = 8
 MAX_DONE_IDS = 4096
 #: Seconds between a lane's looks at its parked loads' copies (doubling up to the maximum).
 PARK_POLL_MIN_S, PARK_POLL_MAX_S = 0.01, 0.5
+#: How long a "done" notice may wait at the prefill for requests it does not know yet (its
+#: metadata can come after the notice), at most half the RPC timeout.
+DONE_WAIT_S = 5.0
 
 
 @dataclass
@@ -350,8 +353,17 @@ class DecodeLoads(_Base):
                 pjobs = all_jobs[k : k + MAX_DONE_IDS]
                 ids = [j.remote_request_id for j in pjobs]
                 gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
+                digests: dict[str, str] = {}  # two loads naming one id with other blocks: none matches
+                for j in pjobs:
+                    if j.blocks_digest:
+                        d = digests.setdefault(j.remote_request_id, j.blocks_digest)
+                        digests[j.remote_request_id] = d if d == j.blocks_digest else "conflict"
+                engines = {j.remote_request_id: j.remote_engine_id for j in pjobs if j.remote_engine_id}
+                wait = min(DONE_WAIT_S, self.cfg.transfer_timeout_s / 2)
                 try:
-                    reply = self._rpc(host, port).call("done", req_ids=ids, of=of, gens=gens)
+                    reply = self._rpc(host, port).call(
+                        "done", req_ids=ids, of=of, gens=gens, digests=digests, engines=engines, wait_s=wait
+                    )
                     expired, engine = reply.get("expired"), reply.get("engine_id")
                     if not isinstance(expired, list) or not isinstance(engine, (str, type(None))):
                         raise TypeError(f"malformed answer {reply!r:.200}")
@@ -360,10 +372,14 @@ class DecodeLoads(_Base):
                     for j in pjobs:
                         bad[j.remote_request_id] = f"the read could not be confirmed by {host}:{port} ({exc})"
                     continue
+                alien = [x for k in ("refused", "unknown") if isinstance(y := reply.get(k), list) for x in y]
                 for r in expired:
                     bad[str(r)] = (
-                        f"{host}:{port} had freed the blocks (abort_timeout_s passed, or another decode "
-                        "request read them first)"
+                        f"{host}:{port} did not hand out these blocks for that request (its "
+                        "kv_transfer_params were edited, or it never knew the request)"
+                        if r in alien
+                        else f"{host}:{port} had freed the blocks (abort_timeout_s passed, or another "
+                        "decode request read them first)"
                     )
                 for j in pjobs:
                     if engine and j.remote_engine_id and engine != j.remote_engine_id:

@@ -14,11 +14,13 @@ each layer's final blocks while later layers are still being computed.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool.connectors.vllm.common import VllmConnectorConfig
@@ -32,6 +34,20 @@ _MAX_BLOCKS = 1 << 22
 # of the window (freed, no KV in them); every request shares it, so nothing is read into it or
 # reported about it.
 NULL_BLOCK = 0
+
+
+def blocks_digest(request_id: str, block_ids: list[int]) -> str:
+    """The digest binding a prefill request id to the block ids its ``kv_transfer_params`` name
+    (hex). The prefill's scheduler records it per held request (``KvpoolConnectorMetadata.
+    send_digest``); the decode computes it from the (request id, block ids) of the params it reads
+    by and sends it in its "done" notice: the prefill confirms a read only when it matches its own
+    record for that id, so params naming one request's id and another's blocks are refused."""
+    rid = request_id.encode("utf-8", "surrogatepass")
+    h = hashlib.blake2b(digest_size=16, person=b"kvpool-pd-blocks")
+    h.update(len(rid).to_bytes(4, "little"))
+    h.update(rid)
+    h.update(np.asarray(block_ids, dtype="<i8").tobytes())
+    return h.hexdigest()
 
 
 def _int(x: Any, lo: int, hi: int) -> int | None:
@@ -76,6 +92,7 @@ def remote_params(params: dict[str, Any]) -> dict[str, Any] | None:
     ):
         return None
     out["block_ids"] = blocks
+    out["digest"] = blocks_digest(out["request_id"], blocks)
     return out
 
 
@@ -107,6 +124,10 @@ class RecvJob:
     waited: bool = False
     """vLLM waits for this request in ``finished_recving`` even when ``local_block_ids`` is empty
     (every block it was given is vLLM's null block: nothing to read)."""
+    blocks_digest: str | None = None
+    """Per-request load: :func:`blocks_digest` of ``remote_request_id`` and the params' block ids
+    (``remote_block_ids`` is taken from them), sent with the "done" notice: the prefill confirms the
+    read only if it handed out those blocks for that request."""
 
 
 @dataclass
@@ -129,6 +150,7 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvJob] = field(default_factory=dict)
     send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
+    send_digest: dict[str, str] = field(default_factory=dict)  # req id -> blocks_digest handed out
     stream: dict[str, StreamStep] = field(default_factory=dict)  # prefill req id -> this step
     stream_end: set[str] = field(default_factory=set)  # prefill req ids aborted while streaming
     cancel: set[str] = field(default_factory=set)  # decode req ids whose streaming load ends
@@ -181,6 +203,7 @@ class _PdScheduler:
         _, self.tp_size = _tp(vllm_config)
         self._recv: dict[str, RecvJob] = {}
         self._send: dict[str, float] = {}
+        self._send_digest: dict[str, str] = {}
         # Requests whose blocks a worker may still be writing: they are never freed before the
         # worker reports them in finished_recving (abort or failure included).
         self._loading: set[str] = set()
@@ -235,6 +258,10 @@ class _PdScheduler:
             # The prefill computed a shorter prompt (vLLM needs the KV of all but the last token):
             # the tail of its last block holds no KV of this request.
             refused = f"the prefill computed {r['num_tokens']} tokens of a {prompt}-token prompt"
+        elif params.get("remote_blocks_digest", r["digest"]) != r["digest"]:
+            # The prefill's digest does not match the ids and blocks named: edited on the way
+            # (the prefill would refuse to confirm the read anyway; nothing is read).
+            refused = "kv_transfer_params' remote_block_ids are not the ones the prefill named"
         if refused is not None:
             log.warning("request %s: %s; its KV is recomputed", request.request_id, refused)
         remote = remote[:n][n - len(local) :] if local and refused is None else []
@@ -261,6 +288,7 @@ class _PdScheduler:
             remote_tp_size=r["tp_size"],
             refused=refused,
             waited=waited,
+            blocks_digest=r["digest"],
         )
 
     def _stream_job(self, request: Any, blocks: Any, num_external_tokens: int, r: dict[str, Any]) -> None:
@@ -302,9 +330,10 @@ class _PdScheduler:
     def build_meta(self, out: Any = None) -> KvpoolConnectorMetadata:
         """vLLM's scheduler, once per step (``out``: its ``SchedulerOutput``)."""
         meta = KvpoolConnectorMetadata(
-            recv=self._recv, send=self._send, cancel=self._cancel, engine_id=self.engine_id
-        )
-        self._recv, self._send, self._cancel = {}, {}, set()
+            recv=self._recv, send=self._send, send_digest=self._send_digest, cancel=self._cancel,
+            engine_id=self.engine_id,
+        )  # fmt: skip
+        self._recv, self._send, self._send_digest, self._cancel = {}, {}, {}, set()
         if self._streams and out is not None:
             meta.stream = self._stream_steps(out)
         if self._stream_end:
@@ -361,6 +390,7 @@ class _PdScheduler:
                 self._recv[request.request_id] = RecvJob(
                     request.request_id, [], [], r["host"], r["port"], r["request_id"],
                     remote_engine_id=r["engine_id"], remote_tp_size=r["tp_size"],  # every rank frees
+                    blocks_digest=r["digest"],
                 )  # fmt: skip
             return False, None
         if not params.get("do_remote_decode"):
@@ -373,11 +403,15 @@ class _PdScheduler:
             if streaming:
                 self._stream_end.add(request.request_id)
             return False, None
+        blocks = list(block_ids)
+        digest = blocks_digest(request.request_id, blocks)
         self._send[request.request_id] = self.cfg.abort_timeout_s
+        self._send_digest[request.request_id] = digest  # the worker confirms reads of these only
         return True, dict(
             do_remote_prefill=True,
             do_remote_decode=False,
-            remote_block_ids=list(block_ids),
+            remote_block_ids=blocks,
+            remote_blocks_digest=digest,
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
             remote_host=self.cfg.hostname,
