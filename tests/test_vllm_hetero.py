@@ -132,6 +132,31 @@ def test_every_decode_block_is_byte_exact_after_a_heterogeneous_load(
             assert p.get_finished()[0] == {"r1"}
 
 
+def test_a_repeated_notice_from_one_decode_rank_does_not_free_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P TP=1, D TP=2: the prefill frees its blocks after a "done" notice from each decode rank.
+    Decode rank 0 notifies twice (a retried notice, two decode requests naming the same params):
+    counted once -- the blocks stay held for rank 1, which is still reading (two notices were two
+    ranks, the blocks were freed under rank 1's read)."""
+    pport, dport = _base_port(), _base_port()
+    remote = [1, 2]
+    with (
+        _instance(monkeypatch, 1, "kv_producer", _ref(), pport) as P,
+        _instance(monkeypatch, 2, "kv_consumer", None, dport) as D,
+    ):
+        p = P[0][0]
+        _hold(P, "r1", remote)
+        for _ in range(2):
+            D[0][0]._notify([_job("r1", [3, 4], remote, pport, 1)])
+            assert p.get_finished()[0] is None  # still held for decode rank 1
+        reply = p._handle({"op": "done", "id": 1, "req_ids": ["r1"], "of": 2, "digests": {"r1": _job(
+            "r1", [], remote, pport, 1).blocks_digest}})  # fmt: skip
+        assert reply["expired"] == ["r1"] and p.get_finished()[0] is None  # a notice naming no rank
+        D[1][0]._notify([_job("r1", [3, 4], remote, pport, 1)])
+        assert p.get_finished()[0] == {"r1"}
+
+
 def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _ref()
     pport, dport = _base_port(), _base_port()

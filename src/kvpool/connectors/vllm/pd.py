@@ -80,6 +80,7 @@ class _Notice:
     conn: Any
     rid: Any
     of: int
+    rank: int | None
     gens: dict[Any, Any]
     digests: dict[Any, Any]
     until: float
@@ -136,7 +137,7 @@ class _PdWorker(DecodeLoads):
         self.vllm_config = vllm_config
         self.kv_layout: KvLayout | None = None  # for heterogeneous TP (reshard plans)
         self._layout_why = "KV cache layout not described yet"
-        self._notice_counts: dict[str, int] = {}  # req id -> "done" notices from decode ranks
+        self._notice_counts: dict[str, set[int]] = {}  # req id -> decode ranks whose "done" came
         self.engine_id = engine_id
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_rank, self.tp_size = _tp(vllm_config)
@@ -325,7 +326,9 @@ class _PdWorker(DecodeLoads):
         wait = req.get("wait_s")
         wait = min(float(wait), _DONE_WAIT_MAX_S) if isinstance(wait, (int, float)) else 0.0
         gens = {k: g for k, g in gens.items() if type(g) is int}  # (another value: no generation)
-        notice = _Notice(conn, rid, of, gens, digests, time.monotonic() + wait)
+        rank = req.get("rank")  # the sender's decode TP rank: each counts once toward ``of``
+        rank = rank if type(rank) is int and 0 <= rank < of else None
+        notice = _Notice(conn, rid, of, rank, gens, digests, time.monotonic() + wait)
         with self._lock:
             notice.waiting = [str(r)[:256] for r in req_ids]
             self._settle(notice, time.monotonic())
@@ -364,12 +367,15 @@ class _PdWorker(DecodeLoads):
                     n.expired.append(r)  # other blocks than this request's were read: frees nothing
                     n.refused.append(r)
                     continue
-            if n.of > 1:
-                k = self._notice_counts.get(r, 0) + 1
-                if k < n.of and len(self._notice_counts) < 1 << 16:
-                    self._notice_counts[r] = k
+            if n.of > 1 and r in self._pending_send:  # freed after a notice from every decode rank
+                if n.rank is None:
+                    n.expired.append(r)  # cannot be counted: confirms and frees nothing
                     continue
-                self._notice_counts.pop(r, None)
+                ranks = self._notice_counts.setdefault(r, set())  # a repeated rank counts once
+                ranks.add(n.rank)
+                if len(ranks) < n.of:
+                    continue
+                del self._notice_counts[r]
             self._notified[r] = now
             self._notified.move_to_end(r)
         n.waiting = left

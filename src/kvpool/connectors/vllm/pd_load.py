@@ -362,8 +362,9 @@ class DecodeLoads(_Base):
                 wait = min(DONE_WAIT_S, self.cfg.transfer_timeout_s / 2)
                 try:
                     reply = self._rpc(host, port).call(
-                        "done", req_ids=ids, of=of, gens=gens, digests=digests, engines=engines, wait_s=wait
-                    )
+                        "done", req_ids=ids, of=of, rank=self.tp_rank, gens=gens, digests=digests,
+                        engines=engines, wait_s=wait,
+                    )  # fmt: skip
                     expired, engine = reply.get("expired"), reply.get("engine_id")
                     if not isinstance(expired, list) or not isinstance(engine, (str, type(None))):
                         raise TypeError(f"malformed answer {reply!r:.200}")
