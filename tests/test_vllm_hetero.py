@@ -157,6 +157,28 @@ def test_a_repeated_notice_from_one_decode_rank_does_not_free_the_blocks(
         assert p.get_finished()[0] == {"r1"}
 
 
+def test_two_loads_naming_one_prefill_request_with_other_blocks_are_both_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One "done" notice carries two loads naming prefill request r1: the honest one (its blocks)
+    and a forged one (another request's blocks). The notice keys digests by request id: neither
+    may be confirmed by the other's digest (the forged read confirmed as r1's), and the prefill
+    frees nothing on that notice."""
+    pport, dport = _base_port(), _base_port()
+    with (
+        _instance(monkeypatch, 1, "kv_producer", _ref(), pport) as P,
+        _instance(monkeypatch, 1, "kv_consumer", None, dport) as D,
+    ):
+        p, d = P[0][0], D[0][0]
+        _hold(P, "r1", [1, 2])
+        forged = dataclasses.replace(_job("r1", [5, 6], [3, 4], pport, 1), req_id="forged")
+        honest = dataclasses.replace(_job("r1", [7, 8], [1, 2], pport, 1), req_id="honest")
+        d._confirming.update({"forged", "honest"})  # both read (as _load_done records)
+        d._notify([forged, honest])
+        assert d.get_finished()[1] == {"forged", "honest"} and d.take_load_errors() == {5, 6, 7, 8}
+        assert p.get_finished()[0] is None and "r1" in p._pending_send
+
+
 def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _ref()
     pport, dport = _base_port(), _base_port()
