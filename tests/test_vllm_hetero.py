@@ -179,6 +179,30 @@ def test_two_loads_naming_one_prefill_request_with_other_blocks_are_both_refused
         assert p.get_finished()[0] is None and "r1" in p._pending_send
 
 
+def test_a_failed_streamed_load_still_frees_the_prefills_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed load fails after it learnt the prefill request (a read failed, its deadline
+    passed): its "done" notice, which carries no blocks digest (the blocks came from the prefill's
+    own progress answers), still frees the prefill's blocks -- it was refused as an unchecked
+    per-request notice and the blocks stayed held until abort_timeout_s."""
+    from kvpool.connectors.vllm.pd_stream import StreamLoad
+
+    pport, dport = _base_port(), _base_port()
+    with (
+        _instance(monkeypatch, 1, "kv_producer", _ref(), pport) as P,
+        _instance(monkeypatch, 1, "kv_consumer", None, dport) as D,
+    ):
+        p, d = P[0][0], D[0][0]
+        _hold(P, "r1", [1, 2])
+        job = RecvJob(
+            "d1", [5, 6], [1, 2], "127.0.0.1", pport, "r1", None, 1, transfer_id="t1", num_tokens=2 * BS
+        )
+        ld = StreamLoad(job, time.monotonic() + 30, gen=0)
+        assert d._stream_ended(ld, "a read failed")  # the prefill is to be told
+        d._notify([job])
+        assert d.get_finished()[1] == {"d1"} and d.take_load_errors() == {5, 6}
+        assert p.get_finished()[0] == {"r1"}
+
+
 def test_a_failed_source_rank_fails_the_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _ref()
     pport, dport = _base_port(), _base_port()

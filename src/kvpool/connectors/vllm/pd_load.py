@@ -407,8 +407,8 @@ class DecodeLoads(_Base):
         job = ld.job
         with self._lock:
             self._stream_loads.pop(job.req_id, None)
+        job.gen = ld.gen  # its notice is a streamed one (checked by generation), failed or not
         if why is None:
-            job.gen = ld.gen
             if job.local_block_ids:
                 wait_ms = (time.perf_counter() - ld.t0) * 1e3
                 log.info("kvpool connector: streamed %d blocks (%d bytes) for %s in %.2f ms of reads "
