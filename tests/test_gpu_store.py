@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -118,6 +119,139 @@ def test_batch_gpu_get_under_a_hung_stream_ends_at_the_timeout(
             got = None
         assert time.monotonic() - t0 < 8
         assert got is None or all(g != blk for g in got), got  # nothing reported read
+    finally:
+        release.set()
+        st.remove_all()
+        st.close()
+
+
+def _stop_stream(st: Store, monkeypatch: pytest.MonkeyPatch, release: Any, landed: list[float]) -> None:
+    """The CUDA IPC stream of ``st``'s engine stops: no event completes until ``release`` is set;
+    ``landed`` gets the time each copy run completed after that."""
+    import time
+
+    from kvpool.transfer.cuda_ipc import CudaIpcTransport
+
+    ipc = next(t for t in st.engine._transports if isinstance(t, CudaIpcTransport))
+    real_sync = ipc.driver.event_sync
+
+    def stopped(event: int) -> None:
+        release.wait(30)
+        real_sync(event)
+        landed.append(time.monotonic())
+
+    monkeypatch.setattr(ipc.driver, "event_sync", stopped)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
+    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """A get into GPU memory (one object: read in this thread; four: one batch) whose copies do
+    not finish (a hung stream) raises the engine's TransferTimeout with its ``batch_id``: the
+    caller can tell when the late copies into its memory ended (``batch_settled``). A single
+    read swallowed it into a TransferError naming no batch (and would fail over to another
+    replica, into the same memory, while the late copy could still land there)."""
+    import threading
+    import time
+
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    st = Store.connect(
+        master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5
+    )
+    release, landed = threading.Event(), []
+    try:
+        blk = 1 << 20  # big values: DMA between the GPU and the segment
+        src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
+        st.register_buffer(src, n * blk, location="cuda:0")
+        st.register_buffer(dst, n * blk, location="cuda:0")
+        data = _host(n * blk, 5)
+        drv.memcpy(src, _native.buffer_address(data)[0], n * blk)
+        keys = [f"late-get-{n}-{k}" for k in range(n)]
+        assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
+        _stop_stream(st, monkeypatch, release, landed)
+        with pytest.raises(TransferTimeout) as ei:
+            if n == 1:
+                st.get_into(keys[0], dst, blk)
+            else:
+                st.batch_get_into(keys, [dst + k * blk for k in range(n)], [blk] * n)
+        bid = ei.value.batch_id
+        assert bid is not None and not st.engine.batch_settled(bid) and not landed
+        release.set()
+        deadline = time.monotonic() + 20
+        while not st.engine.batch_settled(bid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert st.engine.batch_settled(bid) and landed  # the copies ended, then it said so
+        back = bytearray(n * blk)
+        drv.memcpy(_native.buffer_address(back)[0], dst, n * blk)
+        assert back == data  # the late copies landed (the bytes the caller must not have trusted)
+    finally:
+        release.set()
+        st.remove_all()
+        st.close()
+
+
+@pytest.mark.parametrize("how", ["one", "batch", "reserved"])
+def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
+    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A put from GPU memory (one object, a batch, a batch into reservations) whose copies do not
+    finish (a hung stream) raises the engine's TransferTimeout with its ``batch_id``; no key is
+    committed, and its allocations stay in the client's write floor until the copies ended (the
+    master reuses their fenced space only above the floor: a late copy never lands in another
+    object). They were ended at once (the floor passed them while the GPU could still write
+    there), and a single put raised a TransferError naming no batch."""
+    import threading
+    import time
+
+    from kvpool.errors import TransferTimeout
+
+    drv = load_driver()
+    st = Store.connect(
+        master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5
+    )
+    release, landed = threading.Event(), []
+    try:
+        n, blk = (1 if how == "one" else 4), 128 << 10  # DMA (> 64 KiB); 4 fit a reservation grant
+        src = drv.alloc(n * blk, 0)
+        st.register_buffer(src, n * blk, location="cuda:0")
+        addrs = [src + k * blk for k in range(n)]
+        keys = [f"late-put-{how}-{k}" for k in range(n)]
+        if how == "reserved":  # a batch put that brings reservations for the next of its shape
+            assert st.batch_put_from([f"warm-{k}" for k in keys], addrs, [blk] * n) == [None] * n
+            assert len(st._resv.held()) >= n
+        held = len(st._resv.held())
+        gens: list[int] = []
+        real_write = st._data.write
+
+        def write(epoch: int, jobs: list[Any]) -> None:
+            gens.extend(j.gen for j in jobs)
+            real_write(epoch, jobs)
+
+        monkeypatch.setattr(st._data, "write", write)
+        _stop_stream(st, monkeypatch, release, landed)
+        with pytest.raises(TransferTimeout) as ei:
+            if how == "one":
+                st.put_from(keys[0], src, blk)
+            else:
+                st.batch_put_from(keys, addrs, [blk] * n)
+        bid = ei.value.batch_id
+        assert bid is not None and not st.engine.batch_settled(bid)
+        assert len(gens) == n and st.batch_exists(keys) == [False] * n  # nothing committed
+        if how == "reserved":
+            assert len(st._resv.held()) == held - n  # it was written into reservations
+        st._writes.floor()  # as the heartbeat does
+        assert all(g in st._writes.inflight for g in gens)  # the late writes hold the floor
+        release.set()
+        deadline = time.monotonic() + 20
+        while any(g in st._writes.inflight for g in gens) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            st._writes.floor()
+        assert not any(g in st._writes.inflight for g in gens) and landed  # ended once the copies had
+        assert st.batch_exists(keys) == [False] * n
+        assert st.batch_put_from(keys, addrs, [blk] * n) == [None] * n
     finally:
         release.set()
         st.remove_all()

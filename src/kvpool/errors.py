@@ -61,6 +61,13 @@ class TransferTimeout(TransferError, TimeoutError):
     batch_id: int | None = None
 
 
+def late_batch(exc: BaseException) -> int | None:
+    """The ``batch_id`` of a TransferTimeout whose copies may still run (see
+    :class:`TransferTimeout`), else None: what a caller holding the memory waits on
+    (``TransferEngine.batch_settled``) before handing it to anyone else."""
+    return exc.batch_id if isinstance(exc, TransferTimeout) else None
+
+
 class BatchInFlight(KvpoolError):
     """A batch still has transfers in flight; wait for it before freeing it."""
 

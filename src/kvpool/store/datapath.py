@@ -19,7 +19,6 @@ tried.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from kvpool.errors import (
     RemoteAccessError,
     StoreError,
     TransferError,
+    late_batch,
 )
 from kvpool.store.layout import (
     CHECKSUM_ALWAYS_MAX,
@@ -45,7 +45,7 @@ from kvpool.store.layout import (
     pack_header,
     pack_header_into,
 )
-from kvpool.store.staging import DIRECT_MIN, Staging
+from kvpool.store.staging import DIRECT_MIN, Staging, copy_out, host_view
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.transport import READ, WRITE, Requests
 from kvpool.transfer.types import OpCode, TransferRequest, TransferState
@@ -118,10 +118,6 @@ def _no_room(j: ReadJob) -> StoreError:
     return StoreError(f"no memory for the {j.size} bytes of {j.key!r} on this client")
 
 
-def _mem(addr: int, size: int) -> memoryview:
-    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
-
-
 class _Handles:
     """Segment name -> handle id for one batch: each segment opened once (None: cannot be)."""
 
@@ -145,26 +141,6 @@ class _Handles:
 
     def name(self, hid: int) -> str:
         return self.names[hid]
-
-
-def copy_out(engine: TransferEngine, dst: int, data: bytes | bytearray | memoryview) -> None:
-    """Copy host bytes to ``dst``: GPU memory (registered as cuda:N) through the CUDA runtime,
-    host memory with memmove."""
-    n = len(data)
-    if engine.is_gpu_memory(dst, n):
-        src = data if isinstance(data, bytes) else bytes(data)
-        engine.device_runtime.copy_h2d(dst, _native.buffer_address(src, True)[0], n)
-    else:
-        ctypes.memmove(dst, bytes(data) if isinstance(data, memoryview) else data, n)  # type: ignore[arg-type]
-
-
-def host_view(engine: TransferEngine, addr: int, size: int) -> memoryview:
-    """The bytes at ``addr`` readable by the CPU: GPU memory is copied to host first."""
-    if engine.is_gpu_memory(addr, size):
-        buf = bytearray(size)
-        engine.device_runtime.copy_d2h(_native.buffer_address(buf)[0], addr, size)
-        return memoryview(buf)
-    return _mem(addr, size)
 
 
 class DataPath:
@@ -256,19 +232,12 @@ class DataPath:
 
     def sync(self, segment: str, local: int, remote: int, length: int, op: OpCode) -> bool:
         """One transfer in this thread; False on failure (the caller reports or fails over)."""
-        for attempt in (0, 1):
-            try:
-                if op is OpCode.WRITE and self.engine.write_inline(segment, local, remote, length):
-                    return True
+
+        def call() -> None:
+            if not (op is OpCode.WRITE and self.engine.write_inline(segment, local, remote, length)):
                 self.engine.transfer_sync(segment, local, remote, length, op)
-                return True
-            except RemoteAccessError:
-                if attempt:
-                    return False
-                self.refresh(segment)  # the owner mounted fresh memory: fetch its descriptor again
-            except KvpoolError:
-                return False
-        return False
+
+        return self._retried(segment, call)
 
     def sync_ranges(self, segment: str, locs: list[int], rems: list[int], lens: list[int], op: OpCode,
                     scratch: tuple[int, int, bool] | None = None) -> bool:  # fmt: skip
@@ -276,19 +245,25 @@ class DataPath:
         exchange over TCP); False on failure (the caller reports or fails over). ``scratch``:
         unregistered host memory the ranges use, registered for the call alone (see
         :meth:`TransferEngine.batch_transfer_sync`); a RegistrationError for it raises."""
+        call = lambda: self.engine.batch_transfer_sync(segment, locs, rems, lens, op, scratch)  # noqa: E731
+        return self._retried(segment, call, scratch is not None)
+
+    def _retried(self, segment: str, call: Callable[[], Any], scratch: bool = False) -> bool:
+        """``call`` (a synchronous transfer to ``segment``), again once on a stale descriptor
+        (the owner mounted fresh memory); False on failure. Raises a TransferTimeout whose GPU
+        copies may still run (its ``batch_id`` set: the caller neither reuses the memory nor
+        reads into it again before ``batch_settled``), and a RegistrationError when ``scratch``."""
         for attempt in (0, 1):
             try:
-                self.engine.batch_transfer_sync(segment, locs, rems, lens, op, scratch)
+                call()
                 return True
             except RemoteAccessError:
                 if attempt:
                     return False
-                self.refresh(segment)  # the owner mounted fresh memory: fetch its descriptor again
-            except RegistrationError:
-                if scratch is None:
-                    return False
-                raise
-            except KvpoolError:
+                self.refresh(segment)  # fetch its descriptor again
+            except KvpoolError as exc:
+                if late_batch(exc) is not None or (scratch and isinstance(exc, RegistrationError)):
+                    raise
                 return False
         return False
 
@@ -321,7 +296,7 @@ class DataPath:
     def write(self, epoch: int, jobs: list[WriteJob]) -> None:
         """Write header + value of every job into all its replicas, in one batch. Fills
         ``csum`` and ``written`` (segments whose copy landed completely); unreachable segments
-        are reported.
+        are reported; raises the engine's TransferTimeout whose copies may still run (``batch_id``).
 
         The batch is built as request columns (no per-request objects): the small values with
         their headers side by side in one staging region, the headers of big values side by side
@@ -459,7 +434,8 @@ class DataPath:
     # ------------------------------------------------------------------ reads
     def read(self, epoch: int, jobs: list[ReadJob]) -> None:
         """Read every job from its first replica in one batch, then fail over one by one (other
-        replicas) where that did not give the right object. Fills ``result`` or ``error``."""
+        replicas) where that did not give the right object. Fills ``result`` or ``error``; raises
+        the engine's TransferTimeout whose copies may still land (``batch_id``), failing nothing over."""
         first = [j for j in jobs if j.replicas]
         for j in jobs:
             if not j.replicas:
@@ -504,6 +480,8 @@ class DataPath:
                 sink = ("big", hregion, vaddr, out)
             self._check(epoch, j, j.replicas[idx], sink, good, time.monotonic())
         except KvpoolError as exc:
+            if late_batch(exc) is not None:
+                raise  # its copies may still land in the destination: no other replica is read there
             j.error = TransferError(f"reading {j.key!r} from {seg}: {exc}")
         finally:
             for t in tokens:

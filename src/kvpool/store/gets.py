@@ -18,10 +18,11 @@ from typing import Any
 from kvpool._rpc import RpcClient
 from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound, ProtocolError, StoreError
 from kvpool.store.client_base import ClientBase, _err
-from kvpool.store.datapath import ReadJob, copy_out, host_view
+from kvpool.store.datapath import ReadJob
 from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
 from kvpool.store.locations import LOCAL, SEEN, Loc
 from kvpool.store.ssd import read_ssd_file
+from kvpool.store.staging import copy_out, host_view
 from kvpool.transfer.types import OpCode
 
 log = logging.getLogger("kvpool.store")

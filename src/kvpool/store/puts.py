@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import Fenced, InvalidArgument, InvalidType, KvpoolError, TransferError
+from kvpool.errors import Fenced, InvalidArgument, InvalidType, KvpoolError, TransferError, late_batch
 from kvpool.store.client_base import ClientBase, _err
 from kvpool.store.datapath import WriteJob
 from kvpool.store.reservations import RESERVE_BATCH_MAX, RESERVE_BYTES, mounts_of
@@ -67,6 +67,7 @@ class PutPath(ClientBase):
                            self.master_incarnation, mounts)  # fmt: skip
         out: list[KvpoolError | None] = [None] * len(keys)
         jobs: list[tuple[int, WriteJob]] = []
+        late: int | None = None  # the batch of a write whose GPU copies may still run
         try:
             for i, (code, val) in enumerate(results):
                 if code is not None:
@@ -80,7 +81,11 @@ class PutPath(ClientBase):
                 for i, _ in jobs:
                     out[i] = Fenced(f"put of {keys[i]!r} could not start writing within put_timeout_s / 2")
                 return out
-            self._data.write(epoch, [j for _, j in jobs])
+            try:
+                self._data.write(epoch, [j for _, j in jobs])
+            except KvpoolError as exc:
+                late = self._revoke_late(epoch, exc, [j.gen for _, j in jobs])
+                raise
             items = [[j.key, j.gen, j.csum, j.written] for _, j in jobs if j.written]
             revoke = [[j.gen, True] for _, j in jobs if not j.written]
             for i, j in jobs:
@@ -102,7 +107,7 @@ class PutPath(ClientBase):
                         known.append((j.key, j.gen, j.size, j.csum, j.written, j.replicas))
                 self._loc.remember_many(epoch, known)
         finally:
-            self._writes.end(epoch, gens)
+            self._end_writes(epoch, gens, late)
         return out
 
     def _put_batch_reserved(self, keys: list[str], sources: list[Any], size: int,
@@ -121,12 +126,17 @@ class PutPath(ClientBase):
         gens = [e.gen for e in entries]
         out: list[KvpoolError | None] = [None] * len(keys)
         reply: dict[str, Any] | None = None
+        late: int | None = None
         try:
             if any(e.epoch != epoch for e in entries):
                 return None
             jobs = [WriteJob(k, size, src, e.gen, e.verify, e.replicas, mounts=e.mounts)
                     for k, src, e in zip(keys, sources, entries, strict=True)]  # fmt: skip
-            self._data.write(epoch, jobs)
+            try:
+                self._data.write(epoch, jobs)
+            except KvpoolError as exc:
+                late = self._revoke_late(epoch, exc, gens)
+                raise
             retry = [i for i, j in enumerate(jobs) if len(j.written) < len(j.replicas)]
             if retry:
                 self._revoke_failed(epoch, [(jobs[i].gen, jobs[i].replicas, jobs[i].written) for i in retry])
@@ -140,7 +150,7 @@ class PutPath(ClientBase):
         except Fenced:
             return None  # the master restarted: nothing of this batch was committed
         finally:
-            self._writes.end(epoch, gens)
+            self._end_writes(epoch, gens, late)
         if reply is not None:
             if reply.get("reserved"):
                 deadline = t0 + self._write_window_s
@@ -165,6 +175,28 @@ class PutPath(ClientBase):
             for i, err in zip(retry, again, strict=True):
                 out[i] = err
         return out
+
+    def _revoke_late(self, epoch: int, exc: KvpoolError, gens: list[int]) -> int | None:
+        """A write of allocations ``gens`` raised ``exc``. Where that is a TransferTimeout whose
+        GPU copies may still run (its ``batch_id``, returned), nothing of it is committed: the
+        allocations are taken back fenced (their space is reused only once this client's floor
+        passed them: :meth:`_end_writes`). The caller raises ``exc`` on."""
+        bid = late_batch(exc)
+        if bid is not None:
+            try:
+                for a, b in self._chunks(len(gens)):
+                    self._call("put_revoke", items=[[g, True] for g in gens[a:b]], epoch=epoch)
+            except KvpoolError:
+                pass  # the master takes them back at the put's timeout, fenced as well
+        return bid
+
+    def _end_writes(self, epoch: int, gens: list[int], late: int | None) -> None:
+        """The writes into ``gens`` are over, or (``late``: the batch of a TransferTimeout) will be
+        once the engine says its copies ended: the floor stays at or below them until then."""
+        if late is None:
+            self._writes.end(epoch, gens)
+        else:
+            self._writes.end_when(epoch, gens, lambda: self.engine.batch_settled(late))
 
     def _revoke_failed(self, epoch: int, failed: list[tuple[int, list[list[Any]], list[str]]]) -> None:
         """Writes into reservations failed (``failed``: generation, replicas, segments written):

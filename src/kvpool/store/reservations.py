@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 RESERVE_MAX = 4 << 20  # single puts up to this size use reservations (one round trip)
@@ -38,6 +38,8 @@ class WriteFloor:
         self.epoch = 0
         self.inflight: dict[int, int] = {}  # generation -> writes into it not yet ended
         self.max_seen = 0
+        # (epoch, generations, settled) of writes whose GPU copies may run after their call raised
+        self.late: list[tuple[int, list[int], Callable[[], bool]]] = []
 
     def begin(self, epoch: int, gens: Sequence[int]) -> None:
         """Allocations received (called before anything is written into them)."""
@@ -64,8 +66,27 @@ class WriteFloor:
                 else:
                     inflight.pop(g, None)
 
+    def end_when(self, epoch: int, gens: Sequence[int], settled: Callable[[], bool]) -> None:
+        """Allocations a write may still write into after its call raised (a TransferTimeout's
+        GPU copies; ``settled`` answers without blocking whether they ended): ended by
+        :meth:`floor` once ``settled()`` is True, the floor staying at or below them until then."""
+        with self.lock:
+            self.late.append((epoch, list(gens), settled))
+
     def floor(self) -> int:
-        """Every allocation older than this is done with."""
+        """Every allocation older than this is done with. Called by the heartbeat thread (and at
+        unregister); ends the late writes whose copies ended first."""
+        if self.late:
+            with self.lock:
+                late, self.late = self.late, []
+            keep = []
+            for epoch, gens, settled in late:
+                if settled():
+                    self.end(epoch, gens)
+                else:
+                    keep.append((epoch, gens, settled))
+            with self.lock:
+                self.late = keep + self.late
         with self.lock:
             return min(self.inflight) if self.inflight else self.max_seen + 1
 

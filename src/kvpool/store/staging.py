@@ -3,6 +3,7 @@ zero-copy registration of big values for the duration of one call."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 from typing import Any
@@ -85,3 +86,27 @@ class Staging:
 def addr_of(view: memoryview) -> int:
     """Address of a buffer's first byte."""
     return _native.buffer_address(view)[0]
+
+
+def _mem(addr: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
+def copy_out(engine: TransferEngine, dst: int, data: bytes | bytearray | memoryview) -> None:
+    """Copy host bytes to ``dst``: GPU memory (registered as cuda:N) through the CUDA runtime,
+    host memory with memmove."""
+    n = len(data)
+    if engine.is_gpu_memory(dst, n):
+        src = data if isinstance(data, bytes) else bytes(data)
+        engine.device_runtime.copy_h2d(dst, _native.buffer_address(src, True)[0], n)
+    else:
+        ctypes.memmove(dst, bytes(data) if isinstance(data, memoryview) else data, n)  # type: ignore[arg-type]
+
+
+def host_view(engine: TransferEngine, addr: int, size: int) -> memoryview:
+    """The bytes at ``addr`` readable by the CPU: GPU memory is copied to host first."""
+    if engine.is_gpu_memory(addr, size):
+        buf = bytearray(size)
+        engine.device_runtime.copy_d2h(_native.buffer_address(buf)[0], addr, size)
+        return memoryview(buf)
+    return _mem(addr, size)
