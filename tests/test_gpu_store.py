@@ -256,3 +256,88 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
         release.set()
         st.remove_all()
         st.close()
+
+
+def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_waits_for_them(
+    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vLLM store connector's worker, its KV blocks (fake-driver) GPU memory: an asynchronous
+    load and a save run while the stream is stopped, and raise TransferTimeout at the timeout
+    with their copies still queued. Neither is reported while stopped (the load not finished nor
+    its blocks failed: vLLM keeps them allocated and recomputes nothing into them; the save not
+    done: vLLM does not free its blocks); once the stream resumed and the copies landed, the
+    load is reported finished with its blocks failed (recompute) and the save done, nothing of
+    it committed. The old worker reported both at once."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")
+    from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
+    from kvpool.connectors.vllm.store import KvpoolStoreMetadata
+    from kvpool.connectors.vllm.store_worker import _StoreWorker
+
+    drv = load_driver()
+    bb, nb = 256 << 10, 8  # bytes per block (big: DMA between the GPU and the segment), blocks
+    master = gpu_cluster[0].address
+    cfg = VllmConnectorConfig(master=master, transfer_timeout_s=0.5)
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(model="late", dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cuda"),
+    )
+    w = _StoreWorker(cfg, vc, SimpleNamespace(num_blocks=nb))
+    w.store = Store.connect(master=master, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5)
+    g = drv.alloc(nb * bb, 0)
+    w.store.register_buffer(g, nb * bb, location="cuda:0")
+    w.regions, w.layout = [Region("l0", g, bb, bb, nb)], "fake"
+    w._start_threads()
+    data = _host(nb * bb, 3)
+    drv.memcpy(g, _native.buffer_address(data)[0], nb * bb)
+
+    def gpu(block: int, n: int) -> bytes:
+        out = bytearray(n * bb)
+        drv.memcpy(_native.buffer_address(out)[0], g + block * bb, n * bb)
+        return bytes(out)
+
+    def reported() -> tuple[set[str], set[str], set[int]]:
+        sent, recvd = w.get_finished()
+        return sent or set(), recvd or set(), w.take_load_errors()
+
+    release, landed = threading.Event(), []
+    try:
+        w.start(KvpoolStoreMetadata(saves={"s0": [(0, "late/k0"), (1, "late/k1")]}))
+        deadline = time.monotonic() + 20
+        while not reported()[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.saved_blocks == 2  # the setup moves bytes
+        _stop_stream(w.store, monkeypatch, release, landed)
+        meta = KvpoolStoreMetadata(
+            loads={"r1": [(4, "late/k0"), (5, "late/k1")]}, saves={"s1": [(6, "late/k6"), (7, "late/k7")]}
+        )
+        w.start(meta)
+        deadline = time.monotonic() + 20
+        while len(w._parked) < 2 and time.monotonic() < deadline:
+            assert reported() == (set(), set(), set()), "reported while its copies were still queued"
+            time.sleep(0.01)
+        assert len(w._parked) == 2, "the load and the save did not time out"
+        time.sleep(0.3)
+        assert reported() == (set(), set(), set()) and not landed  # still parked
+        release.set()
+        sent: set[str] = set()
+        recvd: set[str] = set()
+        errors: set[int] = set()
+        deadline = time.monotonic() + 20
+        while (sent, recvd) != ({"s1"}, {"r1"}) and time.monotonic() < deadline:
+            s, r, e = reported()
+            assert len(landed) >= len(sent | s) + len(recvd | r), "reported before its copies landed"
+            sent, recvd, errors = sent | s, recvd | r, errors | e
+            time.sleep(0.01)
+        assert (sent, recvd, errors) == ({"s1"}, {"r1"}, {4, 5})  # the load's blocks: recomputed
+        assert gpu(4, 2) == gpu(0, 2)  # the late copies landed where vLLM had not reused the blocks
+        keys = ["late/k6", "late/k7", "late/k6/fake/l0", "late/k7/fake/l0"]
+        assert w.store.batch_exists(keys) == [False] * 4  # the save committed nothing
+    finally:
+        release.set()
+        w.close()

@@ -25,7 +25,7 @@ from kvpool.connectors.vllm.store import (
     layout_signature,
     namespace_for,
 )
-from kvpool.errors import KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound
+from kvpool.errors import KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound, late_batch
 
 if TYPE_CHECKING:
     from kvpool.store.client import Store
@@ -64,6 +64,10 @@ class _StoreWorker:
         self._sent: set[str] = set()
         self._recvd: set[str] = set()
         self._errors: set[int] = set()
+        # Loads and saves whose GPU copies outlived the transfer timeout (a hung stream): (rid,
+        # block ids failed once they ended -- none for a save --, batch id). Not reported to vLLM
+        # (its blocks stay allocated) until the engine says their copies ended (get_finished).
+        self._parked: list[tuple[str, list[int], int]] = []
         # Loads and saves on separate threads: a load never waits behind a save.
         self._loads: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
         self._saves: queue.Queue[tuple[str, list[tuple[int, str]]] | None] = queue.Queue()
@@ -86,6 +90,9 @@ class _StoreWorker:
             # CPU or CUDA KV caches: GPU blocks move by DMA between the GPU and the pool (same host:
             # straight from/into the storage segment's shared memory; other hosts: staged).
             self.store.register_buffer(t)
+        self._start_threads()
+
+    def _start_threads(self) -> None:
         if not self._threads:
             for name, q in (("load", self._loads), ("save", self._saves)):
                 t = threading.Thread(target=self._loop, args=(q,), name=f"kvpool-store-{name}")
@@ -183,29 +190,67 @@ class _StoreWorker:
     def _load_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
         """Load thread: one request's asynchronous load. Whatever happens, the request is reported
         finished loading (vLLM waits for it); on an unexpected error every block of it is reported
-        failed (recomputed), never left as if loaded."""
+        failed (recomputed), never left as if loaded. A load whose GPU copies may still land in
+        its blocks (TransferTimeout of a hung stream) is parked instead: reported finished, its
+        blocks failed, only once those copies ended (:meth:`get_finished`); vLLM recomputing into
+        the blocks before would have its KV overwritten by the late copy."""
         failed: list[int] = []
+        late = None
         try:
-            self._load(blocks)
+            late = self._load(blocks, park=True)
         except Exception:  # noqa: BLE001 - never a request waiting forever, nor unloaded blocks used
             log.exception("kvpool store: loading %d blocks for %s failed", len(blocks), rid)
             failed = [b for b, _ in blocks]
             self.stats.record_misses("load_error", len(blocks))
         finally:
             with self._lock:
-                self._errors.update(failed)
-                self._recvd.add(rid)
+                if late is None:
+                    self._errors.update(failed)
+                    self._recvd.add(rid)
+                else:
+                    self._parked.append((rid, [b for b, _ in blocks], late))
+        if late is not None:
+            log.warning("kvpool store: the load of %s timed out, GPU copies still queued (a hung stream?); "
+                        "its %d blocks are reported failed once they ended", rid, len(blocks))  # fmt: skip
 
     def _save_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
+        """Save thread: one finished request's blocks. Reported done (vLLM frees the blocks)
+        whether or not they were saved; a save whose GPU reads of them may still run (its
+        TransferTimeout's batch: nothing of it is committed) only once they ended."""
+        late = None
         try:
-            self._save(blocks)
+            late = self._save(blocks)
         finally:
             with self._lock:
-                self._sent.add(rid)  # the blocks go back to vLLM whether or not they were saved
+                if late is None:
+                    self._sent.add(rid)
+                else:
+                    self._parked.append((rid, [], late))
 
-    def _save(self, blocks: list[tuple[int, str]]) -> None:
+    def _settle_parked(self) -> None:
+        """Report the parked loads and saves whose copies ended (the engine's ``batch_settled``:
+        one native call each, never blocks): a load finished with its blocks failed, a save done."""
+        with self._lock:
+            parked, self._parked = self._parked, []
+        if not parked:
+            return
+        assert self.store is not None
+        ended, kept = [], []
+        for p in parked:
+            (ended if self.store.engine.batch_settled(p[2]) else kept).append(p)
+        with self._lock:
+            self._parked += kept
+            for rid, failed, _ in ended:
+                if failed:
+                    self._errors.update(failed)
+                    self._recvd.add(rid)
+                else:
+                    self._sent.add(rid)
+
+    def _save(self, blocks: list[tuple[int, str]]) -> int | None:
         """Write every layer of each block, then the block's commit marker (the key the scheduler
-        looks up) only when all its layers are stored."""
+        looks up) only when all its layers are stored. Returns the batch of a TransferTimeout
+        whose GPU reads of the blocks may still run (nothing committed), else None."""
         assert self.store is not None
         if not self.breaker.closed() and not self.breaker.want_probe():
             return  # master unreachable lately: the blocks go back at once, unsaved
@@ -229,9 +274,11 @@ class _StoreWorker:
             keys, addrs, sizes, owners = self._ranges(blocks)
             res = self.store.batch_put_from(keys, addrs, sizes)
         except KvpoolError as exc:
-            self.breaker.fail(exc)
+            late = late_batch(exc)
+            if late is None:
+                self.breaker.fail(exc)  # a hung GPU stream says nothing of the master
             log.warning("kvpool store: saving %d blocks failed: %s", len(blocks), exc)
-            return
+            return late
         bad = {owners[i] for i, e in enumerate(res) if e is not None and not isinstance(e, ObjectExists)}
         done = [self._key(k) for b, k in blocks if b not in bad]
         marker = f"kvpool-block:{len(self.regions)}".encode()
@@ -295,9 +342,17 @@ class _StoreWorker:
                 self.stats.record_misses("load_error", len(blocks))
 
     def _load(
-        self, blocks: list[tuple[int, str]], regions: list[Region] | None = None, count: bool = True
-    ) -> None:
+        self,
+        blocks: list[tuple[int, str]],
+        regions: list[Region] | None = None,
+        count: bool = True,
+        park: bool = False,
+    ) -> int | None:
+        """Read the blocks' objects into them; failed blocks go to the load errors. ``park``: a
+        TransferTimeout whose GPU copies may still land in them fails none: its batch is
+        returned (the caller reports the blocks once it settled); else None."""
         assert self.store is not None
+        late = None
         t0 = time.perf_counter()
         keys, addrs, sizes, owners = self._ranges(blocks, regions)
         failed: set[int] = set()
@@ -314,22 +369,28 @@ class _StoreWorker:
             failed = set(owners)
             reason = "master_unreachable" if isinstance(exc, MasterUnavailable) else "load_error"
             why = dict.fromkeys(failed, reason)
-        with self._lock:
-            self._errors |= failed
+            late = late_batch(exc) if park else None
+        if late is None:
+            with self._lock:
+                self._errors |= failed
         ok_bytes = sum(n for n, o in zip(sizes, owners, strict=True) if o not in failed)
         # Layer-wise loads: blocks and misses are counted with the first layer only.
         nb = len(blocks) - len(failed) if count else 0
         if len(blocks) > len(failed):
             self.stats.record_transfer(time.perf_counter() - t0, ok_bytes, nb)
         if not count:
-            return
+            return late
         self.loaded_blocks += nb
         for reason in set(why.values()):
             self.stats.record_misses(reason, sum(1 for r in why.values() if r == reason))
         log.info("kvpool store: loaded %d blocks (%d failed) in %.2f ms", len(blocks), len(failed),
                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
+        return late
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's worker, once per step: the requests whose saves (blocks freeable) and
+        asynchronous loads ended since the last call, parked ones among them once settled."""
+        self._settle_parked()
         with self._lock:
             sent, self._sent = self._sent, set()
             recvd, self._recvd = self._recvd, set()
