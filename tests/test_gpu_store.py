@@ -267,7 +267,8 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
     its blocks failed: vLLM keeps them allocated and recomputes nothing into them; the save not
     done: vLLM does not free its blocks); once the stream resumed and the copies landed, the
     load is reported finished with its blocks failed (recompute) and the save done, nothing of
-    it committed. The old worker reported both at once."""
+    it committed. The old worker reported both at once, and took the save's (and a layer-wise
+    save's) timeout for an unreachable master: saves stopped for ``store_retry_s``."""
     import threading
     import time
     from types import SimpleNamespace
@@ -324,6 +325,8 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
         assert len(w._parked) == 2, "the load and the save did not time out"
         time.sleep(0.3)
         assert reported() == (set(), set(), set()) and not landed  # still parked
+        assert w._put_layer([(3, "late/k3")], w.regions) == {3}  # a layer-wise save, timed out too
+        assert w.breaker.closed()  # a hung GPU stream is no unreachable master: saves go on
         release.set()
         sent: set[str] = set()
         recvd: set[str] = set()

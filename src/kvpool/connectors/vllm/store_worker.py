@@ -296,13 +296,16 @@ class _StoreWorker:
                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
 
     def _put_layer(self, blocks: list[tuple[int, str]], regions: list[Region]) -> set[int]:
-        """Save thread, layer-wise: one layer's objects of ``blocks``; the ids that failed."""
+        """Save thread, layer-wise: one layer's objects of ``blocks``; the ids that failed. (A write
+        whose GPU reads outlived the timeout commits nothing and holds its pool space until they
+        ended, :meth:`Store.batch_put_from`: vLLM reusing the blocks meanwhile is harmless.)"""
         assert self.store is not None
         keys, addrs, sizes, owners = self._ranges(blocks, regions)
         try:
             res = self.store.batch_put_from(keys, addrs, sizes)
         except KvpoolError as exc:
-            self.breaker.fail(exc)
+            if late_batch(exc) is None:
+                self.breaker.fail(exc)  # a hung GPU stream says nothing of the master
             log.warning("kvpool store: saving layer %s of %d blocks failed: %s",
                         regions[0].name, len(blocks), exc)  # fmt: skip
             return set(owners)
