@@ -143,15 +143,29 @@ def _stop_stream(st: Store, monkeypatch: pytest.MonkeyPatch, release: Any, lande
     monkeypatch.setattr(ipc.driver, "event_sync", stopped)
 
 
+class _CudaArray:
+    """A ``__cuda_array_interface__`` object over (fake-driver) GPU memory: registered by the store
+    for one call only."""
+
+    def __init__(self, addr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
 @pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("registered", [True, False])
 def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
-    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch, n: int
+    gpu_cluster: tuple[MasterProcess, StorageProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+    registered: bool,
 ) -> None:
     """A get into GPU memory (one object: read in this thread; four: one batch) whose copies do
     not finish (a hung stream) raises the engine's TransferTimeout with its ``batch_id``: the
     caller can tell when the late copies into its memory ended (``batch_settled``). A single
     read swallowed it into a TransferError naming no batch (and would fail over to another
-    replica, into the same memory, while the late copy could still land there)."""
+    replica, into the same memory, while the late copy could still land there). Into memory the
+    get registered for the call alone, the unregister's RegistrationError (the copies may still
+    land) was raised over it, the batch lost."""
     import threading
     import time
 
@@ -166,17 +180,19 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
         blk = 1 << 20  # big values: DMA between the GPU and the segment
         src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
         st.register_buffer(src, n * blk, location="cuda:0")
-        st.register_buffer(dst, n * blk, location="cuda:0")
+        if registered:
+            st.register_buffer(dst, n * blk, location="cuda:0")
+        dests: list[Any] = [dst + k * blk if registered else _CudaArray(dst + k * blk, blk) for k in range(n)]
         data = _host(n * blk, 5)
         drv.memcpy(src, _native.buffer_address(data)[0], n * blk)
-        keys = [f"late-get-{n}-{k}" for k in range(n)]
+        keys = [f"late-get-{n}-{registered}-{k}" for k in range(n)]
         assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
         _stop_stream(st, monkeypatch, release, landed)
         with pytest.raises(TransferTimeout) as ei:
             if n == 1:
-                st.get_into(keys[0], dst, blk)
+                st.get_into(keys[0], dests[0], blk)
             else:
-                st.batch_get_into(keys, [dst + k * blk for k in range(n)], [blk] * n)
+                st.batch_get_into(keys, dests, [blk] * n)
         bid = ei.value.batch_id
         assert bid is not None and not st.engine.batch_settled(bid) and not landed
         release.set()

@@ -61,7 +61,7 @@ class TransferTimeout(TransferError, TimeoutError):
     batch_id: int | None = None
 
 
-def late_batch(exc: BaseException) -> int | None:
+def late_batch(exc: BaseException | None) -> int | None:
     """The ``batch_id`` of a TransferTimeout whose copies may still run (see
     :class:`TransferTimeout`), else None: what a caller holding the memory waits on
     (``TransferEngine.batch_settled``) before handing it to anyone else."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import sys
 import threading
 import uuid
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from kvpool.errors import (
     ProtocolError,
     RegistrationError,
     TransferError,
+    late_batch,
 )
 from kvpool.store.client_base import _err
 from kvpool.store.datapath import DataPath, WriteJob
@@ -330,7 +332,7 @@ class Store(MasterSession, PutPath, GetPath):
         try:
             res = self._get([key], [dest])[0]
         finally:
-            self._release(keep)
+            self._release(keep, sys.exc_info()[1])
         if isinstance(res, KvpoolError):
             raise res
         return int(res)  # type: ignore[arg-type]
@@ -353,8 +355,9 @@ class Store(MasterSession, PutPath, GetPath):
                 keeps.append(k)
             return self._get(list(keys), dests)  # type: ignore[return-value,arg-type]
         finally:
+            during = sys.exc_info()[1]
             for k in keeps:
-                self._release(k)
+                self._release(k, during)
 
     def _dest(self, buffer_or_addr: Any, size: int | None) -> tuple[tuple[int, int], int | None]:
         """Destination range; buffers not yet registered are registered local-only for the call."""
@@ -376,9 +379,16 @@ class Store(MasterSession, PutPath, GetPath):
             return (addr, n), None  # already registered (register_buffer)
         return (addr, n), addr
 
-    def _release(self, addr: int | None) -> None:
+    def _release(self, addr: int | None, during: BaseException | None = None) -> None:
+        """Unregister memory :meth:`_dest` registered for one call. While a TransferTimeout whose
+        copies may still land there propagates (``during``), the unregister's error (it warns of
+        those copies) is not raised over it: the caller keeps its ``batch_id``."""
         if addr is not None:
-            self.engine.unregister_local_memory(addr)
+            try:
+                self.engine.unregister_local_memory(addr)
+            except KvpoolError:
+                if late_batch(during) is None:
+                    raise
 
     # ------------------------------------------------------------------ other ops
     def exists(self, key: str) -> bool:
