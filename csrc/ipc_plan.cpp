@@ -1,6 +1,8 @@
 // Per-request work of a CUDA IPC run, in one pass each (kvpool/transfer/cuda_ipc.py calls these
 // on every submit; with 4,096 scattered KV blocks a dozen numpy passes cost more than the copy).
 // Pure functions over arrays: no CUDA, no engine state, the GIL held (they take microseconds).
+// Errors are kvpool's (KvError: InvalidArgument for a bad column, RemoteAccessError for a range
+// outside the peer's mapped buffers).
 //
 // ipc_classify: where each request's local range lies in our registrations and its remote range
 // in the peer's published buffers (both tables sorted by start, as the Python side keeps them).
@@ -14,6 +16,7 @@
 #include <cstring>
 #include <string>
 
+#include "engine.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -24,7 +27,7 @@ template <typename T>
 const T* column(const py::buffer_info& b, py::ssize_t n, const char* what) {
   if (b.ndim != 1 || b.itemsize != static_cast<py::ssize_t>(sizeof(T)) || b.shape[0] != n ||
       (n > 1 && b.strides[0] != static_cast<py::ssize_t>(sizeof(T))))
-    throw py::value_error(std::string("ipc plan: bad column ") + what);
+    throw kvpool::KvError(kvpool::E_INVALID, std::string("ipc plan: bad column ") + what);
   return static_cast<const T*>(b.ptr);
 }
 
@@ -117,7 +120,7 @@ void ipc_addresses(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, py::b
   const uint64_t* starts = column<uint64_t>(sb, p, "starts");
   for (py::ssize_t k = 0; k < n; ++k)
     if (ridx[k] < 0 || ridx[k] >= p || bases[ridx[k]] == 0)
-      throw py::value_error("ipc plan: request outside the peer's mapped buffers");
+      throw kvpool::KvError(kvpool::E_REMOTE_ACCESS, "ipc plan: request outside the peer's mapped buffers");
   auto* src = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(out));
   uint64_t* dst = src + n;
   for (py::ssize_t k = 0; k < n; ++k) {

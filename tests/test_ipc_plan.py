@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvpool import _native
+from kvpool.errors import InvalidArgument, RemoteAccessError
 from kvpool.transfer.transport import READ, WRITE
 
 U64 = np.uint64
@@ -98,10 +99,10 @@ def test_classify_refuses_a_wrapping_length_and_bad_columns() -> None:
                                huge, rs, re_, ~flags, flags, ps, pe, flags, True)  # fmt: skip
     assert got[0] == 1 and got[1] == 0
     assert not got[6]  # the remote range wraps too: not inside
-    with pytest.raises(ValueError, match="bad column"):
+    with pytest.raises(InvalidArgument, match="bad column"):
         _native.ipc_classify(np.zeros(2, np.uint8), np.array([1500], U64), np.array([10_000], U64),
                              np.array([8], U64), rs, re_, ~flags, flags, ps, pe, flags, True)  # fmt: skip
-    with pytest.raises(ValueError, match="bad column"):  # int32 lengths where uint64 are expected
+    with pytest.raises(InvalidArgument, match="bad column"):  # int32 lengths where uint64 are expected
         one = np.array([8], np.int32)
         _native.ipc_classify(np.zeros(1, np.uint8), np.array([1500], U64), np.array([10_000], U64),
                              one, rs, re_, ~flags, flags, ps, pe, flags, True)  # fmt: skip
@@ -118,7 +119,7 @@ def test_addresses_put_the_remote_side_by_direction() -> None:
     _native.ipc_addresses(ops, locs, rems, ridx, bases, starts, out.ctypes.data)
     assert out[:3].tolist() == [100, 800_020, 300]  # sources: ours for WRITEs, the peer's for READs
     assert out[3:].tolist() == [900_010, 200, 900_030]
-    with pytest.raises(ValueError, match="mapped"):
+    with pytest.raises(RemoteAccessError, match="mapped"):
         _native.ipc_addresses(ops, locs, rems, np.array([0, -1, 0], np.int64), bases, starts, out.ctypes.data)
-    with pytest.raises(ValueError, match="mapped"):  # a buffer of the run not opened (base 0)
+    with pytest.raises(RemoteAccessError, match="mapped"):  # a buffer of the run not opened (base 0)
         _native.ipc_addresses(ops, locs, rems, ridx, np.array([900_000, 0], U64), starts, out.ctypes.data)
