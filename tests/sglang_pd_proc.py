@@ -4,7 +4,7 @@ plugin, kvpool's manager/sender/receiver, KV laid out as SGLang's MHATokenToKVPo
 (per layer one K and one V buffer of ``(pages * page_size, kv_heads, head_dim)`` bf16, one page
 per ``item_len``) plus aux rows. Prints JSON lines.
 
-    python tests/sglang_pd_proc.py prefill|prefill-bounds|bootstrap|decode|decode-badaddr \\
+    python tests/sglang_pd_proc.py prefill|prefill-bounds|prefill-late|bootstrap|decode|decode-badaddr \\
         <bootstrap_port> <scenario>
 """
 
@@ -338,6 +338,150 @@ def decode(port: int, scenario: str, bad: bool) -> None:
         time.sleep(0.01)
 
 
+def prefill_late(port: int) -> None:
+    """A prefill whose KV buffers are (fake-driver, KVPOOL_CUDA_DRIVER) GPU memory WRITEs to a
+    decode rank whose buffers are GPU memory of a peer process (tests/cuda_ipc_peer.py), over CUDA
+    IPC; the decode's registration, metadata and ABORT come over ZMQ from here, its statuses and
+    acks come back here. Room 1 moves normally; then the stream stops (no event completes until
+    this process lets it, ``STOP_S`` after both batches timed out): room 2's and room 3's batches
+    raise TransferTimeout with their copies queued, room 3 is aborted (deferred ack). Prints one
+    "late" event: what reached the "decode" while stopped, each status/ack afterwards with whether
+    its room's batch had settled when it came, and room 1's page digests on both sides."""
+    import hashlib
+    import threading
+
+    import msgpack
+    import zmq
+    from sglang.srt.disaggregation.base import KVPoll
+
+    from kvpool import _native
+    from kvpool.transfer.cuda_driver import load_driver
+    from kvpool.transfer.cuda_ipc import CudaIpcTransport
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cuda_ipc_peer import Peer
+
+    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
+    # The KV buffers register as cuda:0 (the fake driver's): SGLang resolved "cpu" (no CUDA here).
+    import msgspec
+
+    msgspec.Struct.__setattr__(sa, "device", "cuda")  # past SGLang's seal on its resolved args
+    drv = load_driver()
+    n = PAGES * item
+    src = [drv.alloc(n, 0) for _ in bufs]
+    host = bytearray(n)
+    for i, g in enumerate(src):
+        _native.fill_pattern(_native.buffer_address(host)[0], n, 11 + i)
+        drv.memcpy(g, _native.buffer_address(host)[0], n)
+    a = kv_args()
+    a.kv_data_ptrs = src
+    server = get_kv_class(backend, T.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    mgr = mgr_cls(a, Mode.PREFILL, sa, False)
+    peer = Peer(len(bufs), n)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    in_port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{mgr.rank_port}")
+    reg = {"ip": "127.0.0.1", "port": in_port, "session": peer.name, "kv_ptrs": peer.gpu, "engine_rank": 0,
+           "kv_item_lens": [item] * len(bufs), "aux_ptrs": [], "aux_item_lens": [], "attn_tp_size": 1,
+           "page_size": PAGE}  # fmt: skip
+    push.send_multipart([b"KVPOOL_REG", msgpack.packb(reg)])
+    t0 = time.monotonic()
+    while mgr.peers.get(peer.name) is None and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    src_pages = {1: [3, 4, 5, 9], 2: [10, 11, 12], 3: [20, 21]}
+    dst_pages = {1: [30, 31, 32, 40], 2: [50, 51, 52], 3: [60, 61]}
+    senders = {}
+    for r, dst in dst_pages.items():
+        senders[r] = get_kv_class(backend, T.SENDER)(
+            mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=r
+        )
+        body = {"room": r, "ip": "127.0.0.1", "port": in_port, "session": peer.name, "dummy": False,
+                "kv": np.asarray(dst, np.int32).tobytes(), "aux": None, "need": 1, "prefix": 0}  # fmt: skip
+        push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
+    t0 = time.monotonic()
+    while any(s.poll() != KVPoll.WaitingForInput for s in senders.values()) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+
+    def inbox_msgs(wait_ms: int = 0) -> list:
+        got = []
+        while inbox.poll(wait_ms):
+            m = inbox.recv_multipart()
+            room = int(m[1] if m[0] == b"ABORT_ACK" else m[0])
+            kind = "ack" if m[0] == b"ABORT_ACK" else int(m[1])
+            got.append([room, kind, bool(bid.get(room) is None or mgr.engine.batch_settled(bid[room]))])
+            wait_ms = 0
+        return got
+
+    # Room 1: the setup moves bytes.
+    senders[1].init(len(src_pages[1]), 0)
+    senders[1].send(np.asarray(src_pages[1], np.int32))
+    bid: dict[int, int] = {}
+    room1 = inbox_msgs(20000)
+    ok1 = all(
+        peer.ask(f"dump {peer.gpu[b] + d * item} {item}")
+        == hashlib.sha256(_page(drv, g, s_, item)).hexdigest()
+        for b, g in enumerate(src)
+        for s_, d in zip(src_pages[1], dst_pages[1], strict=True)
+    )
+    # The stream stops; rooms 2 and 3 are sent (one worker each).
+    ipc = next(t for t in mgr.engine._transports if isinstance(t, CudaIpcTransport))
+    real_sync, release, landed = ipc.driver.event_sync, threading.Event(), []
+
+    def stopped(event: int) -> None:
+        release.wait(60)
+        real_sync(event)
+        landed.append(time.monotonic())
+
+    ipc.driver.event_sync = stopped
+    real_batch = mgr.engine.batch_transfer_sync
+    timed_out: dict[int, str] = {}
+
+    def spy(session, srcs, *rest):  # which room's batch raised what (the room from its pages)
+        room = next(r for r, p in src_pages.items() if src[0] + p[0] * item in srcs)
+        try:
+            return real_batch(session, srcs, *rest)
+        except Exception as exc:
+            timed_out[room] = type(exc).__name__
+            if getattr(exc, "batch_id", None) is not None:
+                bid[room] = exc.batch_id
+            raise
+
+    mgr.engine.batch_transfer_sync = spy
+    for r in (2, 3):
+        senders[r].init(len(src_pages[r]), 0)
+        senders[r].send(np.asarray(src_pages[r], np.int32))
+    t0 = time.monotonic()
+    while len(timed_out) < 2 and time.monotonic() - t0 < 20:
+        time.sleep(0.01)
+    push.send_multipart([b"ABORT", b"3", b"127.0.0.1", str(in_port).encode(), b"7"])
+    while_stopped = inbox_msgs(1500)
+    status2 = int(senders[2].poll())
+    release.set()
+    t_release = time.monotonic()
+    after = []
+    t0 = time.monotonic()
+    while len(after) < 3 and time.monotonic() - t0 < 20:
+        after += inbox_msgs(200)
+    out(event="late", room1=room1, room1_bytes=ok1, timed_out=timed_out, while_stopped=while_stopped,
+        status2_while_stopped=status2, after=after, landed=sum(t > t_release for t in landed),
+        status2=int(senders[2].poll()), deferred=mgr.engine.batches.deferred())  # fmt: skip
+    peer.close()
+    push.close(0)
+    inbox.close(0)
+    server.close()
+
+
+def _page(drv, base: int, page: int, item: int) -> bytes:
+    """One page of (fake-driver) GPU buffer ``base``, copied to the host."""
+    from kvpool import _native
+
+    buf = bytearray(item)
+    drv.memcpy(_native.buffer_address(buf)[0], base + page * item, item)
+    return bytes(buf)
+
+
 if __name__ == "__main__":
     role, port, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if role == "prefill":
@@ -346,5 +490,7 @@ if __name__ == "__main__":
         prefill_bounds(port)
     elif role == "bootstrap":
         bootstrap(port)
+    elif role == "prefill-late":
+        prefill_late(port)
     else:
         decode(port, scenario, bad=role == "decode-badaddr")

@@ -608,3 +608,28 @@ def test_a_room_seen_again_does_not_keep_older_rooms_from_their_ttl(monkeypatch:
     assert 1 not in infos
     meta(5, 12.5)  # room 3 is 10.5 s old, no request claimed it
     assert 3 not in infos and all(r in infos for r in (2, 4, 5))
+
+
+def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_they_ended(
+    roles: list[Role], fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill manager (SGLang's Common classes, kvpool's) whose KV buffers are fake-driver GPU
+    memory WRITEs to a decode rank's GPU buffers in a peer process over CUDA IPC; the stream then
+    stops: rooms 2 and 3 raise TransferTimeout with their copies queued, room 3 is aborted. While
+    stopped, the decode hears nothing (no Failed status: it keeps its pages; no ABORT_ACK: it does
+    not release them) and room 2's sender is not Failed (the prefill keeps its pages). Once the
+    stream resumed, room 2's Failed and room 3's ack come, each after its batch settled. The old
+    worker failed room 2 at once and never acked room 3."""
+    monkeypatch.setenv("KVPOOL_TIMEOUT_S", "0.5")
+    p = Role("prefill-late", free_port(), "late")
+    roles.append(p)
+    got = p.wait_for("late", timeout=180)
+    assert got["room1"] == [[1, SUCCESS, True]] and got["room1_bytes"]  # the setup moves bytes
+    assert got["timed_out"] == {"2": "TransferTimeout", "3": "TransferTimeout"}
+    assert got["while_stopped"] == [] and got["status2_while_stopped"] != FAILED
+    assert got["landed"] > 0
+    after = sorted(got["after"], key=lambda m: (m[0], str(m[1])))
+    assert [m[:2] for m in after if m[0] == 2] == [[2, FAILED]]
+    assert [3, "ack", True] in after  # the ack, once room 3's copies ended
+    assert all(settled for _, _, settled in after), after
+    assert got["status2"] == FAILED and got["deferred"] == 0

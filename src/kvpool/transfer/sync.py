@@ -11,6 +11,7 @@ a partial result. Called by any thread that holds the engine, as often as it tra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -416,6 +417,18 @@ class SyncTransfers:
         Called by a caller that must not hand that memory to anyone else before then (the vLLM
         connector's load threads, for the KV blocks a timed-out load read into)."""
         return self.batches.settled(batch_id)
+
+    def wait_settled(self, batch_id: int) -> None:
+        """Block until :meth:`batch_settled` answers True for ``batch_id`` (polled with backoff,
+        10 ms to 0.5 s; no upper bound: while a hung stream holds the copies, the memory they
+        read or write must not be handed to anyone else). Called only from a thread that may
+        wait that long: a connector's transfer worker thread, or a hook inside an engine's
+        forward pass whose own GPU work cannot pass the hung stream either; never from an event
+        loop or scheduler."""
+        delay = 0.01
+        while not self.batches.settled(batch_id):
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def _settle(self, bid: int, exc: Exception) -> None:
         """A submit of a synchronous call raised ``exc`` after part of its batch was queued (a

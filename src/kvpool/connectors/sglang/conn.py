@@ -59,7 +59,7 @@ from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegist
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.peers import REG_TAG, PeerArgs, parse_registration, registration_message
 from kvpool.connectors.sglang.rooms import PeerTable, RoomTable
-from kvpool.errors import KvpoolError, ProtocolUnavailable
+from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferTimeout, late_batch
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
 
@@ -423,6 +423,16 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         try:
             self._write_chunk(chunk)
             drained = True
+        except TransferTimeout as exc:
+            if late_batch(exc) is None:
+                raise
+            # GPU copies of the batch outlived the timeout (a hung stream): they may still read
+            # the prefill's pages and write the decode's. The room stays unconcluded (neither side
+            # frees its pages) and an abort unacked until they ended; then it fails and acks.
+            log.warning("kvpool prefill: room %s waits for GPU copies past the timeout: %s", room, exc)
+            self.engine.wait_settled(late_batch(exc))
+            drained = True
+            raise
         finally:
             with self._room_lock:
                 left = self._in_flight.pop(room) - 1
@@ -431,8 +441,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                     waiting = None
                 else:
                     waiting = self._acks_waiting.pop(room, None)
-            # A chunk that failed mid-write may still land: no ack then (the decode releases its
-            # pages after SGLang's own timeout), as SGLang's backends do.
+            # A chunk that failed mid-write otherwise may still land: no ack then (the decode
+            # releases its pages after SGLang's own timeout), as SGLang's backends do.
             if waiting and drained:
                 self._ack(room, waiting.values())
 
