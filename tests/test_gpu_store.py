@@ -360,3 +360,94 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
     finally:
         release.set()
         w.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_blocks_once_they_ended(
+    gpu_cluster: tuple[MasterProcess, StorageProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    layerwise: bool,
+) -> None:
+    """The vLLM store connector's in-forward loads (``load_async: false``: in ``start_load_kv``,
+    or per layer, waited for in ``wait_for_layer_load``), its KV blocks (fake-driver) GPU memory:
+    a load runs while the stream is stopped and raises TransferTimeout at the timeout with its
+    copies still queued. The hook does not return, nor are the blocks reported failed, while
+    stopped (vLLM would recompute into blocks the late copy still writes); once the copies
+    landed, it returns with the blocks failed, one warning naming the request. The old worker
+    reported them failed and returned at the timeout."""
+    import logging
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")
+    from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
+    from kvpool.connectors.vllm.store import KvpoolStoreMetadata
+    from kvpool.connectors.vllm.store_worker import _StoreWorker
+
+    drv = load_driver()
+    bb, nb = 256 << 10, 8  # bytes per block (big: DMA between the GPU and the segment), blocks
+    master, p = gpu_cluster[0].address, f"inforward{int(layerwise)}"
+    cfg = VllmConnectorConfig(master=master, transfer_timeout_s=0.5, load_async=False, layerwise=layerwise)
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(model="late", dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cuda"),
+    )
+    w = _StoreWorker(cfg, vc, SimpleNamespace(num_blocks=nb))
+    w.store = Store.connect(master=master, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5)
+    g = drv.alloc(nb * bb, 0)
+    w.store.register_buffer(g, nb * bb, location="cuda:0")
+    w.regions, w.layout = [Region("l0", g, bb, bb, nb)], "fake"
+    w.layer_loads.set_regions(w.regions)
+    w._start_threads()
+    data = _host(nb * bb, 5)
+    drv.memcpy(g, _native.buffer_address(data)[0], nb * bb)
+
+    def gpu(block: int, n: int) -> bytes:
+        out = bytearray(n * bb)
+        drv.memcpy(_native.buffer_address(out)[0], g + block * bb, n * bb)
+        return bytes(out)
+
+    def forward(meta: KvpoolStoreMetadata) -> None:  # the hooks, in vLLM's order
+        w.start(meta)
+        if layerwise:
+            w.wait_layer_load("l0")
+
+    release, landed = threading.Event(), []
+    try:
+        w.start(KvpoolStoreMetadata(saves={"s0": [(0, f"{p}/k0"), (1, f"{p}/k1")]}))
+        deadline = time.monotonic() + 20
+        while not w.get_finished()[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.saved_blocks == 2  # the setup moves bytes
+        forward(KvpoolStoreMetadata(loads={"r0": [(2, f"{p}/k0"), (3, f"{p}/k1")]}))
+        assert w.take_load_errors() == set() and gpu(2, 2) == gpu(0, 2)
+        _stop_stream(w.store, monkeypatch, release, landed)
+        caplog.set_level(logging.WARNING, logger="kvpool.connectors.vllm")
+        returned: list[float] = []
+        hook = threading.Thread(
+            target=lambda: (forward(KvpoolStoreMetadata(loads={"r1": [(4, f"{p}/k0"), (5, f"{p}/k1")]})),
+                            returned.append(time.monotonic())),
+            daemon=True,
+        )  # fmt: skip
+        hook.start()
+        deadline = time.monotonic() + 20
+        while not any("r1" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            assert not returned and w.take_load_errors() == set(), "reported while its copies were queued"
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert not returned and w.take_load_errors() == set() and not landed  # still waiting
+        release.set()
+        hook.join(20)
+        assert returned and landed and min(landed) <= returned[0]  # it returned once they landed
+        assert w.take_load_errors() == {4, 5}  # failed: vLLM recomputes them
+        assert gpu(4, 2) == gpu(0, 2)  # the late copies landed where vLLM had not reused the blocks
+        waits = [r for r in caplog.records if "r1" in r.getMessage()]
+        assert len(waits) == 1 and "timed out" in waits[0].getMessage()
+        assert w.store.engine.batches.deferred() == 0
+    finally:
+        release.set()
+        w.close()

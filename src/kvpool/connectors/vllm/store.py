@@ -251,8 +251,20 @@ class KvpoolStoreConnector(KvpoolConnectorBase):
         if self._worker is not None and isinstance(connector_metadata, KvpoolStoreMetadata):
             self._worker.begin_step(connector_metadata)
 
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """vLLM's model runner, once per step (before the forward pass when the step has
+        synchronous loads, ``load_async: false``; else after it): queues this step's loads and
+        saves; synchronous per-request loads run here. A synchronous load whose GPU copies
+        outlive the transfer timeout (a hung stream) waits here, with no upper bound, until they
+        ended, then its blocks are reported failed (recomputed): a bounded wait would hand vLLM
+        blocks a late copy may still write, and the forward pass cannot pass that stream either."""
+        super().start_load_kv(forward_context, **kwargs)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """vLLM's attention layer, before it reads its KV (layer-wise loads only wait here)."""
+        """vLLM's attention layer, before it reads its KV (layer-wise loads only wait here). A
+        layer's load whose GPU copies outlive the transfer timeout (a hung stream) is waited for
+        here until they ended, with no upper bound, then its blocks are reported failed: as for
+        :meth:`start_load_kv`'s synchronous loads."""
         self._worker.wait_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:

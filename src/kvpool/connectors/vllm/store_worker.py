@@ -75,6 +75,7 @@ class _StoreWorker:
         self.breaker = Breaker(f"kvpool store master {cfg.master} (saves)", cfg.store_retry_s)
         self.layer_saves = LayerSaves(self._saves.put, self._put_layer, self._commit)
         self.layer_loads = LayerLoads(self._loads.put, self._get_layer)
+        self._layer_rids = ""  # the requests of this step's layer-wise loads (for the log)
         self.saved_blocks = 0
         self.loaded_blocks = 0
         self.stats = make_stats(cfg.stats)
@@ -144,7 +145,9 @@ class _StoreWorker:
             elif self.cfg.layerwise:
                 layer_loads += blocks
             else:
-                self._load_or_fail(blocks, None, True)
+                self._load_or_fail(blocks, None, True, rid)
+        self.layer_loads.finish()  # the last step's layer loads ended: they read _layer_rids
+        self._layer_rids = ", ".join(meta.loads) if self.cfg.layerwise else ""
         self.layer_loads.begin(layer_loads)
         for rid, blocks in meta.saves.items():
             self._saves.put(lambda rid=rid, blocks=blocks: self._save_job(rid, blocks))
@@ -328,21 +331,39 @@ class _StoreWorker:
         log.info("kvpool store: committed %d blocks (layer-wise)", n)
 
     def _get_layer(self, blocks: list[tuple[int, str]], regions: list[Region], first: bool) -> None:
-        """Load thread, layer-wise: one layer's objects of ``blocks``."""
-        self._load_or_fail(blocks, regions, first)
+        """Load thread, layer-wise: one layer's objects of ``blocks`` (``wait_for_layer_load``
+        waits for it)."""
+        self._load_or_fail(blocks, regions, first, self._layer_rids)
 
-    def _load_or_fail(self, blocks: list[tuple[int, str]], regions: list[Region] | None, first: bool) -> None:
-        """In-forward loads (layer-wise, or synchronous): an unexpected error fails every block of
-        the batch (reported to vLLM, recomputed), never leaves them as if loaded."""
+    def _load_or_fail(
+        self, blocks: list[tuple[int, str]], regions: list[Region] | None, first: bool, rid: str
+    ) -> None:
+        """In-forward loads (layer-wise, or synchronous; ``rid``: the requests, for the log): an
+        unexpected error fails every block of the batch (reported to vLLM, recomputed), never
+        leaves them as if loaded. A TransferTimeout whose GPU copies may still land in the blocks
+        (a hung stream) waits here until they ended (``TransferEngine.wait_settled``, no upper
+        bound: vLLM would recompute into blocks a late copy still writes), then fails them: the
+        forward pass this runs in cannot pass that stream either."""
         try:
-            self._load(blocks, regions, count=first)
+            late = self._load(blocks, regions, count=first, park=True)
         except Exception:  # noqa: BLE001 - the forward pass goes on: the blocks must be reported
             layer = regions[0].name if regions else "(all)"
             log.exception("kvpool store: loading layer %s of %d blocks failed", layer, len(blocks))
-            with self._lock:
-                self._errors.update(b for b, _ in blocks)
             if first:
                 self.stats.record_misses("load_error", len(blocks))
+        else:
+            if late is None:
+                return
+            assert self.store is not None
+            log.warning(
+                "kvpool store: the in-forward load of %s timed out, GPU copies still queued (a hung "
+                "stream?): waiting for them before its %d blocks fail",
+                rid,
+                len(blocks),
+            )
+            self.store.engine.wait_settled(late)
+        with self._lock:
+            self._errors.update(b for b, _ in blocks)
 
     def _load(
         self,
