@@ -166,7 +166,11 @@ class RpcClient:
     (its ``instance`` tells a restarted server from the old one); it may raise to refuse it.
     ``bind()`` (optional) returns the arguments of an ``attach`` request sent on every new
     connection before any call (None: nothing to attach), e.g. a session this connection joins.
-    ``what`` names the server in error messages.
+    ``what`` names the server in error messages. ``reconnect``: a call whose reused connection
+    turns out dead (closed or reset by the server before its reply: the server restarted on that
+    address) is sent once more on a new connection, within the same deadline; only for requests
+    whose repetition is harmless (read-only, or fenced by the server's instance), never after a
+    timeout.
     """
 
     def __init__(
@@ -178,8 +182,10 @@ class RpcClient:
         on_connect: Callable[[dict[str, Any]], None] | None = None,
         bind: Callable[[], dict[str, Any] | None] | None = None,
         what: str = "RPC server",
+        reconnect: bool = False,
     ) -> None:
         self.address = address
+        self.reconnect = reconnect
         self._target = _split(address)
         self.timeout_s = timeout_s
         self.secret = secret
@@ -395,19 +401,29 @@ class RpcClient:
             rid = next(self._ids)
             args["op"] = op
             args["id"] = rid
+            old = self._sock
             sock = self._socket(deadline)
-            data = self._frame(args)
-            try:
-                self._sendall(data, deadline)
-                reply = self._reply(sock, rid, deadline)
-            except (OSError, ValueError) as exc:
-                self._reset()
-                what = (
-                    f"did not answer {op!r} within {self.timeout_s:g}s (the RPC timeout)"
-                    if isinstance(exc, TimeoutError)
-                    else f"failed {op!r} ({exc})"
-                )
-                raise self._unavailable(f"{what}; is it running?") from None
+            retry = self.reconnect and sock is old  # a dead reused connection is made again once
+            while True:
+                data = self._frame(args)
+                try:
+                    self._sendall(data, deadline)
+                    reply = self._reply(sock, rid, deadline)
+                    break
+                except (OSError, ValueError) as exc:
+                    self._reset()
+                    if retry and isinstance(exc, ConnectionError):
+                        retry = False
+                        log.debug("%s at %s closed a reused connection (%s): connecting again",
+                                  self.what, self.address, exc)  # fmt: skip
+                        sock = self._connect(deadline)
+                        continue
+                    what = (
+                        f"did not answer {op!r} within {self.timeout_s:g}s (the RPC timeout)"
+                        if isinstance(exc, TimeoutError)
+                        else f"failed {op!r} ({exc})"
+                    )
+                    raise self._unavailable(f"{what}; is it running?") from None
         if not reply.get("ok"):
             raise_for(reply.get("err", "ERROR"), reply.get("msg", "error"))
         return reply

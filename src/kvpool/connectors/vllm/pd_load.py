@@ -226,11 +226,17 @@ class DecodeLoads(_Base):
         return nbytes <= self.cfg.inline_load_bytes and self.engine.uses_same_host_path(rem.handle)
 
     def _rpc(self, host: str, port: int, use: str = "") -> RpcClient:
-        """The side-channel client of a prefill rank (``use``: a separate connection)."""
+        """The side-channel client of a prefill rank (``use``: a separate connection). A call
+        on a connection the prefill closed (it restarted on that port) is sent once more on a new
+        one: ``layout`` and ``progress`` only read, and every answer names the incarnation that
+        gave it (a read made against the old one is refused by the engine-id fence of
+        :meth:`_notify` and the streaming rounds), so the first load after a restart works."""
         key = (host, port, use)
         rpc = self._rpcs.get(key)
         if rpc is None:
-            rpc = self._rpcs[key] = RpcClient(f"{host}:{port}", self.cfg.transfer_timeout_s, self.cfg.secret)
+            rpc = self._rpcs[key] = RpcClient(
+                f"{host}:{port}", self.cfg.transfer_timeout_s, self.cfg.secret, reconnect=True
+            )
         return rpc
 
     def _remote(self, host: str, port: int, engine_id: str | None = None) -> _Remote:
