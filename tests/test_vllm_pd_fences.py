@@ -6,6 +6,7 @@ tests/vllm_sched.py."""
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from pathlib import Path
@@ -459,6 +460,62 @@ def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(
         assert d.worker._worker._remotes[("127.0.0.1", port)] is not old
         del keep
     finally:
+        d.close()
+        p.close()
+
+
+def test_a_notice_after_the_prefill_restarted_reconnects_and_is_refused(
+    tiny_llama: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The prefill restarts between a decode's read and its "done" notice. The notice finds the
+    connection closed by the old instance, connects again and asks the new one, which must not
+    confirm a read of the old one's blocks: it holds a request of that id in the same blocks (the
+    digest matches), only the engine id's per-incarnation nonce tells them apart. The new
+    instance's request is not freed by it, and its own read is then confirmed."""
+    _connections_look_alive(monkeypatch)
+    port = free_port()
+    extra = {"side_channel_port": port, "abort_timeout_s": 30}
+    p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
+    d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
+    monkeypatch.setattr(logging.getLogger("kvpool"), "propagate", True)  # (its own handler in vLLM)
+    w = d.worker._worker
+    notify, reading, restarted = w._notify, threading.Event(), threading.Event()
+
+    def held_notice(jobs: list[Any]) -> None:  # d2's notice waits until the prefill restarted
+        if any(j.req_id == "d2" for j in jobs):
+            reading.set()
+            restarted.wait(60)
+        notify(jobs)
+
+    monkeypatch.setattr(w, "_notify", held_notice)
+    try:
+        d.add("d1", PROMPT, 2, _prefill(p, "p1", PROMPT))  # the side-channel connection is made
+        assert _finished(d, "d1", other=p).new_token_ids and _failures(d) == {}
+        old = _prefill(p, "p2", PROMPT)
+        d.add("d2", PROMPT, 2, copy.deepcopy(old))
+        d.step_until(lambda o: reading.is_set())  # read from the old instance, notice not sent
+        p.close()
+        p = Instance(tiny_llama, "KvpoolConnector", "kv_producer", extra, engine_id="prefill-0")
+        new = _prefill(p, "p2", PROMPT)
+        assert (
+            new["remote_block_ids"] == old["remote_block_ids"]
+            and new["remote_engine_id"] != old["remote_engine_id"]
+        )
+        with caplog.at_level("WARNING", "kvpool.connectors.vllm"):
+            restarted.set()
+            out = _finished(d, "d2", other=p)
+        _assert_refused(d, "d2", out, "Unconfirmed")
+        why = [r.getMessage() for r in caplog.records if "d2" in r.getMessage()]
+        assert any("is another instance now" in m for m in why), why  # answered by the new one
+        p.step()
+        assert "p2" in p.worker._worker._pending_send and "p2" not in p.worker._worker._notified
+        d.add("d3", PROMPT, 2, new)
+        out = _finished(d, "d3", other=p)
+        assert _failures(d) == {"Unconfirmed": 1} and out.new_token_ids and _kv_ok(d, "d3", PROMPT)
+    finally:
+        restarted.set()
         d.close()
         p.close()
 

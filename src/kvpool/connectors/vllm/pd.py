@@ -331,11 +331,12 @@ class _PdWorker(DecodeLoads):
         notice = _Notice(conn, rid, of, rank, gens, digests, time.monotonic() + wait)
         with self._lock:
             notice.waiting = [str(r)[:256] for r in req_ids]
-            self._settle(notice, time.monotonic())
-            # named by another incarnation's params: this one will never learn it, answered now
+            # named by another incarnation's params: this one will never learn it, answered now,
+            # before it is settled (a request of that id held here is not the one that was read)
             mine = [engines.get(r, self.engine_id) == self.engine_id for r in notice.waiting]
             notice.unknown = [r for r, m in zip(notice.waiting, mine, strict=True) if not m]
             notice.waiting = [r for r, m in zip(notice.waiting, mine, strict=True) if m]
+            self._settle(notice, time.monotonic())
             parked = (
                 notice.waiting and wait > 0 and conn is not None
                 and len(self._parked_done) < _PARKED_DONE_MAX
