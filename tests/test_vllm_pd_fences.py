@@ -423,6 +423,35 @@ def test_a_read_after_the_prefill_slept_and_woke_is_not_confirmed(tiny_llama: Pa
         p.close()
 
 
+def test_a_request_computed_before_the_prefill_slept_is_not_held_after_it(tiny_llama: Path) -> None:  # noqa: F811
+    """The prefill computes a request; vLLM's sleep mode releases its KV cache before the "send"
+    metadata that holds the request's blocks reached the worker (it comes with the next step).
+    After the wake-up those blocks hold the restored cache: the worker must not hold them for a
+    decode, whose read must fail (recompute), not be confirmed "held". A request computed after
+    the wake-up is held and read as always."""
+    p, d = _pd(tiny_llama)
+    try:
+        p.add("p1", PROMPT, 1, {"do_remote_decode": True})
+        _, o = p.step()
+        params = o["p1"].kv_transfer_params
+        assert params and "p1" not in p.worker._worker._pending_send  # not handed to the worker yet
+        p.worker.unregister_kv_caches()
+        p.kv = {name: torch.zeros_like(t) for name, t in p.kv.items()}
+        p.worker.restore_kv_caches(p.kv)
+        p.step()  # the "send" metadata comes after the wake-up: p1's blocks are freed, not held
+        assert "p1" not in p.worker._worker._pending_send and "p1" in p.worker._worker._expired
+        d.add("d1", PROMPT, 2, params)
+        out = _finished(d, "d1", other=p)
+        _assert_refused(d, "d1", out, "PrefillFreed")
+        prompt = [(i * 11) % 450 + 5 for i in range(90)]  # (vLLM resets its prefix cache at a sleep)
+        d.add("d2", prompt, 2, _prefill(p, "p2", prompt))
+        out = _finished(d, "d2", other=p)
+        assert _failures(d) == {"PrefillFreed": 1} and out.new_token_ids and _kv_ok(d, "d2", prompt)
+    finally:
+        d.close()
+        p.close()
+
+
 def _connections_look_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode's side-channel connections are sent on without a look at whether the peer
     closed them, as when a busy decode used them less than a second ago."""

@@ -168,6 +168,10 @@ class _PdWorker(DecodeLoads):
         self._server: RpcServer | None = None
         self.streams: StreamTable | None = None  # prefill: progress of streaming requests
         self._on_gpu = False
+        # sleep mode: the last step (scheduler's count) whose KV the cache held when it was released
+        self._slept_after: int | None = None
+        self._asleep = False  # between unregister_kv_caches and the next register_kv_caches
+        self._last_step = 0
         self._stream_loads: dict[str, StreamLoad] = {}  # decode: req id -> streaming load
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
@@ -194,6 +198,7 @@ class _PdWorker(DecodeLoads):
                     "protocol='rdma'; see docs/gpu.md"
                 ) from None
         self.regions = regions
+        self._asleep = False
         self._on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
         if self.serves:
             self.streams = StreamTable(regions)
@@ -246,9 +251,12 @@ class _PdWorker(DecodeLoads):
         """vLLM 0.33 sleep mode (the connector's ``unregister_kv_caches``): the KV cache memory is
         released, and with it the KV of the requests held for decodes. They are freed at the next
         ``get_finished`` and answered "expired" from now on: a decode that reads their block ids
-        after the wake-up reads whatever the restored cache holds there."""
+        after the wake-up reads whatever the restored cache holds there. So are the requests
+        computed before now whose ``send`` metadata comes later (:meth:`start`)."""
         now = time.monotonic()
         with self._lock:
+            self._asleep = True
+            self._slept_after = self._last_step
             for rid in self._pending_send:
                 self._pending_send[rid] = now - 1.0
                 self._expired[rid] = now
@@ -474,15 +482,31 @@ class _PdWorker(DecodeLoads):
         table.step_done(ready)
 
     def start(self, meta: KvpoolConnectorMetadata) -> None:
+        """vLLM's model runner, once per step before the forward pass (``start_load_kv``): hold
+        the blocks of the requests the scheduler hands out, start this step's loads."""
         now = time.monotonic()
         if meta.send:
+            # Computed by step meta.step - 1 at the latest: if the KV cache was released after
+            # that step (sleep mode), their blocks hold the restored cache, not their KV; they are
+            # freed at once and answered "expired", as the ones held at the sleep were.
+            gone = self._asleep or (self._slept_after is not None and meta.step - 1 <= self._slept_after)
             with self._lock:
                 for rid, ttl in meta.send.items():
+                    if gone:
+                        self._pending_send[rid] = now - 1.0
+                        self._expired[rid] = now
+                        self._expired.move_to_end(rid)
+                        continue
                     self._pending_send[rid] = now + ttl
                     digest = meta.send_digest.get(rid)
                     if digest is not None:
                         self._digests[rid] = digest
+            if gone:
+                log.warning("kvpool connector: %d request(s) computed before the KV cache was released "
+                            "(sleep mode) are not held for decodes (they recompute): %s",
+                            len(meta.send), ", ".join(list(meta.send)[:8]))  # fmt: skip
             self._wake_parked_done()
+        self._last_step = max(self._last_step, meta.step)
         if meta.cancel:
             with self._lock:
                 for rid in meta.cancel:

@@ -155,6 +155,7 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     stream_end: set[str] = field(default_factory=set)  # prefill req ids aborted while streaming
     cancel: set[str] = field(default_factory=set)  # decode req ids whose streaming load ends
     engine_id: str = ""  # this incarnation's engine id (the workers answer "done" with it)
+    step: int = 0  # the scheduler's count of metadata built: ``send`` was computed by step - 1 at the latest
 
 
 def _tp(vllm_config: Any) -> tuple[int, int]:
@@ -211,6 +212,7 @@ class _PdScheduler:
         self._streams: dict[str, list[Any]] = {}
         self._stream_end: set[str] = set()
         self._cancel: set[str] = set()
+        self._step = 0  # metadata built so far (the workers tell sends computed before a sleep)
 
     def loads_done(self, req_ids: Any) -> None:
         self._loading.difference_update(req_ids)
@@ -329,9 +331,10 @@ class _PdScheduler:
 
     def build_meta(self, out: Any = None) -> KvpoolConnectorMetadata:
         """vLLM's scheduler, once per step (``out``: its ``SchedulerOutput``)."""
+        self._step += 1
         meta = KvpoolConnectorMetadata(
             recv=self._recv, send=self._send, send_digest=self._send_digest, cancel=self._cancel,
-            engine_id=self.engine_id,
+            engine_id=self.engine_id, step=self._step,
         )  # fmt: skip
         self._recv, self._send, self._send_digest, self._cancel = {}, {}, {}, set()
         if self._streams and out is not None:
