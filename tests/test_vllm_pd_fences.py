@@ -386,6 +386,25 @@ def test_context_parallel_instances_refuse_to_start(tiny_llama: Path, cp: str) -
         pd_mod._PdWorker(cfg, vc, "e", kv_cache_config(64))
 
 
+def test_pipeline_parallel_instances_refuse_to_start(tiny_llama: Path) -> None:  # noqa: F811
+    """PP > 1: each stage holds only its layers' KV and two stages of one TP rank would bind the
+    same side-channel port (``side_channel_port + tp_rank``); a decode reads every layer from one
+    prefill rank. Both connector halves refuse such an instance at start, naming it."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.pd_scheduler import _PdScheduler
+    from kvpool.errors import ConfigError
+    from tests.vllm_sched import kv_cache_config, vllm_config
+
+    for role in ("kv_producer", "kv_consumer"):
+        vc = vllm_config(tiny_llama, "KvpoolConnector", role, {"side_channel_port": free_port()}, 64)
+        object.__setattr__(vc.parallel_config, "pipeline_parallel_size", 2)
+        cfg = VllmConnectorConfig()
+        with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):
+            _PdScheduler(cfg, vc, "e")
+        with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):
+            pd_mod._PdWorker(cfg, vc, "e", kv_cache_config(64))
+
+
 def test_params_of_a_shorter_prompt_in_as_many_blocks_fail_the_load(tiny_llama: Path) -> None:  # noqa: F811
     """The prefill computed 70 tokens (3 blocks), the decode's prompt has 80 (3 blocks too): the
     block counts match, but tokens 70-79 of the last block hold no KV of this prompt. The params'

@@ -45,6 +45,7 @@ from kvpool.connectors.vllm.pd_scheduler import (
     _PdScheduler,
     _tp,
     refuse_context_parallel,
+    refuse_pipeline_parallel,
 )
 from kvpool.connectors.vllm.pd_stream import (
     LONG_POLL_S,
@@ -133,6 +134,7 @@ class _PdWorker(DecodeLoads):
         self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str, kv_cache_config: Any
     ) -> None:
         refuse_context_parallel(vllm_config)
+        refuse_pipeline_parallel(vllm_config)
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.kv_layout: KvLayout | None = None  # for heterogeneous TP (reshard plans)

@@ -189,9 +189,27 @@ def refuse_context_parallel(vllm_config: Any) -> None:
         )
 
 
+def refuse_pipeline_parallel(vllm_config: Any) -> None:
+    """Raise ConfigError when the instance runs pipeline parallelism (PP > 1). Called by both
+    halves of the connector at start.
+
+    Each stage holds only its layers' KV: a decode reads every layer of a request from the one
+    prefill rank of its TP rank (``side_channel_port + tp_rank``, which two stages of one TP rank
+    would both bind) and confirms the read with that rank alone; serving PP takes per-stage side
+    channels, reads gathered from every stage and notices counted per stage, not a port."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ConfigError(
+            f"KvpoolConnector (P/D) does not support pipeline parallelism (pipeline_parallel_size={pp}): "
+            "each stage holds only its layers' KV; serve P/D instances with tensor parallelism only"
+        )
+
+
 class _PdScheduler:
     def __init__(self, cfg: VllmConnectorConfig, vllm_config: Any, engine_id: str) -> None:
         refuse_context_parallel(vllm_config)
+        refuse_pipeline_parallel(vllm_config)
         self.cfg = cfg
         # The engine id the params name and the workers answer with: the configured one (often set
         # by hand, so a restarted instance keeps it) plus a nonce of this incarnation. A decode's
