@@ -24,7 +24,7 @@ from kvpool.child import free_port_range
 from kvpool.connectors.vllm import pd
 from kvpool.connectors.vllm.common import VllmConnectorConfig
 from kvpool.connectors.vllm.pd import _PdWorker
-from kvpool.connectors.vllm.pd_scheduler import RecvJob
+from kvpool.connectors.vllm.pd_scheduler import RecvJob, blocks_digest
 
 
 def _cfg(a: argparse.Namespace, tp: int, role: str) -> Any:
@@ -89,8 +89,15 @@ def main() -> None:
         for case in results:
             p, d = case.split("->")
             dt = df = 0.0
+            rid, digest = f"r{rep}-{case}", blocks_digest(f"r{rep}-{case}", remote)
+            # as a real prefill engine: the step after the request finished hands every prefill
+            # rank the blocks it holds for it (and their digest) before the decode learns of them
+            meta = pd.KvpoolConnectorMetadata(send={rid: 30.0}, send_digest={rid: digest})
+            for w in inst[p]:
+                w.start(meta)
             for w in inst[d]:  # decode ranks run in parallel processes in vLLM: the slowest counts
-                job = RecvJob(f"r{rep}", local, remote, "127.0.0.1", ports[p], f"r{rep}", None, tp_of[p])
+                addr = ("127.0.0.1", ports[p])
+                job = RecvJob(rid, local, remote, *addr, rid, None, tp_of[p], blocks_digest=digest)
                 t0 = time.perf_counter()
                 w._load(job)
                 t1 = time.perf_counter()
@@ -99,6 +106,8 @@ def main() -> None:
                 dt = max(dt, t1 - t0)
                 assert w.take_load_errors() == set(), case
                 assert w.get_finished()[1] == {job.req_id}, case
+            for w in inst[p]:  # every prefill rank heard every decode rank: its blocks are freed
+                assert w.get_finished()[0] == {rid}, case
             if rep >= 2:  # first two: handshakes, segment opens
                 results[case].append(dt)
                 fence[case].append(df)
