@@ -274,6 +274,32 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
         st.close()
 
 
+BB, NB = 256 << 10, 8  # store worker tests: bytes per block (big: DMA GPU <-> segment), blocks
+
+
+def _gpu_store_worker(cfg: Any) -> tuple[Any, int]:
+    """A vLLM store connector worker (no vLLM model: its config as namespaces) over one region of
+    NB blocks of fake-driver GPU memory, its store connected with a 0.5 s transfer timeout;
+    (worker, the region's device address). Threads not started."""
+    from types import SimpleNamespace
+
+    from kvpool.connectors.vllm.common import Region
+    from kvpool.connectors.vllm.store_worker import _StoreWorker
+
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(model="late", dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cuda"),
+    )
+    w = _StoreWorker(cfg, vc, SimpleNamespace(num_blocks=NB))
+    w.store = Store.connect(master=cfg.master, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5)
+    g = load_driver().alloc(NB * BB, 0)
+    w.store.register_buffer(g, NB * BB, location="cuda:0")
+    w.regions, w.layout = [Region("l0", g, BB, BB, NB)], "fake"
+    return w, g
+
+
 def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_waits_for_them(
     gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -287,28 +313,15 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
     save's) timeout for an unreachable master: saves stopped for ``store_retry_s``."""
     import threading
     import time
-    from types import SimpleNamespace
 
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")
-    from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
     from kvpool.connectors.vllm.store import KvpoolStoreMetadata
-    from kvpool.connectors.vllm.store_worker import _StoreWorker
 
     drv = load_driver()
-    bb, nb = 256 << 10, 8  # bytes per block (big: DMA between the GPU and the segment), blocks
+    bb, nb = BB, NB
     master = gpu_cluster[0].address
-    cfg = VllmConnectorConfig(master=master, transfer_timeout_s=0.5)
-    vc = SimpleNamespace(
-        model_config=SimpleNamespace(model="late", dtype="bfloat16"),
-        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cuda"),
-    )
-    w = _StoreWorker(cfg, vc, SimpleNamespace(num_blocks=nb))
-    w.store = Store.connect(master=master, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5)
-    g = drv.alloc(nb * bb, 0)
-    w.store.register_buffer(g, nb * bb, location="cuda:0")
-    w.regions, w.layout = [Region("l0", g, bb, bb, nb)], "fake"
+    w, g = _gpu_store_worker(VllmConnectorConfig(master=master, transfer_timeout_s=0.5))
     w._start_threads()
     data = _host(nb * bb, 3)
     drv.memcpy(g, _native.buffer_address(data)[0], nb * bb)
@@ -379,28 +392,16 @@ def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_block
     import logging
     import threading
     import time
-    from types import SimpleNamespace
 
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")
-    from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
     from kvpool.connectors.vllm.store import KvpoolStoreMetadata
-    from kvpool.connectors.vllm.store_worker import _StoreWorker
 
     drv = load_driver()
-    bb, nb = 256 << 10, 8  # bytes per block (big: DMA between the GPU and the segment), blocks
+    bb, nb = BB, NB
     master, p = gpu_cluster[0].address, f"inforward{int(layerwise)}"
     cfg = VllmConnectorConfig(master=master, transfer_timeout_s=0.5, load_async=False, layerwise=layerwise)
-    vc = SimpleNamespace(
-        model_config=SimpleNamespace(model="late", dtype="bfloat16"),
-        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cuda"),
-    )
-    w = _StoreWorker(cfg, vc, SimpleNamespace(num_blocks=nb))
-    w.store = Store.connect(master=master, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5)
-    g = drv.alloc(nb * bb, 0)
-    w.store.register_buffer(g, nb * bb, location="cuda:0")
-    w.regions, w.layout = [Region("l0", g, bb, bb, nb)], "fake"
+    w, g = _gpu_store_worker(cfg)
     w.layer_loads.set_regions(w.regions)
     w._start_threads()
     data = _host(nb * bb, 5)
