@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 
 #include "engine.h"
@@ -135,6 +134,7 @@ void ipc_addresses(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, py::b
 
 void bind_ipc_plan(py::module_& m) {
   m.def("ipc_classify", &ipc_classify,
-        "CUDA IPC run planning: (code, bad index, local_gpu, ridx, ipc, staged) of request columns");
+        "CUDA IPC run planning: (code, bad index, local_gpu, ridx, ipc, staged, all_inside, n_ipc) of "
+        "request columns");
   m.def("ipc_addresses", &ipc_addresses, "CUDA IPC run planning: src then dst addresses written at out");
 }

@@ -277,6 +277,13 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
 BB, NB = 256 << 10, 8  # store worker tests: bytes per block (big: DMA GPU <-> segment), blocks
 
 
+def _blocks(g: int, block: int, n: int) -> bytes:
+    """The bytes of ``n`` blocks (BB each) from ``block`` of the fake-driver GPU region at ``g``."""
+    out = bytearray(n * BB)
+    load_driver().memcpy(_native.buffer_address(out)[0], g + block * BB, n * BB)
+    return bytes(out)
+
+
 def _gpu_store_worker(cfg: Any) -> tuple[Any, int]:
     """A vLLM store connector worker (no vLLM model: its config as namespaces) over one region of
     NB blocks of fake-driver GPU memory, its store connected with a 0.5 s transfer timeout;
@@ -327,9 +334,7 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
     drv.memcpy(g, _native.buffer_address(data)[0], nb * bb)
 
     def gpu(block: int, n: int) -> bytes:
-        out = bytearray(n * bb)
-        drv.memcpy(_native.buffer_address(out)[0], g + block * bb, n * bb)
-        return bytes(out)
+        return _blocks(g, block, n)
 
     def reported() -> tuple[set[str], set[str], set[int]]:
         sent, recvd = w.get_finished()
@@ -408,9 +413,7 @@ def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_block
     drv.memcpy(g, _native.buffer_address(data)[0], nb * bb)
 
     def gpu(block: int, n: int) -> bytes:
-        out = bytearray(n * bb)
-        drv.memcpy(_native.buffer_address(out)[0], g + block * bb, n * bb)
-        return bytes(out)
+        return _blocks(g, block, n)
 
     def forward(meta: KvpoolStoreMetadata) -> None:  # the hooks, in vLLM's order
         w.start(meta)

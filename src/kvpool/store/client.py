@@ -45,7 +45,7 @@ from kvpool.errors import (
 )
 from kvpool.store.client_base import _err
 from kvpool.store.datapath import DataPath, WriteJob
-from kvpool.store.gets import GetPath
+from kvpool.store.gets import HOST_MEMORY, GetPath, is_place
 from kvpool.store.layout import CHECKSUM_ALWAYS_MAX, HEADER_SIZE, header_mismatch, key_hash
 from kvpool.store.locations import COMMITTED, LocationCache
 from kvpool.store.puts import PutPath
@@ -62,8 +62,6 @@ from kvpool.store.tasks import TaskRunner, run_task
 from kvpool.transfer.device import device_buffer
 from kvpool.transfer.engine import TransferEngine, buffer_range
 from kvpool.transfer.types import OpCode, host_id
-
-_MAX_COPY = 1 << 40  # bytes a replica copy may name (a bigger size is a corrupt answer, not an object)
 
 log = logging.getLogger("kvpool.store")
 
@@ -122,14 +120,6 @@ def _check_config(config: Any) -> None:
         raise InvalidType(f"config must be a ReplicateConfig or None, not {type(config).__name__}")
 
 
-def _place(x: Any) -> bool:
-    """A replica's place in a master answer: [segment name, address, ...]."""
-    return (
-        isinstance(x, (list, tuple)) and len(x) >= 2 and isinstance(x[0], str) and type(x[1]) is int
-        and 0 <= x[1] < 1 << 64
-    )  # fmt: skip
-
-
 def _bad_replica_plan(r: Any) -> str | None:
     """Why a ``replica_start`` answer cannot be acted on, or None. Called by
     :meth:`Store.change_replica` before it reads or writes anything the answer names."""
@@ -137,11 +127,11 @@ def _bad_replica_plan(r: Any) -> str | None:
         return "no dst list"
     if not r["dst"]:
         return None  # nothing to copy
-    if not all(_place(d) for d in r["dst"]) or not _place(r.get("src")):
+    if not all(is_place(d) for d in r["dst"]) or not is_place(r.get("src")):
         return "src/dst are not [segment, address] places"
     size = r.get("size")
-    if type(size) is not int or not HEADER_SIZE < size <= _MAX_COPY:
-        return f"size {size!r} outside ({HEADER_SIZE}, {_MAX_COPY}]"
+    if type(size) is not int or not HEADER_SIZE < size <= HOST_MEMORY:
+        return f"size {size!r} outside ({HEADER_SIZE}, {HOST_MEMORY}] (this host's memory)"
     if type(r.get("epoch")) is not int or type(r.get("gen")) is not int:
         return "epoch/gen are not integers"
     return None

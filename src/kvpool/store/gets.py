@@ -53,6 +53,13 @@ def _u64(x: Any) -> bool:
     return type(x) is int and 0 <= x < _U64
 
 
+def is_place(r: Any) -> bool:
+    """A replica's place in a master answer: ``[segment name, address, ...]`` (what
+    :func:`_bad_info` checks inline for each replica of a get, and ``Store.change_replica`` for
+    the places of a ``replica_start`` answer)."""
+    return type(r) is list and len(r) >= 2 and type(r[0]) is str and _u64(r[1])
+
+
 def _bad_info(code: Any, info: Any) -> str | None:
     """Why one ``[code, info]`` of a master's get reply cannot be used (None: it can). Every
     field the read uses is checked before it is used: one of another type failed the get with
@@ -71,7 +78,7 @@ def _bad_info(code: Any, info: Any) -> str | None:
     reps = info.get("replicas")
     if type(reps) is not list:
         return "replicas that are not [[segment, address, ...]]"
-    for r in reps:
+    for r in reps:  # is_place, inline: once per replica of every key
         if not (
             type(r) is list and len(r) >= 2 and type(r[0]) is str and type(r[1]) is int and 0 <= r[1] < _U64
         ):

@@ -36,7 +36,7 @@ from kvpool.connectors.vllm.reshard import (
     plan_sources,
     region_pairs,
 )
-from kvpool.errors import KvpoolError, TransferError, TransferTimeout
+from kvpool.errors import KvpoolError, TransferError, late_batch
 from kvpool.transfer.types import OpCode
 
 if TYPE_CHECKING:
@@ -460,7 +460,7 @@ class DecodeLoads(_Base):
     def _late_batch(self, exc: Exception) -> int | None:
         """The batch of a READ that raised TransferTimeout while its GPU copies still run (they
         may still land in the load's blocks), or None where nothing of it is in flight."""
-        bid = exc.batch_id if isinstance(exc, TransferTimeout) else None
+        bid = late_batch(exc)
         if bid is None or self.engine is None or self.engine.batch_settled(bid):
             return None
         return bid
