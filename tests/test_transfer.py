@@ -58,6 +58,10 @@ def test_batch_api_statuses(peer: PeerProcess, tcp_engine: TransferEngine) -> No
     )
     st = eng.wait_batch(bid, timeout_s=10)
     assert st.state == TransferState.COMPLETED and st.transferred_bytes == n * bs
+    assert eng.batch_settled(bid)  # nothing of it copies any more
+    for bad in ("1", 1.0, None):  # a TransferTimeout's batch_id is an int: anything else is refused
+        with pytest.raises(InvalidArgument, match="batch_id"):
+            eng.batch_settled(bad)  # type: ignore[arg-type]
     for i in range(n):
         s = eng.get_transfer_status(bid, i)
         assert s.state == TransferState.COMPLETED and s.transferred_bytes == bs and s.error is None

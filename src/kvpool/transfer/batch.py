@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from kvpool import _native
-from kvpool.errors import BatchInFlight, KvpoolError
+from kvpool.errors import BatchInFlight, InvalidArgument, KvpoolError
 from kvpool.transfer.types import TransferState, TransferStatus
 
 _STATE = list(TransferState)
@@ -59,7 +59,10 @@ class Batches:
         of the local memory. A batch given up on by :meth:`free_when_done` is freed here once it
         settled (not only by the next :meth:`alloc`); a batch already freed (ids are never reused)
         is settled. Never blocks: one native call. Polled by whoever must not reuse the memory of
-        a timed-out transfer before its late copies ended (the vLLM connector's load threads)."""
+        a timed-out transfer before its late copies ended (the vLLM connector's load threads).
+        InvalidArgument for a batch id that is no int (a TransferTimeout's ``batch_id`` is one)."""
+        if type(batch_id) is not int:
+            raise InvalidArgument(f"batch_id must be an int, not {type(batch_id).__name__}")
         try:
             if self.pending(batch_id):
                 return False
