@@ -1657,13 +1657,23 @@ def test_reservations_the_heartbeat_thread_tops_up_name_their_mounts() -> None:
     with Store.connect(segment_size=4 << 20, heartbeat_s=60, protocol="tcp") as a:
         m = a._master
         assert m is not None
+        # The heartbeat thread refills (and unmarks) a low pool as soon as it is marked: hold it
+        # in its refill until this test has done its own, so the mark is seen here.
+        real, go = a._refill, threading.Event()
+
+        def held_refill() -> None:
+            go.wait(30)
+            real()
+
+        a._refill = held_refill  # type: ignore[method-assign]
         for i in range(200):
             a.put(f"k{i}", pattern(4096, i))
             if a._resv.wanted.is_set():
                 break
         assert a._resv.wanted.is_set(), "no pool ran low"
         before = {e.gen for e in a._resv.held()}
-        a._refill()
+        real()
+        go.set()
         new = [e for e in a._resv.held() if e.gen not in before]
         with m._lock:
             mount = m.space.segments[a.segment_name].mount
