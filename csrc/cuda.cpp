@@ -26,8 +26,10 @@ struct Api {
   CUresult (*cuStreamSynchronize)(void*) = nullptr;
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, void*) = nullptr;
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, void*) = nullptr;
+  CUresult (*cuEventSynchronize)(void*) = nullptr;
   bool ok = false;
   int count = 0;
+  std::string path;  // what init loaded
   std::mutex mu;
   std::vector<CUcontext> ctx;
 };
@@ -71,7 +73,9 @@ bool init(const std::string& path) {
               sym(lib, "cuStreamDestroy_v2", &g.cuStreamDestroy) &&
               sym(lib, "cuStreamSynchronize", &g.cuStreamSynchronize) &&
               sym(lib, "cuMemcpyHtoDAsync_v2", &g.cuMemcpyHtoDAsync) &&
-              sym(lib, "cuMemcpyDtoHAsync_v2", &g.cuMemcpyDtoHAsync);
+              sym(lib, "cuMemcpyDtoHAsync_v2", &g.cuMemcpyDtoHAsync) &&
+              sym(lib, "cuEventSynchronize", &g.cuEventSynchronize);
+    if (ok) g.path = path.empty() ? "libcuda.so.1" : path;
     if (!ok || g.cuInit(0) != 0 || g.cuDeviceGetCount(&g.count) != 0 || g.count <= 0) return;
     g.ctx.assign(static_cast<size_t>(g.count), nullptr);
     g.ok = true;
@@ -80,6 +84,8 @@ bool init(const std::string& path) {
 }
 
 bool available() { return g.ok; }
+
+std::string loaded_path() { return g.ok ? g.path : std::string(); }
 
 void* host_alloc(size_t n) {
   if (!use(t_device >= 0 ? t_device : 0)) return nullptr;
@@ -124,6 +130,11 @@ int to_device_async(int device, uint64_t dst, const void* src, size_t n, void* s
 int stream_sync(int device, void* stream) {
   if (!use(device)) return 201;
   return g.cuStreamSynchronize(stream);
+}
+
+int event_sync(int device, void* event) {
+  if (!use(device)) return 201;
+  return g.cuEventSynchronize(event);
 }
 
 }  // namespace kvpool::cuda

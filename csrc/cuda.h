@@ -13,6 +13,8 @@ namespace kvpool::cuda {
 // and sees at least one device. Later calls return the first outcome.
 bool init(const std::string& path);
 bool available();
+// The path init loaded (libcuda.so.1 for an empty one), or "" when it did not.
+std::string loaded_path();
 // Page-locked host memory (cuMemHostAlloc), or nullptr.
 void* host_alloc(size_t n);
 void host_free(void* p);
@@ -27,5 +29,8 @@ void stream_destroy(int device, void* s);
 int to_host_async(int device, void* dst, uint64_t src, size_t n, void* stream);
 int to_device_async(int device, uint64_t dst, const void* src, size_t n, void* stream);
 int stream_sync(int device, void* stream);  // waits for the stream's copies; their first error
+// Waits for an event recorded by the Python side's driver (the same library: dlopen returns the
+// handle it loaded) with `device`'s primary context current; 0 or a CUresult (the stream's error).
+int event_sync(int device, void* event);
 
 }  // namespace kvpool::cuda

@@ -13,6 +13,7 @@
 #include "hmac.h"
 
 void bind_ipc_plan(pybind11::module_& m);  // ipc_plan.cpp
+void bind_ipc_complete(pybind11::module_& m);  // ipc_complete.cpp
 
 namespace py = pybind11;
 using namespace kvpool;
@@ -173,6 +174,7 @@ py::tuple reshard_ranges(py::handle d_rows, py::handle p_rows, py::handle lblock
 
 PYBIND11_MODULE(_native, m) {
   bind_ipc_plan(m);
+  bind_ipc_complete(m);
   m.doc() = "kvpool native data path (TCP and same-host transports, batches, registry)";
   load_error_classes();
   py::register_exception_translator([](std::exception_ptr p) {
@@ -293,8 +295,8 @@ PYBIND11_MODULE(_native, m) {
   // An initiator's view of a same-host target's fence table (csrc/fence.h), for copies made
   // outside the native data path (CUDA IPC): pin every slot a copy touches before it starts,
   // unpin when it finished.
-  py::class_<Fence>(m, "FenceMap")
-      .def_static("map", [](int pid, int fd) { return Fence::map(pid, fd); })
+  py::class_<Fence, std::shared_ptr<Fence>>(m, "FenceMap")  // shared with IpcCompleter's runs
+      .def_static("map", [](int pid, int fd) { return std::shared_ptr<Fence>(Fence::map(pid, fd)); })
       .def("pin", &Fence::pin)
       .def("unpin", &Fence::unpin)
       .def_property_readonly("lane", &Fence::lane);
@@ -352,6 +354,7 @@ PYBIND11_MODULE(_native, m) {
         py::arg("remote_blocks"), py::arg("t_loc"), py::arg("t_rem"), py::arg("t_len"),
         "(locals, remotes, lengths, total bytes) of a resharded KV load from one source rank, merged");
   m.def("cuda_init", &cuda::init, G(), "Load the CUDA driver for the server's GPU staging (path '' = libcuda.so.1)");
+  m.def("cuda_loaded_path", &cuda::loaded_path, "The CUDA driver cuda_init loaded ('' when none)");
   m.def("fill_pattern", &fill_pattern, G(), "Fill memory with a deterministic pseudo-random pattern");
   m.def("status_text", [](int st) { return std::string(status_text(st)); });
   m.def("encode_request", [](int op, uint32_t id, uint64_t addr, uint64_t len) {

@@ -51,6 +51,18 @@ def peer() -> Iterator[PeerProcess]:
         yield p
 
 
+@pytest.fixture(autouse=True)
+def _release_sync_holds() -> Iterator[None]:
+    """A test that stopped the fake driver's streams (fakecuda.SyncHold) and failed before letting
+    them go must not leave this process's CUDA IPC completion waiting for the next tests."""
+    yield
+    import sys
+
+    fakecuda = sys.modules.get("kvpool.testing.fakecuda")
+    if fakecuda is not None:
+        fakecuda.release_holds()
+
+
 @pytest.fixture(scope="module")
 def fake_driver() -> Iterator[str]:
     """CUDA TEST DOUBLE: the fake driver library (kvpool.testing.fakecuda), compiled once per machine

@@ -348,13 +348,13 @@ def prefill_late(port: int) -> None:
     "late" event: what reached the "decode" while stopped, each status/ack afterwards with whether
     its room's batch had settled when it came, and room 1's page digests on both sides."""
     import hashlib
-    import threading
 
     import msgpack
     import zmq
     from sglang.srt.disaggregation.base import KVPoll
 
     from kvpool import _native
+    from kvpool.testing.fakecuda import SyncHold
     from kvpool.transfer.cuda_driver import load_driver
     from kvpool.transfer.cuda_ipc import CudaIpcTransport
 
@@ -427,14 +427,7 @@ def prefill_late(port: int) -> None:
     )
     # The stream stops; rooms 2 and 3 are sent (one worker each).
     ipc = next(t for t in mgr.engine._transports if isinstance(t, CudaIpcTransport))
-    real_sync, release, landed = ipc.driver.event_sync, threading.Event(), []
-
-    def stopped(event: int) -> None:
-        release.wait(60)
-        real_sync(event)
-        landed.append(time.monotonic())
-
-    ipc.driver.event_sync = stopped
+    release = SyncHold(ipc.driver)  # no run completes until it is let go
     real_batch = mgr.engine.batch_transfer_sync
     timed_out: dict[int, str] = {}
 
@@ -459,13 +452,12 @@ def prefill_late(port: int) -> None:
     while_stopped = inbox_msgs(1500)
     status2 = int(senders[2].poll())
     release.set()
-    t_release = time.monotonic()
     after = []
     t0 = time.monotonic()
     while len(after) < 3 and time.monotonic() - t0 < 20:
         after += inbox_msgs(200)
     out(event="late", room1=room1, room1_bytes=ok1, timed_out=timed_out, while_stopped=while_stopped,
-        status2_while_stopped=status2, after=after, landed=sum(t > t_release for t in landed),
+        status2_while_stopped=status2, after=after, landed=release.landed(),
         status2=int(senders[2].poll()), deferred=mgr.engine.batches.deferred())  # fmt: skip
     peer.close()
     push.close(0)

@@ -21,6 +21,7 @@ import pytest
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
 from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, SegmentNotFound, TransferError
+from kvpool.testing.fakecuda import SyncHold
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
 from tests.cuda_ipc_peer import Peer
@@ -230,14 +231,7 @@ def test_sync_round_whose_staged_part_times_out_waits_for_its_gpu_run(
         ipc, pool = _ipc(eng), eng.staging.pool
         held = pool.try_alloc([pool.size])  # another transfer's staging
         assert held is not None
-        real_sync, release, syncing = ipc.driver.event_sync, threading.Event(), threading.Event()
-
-        def held_in_flight(event: int) -> None:  # the run's completion waits for the test
-            syncing.set()
-            release.wait(30)
-            real_sync(event)
-
-        monkeypatch.setattr(ipc.driver, "event_sync", held_in_flight)
+        release = SyncHold(ipc.driver)  # the run's completion waits for the test
         out: dict[str, object] = {}
         locs, rems = [g, g + 8192], [peer.gpu[0], peer.host]  # GPU memory (IPC), then host (staged)
 
@@ -249,7 +243,7 @@ def test_sync_round_whose_staged_part_times_out_waits_for_its_gpu_run(
 
         t = threading.Thread(target=call)
         t.start()
-        assert syncing.wait(10)  # the IPC run is queued and in flight
+        assert release.wait_held(10)  # the IPC run is queued and in flight
         run_batch = ipc._runs[0].batch_id
         t.join(1.6)  # the staged part's pool wait ends at 1.0 s
         returned_early = not t.is_alive()
@@ -263,11 +257,10 @@ def test_sync_round_whose_staged_part_times_out_waits_for_its_gpu_run(
 
         # a run that outlives timeout_s more: the call ends anyway, and says so
         release.clear()
-        syncing.clear()
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout, match="queued before it did not finish within 1 s"):
             eng.batch_transfer_sync(peer.name, locs, rems, [4096, 4096], OpCode.READ)
-        assert syncing.is_set() and 1.8 < time.monotonic() - t0 < 10
+        assert release.waiting() and 1.8 < time.monotonic() - t0 < 10
         hung = ipc._runs[0].batch_id  # its batch is freed once the run finishes (it stayed for good)
         assert eng.batches.pending(hung) and eng.batches.deferred() == 1
         eng.free_batch_id(eng.allocate_batch_id(1))  # an allocation while it still copies: kept
@@ -654,17 +647,11 @@ def test_release_exited_closes_a_dead_peers_mappings(peer: Peer, fake_driver: st
             eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
 
 
-def _stop_stream(monkeypatch: pytest.MonkeyPatch, ipc: CudaIpcTransport) -> threading.Event:
-    """Stop our GPU stream: every run's event waits until the returned event is set (a hung
-    stream; its copies already ran on the fake driver, so the bytes are right once let go)."""
-    real_sync, release = ipc.driver.event_sync, threading.Event()
-
-    def stopped(event: int) -> None:
-        release.wait(30)  # the old code's release_exited / close_segment / close waited here
-        real_sync(event)
-
-    monkeypatch.setattr(ipc.driver, "event_sync", stopped)
-    return release
+def _stop_stream(monkeypatch: pytest.MonkeyPatch, ipc: CudaIpcTransport) -> SyncHold:
+    """Stop our GPU stream: every run's completion waits until the returned hold is let go
+    (``set``; a hung stream; its copies already ran on the fake driver, so the bytes are right
+    once let go). The old code's release_exited / close_segment / close waited for it."""
+    return SyncHold(ipc.driver)
 
 
 def _returns_within(call: Callable[[], object], seconds: float) -> list[object]:
@@ -1040,7 +1027,6 @@ def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
     The error names the batch, which ``batch_settled`` reports unsettled while the stream is
     stopped and settled (freed) once its copies finished; a batch nobody asks about is freed by
     the first allocation after its copies finished, and the bytes land."""
-    import threading
 
     import numpy as np
 
@@ -1054,13 +1040,7 @@ def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
         assert peer.ask(f"fill {r} 65536 5") == "ok"
         eng.transfer_sync(peer.name, g + 65536, r + 65536, 4096)  # opens the mapping
         ipc = _ipc(eng)
-        real_sync, release = ipc.driver.event_sync, threading.Event()
-
-        def hung(event: int) -> None:
-            release.wait(20)  # the old code waited here: the test's finally lets it go
-            real_sync(event)
-
-        monkeypatch.setattr(ipc.driver, "event_sync", hung)
+        release = SyncHold(ipc.driver)  # the old code waited for it: the test's finally lets it go
         host = bytearray(8192)
         h = _native.buffer_address(host)[0]
         u64 = np.uint64
@@ -1111,7 +1091,6 @@ def test_sync_transfer_behind_a_long_moving_queue_waits_and_one_behind_a_stopped
     returns its bytes: it raised TransferTimeout at timeout_s as under a hung stream. When the
     stream then stops (its 9th run never finishes until the test lets it), the call raises
     TransferTimeout about timeout_s after the last run finished, not before."""
-    import threading
 
     from kvpool.errors import TransferTimeout
 
@@ -1123,21 +1102,13 @@ def test_sync_transfer_behind_a_long_moving_queue_waits_and_one_behind_a_stopped
         assert peer.ask(f"fill {r} {34 * 4096} 6") == "ok"
         eng.transfer_sync(peer.name, g, r, 4096, OpCode.READ)  # opens the mapping
         seg, ipc = eng.open_segment(peer.name), _ipc(eng)
-        real_sync, release, left = ipc.driver.event_sync, threading.Event(), [1 << 30]
-
-        def stops(event: int) -> None:  # the stream stops once `left` runs finished
-            left[0] -= 1
-            if left[0] < 0:
-                release.wait(20)
-            real_sync(event)
-
-        monkeypatch.setattr(ipc.driver, "event_sync", stops)
+        release = SyncHold(ipc.driver, after=1 << 30)  # the stream stops once that many runs finished
         monkeypatch.setenv("FAKECUDA_DELAY_US", "50000")  # each copy and event 50 ms: a run 0.1 s
         bids = []
         try:
             for phase in range(2):
                 if phase:
-                    left[0] = 8
+                    release.stop_after(8)
                 for k in range(17 * phase, 17 * phase + 16):
                     bids.append(eng.allocate_batch_id(1))
                     req = TransferRequest(OpCode.READ, g + k * 4096, seg, r + k * 4096, 4096)
@@ -1237,3 +1208,63 @@ def test_the_unregister_gate_refuses_only_submits_touching_the_closed_range():
     assert not gate.drain(regs[2], 0.05)  # C has a submit inside: the wait ends at its deadline
     gate.leave(inside)
     assert gate.drain(regs[2], 0.05)
+
+
+def test_native_completer_completes_runs_in_order_and_lets_a_hung_one_go_on_shutdown(
+    fake_driver: str,
+) -> None:
+    """The native completion thread (csrc/ipc_complete.cpp): a run whose event completed has its
+    slots completed there (with its lengths) and is reported (seq, rc, owner alive) in queue
+    order; a run whose owner's pidfd says it exited is reported not alive, its slots left to the
+    Python side (which fails them with the reason). Shutdown with a run still queued (a hung
+    stream) returns at once, later pushes raise, and when that stream ends the detached thread
+    touches the engine no more: the slot stays pending."""
+    import numpy as np
+
+    drv = load_driver()
+    assert _native.cuda_init(drv.path) and _native.cuda_loaded_path() == drv.path
+    with TransferEngine() as eng:
+        native = eng._native
+        comp = _native.IpcCompleter(native)
+        stream = drv.stream(0)
+        bid = eng.allocate_batch_id(3)
+        first = native.reserve_slots_buf(bid, np.array([5, 7, 9], dtype=np.uint64))
+        events = [drv.event() for _ in range(3)]
+        drv.record(events[0], stream)
+        comp.push(1, 0, events[0], bid, first, np.array([5, 7], dtype=np.uint64), None, [], -1)
+        got = comp.wait(5000)
+        assert got == [(1, 0, True)]
+        assert [eng.batches.status(bid, first + k).transferred_bytes for k in range(2)] == [5, 7]
+        assert eng.batches.status(bid, first + 2).state == TransferState.PENDING
+
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        pidfd = os.pidfd_open(dead.pid)
+        dead.wait()
+        drv.record(events[1], stream)
+        comp.push(2, 0, events[1], bid, first + 2, np.array([9], dtype=np.uint64), None, [], pidfd)
+        assert comp.wait(5000) == [(2, 0, False)]  # the owner exited during the copy
+        assert eng.batches.status(bid, first + 2).state == TransferState.PENDING  # Python fails it
+        os.close(pidfd)
+
+        hold = SyncHold(drv)
+        drv.record(events[2], stream)
+        comp.push(3, 0, events[2], bid, first + 2, np.array([9], dtype=np.uint64), None, [], -1)
+        assert hold.wait_held(5) and comp.queued == 1
+        t0 = time.monotonic()
+        comp.shutdown()
+        assert time.monotonic() - t0 < 1  # detached: it never waits for a hung stream
+        with pytest.raises(KvpoolError, match="closed"):
+            comp.push(4, 0, events[2], bid, first + 2, np.array([9], dtype=np.uint64), None, [], -1)
+        hold.set()
+        deadline = time.monotonic() + 5
+        while hold.landed() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert hold.landed() == 1  # the event completed ...
+        assert eng.batches.status(bid, first + 2).state == TransferState.PENDING  # ... engine untouched
+        assert comp.wait(0) == []
+        native.finish_range_buf(bid, first + 2, np.array([9], dtype=np.uint64), 0)
+        eng.free_batch_id(bid)
+        for e in events:
+            drv.event_destroy(e)
+        drv.stream_destroy(stream)

@@ -86,17 +86,15 @@ def test_batch_gpu_get_under_a_hung_stream_ends_at_the_timeout(
     """A batched get into GPU memory whose CUDA IPC run never finishes (a hung stream: its event
     does not complete until the test lets it) ends about ``transfer_timeout_s`` later with a
     typed error; the data path waited for the stream forever."""
-    import threading
     import time
 
     from kvpool.errors import KvpoolError
-    from kvpool.transfer.cuda_ipc import CudaIpcTransport
 
     drv = load_driver()
     st = Store.connect(
         master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5
     )
-    release = threading.Event()
+    release = _StreamStop()
     try:
         n, blk = 4, 1 << 20  # big values: DMA between the GPU and the segment (small ones are staged)
         src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
@@ -104,14 +102,7 @@ def test_batch_gpu_get_under_a_hung_stream_ends_at_the_timeout(
         st.register_buffer(dst, n * blk, location="cuda:0")
         keys = [f"hung-{k}" for k in range(n)]
         assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
-        ipc = next(t for t in st.engine._transports if isinstance(t, CudaIpcTransport))
-        real_sync = ipc.driver.event_sync
-
-        def hung(event: int) -> None:
-            release.wait(20)  # the old code waited here until the test let it go
-            real_sync(event)
-
-        monkeypatch.setattr(ipc.driver, "event_sync", hung)
+        release.stop(st)  # the old code waited for the stream until the test let it go
         t0 = time.monotonic()
         try:
             got = st.batch_get_into(keys, [dst + k * blk for k in range(n)], [blk] * n)
@@ -125,22 +116,32 @@ def test_batch_gpu_get_under_a_hung_stream_ends_at_the_timeout(
         st.close()
 
 
-def _stop_stream(st: Store, monkeypatch: pytest.MonkeyPatch, release: Any, landed: list[float]) -> None:
-    """The CUDA IPC stream of ``st``'s engine stops: no event completes until ``release`` is set;
-    ``landed`` gets the time each copy run completed after that."""
-    import time
+class _StreamStop:
+    """The CUDA IPC stream of a store's engine stops (:meth:`stop`): no run completes until
+    :meth:`set` (fakecuda.SyncHold); ``set`` before ``stop`` does nothing (a test's finally)."""
 
-    from kvpool.transfer.cuda_ipc import CudaIpcTransport
+    def __init__(self) -> None:
+        self.hold: Any = None
 
-    ipc = next(t for t in st.engine._transports if isinstance(t, CudaIpcTransport))
-    real_sync = ipc.driver.event_sync
+    def stop(self, st: Store) -> None:
+        from kvpool.testing.fakecuda import SyncHold
+        from kvpool.transfer.cuda_ipc import CudaIpcTransport
 
-    def stopped(event: int) -> None:
-        release.wait(30)
-        real_sync(event)
-        landed.append(time.monotonic())
+        ipc = next(t for t in st.engine._transports if isinstance(t, CudaIpcTransport))
+        self.hold = SyncHold(ipc.driver)
 
-    monkeypatch.setattr(ipc.driver, "event_sync", stopped)
+    def set(self) -> None:
+        if self.hold is not None:
+            self.hold.set()
+
+    def landed(self) -> int:
+        """Runs completed since the stream stopped."""
+        return self.hold.landed()
+
+    def first_landed_at(self) -> float:
+        t = self.hold.first_landed_at()
+        assert t is not None, "no run completed"
+        return t
 
 
 class _CudaArray:
@@ -166,7 +167,6 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
     replica, into the same memory, while the late copy could still land there). Into memory the
     get registered for the call alone, the unregister's RegistrationError (the copies may still
     land) was raised over it, the batch lost."""
-    import threading
     import time
 
     from kvpool.errors import TransferTimeout
@@ -175,7 +175,7 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
     st = Store.connect(
         master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5
     )
-    release, landed = threading.Event(), []
+    release = _StreamStop()
     try:
         blk = 1 << 20  # big values: DMA between the GPU and the segment
         src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
@@ -187,19 +187,19 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
         drv.memcpy(src, _native.buffer_address(data)[0], n * blk)
         keys = [f"late-get-{n}-{registered}-{k}" for k in range(n)]
         assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
-        _stop_stream(st, monkeypatch, release, landed)
+        release.stop(st)
         with pytest.raises(TransferTimeout) as ei:
             if n == 1:
                 st.get_into(keys[0], dests[0], blk)
             else:
                 st.batch_get_into(keys, dests, [blk] * n)
         bid = ei.value.batch_id
-        assert bid is not None and not st.engine.batch_settled(bid) and not landed
+        assert bid is not None and not st.engine.batch_settled(bid) and not release.landed()
         release.set()
         deadline = time.monotonic() + 20
         while not st.engine.batch_settled(bid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert st.engine.batch_settled(bid) and landed  # the copies ended, then it said so
+        assert st.engine.batch_settled(bid) and release.landed()  # the copies ended, then it said so
         back = bytearray(n * blk)
         drv.memcpy(_native.buffer_address(back)[0], dst, n * blk)
         assert back == data  # the late copies landed (the bytes the caller must not have trusted)
@@ -219,7 +219,6 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
     master reuses their fenced space only above the floor: a late copy never lands in another
     object). They were ended at once (the floor passed them while the GPU could still write
     there), and a single put raised a TransferError naming no batch."""
-    import threading
     import time
 
     from kvpool.errors import TransferTimeout
@@ -228,7 +227,7 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
     st = Store.connect(
         master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5
     )
-    release, landed = threading.Event(), []
+    release = _StreamStop()
     try:
         n, blk = (1 if how == "one" else 4), 128 << 10  # DMA (> 64 KiB); 4 fit a reservation grant
         src = drv.alloc(n * blk, 0)
@@ -247,7 +246,7 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
             real_write(epoch, jobs)
 
         monkeypatch.setattr(st._data, "write", write)
-        _stop_stream(st, monkeypatch, release, landed)
+        release.stop(st)
         with pytest.raises(TransferTimeout) as ei:
             if how == "one":
                 st.put_from(keys[0], src, blk)
@@ -265,7 +264,8 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
         while any(g in st._writes.inflight for g in gens) and time.monotonic() < deadline:
             time.sleep(0.01)
             st._writes.floor()
-        assert not any(g in st._writes.inflight for g in gens) and landed  # ended once the copies had
+        # ended once the copies had
+        assert not any(g in st._writes.inflight for g in gens) and release.landed()
         assert st.batch_exists(keys) == [False] * n
         assert st.batch_put_from(keys, addrs, [blk] * n) == [None] * n
     finally:
@@ -318,7 +318,6 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
     load is reported finished with its blocks failed (recompute) and the save done, nothing of
     it committed. The old worker reported both at once, and took the save's (and a layer-wise
     save's) timeout for an unreachable master: saves stopped for ``store_retry_s``."""
-    import threading
     import time
 
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")
@@ -340,14 +339,14 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
         sent, recvd = w.get_finished()
         return sent or set(), recvd or set(), w.take_load_errors()
 
-    release, landed = threading.Event(), []
+    release = _StreamStop()
     try:
         w.start(KvpoolStoreMetadata(saves={"s0": [(0, "late/k0"), (1, "late/k1")]}))
         deadline = time.monotonic() + 20
         while not reported()[0] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert w.saved_blocks == 2  # the setup moves bytes
-        _stop_stream(w.store, monkeypatch, release, landed)
+        release.stop(w.store)
         meta = KvpoolStoreMetadata(
             loads={"r1": [(4, "late/k0"), (5, "late/k1")]}, saves={"s1": [(6, "late/k6"), (7, "late/k7")]}
         )
@@ -358,7 +357,7 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
             time.sleep(0.01)
         assert len(w._parked) == 2, "the load and the save did not time out"
         time.sleep(0.3)
-        assert reported() == (set(), set(), set()) and not landed  # still parked
+        assert reported() == (set(), set(), set()) and not release.landed()  # still parked
         assert w._put_layer([(3, "late/k3")], w.regions) == {3}  # a layer-wise save, timed out too
         assert w.breaker.closed()  # a hung GPU stream is no unreachable master: saves go on
         release.set()
@@ -368,7 +367,7 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
         deadline = time.monotonic() + 20
         while (sent, recvd) != ({"s1"}, {"r1"}) and time.monotonic() < deadline:
             s, r, e = reported()
-            assert len(landed) >= len(sent | s) + len(recvd | r), "reported before its copies landed"
+            assert release.landed() >= len(sent | s) + len(recvd | r), "reported before its copies landed"
             sent, recvd, errors = sent | s, recvd | r, errors | e
             time.sleep(0.01)
         assert (sent, recvd, errors) == ({"s1"}, {"r1"}, {4, 5})  # the load's blocks: recomputed
@@ -420,7 +419,7 @@ def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_block
         if layerwise:
             w.wait_layer_load("l0")
 
-    release, landed = threading.Event(), []
+    release = _StreamStop()
     try:
         w.start(KvpoolStoreMetadata(saves={"s0": [(0, f"{p}/k0"), (1, f"{p}/k1")]}))
         deadline = time.monotonic() + 20
@@ -429,7 +428,7 @@ def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_block
         assert w.saved_blocks == 2  # the setup moves bytes
         forward(KvpoolStoreMetadata(loads={"r0": [(2, f"{p}/k0"), (3, f"{p}/k1")]}))
         assert w.take_load_errors() == set() and gpu(2, 2) == gpu(0, 2)
-        _stop_stream(w.store, monkeypatch, release, landed)
+        release.stop(w.store)
         caplog.set_level(logging.WARNING, logger="kvpool.connectors.vllm")
         returned: list[float] = []
         hook = threading.Thread(
@@ -443,10 +442,11 @@ def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_block
             assert not returned and w.take_load_errors() == set(), "reported while its copies were queued"
             time.sleep(0.01)
         time.sleep(0.5)
-        assert not returned and w.take_load_errors() == set() and not landed  # still waiting
+        assert not returned and w.take_load_errors() == set() and not release.landed()  # still waiting
         release.set()
         hook.join(20)
-        assert returned and landed and min(landed) <= returned[0]  # it returned once they landed
+        assert returned and release.landed()
+        assert release.first_landed_at() <= returned[0]  # it returned once they landed
         assert w.take_load_errors() == {4, 5}  # failed: vLLM recomputes them
         assert gpu(4, 2) == gpu(0, 2)  # the late copies landed where vLLM had not reused the blocks
         waits = [r for r in caplog.records if "r1" in r.getMessage()]

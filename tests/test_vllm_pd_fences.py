@@ -585,6 +585,7 @@ def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_
     from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
     from kvpool.connectors.vllm.pd_scheduler import RecvJob
     from kvpool.connectors.vllm.pd_stream import StreamLoad
+    from kvpool.testing.fakecuda import SyncHold
     from kvpool.transfer.cuda_driver import load_driver
     from kvpool.transfer.cuda_ipc import CudaIpcTransport
     from tests.cuda_ipc_peer import Peer
@@ -633,7 +634,7 @@ def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_
     def job(rid: str, local: list[int], remote: list[int], **kw: Any) -> RecvJob:
         return RecvJob(rid, local, remote, "127.0.0.1", pport, f"p{rid}", **kw)
 
-    release, landed = threading.Event(), []
+    release: Any = threading.Event()  # the stream's hold, once stopped (set: let it go)
     try:
         first = job("d0", [0, 1], [0, 1])
         w._lane(first).load(first)
@@ -646,14 +647,7 @@ def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_
         assert sha(g, 2 * bb) == peer.ask(f"dump {r} {2 * bb}")
 
         ipc = next(t for t in w.engine._transports if isinstance(t, CudaIpcTransport))
-        real_sync = ipc.driver.event_sync
-
-        def stopped(event: int) -> None:  # the stream stops until the test lets it go
-            release.wait(30)
-            real_sync(event)
-            landed.append(time.monotonic())
-
-        monkeypatch.setattr(ipc.driver, "event_sync", stopped)
+        release = SyncHold(ipc.driver)  # the stream stops until the test lets it go
         try:
             hung = job("d1", [2, 3], [4, 5])
             w._lane(hung).load(hung)
@@ -670,7 +664,7 @@ def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_
                 raise AssertionError(f"the loads did not time out: {w.stats.data.get('failures')}")
             time.sleep(0.3)  # the lane looks at its parked loads meanwhile
             assert reported() == (set(), set())  # still parked: neither finished nor failed
-            assert not landed
+            assert not release.landed()
         finally:
             release.set()
         done: set[str] = set()
@@ -679,7 +673,7 @@ def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_
         while done != {"d1", "s1"} and time.monotonic() < deadline:
             fin, errs = reported()
             # each reported load's copy had landed before (the stream runs them in order)
-            assert len(landed) >= len(done | fin), (done | fin, landed)
+            assert release.landed() >= len(done | fin), (done | fin, release.landed())
             done |= fin
             errors |= errs
             time.sleep(0.01)

@@ -20,7 +20,12 @@
  *  - stream errors: a failed operation's error is sticky on its stream and reported by
  *    cuStreamSynchronize and by cuEventSynchronize / cuEventQuery of events recorded after it;
  *    fakecuda_fail_next(rc) makes the next queued copy or launch fail with rc (tests inject faults);
- *  - fakecuda_stats(): launches, copies and bytes, for tests that assert batching.
+ *  - fakecuda_stats(): launches, copies and bytes, for tests that assert batching;
+ *  - fakecuda_hold_event_sync(after): a GPU stream that stops, as its waiter sees it: after `after`
+ *    more cuEventSynchronize calls returned, later ones wait (before looking at their event) until
+ *    fakecuda_hold_event_sync(-1); fakecuda_event_sync_counts() says how many wait, how many
+ *    returned so far and when the first returned since the hold began (CLOCK_MONOTONIC ns;
+ *    kvpool.testing.fakecuda.SyncHold wraps these).
  * What it cannot tell: speed, real pointer-attribute or IPC semantics, unified addressing details,
  * VMM (cuMemExportToShareableHandle) allocations.
  */
@@ -420,11 +425,52 @@ CUresult cuEventQuery(CUevent e) {
   pthread_mutex_unlock(&e->mu);
   return p ? E_NOT_READY : err;
 }
+static pthread_mutex_t g_hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_hold_cv = PTHREAD_COND_INITIALIZER;
+static long g_hold_after = -1; /* -1: no hold; n >= 0: n more syncs return, later ones wait */
+static long g_sync_waiting = 0, g_sync_returned = 0;
+static long long g_first_return_ns = 0; /* CLOCK_MONOTONIC of the first return since a hold began */
+
+void fakecuda_hold_event_sync(long after) {
+  pthread_mutex_lock(&g_hold_mu);
+  g_hold_after = after;
+  if (after >= 0) g_first_return_ns = 0;
+  pthread_cond_broadcast(&g_hold_cv);
+  pthread_mutex_unlock(&g_hold_mu);
+}
+
+void fakecuda_event_sync_counts(long* waiting, long* returned, long long* first_ns) {
+  pthread_mutex_lock(&g_hold_mu);
+  *waiting = g_sync_waiting;
+  *returned = g_sync_returned;
+  *first_ns = g_first_return_ns;
+  pthread_mutex_unlock(&g_hold_mu);
+}
+
+static void sync_hold(void) {
+  pthread_mutex_lock(&g_hold_mu);
+  if (g_hold_after > 0) {
+    g_hold_after--;
+  } else if (g_hold_after == 0) {
+    g_sync_waiting++;
+    while (g_hold_after == 0) pthread_cond_wait(&g_hold_cv, &g_hold_mu);
+    g_sync_waiting--;
+  }
+  pthread_mutex_unlock(&g_hold_mu);
+}
+
 CUresult cuEventSynchronize(CUevent e) {
+  sync_hold();
   pthread_mutex_lock(&e->mu);
   while (e->pending) pthread_cond_wait(&e->cv, &e->mu);
   int err = e->error;
   pthread_mutex_unlock(&e->mu);
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  pthread_mutex_lock(&g_hold_mu);
+  g_sync_returned++;
+  if (!g_first_return_ns) g_first_return_ns = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+  pthread_mutex_unlock(&g_hold_mu);
   return err; /* a failed operation before the record: the stream's sticky error */
 }
 CUresult cuEventDestroy_v2(CUevent e) { free(e); return OK; }

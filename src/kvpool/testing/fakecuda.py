@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,70 @@ def stats(path: str) -> tuple[int, int, int]:
     a, b, c = ctypes.c_long(), ctypes.c_long(), ctypes.c_long()
     lib.fakecuda_stats(ctypes.byref(a), ctypes.byref(b), ctypes.byref(c))
     return a.value, b.value, c.value
+
+
+class SyncHold:
+    """A GPU stream that stops, as the CUDA IPC completion sees it (the fake driver's
+    ``cuEventSynchronize`` calls wait, before looking at their event, until :meth:`set`; its copies
+    have run, so the bytes are right once let go). ``after``: syncs that still return first (a
+    stream that stops after that many runs). ``driver``: a CudaDriver over the fake (its ``lib``).
+    Named like ``threading.Event`` where tests used one to let a stopped stream go."""
+
+    def __init__(self, driver: Any, after: int = 0) -> None:
+        self._lib = driver.lib
+        self._lib.fakecuda_hold_event_sync.argtypes = [ctypes.c_long]
+        self._base = self._counts()[1]
+        self._lib.fakecuda_hold_event_sync(after)
+        _holds.append(self)
+
+    def _counts(self) -> tuple[int, int, float | None]:
+        w, r, first = ctypes.c_long(), ctypes.c_long(), ctypes.c_longlong()
+        self._lib.fakecuda_event_sync_counts(ctypes.byref(w), ctypes.byref(r), ctypes.byref(first))
+        return w.value, r.value, (first.value / 1e9 if first.value else None)
+
+    def set(self) -> None:
+        """Let the stream go (every waiting sync, and later ones, return)."""
+        self._lib.fakecuda_hold_event_sync(-1)
+
+    def stop_after(self, after: int) -> None:
+        """Stop again once ``after`` more syncs returned."""
+        self._lib.fakecuda_hold_event_sync(after)
+
+    def clear(self) -> None:
+        """Stop again now (the next sync waits)."""
+        self.stop_after(0)
+
+    def waiting(self) -> int:
+        """Syncs waiting at the hold now."""
+        return self._counts()[0]
+
+    def landed(self) -> int:
+        """Syncs that returned since the hold began (runs whose completion was seen)."""
+        return self._counts()[1] - self._base
+
+    def first_landed_at(self) -> float | None:
+        """``time.monotonic()`` of the first sync that returned since the hold began (or last
+        stopped again), None while none has."""
+        return self._counts()[2]
+
+    def wait_held(self, timeout: float) -> bool:
+        """Whether a sync came to wait at the hold within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.waiting():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+
+_holds: list[SyncHold] = []
+
+
+def release_holds() -> None:
+    """Let every stream a :class:`SyncHold` stopped go (tests' teardown: a test that failed
+    while holding must not leave the process's completion threads waiting)."""
+    while _holds:
+        _holds.pop().set()
 
 
 class DeviceBuffer:

@@ -24,8 +24,11 @@ dropped when the run's event completed. A run whose owner exited while it was in
 the engine detaches it (close, restart) or it exited, once our submits and copies to it ended: by
 the completion thread or the last submit (detach and release_exited never wait for a GPU stream).
 
-Completion: one thread per transport waits on the runs' events in order (``cuEventSynchronize``,
-GIL released) and completes their slots with one native call per run.
+Completion: a native thread per transport (``_native.IpcCompleter``, csrc/ipc_complete.cpp) waits
+on the runs' events in order (``cuEventSynchronize``), unpins, asks the owner's pidfd and
+completes a successful run's slots at once, with no Python in between (a synchronous caller wakes
+straight away); a Python thread then takes each result for the bookkeeping (spares, mappings,
+counters) and completes a failed run's slots with the reason.
 
 **Not verified on hardware**: CI runs this across real processes on the fake driver
 (:mod:`kvpool.testing.fakecuda`); ``pytest -m gpu`` runs it on a real GPU.
@@ -45,7 +48,14 @@ from typing import Any
 import numpy as np
 
 from kvpool import _native
-from kvpool.errors import KvpoolError, RegistrationError, RemoteAccessError, SegmentNotFound, TransferTimeout
+from kvpool.errors import (
+    KvpoolError,
+    ProtocolUnavailable,
+    RegistrationError,
+    RemoteAccessError,
+    SegmentNotFound,
+    TransferTimeout,
+)
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
 from kvpool.transfer.cuda_ipc_state import (
@@ -111,6 +121,13 @@ class CudaIpcTransport(Transport):
         self._gate = _Gate(self._cond, self._runs, registry)
         self._closed = False
         self._late = False  # close() gave up on a hung stream: the completion thread tears down
+        if not _native.cuda_init(driver.path) or _native.cuda_loaded_path() != driver.path:
+            raise ProtocolUnavailable(
+                f"CUDA IPC: the native side could not load the driver {driver.path!r} "
+                f"(it loaded {_native.cuda_loaded_path()!r} for this process)"
+            )
+        self._completer = _native.IpcCompleter(native)
+        self._pushed = 0  # runs handed to the completer (their sequence numbers)
         self._thread = threading.Thread(target=self._complete_loop, name="kvpool-cuda-ipc", daemon=True)
         self._thread.start()
         self.launches = 0  # kernel launches and cuMemcpyAsync runs, for tests and benchmarks
@@ -452,11 +469,15 @@ class CudaIpcTransport(Transport):
             raise
         with peer.lock:
             peer.inflight += 1
-        with self._cond:
-            lo, hi = int(locs.min()), int((locs + lens).max())
+        lo, hi = int(locs.min()), int((locs + lens).max())
+        slots = [slot for slot, _ in pins]
+        with self._cond:  # queue order = completion order: appended and pushed under the lock
             run = _Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi, self._completed)
             self._runs.append(run)
-            self._cond.notify()
+            self._pushed += 1
+            self._completer.push(
+                self._pushed, dev, event, batch_id, first, lens, peer.fence, slots, peer.pidfd
+            )
 
     def _settle(self, stream: int | None) -> None:
         """Wait for what a failed run queued on ``stream`` before its pins and mappings go."""
@@ -499,37 +520,37 @@ class CudaIpcTransport(Transport):
 
     # ------------------------------------------------------------------ completion
     def _complete_loop(self) -> None:
+        """Bookkeeping of the runs the native completer finished (it already unpinned them and,
+        on success, completed their slots): a failed run's slots, spares, counters, and the
+        mappings of retired peers whose last run this was."""
         while True:
+            for _seq, rc, alive in self._completer.wait(-1):
+                with self._cond:
+                    run = self._runs[0]  # pushed in queue order, completed in queue order
+                error = None
+                if rc:
+                    try:
+                        self.driver._check(rc, "cuEventSynchronize")
+                    except KvpoolError as exc:
+                        error = f"CUDA IPC copy failed: {exc}"
+                elif not alive:
+                    run.peer.gone = True
+                    error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
+                if error is not None:
+                    self._fail(run.batch_id, run.first, run.lens, error)
+                self._spares.give_back(run.dev, run.table, run.event)
+                with run.peer.lock:
+                    run.peer.inflight -= 1
+                with self._cond:
+                    self._runs.popleft()
+                    self._completed += 1
+                    ready = self._ready()
+                    self._cond.notify_all()
+                for peer, pidfd in ready:  # the last run to their process ended (_retire)
+                    peer.close(self.driver, peer.bufs, pidfd)
             with self._cond:
-                while not self._runs and not self._closed:
-                    self._cond.wait()
-                if not self._runs:
+                if self._closed and not self._runs:
                     break
-                run = self._runs[0]
-            error = None
-            try:
-                self.driver.use(run.dev)
-                self.driver.event_sync(run.event)  # GIL released
-            except KvpoolError as exc:
-                error = f"CUDA IPC copy failed: {exc}"
-            run.peer.unpin(run.pins)
-            if error is None and not run.peer.alive():
-                run.peer.gone = True
-                error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
-            if error is None:
-                self.native.finish_range_buf(run.batch_id, run.first, run.lens, 0)
-            else:
-                self._fail(run.batch_id, run.first, run.lens, error)
-            self._spares.give_back(run.dev, run.table, run.event)
-            with run.peer.lock:
-                run.peer.inflight -= 1
-            with self._cond:
-                self._runs.popleft()
-                self._completed += 1
-                ready = self._ready()
-                self._cond.notify_all()
-            for peer, pidfd in ready:  # the last run to their process ended (_retire)
-                peer.close(self.driver, peer.bufs, pidfd)
         if self._late:  # set under the lock with _closed, before the runs left emptied the queue
             self._teardown()
 
@@ -563,6 +584,7 @@ class CudaIpcTransport(Transport):
             queued = len(self._runs)
             self._late = queued > 0
             self._cond.notify_all()
+        self._completer.kick()  # the completion thread looks at _closed
         if queued:
             raise TransferTimeout(
                 f"CUDA IPC: {queued} queued GPU copy runs did not finish within {self.timeout_s:g} s of "
@@ -574,6 +596,7 @@ class CudaIpcTransport(Transport):
     def _teardown(self) -> None:
         """Destroy our streams and spare tables and events: by close, or by the completion thread
         after the last run a timed-out close left behind."""
+        self._completer.shutdown()  # no run is queued any more: joins its thread
         for s in self._streams.values():
             self.driver.stream_destroy(s)
         self._spares.close()

@@ -1,0 +1,202 @@
+// Completion of CUDA IPC runs on a native thread. kvpool/transfer/cuda_ipc.py queues each run here
+// right after recording its event (push, the GIL held, microseconds). This thread waits for the
+// runs' events in queue order (the order their streams complete them in for one stream; a later
+// run on another device waits behind an earlier one, as the Python completion thread did), then
+// for each: unpins the owner's fence slots the run pinned, asks the owner's pidfd whether it
+// exited during the copy and — the copy succeeded and the owner lives — completes the run's batch
+// slots at once, so a synchronous caller wakes without a Python thread in between. Python's
+// completion thread takes the results (wait, the GIL released) for the bookkeeping that follows
+// (spare tables and events, mappings, counters) and completes a failed run's slots itself, with
+// the reason.
+//
+// Lifetimes: fences are shared with Python (shared_ptr holders), the engine is kept alive by the
+// Python object (keep_alive). If the completer is destroyed while a run is still queued (a hung
+// GPU stream at interpreter exit), the thread is detached and, should the stream ever end, touches
+// neither the engine nor a pidfd (which may have been closed and reused) again.
+#include <poll.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cuda.h"
+#include "engine.h"
+#include "fence.h"
+
+namespace py = pybind11;
+
+namespace kvpool {
+namespace {
+
+struct IpcRun {
+  uint64_t seq;
+  int dev;
+  void* event;
+  uint64_t batch;
+  uint32_t first;
+  std::vector<uint64_t> lens;
+  std::shared_ptr<Fence> fence;  // null: the owner has no fence table (nothing pinned)
+  std::vector<int> slots;        // fence slots the run pinned
+  int pidfd;                     // -1: none (the fence pin alone decides)
+};
+
+struct IpcDone {
+  uint64_t seq;
+  int rc;      // cuEventSynchronize's CUresult
+  bool alive;  // the owner still ran when the copies had ended
+};
+
+struct IpcState {
+  std::mutex mu;
+  std::condition_variable work, done_cv;
+  std::deque<IpcRun> runs;  // the front stays queued while the thread waits for its event
+  std::vector<IpcDone> done;
+  Engine* engine = nullptr;  // null once abandoned
+  bool stop = false, kicked = false;
+};
+
+// Whether the process behind `pidfd` still runs (a pidfd turns readable when it exits). An error
+// counts as exited: the run fails rather than hand over bytes of a process that may be gone.
+bool owner_alive(int pidfd) {
+  if (pidfd < 0) return true;
+  pollfd p{pidfd, POLLIN, 0};
+  int r;
+  do {
+    r = ::poll(&p, 1, 0);
+  } while (r < 0 && errno == EINTR);
+  return r == 0;
+}
+
+void complete_loop(const std::shared_ptr<IpcState>& s) {
+  std::unique_lock lk(s->mu);
+  for (;;) {
+    s->work.wait(lk, [&] { return s->stop || !s->runs.empty(); });
+    if (s->runs.empty()) return;
+    const int dev = s->runs.front().dev;
+    void* const event = s->runs.front().event;
+    lk.unlock();
+    const int rc = cuda::event_sync(dev, event);  // blocks for as long as the stream runs
+    lk.lock();
+    IpcRun run = std::move(s->runs.front());
+    s->runs.pop_front();
+    if (run.fence)
+      for (int slot : run.slots) run.fence->unpin(slot);
+    if (s->engine == nullptr) continue;  // abandoned: nobody waits, the pidfd may be reused
+    const bool alive = rc != 0 || owner_alive(run.pidfd);
+    if (rc == 0 && alive) {
+      try {
+        s->engine->finish_range(run.batch, run.first, run.lens, ST_OK);
+      } catch (const std::exception&) {
+        // the batch was freed: nobody waits for these slots any more
+      }
+    }
+    s->done.push_back({run.seq, rc, alive});
+    s->done_cv.notify_all();
+  }
+}
+
+class IpcCompleter {
+ public:
+  explicit IpcCompleter(Engine& engine) : s_(std::make_shared<IpcState>()) {
+    if (!cuda::available()) throw KvError(E_INVALID, "CUDA IPC completer: the CUDA driver is not loaded");
+    s_->engine = &engine;
+    auto s = s_;
+    thread_ = std::thread([s] { complete_loop(s); });
+  }
+
+  ~IpcCompleter() { shutdown(); }
+
+  // Stops the thread: joined when no run is queued, else detached (a hung stream) after it was
+  // told to touch neither the engine nor a pidfd again. Later pushes raise. Idempotent.
+  void shutdown() {
+    bool idle;
+    {
+      std::lock_guard lk(s_->mu);
+      idle = s_->runs.empty();
+      s_->stop = true;
+      if (!idle) s_->engine = nullptr;
+    }
+    s_->work.notify_all();
+    if (!thread_.joinable()) return;
+    if (idle)
+      thread_.join();  // at once: the thread takes no GIL and has nothing left to wait for
+    else
+      thread_.detach();  // waits for a hung stream; holds its own reference to the state
+  }
+
+  // A run whose event was recorded: the thread completes it after the runs queued before it.
+  void push(uint64_t seq, int dev, uintptr_t event, uint64_t batch, uint32_t first,
+            const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& lens,
+            std::shared_ptr<Fence> fence, std::vector<int> slots, int pidfd) {
+    IpcRun run{seq, dev, reinterpret_cast<void*>(event), batch, first,
+               std::vector<uint64_t>(lens.data(), lens.data() + lens.size()), std::move(fence),
+               std::move(slots), pidfd};
+    {
+      std::lock_guard lk(s_->mu);
+      if (s_->stop) throw KvError(E_INVALID, "CUDA IPC completer: closed");
+      s_->runs.push_back(std::move(run));
+    }
+    s_->work.notify_one();
+  }
+
+  // The runs completed since the last call, as (seq, CUresult, owner alive), in queue order;
+  // waits up to timeout_ms (< 0: until one completes or kick) with the GIL released.
+  py::list wait(int timeout_ms) {
+    std::vector<IpcDone> out;
+    {
+      py::gil_scoped_release rel;
+      std::unique_lock lk(s_->mu);
+      auto ready = [&] { return !s_->done.empty() || s_->kicked; };
+      if (timeout_ms < 0)
+        s_->done_cv.wait(lk, ready);
+      else
+        s_->done_cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), ready);
+      out.swap(s_->done);
+      s_->kicked = false;
+    }
+    py::list l;
+    for (const auto& d : out) l.append(py::make_tuple(d.seq, d.rc, d.alive));
+    return l;
+  }
+
+  // Wakes a wait() with nothing completed (the Python thread then looks at its own state).
+  void kick() {
+    {
+      std::lock_guard lk(s_->mu);
+      s_->kicked = true;
+    }
+    s_->done_cv.notify_all();
+  }
+
+  size_t queued() {
+    std::lock_guard lk(s_->mu);
+    return s_->runs.size();
+  }
+
+ private:
+  std::shared_ptr<IpcState> s_;
+  std::thread thread_;
+};
+
+}  // namespace
+}  // namespace kvpool
+
+void bind_ipc_complete(py::module_& m) {
+  using kvpool::IpcCompleter;
+  py::class_<IpcCompleter>(m, "IpcCompleter")
+      .def(py::init<kvpool::Engine&>(), py::keep_alive<1, 2>(),
+           "A native completion thread for CUDA IPC runs (the CUDA driver loaded: cuda_init)")
+      .def("push", &IpcCompleter::push, py::arg("seq"), py::arg("dev"), py::arg("event"), py::arg("batch"),
+           py::arg("first"), py::arg("lens"), py::arg("fence"), py::arg("slots"), py::arg("pidfd"))
+      .def("wait", &IpcCompleter::wait, py::arg("timeout_ms"))
+      .def("kick", &IpcCompleter::kick)
+      .def("shutdown", &IpcCompleter::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("queued", &IpcCompleter::queued);
+}
