@@ -209,6 +209,64 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_raises_its_batch(
         st.close()
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_gpu_get_whose_copies_outlive_the_timeout_ends_its_leases_once_they_ended(
+    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """A get into GPU memory whose copies do not finish (a hung stream) raises TransferTimeout;
+    its read leases hold (the objects cannot be removed: the late copies still read their
+    memory) until the copies ended, then the heartbeat thread ends them: the objects can be
+    removed long before the master's 15 s lease deadline. They were never released (held until
+    that deadline, keeping the space of every object a timed-out get read)."""
+    import threading
+    import time
+
+    from kvpool.errors import ObjectBusy, TransferTimeout
+
+    drv = load_driver()
+    st = Store.connect(master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20,
+                       transfer_timeout_s=0.5, heartbeat_s=0.05, location_cache=0)  # fmt: skip
+    w = Store.connect(master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20)
+    release, landed = threading.Event(), []
+    try:
+        blk = 1 << 20  # big values: DMA between the GPU and the segment
+        src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
+        st.register_buffer(src, n * blk, location="cuda:0")
+        st.register_buffer(dst, n * blk, location="cuda:0")
+        keys = [f"late-lease-{n}-{k}" for k in range(n)]
+        assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
+        assert w._lease_s >= 10  # the master's lease deadline is far off
+        _stop_stream(st, monkeypatch, release, landed)
+        with pytest.raises(TransferTimeout) as ei:
+            if n == 1:
+                st.get_into(keys[0], dst, blk)
+            else:
+                st.batch_get_into(keys, [dst + k * blk for k in range(n)], [blk] * n)
+        t0 = time.monotonic()
+        bid = ei.value.batch_id
+        assert bid is not None
+        time.sleep(0.3)  # several heartbeats while the copies still run: the leases hold
+        assert not st.engine.batch_settled(bid) and not landed
+        for k in keys:
+            with pytest.raises(ObjectBusy):
+                w.remove(k)
+        release.set()
+        left = list(keys)
+        while left and time.monotonic() < t0 + 8:
+            try:
+                w.remove(left[0])
+                left.pop(0)
+            except ObjectBusy:
+                time.sleep(0.05)
+        assert not left and landed  # ended once the copies had, well before the lease deadline
+        assert st.batch_exists(keys) == [False] * n
+    finally:
+        release.set()
+        w.close()
+        st.remove_all()
+        st.close()
+
+
 @pytest.mark.parametrize("how", ["one", "batch", "reserved"])
 def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
     gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch, how: str

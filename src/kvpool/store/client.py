@@ -191,6 +191,8 @@ class Store(MasterSession, PutPath, GetPath):
         self._closed = threading.Event()
         self._register_lock = threading.Lock()
         self._releases: list[list[Any]] = []  # ended read leases not yet reported to the master
+        # (batch, lease deadline, leases) of reads whose late GPU copies may still read the objects
+        self._late_releases: list[tuple[int, float, list[list[Any]]]] = []
         self._release_lock = threading.Lock()
         try:
             self._register()

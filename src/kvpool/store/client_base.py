@@ -39,6 +39,7 @@ class ClientBase:
     _resv: ReservationPool
     _loc: LocationCache
     _releases: list[list[Any]]
+    _late_releases: list[tuple[int, float, list[list[Any]]]]
     _release_lock: threading.Lock
 
     def _call(self, op: str, **args: Any) -> dict[str, Any]:

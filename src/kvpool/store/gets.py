@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool._rpc import RpcClient
-from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound, ProtocolError, StoreError
+from kvpool.errors import InvalidArgument, KvpoolError, ObjectNotFound, ProtocolError, StoreError, late_batch
 from kvpool.store.client_base import ClientBase, _err
 from kvpool.store.datapath import ReadJob
 from kvpool.store.layout import HEADER_SIZE, checksum, header_mismatch, key_hash
@@ -219,7 +219,22 @@ class GetPath(ClientBase):
             else:
                 jobs.append((i, ReadJob(keys[i], size, info["gen"], info["checksum"], info["replicas"], dest,
                                         deadline), info))  # fmt: skip
-        self._data.read(epoch, [j for _, j, _ in jobs])
+        # [key, gen, lease epoch]: a release the master can tell from a later reader's lease
+        leases = [[keys[i], info["gen"], info.get("lease")]
+                  for i, (code, info) in zip(todo, infos, strict=True)
+                  if code is None and i not in bad]  # fmt: skip
+        try:
+            self._data.read(epoch, [j for _, j, _ in jobs])
+        except KvpoolError as exc:
+            bid = late_batch(exc)
+            with self._release_lock:
+                if bid is None:
+                    self._releases += leases  # nothing of the read still runs
+                elif leases:
+                    # Its copies may still read the objects' memory: the leases keep it from
+                    # being evicted or reused until the engine says the copies ended.
+                    self._late_releases.append((bid, deadline, leases))
+            raise
         # Objects without a committed checksum are remembered only from gets small enough to be
         # read without the master later (see _get): no checksum is computed for nothing.
         local_ok = sum(j.size for _, j, _ in jobs) <= LOCAL_READ_MAX
@@ -235,18 +250,18 @@ class GetPath(ClientBase):
                 out[i] = self._get_from_ssd(keys[i], info, dests[i])
             else:
                 out[i] = j.error
-        # [key, gen, lease epoch]: a release the master can tell from a later reader's lease
-        leases = [[keys[i], info["gen"], info.get("lease")]
-                  for i, (code, info) in zip(todo, infos, strict=True)
-                  if code is None and i not in bad]  # fmt: skip
+        self._end_leases(leases)
+        return again
+
+    def _end_leases(self, leases: list[list[Any]]) -> None:
+        """Reads under ``leases`` are done: they end with this client's next request (or
+        heartbeat); a thousand pending are sent at once."""
         if leases:
-            # Reads are done: the leases end with this client's next request (or heartbeat).
             with self._release_lock:
                 self._releases += leases
                 flush = len(self._releases) >= 1024
             if flush:
                 self._flush_releases(self._rpc)
-        return again
 
     def _remember_read(self, j: ReadJob, epoch: int) -> None:
         """Keep the location of an object read through the master (see :mod:`.locations`): with its
@@ -272,7 +287,10 @@ class GetPath(ClientBase):
         """The heartbeat thread: report ended read leases on the *main* connection when it is idle
         (never on its own connection: the master could then see this client's next ``remove`` of
         the object before the release and answer ObjectBusy); when busy, the caller's next request
-        carries them (``_call``)."""
+        carries them (``_call``). Leases of reads whose late copies ended are ended first
+        (:meth:`_settle_late_releases`)."""
+        if self._late_releases:
+            self._settle_late_releases()
         with self._release_lock:
             leases, self._releases = self._releases, []
         if not leases:
@@ -285,6 +303,32 @@ class GetPath(ClientBase):
         if sent < len(leases):
             with self._release_lock:
                 self._releases = leases[sent:] + self._releases
+
+    def _settle_late_releases(self) -> None:
+        """The heartbeat thread: leases of reads that raised a TransferTimeout whose copies
+        may still read the objects (``_late_releases``: batch, lease deadline, leases) end once
+        ``batch_settled`` says the copies ended (never before: the master could evict the object
+        and reuse its space under them). Those past their deadline are dropped: the master wrote
+        them off (a release of them is ignored), so the list stays bounded by the leases alive."""
+        now = time.monotonic()
+        with self._release_lock:
+            late, self._late_releases = self._late_releases, []
+        keep, ended = [], []
+        for bid, deadline, leases in late:
+            if deadline <= now:
+                continue
+            try:
+                settled = self.engine.batch_settled(bid)
+            except KvpoolError as exc:  # e.g. the engine closed: the leases end at their deadline
+                log.debug("late read batch %s: %s", bid, exc)
+                continue
+            if settled:
+                ended += leases
+            else:
+                keep.append((bid, deadline, leases))
+        with self._release_lock:
+            self._late_releases[:0] = keep
+            self._releases += ended
 
     def _flush_releases(self, rpc: RpcClient) -> None:
         with self._release_lock:

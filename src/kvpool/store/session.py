@@ -72,6 +72,7 @@ class MasterSession(ClientBase):
         self._loc.clear()
         with self._release_lock:
             self._releases = []
+            self._late_releases = []
 
     def _register(self, session: int | None = None) -> None:
         """Register (again). ``session``: the session the caller saw fail; when another thread
