@@ -332,6 +332,76 @@ def test_a_gpu_put_whose_read_outlives_the_timeout_is_never_committed(
         st.close()
 
 
+def test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout(
+    fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put from GPU memory whose copies outlive the timeout (a hung stream) and whose
+    ``put_revoke`` then fails (the master unreachable for it): the master takes the allocation
+    back at its ``put_timeout_s``, fenced. Its space is not reused while the late copy can still
+    land there, even well past ``quarantine_s`` (the writer's floor stays below it): another
+    put finds no room in the one-object segment. Once the copy landed, the floor passes it and
+    the space is reused: the other put stores and reads back its own bytes."""
+    import threading
+    import time
+
+    from kvpool.errors import KvpoolError, MasterUnavailable, TransferTimeout
+
+    drv = load_driver()
+    blk = 640 << 10  # DMA (> 64 KiB); one fits the 1 MiB segment, two do not
+    with (
+        MasterProcess(put_timeout_s=1, quarantine_s=1) as m,
+        StorageProcess(m.address, 1 << 20, transfer_timeout_s=1),
+    ):
+        a = Store.connect(master=m.address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5,
+                          heartbeat_s=0.1)  # fmt: skip
+        b = Store.connect(master=m.address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=1)
+        release, landed = threading.Event(), []
+        try:
+            src = drv.alloc(blk, 0)
+            a.register_buffer(src, blk, location="cuda:0")
+            real_call, revokes = a._call, []
+
+            def call(op: str, **args: Any) -> dict[str, Any]:
+                if op == "put_revoke":
+                    revokes.append(args["items"])
+                    raise MasterUnavailable("the master is unreachable (test)")
+                return real_call(op, **args)
+
+            monkeypatch.setattr(a, "_call", call)
+            _stop_stream(a, monkeypatch, release, landed)
+            with pytest.raises(TransferTimeout) as ei:
+                a.put_from("late", src, blk)
+            bid = ei.value.batch_id
+            assert bid is not None and revokes and revokes[0][0][1] is True  # tried, fenced, failed
+            assert b.stats()["pending"] == 1
+            t0 = time.monotonic()
+            while b.stats()["counters"].get("put_revoked_timeout", 0) < 1 and time.monotonic() < t0 + 10:
+                time.sleep(0.1)
+            time.sleep(2.5)  # past quarantine_s and a slow tick: only the writer's floor holds it
+            st = b.stats()
+            assert st["counters"]["put_revoked_timeout"] == 1 and st["pending"] == 0 and st["fenced"] == 1
+            assert not a.engine.batch_settled(bid) and not landed
+            with pytest.raises(KvpoolError):
+                b.put("other", b"\x55" * blk)  # no room: the fenced space is not handed out
+            release.set()
+            t0, err = time.monotonic(), None
+            while time.monotonic() < t0 + 10:
+                try:
+                    b.put("other", b"\x55" * blk)
+                    break
+                except KvpoolError as exc:
+                    err = exc
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"the fenced space was never reused: {err}")
+            assert landed and a.engine.batch_settled(bid)  # the late copy ended before the reuse
+            assert b.get("other") == b"\x55" * blk and not b.exists("late")
+        finally:
+            release.set()
+            b.close()
+            a.close()
+
+
 BB, NB = 256 << 10, 8  # store worker tests: bytes per block (big: DMA GPU <-> segment), blocks
 
 

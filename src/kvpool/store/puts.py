@@ -187,7 +187,12 @@ class PutPath(ClientBase):
                 for a, b in self._chunks(len(gens)):
                     self._call("put_revoke", items=[[g, True] for g in gens[a:b]], epoch=epoch)
             except KvpoolError:
-                pass  # the master takes them back at the put's timeout, fenced as well
+                # Nothing leaks and no late copy can land in reused space: the master takes the
+                # allocations back at its put_timeout_s, fenced as a revoke would (freed once
+                # quarantine_s passed and this client's floor, held below them until the copies
+                # ended, passed them). Only the key stays taken until then. Test:
+                # test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout.
+                pass
         return bid
 
     def _end_writes(self, epoch: int, gens: list[int], late: int | None) -> None:
