@@ -100,6 +100,54 @@ def test_feed_follows_puts_and_removes(store: tuple[MasterProcess, Store]) -> No
         feed.stop()
 
 
+def _ns(model: str, ranks: str) -> str:
+    return f"kvpool/v2/{model}/bfloat16/kv-auto/h2x64/bs{BS}/{ranks}/cpu"
+
+
+def test_feed_counts_a_block_only_when_every_tp_rank_and_pp_stage_stored_it(
+    store: tuple[MasterProcess, Store],
+) -> None:
+    """KvpoolStoreConnector writes one marker per block and TP rank (and PP stage), each in its
+    own namespace, and loads a block only when all are there: the feed counts a block stored
+    once all its markers are seen (at a resync and through the change feed), and no more once
+    one of them is removed. It counted TP rank 0's markers alone (a block another rank lacked
+    was routed as stored) and no marker of an instance with pipeline stages."""
+    m, st = store
+    ns = [_ns("tiny/pp", f"tp{r}of2pp{s}of2") for s in (0, 1) for r in (0, 1)]  # TP 2 x PP 2
+    keys = block_keys(ns[0], TOKENS, BS)
+
+    def marker(x: str, k: str) -> str:
+        return x + k[len(ns[0]) :]
+
+    for i, k in enumerate(keys):
+        for x in ns if i != 6 else ns[:3]:  # block 6 lacks stage 1's TP rank 1 marker
+            st.put(f"{marker(x, k)}/abcd1234/layer{i}", b"x" * 64)  # not a marker: ignored
+            st.put(marker(x, k), b"m")
+    tp_only = _ns("tiny/tp", "tp0of2")  # TP 2, no PP: rank 0's markers alone
+    for k in block_keys(tp_only, TOKENS, BS):
+        st.put(k, b"m")
+    feed = StoreFeed(m.address, block_size=BS, poll_s=0.02)
+    feed.start()
+    try:
+        _wait(feed.synced.is_set, "the first resync")
+        assert feed.leading_blocks(TOKENS, "tiny/pp") == 6 and feed.namespaces("tiny/pp") == [ns[0]]
+        assert feed.size() == 11 and feed.namespaces("tiny/tp") == []  # its rank 1 stored nothing
+        st.put(marker(ns[3], keys[6]), b"m")
+        _wait(lambda: feed.leading_blocks(TOKENS, "tiny/pp") == 12, "block 6's last marker")
+        st.remove(marker(ns[2], keys[3]))  # stage 1's TP rank 0 lost block 3
+        _wait(lambda: feed.leading_blocks(TOKENS, "tiny/pp") == 3, "the removal of a marker of block 3")
+        st.put(marker(ns[2], keys[3]), b"m")
+        _wait(lambda: feed.leading_blocks(TOKENS, "tiny/pp") == 12, "block 3 whole again")
+        st.remove(marker(ns[0], keys[9]))
+        _wait(lambda: feed.leading_blocks(TOKENS, "tiny/pp") == 9, "the removal of rank 0's of block 9")
+        again = StoreFeed(m.address, block_size=BS, poll_s=0.02)
+        again.resync()  # the key table gives the same view
+        assert again.leading_blocks(TOKENS, "tiny/pp") == 9 and again.namespaces("tiny/tp") == []
+        assert feed.size() == again.size() == 11
+    finally:
+        feed.stop()
+
+
 def test_feed_resyncs_after_master_restart() -> None:
     port = free_port()
     keys = block_keys(NS, TOKENS, BS)

@@ -488,11 +488,13 @@ def test_a_load_that_fails_every_time_is_recomputed_not_retried_forever(
 def test_a_pipeline_stage_saves_its_layers_when_another_stage_committed_the_block(
     tiny_llama: Path,  # noqa: F811
     master: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Pipeline stages write one commit marker per block (it names no stage) but their own layers'
-    objects: the stage that saves second stores its layers too, instead of taking the first
-    stage's marker for its own layers and leaving the block without them (a hit whose load fails
-    on every instance, forever)."""
+    """Pipeline stages write their own commit marker per block (in their own namespace) over
+    their own layers' objects: the stage that saves second stores its layers too, instead of
+    taking the first stage's marker for its own layers and leaving the block without them (a
+    hit whose load fails on every instance, forever)."""
+    from kvpool.connectors.vllm import store_worker
     from kvpool.connectors.vllm.common import VllmConnectorConfig
     from kvpool.connectors.vllm.store_worker import _StoreWorker
     from tests.vllm_sched import vllm_config
@@ -502,17 +504,21 @@ def test_a_pipeline_stage_saves_its_layers_when_another_stage_committed_the_bloc
     vc.parallel_config.pipeline_parallel_size = 2
     stages = []
     for layer in (0, 1):  # stage 0 holds layer 0, stage 1 layer 1 (vLLM's names: whole-model index)
+        monkeypatch.setattr(store_worker, "pp_rank", lambda layer=layer: layer)  # no vLLM PP group here
         w = _StoreWorker(cfg, vc, None)
         t = torch.full((4, 2, 32, 8), float(layer + 1))
         w.register_kv_caches({f"model.layers.{layer}.self_attn.attn": t})
         stages.append((w, t))
     try:
+        assert stages[0][0].namespace == stages[1][0].namespace0 != stages[1][0].namespace
+        assert "/tp0of1pp1of2/" in stages[1][0].namespace
         key = block_keys(stages[0][0].namespace, PROMPT, 32)[0]
         for w, _ in stages:
             w._save([(2, key)])
         for w, t in stages:
             keys, _, sizes, _ = w._ranges([(2, key)])
             assert all(w.store.batch_exists(keys)), "a stage's layer was never saved"
+            assert w.store.exists(w._key(key))  # its own marker
             out = torch.zeros_like(t)
             w.store.register_buffer(out)
             assert w.store.batch_get_into(keys, [out.data_ptr() + 2 * out.stride(0) * 4], sizes) == sizes
@@ -521,6 +527,41 @@ def test_a_pipeline_stage_saves_its_layers_when_another_stage_committed_the_bloc
     finally:
         for w, _ in stages:
             w.close()
+
+
+def test_a_block_is_a_hit_only_when_every_pipeline_stage_and_tp_rank_committed_it(
+    tiny_llama: Path,  # noqa: F811
+    master: str,
+) -> None:
+    """With pipeline parallelism each stage (and each TP rank of it) writes its own commit marker
+    in its own namespace once its own layers are stored; the scheduler's lookup needs all of
+    them. The stages shared one marker: stage 0's alone made a hit whose load failed on stage 1,
+    which had not stored its layers (recomputed after a wasted load, every time)."""
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import _StoreScheduler, namespace_for
+    from tests.vllm_sched import vllm_config
+
+    cfg = VllmConnectorConfig(master=master, model_tag="pp-" + hashlib.sha1(b"pp2tp2").hexdigest()[:8])
+    vc = vllm_config(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master}, 4)
+    vc.parallel_config.tensor_parallel_size = 2
+    vc.parallel_config.pipeline_parallel_size = 2
+    sched = _StoreScheduler(cfg, vc)
+    try:
+        ns = [namespace_for(cfg, vc, r, s) for s in (0, 1) for r in (0, 1)]
+        assert ns[0] == sched.namespace and len(set(ns)) == 4
+        keys = block_keys(ns[0], PROMPT, 32)
+        n = len(ns[0])
+        markers = [x + keys[1][n:] for x in ns]  # block 1: every rank of every stage
+        markers += [x + keys[0][n:] for x in ns[:3]]  # block 0: stage 1's TP rank 1 lacks it
+        with Store.connect(master=master, segment_size=0) as st:
+            st.batch_put(markers, [b"m"] * len(markers))
+        lookup = sched._lookups.submit(keys + [ns[0] + "/missing"])
+        deadline = time.monotonic() + 10
+        while not lookup.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lookup.error is None and lookup.found == [False, True, False]
+    finally:
+        sched.close()
 
 
 def test_with_decode_context_parallel_a_key_covers_the_tokens_of_one_block_id(tiny_llama: Path) -> None:  # noqa: F811

@@ -1,9 +1,11 @@
 """The store tier of the live router's index: which vLLM blocks the kvpool store holds.
 
 :class:`StoreFeed` follows the master's key change feed (``changes``, :mod:`kvpool.store.changes`)
-in a thread of its own and keeps, per store namespace of TP rank 0 (model, dtype, block size ...
-as :mod:`kvpool.connectors.vllm.store` names them), the set of block digests whose commit marker
-is stored. Who calls what:
+in a thread of its own and keeps, per store namespace of TP rank 0 and PP stage 0 (model, dtype,
+block size ... as :mod:`kvpool.connectors.vllm.store` names them), the set of block digests whose
+commit markers are all stored: every TP rank and PP stage writes its own (under its own
+namespace, the digest being the same), and a block with some missing is not loaded by the
+connector either (its lookup needs them all). Who calls what:
 
 * the feed thread polls the master every ``poll_s`` (and at once while there is more to read);
   after a master restart, a start, or falling behind the master's ring it walks the key table in
@@ -26,13 +28,53 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool._rpc import RpcClient
-from kvpool.connectors.blockkeys import NAMESPACE_RE
+from kvpool.connectors.blockkeys import MARKER_RE, NAMESPACE_RE
 from kvpool.connectors.blockkeys import leading_blocks as _leading
 from kvpool.errors import KvpoolError
 
 __all__ = ["StoreFeed"]
 
 _log = logging.getLogger("kvpool.conductor")
+
+# Markers one block may have (TP size x PP stages): keys naming more are not block markers.
+MAX_PARTS = 1024
+
+Blocks = dict[str, dict[bytes, None]]  # namespace -> digests whose every marker is stored
+# namespace -> digest -> bitmask of the markers seen (bit: TP rank + TP size x PP stage), for the
+# blocks of namespaces with several markers per block that lack some
+Partial = dict[str, dict[bytes, int]]
+
+
+def _mark(blocks: Blocks, partial: Partial, ns: str, dig: bytes, idx: int, parts: int) -> None:
+    """Marker ``idx`` of the ``parts`` of block ``dig`` of ``ns`` is stored: the block is in
+    ``blocks`` once all are."""
+    have = blocks.get(ns)
+    if have is not None and dig in have:
+        return
+    if parts > 1:
+        seen = partial.setdefault(ns, {})
+        mask = seen.get(dig, 0) | (1 << idx)
+        if mask != (1 << parts) - 1:
+            seen[dig] = mask
+            return
+        seen.pop(dig, None)
+    blocks.setdefault(ns, {})[dig] = None
+
+
+def _unmark(blocks: Blocks, partial: Partial, ns: str, dig: bytes, idx: int, parts: int) -> None:
+    """Marker ``idx`` of block ``dig`` of ``ns`` is gone: the block is no longer stored whole."""
+    have, whole = blocks.get(ns), False
+    if have is not None and dig in have:
+        del have[dig]
+        whole = True
+    if parts == 1:
+        return
+    seen = partial.get(ns)
+    mask = ((1 << parts) - 1 if whole else (seen or {}).get(dig, 0)) & ~(1 << idx)
+    if mask:
+        partial.setdefault(ns, {})[dig] = mask
+    elif seen is not None:
+        seen.pop(dig, None)
 
 
 class StoreFeed(threading.Thread):
@@ -46,8 +88,10 @@ class StoreFeed(threading.Thread):
         self.poll_s = poll_s
         self._rpc = RpcClient(master, timeout_s, secret, what="store master")
         self._halt = threading.Event()
-        # namespace -> digest -> None (a dict keeps insertion order; membership is all we use)
-        self._blocks: dict[str, dict[bytes, None]] = {}
+        # namespace -> digest -> None (a dict keeps insertion order; membership is all we use):
+        # blocks whose every marker is stored; and those that lack some (see Partial)
+        self._blocks: Blocks = {}
+        self._partial: Partial = {}
         self._models: dict[str, list[str]] = {}  # model name -> namespaces
         self._bs: dict[str, int] = {}  # namespace -> its block size
         self._incarnation: int | None = None
@@ -134,7 +178,8 @@ class StoreFeed(threading.Thread):
         """Rebuild the sets from the master's key table, page by page (the master restarted, this
         feed started, or fell behind its ring)."""
         self.stats["resyncs"] += 1
-        fresh: dict[str, dict[bytes, None]] = {}
+        fresh: Blocks = {}
+        partial: Partial = {}
         cursor: list[int] | None = [0, 0, 0]
         seq = incarnation = None
         while cursor is not None and not self._halt.is_set():
@@ -146,20 +191,27 @@ class StoreFeed(threading.Thread):
             for key in r["keys"]:
                 m = self._match(key)
                 if m is not None:
-                    fresh.setdefault(m[0], {})[m[1]] = None
+                    _mark(fresh, partial, *m)
             cursor = r["cursor"]
         self._models, self._bs = {}, {}
         for ns in fresh:
             self._index_namespace(ns)
-        self._blocks = fresh
+        self._blocks, self._partial = fresh, partial
         self.seq, self._incarnation = int(seq or 0), incarnation
         self.synced.set()
 
-    def _match(self, key: str) -> tuple[str, bytes] | None:
-        m = NAMESPACE_RE.match(key)
+    def _match(self, key: str) -> tuple[str, bytes, int, int] | None:
+        """A block marker key's (namespace of TP rank 0 and PP stage 0, digest, which of the
+        block's markers: TP rank + TP size x PP stage, how many it has); None for other keys."""
+        m = MARKER_RE.match(key)
         if m is None or (self.block_size is not None and int(m["bs"]) != self.block_size):
             return None
-        return m["ns"], bytes.fromhex(m["hex"])
+        tp, tps = int(m["tp"]), int(m["tps"])
+        pp, pps = (0, 1) if m["pp"] is None else (int(m["pp"]), int(m["pps"]))
+        if not (tp < tps and pp < pps and tps * pps <= MAX_PARTS):
+            return None
+        ranks = f"tp0of{tps}" if m["pp"] is None else f"tp0of{tps}pp0of{pps}"
+        return f"{m['pre']}/{ranks}{m['dev']}", bytes.fromhex(m["hex"]), tp + tps * pp, tps * pps
 
     def _index_namespace(self, ns: str) -> None:
         m = NAMESPACE_RE.match(ns + "/" + "0" * 32)
@@ -171,14 +223,12 @@ class StoreFeed(threading.Thread):
         m = self._match(key)
         if m is None:
             return
-        ns, dig = m
-        blocks = self._blocks.get(ns)
+        ns = m[0]
         if op == "+":
-            if blocks is None:
-                blocks = self._blocks[ns] = {}
+            if ns not in self._bs:  # indexed before its first block: the router reads it at once
                 self._index_namespace(ns)
-            blocks[dig] = None
+            _mark(self._blocks, self._partial, *m)
             self.stats["adds"] += 1
-        elif blocks is not None:
-            blocks.pop(dig, None)
+        else:
+            _unmark(self._blocks, self._partial, *m)
             self.stats["removes"] += 1

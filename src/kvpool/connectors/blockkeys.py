@@ -20,11 +20,21 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["NAMESPACE_RE", "block_keys", "digest", "encode_extra_keys", "leading_blocks"]
+__all__ = ["MARKER_RE", "NAMESPACE_RE", "block_keys", "digest", "encode_extra_keys", "leading_blocks"]
 
-#: A block marker key of TP rank 0: (namespace, model, block size, hex digest).
+#: A block marker key of TP rank 0 (and PP stage 0), the namespace keys are chained from:
+#: (namespace, model, block size, hex digest).
 NAMESPACE_RE = re.compile(
-    r"^(?P<ns>kvpool/v2/(?P<model>.+)/[^/]+/kv-[^/]+/[^/]+/bs(?P<bs>\d+)/tp0of\d+/[^/]+)/(?P<hex>[0-9a-f]{32})$"
+    r"^(?P<ns>kvpool/v2/(?P<model>.+)/[^/]+/kv-[^/]+/[^/]+/bs(?P<bs>\d+)/tp0of\d+(?:pp0of\d+)?/[^/]+)"
+    r"/(?P<hex>[0-9a-f]{32})$"
+)
+
+#: A block marker key of any TP rank and PP stage (each writes its own, see
+#: :mod:`kvpool.connectors.vllm.store`): the namespace before and after the ranks (``pre``,
+#: ``dev``), model, block size, TP rank and size, PP stage and count (None without PP), digest.
+MARKER_RE = re.compile(
+    r"^(?P<pre>kvpool/v2/(?P<model>.+)/[^/]+/kv-[^/]+/[^/]+/bs(?P<bs>\d+))/tp(?P<tp>\d{1,4})of(?P<tps>\d{1,4})"
+    r"(?:pp(?P<pp>\d{1,4})of(?P<pps>\d{1,4}))?(?P<dev>/[^/]+)/(?P<hex>[0-9a-f]{32})$"
 )
 
 

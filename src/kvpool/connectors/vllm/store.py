@@ -6,8 +6,9 @@ ids and vLLM's extra keys for that block (``generate_block_hash_extra_keys``: Lo
 multimodal hashes and offsets, ``cache_salt`` on the first block, prompt-embeds digests). The
 chain starts from the namespace, which names the model, model dtype, KV cache dtype
 (``cache_dtype``, fp8 variants included), KV heads x head size (with decode context parallel:
-its size and interleave), the tokens of one block id (block size x DCP size), TP rank and size and
-device (``kvpool/v2/<model>/<dtype>/kv-<cache_dtype>/h<heads>x<head>/bs<N>/tp<r>of<n>/<device>``).
+its size and interleave), the tokens of one block id (block size x DCP size), TP rank and size
+(with pipeline parallelism: the stage and stage count too) and device
+(``kvpool/v2/<model>/<dtype>/kv-<cache_dtype>/h<heads>x<head>/bs<N>/tp<r>of<n>[pp<s>of<m>]/<device>``).
 vLLM's own ``request.block_hashes`` are not reused: their seed (``NONE_HASH``) is random per
 process for non-cryptographic hash settings; this chain is deterministic across processes and
 hosts by construction, whatever vLLM's hash setting. Extra keys that cannot be encoded
@@ -15,7 +16,9 @@ deterministically make the request bypass the store (logged once), never share k
 
 One object per block and layer, named with the worker's KV layout signature (tensor dtype,
 per-block shape and strides), plus a small commit marker under the block's key, written after all
-its layers. Any instance pointed at the same master finds the longest stored prefix of a new
+its layers. Every TP rank and PP stage stores its own objects and marker under its own namespace
+(the key's digest chain is TP rank 0's, stage 0's); a block is a hit only when every rank's and
+stage's marker exists. Any instance pointed at the same master finds the longest stored prefix of a new
 prompt and loads it into its own blocks; a load checks every object's exact size (a shorter or
 longer object is a failed load, recomputed by vLLM).
 
@@ -27,7 +30,7 @@ read (evicted between lookup and load, master gone, wrong size) is reported thro
 ``get_block_ids_with_load_errors`` and recomputed by vLLM.
 
 This module holds the keys, the connector and its scheduler half; the worker half (one per TP
-rank) is :mod:`kvpool.connectors.vllm.store_worker`.
+rank and PP stage) is :mod:`kvpool.connectors.vllm.store_worker`.
 """
 
 from __future__ import annotations
@@ -88,13 +91,14 @@ def request_block_keys(namespace: str, request: Any, block_size: int) -> list[st
     return block_keys(namespace, tokens, block_size, full, extra)
 
 
-def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> str:
+def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int, pp_rank: int = 0) -> str:
     """Key namespace: model, model dtype (with the checkpoint's quantization and revision when
     set: one served name for two of them must not share KV; and a digest of the RoPE settings
     when the model scales RoPE or the server overrides its config: K differs with them; and of the
     speculative decoding draft model, whose layers' KV is stored too), KV cache
     dtype, KV heads x head size (and the DCP size and interleave when DCP > 1), the tokens of one
-    block id (:func:`key_block_size`), TP rank and size, device."""
+    block id (:func:`key_block_size`), TP rank and size (and, with pipeline parallelism, the
+    stage ``pp_rank`` and the stage count: each stage commits its own layers), device."""
     mc = vllm_config.model_config
     model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
     dtype = str(mc.dtype).replace("torch.", "")
@@ -118,7 +122,27 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int) -> s
     if dcp > 1:  # which tokens of a block a rank holds: DCP size and interleave
         pc = vllm_config.parallel_config
         heads += f"+dcp{dcp}i{int(getattr(pc, 'cp_kv_cache_interleave_size', 1) or 1)}"
-    return f"kvpool/v2/{model}/{dtype}/kv-{cache_dtype}/{heads}/bs{bs}/tp{tp_rank}of{tp}/{device}"
+    ranks = f"tp{tp_rank}of{tp}"
+    pp = pp_size(vllm_config)
+    if pp > 1:
+        ranks += f"pp{pp_rank}of{pp}"
+    return f"kvpool/v2/{model}/{dtype}/kv-{cache_dtype}/{heads}/bs{bs}/{ranks}/{device}"
+
+
+def pp_size(vllm_config: Any) -> int:
+    """The instance's pipeline stage count."""
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def pp_rank() -> int:
+    """This worker's pipeline stage (vLLM's PP group rank), called once by the worker half at
+    start; 0 where vLLM's parallel state is not set up (the scheduler process, tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - not initialised
+        return 0
 
 
 def _dcp_size(vllm_config: Any) -> int:
@@ -289,12 +313,15 @@ class _StoreScheduler:
         self.cfg = cfg
         self.block_size = key_block_size(vllm_config)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        # TP rank 0's namespace decides hits (every rank saves the same blocks).
+        # Keys are named in TP rank 0's (stage 0's) namespace (every rank saves the same blocks).
         self.namespace = namespace_for(cfg, vllm_config, 0)
         _check_master(cfg)
         self.breaker = Breaker(f"kvpool store master {cfg.master}", cfg.store_retry_s)
-        # Every TP rank writes its own marker once its own objects are stored: a hit needs all.
-        self._rank_ns = [namespace_for(cfg, vllm_config, r) for r in range(1, self.tp_size)]
+        # Every TP rank of every PP stage writes its own marker once its own objects are stored
+        # (a stage's objects are its own layers): a hit needs all.
+        pp = pp_size(vllm_config)
+        self._rank_ns = [namespace_for(cfg, vllm_config, r, s)
+                         for s in range(pp) for r in range(self.tp_size) if r or s]  # fmt: skip
         self._lookups = AsyncLookups(lambda: _connect(cfg, 0, 1 << 16), self._committed)
         self._pending: dict[str, Lookup] = {}  # req -> its lookup (until allocated or finished)
         self._probe: Lookup | None = None
@@ -314,14 +341,15 @@ class _StoreScheduler:
         self.events = StoreEvents(vllm_config)
 
     def _committed(self, store: Store, keys: list[str]) -> list[bool]:
-        """The lookup thread, per batch of lookups: whether every TP rank committed each block
-        (its marker in each rank's namespace). Rank 0's marker alone made a hit whose load failed
-        on a rank that had not stored its shard (recomputed, but a wasted load each time)."""
+        """The lookup thread, per batch of lookups: whether every TP rank of every PP stage
+        committed each block (its marker in each rank's namespace). Rank 0's marker alone made a
+        hit whose load failed on a rank (or stage) that had not stored its shard (its layers):
+        recomputed, but a wasted load each time."""
         if not self._rank_ns:
             return store.batch_exists(keys)
         n, m = len(self.namespace), len(keys)
         found = store.batch_exists(keys + [ns + k[n:] for ns in self._rank_ns for k in keys])
-        return [all(found[i + r * m] for r in range(self.tp_size)) for i in range(m)]
+        return [all(found[i + r * m] for r in range(len(self._rank_ns) + 1)) for i in range(m)]
 
     @property
     def store(self) -> Store | None:

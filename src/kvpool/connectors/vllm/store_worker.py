@@ -24,6 +24,7 @@ from kvpool.connectors.vllm.store import (
     check_parallel,
     layout_signature,
     namespace_for,
+    pp_rank,
 )
 from kvpool.errors import KvpoolError, MasterUnavailable, ObjectExists, ObjectNotFound, late_batch
 
@@ -52,10 +53,10 @@ class _StoreWorker:
         self.cfg = cfg
         self.tp_rank, _ = _tp(vllm_config)
         self.namespace0 = namespace_for(cfg, vllm_config, 0)
-        self.namespace = namespace_for(cfg, vllm_config, self.tp_rank)
-        # Pipeline stages share a block's commit marker (the key names no stage; the layer objects
-        # name their layer): a stage may skip a block only when its own layers are all stored.
-        self.pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        # Each TP rank, and each pipeline stage (its own layers), stores its objects and commit
+        # marker under its own namespace (the scheduler's lookup needs every one's marker).
+        self.pp_rank = pp_rank()
+        self.namespace = namespace_for(cfg, vllm_config, self.tp_rank, self.pp_rank)
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.store: Store | None = None
         self.regions: list[Region] = []
@@ -119,8 +120,9 @@ class _StoreWorker:
             self.store.close()
 
     def _key(self, key: str) -> str:
-        # The scheduler names blocks in TP rank 0's namespace; each rank stores its own shard.
-        return key if self.tp_rank == 0 else self.namespace + key[len(self.namespace0) :]
+        # The scheduler names blocks in TP rank 0's (stage 0's) namespace; each rank (stage)
+        # stores its own shard (layers).
+        return key if self.namespace == self.namespace0 else self.namespace + key[len(self.namespace0) :]
 
     def _ranges(
         self, blocks: list[tuple[int, str]], regions: list[Region] | None = None
@@ -259,17 +261,9 @@ class _StoreWorker:
             return  # master unreachable lately: the blocks go back at once, unsaved
         t0 = time.perf_counter()
         try:
-            # Blocks another instance committed since the scheduler's lookup are not written again.
-            # With pipeline stages the marker says only that some stage stored its layers (another
-            # stage, or the stage of another split): what this stage skips is decided by its own
-            # layer objects (their names hold the layer's index in the whole model).
-            if self.pp_size == 1:
-                have = self.store.batch_exists([self._key(k) for _, k in blocks])
-            else:
-                keys, _, _, owners = self._ranges(blocks)
-                found = self.store.batch_exists(keys)
-                missing = {o for o, f in zip(owners, found, strict=True) if not f}
-                have = [b not in missing for b, _ in blocks]
+            # Blocks another instance committed since the scheduler's lookup are not written again
+            # (this rank's, this stage's marker: its own objects are all stored).
+            have = self.store.batch_exists([self._key(k) for _, k in blocks])
             blocks = [b for b, h in zip(blocks, have, strict=True) if not h]
             self.breaker.ok()
             if not blocks:
