@@ -218,7 +218,6 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_ends_its_leases_once_they_en
     memory) until the copies ended, then the heartbeat thread ends them: the objects can be
     removed long before the master's 15 s lease deadline. They were never released (held until
     that deadline, keeping the space of every object a timed-out get read)."""
-    import threading
     import time
 
     from kvpool.errors import ObjectBusy, TransferTimeout
@@ -227,7 +226,7 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_ends_its_leases_once_they_en
     st = Store.connect(master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20,
                        transfer_timeout_s=0.5, heartbeat_s=0.05, location_cache=0)  # fmt: skip
     w = Store.connect(master=gpu_cluster[0].address, segment_size=0, buffer_size=8 << 20)
-    release, landed = threading.Event(), []
+    release = _StreamStop()
     try:
         blk = 1 << 20  # big values: DMA between the GPU and the segment
         src, dst = drv.alloc(n * blk, 0), drv.alloc(n * blk, 0)
@@ -236,7 +235,7 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_ends_its_leases_once_they_en
         keys = [f"late-lease-{n}-{k}" for k in range(n)]
         assert st.batch_put_from(keys, [src + k * blk for k in range(n)], [blk] * n) == [None] * n
         assert w._lease_s >= 10  # the master's lease deadline is far off
-        _stop_stream(st, monkeypatch, release, landed)
+        release.stop(st)
         with pytest.raises(TransferTimeout) as ei:
             if n == 1:
                 st.get_into(keys[0], dst, blk)
@@ -246,7 +245,7 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_ends_its_leases_once_they_en
         bid = ei.value.batch_id
         assert bid is not None
         time.sleep(0.3)  # several heartbeats while the copies still run: the leases hold
-        assert not st.engine.batch_settled(bid) and not landed
+        assert not st.engine.batch_settled(bid) and not release.landed()
         for k in keys:
             with pytest.raises(ObjectBusy):
                 w.remove(k)
@@ -258,7 +257,7 @@ def test_a_gpu_get_whose_copies_outlive_the_timeout_ends_its_leases_once_they_en
                 left.pop(0)
             except ObjectBusy:
                 time.sleep(0.05)
-        assert not left and landed  # ended once the copies had, well before the lease deadline
+        assert not left and release.landed()  # ended once the copies had, well before the lease deadline
         assert st.batch_exists(keys) == [False] * n
     finally:
         release.set()
@@ -341,7 +340,6 @@ def test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout
     land there, even well past ``quarantine_s`` (the writer's floor stays below it): another
     put finds no room in the one-object segment. Once the copy landed, the floor passes it and
     the space is reused: the other put stores and reads back its own bytes."""
-    import threading
     import time
 
     from kvpool.errors import KvpoolError, MasterUnavailable, TransferTimeout
@@ -355,7 +353,7 @@ def test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout
         a = Store.connect(master=m.address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=0.5,
                           heartbeat_s=0.1)  # fmt: skip
         b = Store.connect(master=m.address, segment_size=0, buffer_size=8 << 20, transfer_timeout_s=1)
-        release, landed = threading.Event(), []
+        release = _StreamStop()
         try:
             src = drv.alloc(blk, 0)
             a.register_buffer(src, blk, location="cuda:0")
@@ -368,7 +366,7 @@ def test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout
                 return real_call(op, **args)
 
             monkeypatch.setattr(a, "_call", call)
-            _stop_stream(a, monkeypatch, release, landed)
+            release.stop(a)
             with pytest.raises(TransferTimeout) as ei:
                 a.put_from("late", src, blk)
             bid = ei.value.batch_id
@@ -380,7 +378,7 @@ def test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout
             time.sleep(2.5)  # past quarantine_s and a slow tick: only the writer's floor holds it
             st = b.stats()
             assert st["counters"]["put_revoked_timeout"] == 1 and st["pending"] == 0 and st["fenced"] == 1
-            assert not a.engine.batch_settled(bid) and not landed
+            assert not a.engine.batch_settled(bid) and not release.landed()
             with pytest.raises(KvpoolError):
                 b.put("other", b"\x55" * blk)  # no room: the fenced space is not handed out
             release.set()
@@ -394,7 +392,7 @@ def test_a_late_gpu_put_whose_revoke_failed_is_fenced_by_the_masters_put_timeout
                     time.sleep(0.1)
             else:
                 raise AssertionError(f"the fenced space was never reused: {err}")
-            assert landed and a.engine.batch_settled(bid)  # the late copy ended before the reuse
+            assert release.landed() and a.engine.batch_settled(bid)  # the late copy ended before the reuse
             assert b.get("other") == b"\x55" * blk and not b.exists("late")
         finally:
             release.set()
