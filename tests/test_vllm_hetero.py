@@ -87,9 +87,12 @@ def _job(rid: str, local: list[int], remote: list[int], port: int, ptp: int) -> 
     )
 
 
-def _hold(ranks: list[tuple[_PdWorker, Any]], rid: str, remote: list[int]) -> None:
-    """The prefill scheduler's metadata: every rank holds ``remote`` for ``rid``."""
+def _hold(ranks: list[tuple[_PdWorker, Any]], rid: str, remote: list[int], streamed: bool = False) -> None:
+    """The prefill scheduler's metadata: every rank holds ``remote`` for ``rid`` (``streamed``: a
+    streaming request, ``remote`` its prompt's blocks)."""
     meta = pd.KvpoolConnectorMetadata(send={rid: 30.0}, send_digest={rid: blocks_digest(rid, remote)})
+    if streamed:
+        meta.send_blocks[rid] = list(remote)
     for p, _ in ranks:
         p.start(meta)
 
@@ -181,8 +184,8 @@ def test_two_loads_naming_one_prefill_request_with_other_blocks_are_both_refused
 
 def test_a_failed_streamed_load_still_frees_the_prefills_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A streamed load fails after it learnt the prefill request (a read failed, its deadline
-    passed): its "done" notice, which carries no blocks digest (the blocks came from the prefill's
-    own progress answers), still frees the prefill's blocks -- it was refused as an unchecked
+    passed): its "done" notice, whose digest names no blocks (it read none), still frees the
+    prefill's blocks -- it was refused as an unchecked
     per-request notice and the blocks stayed held until abort_timeout_s."""
     from kvpool.connectors.vllm.pd_stream import StreamLoad
 
@@ -285,7 +288,7 @@ def test_a_streamed_heterogeneous_load_waits_for_every_prefill_rank(monkeypatch:
         assert d.get_finished()[1] is None
         assert not any(c.any() for c in caches.values())
         P[1][0].step_done()
-        _hold(P, "r1", remote)  # the request finished: its blocks wait for the decode's notice
+        _hold(P, "r1", remote, streamed=True)  # the request finished: its blocks wait for the decode's notice
         deadline = time.monotonic() + 10
         done: set[str] = set()
         while not done and time.monotonic() < deadline:

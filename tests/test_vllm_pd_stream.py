@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # ne
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvpool.connectors.vllm.common import Region  # noqa: E402
-from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, StreamStep  # noqa: E402
+from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata, StreamStep, blocks_digest  # noqa: E402
 from kvpool.connectors.vllm.pd_stream import StreamTable  # noqa: E402
 from tests.vllm_sched import BS, LAYERS, LayerInstance, expected_rows  # noqa: E402
 
@@ -422,3 +422,70 @@ def test_a_stream_never_reads_through_a_layout_cached_from_a_predecessor() -> No
     assert reads == [] and asked == ["e.new"]
     assert _advance(worker, rem, StreamLoad(job, time.monotonic() + 30), st, {"engine_id": "e.new"})[0]
     assert asked == ["e.new", "e.new"] and [a[0] for a in reads] == ["p2"]  # through the new layout
+
+
+def test_a_streamed_read_of_blocks_not_held_for_the_request_is_not_confirmed(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """The decode takes a streamed load's blocks from the prefill's progress table; its "done"
+    notice was checked by generation only. A table entry naming other blocks under the same
+    generation (stale: a request id used again, blocks freed and handed to another request) had
+    the load confirmed with another request's KV. The notice carries the digest of the request id
+    and the blocks read: refused, the load fails (vLLM's policy), the notice frees nothing."""
+    p, d = pd
+    other = [(i * 29) % 500 + 3 for i in range(80)]
+    p.add("pa", other, 1, {"do_remote_decode": True})  # held for a decode of its own
+    p.run_until(lambda o: "pa" in o and o["pa"].finish_reason is not None)
+    pa_blocks = list(p.scheduler.kv_cache_manager.get_block_ids("pa")[0])
+    real = p.worker._worker._progress
+
+    def stale(ids: Any) -> Any:
+        reply = real(ids)
+        st = reply["streams"].get("ts") or {}
+        if st.get("state") == "live":
+            st["blocks"] = list(pa_blocks)
+        return reply
+
+    p.worker._worker._progress = stale
+    d.add("ds", PROMPT, 4, _decode_params(p, "ts"))
+    d.step()
+    p.add("ps", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "ts"})
+    p.step()
+    p.step()  # the worker learns ps's blocks are held
+    outputs = d.run_until(
+        lambda o: "ds" in o and (o["ds"].new_token_ids or o["ds"].finish_reason is not None)
+    )
+    assert not outputs["ds"].new_token_ids  # failed (vLLM's default policy), never decoded from pa's KV
+    assert dict(d.worker._worker.stats.data.get("failures") or {}) == {"Unconfirmed": 1}
+    held = p.worker._worker._pending_send
+    assert "ps" in held and "pa" in held  # the refused notice freed nothing
+    d.run_until(lambda o: d.free_blocks() == d.idle_free)
+
+
+def test_a_streams_blocks_changed_under_one_generation_fail_the_load() -> None:
+    """Blocks read in an earlier round are renamed by a later progress answer of the same
+    generation: the load fails instead of finishing with a digest of blocks it did not read."""
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob
+    from kvpool.connectors.vllm.pd_stream import StreamLoad, _advance
+    from kvpool.errors import TransferError
+
+    regions = [Region("l0", 0x1000, 64, 64, 8), Region("l1", 0x2000, 64, 64, 8)]
+    reads: list[Any] = []
+    engine = SimpleNamespace(batch_transfer_sync=lambda *a: reads.append(a))
+    worker = SimpleNamespace(block_size=BS, tp_size=1, regions=regions, engine=engine,
+                             _check_layout=lambda rem: None)  # fmt: skip
+    rem = SimpleNamespace(block_size=BS, segment="p", regions={r.name: r for r in regions})
+    job = RecvJob("d1", [5], [], "127.0.0.1", 1, "", transfer_id="t", num_tokens=BS)
+    ld = StreamLoad(job, time.monotonic() + 30)
+
+    def state(blocks: list[int], final: list[int], gen: int = 0) -> dict[str, Any]:
+        return {"state": "live", "req_id": "pA", "gen": gen, "total": BS, "blocks": blocks, "final": final}
+
+    assert _advance(worker, rem, ld, state([3], [BS, 0]), {}) == (False, 64)  # layer 0 of block 3
+    with pytest.raises(TransferError, match="changed under one generation"):
+        _advance(worker, rem, ld, state([4], [BS, BS]), {})
+    assert len(reads) == 1 and job.blocks_digest is None  # nothing of block 4 was read
+    ld = StreamLoad(job, time.monotonic() + 30)  # a new generation starts over: block 4 is read
+    assert _advance(worker, rem, ld, state([3], [BS, 0]), {})[0] is False
+    assert _advance(worker, rem, ld, state([4], [BS, BS], gen=1), {})[0] is True
+    assert job.stream_first == 0 and job.blocks_digest == blocks_digest("pA", [4])

@@ -44,6 +44,7 @@ from kvpool.connectors.vllm.pd_scheduler import (
     KvpoolConnectorMetadata,
     _PdScheduler,
     _tp,
+    blocks_digest,
     refuse_context_parallel,
     refuse_pipeline_parallel,
 )
@@ -84,6 +85,7 @@ class _Notice:
     rank: int | None
     gens: dict[Any, Any]
     digests: dict[Any, Any]
+    firsts: dict[Any, Any]
     until: float
     waiting: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
@@ -151,6 +153,7 @@ class _PdWorker(DecodeLoads):
         self._lock = threading.Lock()
         self._pending_send: dict[str, float] = {}  # req id -> deadline (monotonic)
         self._digests: dict[str, str] = {}  # req id -> blocks_digest of the blocks held for it
+        self._stream_blocks: dict[str, list[int]] = {}  # streamed req id -> its prompt's blocks held
         # "done" notices waiting for requests this worker does not know yet (bounded)
         self._parked_done: list[_Notice] = []
         self._parked_ids = 0
@@ -313,8 +316,10 @@ class _PdWorker(DecodeLoads):
 
         The answer fences late or misdirected reads. "held" (not listed) only for a request this
         worker holds (its ``send`` metadata arrived) whose notice carries the :func:`blocks_digest`
-        of this request's own id and blocks; "expired": freed unread after abort_timeout_s, freed
-        by an earlier notice, a stale streamed read, or a digest that is not this request's (its
+        of this request's own id and blocks (a streamed read, named in ``gens``: of its id and the
+        prompt's blocks from ``firsts[id]`` on, as vLLM holds them now); "expired": freed unread
+        after abort_timeout_s, freed by an earlier notice, a stale streamed read (its generation
+        moved, or it read other blocks), or a digest that is not this request's (its
         params were edited: the decode read other blocks; missing counts as wrong) -- that notice
         frees nothing. A request not known yet (a notice can beat the metadata) is parked up to
         ``wait_s`` (capped) until it is, then answered "expired" (``unknown``): never "held"
@@ -324,6 +329,7 @@ class _PdWorker(DecodeLoads):
         of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
         gens = req.get("gens") or {}  # streamed reads: the generation they were made under
         digests = req.get("digests") or {}
+        firsts = req.get("firsts") or {}  # streamed reads: the first prompt block their digest covers
         engines = req.get("engines") or {}  # the incarnation each read's params named
         req_ids = req.get("req_ids") or []
         if not isinstance(req_ids, list) or len(req_ids) > MAX_DONE_IDS:
@@ -331,14 +337,16 @@ class _PdWorker(DecodeLoads):
             # sender treats every read in it as unconfirmed.
             msg = f"req_ids must be a list of at most {MAX_DONE_IDS}"
             return {"id": rid, "ok": False, "err": "INVALID", "msg": msg}
-        if not all(isinstance(m, dict) for m in (gens, digests, engines)):
-            return {"id": rid, "ok": False, "err": "INVALID", "msg": "gens, digests, engines must be maps"}
+        if not all(isinstance(m, dict) for m in (gens, digests, firsts, engines)):
+            msg = "gens, digests, firsts, engines must be maps"
+            return {"id": rid, "ok": False, "err": "INVALID", "msg": msg}
         wait = req.get("wait_s")
         wait = min(float(wait), _DONE_WAIT_MAX_S) if isinstance(wait, (int, float)) else 0.0
         gens = {k: g for k, g in gens.items() if type(g) is int}  # (another value: no generation)
         rank = req.get("rank")  # the sender's decode TP rank: each counts once toward ``of``
         rank = rank if type(rank) is int and 0 <= rank < of else None
-        notice = _Notice(conn, rid, of, rank, gens, digests, time.monotonic() + wait)
+        firsts = {k: f for k, f in firsts.items() if type(f) is int and f >= 0}
+        notice = _Notice(conn, rid, of, rank, gens, digests, firsts, time.monotonic() + wait)
         with self._lock:
             notice.waiting = [str(r)[:256] for r in req_ids]
             # named by another incarnation's params: this one will never learn it, answered now,
@@ -372,7 +380,17 @@ class _PdWorker(DecodeLoads):
             elif r not in self._pending_send:
                 left.append(r)  # its metadata has not arrived (or never will: answered at the deadline)
                 continue
-            elif g is None or r in n.digests:  # (a streamed read names no digest: its blocks came from here)
+            elif g is not None:
+                # Streamed: the prompt's blocks it read, as the progress answers named them, must
+                # be those held for this request (a stale or edited progress answer, blocks
+                # reused under one generation: other bytes than this request's were read).
+                # (One that read nothing names no block: it frees them, as a notice always did.)
+                held, first = self._stream_blocks.get(r, []), n.firsts.get(r)
+                if first is None or n.digests.get(r) != blocks_digest(r, held[first:]):
+                    n.expired.append(r)
+                    n.refused.append(r)
+                    continue
+            else:
                 want, got = self._digests.get(r), n.digests.get(r)
                 if want is None or got != want:
                     n.expired.append(r)  # other blocks than this request's were read: frees nothing
@@ -503,6 +521,8 @@ class _PdWorker(DecodeLoads):
                     digest = meta.send_digest.get(rid)
                     if digest is not None:
                         self._digests[rid] = digest
+                    if rid in meta.send_blocks:
+                        self._stream_blocks[rid] = meta.send_blocks[rid]
             if gone:
                 log.warning("kvpool connector: %d request(s) computed before the KV cache was released "
                             "(sleep mode) are not held for decodes (they recompute): %s",
@@ -571,6 +591,7 @@ class _PdWorker(DecodeLoads):
                 self._notified.pop(rid, None)
                 self._notice_counts.pop(rid, None)
                 self._digests.pop(rid, None)
+                self._stream_blocks.pop(rid, None)
                 # Freed now: a later "done" for it (a second read of the same params: a decode
                 # request with n > 1, a retried one) is answered "expired", never "held".
                 self._expired[rid] = now

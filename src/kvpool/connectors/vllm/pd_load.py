@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool._rpc import RpcClient
 from kvpool.connectors.vllm.common import Region
-from kvpool.connectors.vllm.pd_scheduler import RecvJob
+from kvpool.connectors.vllm.pd_scheduler import NOTHING_READ, RecvJob, blocks_digest
 from kvpool.connectors.vllm.pd_stream import (
     LONG_POLL_S,
     POLL_MAX_S,
@@ -360,16 +360,21 @@ class DecodeLoads(_Base):
                 ids = [j.remote_request_id for j in pjobs]
                 gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
                 digests: dict[str, str] = {}  # two loads naming one id with other blocks: none matches
+                firsts: dict[str, int] = {}  # streamed reads: the first prompt block the digest covers
+                named: dict[str, tuple[str, int | None]] = {}
                 for j in pjobs:
                     if j.blocks_digest:
-                        d = digests.setdefault(j.remote_request_id, j.blocks_digest)
-                        digests[j.remote_request_id] = d if d == j.blocks_digest else "conflict"
+                        r, mine = j.remote_request_id, (j.blocks_digest, j.stream_first)
+                        same = named.setdefault(r, mine) == mine and digests.get(r) != "conflict"
+                        digests[r] = j.blocks_digest if same else "conflict"
+                        if j.stream_first is not None:
+                            firsts[r] = j.stream_first
                 engines = {j.remote_request_id: j.remote_engine_id for j in pjobs if j.remote_engine_id}
                 wait = min(DONE_WAIT_S, self.cfg.transfer_timeout_s / 2)
                 try:
                     reply = self._rpc(host, port).call(
                         "done", req_ids=ids, of=of, rank=self.tp_rank, gens=gens, digests=digests,
-                        engines=engines, wait_s=wait,
+                        firsts={r: f for r, f in firsts.items() if r in gens}, engines=engines, wait_s=wait,
                     )  # fmt: skip
                     expired, engine = reply.get("expired"), reply.get("engine_id")
                     if not isinstance(expired, list) or not isinstance(engine, (str, type(None))):
@@ -413,7 +418,10 @@ class DecodeLoads(_Base):
         job = ld.job
         with self._lock:
             self._stream_loads.pop(job.req_id, None)
-        job.gen = ld.gen  # its notice is a streamed one (checked by generation), failed or not
+        job.gen = ld.gen  # its notice is a streamed one (checked by generation and digest), failed or not
+        if why is not None or job.stream_first is None:  # read nothing: the notice only frees
+            job.stream_first = NOTHING_READ
+            job.blocks_digest = blocks_digest(job.remote_request_id, [])
         if why is None:
             if job.local_block_ids:
                 wait_ms = (time.perf_counter() - ld.t0) * 1e3

@@ -34,6 +34,9 @@ _MAX_BLOCKS = 1 << 22
 # of the window (freed, no KV in them); every request shares it, so nothing is read into it or
 # reported about it.
 NULL_BLOCK = 0
+#: ``RecvJob.stream_first`` of a streaming load that read nothing (failed, or nothing to read): its
+#: digest names no block (``blocks_digest(id, [])``), its "done" notice only frees the blocks.
+NOTHING_READ = 1 << 31
 
 
 def blocks_digest(request_id: str, block_ids: list[int]) -> str:
@@ -127,7 +130,11 @@ class RecvJob:
     blocks_digest: str | None = None
     """Per-request load: :func:`blocks_digest` of ``remote_request_id`` and the params' block ids
     (``remote_block_ids`` is taken from them), sent with the "done" notice: the prefill confirms the
-    read only if it handed out those blocks for that request."""
+    read only if it handed out those blocks for that request. Streaming load: set once it ended,
+    the digest of the prompt's blocks from ``stream_first`` on, as the progress answers named them."""
+    stream_first: int | None = None
+    """Streaming load, once it ended: the first prompt block it read (:data:`NOTHING_READ`: none);
+    the prefill checks ``blocks_digest`` against the blocks it holds for the request from there on."""
 
 
 @dataclass
@@ -151,6 +158,8 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     recv: dict[str, RecvJob] = field(default_factory=dict)
     send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
     send_digest: dict[str, str] = field(default_factory=dict)  # req id -> blocks_digest handed out
+    # streaming req id -> the prompt's blocks it holds (its streamed reads are checked against them)
+    send_blocks: dict[str, list[int]] = field(default_factory=dict)
     stream: dict[str, StreamStep] = field(default_factory=dict)  # prefill req id -> this step
     stream_end: set[str] = field(default_factory=set)  # prefill req ids aborted while streaming
     cancel: set[str] = field(default_factory=set)  # decode req ids whose streaming load ends
@@ -223,6 +232,7 @@ class _PdScheduler:
         self._recv: dict[str, RecvJob] = {}
         self._send: dict[str, float] = {}
         self._send_digest: dict[str, str] = {}
+        self._send_blocks: dict[str, list[int]] = {}
         # Requests whose blocks a worker may still be writing: they are never freed before the
         # worker reports them in finished_recving (abort or failure included).
         self._loading: set[str] = set()
@@ -351,10 +361,10 @@ class _PdScheduler:
         """vLLM's scheduler, once per step (``out``: its ``SchedulerOutput``)."""
         self._step += 1
         meta = KvpoolConnectorMetadata(
-            recv=self._recv, send=self._send, send_digest=self._send_digest, cancel=self._cancel,
-            engine_id=self.engine_id, step=self._step,
+            recv=self._recv, send=self._send, send_digest=self._send_digest, send_blocks=self._send_blocks,
+            cancel=self._cancel, engine_id=self.engine_id, step=self._step,
         )  # fmt: skip
-        self._recv, self._send, self._send_digest, self._cancel = {}, {}, {}, set()
+        self._recv, self._send, self._send_digest, self._send_blocks, self._cancel = {}, {}, {}, {}, set()
         if self._streams and out is not None:
             meta.stream = self._stream_steps(out)
         if self._stream_end:
@@ -399,7 +409,8 @@ class _PdScheduler:
             # written: they are freed when the worker reports the load finished.
             self._cancel.add(request.request_id)  # a streaming load stops waiting for the prefill
             return True, None
-        streaming = self._streams.pop(request.request_id, None) is not None
+        stream = self._streams.pop(request.request_id, None)
+        streaming = stream is not None
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -428,6 +439,8 @@ class _PdScheduler:
         digest = blocks_digest(request.request_id, blocks)
         self._send[request.request_id] = self.cfg.abort_timeout_s
         self._send_digest[request.request_id] = digest  # the worker confirms reads of these only
+        if stream is not None:  # and streamed reads of the prompt's blocks as vLLM holds them now
+            self._send_blocks[request.request_id] = blocks[: -(-stream[1] // self.block_size)]
         return True, dict(
             do_remote_prefill=True,
             do_remote_decode=False,

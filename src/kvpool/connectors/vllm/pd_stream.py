@@ -14,8 +14,12 @@ request's blocks and the token count its step computes up to (``StreamStep``); `
 a GPU once an event recorded on the compute stream has completed); ``wait_for_save`` marks every
 layer. A preempted request (its blocks freed, recomputed later) bumps the stream's generation: a
 decode that read under the old one starts over, and a ``done`` notice naming an old generation is
-answered "expired" (the load fails; vLLM recomputes). An aborted request's stream is dead: the
-decode's load fails at its next question.
+answered "expired" (the load fails; vLLM recomputes). The notice also carries the
+:func:`~kvpool.connectors.vllm.pd_scheduler.blocks_digest` of the request id and the prompt's
+blocks it read (from the first one on, as the progress answers named them; a list that changed
+under one generation fails the load): confirmed only when they are the blocks vLLM holds for that
+request once it finished. An aborted request's stream is dead: the decode's load fails at its next
+question.
 
 Decode side (:func:`stream_round`, on the peer's load thread): one ``progress`` RPC per peer and
 round answers every streaming load from that peer; a load not seen by the prefill within
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.connectors.vllm.common import Region, block_runs
-from kvpool.connectors.vllm.pd_scheduler import NULL_BLOCK
+from kvpool.connectors.vllm.pd_scheduler import NULL_BLOCK, blocks_digest
 from kvpool.errors import KvpoolError, TransferError
 from kvpool.transfer.types import OpCode
 
@@ -229,6 +233,7 @@ class StreamLoad:
     t0: float = field(default_factory=time.perf_counter)
     gen: int | None = None
     read: dict[str, int] = field(default_factory=dict)  # region name -> local blocks read (in order)
+    blocks: list[int] = field(default_factory=list)  # the prompt's blocks read from, under ``gen``
     nbytes: int = 0
     read_s: float = 0.0  # time spent in READs (not waiting for the prefill)
     rounds: int = 0
@@ -355,7 +360,12 @@ def _advance(
     job.remote_request_id = req_id
     job.remote_engine_id = job.remote_engine_id or engine
     if ld.gen != int(st["gen"]):  # first answer, or the prefill was preempted: read from the start
-        ld.gen, ld.read = int(st["gen"]), {}
+        ld.gen, ld.read, ld.blocks = int(st["gen"]), {}, []
+    if blocks[: len(ld.blocks)] != ld.blocks[: len(blocks)]:
+        # One generation's block list only grows: blocks read so far may hold other KV now.
+        raise TransferError(f"prefill blocks of transfer {job.transfer_id} changed under one generation")
+    if len(blocks) > len(ld.blocks):
+        ld.blocks = blocks
     local = job.local_block_ids
     index = job.block_index or list(range(nblocks - len(local), nblocks))  # default: the prompt's tail
     if not local:  # nothing to read (local prefix hit, null blocks only, or ended before allocation)
@@ -376,6 +386,7 @@ def _advance(
         t = time.perf_counter()
         ld.nbytes = worker._load_resharded(job)
         ld.read_s += time.perf_counter() - t
+        _read_all(ld, index[0])
         return True, ld.nbytes
     worker._check_layout(rem)  # dtype, model, heads: equal bytes per block is not the same layout
     if rem.block_size != bs:
@@ -405,8 +416,17 @@ def _advance(
     ld.rounds += 1
     if all(ld.read.get(r.name, 0) >= len(local) for r in worker.regions):
         job.remote_block_ids = [blocks[i] for i in index]
+        _read_all(ld, index[0])
         return True, n
     return False, n
+
+
+def _read_all(ld: StreamLoad, first: int) -> None:
+    """Every block of the load was read: the digest its "done" notice carries (the prompt's blocks
+    from the first one read, as the progress answers named them; the prefill confirms the read
+    only when they are the blocks it holds for the request)."""
+    ld.job.stream_first = first
+    ld.job.blocks_digest = blocks_digest(ld.job.remote_request_id, ld.blocks[first:])
 
 
 def _asked_port(worker: _PdWorker, job: RecvJob) -> int:
