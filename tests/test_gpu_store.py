@@ -5,6 +5,7 @@ CUDA DMA from/into its shared memory, with the store's header and checksum check
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -434,7 +435,9 @@ def _gpu_store_worker(cfg: Any) -> tuple[Any, int]:
 
 
 def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_waits_for_them(
-    gpu_cluster: tuple[MasterProcess, StorageProcess], monkeypatch: pytest.MonkeyPatch
+    gpu_cluster: tuple[MasterProcess, StorageProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The vLLM store connector's worker, its KV blocks (fake-driver) GPU memory: an asynchronous
     load and a save run while the stream is stopped, and raise TransferTimeout at the timeout
@@ -482,6 +485,12 @@ def test_a_store_connector_load_or_save_whose_gpu_copies_outlive_the_timeout_wai
             assert reported() == (set(), set(), set()), "reported while its copies were still queued"
             time.sleep(0.01)
         assert len(w._parked) == 2, "the load and the save did not time out"
+        loads = [
+            r.getMessage()
+            for r in caplog.records
+            if "loading" in r.getMessage() or "load of" in r.getMessage()
+        ]
+        assert len(loads) == 1 and re.search(r"load of r1 timed out \(batch \d+\)", loads[0]), loads
         time.sleep(0.3)
         assert reported() == (set(), set(), set()) and not release.landed()  # still parked
         assert w._put_layer([(3, "late/k3")], w.regions) == {3}  # a layer-wise save, timed out too
@@ -575,8 +584,11 @@ def test_an_in_forward_load_whose_gpu_copies_outlive_the_timeout_fails_its_block
         assert release.first_landed_at() <= returned[0]  # it returned once they landed
         assert w.take_load_errors() == {4, 5}  # failed: vLLM recomputes them
         assert gpu(4, 2) == gpu(0, 2)  # the late copies landed where vLLM had not reused the blocks
-        waits = [r for r in caplog.records if "r1" in r.getMessage()]
-        assert len(waits) == 1 and "timed out" in waits[0].getMessage()
+        # One warning for the event, naming the request and the batch (there were two, the first
+        # naming neither).
+        waits = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("kvpool")]
+        assert len(waits) == 1, [r.getMessage() for r in waits]
+        assert "r1" in waits[0].getMessage() and re.search(r"timed out \(batch \d+\)", waits[0].getMessage())
         assert w.store.engine.batches.deferred() == 0
     finally:
         release.set()

@@ -215,8 +215,9 @@ class _StoreWorker:
                 else:
                     self._parked.append((rid, [b for b, _ in blocks], late))
         if late is not None:
-            log.warning("kvpool store: the load of %s timed out, GPU copies still queued (a hung stream?); "
-                        "its %d blocks are reported failed once they ended", rid, len(blocks))  # fmt: skip
+            log.warning("kvpool store: the load of %s timed out (batch %d), GPU copies still queued (a hung "
+                        "stream?); its %d blocks are reported failed once they ended",
+                        rid, late, len(blocks))  # fmt: skip
 
     def _save_job(self, rid: str, blocks: list[tuple[int, str]]) -> None:
         """Save thread: one finished request's blocks. Reported done (vLLM frees the blocks)
@@ -350,9 +351,10 @@ class _StoreWorker:
                 return
             assert self.store is not None
             log.warning(
-                "kvpool store: the in-forward load of %s timed out, GPU copies still queued (a hung "
-                "stream?): waiting for them before its %d blocks fail",
+                "kvpool store: the in-forward load of %s timed out (batch %d), GPU copies still queued "
+                "(a hung stream?): waiting for them before its %d blocks fail",
                 rid,
+                late,
                 len(blocks),
             )
             self.store.engine.wait_settled(late)
@@ -383,11 +385,12 @@ class _StoreWorker:
                     failed.add(owners[i])
                     why.setdefault(owners[i], _miss_reason(r))
         except KvpoolError as exc:
-            log.warning("kvpool store: loading %d blocks failed: %s", len(blocks), exc)
             failed = set(owners)
             reason = "master_unreachable" if isinstance(exc, MasterUnavailable) else "load_error"
             why = dict.fromkeys(failed, reason)
             late = late_batch(exc) if park else None
+            if late is None:  # (a late batch: its caller's one warning names the requests and batch)
+                log.warning("kvpool store: loading %d blocks failed: %s", len(blocks), exc)
         if late is None:
             with self._lock:
                 self._errors |= failed
