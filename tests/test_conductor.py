@@ -285,6 +285,43 @@ def test_approx_tracker_forgets_after_ttl():
         ApproxTracker(idx, ttl_s=0)
 
 
+def test_approx_entries_are_held_under_the_index_cap_and_lose_a_chains_tail_first():
+    """Approximate mode (an engine that publishes no KV events): the router's own entries (made
+    by the index's add(), which its native eviction never touches) were bounded only by the
+    tracker's max_entries (1M), whatever the index's max_blocks; and the oldest went first in the
+    order routed, a chain's head before its tail -- the tail then never matched (a match counts
+    leading blocks) but held its place until it expired."""
+    idx = BlockIndex(BS, max_blocks=100)
+    a = idx.add_location("a", Tier.GPU)
+    b = idx.add_location("b", Tier.GPU)
+    tr = ApproxTracker(idx, ttl_s=1000)
+    chains = [idx.hash_tokens(tokens(40 * BS, seed=300 + k)) for k in range(3)]
+    tr.routed(a, chains[0], now=0.0)
+    tr.routed(a, chains[1], now=1.0)
+    assert len(idx) == 80 and idx.match(chains[0]) == [40, 0]  # under the cap: nothing dropped
+    tr.routed(b, chains[2], now=2.0)  # 120: over 100, trimmed to 99 (1/64 under), from the oldest
+    assert len(idx) == 99 and len(tr) == 99
+    assert idx.match(chains[0]) == [19, 0] and idx.match(chains[2]) == [0, 40]  # chain 0's tail went
+    for k in range(3, 10):  # more routing keeps the index under its cap
+        tr.routed(a if k % 2 else b, idx.hash_tokens(tokens(40 * BS, seed=300 + k)), now=float(k))
+        assert len(idx) == 99 and len(tr) == 99
+    # What is left of each chain is its head: every entry still tracked counts in a match.
+    kept = []
+    for k in range(10):
+        hs = idx.hash_tokens(tokens(40 * BS, seed=300 + k))
+        held = sum(1 for h in hs if idx.match([h]) != [0, 0])
+        assert max(idx.match(hs)) == held, k
+        kept.append(held)
+    assert kept == [0] * 7 + [19, 40, 40]  # the oldest first
+    # A request routed again refreshes its head: the oldest tails go first, heads last.
+    tr2 = ApproxTracker(BlockIndex(BS), ttl_s=1000, max_entries=60)
+    c = tr2.index.add_location("c", Tier.GPU)
+    tr2.routed(c, chains[0], now=0.0)
+    tr2.routed(c, chains[1], now=1.0)  # 80 > 60: 20 of chain 0's go, from its tail
+    assert tr2.index.match(chains[0]) == [20] and tr2.index.match(chains[1]) == [40]
+    assert tr2.sweep(now=1000.5) == 20 and tr2.index.match(chains[0]) == [0]
+
+
 def test_index_refuses_more_than_64_locations():
     idx = BlockIndex(BS)
     for i in range(64):
@@ -538,8 +575,8 @@ def test_approx_tracker_memory_is_bounded_when_one_prompt_repeats():
         tracemalloc.stop()
     assert grown < 200_000, grown
     assert len(tr) == 100 and idx.match(hs) == [100, 0]
-    tr.routed(b, hs, now=60.0)  # 200 entries > 150: a's 50 least recently refreshed go
-    assert len(tr) == 150 and idx.blocks_at(a) == 50 and idx.match(hs) == [0, 100]
+    tr.routed(b, hs, now=60.0)  # 200 entries > 150: a's 50 least recently refreshed go, its tail
+    assert len(tr) == 150 and idx.blocks_at(a) == 50 and idx.match(hs) == [50, 100]
     assert tr.sweep(now=1055.0) == 50 and idx.blocks_at(a) == 0
     assert tr.sweep(now=1061.0) == 100 and len(idx) == 0 and len(tr) == 0
 

@@ -86,7 +86,8 @@ class BlockIndex:
             more, the oldest entries (in the order their events stored them) of the location
             holding the most blocks are evicted, as if its engine had removed them, until the index
             is ~1/64 under the cap; so is a location whose own engine-hash map is over it. Counted
-            in ``counters["evicted"]``. Entries made by :meth:`add` are never evicted.
+            in ``counters["evicted"]``. Entries made by :meth:`add` are never evicted here
+            (:class:`ApproxTracker` trims its own under the cap).
     """
 
     def __init__(
@@ -205,8 +206,12 @@ class ApproxTracker:
     :meth:`routed` records that an instance computed a request's blocks; each entry expires
     ``ttl_s`` after its last refresh (the engine may have evicted it by then). :meth:`sweep` removes
     what expired; call it now and then (the live router does, once a second). Memory: one ordered
-    dict entry per (location, block) tracked, at most ``max_entries`` (the least recently refreshed
-    dropped first); a refresh moves the entry, it queues nothing more.
+    dict entry per (location, block) tracked, at most ``max_entries``, and none that keeps the index
+    over its ``max_blocks`` (its native eviction covers event-fed entries only): the least recently
+    refreshed are dropped first, down to 1/64 under the cap as the native eviction does. A request's
+    blocks are refreshed from its chain's tail to its head, so a chain loses its tail first (a head
+    dropped first left the tail in the index, never matched: a match counts leading blocks). A
+    refresh moves the entry, it queues nothing more.
     """
 
     def __init__(self, index: BlockIndex, ttl_s: float = 120.0, max_entries: int = 1_000_000) -> None:
@@ -230,17 +235,28 @@ class ApproxTracker:
         a thread for a long prompt; thread-safe)."""
         now = time.monotonic() if now is None else now
         exp = now + self.ttl_s
-        for a in range(0, len(hashes), _ROUTED_PIECE):  # the lock is never held long
-            hs = list(hashes[a : a + _ROUTED_PIECE])
+        for b in range(len(hashes), 0, -_ROUTED_PIECE):  # the lock is never held long
+            hs = list(hashes[max(0, b - _ROUTED_PIECE) : b])  # tail pieces first: the head is newest
             with self._lock:
                 expiry = self._expiry
-                for h in hs:
+                for h in reversed(hs):
                     key = (loc.id, h)
                     expiry[key] = exp
                     expiry.move_to_end(key)
                 self.index.add(loc, hs)
-                if len(expiry) > self.max_entries:
-                    self._sweep_locked(now, limit=len(expiry) - self.max_entries)
+                self._trim_locked(now)
+
+    def _trim_locked(self, now: float) -> None:
+        """Drop the least recently refreshed entries over ``max_entries``, and while the index
+        holds more than its ``max_blocks``, down to 1/64 under it (a block another location holds
+        too stays in the index: it is looked at again)."""
+        if len(self._expiry) > self.max_entries:
+            self._sweep_locked(now, limit=len(self._expiry) - self.max_entries)
+        cap = self.index.max_blocks
+        if cap and len(self.index) > cap:
+            target = cap - cap // 64
+            while self._expiry and len(self.index) > target:
+                self._sweep_locked(now, limit=len(self.index) - target)
 
     def sweep(self, now: float | None = None) -> int:
         """Remove expired entries from the index; returns how many blocks were removed."""
