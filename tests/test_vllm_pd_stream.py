@@ -244,6 +244,21 @@ def test_progress_table_generations_and_readiness() -> None:
     assert t.progress(["y"])[0]["y"] == {"state": "pending"}
 
 
+def test_a_request_id_used_again_with_another_transfer_id_is_a_new_stream() -> None:
+    """A prefill request id comes again with another transfer id while the first one's stream is
+    live (a client's id used twice): the old entry was fed the new request's blocks under the old
+    transfer id (its decode read them as the first request's KV, the new decode waited for a
+    transfer id never announced). The old stream is dead now, the new one its own."""
+    t = StreamTable([Region("l0", 0, 64, 64, 8)])
+    t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5], 40, 40, True, 0)}), 60.0)
+    t.step_done()
+    t.begin_step(_meta(stream={"r": StreamStep("y", [7, 8], 40, 40, True, 0)}), 60.0)
+    assert t.progress(["x"])[0]["x"] == {"state": "dead"}
+    st = t.progress(["y"])[0]["y"]
+    assert st["state"] == "live" and st["blocks"] == [7, 8] and st["gen"] == 0 and st["final"] == [0]
+    assert t.gen_ok("r", 0)  # (the new stream's: a read of it is still checked by its digest)
+
+
 def test_progress_questions_wait_at_the_prefill_until_news() -> None:
     t = StreamTable([Region("l0", 0, 64, 64, 8)])
     woken: list[int] = []

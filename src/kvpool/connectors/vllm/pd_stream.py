@@ -93,6 +93,10 @@ class StreamTable:
             for rid, st in meta.stream.items():
                 tid = self._by_req.get(rid)
                 s = self._by_tid.get(tid) if tid is not None else None
+                if s is not None and s.dead_at is None and tid != st.transfer_id:
+                    # The request id names another request now (a client's id used again): the
+                    # old stream is dead (its decode fails), never fed the new request's blocks.
+                    s.dead_at = now
                 if s is None or s.dead_at is not None:
                     s = _Stream(rid, 0, [], st.total, 0, [st.computed] * self.num_regions)
                     self._by_tid[st.transfer_id] = s
