@@ -451,14 +451,16 @@ def prefill_late(port: int) -> None:
     push.send_multipart([b"ABORT", b"3", b"127.0.0.1", str(in_port).encode(), b"7"])
     while_stopped = inbox_msgs(1500)
     status2 = int(senders[2].poll())
+    status3 = int(senders[3].poll())  # aborted: Failed would let SGLang free pages being read
     release.set()
     after = []
     t0 = time.monotonic()
     while len(after) < 3 and time.monotonic() - t0 < 20:
         after += inbox_msgs(200)
     out(event="late", room1=room1, room1_bytes=ok1, timed_out=timed_out, while_stopped=while_stopped,
-        status2_while_stopped=status2, after=after, landed=release.landed(),
-        status2=int(senders[2].poll()), deferred=mgr.engine.batches.deferred())  # fmt: skip
+        status2_while_stopped=status2, status3_while_stopped=status3, after=after,
+        landed=release.landed(), status2=int(senders[2].poll()),
+        status3=int(senders[3].poll()), deferred=mgr.engine.batches.deferred())  # fmt: skip
     peer.close()
     push.close(0)
     inbox.close(0)

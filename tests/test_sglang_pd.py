@@ -20,7 +20,7 @@ from kvpool.child import free_port
 from tests.sglang_support import ROOT, SGLANG_ENV, sglang_python
 
 PROC = str(ROOT / "tests" / "sglang_pd_proc.py")
-SUCCESS, FAILED = 4, 0
+SUCCESS, TRANSFERRING, FAILED = 4, 3, 0
 
 
 class Role:
@@ -617,9 +617,11 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     memory WRITEs to a decode rank's GPU buffers in a peer process over CUDA IPC; the stream then
     stops: rooms 2 and 3 raise TransferTimeout with their copies queued, room 3 is aborted. While
     stopped, the decode hears nothing (no Failed status: it keeps its pages; no ABORT_ACK: it does
-    not release them) and room 2's sender is not Failed (the prefill keeps its pages). Once the
-    stream resumed, room 2's Failed and room 3's ack come, each after its batch settled. The old
-    worker failed room 2 at once and never acked room 3."""
+    not release them) and neither room 2's sender nor aborted room 3's polls Failed (the prefill
+    keeps their pages: room 3 reads Transferring). Once the stream resumed, room 2's Failed and
+    room 3's ack come, each after its batch settled, and room 3's sender polls Failed. The old
+    worker failed room 2 at once and never acked room 3; until 2026-11-27 room 3's sender polled
+    Failed at its abort (SGLang freed the pages its copies still read)."""
     monkeypatch.setenv("KVPOOL_TIMEOUT_S", "0.5")
     p = Role("prefill-late", free_port(), "late")
     roles.append(p)
@@ -627,9 +629,10 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     assert got["room1"] == [[1, SUCCESS, True]] and got["room1_bytes"]  # the setup moves bytes
     assert got["timed_out"] == {"2": "TransferTimeout", "3": "TransferTimeout"}
     assert got["while_stopped"] == [] and got["status2_while_stopped"] != FAILED
+    assert got["status3_while_stopped"] == TRANSFERRING
     assert got["landed"] > 0
     after = sorted(got["after"], key=lambda m: (m[0], str(m[1])))
     assert [m[:2] for m in after if m[0] == 2] == [[2, FAILED]]
     assert [3, "ack", True] in after  # the ack, once room 3's copies ended
     assert all(settled for _, _, settled in after), after
-    assert got["status2"] == FAILED and got["deferred"] == 0
+    assert got["status2"] == FAILED and got["status3"] == FAILED and got["deferred"] == 0

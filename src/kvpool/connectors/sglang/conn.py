@@ -124,11 +124,12 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         self._registered: list[int] = []
         self.register_buffer_to_engine()
         self.transfer_calls = 0
+        # Prefill: rooms with a chunk being written (or its GPU copies still running past the
+        # timeout), and the abort acks that wait for them to drain. Empty on a decode.
+        self._in_flight: dict[int, int] = {}
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.peers = PeerTable()  # session -> PeerArgs, bounded (KVPOOL_SGLANG_MAX_PEERS)
-            # Rooms with a chunk being written, and the abort acks that wait for them to drain.
             self._room_lock = threading.Lock()
-            self._in_flight: dict[int, int] = {}
             self._acks_waiting: dict[int, dict[tuple[str, int], AckTarget]] = {}
             waited = max(self.bootstrap_timeout, envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
             self.rooms = RoomTable.from_env(self.transfer_infos, self._drop_room, waited)
@@ -144,6 +145,25 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             self._start_heartbeat_checker_thread()
         else:
             raise ValueError(f"unsupported disaggregation mode {disaggregation_mode}")
+
+    # ------------------------------------------------------------------ status
+    def check_status(self, bootstrap_room: int) -> KVPoll:
+        """SGLang's sender and receiver ``poll()`` (the scheduler's event loop; never blocks): the
+        room's status, except that a Failed room of which a chunk is still being written (its
+        GPU copies may outlive the timeout) reads Transferring until the write ended. Failed lets
+        SGLang free the room's prefill pages (the request's KV, reused by other requests) and,
+        with a deferred bootstrap, tell the decode, which then frees the pages being written; an
+        abort marks the room Failed at once (:meth:`_on_abort`), so the status is held instead."""
+        return self._held(bootstrap_room, super().check_status(bootstrap_room))
+
+    def check_status_pp_consensus(self, bootstrap_room: int) -> KVPoll:
+        """:meth:`check_status` over pipeline stages (SGLang's sender with PP)."""
+        return self._held(bootstrap_room, super().check_status_pp_consensus(bootstrap_room))
+
+    def _held(self, room: int, status: KVPoll) -> KVPoll:
+        if status == KVPoll.Failed and self._in_flight.get(room):
+            return KVPoll.Transferring
+        return status
 
     # ------------------------------------------------------------------ memory
     def _buffers(self) -> list[tuple[int, int, str]]:
@@ -389,7 +409,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         **_: Any,
     ) -> None:
         """Queue one chunk (called by :class:`KvpoolKVSender.send`); the worker moves it."""
-        if bootstrap_room not in self.request_status or self.check_status(bootstrap_room) == KVPoll.Failed:
+        if self.request_status.get(bootstrap_room, KVPoll.Failed) == KVPoll.Failed:
             return
         chunk = Chunk(
             bootstrap_room,
@@ -416,7 +436,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
     def _send_chunk(self, chunk: Chunk) -> None:
         room = chunk.room
         with self._room_lock:
-            if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+            if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
                 return
             self._in_flight[room] = self._in_flight.get(room, 0) + 1
         drained = False
