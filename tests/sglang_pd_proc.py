@@ -343,8 +343,9 @@ def prefill_late(port: int) -> None:
     decode rank whose buffers are GPU memory of a peer process (tests/cuda_ipc_peer.py), over CUDA
     IPC; the decode's registration, metadata and ABORT come over ZMQ from here, its statuses and
     acks come back here. Room 1 moves normally; then the stream stops (no event completes until
-    this process lets it, ``STOP_S`` after both batches timed out): room 2's and room 3's batches
-    raise TransferTimeout with their copies queued, room 3 is aborted (deferred ack). Prints one
+    this process lets it, once rooms 2 to 4 were looked at): room 2's and room 3's batches
+    raise TransferTimeout with their copies queued, room 3 is aborted (deferred ack), room 4 (a
+    dummy destination, on room 2's worker) is sent and polled for Success meanwhile. Prints one
     "late" event: what reached the "decode" while stopped, each status/ack afterwards with whether
     its room's batch had settled when it came, and room 1's page digests on both sides."""
     import hashlib
@@ -400,6 +401,13 @@ def prefill_late(port: int) -> None:
         body = {"room": r, "ip": "127.0.0.1", "port": in_port, "session": peer.name, "dummy": False,
                 "kv": np.asarray(dst, np.int32).tobytes(), "aux": None, "need": 1, "prefix": 0}  # fmt: skip
         push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
+    # Room 4: a dummy destination (nothing to write), on room 2's worker (KVPOOL_SGLANG_WORKERS=2).
+    senders[4] = get_kv_class(backend, T.SENDER)(
+        mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=4
+    )
+    body = {"room": 4, "ip": "127.0.0.1", "port": in_port, "session": peer.name, "dummy": True, "kv": b"",
+            "aux": None, "need": 1, "prefix": 0}  # fmt: skip
+    push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
     t0 = time.monotonic()
     while any(s.poll() != KVPoll.WaitingForInput for s in senders.values()) and time.monotonic() - t0 < 10:
         time.sleep(0.01)
@@ -449,6 +457,13 @@ def prefill_late(port: int) -> None:
     while len(timed_out) < 2 and time.monotonic() - t0 < 20:
         time.sleep(0.01)
     push.send_multipart([b"ABORT", b"3", b"127.0.0.1", str(in_port).encode(), b"7"])
+    # Room 4 goes while room 2's copies are stopped: it must not wait behind room 2.
+    senders[4].init(2, 0)
+    senders[4].send(np.asarray([70, 71], np.int32))
+    t0 = time.monotonic()
+    while senders[4].poll() != KVPoll.Success and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    status4 = int(senders[4].poll())
     while_stopped = inbox_msgs(1500)
     status2 = int(senders[2].poll())
     status3 = int(senders[3].poll())  # aborted: Failed would let SGLang free pages being read
@@ -458,8 +473,8 @@ def prefill_late(port: int) -> None:
     while len(after) < 3 and time.monotonic() - t0 < 20:
         after += inbox_msgs(200)
     out(event="late", room1=room1, room1_bytes=ok1, timed_out=timed_out, while_stopped=while_stopped,
-        status2_while_stopped=status2, status3_while_stopped=status3, after=after,
-        landed=release.landed(), status2=int(senders[2].poll()),
+        status2_while_stopped=status2, status3_while_stopped=status3, status4_while_stopped=status4,
+        after=after, landed=release.landed(), status2=int(senders[2].poll()),
         status3=int(senders[3].poll()), deferred=mgr.engine.batches.deferred())  # fmt: skip
     peer.close()
     push.close(0)

@@ -610,6 +610,29 @@ def test_a_room_seen_again_does_not_keep_older_rooms_from_their_ttl(monkeypatch:
     assert 3 not in infos and all(r in infos for r in (2, 4, 5))
 
 
+def test_late_rooms_end_each_parked_room_once_its_copies_settled() -> None:
+    """A transfer worker's parked rooms (no SGLang needed): none parked, its queue get waits
+    unbounded; parked, the wait starts at 10 ms and backs off to 0.5 s; a room ends (once) only
+    when its batch settled, the others stay parked."""
+    from kvpool.connectors.sglang.rooms import LateRooms
+
+    settled: set[int] = set()
+    late = LateRooms(lambda bid: bid in settled)
+    assert late.wait_s() is None and late.ended() == []
+    late.park(2, 20, "why 2")
+    late.park(4, 40, "why 4")
+    assert late.wait_s() == LateRooms.MIN_WAIT_S
+    for _ in range(10):
+        assert late.ended() == []
+    assert late.wait_s() == LateRooms.MAX_WAIT_S and len(late) == 2
+    settled.add(40)
+    assert late.ended() == [(4, "why 4")] and late.ended() == [] and len(late) == 1
+    late.park(6, 60, "why 6")  # a new room is looked at soon again
+    assert late.wait_s() == LateRooms.MIN_WAIT_S
+    settled.update((20, 60))
+    assert sorted(late.ended()) == [(2, "why 2"), (6, "why 6")] and late.wait_s() is None
+
+
 def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_they_ended(
     roles: list[Role], fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -621,8 +644,11 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     keeps their pages: room 3 reads Transferring). Once the stream resumed, room 2's Failed and
     room 3's ack come, each after its batch settled, and room 3's sender polls Failed. The old
     worker failed room 2 at once and never acked room 3; until 2026-11-27 room 3's sender polled
-    Failed at its abort (SGLang freed the pages its copies still read)."""
+    Failed at its abort (SGLang freed the pages its copies still read). Room 4 (a dummy
+    destination), on room 2's transfer worker and sent while room 2's copies were stopped,
+    succeeds meanwhile: until 2026-11-27 the worker waited for room 2's copies first."""
     monkeypatch.setenv("KVPOOL_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("KVPOOL_SGLANG_WORKERS", "2")  # rooms 2 and 4 share a worker, room 3 not
     p = Role("prefill-late", free_port(), "late")
     roles.append(p)
     got = p.wait_for("late", timeout=180)
@@ -630,6 +656,7 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     assert got["timed_out"] == {"2": "TransferTimeout", "3": "TransferTimeout"}
     assert got["while_stopped"] == [] and got["status2_while_stopped"] != FAILED
     assert got["status3_while_stopped"] == TRANSFERRING
+    assert got["status4_while_stopped"] == SUCCESS  # room 4 did not wait behind room 2
     assert got["landed"] > 0
     after = sorted(got["after"], key=lambda m: (m[0], str(m[1])))
     assert [m[:2] for m in after if m[0] == 2] == [[2, FAILED]]

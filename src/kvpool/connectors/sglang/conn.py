@@ -58,7 +58,7 @@ from kvpool.config import TransferConfig
 from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.peers import REG_TAG, PeerArgs, parse_registration, registration_message
-from kvpool.connectors.sglang.rooms import PeerTable, RoomTable
+from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferTimeout, late_batch
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -66,6 +66,7 @@ from kvpool.transfer.types import OpCode
 log = logging.getLogger("kvpool.connectors.sglang")
 
 META_TAG = b"KVPOOL_META"
+_NO_CHUNK: Any = object()  # a transfer worker's queue get timed out
 
 
 @dataclass
@@ -130,6 +131,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.peers = PeerTable()  # session -> PeerArgs, bounded (KVPOOL_SGLANG_MAX_PEERS)
             self._room_lock = threading.Lock()
+            self._late_rooms: set[int] = set()  # parked by their worker (LateRooms)
             self._acks_waiting: dict[int, dict[tuple[str, int], AckTarget]] = {}
             waited = max(self.bootstrap_timeout, envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
             self.rooms = RoomTable.from_env(self.transfer_infos, self._drop_room, waited)
@@ -423,48 +425,83 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         self._queues[hash(bootstrap_room) % len(self._queues)].put(chunk)
 
     def _transfer_worker(self, q: queue.Queue[Chunk | None]) -> None:
+        """One transfer worker thread: the chunks of the rooms hashed to its queue, in order. A
+        room whose GPU copies outlive the timeout is parked (:class:`LateRooms`): the worker goes
+        on with the rooms behind it and ends it (:meth:`_late_ended`) on the first turn of its
+        loop after those copies ended (it looks at least every 0.5 s)."""
+        late = LateRooms(self.engine.batch_settled)
         while True:
-            chunk = q.get()
+            try:
+                chunk = q.get(timeout=late.wait_s())
+            except queue.Empty:
+                chunk = _NO_CHUNK
+            for room, reason in late.ended():
+                try:
+                    self._late_ended(room, reason)
+                except Exception:  # noqa: BLE001 - the worker lives on
+                    log.exception("kvpool prefill: room %s not concluded after its late copies", room)
             if chunk is None:
                 return
+            if chunk is _NO_CHUNK:
+                continue
             try:
-                self._send_chunk(chunk)
+                self._send_chunk(chunk, late)
             except Exception as exc:  # noqa: BLE001 - the room fails, the worker lives on
                 log.exception("kvpool prefill: chunk of room %s failed", chunk.room)
                 self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"kvpool: {exc}")
 
-    def _send_chunk(self, chunk: Chunk) -> None:
+    def _send_chunk(self, chunk: Chunk, late: LateRooms) -> None:
         room = chunk.room
         with self._room_lock:
-            if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+            if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed or room in self._late_rooms:
                 return
             self._in_flight[room] = self._in_flight.get(room, 0) + 1
-        drained = False
         try:
             self._write_chunk(chunk)
-            drained = True
         except TransferTimeout as exc:
-            if late_batch(exc) is None:
+            bid = late_batch(exc)
+            if bid is None:
+                self._write_ended(room, drained=False)
                 raise
             # GPU copies of the batch outlived the timeout (a hung stream): they may still read
-            # the prefill's pages and write the decode's. The room stays unconcluded (neither side
-            # frees its pages) and an abort unacked until they ended; then it fails and acks.
+            # the prefill's pages and write the decode's. The room stays in flight, unconcluded
+            # (its sender polls Transferring, the decode hears nothing: neither side frees its
+            # pages) and an abort of it unacked until they ended; no later chunk of it starts.
+            # Parked, it holds up no other room of this worker.
             log.warning("kvpool prefill: room %s waits for GPU copies past the timeout: %s", room, exc)
-            self.engine.wait_settled(late_batch(exc))
-            drained = True
+            with self._room_lock:
+                self._late_rooms.add(room)
+            late.park(room, bid, f"kvpool: {exc}")
+        except BaseException:
+            self._write_ended(room, drained=False)
             raise
+        else:
+            self._write_ended(room, drained=True)
+
+    def _late_ended(self, room: int, reason: str) -> None:
+        """The GPU copies of parked ``room`` ended (its worker thread): the room fails (the decode
+        is told), then it is no longer in flight (its sender polls Failed, an abort is acked)."""
+        try:
+            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
         finally:
             with self._room_lock:
-                left = self._in_flight.pop(room) - 1
-                if left:
-                    self._in_flight[room] = left
-                    waiting = None
-                else:
-                    waiting = self._acks_waiting.pop(room, None)
-            # A chunk that failed mid-write otherwise may still land: no ack then (the decode
-            # releases its pages after SGLang's own timeout), as SGLang's backends do.
-            if waiting and drained:
-                self._ack(room, waiting.values())
+                self._late_rooms.discard(room)
+            self._write_ended(room, drained=True)
+
+    def _write_ended(self, room: int, *, drained: bool) -> None:
+        """A chunk of ``room`` is no longer written; the abort acks that waited for the room's
+        last one are sent when nothing of it can still land (``drained``). A chunk that failed
+        mid-write otherwise may still land: no ack then (the decode releases its pages after
+        SGLang's own timeout), as SGLang's backends do."""
+        with self._room_lock:
+            left = self._in_flight.pop(room) - 1
+            if left:
+                self._in_flight[room] = left
+                waiting = None
+            else:
+                waiting = self._acks_waiting.pop(room, None)
+        if waiting and drained:
+            self._ack(room, waiting.values())
 
     def _write_chunk(self, chunk: Chunk) -> None:
         room = chunk.room

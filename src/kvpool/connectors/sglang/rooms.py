@@ -16,6 +16,8 @@ forever. :class:`RoomTable` admits metadata only within bounds:
 
 A normal flow, where each room is cleared when done, never reaches them. :class:`PeerTable` bounds
 the decode ranks' registrations (``KVPOOL_SGLANG_MAX_PEERS``, the one unused longest is evicted).
+:class:`LateRooms` holds a transfer worker's rooms whose GPU copies outlived the timeout until
+those copies ended, so that the worker goes on with its other rooms meanwhile.
 """
 
 from __future__ import annotations
@@ -189,3 +191,44 @@ class PeerTable:
         """The registered sessions, unused longest first."""
         with self._lock:
             return list(self._peers)
+
+
+class LateRooms:
+    """The rooms of one transfer worker whose batch raised TransferTimeout with its GPU copies
+    still queued (a hung stream; ``kvpool.errors.late_batch``), parked until ``settled(batch_id)``
+    (``TransferEngine.batch_settled``, never blocks) says they ended. The worker thread alone
+    uses it: :meth:`park` when a chunk's copies outlive the timeout, :meth:`wait_s` as its
+    queue's get timeout, :meth:`ended` on every turn of its loop, so that the parked rooms hold
+    up none of the rooms behind them in its queue. At most one entry per chunk being written
+    (the worker drops later chunks of a parked room), so no bound beyond the rooms'."""
+
+    MIN_WAIT_S = 0.01
+    MAX_WAIT_S = 0.5
+
+    def __init__(self, settled: Callable[[int], bool]) -> None:
+        self._settled = settled
+        self._parked: list[tuple[int, int, str]] = []  # (room, batch id, failure reason)
+        self._wait = self.MIN_WAIT_S
+
+    def park(self, room: int, batch_id: int, reason: str) -> None:
+        """``room``'s batch ``batch_id`` outlived the timeout (it fails with ``reason`` once its
+        copies ended); looked at again soon, then less often (backoff to :attr:`MAX_WAIT_S`)."""
+        self._parked.append((room, batch_id, reason))
+        self._wait = self.MIN_WAIT_S
+
+    def wait_s(self) -> float | None:
+        """How long the worker may wait for its next chunk: None (no bound) when nothing is
+        parked, else the backoff's current step."""
+        return self._wait if self._parked else None
+
+    def ended(self) -> list[tuple[int, str]]:
+        """(room, reason) of the parked rooms whose copies ended since the last call, each once."""
+        done = [p for p in self._parked if self._settled(p[1])]
+        if done:
+            self._parked = [p for p in self._parked if p not in done]
+        if self._parked:
+            self._wait = min(self._wait * 2, self.MAX_WAIT_S)
+        return [(room, reason) for room, _, reason in done]
+
+    def __len__(self) -> int:
+        return len(self._parked)
