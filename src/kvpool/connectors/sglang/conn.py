@@ -33,7 +33,6 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -50,14 +49,14 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVReceiver,
     CommonKVSender,
 )
-from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 
 from kvpool.config import TransferConfig
 from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
-from kvpool.connectors.sglang.peers import REG_TAG, PeerArgs, parse_registration, registration_message
+from kvpool.connectors.sglang.peers import REG_TAG, parse_registration, registration_message
+from kvpool.connectors.sglang.plan import Chunk, TransferInfo, aux_columns, page_columns
 from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferTimeout, late_batch
 from kvpool.transfer.engine import TransferEngine
@@ -67,32 +66,6 @@ log = logging.getLogger("kvpool.connectors.sglang")
 
 META_TAG = b"KVPOOL_META"
 _NO_CHUNK: Any = object()  # a transfer worker's queue get timed out
-
-
-@dataclass
-class TransferInfo:
-    """One decode rank's destination for one room (attribute names as SGLang's Common expects)."""
-
-    room: int
-    endpoint: str
-    dst_port: int
-    session: str
-    dst_kv_indices: np.ndarray
-    dst_aux_index: int | None
-    required_dst_info_num: int
-    decode_prefix_len: int
-    is_dummy: bool
-    refused: str | None = None  # why this prefill cannot serve the decode rank (its registration)
-
-
-@dataclass
-class Chunk:
-    room: int
-    kv_indices: np.ndarray
-    index_slice: slice
-    is_last: bool
-    aux_index: int | None
-    state_indices: Any = None
 
 
 def _engine(local_ip: str) -> TransferEngine:
@@ -544,9 +517,9 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             plan.append((info, peer, dst))
         targets = []
         for info, peer, dst in plan:
-            cols = self._page_columns(peer, chunk.kv_indices, dst)
+            cols = page_columns(self.kv_args, peer, chunk.kv_indices, dst)
             if chunk.is_last and chunk.aux_index is not None and info.dst_aux_index is not None:
-                self._aux_columns(peer, chunk.aux_index, info.dst_aux_index, cols)
+                aux_columns(self.kv_args, peer, chunk.aux_index, info.dst_aux_index, cols)
             if cols[0]:
                 self._run(peer.session, cols)
             targets.append((info.endpoint, info.dst_port))
@@ -555,35 +528,6 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 return  # aborted (and maybe cleared) while this chunk was written: no Success
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets or None)
             self.transfer_infos.pop(room, None)
-
-    def _page_columns(self, peer: PeerArgs, src: np.ndarray, dst: np.ndarray) -> tuple[list, list, list]:
-        """Every layer's K then V: one WRITE per run of pages contiguous on both sides
-        (source addresses, destination addresses, lengths)."""
-        srcs: list[int] = []
-        dsts: list[int] = []
-        lens: list[int] = []
-        if not len(src):
-            return srcs, dsts, lens
-        a = self.kv_args
-        src_groups, dst_groups = group_concurrent_contiguous(src.astype(np.int32), dst.astype(np.int32))
-        runs = [(int(s[0]), int(d[0]), len(s)) for s, d in zip(src_groups, dst_groups, strict=True)]
-        for src_ptr, dst_ptr, item in zip(a.kv_data_ptrs, peer.kv_ptrs, a.kv_item_lens, strict=False):
-            for s0, d0, n in runs:
-                srcs.append(src_ptr + s0 * item)
-                dsts.append(dst_ptr + d0 * item)
-                lens.append(n * item)
-        return srcs, dsts, lens
-
-    def _aux_columns(
-        self, peer: PeerArgs, src_index: int, dst_index: int, cols: tuple[list, list, list]
-    ) -> None:
-        """Append the request's aux (metadata) rows to the same batch."""
-        a = self.kv_args
-        for i in range(min(len(a.aux_data_ptrs), len(peer.aux_ptrs))):
-            if a.aux_item_lens[i]:
-                cols[0].append(a.aux_data_ptrs[i] + a.aux_item_lens[i] * src_index)
-                cols[1].append(peer.aux_ptrs[i] + peer.aux_item_lens[i] * dst_index)
-                cols[2].append(a.aux_item_lens[i])
 
     def _run(self, session: str, cols: tuple[list, list, list]) -> None:
         """One transfer batch to a decode rank; raises a typed error when any part failed."""
