@@ -347,7 +347,8 @@ def prefill_late(port: int) -> None:
     raise TransferTimeout with their copies queued, room 3 is aborted (deferred ack), room 4 (a
     dummy destination, on room 2's worker) is sent and polled for Success meanwhile. Prints one
     "late" event: what reached the "decode" while stopped, each status/ack afterwards with whether
-    its room's batch had settled when it came, and room 1's page digests on both sides."""
+    its room's batch had settled when it came, room 1's page digests on both sides and the errors
+    the backend logged."""
     import hashlib
 
     import msgpack
@@ -363,6 +364,16 @@ def prefill_late(port: int) -> None:
     from cuda_ipc_peer import Peer
 
     np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
+    import logging
+
+    errors: list[str] = []  # what the backend logs as errors
+
+    class Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    logging.getLogger("kvpool.connectors.sglang").addHandler(Errors())
     # The KV buffers register as cuda:0 (the fake driver's): SGLang resolved "cpu" (no CUDA here).
     import msgspec
 
@@ -475,7 +486,7 @@ def prefill_late(port: int) -> None:
     out(event="late", room1=room1, room1_bytes=ok1, timed_out=timed_out, while_stopped=while_stopped,
         status2_while_stopped=status2, status3_while_stopped=status3, status4_while_stopped=status4,
         after=after, landed=release.landed(), status2=int(senders[2].poll()),
-        status3=int(senders[3].poll()), deferred=mgr.engine.batches.deferred())  # fmt: skip
+        status3=int(senders[3].poll()), deferred=mgr.engine.batches.deferred(), errors=errors)  # fmt: skip
     peer.close()
     push.close(0)
     inbox.close(0)

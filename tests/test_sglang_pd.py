@@ -646,9 +646,13 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     worker failed room 2 at once and never acked room 3; until 2026-11-27 room 3's sender polled
     Failed at its abort (SGLang freed the pages its copies still read). Room 4 (a dummy
     destination), on room 2's transfer worker and sent while room 2's copies were stopped,
-    succeeds meanwhile: until 2026-11-27 the worker waited for room 2's copies first."""
+    succeeds meanwhile: until 2026-11-27 the worker waited for room 2's copies first. Room 3's
+    copies end past the decode's release timeout (0.5 s here): SGLang's decode may have reused
+    its pages by then, which kvpool cannot prevent; an error names the room (none did before)."""
     monkeypatch.setenv("KVPOOL_TIMEOUT_S", "0.5")
     monkeypatch.setenv("KVPOOL_SGLANG_WORKERS", "2")  # rooms 2 and 4 share a worker, room 3 not
+    # The decode frees an aborted room's pages this long after its abort, acked or not.
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "0.5")
     p = Role("prefill-late", free_port(), "late")
     roles.append(p)
     got = p.wait_for("late", timeout=180)
@@ -663,3 +667,6 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     assert [3, "ack", True] in after  # the ack, once room 3's copies ended
     assert all(settled for _, _, settled in after), after
     assert got["status2"] == FAILED and got["status3"] == FAILED and got["deferred"] == 0
+    # Room 3's copies ended past the decode's release timeout: one error names it (none room 2).
+    late = [e for e in got["errors"] if "deferred decode KV release timeout" in e]
+    assert len(late) == 1 and "room 3 " in late[0] and "another request" in late[0], got["errors"]

@@ -33,6 +33,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -56,7 +57,7 @@ from kvpool.config import TransferConfig
 from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.peers import REG_TAG, parse_registration, registration_message
-from kvpool.connectors.sglang.plan import Chunk, TransferInfo, aux_columns, page_columns
+from kvpool.connectors.sglang.plan import Chunk, TransferInfo, aux_columns, buffers, page_columns
 from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferTimeout, late_batch
 from kvpool.transfer.engine import TransferEngine
@@ -106,6 +107,12 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             self._room_lock = threading.Lock()
             self._late_rooms: set[int] = set()  # parked by their worker (LateRooms)
             self._acks_waiting: dict[int, dict[tuple[str, int], AckTarget]] = {}
+            self._aborted_at: dict[int, float] = {}  # when the first of those acks was asked
+            # How long an aborting decode keeps a room's pages without an ack (SGLang's decode
+            # setting, read here with the same default): past it, late copies may hit reused pages.
+            self._release_timeout_s = float(
+                envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+            )
             waited = max(self.bootstrap_timeout, envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
             self.rooms = RoomTable.from_env(self.transfer_infos, self._drop_room, waited)
             n = max(1, int(os.environ.get("KVPOOL_SGLANG_WORKERS", "2")))
@@ -141,28 +148,6 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         return status
 
     # ------------------------------------------------------------------ memory
-    def _buffers(self) -> list[tuple[int, int, str]]:
-        """(address, length, location) of the KV, state and aux buffers, deduplicated.
-
-        KV and state buffers live on the server's device (``cuda:<gpu_id>`` unless SGLang runs with
-        ``--device cpu``); aux (metadata) buffers are always host memory.
-        """
-        a = self.kv_args
-        device = str(getattr(self.server_args, "device", None) or "cuda")
-        dev_loc = "cpu:0" if device == "cpu" else f"cuda:{int(getattr(a, 'gpu_id', 0) or 0)}"
-        pairs = [(p, n, dev_loc) for p, n in zip(a.kv_data_ptrs, a.kv_data_lens, strict=False)]
-        for ptrs, lens in zip(
-            getattr(a, "state_data_ptrs", None) or [], getattr(a, "state_data_lens", None) or [], strict=False
-        ):
-            pairs += [(p, n, dev_loc) for p, n in zip(ptrs, lens, strict=False)]
-        pairs += [(p, n, "cpu:0") for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=False)]
-        seen: dict[int, tuple[int, str]] = {}
-        for ptr, n, loc in pairs:
-            if ptr and n:
-                prev = seen.get(int(ptr))
-                seen[int(ptr)] = (max(prev[0] if prev else 0, int(n)), loc)
-        return sorted((p, n, loc) for p, (n, loc) in seen.items())
-
     def register_buffer_to_engine(self) -> None:
         """Register every KV, aux and state buffer (SGLang calls this again after a memory resume).
 
@@ -171,7 +156,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         through CUDA IPC (when the CUDA driver loads) and by other hosts with ``KVPOOL_PROTOCOL=rdma``.
         """
         remote = self.disaggregation_mode == DisaggregationMode.DECODE
-        for ptr, n, loc in self._buffers():
+        for ptr, n, loc in buffers(self.kv_args, self.server_args):
             if ptr in self._registered:
                 continue
             try:
@@ -351,7 +336,18 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 self.update_status(n.room, KVPoll.Failed)
             if target is not None and self._in_flight.get(n.room):
                 self._acks_waiting.setdefault(n.room, {})[(target.ip, target.port)] = target
+                self._aborted_at.setdefault(n.room, time.monotonic())
                 return
+            late = n.room in self._late_rooms
+        if late:
+            log.error(
+                "kvpool prefill: decode %s:%s aborted room %s without waiting for an ack while GPU "
+                "copies into its pages still run (a hung stream): it may give those pages to another "
+                "request, whose KV they then overwrite",
+                n.decode_ip,
+                n.decode_port,
+                n.room,
+            )
         if target is not None:
             self._ack(n.room, [target])
         elif n.decode_ip is not None and n.decode_port is not None:
@@ -459,6 +455,20 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         finally:
             with self._room_lock:
                 self._late_rooms.discard(room)
+                aborted = self._aborted_at.get(room)
+            waited = time.monotonic() - aborted if aborted is not None else 0.0
+            if waited > self._release_timeout_s:
+                # SGLang's decode frees an aborted room's pages this long after its abort even
+                # without the ack; kvpool cannot hold it off (see docs/sglang.md).
+                log.error(
+                    "kvpool prefill: the GPU copies of room %s ended %.1f s after its decode aborted "
+                    "it, past SGLang's deferred decode KV release timeout "
+                    "(SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, %g s): the decode may "
+                    "have given those pages to another request, whose KV they then overwrote",
+                    room,
+                    waited,
+                    self._release_timeout_s,
+                )
             self._write_ended(room, drained=True)
 
     def _write_ended(self, room: int, *, drained: bool) -> None:
@@ -473,6 +483,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 waiting = None
             else:
                 waiting = self._acks_waiting.pop(room, None)
+                self._aborted_at.pop(room, None)
         if waiting and drained:
             self._ack(room, waiting.values())
 

@@ -2,7 +2,7 @@
 for one chunk: a decode rank's destination for a room (:class:`TransferInfo`), a queued chunk
 (:class:`Chunk`), and the columns of its transfer batch (source addresses, destination
 addresses, lengths): every layer's K and V pages (:func:`page_columns`) plus, on the last chunk,
-the aux rows (:func:`aux_columns`)."""
+the aux rows (:func:`aux_columns`); and the buffers a manager registers (:func:`buffers`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,30 @@ class Chunk:
     is_last: bool
     aux_index: int | None
     state_indices: Any = None
+
+
+def buffers(kv_args: Any, server_args: Any) -> list[tuple[int, int, str]]:
+    """(address, length, location) of a manager's KV, state and aux buffers, deduplicated: what
+    it registers with its transfer engine.
+
+    KV and state buffers live on the server's device (``cuda:<gpu_id>`` unless SGLang runs with
+    ``--device cpu``); aux (metadata) buffers are always host memory.
+    """
+    a = kv_args
+    device = str(getattr(server_args, "device", None) or "cuda")
+    dev_loc = "cpu:0" if device == "cpu" else f"cuda:{int(getattr(a, 'gpu_id', 0) or 0)}"
+    pairs = [(p, n, dev_loc) for p, n in zip(a.kv_data_ptrs, a.kv_data_lens, strict=False)]
+    for ptrs, lens in zip(
+        getattr(a, "state_data_ptrs", None) or [], getattr(a, "state_data_lens", None) or [], strict=False
+    ):
+        pairs += [(p, n, dev_loc) for p, n in zip(ptrs, lens, strict=False)]
+    pairs += [(p, n, "cpu:0") for p, n in zip(a.aux_data_ptrs, a.aux_data_lens, strict=False)]
+    seen: dict[int, tuple[int, str]] = {}
+    for ptr, n, loc in pairs:
+        if ptr and n:
+            prev = seen.get(int(ptr))
+            seen[int(ptr)] = (max(prev[0] if prev else 0, int(n)), loc)
+    return sorted((p, n, loc) for p, (n, loc) in seen.items())
 
 
 def page_columns(kv_args: Any, peer: PeerArgs, src: np.ndarray, dst: np.ndarray) -> Columns:
