@@ -27,6 +27,10 @@ struct Api {
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, void*) = nullptr;
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, void*) = nullptr;
   CUresult (*cuEventSynchronize)(void*) = nullptr;
+  CUresult (*cuEventRecord)(void*, void*) = nullptr;
+  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, void*) = nullptr;
+  CUresult (*cuLaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                             void**, void**) = nullptr;
   bool ok = false;
   int count = 0;
   std::string path;  // what init loaded
@@ -74,7 +78,9 @@ bool init(const std::string& path) {
               sym(lib, "cuStreamSynchronize", &g.cuStreamSynchronize) &&
               sym(lib, "cuMemcpyHtoDAsync_v2", &g.cuMemcpyHtoDAsync) &&
               sym(lib, "cuMemcpyDtoHAsync_v2", &g.cuMemcpyDtoHAsync) &&
-              sym(lib, "cuEventSynchronize", &g.cuEventSynchronize);
+              sym(lib, "cuEventSynchronize", &g.cuEventSynchronize) &&
+              sym(lib, "cuEventRecord", &g.cuEventRecord) && sym(lib, "cuMemcpyAsync", &g.cuMemcpyAsync) &&
+              sym(lib, "cuLaunchKernel", &g.cuLaunchKernel);
     if (ok) g.path = path.empty() ? "libcuda.so.1" : path;
     if (!ok || g.cuInit(0) != 0 || g.cuDeviceGetCount(&g.count) != 0 || g.count <= 0) return;
     g.ctx.assign(static_cast<size_t>(g.count), nullptr);
@@ -130,6 +136,21 @@ int to_device_async(int device, uint64_t dst, const void* src, size_t n, void* s
 int stream_sync(int device, void* stream) {
   if (!use(device)) return 201;
   return g.cuStreamSynchronize(stream);
+}
+
+int copy_async(int device, uint64_t dst, uint64_t src, size_t n, void* stream) {
+  if (!use(device)) return 201;
+  return g.cuMemcpyAsync(dst, src, n, stream);
+}
+
+int launch(int device, void* func, unsigned grid, unsigned block, void* stream, void** params) {
+  if (!use(device)) return 201;
+  return g.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, 0, stream, params, nullptr);
+}
+
+int record(int device, void* event, void* stream) {
+  if (!use(device)) return 201;
+  return g.cuEventRecord(event, stream);
 }
 
 int event_sync(int device, void* event) {

@@ -29,6 +29,12 @@ void stream_destroy(int device, void* s);
 int to_host_async(int device, void* dst, uint64_t src, size_t n, void* stream);
 int to_device_async(int device, uint64_t dst, const void* src, size_t n, void* stream);
 int stream_sync(int device, void* stream);  // waits for the stream's copies; their first error
+// A CUDA IPC run (csrc/ipc_plan.cpp): a copy between any two addresses (unified addressing), a
+// kernel launch on a 1-D grid (params: the kernel's arguments, as cuLaunchKernel takes them) and an
+// event record, on `stream`. 0 or a CUresult.
+int copy_async(int device, uint64_t dst, uint64_t src, size_t n, void* stream);
+int launch(int device, void* func, unsigned grid, unsigned block, void* stream, void** params);
+int record(int device, void* event, void* stream);
 // Waits for an event recorded by the Python side's driver (the same library: dlopen returns the
 // handle it loaded) with `device`'s primary context current; 0 or a CUresult (the stream's error).
 int event_sync(int device, void* event);

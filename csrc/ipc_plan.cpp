@@ -1,6 +1,5 @@
 // Per-request work of a CUDA IPC run, in one pass each (kvpool/transfer/cuda_ipc.py calls these
 // on every submit; with 4,096 scattered KV blocks a dozen numpy passes cost more than the copy).
-// Pure functions over arrays: no CUDA, no engine state, the GIL held (they take microseconds).
 // Errors are kvpool's (KvError: InvalidArgument for a bad column, RemoteAccessError for a range
 // outside the peer's mapped buffers).
 //
@@ -8,13 +7,19 @@
 // in the peer's published buffers (both tables sorted by start, as the Python side keeps them).
 // ipc_addresses: the source and destination device addresses of a run, from the peer buffers'
 // mapped bases (the gather kernel's table, or the cuMemcpyAsync arguments).
+// ipc_enqueue: a whole run queued in one call — addresses, batch slots, the copies or one gather
+// launch, the event — through the CUDA driver the native side loaded (csrc/cuda.cpp; the same
+// library as the Python side's, so streams, events and kernels are shared). The first two are
+// pure functions (the GIL held, microseconds); ipc_enqueue gives the GIL up while it queues.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "cuda.h"
 #include "engine.h"
 #include "wire.h"
 
@@ -101,9 +106,24 @@ py::tuple ipc_classify(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, p
   return py::make_tuple(code, bad, local_gpu, ridx, ipc, staged, all_inside, n_ipc);
 }
 
-// Writes src[n] then dst[n] (uint64) at `out` (a buffer of >= 2n uint64, e.g. the pinned table of
-// the gather kernel): the remote side of request k is bases[ridx[k]] + (rems[k] - starts[ridx[k]]),
-// the source for a WRITE, the destination for a READ.
+// Source and destination of each request (src[k], dst[k]): the remote side of request k is
+// bases[ridx[k]] + (rems[k] - starts[ridx[k]]), the source for a WRITE, the destination for a READ.
+// RemoteAccessError for a request outside the peer's mapped buffers (nothing written).
+void fill_addresses(py::ssize_t n, const uint8_t* ops, const uint64_t* locs, const uint64_t* rems,
+                    const int64_t* ridx, py::ssize_t p, const uint64_t* bases, const uint64_t* starts,
+                    uint64_t* src, uint64_t* dst) {
+  for (py::ssize_t k = 0; k < n; ++k)
+    if (ridx[k] < 0 || ridx[k] >= p || bases[ridx[k]] == 0)
+      throw kvpool::KvError(kvpool::E_REMOTE_ACCESS, "ipc plan: request outside the peer's mapped buffers");
+  for (py::ssize_t k = 0; k < n; ++k) {
+    const uint64_t remote = bases[ridx[k]] + (rems[k] - starts[ridx[k]]);
+    const bool reading = ops[k] == READ_OP;
+    src[k] = reading ? remote : locs[k];
+    dst[k] = reading ? locs[k] : remote;
+  }
+}
+
+// Writes src[n] then dst[n] (uint64) at `out` (a buffer of >= 2n uint64), as fill_addresses.
 void ipc_addresses(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, py::buffer ridx_b, py::buffer bases_b,
                    py::buffer starts_b, uint64_t out) {
   auto lb = locs_b.request();
@@ -111,23 +131,95 @@ void ipc_addresses(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, py::b
   auto ob = ops_b.request(), rb = rems_b.request(), ib = ridx_b.request(), bb = bases_b.request(),
        sb = starts_b.request();
   const auto p = bb.shape[0];
+  auto* src = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(out));
+  fill_addresses(n, column<uint8_t>(ob, n, "ops"), column<uint64_t>(lb, n, "locs"),
+                 column<uint64_t>(rb, n, "rems"), column<int64_t>(ib, n, "ridx"), p,
+                 column<uint64_t>(bb, p, "bases"), column<uint64_t>(sb, p, "starts"), src, src + n);
+}
+
+// What a run's queueing needs besides its columns: where (device, stream), how (the gather kernel
+// `func` with its device table `dtab` and pinned host table `htab` of `table_bytes`, or func == 0:
+// one cuMemcpyAsync per request) and the event recorded after the copies.
+struct RunTarget {
+  int dev;
+  uintptr_t stream, func, dtab, htab;
+  uint64_t table_bytes;
+  unsigned block, max_grid;
+  uintptr_t event;
+};
+
+// One CUDA IPC run, queued in one call: the copies' addresses (fill_addresses), the batch slots
+// (reserved here, one per request), then, the GIL released, the copies on the stream — the address
+// table to the device and one kvpool_gather launch, or one cuMemcpyAsync per request — and the
+// event. Returns (first slot, lo, hi, rc, what): [lo, hi) the local addresses the copies touch;
+// rc != 0 (a CUresult, `what` the call) when a copy, launch or record failed to queue after the
+// slots were reserved: the caller settles the stream and fails the slots. Raises with nothing
+// reserved or queued for bad columns, a request outside the peer's mapped buffers, a table too
+// small or a batch without room.
+py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, py::buffer ops_b, py::buffer locs_b,
+                      py::buffer rems_b, py::buffer lens_b, py::buffer ridx_b, py::buffer bases_b,
+                      py::buffer starts_b) {
+  auto lb = locs_b.request();
+  const py::ssize_t n = lb.ndim == 1 ? lb.shape[0] : -1;
+  auto ob = ops_b.request(), rb = rems_b.request(), nb = lens_b.request(), ib = ridx_b.request(),
+       bb = bases_b.request(), sb = starts_b.request();
+  const auto p = bb.shape[0];
   const uint8_t* ops = column<uint8_t>(ob, n, "ops");
   const uint64_t* locs = column<uint64_t>(lb, n, "locs");
   const uint64_t* rems = column<uint64_t>(rb, n, "rems");
+  const uint64_t* lens = column<uint64_t>(nb, n, "lens");
   const int64_t* ridx = column<int64_t>(ib, n, "ridx");
   const uint64_t* bases = column<uint64_t>(bb, p, "bases");
   const uint64_t* starts = column<uint64_t>(sb, p, "starts");
-  for (py::ssize_t k = 0; k < n; ++k)
-    if (ridx[k] < 0 || ridx[k] >= p || bases[ridx[k]] == 0)
-      throw kvpool::KvError(kvpool::E_REMOTE_ACCESS, "ipc plan: request outside the peer's mapped buffers");
-  auto* src = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(out));
-  uint64_t* dst = src + n;
-  for (py::ssize_t k = 0; k < n; ++k) {
-    const uint64_t remote = bases[ridx[k]] + (rems[k] - starts[ridx[k]]);
-    const bool reading = ops[k] == READ_OP;
-    src[k] = reading ? remote : locs[k];
-    dst[k] = reading ? locs[k] : remote;
+  if (n == 0) throw kvpool::KvError(kvpool::E_INVALID, "ipc run: no requests");
+  const bool kernel = t.func != 0;
+  const uint64_t need = 24ull * static_cast<uint64_t>(n);
+  if (kernel && (t.htab == 0 || t.dtab == 0 || t.table_bytes < need))
+    throw kvpool::KvError(kvpool::E_INVALID, "ipc run: address table too small");
+  std::vector<uint64_t> scratch;
+  uint64_t* src;
+  if (kernel) {
+    src = reinterpret_cast<uint64_t*>(t.htab);  // the kernel's table: src[n], dst[n], lens[n]
+  } else {
+    scratch.resize(2 * static_cast<size_t>(n));
+    src = scratch.data();
   }
+  uint64_t* dst = src + n;
+  fill_addresses(n, ops, locs, rems, ridx, p, bases, starts, src, dst);
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (py::ssize_t k = 0; k < n; ++k) {
+    lo = std::min(lo, locs[k]);
+    hi = std::max(hi, locs[k] + lens[k]);
+  }
+  const std::vector<uint64_t> lv(lens, lens + n);
+  const uint32_t first = eng.reserve_slots(batch, lv);
+  int rc = 0;
+  const char* what = "";
+  {
+    py::gil_scoped_release rel;
+    void* stream = reinterpret_cast<void*>(t.stream);
+    if (kernel) {
+      std::copy(lens, lens + n, dst + n);
+      rc = kvpool::cuda::to_device_async(t.dev, t.dtab, src, need, stream);
+      what = "cuMemcpyHtoDAsync (address table)";
+      if (rc == 0) {
+        unsigned long long a0 = t.dtab, a1 = t.dtab + 8ull * n, a2 = t.dtab + 16ull * n;
+        unsigned a3 = static_cast<unsigned>(n);
+        void* params[] = {&a0, &a1, &a2, &a3};
+        const auto grid = static_cast<unsigned>(std::min<py::ssize_t>(n, t.max_grid));
+        rc = kvpool::cuda::launch(t.dev, reinterpret_cast<void*>(t.func), grid, t.block, stream, params);
+        what = "cuLaunchKernel";
+      }
+    } else {
+      what = "cuMemcpyAsync";
+      for (py::ssize_t k = 0; k < n && rc == 0; ++k) rc = kvpool::cuda::copy_async(t.dev, dst[k], src[k], lens[k], stream);
+    }
+    if (rc == 0) {
+      rc = kvpool::cuda::record(t.dev, reinterpret_cast<void*>(t.event), stream);
+      what = "cuEventRecord";
+    }
+  }
+  return py::make_tuple(first, lo, hi, rc, rc == 0 ? "" : what);
 }
 
 }  // namespace
@@ -137,4 +229,14 @@ void bind_ipc_plan(py::module_& m) {
         "CUDA IPC run planning: (code, bad index, local_gpu, ridx, ipc, staged, all_inside, n_ipc) of "
         "request columns");
   m.def("ipc_addresses", &ipc_addresses, "CUDA IPC run planning: src then dst addresses written at out");
+  py::class_<RunTarget>(m, "IpcRunTarget")
+      .def(py::init([](int dev, uintptr_t stream, uintptr_t func, uintptr_t dtab, uintptr_t htab, uint64_t table_bytes,
+                       unsigned block, unsigned max_grid, uintptr_t event) {
+             return RunTarget{dev, stream, func, dtab, htab, table_bytes, block, max_grid, event};
+           }),
+           py::arg("dev"), py::arg("stream"), py::arg("func"), py::arg("dtab"), py::arg("htab"), py::arg("table_bytes"),
+           py::arg("block"), py::arg("max_grid"), py::arg("event"));
+  m.def("ipc_enqueue", &ipc_enqueue,
+        "Queue one CUDA IPC run (addresses, slots, copies or one gather launch, event): "
+        "(first slot, lo, hi, rc, failed call)");
 }

@@ -570,15 +570,7 @@ def test_a_run_failing_midway_waits_for_its_queued_copies(
         g = drv.alloc(1 << 20, 0)
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
         eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
-        real, calls = drv.memcpy_async, []
-
-        def third_fails(d: int, s: int, n: int, stream: int) -> None:
-            calls.append(n)
-            if len(calls) == 3:
-                raise CudaError("cuMemcpyAsync failed: CUDA error 2 (out of memory)", 2)
-            real(d, s, n, stream)
-
-        monkeypatch.setattr(drv, "memcpy_async", third_fails)
+        fakecuda.fail_enqueue(fake_driver, fakecuda.COPY, after=2, rc=2)  # the third copy: out of memory
         monkeypatch.setenv("FAKECUDA_DELAY_US", "300000")
         r = peer.gpu[0]
         with pytest.raises(TransferError):
@@ -587,7 +579,7 @@ def test_a_run_failing_midway_waits_for_its_queued_copies(
         copies = fakecuda.stats(fake_driver)[1]
         time.sleep(0.8)
         assert fakecuda.stats(fake_driver)[1] == copies  # nothing still copying after the failure
-        assert len(calls) == 3
+        assert fakecuda.enqueue_faults_left(fake_driver, fakecuda.COPY) == 0
 
 
 def test_mapping_at_an_offset_is_closed_by_its_base(fake_driver: str) -> None:
@@ -654,6 +646,15 @@ def _stop_stream(monkeypatch: pytest.MonkeyPatch, ipc: CudaIpcTransport) -> Sync
     return SyncHold(ipc.driver)
 
 
+def _quiet(ipc: CudaIpcTransport) -> None:
+    """Wait until no run is left in the transport's queue: a completed run's caller wakes as soon
+    as the native completer finished its slots, before the Python bookkeeping takes it out."""
+    deadline = time.monotonic() + 10
+    while ipc._runs and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not ipc._runs
+
+
 def _returns_within(call: Callable[[], object], seconds: float) -> list[object]:
     """Run ``call`` in a thread; assert it returned (or raised) within ``seconds``; its outcome."""
     out: list[object] = []
@@ -691,6 +692,7 @@ def test_letting_a_peer_go_under_a_stopped_stream_does_not_wait_nor_unmap(
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
         eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # maps the peer's GPU buffer
         ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+        _quiet(ipc)
         (rec,) = ipc._peers.values()
         (mapped,) = [b.mapped for b in rec.bufs if b.gpu and b.mapped]
         closed: list[int] = []
@@ -771,10 +773,10 @@ def test_letting_a_peer_go_during_a_submit_never_unmaps_under_it(
         real_open, real_close = ipc.driver.ipc_open, ipc.driver.ipc_close
         monkeypatch.setattr(ipc.driver, "ipc_open", lambda h, d: opened.append(real_open(h, d)) or opened[-1])
         monkeypatch.setattr(ipc.driver, "ipc_close", lambda base: (closed.append(base), real_close(base)))
-        call = {"before_open": "use", "in_open": "ipc_open", "in_open_reattach": "ipc_open"}.get(
-            when, "memcpy_async"
-        )
-        entered, go = _pause_in(monkeypatch, ipc.driver, call, "submitter")
+        call = {"before_open": "use", "in_open": "ipc_open", "in_open_reattach": "ipc_open"}.get(when)
+        # before_queue: the mapping opened, the run's event taken, nothing queued yet
+        obj = ipc.driver if call else ipc._spares
+        entered, go = _pause_in(monkeypatch, obj, call or "event", "submitter")
         bid = eng.allocate_batch_id(1)
         out: list[object] = []
 
@@ -905,6 +907,8 @@ def test_failed_kernel_launches_give_their_address_tables_back(
     """A run whose gather-kernel launch fails returns the device address table it took: each
     failure kept one (device and pinned memory), and on a device with room for a few tables every
     run failed after that many failures."""
+    from kvpool.testing import fakecuda
+
     drv = load_driver()
     with TransferEngine(timeout_s=10.0) as eng:
         g = drv.alloc(1 << 20, 0)
@@ -912,7 +916,7 @@ def test_failed_kernel_launches_give_their_address_tables_back(
         r, n = peer.gpu[0], 8  # 8 small GPU ranges: one kernel launch
         locs, rems = [g + k * 4096 for k in range(n)], [r + k * 4096 for k in range(n)]
         eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
-        real_alloc, real_launch, allocs, fails = drv.alloc, drv.launch, [], [0]
+        real_alloc, allocs = drv.alloc, []
 
         def small_device(size: int, device: int = 0) -> int:  # room for 2 address tables
             if len(allocs) >= 2:
@@ -920,14 +924,8 @@ def test_failed_kernel_launches_give_their_address_tables_back(
             allocs.append(size)
             return real_alloc(size, device)
 
-        def launch(*args: object) -> None:
-            if fails[0] < 5:
-                fails[0] += 1
-                raise CudaError("cuLaunchKernel failed: CUDA error 701 (launch out of resources)", 701)
-            real_launch(*args)
-
         monkeypatch.setattr(drv, "alloc", small_device)
-        monkeypatch.setattr(drv, "launch", launch)
+        fakecuda.fail_enqueue(fake_driver, fakecuda.LAUNCH, after=0, rc=701, times=5)  # out of resources
         for _ in range(5):
             with pytest.raises(TransferError, match="701"):
                 eng.batch_transfer_sync(peer.name, locs, rems, [4096] * n)

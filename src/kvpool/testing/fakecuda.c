@@ -21,6 +21,9 @@
  *    cuStreamSynchronize and by cuEventSynchronize / cuEventQuery of events recorded after it;
  *    fakecuda_fail_next(rc) makes the next queued copy or launch fail with rc (tests inject faults);
  *  - fakecuda_stats(): launches, copies and bytes, for tests that assert batching;
+ *  - fakecuda_fail_enqueue(kind, after, times, rc): after `after` more calls of a kind (0: the
+ *    asynchronous copies, 1: kernel launches) queued, the next `times` return rc and queue nothing
+ *    (a call failing while a run is being queued); fakecuda_enqueue_faults_left(kind);
  *  - fakecuda_hold_event_sync(after): a GPU stream that stops, as its waiter sees it: after `after`
  *    more cuEventSynchronize calls returned, later ones wait (before looking at their event) until
  *    fakecuda_hold_event_sync(-1); fakecuda_event_sync_counts() says how many wait, how many
@@ -353,6 +356,44 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   }
 }
 
+/* ------------------------------------------------------------------ enqueue faults */
+static pthread_mutex_t g_fault_mu = PTHREAD_MUTEX_INITIALIZER;
+static long g_fault_after[2], g_fault_times[2];
+static int g_fault_rc[2];
+
+void fakecuda_fail_enqueue(int kind, long after, long times, int rc) {
+  if (kind < 0 || kind > 1) return;
+  pthread_mutex_lock(&g_fault_mu);
+  g_fault_after[kind] = after;
+  g_fault_times[kind] = times;
+  g_fault_rc[kind] = rc;
+  pthread_mutex_unlock(&g_fault_mu);
+}
+
+long fakecuda_enqueue_faults_left(int kind) {
+  if (kind < 0 || kind > 1) return 0;
+  pthread_mutex_lock(&g_fault_mu);
+  long left = g_fault_times[kind];
+  pthread_mutex_unlock(&g_fault_mu);
+  return left;
+}
+
+static int enqueue_fault(int kind) {
+  int rc = OK;
+  pthread_mutex_lock(&g_fault_mu);
+  if (g_fault_times[kind] > 0) {
+    if (g_fault_after[kind] > 0) {
+      g_fault_after[kind]--;
+    } else {
+      g_fault_times[kind]--;
+      rc = g_fault_rc[kind];
+    }
+  }
+  pthread_mutex_unlock(&g_fault_mu);
+  return rc;
+}
+#define FAULT(kind) do { int f_ = enqueue_fault(kind); if (f_) return f_; } while (0)
+
 /* ------------------------------------------------------------------ copies */
 CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { NEED_CTX(); return do_copy(d, s, n); }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { NEED_CTX(); return do_copy(d, (uintptr_t)s, n); }
@@ -360,14 +401,17 @@ CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { NEED_CTX(); return 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { NEED_CTX(); return do_copy(d, s, n); }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
   NEED_CTX();
+  FAULT(0);
   return enqueue(st, OP_COPY, d, s, 0, n, NULL);
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, CUstream st) {
   NEED_CTX();
+  FAULT(0);
   return enqueue(st, OP_COPY, d, (uintptr_t)s, 0, n, NULL);
 }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, CUstream st) {
   NEED_CTX();
+  FAULT(0);
   return enqueue(st, OP_COPY, (uintptr_t)d, s, 0, n, NULL);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
@@ -541,6 +585,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
   (void)gx; (void)gy; (void)gz; (void)by; (void)bz; (void)shmem; (void)extra;
   NEED_CTX();
   if (f != &g_gather || !params || bx == 0) return E_INVALID_VALUE;
+  FAULT(1);
   CUdeviceptr srcs = *(CUdeviceptr*)params[0], dsts = *(CUdeviceptr*)params[1], lens = *(CUdeviceptr*)params[2];
   unsigned n = *(unsigned*)params[3];
   return enqueue(s, OP_GATHER, (uintptr_t)srcs, (uintptr_t)dsts, (uintptr_t)lens, n, NULL);

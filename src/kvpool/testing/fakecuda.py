@@ -48,6 +48,23 @@ def stats(path: str) -> tuple[int, int, int]:
     return a.value, b.value, c.value
 
 
+COPY, LAUNCH = 0, 1  # kinds of fail_enqueue
+
+
+def fail_enqueue(path: str, kind: int, after: int, rc: int, times: int = 1) -> None:
+    """In this process's fake driver at ``path``: after ``after`` more calls of ``kind`` (COPY: the
+    asynchronous copies, LAUNCH: kernel launches), the next ``times`` return ``rc`` and queue
+    nothing (a CUDA call failing while a run is being queued)."""
+    ctypes.CDLL(path).fakecuda_fail_enqueue(kind, ctypes.c_long(after), ctypes.c_long(times), rc)
+
+
+def enqueue_faults_left(path: str, kind: int) -> int:
+    """How many of the failures :func:`fail_enqueue` set up for ``kind`` have not happened yet."""
+    lib = ctypes.CDLL(path)
+    lib.fakecuda_enqueue_faults_left.restype = ctypes.c_long
+    return int(lib.fakecuda_enqueue_faults_left(kind))
+
+
 class SyncHold:
     """A GPU stream that stops, as the CUDA IPC completion sees it (the fake driver's
     ``cuEventSynchronize`` calls wait, before looking at their event, until :meth:`set`; its copies

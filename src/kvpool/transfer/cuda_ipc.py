@@ -37,7 +37,6 @@ counters) and completes a failed run's slots with the reason.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import threading
@@ -416,9 +415,10 @@ class CudaIpcTransport(Transport):
         ridx: np.ndarray,
         local_gpu: np.ndarray,
     ) -> None:
-        """One run of GPU copies: pin, map, reserve slots, queue the copies and one event. The
-        kernel reads and writes device-accessible memory only, so a run with pageable local host
-        memory goes by one cuMemcpyAsync per request."""
+        """One run of GPU copies: pin, map, then one native call (``_native.ipc_enqueue``) that
+        reserves the slots and queues the copies and one event; the run goes to the completer.
+        The kernel reads and writes device-accessible memory only, so a run with pageable local
+        host memory goes by one cuMemcpyAsync per request."""
         if (ridx < 0).any():
             raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
         used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
@@ -426,6 +426,7 @@ class CudaIpcTransport(Transport):
             peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
         pins = peer.pin(used)
+        dev, table, event = 0, None, None
         try:
             first_gpu = self.registry.gpu_region(int(locs[0]), int(lens[0]))
             dev = (
@@ -433,43 +434,45 @@ class CudaIpcTransport(Transport):
                 if first_gpu
                 else peer.device_of(used, self._uuids)
             )
-            self.driver.use(dev)
+            self.driver.use(dev)  # the mappings opened below are for dev's context
             bases = np.zeros(len(peer.bufs), dtype=_U64)
             starts = np.zeros(len(peer.bufs), dtype=_U64)
             for k in used:
                 b = peer.bufs[k]
                 bases[k] = peer.open(b, dev, self.driver, self._uuids)
                 starts[k] = b.addr
-            addrs = np.empty(2 * len(lens), dtype=_U64)  # sources, then destinations
-            _native.ipc_addresses(ops, locs, rems, ridx, bases, starts, addrs.ctypes.data)
-            src, dst = addrs[: len(lens)], addrs[len(lens) :]
             lens = np.ascontiguousarray(lens, dtype=_U64)
-            first = self.native.reserve_slots_buf(batch_id, lens)
+            stream = self._stream(dev)
+            kernel = not (len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all())
+            func, (dtab, htab, size) = 0, (0, 0, 0)
+            if kernel:
+                func = self._kernel(dev)
+                table = self._spares.table(dev, 24 * len(lens))
+                dtab, htab, size = table
+            event = self._spares.event()
+            target = _native.IpcRunTarget(dev, stream, func, dtab, htab, size, _BLOCK, _MAX_GRID, event)
+            first, lo, hi, rc, what = _native.ipc_enqueue(
+                self.native, batch_id, target, ops, locs, rems, lens, ridx, bases, starts
+            )
         except BaseException:
+            self._spares.give_back(dev, table, event)  # nothing was queued
             peer.unpin(pins)
             raise
-        stream = table = event = None
-        try:
-            stream = self._stream(dev)
-            if len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all():
-                for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
-                    self.driver.memcpy_async(d, s, n, stream)
-                self.memcpy_runs += 1
-            else:
-                table = self._spares.table(dev, 24 * len(lens))
-                self._launch(dev, stream, table, src, dst, lens)
-                self.launches += 1
-            event = self._spares.event()
-            self.driver.record(event, stream)
-        except BaseException as exc:
+        if rc:
             self._settle(stream)  # copies queued before the failure still read/write the mappings
             self._spares.give_back(dev, table, event)  # after _settle: the table's copy has run
             peer.unpin(pins)
-            self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
-            raise
+            try:
+                self.driver._check(rc, what)
+            except KvpoolError as exc:
+                self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
+                raise
+        if kernel:
+            self.launches += 1
+        else:
+            self.memcpy_runs += 1
         with peer.lock:
             peer.inflight += 1
-        lo, hi = int(locs.min()), int((locs + lens).max())
         slots = [slot for slot, _ in pins]
         with self._cond:  # queue order = completion order: appended and pushed under the lock
             run = _Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi, self._completed)
@@ -494,29 +497,13 @@ class CudaIpcTransport(Transport):
             s = self._streams[dev] = self.driver.stream(dev)
         return s
 
-    def _launch(
-        self, dev: int, stream: int, table: tuple[int, int, int], src: np.ndarray, dst: np.ndarray,
-        lens: np.ndarray,
-    ) -> None:  # fmt: skip
-        """Copy the address table (taken by the caller, who gives it back if this raises) to the
-        device in one copy and launch the gather kernel once."""
+    def _kernel(self, dev: int) -> int:
+        """The gather kernel in ``dev``'s context (loaded on first use)."""
         func = self._kernels.get(dev)
         if func is None:
             ptx = resources.files("kvpool.transfer").joinpath("kernels/gather.ptx").read_bytes() + b"\0"
             func = self._kernels[dev] = self.driver.function(ptx, _KERNEL, dev)
-        n = len(lens)
-        need = 24 * n
-        dtab, htab, _ = table
-        host = np.frombuffer((ctypes.c_char * need).from_address(htab), dtype=_U64)
-        host[:n], host[n : 2 * n], host[2 * n :] = src, dst, lens
-        self.driver.memcpy_async(dtab, htab, need, stream)
-        args = [
-            ctypes.c_ulonglong(dtab),
-            ctypes.c_ulonglong(dtab + 8 * n),
-            ctypes.c_ulonglong(dtab + 16 * n),
-            ctypes.c_uint(n),
-        ]
-        self.driver.launch(func, min(n, _MAX_GRID), _BLOCK, stream, args)
+        return func
 
     # ------------------------------------------------------------------ completion
     def _complete_loop(self) -> None:
