@@ -1266,3 +1266,67 @@ def test_native_completer_completes_runs_in_order_and_lets_a_hung_one_go_on_shut
         for e in events:
             drv.event_destroy(e)
         drv.stream_destroy(stream)
+
+
+def test_a_synchronous_transfer_to_a_peer_a_gpu_copy_reaches_whole_classifies_once(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """needs_staging classified every synchronous transfer's requests before the submit
+    classified them again; for a peer whose every remote-accessible buffer a GPU copy reaches
+    (GPU memory, shared host buffers) no request can be staged, so it answers without a pass:
+    one classify per transfer, the bytes right. A peer with a plain host buffer (the ``peer``
+    fixture's ``host``) still stages a GPU range to it, in rounds."""
+    import json
+
+    import kvpool.transfer.cuda_ipc as cuda_ipc_mod
+
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from kvpool import TransferEngine, _native
+        from kvpool.transfer.cuda_driver import load_driver
+        drv = load_driver()
+        with TransferEngine() as eng:
+            g = drv.alloc(1 << 20, 0)
+            eng.register_local_memory(g, 1 << 20, location="cuda:0")
+            host = bytearray(1 << 20)
+            _native.fill_pattern(_native.buffer_address(host)[0], len(host), 21)
+            drv.memcpy(g, _native.buffer_address(host)[0], len(host))
+            shm = eng.alloc_shared_buffer(1 << 20)
+            print(json.dumps({"name": eng.segment_name, "gpu": g}), flush=True)
+            sys.stdin.read()
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT)  # fmt: skip
+    try:
+        info = json.loads(child.stdout.readline())  # type: ignore[union-attr]
+        drv = load_driver()
+        plans = []
+        real_plan = cuda_ipc_mod._plan
+        monkeypatch.setattr(cuda_ipc_mod, "_plan", lambda *a: plans.append(a[2] is None) or real_plan(*a))
+        with TransferEngine(timeout_s=10.0) as eng:
+            g = drv.alloc(1 << 20, 0)
+            eng.register_local_memory(g, 1 << 20, location="cuda:0")
+            n = 64
+            locs = [g + k * 8192 for k in range(n)]
+            rems = [info["gpu"] + k * 4096 for k in range(n)]
+            assert eng.batch_transfer_sync(info["name"], locs, rems, [4096] * n, OpCode.READ) == n * 4096
+            assert _ipc(eng)._peers and all(p.all_reachable for p in _ipc(eng)._peers.values())
+            assert plans == [False]  # one pass, the submit's (ops given)
+            want = bytearray(1 << 20)
+            _native.fill_pattern(_native.buffer_address(want)[0], len(want), 21)
+            got = bytearray(4096)
+            for k in (0, 17, 63):
+                drv.memcpy(_native.buffer_address(got)[0], g + k * 8192, 4096)
+                assert got == want[k * 4096 : (k + 1) * 4096]
+
+            plans.clear()  # a peer with a plain host buffer: staged, classified first
+            _fill(drv, g, 1 << 20, 5)
+            assert eng.transfer_sync(peer.name, g, peer.host, 65536) == 65536
+            assert plans and plans[0] is True
+            assert not next(p for p in _ipc(eng)._peers.values() if p.pid == peer.p.pid).all_reachable
+            assert peer.ask(f"dump {peer.host} 65536") == _sha(drv, g, 65536)
+    finally:
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(10)

@@ -220,6 +220,12 @@ class CudaIpcTransport(Transport):
                 dtype=_U64), np.array([b.gpu for b in bufs], dtype=bool))  # fmt: skip
         lineage = old.lineage if same and old is not None else _Lineage()
         new = _Peer(desc.pid, desc.incarnation, bufs, *cols, fence, pidfd, lineage=lineage)
+        # every remote-accessible buffer of the peer lies in one a GPU copy reaches (needs_staging)
+        new.all_reachable = all(
+            any(r.addr <= b.addr and b.addr + b.length <= r.addr + r.length for r in bufs)
+            for b in desc.buffers
+            if b.remote_accessible
+        )
         if old is None:
             self._peers[handle] = new
             return
@@ -391,7 +397,9 @@ class CudaIpcTransport(Transport):
         no GPU copy reaches). Called by the engine's synchronous transfers, which then cut them
         into rounds that fit the staging pool, as for the other transports."""
         peer = self._peers.get(handle)
-        if peer is None or not len(locs):
+        if peer is None or not len(locs) or peer.all_reachable:
+            # all_reachable: a remote range outside the buffers a GPU copy reaches is outside every
+            # buffer of the peer, and the submit refuses it whatever the staging (typed)
             return False
         return _plan(self.registry, peer, None, _col(locs), _col(rems), _col(lens)).staged
 

@@ -87,6 +87,7 @@ class _Peer:
     # what one of them retires waits for the runs and submits of all (CudaIpcTransport._retire)
     lineage: _Lineage = field(default_factory=_Lineage)
     retired: bool = False  # let go (detach, release_exited, re-attach): maps nothing more (open)
+    all_reachable: bool = False  # every remote-accessible buffer of it is one of ``bufs`` (attach)
 
     def open(self, b: _RemoteBuf, device: int, driver: CudaDriver, uuids: dict[bytes, int]) -> int:
         """Base address here of a remote buffer's mapping (opened on first use, for a run on
