@@ -878,9 +878,13 @@ std::pair<int, uint64_t> Engine::fence_claim(uint64_t addr, uint64_t len) {
   return {slot, gen};
 }
 
-bool Engine::fence_retire(int slot) {
-  if (slot < 0 || fence_ == nullptr) return true;
-  return fence_->retire(slot, opt_.timeout_ms);
+void Engine::fence_retire_begin(int slot) {
+  if (slot >= 0 && static_cast<uint32_t>(slot) < kFenceSlots && fence_ != nullptr) fence_->retire_begin(slot);
+}
+
+bool Engine::fence_retire(int slot, int timeout_ms) {
+  if (slot < 0 || static_cast<uint32_t>(slot) >= kFenceSlots || fence_ == nullptr) return true;
+  return fence_->retire(slot, timeout_ms < 0 ? opt_.timeout_ms : timeout_ms);
 }
 
 std::pair<int, uint64_t> Engine::status(uint64_t batch, uint32_t idx) {

@@ -305,9 +305,13 @@ class Engine {
   void finish_range(uint64_t batch, uint32_t first, const std::vector<uint64_t>& lens, int32_t status);
   // Fence slots for registrations the native registry does not hold (GPU memory reached through
   // CUDA IPC): claim returns (slot, generation), slot -1 when the table is full or absent;
-  // retire bumps the generation and waits for live pins (false: a stopped peer still holds one).
+  // retire_begin bumps the generation (every later pin fails) and returns at once; retire bumps it
+  // too and waits for live pins up to timeout_ms (< 0: the engine's timeout), false when a stopped
+  // peer still holds one. The caller that waited for something else since retire_begin passes
+  // what is left of its deadline (CudaIpcTransport.unregister: one timeout in all).
   std::pair<int, uint64_t> fence_claim(uint64_t addr, uint64_t len);
-  bool fence_retire(int slot);
+  void fence_retire_begin(int slot);
+  bool fence_retire(int slot, int timeout_ms = -1);
 
   // Counters of the server (accepted, refused, reaped, open...).
   std::vector<std::pair<std::string, uint64_t>> server_stats() const;

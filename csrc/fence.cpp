@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -113,23 +114,37 @@ int Fence::claim(uint64_t addr, uint64_t len, uint64_t* gen) {
   return -1;
 }
 
-bool Fence::retire(int i, int timeout_ms) {
+void Fence::retire_begin(int i) {
   FenceSlot* s = slot(i);
   uint64_t g = __atomic_load_n(&s->gen, kSeq);
   if (g & 1) __atomic_store_n(&s->gen, g + 1, kSeq);
-  auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+}
+
+bool Fence::pinned(int i) {
+  FenceSlot* s = slot(i);
+  for (int l = 0; l < kFenceLanes; ++l) {
+    if (__atomic_load_n(&s->pins[l], kSeq) == 0) continue;
+    int32_t pid = __atomic_load_n(&hdr()->lanes[l], kSeq);
+    if (pid_alive(pid)) return true;  // a pin of a lane whose process died: it writes no more
+  }
+  return false;
+}
+
+bool Fence::retire(int i, int timeout_ms) {
+  retire_begin(i);
+  using clock = std::chrono::steady_clock;
+  const auto until = clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
+  auto pause = std::chrono::microseconds(100);
   for (int spin = 0;; ++spin) {
-    bool busy = false;
-    for (int l = 0; l < kFenceLanes; ++l) {
-      if (__atomic_load_n(&s->pins[l], kSeq) == 0) continue;
-      int32_t pid = __atomic_load_n(&hdr()->lanes[l], kSeq);
-      if (!pid_alive(pid)) continue;  // died inside a copy: it writes no more
-      busy = true;
+    if (!pinned(i)) return true;
+    const auto now = clock::now();
+    if (now >= until) return false;
+    if (spin < 16) {  // a copy about to end: a few yields before sleeping
+      std::this_thread::yield();
+      continue;
     }
-    if (!busy) return true;
-    if (std::chrono::steady_clock::now() >= until) return false;
-    if (spin < 64) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::this_thread::sleep_for(std::min<clock::duration>(pause, until - now));
+    pause = std::min(pause * 2, std::chrono::microseconds(10000));
   }
 }
 

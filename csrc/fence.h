@@ -54,8 +54,14 @@ class Fence {
   // Target: a slot for a new registration; returns -1 when the table is full (then the region is
   // reachable over TCP only). *gen receives the live generation.
   int claim(uint64_t addr, uint64_t len, uint64_t* gen);
-  // Target: retire a slot and wait (up to timeout_ms) for live pinned initiators. False: a live
-  // initiator still holds a pin (the slot stays retired; no new copy can start).
+  // Target: retire a slot (bump its generation: every later pin fails) without waiting.
+  void retire_begin(int slot);
+  // Target: whether a live initiator still holds a pin on the slot (pins of exited lanes ignored).
+  bool pinned(int slot);
+  // Target: retire_begin, then wait until pinned() is false or timeout_ms passed (polled with a
+  // backoff of 100 us doubling to 10 ms, never sleeping past the deadline). False: a live
+  // initiator still holds a pin (the slot stays retired; no new copy can start). A caller that
+  // waited for something else since retire_begin passes only what is left of its own deadline.
   bool retire(int slot, int timeout_ms);
 
   // Initiator: pin a slot if it still has generation `gen`.

@@ -290,7 +290,8 @@ PYBIND11_MODULE(_native, m) {
         e.finish_range(batch, first, u64_vector(lens), st);
       })
       .def("fence_claim", &Engine::fence_claim)
-      .def("fence_retire", &Engine::fence_retire, G());
+      .def("fence_retire_begin", &Engine::fence_retire_begin)
+      .def("fence_retire", &Engine::fence_retire, py::arg("slot"), py::arg("timeout_ms") = -1, G());
 
   // An initiator's view of a same-host target's fence table (csrc/fence.h), for copies made
   // outside the native data path (CUDA IPC): pin every slot a copy touches before it starts,

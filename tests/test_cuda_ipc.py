@@ -1016,6 +1016,48 @@ def test_unregister_of_a_buffer_under_a_hung_stream_raises_at_the_timeout(
         eng.free_batch_id(bid)
 
 
+def test_unregister_under_a_hung_stream_and_a_pinned_peer_gives_up_within_one_timeout(
+    peer: Peer, fake_driver: str
+) -> None:
+    """Our own READ into the buffer hangs (a stopped stream) and a same-host peer holds a fence pin
+    on its slot (a peer stopped inside its copy): unregister gives up within ONE timeout_s and
+    raises RegistrationError naming both. It drained our runs for timeout_s and then waited
+    timeout_s again for the pin (twice the timeout). The pin is a test double: a lane of the
+    engine's own fence table mapped here, pinned at the export's generation as an initiator
+    does (the retire's liveness check sees this live process)."""
+    from kvpool.errors import RegistrationError
+
+    drv = load_driver()
+    timeout = 0.6
+    with TransferEngine(timeout_s=timeout) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        ipc = _ipc(eng)
+        r = peer.gpu[0]
+        eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
+        seg = eng.open_segment(peer.name)
+        export = ipc._exports[g]
+        fence = _native.FenceMap.map(os.getpid(), eng._native.fence_fd)
+        assert fence is not None and fence.pin(export.slot, export.gen)  # the stopped peer's pin
+        hold = SyncHold(ipc.driver)  # our stream stops: the READ's run stays queued
+        bid = eng.allocate_batch_id(1)
+        try:
+            eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, r, 4096)])
+            t0 = time.monotonic()
+            with pytest.raises(RegistrationError) as err:
+                eng.unregister_local_memory(g)
+            took = time.monotonic() - t0
+            assert "stopped inside a copy" in str(err.value) and f"within {timeout:g} s" in str(err.value)
+            assert timeout - 0.1 < took < 1.5 * timeout  # one deadline, not drain + retire back to back
+            assert not fence.pin(export.slot, export.gen)  # the slot is retired: no new pin
+            assert eng._registry.get(g) is None and len(eng._fenced) == 1
+        finally:
+            fence.unpin(export.slot)
+            hold.set()
+        assert eng.wait_batch(bid, 10).ok  # the READ was never cut short
+        eng.free_batch_id(bid)
+
+
 def test_sync_transfers_under_a_hung_stream_raise_at_the_timeout(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -165,17 +165,22 @@ class CudaIpcTransport(Transport):
         self._exports[addr] = _Export(addr, length, device, handle, addr - base, slot, gen)
 
     def unregister(self, addr: int) -> None:
-        """Called by TransferEngine.unregister_local_memory before the registration goes: refuses
-        our new copies into or out of the range and waits (``timeout_s``) for those submitted or
-        queued (a READ's copies would land after the caller freed it), then retires its export
-        (same-host peers' copies). Our copies still running at the deadline (a hung stream), or
-        a same-host peer stopped inside a copy (its fence pin held past ``timeout_s``):
-        RegistrationError after the export is retired and dropped (no new copy starts, nothing
-        published); the engine then finishes unregistering and keeps the memory referenced."""
+        """Called by TransferEngine.unregister_local_memory before the registration goes: retires
+        its export (same-host peers' new pins fail from now on), refuses our new copies into or
+        out of the range, then waits for those submitted or queued (a READ's copies would land
+        after the caller freed it) and for peers' copies already pinned, all within one
+        ``timeout_s``. Our copies still running at the deadline (a hung stream), or a same-host
+        peer stopped inside a copy (its fence pin held): RegistrationError after the export is
+        retired and dropped (no new copy starts, nothing published); the engine then finishes
+        unregistering and keeps the memory referenced."""
+        deadline = time.monotonic() + self.timeout_s
+        e = self._exports.pop(addr, None)
+        if e is not None:
+            self.native.fence_retire_begin(e.slot)  # no peer's copy starts from here on
         reg = self.registry.get(addr)
         drained = reg is None or self._gate.drain(reg, self.timeout_s)
-        e = self._exports.pop(addr, None)
-        retired = e is None or self.native.fence_retire(e.slot)  # waits for same-host copies
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))  # what the drain left of it
+        retired = e is None or self.native.fence_retire(e.slot, left_ms)  # waits for same-host copies
         why = [] if retired else ["a same-host peer is stopped inside a copy into or out of it"]
         if not drained:
             why.append(f"our CUDA IPC copies into or out of it did not finish within {self.timeout_s:g} s")
