@@ -100,6 +100,35 @@ def test_a_second_read_of_blocks_the_prefill_already_freed_is_not_confirmed(tiny
         p.close()
 
 
+def test_a_reused_request_id_is_read_again_and_its_old_params_stay_refused(tiny_llama: Path) -> None:  # noqa: F811
+    """A client reuses a prefill request id (vLLM allows it) once the first request's blocks were
+    read and freed: the new request's params are confirmed and read (they were answered "expired"
+    for an hour: every P/D load of that id recomputed), while a late read of the old params
+    (the same id, here the same blocks: the prompt's prefix is cached) is still refused, frees
+    nothing, and the new read after it succeeds."""
+    p, d = _pd(tiny_llama)
+    try:
+        old = _prefill(p, "p1", PROMPT)
+        d.add("d1", PROMPT, 2, copy.deepcopy(old))
+        d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the done notice freed p1's blocks
+        new = _prefill(p, "p1", PROMPT)  # the id held again
+        d.add("d2", PROMPT, 2, copy.deepcopy(old))  # the old params, read late
+        out = _finished(d, "d2", other=p)
+        assert sum(_failures(d).values()) == 1, _failures(d)  # refused (PrefillFreed or Unconfirmed)
+        if out is not None and out.new_token_ids:
+            assert _kv_ok(d, "d2", PROMPT)
+        assert p.free_blocks() < p.idle_free  # the new hold was not freed by the old params' notice
+        d.add("d3", PROMPT, 2, copy.deepcopy(new))
+        out = _finished(d, "d3", other=p)
+        assert out is not None and out.new_token_ids and _kv_ok(d, "d3", PROMPT)
+        assert sum(_failures(d).values()) == 1, _failures(d)  # the new hold's read was confirmed
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # and its notice freed the blocks
+    finally:
+        d.close()
+        p.close()
+
+
 def test_remote_blocks_are_lined_up_from_the_head_of_the_prompt(tiny_llama: Path) -> None:  # noqa: F811
     """A prefill that generated 3 tokens names 3 blocks for a 2-block prompt: the decode reads
     the first two (it read blocks 2 and 3, shifted by one block)."""

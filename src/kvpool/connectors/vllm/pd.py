@@ -518,6 +518,13 @@ class _PdWorker(DecodeLoads):
                         self._expired.move_to_end(rid)
                         continue
                     self._pending_send[rid] = now + ttl
+                    if rid in meta.send_hold and rid not in meta.send_blocks:
+                        # The id held again (a client reused it), with a hold number in its params
+                        # and digest: reads of the earlier hold's params no longer match the digest
+                        # held now (refused, freeing nothing), so "expired" is taken back for it.
+                        # A streamed hold keeps the mark: its reads are checked by stream generation
+                        # and blocks, which a new stream of the id can repeat.
+                        self._expired.pop(rid, None)
                     digest = meta.send_digest.get(rid)
                     if digest is not None:
                         self._digests[rid] = digest

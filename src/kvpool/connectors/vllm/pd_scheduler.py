@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,16 +39,27 @@ NULL_BLOCK = 0
 #: ``RecvJob.stream_first`` of a streaming load that read nothing (failed, or nothing to read): its
 #: digest names no block (``blocks_digest(id, [])``), its "done" notice only frees the blocks.
 NOTHING_READ = 1 << 31
+# A prefill remembers the request ids it held for decodes this long / this many: its worker answers
+# a late notice for one "expired" as long (pd.py), and a new hold of such an id carries a hold
+# number of its own (``remote_hold``, bound into its digest) so that its reads are told from the
+# old hold's.
+HELD_KEEP_S = 3600.0
+HELD_MAX = 1 << 16
 
 
-def blocks_digest(request_id: str, block_ids: list[int]) -> str:
+def blocks_digest(request_id: str, block_ids: list[int], hold: int | None = None) -> str:
     """The digest binding a prefill request id to the block ids its ``kv_transfer_params`` name
     (hex). The prefill's scheduler records it per held request (``KvpoolConnectorMetadata.
     send_digest``); the decode computes it from the (request id, block ids) of the params it reads
     by and sends it in its "done" notice: the prefill confirms a read only when it matches its own
-    record for that id, so params naming one request's id and another's blocks are refused."""
+    record for that id, so params naming one request's id and another's blocks are refused.
+    ``hold``: the hold number of a request id held again (``remote_hold``), so that the params of
+    an earlier hold of the id, naming the same blocks, never match the new one's record."""
     rid = request_id.encode("utf-8", "surrogatepass")
-    h = hashlib.blake2b(digest_size=16, person=b"kvpool-pd-blocks")
+    person = b"kvpool-pd-blocks" if hold is None else b"kvpool-pd-hold"
+    h = hashlib.blake2b(digest_size=16, person=person)
+    if hold is not None:
+        h.update(hold.to_bytes(8, "little"))
     h.update(len(rid).to_bytes(4, "little"))
     h.update(rid)
     h.update(np.asarray(block_ids, dtype="<i8").tobytes())
@@ -94,8 +107,12 @@ def remote_params(params: dict[str, Any]) -> dict[str, Any] | None:
         or not all(type(b) is int and 0 <= b < 1 << 31 for b in blocks)
     ):
         return None
+    hold = params.get("remote_hold")  # a request id the prefill held again
+    out["hold"] = None if hold is None else _int(hold, 1, 1 << 62)
+    if hold is not None and out["hold"] is None:
+        return None
     out["block_ids"] = blocks
-    out["digest"] = blocks_digest(out["request_id"], blocks)
+    out["digest"] = blocks_digest(out["request_id"], blocks, out["hold"])
     return out
 
 
@@ -158,6 +175,9 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     recv: dict[str, RecvJob] = field(default_factory=dict)
     send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
     send_digest: dict[str, str] = field(default_factory=dict)  # req id -> blocks_digest handed out
+    # req ids held again, with the hold number their params and digest carry: the worker takes
+    # back its "expired" answer for them (the old hold's reads do not match the new digest)
+    send_hold: dict[str, int] = field(default_factory=dict)
     # streaming req id -> the prompt's blocks it holds (its streamed reads are checked against them)
     send_blocks: dict[str, list[int]] = field(default_factory=dict)
     stream: dict[str, StreamStep] = field(default_factory=dict)  # prefill req id -> this step
@@ -233,6 +253,11 @@ class _PdScheduler:
         self._send: dict[str, float] = {}
         self._send_digest: dict[str, str] = {}
         self._send_blocks: dict[str, list[int]] = {}
+        self._send_hold: dict[str, int] = {}
+        # Request ids held for decodes -> when (bounded, oldest first); a new hold of one of them
+        # is numbered (``_holds``: this incarnation's count of such holds, never repeated).
+        self._held: OrderedDict[str, float] = OrderedDict()
+        self._holds = 0
         # Requests whose blocks a worker may still be writing: they are never freed before the
         # worker reports them in finished_recving (abort or failure included).
         self._loading: set[str] = set()
@@ -362,9 +387,10 @@ class _PdScheduler:
         self._step += 1
         meta = KvpoolConnectorMetadata(
             recv=self._recv, send=self._send, send_digest=self._send_digest, send_blocks=self._send_blocks,
-            cancel=self._cancel, engine_id=self.engine_id, step=self._step,
+            send_hold=self._send_hold, cancel=self._cancel, engine_id=self.engine_id, step=self._step,
         )  # fmt: skip
         self._recv, self._send, self._send_digest, self._send_blocks, self._cancel = {}, {}, {}, {}, set()
+        self._send_hold = {}
         if self._streams and out is not None:
             meta.stream = self._stream_steps(out)
         if self._stream_end:
@@ -436,9 +462,14 @@ class _PdScheduler:
                 self._stream_end.add(request.request_id)
             return False, None
         blocks = list(block_ids)
-        digest = blocks_digest(request.request_id, blocks)
+        hold = self._hold(request.request_id)
+        digest = blocks_digest(request.request_id, blocks, hold)
         self._send[request.request_id] = self.cfg.abort_timeout_s
         self._send_digest[request.request_id] = digest  # the worker confirms reads of these only
+        extra: dict[str, Any] = {}
+        if hold is not None:
+            self._send_hold[request.request_id] = hold
+            extra["remote_hold"] = hold
         if stream is not None:  # and streamed reads of the prompt's blocks as vLLM holds them now
             self._send_blocks[request.request_id] = blocks[: -(-stream[1] // self.block_size)]
         return True, dict(
@@ -452,4 +483,23 @@ class _PdScheduler:
             remote_port=self.cfg.side_channel_port,
             remote_num_tokens=int(request.num_computed_tokens),
             tp_size=self.tp_size,
+            **extra,
         )
+
+    def _hold(self, req_id: str) -> int | None:
+        """``request_finished``: the hold number of ``req_id`` held again (a client may reuse an
+        id) while its earlier hold may still be named by late reads, None for a first hold (the
+        params and digest stay those of older versions). O(1) amortized."""
+        now = time.monotonic()
+        hold = None
+        if req_id in self._held:
+            self._holds += 1
+            hold = self._holds
+        self._held[req_id] = now
+        self._held.move_to_end(req_id)
+        while self._held:
+            t = next(iter(self._held.values()))
+            if now - t <= HELD_KEEP_S and len(self._held) <= HELD_MAX:
+                break
+            self._held.popitem(last=False)
+        return hold
