@@ -23,7 +23,7 @@ from tests.vllm_support import tiny_llama  # noqa: F401  (fixture)
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # never skipped in CI
 
 from kvpool.connectors.vllm import pd as pd_mod  # noqa: E402
-from kvpool.connectors.vllm import pd_load  # noqa: E402
+from kvpool.connectors.vllm import pd_load, pd_notices  # noqa: E402
 from tests.vllm_sched import Instance, expected_rows  # noqa: E402
 
 PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2.5 blocks
@@ -276,11 +276,11 @@ def test_done_notices_waiting_for_unknown_requests_are_bounded(tiny_llama: Path)
         for t in threads:
             t.start()
         for _ in range(200):
-            if len(replies) == 1 and w._parked_ids == pd_mod._PARKED_IDS_MAX:
+            if len(replies) == 1 and w._parked_ids == pd_notices._PARKED_IDS_MAX:
                 break
             time.sleep(0.01)
         assert len(replies) == 1 and replies[0]["expired"] == ids  # the fifth: no room, at once
-        assert w._parked_ids == pd_mod._PARKED_IDS_MAX
+        assert w._parked_ids == pd_notices._PARKED_IDS_MAX
         for t in threads:
             t.join(5)
         assert 0.9 < time.monotonic() - t0 < 3 and len(replies) == 5
