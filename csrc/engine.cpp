@@ -154,18 +154,6 @@ int32_t send_all(int fd, const void* buf, size_t n) {
   return writev_all(fd, &v, 1);
 }
 
-// Drains n bytes from the socket without touching registered memory.
-int32_t drain(int fd, uint64_t n) {
-  char scratch[65536];
-  while (n > 0) {
-    size_t k = static_cast<size_t>(std::min<uint64_t>(n, sizeof(scratch)));
-    int32_t st = recv_all(fd, scratch, k);
-    if (st != ST_OK) return st;
-    n -= k;
-  }
-  return ST_OK;
-}
-
 // Connects with a timeout. Returns fd or -1.
 int dial(const std::string& host, uint16_t port, int timeout_ms) {
   addrinfo hints{};
