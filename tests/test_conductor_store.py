@@ -92,7 +92,7 @@ def test_feed_follows_puts_and_removes(store: tuple[MasterProcess, Store]) -> No
             st.put(f"filler/{i}", b"z")
         late = StoreFeed(m.address, block_size=BS, poll_s=0.02)
         late.seq, late._incarnation = feed.seq, feed._incarnation  # resume where the first one stopped
-        late._blocks, late._models, late._bs = feed._blocks, feed._models, feed._bs
+        late._view = feed._view
         assert late.poll() is True  # reset: more to read
         assert late.stats["resyncs"] == 1 and resyncs >= 1
         assert late.leading_blocks(TOKENS, "tiny/model") == 12
@@ -146,6 +146,36 @@ def test_feed_counts_a_block_only_when_every_tp_rank_and_pp_stage_stored_it(
         assert feed.size() == again.size() == 11
     finally:
         feed.stop()
+
+
+def test_router_lookups_during_a_resync_see_the_old_sets_or_the_new(
+    store: tuple[MasterProcess, Store],
+) -> None:
+    """A resync cleared the namespaces' block sizes before it swapped the new blocks in: a
+    router lookup in between (the feed thread resyncs while the event loop routes) took the
+    "one model in the store" path over the old blocks and raised KeyError. The lookup is made
+    in that window here, from inside the resync, and must see the blocks stored."""
+    m, st = store
+    _store_blocks(st, block_keys(NS, TOKENS, BS)[:8])
+    feed = StoreFeed(m.address, block_size=BS)
+    seen: list[int] = []
+    try:
+        feed.resync()
+        assert feed.leading_blocks(TOKENS, "tiny/model") == 8
+        index_namespace = feed._index_namespace
+
+        def mid_resync(*args: object) -> None:
+            seen.append(feed.leading_blocks(TOKENS, "tiny/model"))
+            seen.append(feed.leading_blocks(TOKENS, "another-model"))
+            index_namespace(*args)
+            seen.append(feed.leading_blocks(TOKENS, "tiny/model"))
+
+        feed._index_namespace = mid_resync  # type: ignore[method-assign]
+        feed.resync()
+        assert seen == [8, 8, 8] and feed.leading_blocks(TOKENS, "another-model") == 8
+        assert feed.stats["resyncs"] == 2 and feed.size() == 8
+    finally:
+        feed._rpc.close()
 
 
 def test_feed_resyncs_after_master_restart() -> None:

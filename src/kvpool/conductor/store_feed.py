@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool._rpc import RpcClient
 from kvpool.connectors.blockkeys import MARKER_RE, NAMESPACE_RE
@@ -77,6 +77,19 @@ def _unmark(blocks: Blocks, partial: Partial, ns: str, dig: bytes, idx: int, par
         seen.pop(dig, None)
 
 
+class _View(NamedTuple):
+    """The sets the router reads, replaced in one assignment by a resync: the router takes
+    ``self._view`` once per call and so never sees a namespace's blocks without its block size
+    (a resync that cleared the block sizes before it swapped the blocks in made a router call
+    in between raise KeyError on the event loop)."""
+
+    # namespace -> digest -> None (a dict keeps insertion order; membership is all we use):
+    # blocks whose every marker is stored
+    blocks: Blocks
+    models: dict[str, list[str]]  # model name -> namespaces
+    bs: dict[str, int]  # namespace -> its block size
+
+
 class StoreFeed(threading.Thread):
     """Follows one store master's key feed (see the module docstring)."""
 
@@ -88,12 +101,10 @@ class StoreFeed(threading.Thread):
         self.poll_s = poll_s
         self._rpc = RpcClient(master, timeout_s, secret, what="store master")
         self._halt = threading.Event()
-        # namespace -> digest -> None (a dict keeps insertion order; membership is all we use):
-        # blocks whose every marker is stored; and those that lack some (see Partial)
-        self._blocks: Blocks = {}
-        self._partial: Partial = {}
-        self._models: dict[str, list[str]] = {}  # model name -> namespaces
-        self._bs: dict[str, int] = {}  # namespace -> its block size
+        # what the router reads, swapped whole by a resync (see _View); the feed thread's changes
+        # go into its dicts in place, a namespace's block size before its first block
+        self._view = _View({}, {}, {})
+        self._partial: Partial = {}  # the feed thread's alone
         self._incarnation: int | None = None
         self.seq = -1
         self.master_seq = 0
@@ -105,25 +116,27 @@ class StoreFeed(threading.Thread):
 
     def namespaces(self, model: str | None) -> list[str]:
         """Namespaces of ``model`` (all when None) with this router's block size."""
+        view = self._view
         if model is None:
-            return list(self._blocks)
-        return list(self._models.get(model, ()))
+            return list(view.blocks)
+        return list(view.models.get(model, ()))
 
     def leading_blocks(self, tokens: Sequence[int], model: str | None) -> int:
         """Leading full blocks of ``tokens`` the store holds for ``model`` (the best namespace
         when several match; 0 when the model has none or its name is ambiguous)."""
+        view = self._view  # one resync's sets throughout, however the feed thread swaps them
         best = 0
-        names = self.namespaces(model) if model is not None else []
-        if not names and len(self._blocks) == 1:  # one model in the store: the request's name may differ
-            names = list(self._blocks)
+        names = list(view.models.get(model, ())) if model is not None else []
+        if not names and len(view.blocks) == 1:  # one model in the store: the request's name may differ
+            names = list(view.blocks)
         for ns in names:
-            blocks = self._blocks.get(ns)
-            if blocks:
-                best = max(best, _leading(ns, tokens, self._bs[ns], blocks.__contains__))
+            blocks, bs = view.blocks.get(ns), view.bs.get(ns)
+            if blocks and bs:
+                best = max(best, _leading(ns, tokens, bs, blocks.__contains__))
         return best
 
     def size(self) -> int:
-        return sum(len(b) for b in self._blocks.values())
+        return sum(len(b) for b in list(self._view.blocks.values()))
 
     def lag(self) -> int:
         """Changes the master has that this feed has not applied yet (as of the last poll)."""
@@ -133,7 +146,7 @@ class StoreFeed(threading.Thread):
         return {
             "master": self.master,
             "synced": self.synced.is_set(),
-            "namespaces": {ns: len(b) for ns, b in self._blocks.items()},
+            "namespaces": {ns: len(b) for ns, b in list(self._view.blocks.items())},
             "blocks": self.size(),
             "seq": self.seq,
             "lag": self.lag(),
@@ -193,10 +206,10 @@ class StoreFeed(threading.Thread):
                 if m is not None:
                     _mark(fresh, partial, *m)
             cursor = r["cursor"]
-        self._models, self._bs = {}, {}
+        view = _View(fresh, {}, {})
         for ns in fresh:
-            self._index_namespace(ns)
-        self._blocks, self._partial = fresh, partial
+            self._index_namespace(view, ns)
+        self._view, self._partial = view, partial  # the router sees the old sets or the new, whole
         self.seq, self._incarnation = int(seq or 0), incarnation
         self.synced.set()
 
@@ -213,22 +226,23 @@ class StoreFeed(threading.Thread):
         ranks = f"tp0of{tps}" if m["pp"] is None else f"tp0of{tps}pp0of{pps}"
         return f"{m['pre']}/{ranks}{m['dev']}", bytes.fromhex(m["hex"]), tp + tps * pp, tps * pps
 
-    def _index_namespace(self, ns: str) -> None:
+    @staticmethod
+    def _index_namespace(view: _View, ns: str) -> None:
         m = NAMESPACE_RE.match(ns + "/" + "0" * 32)
         if m is not None:
-            self._bs[ns] = int(m["bs"])
-            self._models.setdefault(m["model"], []).append(ns)
+            view.bs[ns] = int(m["bs"])
+            view.models.setdefault(m["model"], []).append(ns)
 
     def _apply(self, op: str, key: str) -> None:
         m = self._match(key)
         if m is None:
             return
-        ns = m[0]
+        ns, view = m[0], self._view
         if op == "+":
-            if ns not in self._bs:  # indexed before its first block: the router reads it at once
-                self._index_namespace(ns)
-            _mark(self._blocks, self._partial, *m)
+            if ns not in view.bs:  # indexed before its first block: the router reads it at once
+                self._index_namespace(view, ns)
+            _mark(view.blocks, self._partial, *m)
             self.stats["adds"] += 1
         else:
-            _unmark(self._blocks, self._partial, *m)
+            _unmark(view.blocks, self._partial, *m)
             self.stats["removes"] += 1
