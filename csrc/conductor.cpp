@@ -401,21 +401,30 @@ struct EngineEntry {
   uint32_t node = kNil;
 };
 
-// A location's engine map entries in the order they were stored, oldest first: a doubly linked list
-// over a pool of nodes (freed nodes reused), so that a store, a removal and an eviction of the
-// oldest are O(1) each, with no stale entries to skip or compact.
+// A location's engine map entries as a forest (each block's node points to its parent's, the
+// block its event chained it to) and, of those, the leaves in the order they were stored, oldest
+// first: a doubly linked list over a pool of nodes (freed nodes reused). Eviction takes the oldest
+// leaf, and a parent left with no children takes its place in the list: a chain goes from its tail
+// to its head (a head evicted first left its tail in the index, never matched again, since a
+// match counts leading blocks, but holding the capacity), and a prefix many chains share stays
+// while any of them does. Store, removal and eviction are O(1) each (amortised: a parent freed
+// with its last child).
 class Order {
  public:
   struct Node {
     uint64_t fp;  // the engine hash fingerprint (its key in the engine map)
-    uint32_t prev, next;
+    uint32_t prev, next;  // the leaves' list (a node with children is out of it)
+    uint32_t parent;      // kNil: a chain's first block
+    uint32_t kids;        // nodes whose parent this is
   };
 
   uint32_t head() const { return head_; }
   size_t pool() const { return nodes_.size(); }
   const Node& operator[](uint32_t i) const { return nodes_[i]; }
+  Node& operator[](uint32_t i) { return nodes_[i]; }
 
-  uint32_t push(uint64_t fp) {
+  // A new leaf, the newest, under `parent` (kNil: none); a parent that was a leaf leaves the list.
+  uint32_t push(uint64_t fp, uint32_t parent) {
     uint32_t i;
     if (free_ != kNil) {
       i = free_;
@@ -425,20 +434,31 @@ class Order {
       i = static_cast<uint32_t>(nodes_.size());
       nodes_.emplace_back();
     }
-    nodes_[i] = Node{fp, tail_, kNil};
+    nodes_[i] = Node{fp, tail_, kNil, parent, 0};
     if (tail_ != kNil) nodes_[tail_].next = i;
     else head_ = i;
     tail_ = i;
+    if (parent != kNil && nodes_[parent].kids++ == 0) unlink(parent);
     return i;
   }
 
-  void unlink(uint32_t i) {
+  // Node `i` (in the list) leaves it; `heir` (kNil: none) takes its place.
+  void replace(uint32_t i, uint32_t heir) {
     Node& n = nodes_[i];
-    if (n.prev != kNil) nodes_[n.prev].next = n.next;
-    else head_ = n.next;
-    if (n.next != kNil) nodes_[n.next].prev = n.prev;
-    else tail_ = n.prev;
-    n.next = free_;
+    if (heir == kNil) {
+      unlink(i);
+      return;
+    }
+    nodes_[heir].prev = n.prev;
+    nodes_[heir].next = n.next;
+    if (n.prev != kNil) nodes_[n.prev].next = heir;
+    else head_ = heir;
+    if (n.next != kNil) nodes_[n.next].prev = heir;
+    else tail_ = heir;
+  }
+
+  void release(uint32_t i) {  // back to the pool (out of the list, no children)
+    nodes_[i].next = free_;
     free_ = i;
   }
 
@@ -449,6 +469,14 @@ class Order {
   }
 
  private:
+  void unlink(uint32_t i) {
+    Node& n = nodes_[i];
+    if (n.prev != kNil) nodes_[n.prev].next = n.next;
+    else head_ = n.next;
+    if (n.next != kNil) nodes_[n.next].prev = n.prev;
+    else tail_ = n.prev;
+  }
+
   std::deque<Node> nodes_;  // a deque: growing it never copies (no pause under the lock)
   uint32_t head_ = kNil, tail_ = kNil, free_ = kNil;
 };
@@ -670,32 +698,68 @@ class PrefixIndex {
     loc_count_[loc] = 0;
     engine_[loc].clear();
     order_[loc].clear();
+    kept_[loc] = 0;
   }
 
   // -- the cap (max_blocks_) -------------------------------------------------------------------------
   //
-  // Each location fed by events keeps its engine map's entries in the order they were stored
-  // (Order). When an ingest leaves more than max_blocks_ blocks in the index, the oldest entries of
-  // the location holding the most blocks are evicted (as if the engine had removed them) until the
-  // index is ~1/64 under the cap, so one instance's churn evicts its own old blocks, not another's
-  // hot prefixes. A location whose engine map alone is over the cap (one block stored under many
-  // engine hashes) is cut the same way. Work: O(1) per evicted entry, each entry evicted at most
-  // once per store, plus a scan of the 64 locations per kEvictPerPick evictions; the lock is let go
-  // every kEvictPerHold evictions.
+  // Each location fed by events keeps its engine map's entries as chains, their leaves in the order
+  // they were stored (Order). When an ingest leaves more than max_blocks_ blocks in the index, the
+  // oldest leaves of the location holding the most blocks are evicted (as if the engine had removed
+  // them), a chain from its tail to its head, until the index is ~1/64 under the cap, so one
+  // instance's churn evicts its own old blocks, not another's hot prefixes. A location whose engine
+  // map alone is over the cap (one block stored under many engine hashes), or with its removed
+  // entries' nodes kept for their children, is cut the same way. Work: O(1) per evicted entry, each
+  // entry evicted at most once per store, plus a scan of the 64 locations per kEvictPerPick
+  // evictions; the lock is let go every kEvictPerHold evictions.
 
-  // Evict location `loc`'s oldest entry; false when it has none.
+  // Evict location `loc`'s oldest leaf entry; false when it has none.
   bool evict_oldest(int loc, IngestStats& st) {
-    Order& order = order_[loc];
-    uint32_t i = order.head();
+    uint32_t i = order_[loc].head();
     if (i == kNil) return false;
-    uint64_t fp = order[i].fp;
+    uint64_t fp = order_[loc][i].fp;
     auto& emap = engine_[loc];
     const EngineEntry* e = emap.find(fp);
     if (e) remove_one(loc, 1ULL << loc, e->ours);
-    order.unlink(i);
+    drop_node(loc, i);
     emap.erase(fp);
     ++st.evicted;
     return true;
+  }
+
+  // Whether node `i` of `loc` is its engine map entry's (not a removed entry's node kept for
+  // the children it still has).
+  bool live_node(int loc, uint32_t i) const {
+    const EngineEntry* e = engine_[loc].find(order_[loc][i].fp);
+    return e && e->node == i;
+  }
+
+  // Location `loc`'s entry of node `i` goes (removed, evicted, or stored again): a leaf leaves the
+  // list, the nearest ancestor it leaves with no children taking its place (removed ancestors
+  // on the way are freed); a node with children stays, out of the list, until they go (counted in
+  // kept_, and by the cap). Called before the engine map entry is erased or repointed.
+  void drop_node(int loc, uint32_t i) {
+    Order& o = order_[loc];
+    if (o[i].kids) {
+      ++kept_[loc];
+      return;
+    }
+    uint32_t c = i, heir = kNil;
+    for (;;) {
+      uint32_t p = o[c].parent;
+      if (c != i) {  // a removed entry's node whose last child went
+        o.release(c);
+        --kept_[loc];
+      }
+      if (p == kNil || --o[p].kids) break;
+      if (live_node(loc, p)) {
+        heir = p;
+        break;
+      }
+      c = p;
+    }
+    o.replace(i, heir);
+    o.release(i);
   }
 
   // Under the lock `lk` (held): see above; the index ends at most max_blocks_ - max_blocks_/64
@@ -713,8 +777,8 @@ class PrefixIndex {
       lk.lock();
     };
     for (int loc : {loc_gpu, loc_cpu, loc_other}) {  // engine maps over the cap on their own
-      if (loc < 0 || engine_[loc].size() <= max_blocks_) continue;
-      while (engine_[loc].size() > target && evict_oldest(loc, st)) pause();
+      if (loc < 0 || engine_[loc].size() + kept_[loc] <= max_blocks_) continue;
+      while (engine_[loc].size() + kept_[loc] > target && evict_oldest(loc, st)) pause();
     }
     if (blocks_.size() <= max_blocks_) return;
     while (blocks_.size() > target) {
@@ -853,7 +917,7 @@ class PrefixIndex {
         const EngineEntry* ent = emap.find(fp);
         if (!ent) continue;
         remove_one(loc, bit, ent->ours);
-        order_[loc].unlink(ent->node);
+        drop_node(loc, ent->node);
         emap.erase(fp);
         ++st.removed;
       }
@@ -870,6 +934,7 @@ class PrefixIndex {
       return;
     }
     uint64_t seed = root_;
+    uint32_t up = kNil;  // the node of the block each one is chained to
     if (have_parent) {
       const EngineEntry* ps = emap.find(parent_fp);
       if (!ps) {
@@ -877,19 +942,23 @@ class PrefixIndex {
         return;
       }
       seed = ps->ours;
+      up = ps->node;
     }
     if (order_[loc].pool() + n >= kNil) throw ParseError("a location would hold 2^32 blocks");
     chain_into(tok_.data(), tok_.size(), extra_, seed, ours_);
     for (size_t i = 0; i < n; ++i) {
+      // The new node first (its parent gains a child before any entry is dropped below, so that
+      // it is never freed: an event may name one engine hash twice, or its parent's).
+      uint32_t node = order_[loc].push(fps_[i], up);
       EngineEntry& ent = emap.at_or_zero(fps_[i]);
       if (ent.node != kNil) {  // stored again: now the newest
         // The engine hash named another block (a collision, or a lost BlockRemoved): that block
         // is removed as BlockRemoved would, not left in the index with no entry to evict it by.
         if (ent.ours != ours_[i]) remove_one(loc, bit, ent.ours);
-        order_[loc].unlink(ent.node);
+        drop_node(loc, ent.node);
       }
       ent.ours = ours_[i];
-      ent.node = order_[loc].push(fps_[i]);
+      ent.node = up = node;
       add_one(loc, bit, ours_[i]);
       ++st.stored;
     }
@@ -902,7 +971,8 @@ class PrefixIndex {
   FlatMap blocks_;  // our hash -> location mask
   FlatMapT<EngineEntry> engine_[kMaxLocations];  // per location: engine hash fingerprint -> ours
   size_t loc_count_[kMaxLocations] = {};
-  Order order_[kMaxLocations];  // per location: its engine map's entries, oldest first
+  Order order_[kMaxLocations];  // per location: its engine map's entries, leaves oldest first
+  size_t kept_[kMaxLocations] = {};  // per location: removed entries' nodes kept for their children
   std::vector<uint32_t> tok_;  // scratch of ingest (under the exclusive lock)
   std::vector<uint64_t> fps_, ours_;
   std::vector<Span> extra_;

@@ -141,9 +141,9 @@ def test_index_cap_evicts_the_oldest_entries_of_the_location_holding_the_most():
         st = idx.ingest(chain_event(1000 * (k + 1), t), b)
         assert st["evicted"] == 200 and len(idx) == 985
     assert idx.counters["evicted"] == 35 + 3 * 200
-    # b kept its newest 965: chains 4-7 whole, the first 35 blocks of chain 3 went with 0-2
-    assert [idx.match(idx.hash_tokens(t))[1] for t in b_chains] == [0, 0, 0, 0, 200, 200, 200, 200]
-    assert idx.match(idx.hash_tokens(b_chains[3])[35:]) == [0, 165]
+    # b kept its newest 965: chains 4-7 whole, the last 35 blocks of chain 3 went with 0-2 (a chain
+    # goes from its tail: what is left of it is its head, which still matches)
+    assert [idx.match(idx.hash_tokens(t))[1] for t in b_chains] == [0, 0, 0, 165, 200, 200, 200, 200]
     assert idx.match(hot_hs) == [20, 0]
     d = make_policy("cache").route(req("r", hot_hs, prompt=len(hot)), c, 0.0)
     assert d.prefill.name == "a" and d.estimate.local_blocks == 20
@@ -163,6 +163,59 @@ def test_index_cap_evicts_the_oldest_entries_of_the_location_holding_the_most():
     assert idx.match(idx.hash_tokens(a_chains[1])) == [0, 0]
     idx.ingest(batch({"type": "AllBlocksCleared"}), a)
     assert idx.blocks_at(a) == 0 and len(idx) == idx.blocks_at(b)
+
+
+def test_index_cap_evicts_a_chain_from_its_tail_and_a_shared_prefix_last():
+    """The cap evicted a location's entries in the order their events stored them: a chain's head
+    (stored first, by the prefill's event, or a system prompt many chains extend) went before its
+    tail (decode's events store one block each, chained to the one before), and the tail, never
+    matched again (a match counts leading blocks), held the capacity. Now the oldest chain goes
+    from its tail, and a prefix stays while a chain extending it does: every block the location
+    keeps counts in a match."""
+    idx = BlockIndex(BS, max_blocks=200)
+    a = idx.add_location("a", Tier.GPU)
+    shared = tokens(10 * BS, seed=400)
+    idx.ingest(batch(stored(list(range(1, 11)), shared)), a)  # the shared prefix: engine hashes 1-10
+    chains = []
+    for k in range(12):  # 12 chains of 10 prefill blocks after the prefix, then 10 decoded ones
+        t = shared + tokens(20 * BS, seed=500 + k)
+        base = 1000 * (k + 1)
+        idx.ingest(batch(stored(list(range(base, base + 10)), t[10 * BS : 20 * BS], parent=10)), a)
+        for j in range(10, 20):
+            idx.ingest(batch(stored([base + j], t[(j + 10) * BS : (j + 11) * BS], parent=base + j - 1)), a)
+        chains.append(idx.hash_tokens(t))
+    assert idx.counters["evicted"] == 51 and len(idx) == 199  # 250 stored, under the cap again
+    held_at_a = idx.hashes_at(a)
+    kept = []
+    for hs in chains:
+        held = sum(1 for h in hs if h in held_at_a)
+        assert idx.match(hs) == [held]  # no block left that a match cannot reach
+        kept.append(held)
+    # the oldest chains went, from their tails; the prefix they shared with the newest stays
+    assert kept == [10, 10, 19] + [30] * 9
+    # A block removed by its engine while a block chained to it stays: its descendants go when
+    # their turn comes, then the chain's head; the index stays exact.
+    idx.ingest(batch(removed([12_005])), a)
+    assert idx.match(chains[11]) == [15]
+    for k in range(12, 20):
+        t = tokens(20 * BS, seed=500 + k)
+        idx.ingest(batch(stored(list(range(1000 * (k + 1), 1000 * (k + 1) + 20)), t)), a)
+    held_at_a = idx.hashes_at(a)
+    assert len(idx) == idx.blocks_at(a) == len(held_at_a) <= 200
+    for hs in chains[:11]:
+        assert idx.match(hs) == [sum(1 for h in hs if h in held_at_a)]
+    # chains 2-9 went, then chain 10's tail; chain 11 (the newest) and the prefix stay
+    assert [idx.match(hs)[0] for hs in chains] == [10] * 10 + [17, 15]
+    # Blocks removed while their chains' tails stay are kept (as links) until those go: they count
+    # against the cap too, or a publisher removing all but its chains' last blocks grew them unbounded.
+    idx = BlockIndex(BS, max_blocks=100)
+    a = idx.add_location("a", Tier.GPU)
+    for k in range(10):
+        base = 1000 * (k + 1)
+        idx.ingest(batch(stored(list(range(base, base + 50)), tokens(50 * BS, seed=600 + k))), a)
+        idx.ingest(batch(removed(list(range(base, base + 49)))), a)
+        assert len(idx) <= 2
+    assert idx.counters["evicted"] == 8 and idx.counters["removed"] == 490
 
 
 def test_index_cap_bounds_one_locations_engine_hashes():

@@ -83,9 +83,10 @@ class BlockIndex:
             deployment must use the same).
         expected_blocks: pre-size the table (avoids rehash pauses while it fills).
         max_blocks: most blocks the index holds (0: no cap). After an :meth:`ingest` that leaves
-            more, the oldest entries (in the order their events stored them) of the location
-            holding the most blocks are evicted, as if its engine had removed them, until the index
-            is ~1/64 under the cap; so is a location whose own engine-hash map is over it. Counted
+            more, the oldest entries of the location holding the most blocks are evicted, as if its
+            engine had removed them, until the index is ~1/64 under the cap; so is a location whose
+            own engine-hash map is over it. A chain goes from its tail (the chain whose last block
+            was stored first goes first), and a prefix stays while a chain extending it does. Counted
             in ``counters["evicted"]``. Entries made by :meth:`add` are never evicted here
             (:class:`ApproxTracker` trims its own under the cap).
     """
