@@ -481,6 +481,11 @@ class Order {
   uint32_t head_ = kNil, tail_ = kNil, free_ = kNil;
 };
 
+// A location's entry made by add(): its node in the location's added-entries Order.
+struct AddedEntry {
+  uint32_t node = kNil;
+};
+
 constexpr int kMaxLocations = 64;
 // Eviction under the cap: entries evicted per hold of the exclusive lock (~0.1 ms), and per choice
 // of the location holding the most blocks.
@@ -534,16 +539,38 @@ class PrefixIndex {
 
   // -- direct updates (simulator, approximate mode, store tier) ----------------------------------
 
-  void add(int loc, const std::vector<uint64_t>& hashes) {
+  // Location `loc` holds `hashes` (a chain's, head first, or a part of one): each becomes the
+  // location's newest added entry, the chain's tail before its head, so that the cap evicts a
+  // chain from its tail. With `evict`, an index left over the cap evicts as an ingest does; the
+  // approximate mode's tracker trims its own entries instead. Returns the entries evicted.
+  uint64_t add(int loc, const std::vector<uint64_t>& hashes, bool evict) {
     uint64_t bit = loc_bit(loc);
     std::unique_lock lk(mu_);
-    for (uint64_t h : hashes) add_one(loc, bit, h);
+    Order& o = added_order_[loc];
+    if (o.pool() + hashes.size() >= kNil) throw std::length_error("a location would hold 2^32 blocks");
+    auto& amap = added_[loc];
+    for (size_t i = hashes.size(); i-- > 0;) {
+      uint64_t h = hashes[i];
+      uint32_t& node = amap.at_or_zero(h).node;
+      if (node != kNil) {  // added again: now the newest
+        o.replace(node, kNil);
+        o.release(node);
+      }
+      node = o.push(h, kNil);
+      add_one(loc, bit, h);
+    }
+    IngestStats st;
+    if (evict) evict_over_cap(lk, -1, -1, -1, st);
+    return st.evicted;
   }
 
   void remove(int loc, const std::vector<uint64_t>& hashes) {
     uint64_t bit = loc_bit(loc);
     std::unique_lock lk(mu_);
-    for (uint64_t h : hashes) remove_one(loc, bit, h);
+    for (uint64_t h : hashes) {
+      remove_one(loc, bit, h);
+      forget_added(loc, h);
+    }
   }
 
   void clear(int loc) {
@@ -699,6 +726,8 @@ class PrefixIndex {
     engine_[loc].clear();
     order_[loc].clear();
     kept_[loc] = 0;
+    added_[loc].clear();
+    added_order_[loc].clear();
   }
 
   // -- the cap (max_blocks_) -------------------------------------------------------------------------
@@ -712,6 +741,30 @@ class PrefixIndex {
   // entries' nodes kept for their children, is cut the same way. Work: O(1) per evicted entry, each
   // entry evicted at most once per store, plus a scan of the 64 locations per kEvictPerPick
   // evictions; the lock is let go every kEvictPerHold evictions.
+
+  // Evict an entry of location `loc`: of the longer of its lists (added entries, event-fed
+  // entries), the oldest; false when it has none.
+  bool evict_one(int loc, IngestStats& st) {
+    if (added_order_[loc].head() != kNil &&
+        (order_[loc].head() == kNil || added_[loc].size() >= engine_[loc].size())) {
+      uint32_t i = added_order_[loc].head();
+      uint64_t h = added_order_[loc][i].fp;
+      remove_one(loc, 1ULL << loc, h);
+      forget_added(loc, h);
+      ++st.evicted;
+      return true;
+    }
+    return evict_oldest(loc, st);
+  }
+
+  // Location `loc`'s entry of `h` made by add() goes (removed or evicted).
+  void forget_added(int loc, uint64_t h) {
+    AddedEntry* e = added_[loc].find(h);
+    if (!e) return;
+    added_order_[loc].replace(e->node, kNil);
+    added_order_[loc].release(e->node);
+    added_[loc].erase(h);
+  }
 
   // Evict location `loc`'s oldest leaf entry; false when it has none.
   bool evict_oldest(int loc, IngestStats& st) {
@@ -784,11 +837,12 @@ class PrefixIndex {
     while (blocks_.size() > target) {
       int best = -1;
       for (int loc = 0; loc < kMaxLocations; ++loc)
-        if (order_[loc].head() != kNil && (best < 0 || loc_count_[loc] > loc_count_[best]))
+        if ((order_[loc].head() != kNil || added_order_[loc].head() != kNil) &&
+            (best < 0 || loc_count_[loc] > loc_count_[best]))
           best = loc;
-      if (best < 0) break;  // nothing evictable left (blocks added by add() only)
+      if (best < 0) break;  // nothing evictable left
       for (size_t i = 0; i < kEvictPerPick && blocks_.size() > target; ++i) {
-        if (!evict_oldest(best, st)) break;
+        if (!evict_one(best, st)) break;
         pause();
       }
     }
@@ -973,6 +1027,8 @@ class PrefixIndex {
   size_t loc_count_[kMaxLocations] = {};
   Order order_[kMaxLocations];  // per location: its engine map's entries, leaves oldest first
   size_t kept_[kMaxLocations] = {};  // per location: removed entries' nodes kept for their children
+  FlatMapT<AddedEntry> added_[kMaxLocations];  // per location: entries made by add(), our hash ->
+  Order added_order_[kMaxLocations];           // their node here, oldest first (no parents)
   std::vector<uint32_t> tok_;  // scratch of ingest (under the exclusive lock)
   std::vector<uint64_t> fps_, ours_;
   std::vector<Span> extra_;
@@ -1047,8 +1103,8 @@ PYBIND11_MODULE(_conductor, m) {
   py::class_<PrefixIndex>(m, "PrefixIndex")
       .def(py::init<uint32_t, uint64_t, size_t, size_t>(), py::arg("block_size"),
            py::arg("root_seed") = 0, py::arg("expected_blocks") = 0, py::arg("max_blocks") = 0,
-           "`max_blocks` (0: none): after an ingest that leaves more blocks than this, the oldest "
-           "event-fed entries of the locations holding the most are evicted to ~1/64 under it.")
+           "`max_blocks` (0: none): after an ingest or add that leaves more blocks than this, the "
+           "oldest entries of the locations holding the most are evicted to ~1/64 under it.")
       .def_property_readonly("block_size", &PrefixIndex::block_size)
       .def_property_readonly("max_blocks", &PrefixIndex::max_blocks)
       .def_property_readonly("root_seed", &PrefixIndex::root_seed)
@@ -1081,13 +1137,16 @@ PYBIND11_MODULE(_conductor, m) {
           "block, msgpack bytes of its extra keys or None.")
       .def(
           "add",
-          [](PrefixIndex& self, int loc, const py::object& hashes) {
+          [](PrefixIndex& self, int loc, const py::object& hashes, bool evict) {
             IntView<uint64_t> hv(hashes);
             std::vector<uint64_t> v(hv.data, hv.data + hv.n);
             py::gil_scoped_release nogil;
-            self.add(loc, v);
+            return self.add(loc, v, evict);
           },
-          py::arg("location"), py::arg("hashes"))
+          py::arg("location"), py::arg("hashes"), py::arg("evict") = true,
+          "The location holds `hashes` (a chain's, head first: its tail is evicted first). With "
+          "`evict`, an index left over `max_blocks` evicts as after an ingest; returns the entries "
+          "evicted.")
       .def(
           "remove",
           [](PrefixIndex& self, int loc, const py::object& hashes) {

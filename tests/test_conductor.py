@@ -338,6 +338,39 @@ def test_approx_tracker_forgets_after_ttl():
         ApproxTracker(idx, ttl_s=0)
 
 
+def test_index_cap_evicts_added_entries_too_a_chains_tail_first():
+    """Entries made by add() (the simulator's, the approximate mode's) had no order to evict them
+    by: the cap skipped their locations, so they alone could hold the index over ``max_blocks``
+    unbounded, and an ingest over it evicted a small event-fed location's entries instead of the
+    biggest one's. Now the oldest added go first, a chain's tail before its head."""
+    idx = BlockIndex(BS, max_blocks=100)
+    a = idx.add_location("a", Tier.GPU)
+    b = idx.add_location("b", Tier.GPU)
+    c = idx.add_location("c", Tier.GPU)
+    chains = [idx.hash_tokens(tokens(40 * BS, seed=700 + k)) for k in range(4)]
+    idx.add(a, chains[0] + chains[1][:30])  # 70: under the cap
+    t = tokens(40 * BS, seed=710)
+    st = idx.ingest(batch(stored(list(range(1, 41)), t)), b)  # 110: a, the biggest, loses 11
+    assert st["evicted"] == 11 and idx.blocks_at(a) == 59 and idx.blocks_at(b) == 40
+    # one add() is one chain: its tail went first
+    assert idx.match(chains[0]) == [40, 0, 0] and idx.match(chains[1]) == [19, 0, 0]
+    idx.add(a, chains[1][:10])  # added again: the newest
+    assert idx.add(c, chains[2], evict=False) == 0 and len(idx) == 139  # left to its caller
+    assert idx.add(c, chains[3]) == 179 - 99 and len(idx) == 99  # an add over the cap evicts
+    # c (80) lost chain 2 (added first) and chain 3's tail, then a (59) its oldest: chain 0's tail
+    # (chain 1's refreshed head stays)
+    assert [max(idx.match(hs)) for hs in chains] == [33, 10, 0, 16]
+    assert idx.match(idx.hash_tokens(t)) == [0, 40, 0] and idx.counters["evicted"] == 11 + 80
+    assert len(idx) == sum(idx.blocks_at(x) for x in (a, b, c))
+    idx.remove(a, chains[0])
+    idx.clear(c)
+    assert len(idx) == 50 and idx.add(a, chains[0]) == 0 and idx.match(chains[0]) == [40, 0, 0]
+    assert idx.add(c, chains[2]) == 130 - 99 and len(idx) == 99
+    # a (50), the biggest, lost its oldest: chain 1's head (added before chain 0), chain 0's tail
+    assert [max(idx.match(hs)) for hs in chains] == [19, 0, 40, 0]
+    assert len(idx) == sum(idx.blocks_at(x) for x in (a, b, c))
+
+
 def test_approx_entries_are_held_under_the_index_cap_and_lose_a_chains_tail_first():
     """Approximate mode (an engine that publishes no KV events): the router's own entries (made
     by the index's add(), which its native eviction never touches) were bounded only by the

@@ -86,9 +86,10 @@ class BlockIndex:
             more, the oldest entries of the location holding the most blocks are evicted, as if its
             engine had removed them, until the index is ~1/64 under the cap; so is a location whose
             own engine-hash map is over it. A chain goes from its tail (the chain whose last block
-            was stored first goes first), and a prefix stays while a chain extending it does. Counted
-            in ``counters["evicted"]``. Entries made by :meth:`add` are never evicted here
-            (:class:`ApproxTracker` trims its own under the cap).
+            was stored first goes first), and a prefix stays while a chain extending it does.
+            Entries made by :meth:`add` are evicted too, the oldest added first, and so is the index
+            after an :meth:`add` that leaves it over the cap (unless ``evict=False``:
+            :class:`ApproxTracker` trims its own entries). Counted in ``counters["evicted"]``.
     """
 
     def __init__(
@@ -158,8 +159,16 @@ class BlockIndex:
         """Per registered location (by id), how many leading blocks of ``hashes`` it holds."""
         return self.native.match(hashes, len(self.locations))
 
-    def add(self, loc: Location, hashes: Sequence[int]) -> None:
-        self.native.add(loc.id, hashes)
+    def add(self, loc: Location, hashes: Sequence[int], *, evict: bool = True) -> int:
+        """``loc`` holds ``hashes`` (a chain's, head first, or part of one: the cap evicts its tail
+        first), the newest of its added entries. With ``evict``, an index left over ``max_blocks``
+        evicts as after an :meth:`ingest`; returns the entries evicted (also counted in
+        ``counters["evicted"]``). Called by the simulator and by :class:`ApproxTracker`."""
+        n = int(self.native.add(loc.id, hashes, evict))
+        if n:
+            with self._lock:
+                self.counters["evicted"] = self.counters.get("evicted", 0) + n
+        return n
 
     def remove(self, loc: Location, hashes: Sequence[int]) -> None:
         self.native.remove(loc.id, hashes)
@@ -208,7 +217,7 @@ class ApproxTracker:
     ``ttl_s`` after its last refresh (the engine may have evicted it by then). :meth:`sweep` removes
     what expired; call it now and then (the live router does, once a second). Memory: one ordered
     dict entry per (location, block) tracked, at most ``max_entries``, and none that keeps the index
-    over its ``max_blocks`` (its native eviction covers event-fed entries only): the least recently
+    over its ``max_blocks`` (it adds them with ``evict=False``, and trims them itself): the least recently
     refreshed are dropped first, down to 1/64 under the cap as the native eviction does. A request's
     blocks are refreshed from its chain's tail to its head, so a chain loses its tail first (a head
     dropped first left the tail in the index, never matched: a match counts leading blocks). A
@@ -244,7 +253,7 @@ class ApproxTracker:
                     key = (loc.id, h)
                     expiry[key] = exp
                     expiry.move_to_end(key)
-                self.index.add(loc, hs)
+                self.index.add(loc, hs, evict=False)  # trimmed below: the tracker stays in step
                 self._trim_locked(now)
 
     def _trim_locked(self, now: float) -> None:
