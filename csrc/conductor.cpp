@@ -413,7 +413,8 @@ class Order {
  public:
   struct Node {
     uint64_t fp;  // the engine hash fingerprint (its key in the engine map)
-    uint32_t prev, next;  // the leaves' list (a node with children is out of it)
+    uint32_t prev, next;  // the leaves' list (a node with children is out of it; prev: kKept
+                          // for a removed entry's node kept for its children)
     uint32_t parent;      // kNil: a chain's first block
     uint32_t kids;        // nodes whose parent this is
   };
@@ -430,7 +431,7 @@ class Order {
       i = free_;
       free_ = nodes_[i].next;
     } else {
-      if (nodes_.size() >= kNil) throw std::length_error("a location holds 2^32 blocks");
+      if (nodes_.size() >= kNil - 1) throw std::length_error("a location holds 2^32 blocks");
       i = static_cast<uint32_t>(nodes_.size());
       nodes_.emplace_back();
     }
@@ -438,7 +439,10 @@ class Order {
     if (tail_ != kNil) nodes_[tail_].next = i;
     else head_ = i;
     tail_ = i;
-    if (parent != kNil && nodes_[parent].kids++ == 0) unlink(parent);
+    if (parent != kNil && nodes_[parent].kids++ == 0) {
+      unlink(parent);
+      nodes_[parent].prev = kNil;
+    }
     return i;
   }
 
@@ -480,6 +484,8 @@ class Order {
   std::deque<Node> nodes_;  // a deque: growing it never copies (no pause under the lock)
   uint32_t head_ = kNil, tail_ = kNil, free_ = kNil;
 };
+
+constexpr uint32_t kKept = 0xfffffffeu;
 
 // A location's entry made by add(): its node in the location's added-entries Order.
 struct AddedEntry {
@@ -780,13 +786,6 @@ class PrefixIndex {
     return true;
   }
 
-  // Whether node `i` of `loc` is its engine map entry's (not a removed entry's node kept for
-  // the children it still has).
-  bool live_node(int loc, uint32_t i) const {
-    const EngineEntry* e = engine_[loc].find(order_[loc][i].fp);
-    return e && e->node == i;
-  }
-
   // Location `loc`'s entry of node `i` goes (removed, evicted, or stored again): a leaf leaves the
   // list, the nearest ancestor it leaves with no children taking its place (removed ancestors
   // on the way are freed); a node with children stays, out of the list, until they go (counted in
@@ -794,6 +793,7 @@ class PrefixIndex {
   void drop_node(int loc, uint32_t i) {
     Order& o = order_[loc];
     if (o[i].kids) {
+      o[i].prev = kKept;  // out of the list: prev is free to mark it
       ++kept_[loc];
       return;
     }
@@ -805,7 +805,7 @@ class PrefixIndex {
         --kept_[loc];
       }
       if (p == kNil || --o[p].kids) break;
-      if (live_node(loc, p)) {
+      if (o[p].prev != kKept) {  // an entry's node: now a leaf
         heir = p;
         break;
       }
