@@ -218,6 +218,40 @@ def test_index_cap_evicts_a_chain_from_its_tail_and_a_shared_prefix_last():
     assert idx.counters["evicted"] == 8 and idx.counters["removed"] == 490
 
 
+def test_index_stays_consistent_under_random_events_adds_and_the_cap():
+    """Random stores (chained to earlier blocks, engine hashes repeated within and across events),
+    removals, adds, removes and clears on three locations, with and without a cap: each location's
+    count is the blocks it holds, and an index with a cap ends every call under it."""
+    evicted = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        idx = BlockIndex(BS, max_blocks=rng.choice([0, 20, 50]))
+        locs = [idx.add_location(f"i{k}", Tier.GPU) for k in range(3)]
+        seen: list[list[int]] = [[], [], []]
+        for _ in range(200):
+            k = rng.randrange(3)
+            loc, r = locs[k], rng.random()
+            if r < 0.5:
+                hs = [rng.randrange(1, 80) for _ in range(rng.randint(1, 6))]
+                parent = rng.choice(seen[k]) if seen[k] and rng.random() < 0.7 else None
+                t = tokens(len(hs) * BS, seed=rng.randrange(30))
+                idx.ingest(batch(stored(hs, t, parent=parent)), loc)
+                seen[k] += hs
+            elif r < 0.8:
+                idx.ingest(batch(removed([rng.randrange(1, 80) for _ in range(rng.randint(1, 4))])), loc)
+            elif r < 0.95:
+                idx.add(loc, [rng.randrange(1, 1 << 60) for _ in range(rng.randint(1, 8))])
+                if rng.random() < 0.3:
+                    idx.remove(loc, sorted(idx.hashes_at(loc))[:3])
+            else:
+                idx.ingest(batch({"type": "AllBlocksCleared"}), loc)
+            assert [len(idx.hashes_at(x)) for x in locs] == [idx.blocks_at(x) for x in locs]
+            assert len(idx) <= sum(idx.blocks_at(x) for x in locs)
+            assert not idx.max_blocks or len(idx) <= idx.max_blocks
+        evicted += idx.counters.get("evicted", 0)
+    assert evicted > 1000  # the cap was at work
+
+
 def test_index_cap_bounds_one_locations_engine_hashes():
     """One block stored under ever new engine hashes adds no block to the index but an entry to the
     location's engine-hash map: that map is bounded by the cap too. An engine hash stored again for
