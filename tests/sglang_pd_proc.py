@@ -51,7 +51,7 @@ def digests(bufs: list, pages, item: int) -> list[list[str]]:
     return [[xxhash.xxh3_64_hexdigest(v[p * item : (p + 1) * item]) for p in pages] for v in views]
 
 
-def setup(mode: str, port: int):
+def setup(mode: str, port: int, policy: str = "early"):
     import numpy as np
     import torch
     from sglang.srt.plugins import load_plugins
@@ -70,6 +70,7 @@ def setup(mode: str, port: int):
         disaggregation_transfer_backend="kvpool",
         disaggregation_bootstrap_port=port,
         device="cpu",
+        disaggregation_decode_allocation_policy=policy,
     )
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     get_parallel().override_permanently(pp_group=None)
@@ -338,7 +339,7 @@ def decode(port: int, scenario: str, bad: bool) -> None:
         time.sleep(0.01)
 
 
-def prefill_late(port: int) -> None:
+def prefill_late(port: int, scenario: str) -> None:
     """A prefill whose KV buffers are (fake-driver, KVPOOL_CUDA_DRIVER) GPU memory WRITEs to a
     decode rank whose buffers are GPU memory of a peer process (tests/cuda_ipc_peer.py), over CUDA
     IPC; the decode's registration, metadata and ABORT come over ZMQ from here, its statuses and
@@ -348,7 +349,10 @@ def prefill_late(port: int) -> None:
     dummy destination, on room 2's worker) is sent and polled for Success meanwhile. Prints one
     "late" event: what reached the "decode" while stopped, each status/ack afterwards with whether
     its room's batch had settled when it came, room 1's page digests on both sides and the errors
-    the backend logged."""
+    the backend logged. Scenario "late-pc": SGLang's ``prefill_complete`` allocation policy (the
+    decode's BOOTSTRAP registers its endpoint, the prefill tells it WaitingForInput when its
+    prefill completed, Success only once the sender is cleared; an ABORT goes through SGLang's
+    own handling first); "notified" lists those WaitingForInput notices."""
     import hashlib
 
     import msgpack
@@ -363,7 +367,10 @@ def prefill_late(port: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from cuda_ipc_peer import Peer
 
-    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
+    pc = scenario == "late-pc"
+    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup(
+        "prefill", port, "prefill_complete" if pc else "early"
+    )
     import logging
 
     errors: list[str] = []  # what the backend logs as errors
@@ -419,6 +426,18 @@ def prefill_late(port: int) -> None:
     body = {"room": 4, "ip": "127.0.0.1", "port": in_port, "session": peer.name, "dummy": True, "kv": b"",
             "aux": None, "need": 1, "prefix": 0}  # fmt: skip
     push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
+    notified: list = []
+    if pc:  # the decode registers its endpoint; the prefill completes and tells it
+        for r in senders:
+            push.send_multipart([b"BOOTSTRAP", str(r).encode(), b"127.0.0.1", str(in_port).encode()])
+        time.sleep(0.5)
+        for s in senders.values():
+            s.mark_prefill_complete()
+        t0 = time.monotonic()
+        while len(notified) < len(senders) and time.monotonic() - t0 < 10:
+            if inbox.poll(200):
+                m = inbox.recv_multipart()
+                notified.append([int(m[0]), int(m[1])])
     t0 = time.monotonic()
     while any(s.poll() != KVPoll.WaitingForInput for s in senders.values()) and time.monotonic() - t0 < 10:
         time.sleep(0.01)
@@ -437,6 +456,11 @@ def prefill_late(port: int) -> None:
     senders[1].init(len(src_pages[1]), 0)
     senders[1].send(np.asarray(src_pages[1], np.int32))
     bid: dict[int, int] = {}
+    if pc:  # Success goes to the decode once the sender is cleared
+        t0 = time.monotonic()
+        while senders[1].poll() != KVPoll.Success and time.monotonic() - t0 < 20:
+            time.sleep(0.01)
+        senders[1].clear()
     room1 = inbox_msgs(20000)
     ok1 = all(
         peer.ask(f"dump {peer.gpu[b] + d * item} {item}")
@@ -481,10 +505,11 @@ def prefill_late(port: int) -> None:
     release.set()
     after = []
     t0 = time.monotonic()
-    while len(after) < 3 and time.monotonic() - t0 < 20:
+    while len(after) < (4 if pc else 3) and time.monotonic() - t0 < 20:
         after += inbox_msgs(200)
-    out(event="late", room1=room1, room1_bytes=ok1, timed_out=timed_out, while_stopped=while_stopped,
-        status2_while_stopped=status2, status3_while_stopped=status3, status4_while_stopped=status4,
+    out(event="late", notified=notified, room1=room1, room1_bytes=ok1, timed_out=timed_out,
+        while_stopped=while_stopped, status2_while_stopped=status2, status3_while_stopped=status3,
+        status4_while_stopped=status4,
         after=after, landed=release.landed(), status2=int(senders[2].poll()),
         status3=int(senders[3].poll()), deferred=mgr.engine.batches.deferred(), errors=errors)  # fmt: skip
     peer.close()
@@ -511,6 +536,6 @@ if __name__ == "__main__":
     elif role == "bootstrap":
         bootstrap(port)
     elif role == "prefill-late":
-        prefill_late(port)
+        prefill_late(port, scenario)
     else:
         decode(port, scenario, bad=role == "decode-badaddr")
