@@ -425,12 +425,15 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed or room in self._late_rooms:
                 return
             self._in_flight[room] = self._in_flight.get(room, 0) + 1
+        # Ended, or failed but for a timeout (a decode gone, a refused range, a plan error): the
+        # engine raises only once nothing of the batch runs, so nothing of the room can still land.
+        drained, parked = True, False
         try:
             self._write_chunk(chunk)
         except TransferTimeout as exc:
             bid = late_batch(exc)
-            if bid is None:
-                self._write_ended(room, drained=False)
+            if bid is None:  # a stalled decode may still apply WRITEs it received (TCP)
+                drained = False
                 raise
             # GPU copies of the batch outlived the timeout (a hung stream): they may still read
             # the prefill's pages and write the decode's. The room stays in flight, unconcluded
@@ -441,11 +444,10 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             with self._room_lock:
                 self._late_rooms.add(room)
             late.park(room, bid, f"kvpool: {exc}")
-        except BaseException:
-            self._write_ended(room, drained=False)
-            raise
-        else:
-            self._write_ended(room, drained=True)
+            parked = True
+        finally:
+            if not parked:
+                self._write_ended(room, drained=drained)
 
     def _late_ended(self, room: int, reason: str) -> None:
         """The GPU copies of parked ``room`` ended (its worker thread): the room fails (the decode
@@ -473,9 +475,9 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
 
     def _write_ended(self, room: int, *, drained: bool) -> None:
         """A chunk of ``room`` is no longer written; the abort acks that waited for the room's
-        last one are sent when nothing of it can still land (``drained``). A chunk that failed
-        mid-write otherwise may still land: no ack then (the decode releases its pages after
-        SGLang's own timeout), as SGLang's backends do."""
+        last one are sent when nothing of it can still land (``drained``): the chunk ended, or
+        failed but for a timeout. A WRITE that timed out may still be applied by a stalled decode
+        that received it: no ack then (the decode releases its pages after SGLang's timeout)."""
         with self._room_lock:
             left = self._in_flight.pop(room) - 1
             if left:
