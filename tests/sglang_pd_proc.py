@@ -518,6 +518,59 @@ def prefill_late(port: int, scenario: str) -> None:
     server.close()
 
 
+def pp_consensus() -> None:
+    """KvpoolKVManager.check_status_pp_consensus as SGLang's sender polls it with pipeline
+    parallelism (``CommonKVSender.poll_pp_consensus``, on stage 0): SGLang's real
+    PPConsensusStore for stage 0 (the manager's ``request_status``) and for stage 1, in this
+    process, replicating over ZMQ as between stages (a stand-in for the PP group's broadcast of
+    stage 0's address; no torch.distributed here). The manager and sender are SGLang's classes and
+    kvpool's, with only the fields these paths read (no engine, sockets or threads). Prints one
+    "pp" event: the status polled in each case."""
+    setup("prefill", 0)
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
+    from sglang.srt.observability.trace import TraceNullContext
+
+    from kvpool.connectors.sglang.conn import KvpoolKVManager, KvpoolKVSender
+
+    class Broadcast:  # the PP group's broadcast_object, for two stages in one process
+        info = None
+
+        def broadcast_object(self, obj: object, src: int = 0) -> object:
+            if obj is not None:
+                Broadcast.info = obj
+            return Broadcast.info
+
+    stages = [PPConsensusStore(2, 0, Broadcast()), PPConsensusStore(2, 1, Broadcast())]
+    mgr = KvpoolKVManager.__new__(KvpoolKVManager)
+    mgr.request_status, mgr._in_flight = stages[0], {}
+    mgr._staging_outstanding, mgr.defer_decode_allocation = {}, False
+
+    def poll(room: int, s0: KVPoll, s1: KVPoll, in_flight: int) -> int:
+        stages[0][room], stages[1][room] = s0, s1
+        t0 = time.monotonic()
+        while stages[0].collect(room)[1] != s1 and time.monotonic() - t0 < 10:
+            time.sleep(0.01)  # stage 1's status replicated to stage 0
+        mgr._in_flight = {room: in_flight} if in_flight else {}
+        sender = KvpoolKVSender.__new__(KvpoolKVSender)
+        sender.kv_mgr, sender.bootstrap_room, sender.conclude_state = mgr, room, None
+        sender.init_time = sender._prefill_complete_time = sender._transfer_start_time = None
+        sender.trace_ctx = TraceNullContext()
+        return int(sender.poll_pp_consensus())
+
+    F, T, W = KVPoll.Failed, KVPoll.Transferring, KVPoll.WaitingForInput
+    out(
+        event="pp",
+        # stage 0 aborted (Failed) while its chunk of the room is written; stage 1 transfers
+        aborted_in_flight=poll(1, F, T, 1),
+        aborted_drained=poll(2, F, T, 0),  # the chunk ended
+        stage1_failed_in_flight=poll(3, T, F, 1),  # stage 1 failed; stage 0's chunk still written
+        both_transferring=poll(4, T, T, 1),
+        waiting=poll(5, W, T, 0),  # the lower stage's status
+        success=poll(6, KVPoll.Success, KVPoll.Success, 0),
+    )
+
+
 def _page(drv, base: int, page: int, item: int) -> bytes:
     """One page of (fake-driver) GPU buffer ``base``, copied to the host."""
     from kvpool import _native
@@ -535,6 +588,8 @@ if __name__ == "__main__":
         prefill_bounds(port)
     elif role == "bootstrap":
         bootstrap(port)
+    elif role == "pp-consensus":
+        pp_consensus()
     elif role == "prefill-late":
         prefill_late(port, scenario)
     else:

@@ -616,6 +616,26 @@ def test_a_room_seen_again_does_not_keep_older_rooms_from_their_ttl(monkeypatch:
     assert 3 not in infos and all(r in infos for r in (2, 4, 5))
 
 
+def test_pipeline_stages_poll_a_room_whose_chunk_is_written_transferring() -> None:
+    """With pipeline parallelism SGLang's sender polls the room's status over the stages
+    (``poll_pp_consensus``: the lowest, through SGLang's PPConsensusStore, which replicates each
+    stage's status to stage 0). A Failed room of which stage 0 still writes a chunk (an abort
+    while its GPU copies run) reads Transferring, as ``poll`` does without PP; Failed once the
+    chunk ended; otherwise the stages' lowest status. The stores are SGLang's, two stages in one
+    process (tests/sglang_pd_proc.py ``pp_consensus``)."""
+    p = Role("pp-consensus", 0, "-")
+    try:
+        got = p.wait_for("pp", timeout=120)
+    finally:
+        p.close()
+    assert got["aborted_in_flight"] == TRANSFERRING  # SGLang's own consensus: Failed
+    assert got["stage1_failed_in_flight"] == TRANSFERRING
+    assert got["aborted_drained"] == FAILED
+    assert got["both_transferring"] == TRANSFERRING
+    assert got["waiting"] == 2  # WaitingForInput, the lower of the two
+    assert got["success"] == SUCCESS
+
+
 def test_late_rooms_end_each_parked_room_once_its_copies_settled() -> None:
     """A transfer worker's parked rooms (no SGLang needed): none parked, its queue get waits
     unbounded; parked, the wait starts at 10 ms and backs off to 0.5 s; a room ends (once) only
