@@ -559,8 +559,40 @@ def pp_consensus() -> None:
         return int(sender.poll_pp_consensus())
 
     F, T, W = KVPoll.Failed, KVPoll.Transferring, KVPoll.WaitingForInput
+    # Stage 1's manager writes a chunk of room 7 (its _write_chunk held at a gate) when the room is
+    # aborted on both stages: stage 0, which writes nothing of it, polls.
+    import threading
+
+    import numpy as np
+
+    from kvpool.connectors.sglang.plan import Chunk
+    from kvpool.connectors.sglang.rooms import writing_key
+
+    mgr1 = KvpoolKVManager.__new__(KvpoolKVManager)
+    mgr1.request_status, mgr1._in_flight, mgr1._room_lock = stages[1], {}, threading.Lock()
+    mgr1._late_rooms, mgr1._acks_waiting, mgr1._aborted_at = set(), {}, {}
+    gate = threading.Event()
+    mgr1._write_chunk = lambda chunk: gate.wait(30)
+    stages[1][7] = T
+    chunk = Chunk(7, np.zeros(0, np.int64), slice(0, 0), True, None)
+    writer = threading.Thread(target=mgr1._send_chunk, args=(chunk, None))
+    writer.start()
+
+    def stage1_writing(expected: int | None) -> None:
+        t0 = time.monotonic()
+        while stages[0].collect(writing_key(7))[1] != expected and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+
+    stage1_writing(1)
+    stage1_in_flight = poll(7, F, F, 0)
+    gate.set()
+    writer.join()
+    stage1_writing(None)
+    stage1_drained = poll(7, F, F, 0)
     out(
         event="pp",
+        stage1_in_flight=stage1_in_flight,
+        stage1_drained=stage1_drained,
         # stage 0 aborted (Failed) while its chunk of the room is written; stage 1 transfers
         aborted_in_flight=poll(1, F, T, 1),
         aborted_drained=poll(2, F, T, 0),  # the chunk ended

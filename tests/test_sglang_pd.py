@@ -620,8 +620,9 @@ def test_pipeline_stages_poll_a_room_whose_chunk_is_written_transferring() -> No
     """With pipeline parallelism SGLang's sender polls the room's status over the stages
     (``poll_pp_consensus``: the lowest, through SGLang's PPConsensusStore, which replicates each
     stage's status to stage 0). A Failed room of which stage 0 still writes a chunk (an abort
-    while its GPU copies run) reads Transferring, as ``poll`` does without PP; Failed once the
-    chunk ended; otherwise the stages' lowest status. The stores are SGLang's, two stages in one
+    while its GPU copies run) reads Transferring, as ``poll`` does without PP, and so does one
+    of which stage 1 alone writes a chunk (it says so in its store); Failed once the chunk
+    ended; otherwise the stages' lowest status. The stores are SGLang's, two stages in one
     process (tests/sglang_pd_proc.py ``pp_consensus``)."""
     p = Role("pp-consensus", 0, "-")
     try:
@@ -631,6 +632,8 @@ def test_pipeline_stages_poll_a_room_whose_chunk_is_written_transferring() -> No
     assert got["aborted_in_flight"] == TRANSFERRING  # SGLang's own consensus: Failed
     assert got["stage1_failed_in_flight"] == TRANSFERRING
     assert got["aborted_drained"] == FAILED
+    # stage 1 writes a chunk (stage 0 none): until 2026-11-27 stage 0 polled Failed meanwhile
+    assert got["stage1_in_flight"] == TRANSFERRING and got["stage1_drained"] == FAILED
     assert got["both_transferring"] == TRANSFERRING
     assert got["waiting"] == 2  # WaitingForInput, the lower of the two
     assert got["success"] == SUCCESS

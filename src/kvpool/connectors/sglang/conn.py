@@ -58,7 +58,7 @@ from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegist
 from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.peers import REG_TAG, parse_registration, registration_message
 from kvpool.connectors.sglang.plan import Chunk, TransferInfo, aux_columns, buffers, page_columns
-from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable
+from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable, writing_key
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferTimeout, late_batch
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -131,16 +131,18 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
     # ------------------------------------------------------------------ status
     def check_status(self, bootstrap_room: int) -> KVPoll:
         """SGLang's sender and receiver ``poll()`` (the scheduler's event loop; never blocks): the
-        room's status, except that a Failed room of which a chunk is still being written (its
-        GPU copies may outlive the timeout) reads Transferring until the write ended. Failed lets
-        SGLang free the room's prefill pages (the request's KV, reused by other requests) and,
-        with a deferred bootstrap, tell the decode, which then frees the pages being written; an
-        abort marks the room Failed at once (:meth:`_on_abort`), so the status is held instead."""
+        room's status, but a Failed room of which a chunk is still written (GPU copies may outlive
+        the timeout) reads Transferring until the write ended: Failed lets SGLang free the room's
+        prefill pages (reused by other requests), and an abort marks it Failed at once."""
         return self._held(bootstrap_room, super().check_status(bootstrap_room))
 
     def check_status_pp_consensus(self, bootstrap_room: int) -> KVPoll:
-        """:meth:`check_status` over pipeline stages (SGLang's sender with PP)."""
-        return self._held(bootstrap_room, super().check_status_pp_consensus(bootstrap_room))
+        """:meth:`check_status` over pipeline stages (SGLang's sender with PP, on stage 0): held
+        while any stage writes a chunk of the room (each says so in its PPConsensusStore)."""
+        status = super().check_status_pp_consensus(bootstrap_room)
+        if status == KVPoll.Failed and any(self.request_status.collect(writing_key(bootstrap_room))):
+            return KVPoll.Transferring
+        return self._held(bootstrap_room, status)
 
     def _held(self, room: int, status: KVPoll) -> KVPoll:
         if status == KVPoll.Failed and self._in_flight.get(room):
@@ -425,6 +427,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed or room in self._late_rooms:
                 return
             self._in_flight[room] = self._in_flight.get(room, 0) + 1
+            if hasattr(self.request_status, "collect"):  # PP: replicated to stage 0
+                self.request_status[writing_key(room)] = 1
         # Ended, or failed but for a timeout (a decode gone, a refused range, a plan error): the
         # engine raises only once nothing of the batch runs, so nothing of the room can still land.
         drained, parked = True, False
@@ -435,10 +439,9 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             if bid is None:  # a stalled decode may still apply WRITEs it received (TCP)
                 drained = False
                 raise
-            # GPU copies of the batch outlived the timeout (a hung stream): they may still read
-            # the prefill's pages and write the decode's. The room stays in flight, unconcluded
-            # (its sender polls Transferring, the decode hears nothing: neither side frees its
-            # pages) and an abort of it unacked until they ended; no later chunk of it starts.
+            # GPU copies outlived the timeout (a hung stream): they may still read the prefill's
+            # pages and write the decode's. The room stays in flight, unconcluded (neither side
+            # frees its pages), an abort unacked until they ended; no later chunk of it starts.
             # Parked, it holds up no other room of this worker.
             log.warning("kvpool prefill: room %s waits for GPU copies past the timeout: %s", room, exc)
             with self._room_lock:
@@ -484,6 +487,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 self._in_flight[room] = left
                 waiting = None
             else:
+                if hasattr(self.request_status, "collect"):
+                    self.request_status.pop(writing_key(room), None)
                 waiting = self._acks_waiting.pop(room, None)
                 self._aborted_at.pop(room, None)
         if waiting and drained:

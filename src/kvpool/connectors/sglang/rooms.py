@@ -193,6 +193,13 @@ class PeerTable:
             return list(self._peers)
 
 
+def writing_key(room: int) -> str:
+    """With pipeline parallelism: the key under which a stage's PPConsensusStore (SGLang's,
+    replicated to stage 0, whose sender alone polls) says that the stage writes a chunk of
+    ``room`` (its manager's transfer worker puts it, and pops it once the chunk ended)."""
+    return f"kvpool-writing:{room}"
+
+
 class LateRooms:
     """The rooms of one transfer worker whose batch raised TransferTimeout with its GPU copies
     still queued (a hung stream; ``kvpool.errors.late_batch``), parked until ``settled(batch_id)``
