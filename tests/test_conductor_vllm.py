@@ -161,7 +161,9 @@ def test_request_beyond_the_slo_is_refused_before_prefill(cluster) -> None:  # t
 
 def test_calibrate_against_a_real_server(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """``kvpool conductor calibrate`` on one real server: the fit predicts a held-out prompt length's
-    TTFT within 2x of a measurement, and the saved report loads as a CostModel."""
+    TTFT within 2x of a measurement, and the saved report loads as a CostModel. Timing on a shared
+    2-core machine: the fit and the measurement right after it are taken again (once) when they
+    disagree, so a load spike between the two does not fail it; a wrong fit fails both times."""
     import asyncio
     import statistics
     import time
@@ -170,24 +172,33 @@ def test_calibrate_against_a_real_server(cluster, tmp_path: Path) -> None:  # ty
     from kvpool.conductor.cost import CostModel
 
     url = cluster[0][0].url
-    report = asyncio.run(
-        calibrate([url], prefill_lengths=(32, 256, 1024, 2048), cached_lengths=(1024,), cached_extra=128,
-                  batches=(1, 2, 4), decode_contexts=(64, 512), decode_tokens=8, repeats=3, max_token_id=700)
-    )  # fmt: skip
-    cm: CostModel = report.pop("cost_model")
-    out = tmp_path / "cm.json"
-    cm.save(out, extra=report)
-    assert CostModel.load(out) == cm
-    held = 768  # not a probed length; fresh random ids (no prefix hit)
-    ttfts = []
-    for k in range(3):
-        ids = [(7 * k + 13 * i) % 690 + 5 for i in range(held)]
-        t0 = time.perf_counter()
-        status, _ = post(url + "/v1/completions", {"model": report["model"], "prompt": ids, "max_tokens": 1})
-        ttfts.append(time.perf_counter() - t0)
-        assert status == 200
-    measured = statistics.median(ttfts)
-    assert measured / 2 <= cm.prefill_s(held) <= measured * 2, (cm, measured)
+    tries = []
+    for _attempt in range(2):
+        probes = {
+            "prefill_lengths": (32, 256, 1024, 2048), "cached_lengths": (1024,), "cached_extra": 128,
+            "batches": (1, 2, 4), "decode_contexts": (64, 512), "decode_tokens": 8, "repeats": 3,
+        }  # fmt: skip
+        report = asyncio.run(calibrate([url], max_token_id=700, **probes))
+        cm: CostModel = report.pop("cost_model")
+        out = tmp_path / "cm.json"
+        cm.save(out, extra=report)
+        assert CostModel.load(out) == cm
+        held = 768  # not a probed length; fresh random ids (no prefix hit)
+        ttfts = []
+        for k in range(3):
+            ids = [(7 * k + 13 * i + 31 * _attempt) % 690 + 5 for i in range(held)]
+            t0 = time.perf_counter()
+            status, _ = post(
+                url + "/v1/completions", {"model": report["model"], "prompt": ids, "max_tokens": 1}
+            )
+            ttfts.append(time.perf_counter() - t0)
+            assert status == 200
+        measured = statistics.median(ttfts)
+        tries.append((cm.prefill_s(held), measured))
+        if measured / 2 <= cm.prefill_s(held) <= measured * 2:
+            break
+    else:
+        raise AssertionError(f"predicted vs measured TTFT of {held} tokens, two fits: {tries}; last: {cm}")
     # the decode fit explains its own probes (per-stream token gaps at several batches/contexts)
     print("calibrate errors:", report["errors"], "cost model:", cm)
     assert report["errors"]["decode"]["mean_rel_err"] <= 0.5, report["errors"]
