@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
-from kvpool.errors import BatchInFlight, SegmentNotFound, TransferError
+from kvpool.errors import BatchInFlight, SegmentNotFound, TransferError, TransferTimeout, late_batch
 from kvpool.transfer.peer import PeerProcess
 from tests.servers import free_port
 
@@ -126,6 +126,39 @@ def test_stalled_peer_times_out_and_in_flight_batch_cannot_be_freed() -> None:
         finally:
             os.kill(p.pid, signal.SIGCONT)
             p.close()
+
+
+def test_sync_batch_with_any_timed_out_request_raises_transfer_timeout() -> None:
+    """One synchronous batch to two peers: one killed (its requests FAILED, first in the batch),
+    one stalled (SIGSTOP: its WRITEs time out). The call raises TransferTimeout naming both
+    failures, not a plain TransferError: the stalled peer may still apply WRITE frames it
+    received, and a caller that reads TransferError as "nothing of the call can still land"
+    (the SGLang prefill then acks an abort, the decode reuses the pages) must not see one."""
+    with TransferEngine(protocol="tcp", timeout_s=1.0, connect_timeout_s=1.0) as eng:
+        bs = 4 << 20
+        src = bytearray(bs)
+        saddr = eng.register_local_memory(src)
+        gone, stalled = PeerProcess(bs), PeerProcess(bs)
+        try:
+            eng.batch_transfer_sync(gone.segment, [saddr], [gone.addr], [4096], OpCode.WRITE)  # connected
+            eng.open_segment(stalled.segment)
+            gone.kill()
+            os.kill(stalled.pid, signal.SIGSTOP)
+            parts = [
+                (gone.segment, [saddr] * 2, [gone.addr] * 2, [4096] * 2),
+                (stalled.segment, [saddr] * 20, [stalled.addr] * 20, [bs] * 20),  # > INLINE_MAX: one batch
+            ]
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout) as ei:
+                eng.batch_transfer_sync_multi(parts, OpCode.WRITE)
+            assert time.monotonic() - t0 < 30
+            msg = str(ei.value)
+            assert "request 0: FAILED" in msg and "timed out, request 2:" in msg, msg
+            assert late_batch(ei.value) is None  # nothing of it still runs here
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+            stalled.close()
+            gone.close()
 
 
 def test_unreachable_segment_is_segment_not_found(engine: TransferEngine) -> None:

@@ -51,7 +51,9 @@ class TransferError(KvpoolError):
 
 
 class TransferTimeout(TransferError, TimeoutError):
-    """A transfer did not complete within the configured timeout (peer gone or stalled).
+    """A transfer did not complete within the configured timeout (peer gone or stalled). A
+    synchronous call raises it where any of its requests timed out, even when others failed
+    otherwise: a stalled peer may still apply what it received of the call (TCP WRITE frames).
 
     ``batch_id``: set where copies of the call may still run after it raised (a synchronous
     call's batch whose GPU copies outlived ``timeout_s``: a hung stream); they may still write

@@ -396,6 +396,11 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         return await loop.run_in_executor(None, self.wait_batch, batch_id, timeout_s)
 
     def _raise_failures(self, batch_id: int, n: int) -> None:
+        """Raise the failures of a synchronous call's finished batch (its ``n`` requests):
+        TransferTimeout where any request timed out, even when others failed otherwise (a
+        stalled peer may still apply WRITE frames it received: a caller must not treat the
+        batch as drained), else TransferError. The message names the first failure, and the
+        first timeout where that is another request."""
         failed = []
         for i in range(n):
             st = self.get_transfer_status(batch_id, i)
@@ -404,9 +409,13 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         if failed:
             i, st = failed[0]
             msg = f"{len(failed)} of {n} requests failed; request {i}: {st.state.name}: {st.error}"
-            if all(s.state == TransferState.TIMEOUT for _, s in failed):
-                raise TransferTimeout(msg)
-            raise TransferError(msg)
+            timed_out = [(j, s) for j, s in failed if s.state == TransferState.TIMEOUT]
+            if not timed_out:
+                raise TransferError(msg)
+            j, s = timed_out[0]
+            if j != i:
+                msg += f"; {len(timed_out)} timed out, request {j}: {s.error}"
+            raise TransferTimeout(msg)
 
     # ------------------------------------------------------------------ Mooncake-style aliases
     registerLocalMemory = Registrations.register_local_memory  # noqa: N815

@@ -431,6 +431,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 self.request_status[writing_key(room)] = 1
         # Ended, or failed but for a timeout (a decode gone, a refused range, a plan error): the
         # engine raises only once nothing of the batch runs, so nothing of the room can still land.
+        # A batch of which any request timed out raises TransferTimeout, whatever else failed.
         drained, parked = True, False
         try:
             self._write_chunk(chunk)
