@@ -531,7 +531,8 @@ def pp_consensus() -> None:
     from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
     from sglang.srt.observability.trace import TraceNullContext
 
-    from kvpool.connectors.sglang.conn import KvpoolKVManager, KvpoolKVSender
+    from kvpool.connectors.sglang.conn import KvpoolKVManager
+    from kvpool.connectors.sglang.endpoints import KvpoolKVSender
 
     class Broadcast:  # the PP group's broadcast_object, for two stages in one process
         info = None

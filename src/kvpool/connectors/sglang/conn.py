@@ -47,15 +47,13 @@ from sglang.srt.disaggregation.common.conn import (
     AbortNotification,
     AckTarget,
     CommonKVManager,
-    CommonKVReceiver,
-    CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 
 from kvpool.config import TransferConfig
-from kvpool.connectors.sglang.bootstrap_server import SignedDpRank, SignedRegistration
-from kvpool.connectors.sglang.control_auth import ControlAuth, SigningSocket, endpoint_id, endpoint_of
+from kvpool.connectors.sglang.bootstrap_server import SignedRegistration
+from kvpool.connectors.sglang.control_auth import ControlAuth, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.peers import REG_TAG, parse_registration, registration_message
 from kvpool.connectors.sglang.plan import Chunk, TransferInfo, aux_columns, buffers, page_columns
 from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable, writing_key
@@ -296,7 +294,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
 
     def refusal(self, room: int) -> str | None:
         """Why ``room`` cannot be served (a decode rank of it was refused at registration), or None.
-        Called by :class:`KvpoolKVSender` when created: its metadata may have come first."""
+        Called by :class:`~kvpool.connectors.sglang.endpoints.KvpoolKVSender` when created: its
+        metadata may have come first."""
         for info in list(self.transfer_infos.get(room, {}).values()):
             if info.refused:
                 return info.refused
@@ -381,7 +380,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         num_kv_tokens: Any = None,
         **_: Any,
     ) -> None:
-        """Queue one chunk (called by :class:`KvpoolKVSender.send`); the worker moves it."""
+        """Queue one chunk (called by the ``send`` of
+        :class:`~kvpool.connectors.sglang.endpoints.KvpoolKVSender`); the worker moves it."""
         if self.request_status.get(bootstrap_room, KVPoll.Failed) == KVPoll.Failed:
             return
         chunk = Chunk(
@@ -570,41 +570,3 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 )
             except Exception:  # noqa: BLE001
                 log.exception("kvpool decode: control message failed")
-
-
-class KvpoolKVSender(SignedDpRank, CommonKVSender):
-    """SGLang's common sender; chunks go to :meth:`KvpoolKVManager.add_transfer_request`."""
-
-    def __init__(self, mgr: KvpoolKVManager, *args: Any, **kwargs: Any) -> None:
-        """Created by SGLang's prefill scheduler for each request: the room is held (its
-        destinations are never dropped for their age). A room whose decode rank was refused before
-        (its metadata came first: nothing would conclude it) fails now with the refusal's reason,
-        as SGLang's own failures at creation do (its decode rank was told when the metadata came)."""
-        super().__init__(mgr, *args, **kwargs)
-        room = self.bootstrap_room
-        mgr.rooms.claim(room)
-        why = mgr.refusal(room)
-        if why and mgr.request_status.get(room) not in (None, KVPoll.Failed):
-            mgr.record_failure(room, why)
-            mgr.update_status(room, KVPoll.Failed)
-
-    def clear(self) -> None:
-        """Called by SGLang's prefill scheduler when the request is done: SGLang drops what it kept
-        for the room; so does the room table."""
-        super().clear()
-        self.kv_mgr.rooms.forget(self.bootstrap_room)
-
-
-class KvpoolKVReceiver(CommonKVReceiver):
-    """SGLang's common receiver (bootstrap lookup, metadata, heartbeats, abort); what it sends to a
-    prefill rank (registration, metadata, BOOTSTRAP, ABORT) is signed with its manager's key, for
-    that prefill rank's control endpoint."""
-
-    def _connect_to_bootstrap_server(self, bootstrap_info: dict) -> tuple[Any, Any]:  # type: ignore[override]
-        """Called by SGLang's receiver for every message to a prefill rank."""
-        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
-        auth = getattr(self.kv_mgr, "control_auth", None)
-        if auth is None or not auth.enabled:
-            return sock, lock
-        rank = endpoint_id(bootstrap_info["rank_ip"], bootstrap_info["rank_port"])
-        return SigningSocket(sock, auth, rank), lock

@@ -46,13 +46,13 @@ def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any, *args: 
     from sglang.srt.disaggregation.base import KVArgs
     from sglang.srt.disaggregation.utils import KVClassType
 
-    from kvpool.connectors.sglang import bootstrap_server, conn
+    from kvpool.connectors.sglang import bootstrap_server, conn, endpoints
 
     return {
         KVClassType.KVARGS: KVArgs,
         KVClassType.MANAGER: conn.KvpoolKVManager,
-        KVClassType.SENDER: conn.KvpoolKVSender,
-        KVClassType.RECEIVER: conn.KvpoolKVReceiver,
+        KVClassType.SENDER: endpoints.KvpoolKVSender,
+        KVClassType.RECEIVER: endpoints.KvpoolKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: bootstrap_server.KvpoolKVBootstrapServer,
     }.get(class_type)
 
