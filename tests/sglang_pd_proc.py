@@ -151,6 +151,10 @@ def prefill(port: int, scenario: str) -> None:
                         time.sleep(0.5)
                         out(event="first-chunk-sent", room=r)
                         time.sleep(600)  # the test kills this process now
+                if scenario == "abort-inflight":  # the test aborts the room once its write runs
+                    while not mgr._in_flight.get(r) and time.monotonic() - t0 < 60:
+                        time.sleep(0.01)
+                    out(event="writing", room=r)
             elif s in (KVPoll.Success, KVPoll.Failed):
                 reason = None
                 if s == KVPoll.Failed:

@@ -147,7 +147,8 @@ def test_an_abort_is_acked_only_after_the_write_in_flight_finished(
     """SGLang's deferred decode KV release: a decode that aborts a room keeps its pages until the
     prefill acks; the ack must wait for a WRITE of that room still in flight, or the write lands
     in pages already given to another request. The decode process is stopped (SIGSTOP) so the
-    prefill's TCP WRITE cannot complete; the ABORT comes from this test, which also takes the ack.
+    prefill's TCP WRITE cannot complete; the ABORT comes from this test once the prefill says the
+    write runs, and the test also takes the ack.
     Then the decode process resumes (the write finishes), or dies (SIGKILL: the write fails with a
     TransferError, not a timeout, once nothing of it runs): either way the ack comes. Until
     2026-11-27 a write that failed so was never acked (an aborting decode rank waited out SGLang's
@@ -157,6 +158,9 @@ def test_an_abort_is_acked_only_after_the_write_in_flight_finished(
     go = tmp_path / "go"
     monkeypatch.setenv("KVPOOL_PROTOCOL", "tcp")
     monkeypatch.setenv("KVPOOL_TEST_GO", str(go))
+    # The write may wait in the connect handshake with the stopped decode (the engine opens data
+    # connections as a batch needs them): a stop longer than connect_timeout_s (5 s) would fail it.
+    monkeypatch.setenv("KVPOOL_CONNECT_TIMEOUT_S", "60")
     port = free_port()
     p = Role("prefill", port, "abort-inflight")
     roles.append(p)
@@ -172,7 +176,7 @@ def test_an_abort_is_acked_only_after_the_write_in_flight_finished(
     push.connect(f"tcp://127.0.0.1:{rank_port}")
     try:
         go.touch()  # the prefill writes room 1 into the stopped decode: the WRITE cannot finish
-        time.sleep(1.0)
+        p.wait_for("writing", room=1)  # room 1's chunk is in flight (its worker writes it)
         push.send_multipart([b"ABORT", b"1", b"127.0.0.1", str(ack_port).encode(), b"7"])
         assert acks.poll(2000) == 0  # no ack while the write is in flight
         os.kill(d.proc.pid, signal.SIGCONT if decode_then == "resumes" else signal.SIGKILL)
