@@ -385,13 +385,11 @@ def test_a_stream_given_more_blocks_than_the_prompt_is_recomputed_not_left_waiti
     assert not any(d.kv[name][b.block_id].any() for name in d.kv for b in blocks)  # nothing read
 
 
-def test_a_transfer_id_taken_over_by_another_prefill_request_fails_the_load() -> None:
-    """A client sends one transfer id with two prefill requests (prompts of one length): the
-    decode read some layers of the first one's blocks; once the id names the other request, the
-    load fails instead of reading the rest from the other request's blocks."""
+def _stream_of_one_block() -> tuple[list[Any], Any, Any, Any]:
+    """A decode's stream load of one block (d1 into block 5, transfer "t") over two layers, its
+    reads recorded: (reads, worker, remote layout, load) for ``pd_stream._advance``."""
     from kvpool.connectors.vllm.pd_scheduler import RecvJob
-    from kvpool.connectors.vllm.pd_stream import StreamLoad, _advance
-    from kvpool.errors import TransferError
+    from kvpool.connectors.vllm.pd_stream import StreamLoad
 
     regions = [Region("l0", 0x1000, 64, 64, 8), Region("l1", 0x2000, 64, 64, 8)]
     reads: list[Any] = []
@@ -400,7 +398,17 @@ def test_a_transfer_id_taken_over_by_another_prefill_request_fails_the_load() ->
                              _check_layout=lambda rem: None)  # fmt: skip
     rem = SimpleNamespace(block_size=BS, segment="p", regions={r.name: r for r in regions})
     job = RecvJob("d1", [5], [], "127.0.0.1", 1, "", transfer_id="t", num_tokens=BS)
-    ld = StreamLoad(job, time.monotonic() + 30)
+    return reads, worker, rem, StreamLoad(job, time.monotonic() + 30)
+
+
+def test_a_transfer_id_taken_over_by_another_prefill_request_fails_the_load() -> None:
+    """A client sends one transfer id with two prefill requests (prompts of one length): the
+    decode read some layers of the first one's blocks; once the id names the other request, the
+    load fails instead of reading the rest from the other request's blocks."""
+    from kvpool.connectors.vllm.pd_stream import _advance
+    from kvpool.errors import TransferError
+
+    reads, worker, rem, ld = _stream_of_one_block()
 
     def state(req_id: str, final: list[int]) -> dict[str, Any]:
         return {"state": "live", "req_id": req_id, "gen": 0, "total": BS, "blocks": [3], "final": final}
@@ -480,18 +488,10 @@ def test_a_streamed_read_of_blocks_not_held_for_the_request_is_not_confirmed(
 def test_a_streams_blocks_changed_under_one_generation_fail_the_load() -> None:
     """Blocks read in an earlier round are renamed by a later progress answer of the same
     generation: the load fails instead of finishing with a digest of blocks it did not read."""
-    from kvpool.connectors.vllm.pd_scheduler import RecvJob
     from kvpool.connectors.vllm.pd_stream import StreamLoad, _advance
     from kvpool.errors import TransferError
 
-    regions = [Region("l0", 0x1000, 64, 64, 8), Region("l1", 0x2000, 64, 64, 8)]
-    reads: list[Any] = []
-    engine = SimpleNamespace(batch_transfer_sync=lambda *a: reads.append(a))
-    worker = SimpleNamespace(block_size=BS, tp_size=1, regions=regions, engine=engine,
-                             _check_layout=lambda rem: None)  # fmt: skip
-    rem = SimpleNamespace(block_size=BS, segment="p", regions={r.name: r for r in regions})
-    job = RecvJob("d1", [5], [], "127.0.0.1", 1, "", transfer_id="t", num_tokens=BS)
-    ld = StreamLoad(job, time.monotonic() + 30)
+    reads, worker, rem, ld = _stream_of_one_block()
 
     def state(blocks: list[int], final: list[int], gen: int = 0) -> dict[str, Any]:
         return {"state": "live", "req_id": "pA", "gen": gen, "total": BS, "blocks": blocks, "final": final}
@@ -499,6 +499,7 @@ def test_a_streams_blocks_changed_under_one_generation_fail_the_load() -> None:
     assert _advance(worker, rem, ld, state([3], [BS, 0]), {}) == (False, 64)  # layer 0 of block 3
     with pytest.raises(TransferError, match="changed under one generation"):
         _advance(worker, rem, ld, state([4], [BS, BS]), {})
+    job = ld.job
     assert len(reads) == 1 and job.blocks_digest is None  # nothing of block 4 was read
     ld = StreamLoad(job, time.monotonic() + 30)  # a new generation starts over: block 4 is read
     assert _advance(worker, rem, ld, state([3], [BS, 0]), {})[0] is False

@@ -7,6 +7,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,16 @@ def master() -> Iterator[str]:
 
 def run_to_end(inst: Instance, rid: str) -> None:
     inst.run_until(lambda o: rid in o and o[rid].finish_reason is not None)
+
+
+def _found(sched: Any, keys: list[str]) -> list[bool]:
+    """Which of ``keys`` the scheduler's non-blocking lookup finds in the store (waits for it)."""
+    lookup = sched._lookups.submit(keys)
+    deadline = time.monotonic() + 10
+    while not lookup.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lookup.error is None, lookup.error
+    return lookup.found
 
 
 def test_second_instance_loads_the_prefix_the_first_saved(tiny_llama: Path, master: str) -> None:  # noqa: F811
@@ -555,11 +566,7 @@ def test_a_block_is_a_hit_only_when_every_pipeline_stage_and_tp_rank_committed_i
         markers += [x + keys[0][n:] for x in ns[:3]]  # block 0: stage 1's TP rank 1 lacks it
         with Store.connect(master=master, segment_size=0) as st:
             st.batch_put(markers, [b"m"] * len(markers))
-        lookup = sched._lookups.submit(keys + [ns[0] + "/missing"])
-        deadline = time.monotonic() + 10
-        while not lookup.done and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert lookup.error is None and lookup.found == [False, True, False]
+        assert _found(sched, keys + [ns[0] + "/missing"]) == [False, True, False]
     finally:
         sched.close()
 
@@ -658,10 +665,6 @@ def test_a_block_is_a_hit_only_when_every_tp_rank_committed_it(tiny_llama: Path,
         keys = block_keys(ns0, PROMPT, 32)
         with Store.connect(master=master, segment_size=0) as st:
             st.batch_put([keys[0], keys[1], ns1 + keys[1][len(ns0) :]], [b"m"] * 3)  # rank 1 lacks block 0
-        lookup = sched._lookups.submit(keys + [ns0 + "/missing"])
-        deadline = time.monotonic() + 10
-        while not lookup.done and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert lookup.error is None and lookup.found == [False, True, False]
+        assert _found(sched, keys + [ns0 + "/missing"]) == [False, True, False]
     finally:
         sched.close()
