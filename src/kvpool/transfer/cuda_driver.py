@@ -142,15 +142,20 @@ class CudaDriver:
         self._tls = threading.local()
 
     # ------------------------------------------------------------------ errors, contexts
+    def error(self, rc: int, what: str) -> CudaError:
+        """The CudaError for a nonzero CUresult ``rc`` of the call ``what`` (named by the driver),
+        e.g. one the native side got (``_native.ipc_enqueue``, ``IpcCompleter``)."""
+        s = c_char_p()
+        self.lib.cuGetErrorString(rc, byref(s))
+        return CudaError(f"{what} failed: CUDA error {rc} ({(s.value or b'?').decode()})", rc)
+
     def _check(self, rc: int, what: str, cls: type[KvpoolError] = CudaError) -> None:
         if rc == 0:
             return
-        s = c_char_p()
-        self.lib.cuGetErrorString(rc, byref(s))
-        msg = f"{what} failed: CUDA error {rc} ({(s.value or b'?').decode()})"
+        err = self.error(rc, what)
         if cls is CudaError:
-            raise CudaError(msg, rc)
-        raise cls(msg)
+            raise err
+        raise cls(str(err))
 
     def use(self, device: int) -> None:
         """Make ``device``'s primary context current on this thread (cheap when it already is)."""
@@ -331,13 +336,6 @@ class CudaDriver:
         self._check(self.lib.cuModuleLoadData(byref(m), image), "cuModuleLoadData")
         self._check(self.lib.cuModuleGetFunction(byref(f), m, name.encode()), f"cuModuleGetFunction({name})")
         return int(f.value or 0)
-
-    def launch(self, func: int, grid: int, block: int, stream: int, args: list[Any]) -> None:
-        """Launch ``func`` on a 1-D grid; ``args`` are ctypes values, in the kernel's order."""
-        params = (c_void_p * len(args))(*[ctypes.cast(byref(a), c_void_p) for a in args])
-        self._check(
-            self.lib.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, 0, stream, params, None), "cuLaunchKernel"
-        )
 
 
 _loaded: dict[str, CudaDriver | None] = {}

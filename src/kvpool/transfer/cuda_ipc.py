@@ -475,11 +475,9 @@ class CudaIpcTransport(Transport):
             self._settle(stream)  # copies queued before the failure still read/write the mappings
             self._spares.give_back(dev, table, event)  # after _settle: the table's copy has run
             peer.unpin(pins)
-            try:
-                self.driver._check(rc, what)
-            except KvpoolError as exc:
-                self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
-                raise
+            exc = self.driver.error(rc, what)
+            self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
+            raise exc
         if kernel:
             self.launches += 1
         else:
@@ -529,10 +527,7 @@ class CudaIpcTransport(Transport):
                     run = self._runs[0]  # pushed in queue order, completed in queue order
                 error = None
                 if rc:
-                    try:
-                        self.driver._check(rc, "cuEventSynchronize")
-                    except KvpoolError as exc:
-                        error = f"CUDA IPC copy failed: {exc}"
+                    error = f"CUDA IPC copy failed: {self.driver.error(rc, 'cuEventSynchronize')}"
                 elif not alive:
                     run.peer.gone = True
                     error = f"the segment's process (pid {run.peer.pid}) exited during the copy"
