@@ -197,7 +197,7 @@ int dial(const std::string& host, uint16_t port, int timeout_ms) {
 
 // Client side of the handshake (wire.h): answers the server's challenge with a proof of the secret
 // and checks the server's proof. Returns ST_OK and the server incarnation.
-int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation, int timeout_ms) {
+int32_t hello_exchange(int fd, const std::string& secret, uint64_t* incarnation, int timeout_ms) {
   FrameDeadline dl(fd, timeout_ms);  // the whole handshake
   Challenge ch{};
   int32_t st = recv_all(fd, &ch, sizeof(ch));
@@ -227,6 +227,14 @@ int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation, i
   }
   *incarnation = ok.incarnation;
   return ST_OK;
+}
+
+// The handshake, a stall in it reported as ST_HELLO_TIMEOUT, not ST_TIMEOUT: no request frame was
+// sent on the connection, so nothing of the slices it fails can land later (ST_TIMEOUT tells the
+// caller that a stalled target may still apply WRITEs it received, and callers then hold memory).
+int32_t client_hello(int fd, const std::string& secret, uint64_t* incarnation, int timeout_ms) {
+  int32_t st = hello_exchange(fd, secret, incarnation, timeout_ms);
+  return st == ST_TIMEOUT ? ST_HELLO_TIMEOUT : st;
 }
 
 // Copy that bypasses the cache for big copies (the destination is not read back soon and a cold
@@ -385,8 +393,11 @@ std::vector<Region> Registry::list() const {
 void Batch::finish_slice(uint32_t idx, uint64_t nbytes, int32_t status) {
   Slot& s = slots[idx];
   if (status != ST_OK) {
-    int zero = 0;
-    s.err.compare_exchange_strong(zero, status);
+    // The first failure names the slot's error, except that a timed-out slice wins over any other:
+    // it may still land later, and the slot's state must say so (TIMEOUT, not FAILED).
+    int cur = 0;
+    while (!s.err.compare_exchange_weak(cur, status) && status == ST_TIMEOUT && cur != ST_TIMEOUT) {
+    }
   } else {
     s.bytes.fetch_add(nbytes, std::memory_order_relaxed);
   }
@@ -902,6 +913,7 @@ std::pair<int, uint64_t> Engine::batch_status(uint64_t batch) {
     int st = b->slots[i].state.load(std::memory_order_acquire);
     bytes += b->slots[i].bytes.load();
     if (st == S_PENDING) pending = true;
+    else if (st == S_TIMEOUT) worst = S_TIMEOUT;  // may still land: wins over other failures
     else if (st != S_COMPLETED && worst == S_COMPLETED) worst = st;
   }
   if (used == 0) return {S_WAITING, 0};
@@ -964,8 +976,13 @@ int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint6
       execute(p, lane, group);
       done = true;
     }
-    for (size_t i = 0; i < n; ++i)
-      if (int err = b->slots[i].err.load()) return err;  // a finished slice failed
+    int first = ST_OK;  // a finished slice failed: a timeout (may still land) wins over the rest
+    for (size_t i = 0; i < n; ++i) {
+      int err = b->slots[i].err.load();
+      if (err == ST_TIMEOUT) return err;
+      if (first == ST_OK) first = err;
+    }
+    if (first != ST_OK) return first;
     if (done) return ST_OK;
     // Every lane busy: queue the slices not yet done behind the others' work.
     std::vector<uint64_t> l2, r2, n2;
@@ -1009,8 +1026,11 @@ int Engine::transfer_queued(uint8_t op, const std::vector<uint64_t>& locals, uin
     free_batch(id);
     throw;
   }
-  int err = ST_OK;
-  for (size_t i = 0; i < n && !err; ++i) err = slot_error(id, static_cast<uint32_t>(i));
+  int err = ST_OK;  // the first failure, or a timeout (it may still land) if any slot timed out
+  for (size_t i = 0; i < n && err != ST_TIMEOUT; ++i) {
+    int e = slot_error(id, static_cast<uint32_t>(i));
+    if (e == ST_TIMEOUT || err == ST_OK) err = e;
+  }
   free_batch(id);
   return err;
 }

@@ -58,6 +58,7 @@ enum Status : int32_t {
   ST_BUSY = 108,          // target refused the connection: over its connection bounds
   ST_STALE = 109,         // local only: the peer's descriptor must be fetched again first (nothing moved)
   ST_REREGISTERED = 110,  // the target's registration of the range is not the one the request named
+  ST_HELLO_TIMEOUT = 111,  // the peer accepted the connection but did not finish the handshake in time
 };
 
 #pragma pack(push, 1)
@@ -149,6 +150,9 @@ inline const char* status_text(int32_t st) {
     case ST_CANCELED: return "engine shut down";
     case ST_LOCAL_FAULT: return "same-host copy faulted (memory unmapped?)";
     case ST_TRANSPORT: return "failed in the transport";
+    case ST_HELLO_TIMEOUT:
+      return "peer accepted the connection but did not complete the handshake within connect_timeout_s "
+             "(stopped or overloaded?); nothing was sent to it";
     case ST_STALE: return "the segment's descriptor is stale; open the segment again";
     case ST_REREGISTERED:
       return "the target unregistered this range and registered it again since its descriptor was read; "

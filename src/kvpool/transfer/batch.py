@@ -141,7 +141,8 @@ class Batches:
         return TransferStatus(_STATE[state], nbytes, reason)
 
     def batch_status(self, batch_id: int) -> TransferStatus:
-        """PENDING while any slot is; else COMPLETED or the first failure state; bytes so far."""
+        """PENDING while any slot is; else COMPLETED, TIMEOUT when any slot timed out (it may still
+        land), or the first failure state; bytes so far."""
         state, nbytes = self._native.batch_status(batch_id)
         return TransferStatus(_STATE[state], nbytes)
 
