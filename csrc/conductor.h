@@ -330,12 +330,17 @@ class PrefixIndex {
     }
   }
 
+  // Location `loc` no longer holds `h` (whichever way it went): its add() entry of `h`, if any,
+  // goes too (a location fed by both add() and events kept it after its engine removed the block:
+  // an entry of a block it no longer held, not bounded by the cap, that evicted the block when the
+  // engine stored it again). An event-fed entry of `h` may stay until its engine removes it.
   void remove_one(int loc, uint64_t bit, uint64_t h) {
     uint64_t* v = blocks_.find(h);
     if (!v || !(*v & bit)) return;
     *v &= ~bit;
     --loc_count_[loc];
     if (!*v) blocks_.erase(h);
+    if (added_[loc].size()) forget_added(loc, h);
   }
 
   void clear_locked(int loc, uint64_t bit);

@@ -405,6 +405,29 @@ def test_index_cap_evicts_added_entries_too_a_chains_tail_first():
     assert len(idx) == sum(idx.blocks_at(x) for x in (a, b, c))
 
 
+def test_an_engine_removal_also_drops_the_locations_added_entry_of_the_block():
+    """A location fed both by add() and by KV events kept the add() entry of a block its engine
+    then removed (the location's bit went, the entry stayed in the cap's list): entries of blocks no
+    longer in the index, not bounded by ``max_blocks`` (they hold nothing over it), counted as
+    evicted when the cap dropped them, and when the engine stored the block again the cap evicted
+    that fresh block through the old entry, before older ones. Now the removal drops both."""
+    idx = BlockIndex(BS, max_blocks=100)
+    a = idx.add_location("a", Tier.GPU)
+    eng = 1
+    for k in range(10):  # routed there, stored, then removed by the engine: 400 blocks come and go
+        t = tokens(40 * BS, seed=800 + k)
+        idx.add(a, idx.hash_tokens(t))
+        idx.ingest(batch(stored(list(range(eng, eng + 40)), t)), a)
+        idx.ingest(batch(removed(list(range(eng, eng + 40)))), a)
+        eng += 40
+    assert len(idx) == 0
+    x = idx.hash_tokens(t)
+    idx.ingest(batch(stored(list(range(eng, eng + 40)), t)), a)  # the last one stored again
+    y = idx.hash_tokens(tokens(70 * BS, seed=820))
+    assert idx.add(a, y) == 11  # 110 blocks, down to 99: the oldest added entries, y's tail
+    assert idx.match(x) == [40] and idx.match(y) == [59] and len(idx) == 99
+
+
 def test_approx_entries_are_held_under_the_index_cap_and_lose_a_chains_tail_first():
     """Approximate mode (an engine that publishes no KV events): the router's own entries (made
     by the index's add(), which its native eviction never touches) were bounded only by the
