@@ -1527,6 +1527,29 @@ def test_an_invalid_33_mib_body_is_refused_without_holding_the_gil_long() -> Non
             assert worst < 0.05, f"{parse.__name__} held the GIL {worst * 1e3:.0f} ms at a time"
 
 
+def test_a_long_answer_that_is_not_an_object_is_none_without_parsing_it() -> None:
+    """A backend answering a prefill or ``/tokenize`` request with 20 MiB of JSON array (or a
+    string): every caller wants an object, so it is None — not parsed by ``json.loads`` in one
+    GIL-holding call (0.1 s and more: the proxy's event loop waited meanwhile, thread or not).
+    A short non-object answer is None too; invalid JSON still raises ValueError."""
+    from kvpool.connectors.openai_api import loads_off_loop
+    from kvpool.connectors.proxy_json import loads_ids
+
+    n = (20 << 20) // 8
+    for data in (
+        ("[" + ", ".join(["1234567"] * n) + "]").encode(),
+        json.dumps("word " * (n * 2)).encode(),
+    ):
+        got, worst = gil_hold(lambda: loads_ids(data))  # noqa: B023
+        assert got is None
+        assert worst < 0.05, f"held the GIL {worst * 1e3:.0f} ms at a time"
+        assert asyncio.run(loads_off_loop(data)) is None
+    assert asyncio.run(loads_off_loop(b"[1, 2, 3]")) is None
+    assert asyncio.run(loads_off_loop(b'{"tokens": [1]}')) == {"tokens": [1]}
+    with pytest.raises(ValueError):
+        asyncio.run(loads_off_loop(b'{"tokens": [1'))
+
+
 #: A vLLM double in its own process for prompts of millions of token ids (its parsing must not
 #: count as the proxy's loop time): ``/v1/completions`` answers 200 when the prompt is
 #: ``range(argv[1], argv[1] + len)`` or ``"word " * (len / 5)`` and prints ``len keys...`` of each

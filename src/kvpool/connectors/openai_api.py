@@ -202,14 +202,16 @@ class BodyParts:
         return body_pieces(self.parts)
 
 
-async def loads_off_loop(data: bytes) -> Any:
+async def loads_off_loop(data: bytes) -> dict[str, Any] | None:
     """A backend's JSON answer parsed (the proxy's event loop awaits it): a small one at once,
     one over :data:`THREAD_PARSE_BYTES` in a thread by
     :func:`kvpool.connectors.proxy_json.loads_ids` (a bounded piece per C call, so the thread
     leaves the loop free; long arrays of token ids as ``array('I')``; an invalid object raises a
-    one-line ValueError). Raises what ``json.loads`` raises."""
+    one-line ValueError). An answer that is not a JSON object is None (a long one is not parsed);
+    invalid JSON raises ValueError."""
     if len(data) <= THREAD_PARSE_BYTES:
-        return json.loads(data)
+        value = json.loads(data)
+        return value if isinstance(value, dict) else None
     return await asyncio.to_thread(loads_ids, data)
 
 

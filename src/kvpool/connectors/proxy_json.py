@@ -192,16 +192,20 @@ def parse_big(text: str, max_depth: int) -> tuple[dict[str, Any], dict[str, tupl
             cur, is_obj, key, start = stack.pop()
 
 
-def loads_ids(data: bytes) -> Any:
-    """``json.loads(data)`` of a backend's answer (a ``/tokenize`` answer), a bounded piece per
-    C call, its long arrays of token ids as ``array('I')`` (:func:`parse_big`, no depth limit:
-    it keeps its own stack): an invalid one raises its one-line ValueError (``json.loads`` over
-    the whole text held the GIL as long); an answer that is not an object is ``json.loads``'s.
-    Called in a thread by the proxy."""
+def loads_ids(data: bytes) -> dict[str, Any] | None:
+    """``json.loads(data)`` of a backend's answer (a ``/tokenize`` or prefill answer), a bounded
+    piece per C call, its long arrays of token ids as ``array('I')`` (:func:`parse_big`, no depth
+    limit: it keeps its own stack): an invalid one raises its one-line ValueError (``json.loads``
+    over the whole text held the GIL as long). An answer that does not start as an object is None,
+    unparsed: every caller wants an object, and ``json.loads`` of a long array or string held the
+    GIL for all of it (0.1 s and more, the event loop stalled meanwhile). Called in a thread by the
+    proxy."""
     try:
         return parse_big(data.decode("utf-8"), 1 << 30)[0]
-    except (NotAnObject, UnicodeDecodeError):
-        return json.loads(data)  # what json.loads says (or parses all the same)
+    except NotAnObject:
+        return None
+    except UnicodeDecodeError:
+        raise ValueError("answer is not UTF-8") from None
 
 
 def jsonable(value: Any) -> Any:
