@@ -100,6 +100,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         # Prefill: rooms with a chunk being written (or its GPU copies still running past the
         # timeout), and the abort acks that wait for them to drain. Empty on a decode.
         self._in_flight: dict[int, int] = {}
+        self._concluding = threading.local()  # the decode endpoints conclude_transfer sends to
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.peers = PeerTable()  # session -> PeerArgs, bounded (KVPOOL_SGLANG_MAX_PEERS)
             self._room_lock = threading.Lock()
@@ -146,6 +147,38 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         if status == KVPoll.Failed and self._in_flight.get(room):
             return KVPoll.Transferring
         return status
+
+    def conclude_transfer(
+        self,
+        *,
+        bootstrap_room: int,
+        status: KVPoll,
+        targets: list[tuple[str, int]] | None = None,
+        failure_reason: str | None = None,
+    ) -> KVPoll | None:
+        """SGLang's (called through ``conclude_failure`` by the transfer workers and the control
+        thread, and on a room's last chunk): the room's status goes to its decode ranks. Under
+        SGLang's ``prefill_complete`` policy its marking the room Failed also sends the deferred
+        bootstrap's Failed notice ("Prefill bootstrap failed") to the decode endpoint that this
+        Failed status, with its reason, goes to next: that notice is left out (one Failed each)."""
+        if targets is None:
+            targets = self._room_notify_targets(bootstrap_room)
+        self._concluding.targets = targets
+        try:
+            return super().conclude_transfer(
+                bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
+            )
+        finally:
+            self._concluding.targets = None
+
+    def _notify_bootstrap(self, room: int, notification: Any) -> None:
+        """SGLang's deferred bootstrap notice (``prefill_complete``), sent by ``update_status``;
+        a Failed one is left out when :meth:`conclude_transfer` sends the room's Failed status
+        to the same endpoint on this thread."""
+        sending = getattr(self._concluding, "targets", None)
+        if notification is not None and notification[1] and sending and tuple(notification[0]) in sending:
+            return
+        super()._notify_bootstrap(room, notification)
 
     # ------------------------------------------------------------------ memory
     def register_buffer_to_engine(self) -> None:

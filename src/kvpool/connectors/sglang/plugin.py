@@ -88,6 +88,9 @@ def check_sglang() -> str:
             "CommonKVBootstrapServer._handle_route_put",
             "CommonKVBootstrapServer._handle_register_dp_rank",
             "CommonKVBootstrapServer._setup_routes",  # extended: the nonce route
+            # overridden: one Failed status per decode rank under prefill_complete
+            "CommonKVManager._notify_bootstrap",
+            "CommonKVManager._room_notify_targets",
         ],
     }
     import importlib
