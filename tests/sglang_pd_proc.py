@@ -523,6 +523,135 @@ def prefill_late(port: int, scenario: str) -> None:
     server.close()
 
 
+def prefill_ranks(port: int) -> None:
+    """A prefill (MLA, attention TP 1) whose rooms 1 and 2 each go to two decode ranks (decode
+    attention TP 2): kvpool peer processes over TCP (KVPOOL_PROTOCOL and KVPOOL_TIMEOUT_S from
+    the test), B written first, then A1 (room 1) or A2 (room 2), which are stopped (SIGSTOP: the
+    WRITE to them times out; one each: after a timeout the engine's next batch to a stopped peer
+    waits in its connect handshake); their registrations, metadata and ABORTs come over ZMQ from
+    here, each rank's statuses and acks back to a socket of its own here. Both ranks abort room
+    1 while its chunk is written, and room 2 once the prefill failed it (as SGLang's decode does
+    on a Failed status). Prints one "ranks" event: what each rank got ([room, "ack", generation]
+    or [room, status, reason]), whether B's pages of room 1 hold the prefill's bytes, and the
+    batches that raised."""
+    import signal
+
+    import msgpack
+    import zmq
+    from sglang.srt.disaggregation.base import KVPoll
+
+    from kvpool.transfer.peer import PeerProcess
+    from kvpool.transfer.types import OpCode
+
+    np, backend, get_kv_class, T, Mode, sa, kv_args, mgr_cls, bufs, aux, item = setup("prefill", port)
+    server = get_kv_class(backend, T.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    mgr = mgr_cls(kv_args(), Mode.PREFILL, sa, True)  # MLA: each decode rank gets the whole KV
+    size = len(bufs) * PAGES * item
+    ranks = {r: PeerProcess(size, protocol="tcp") for r in ("B", "A1", "A2")}
+    of_room = {1: ("B", "A1"), 2: ("B", "A2")}  # B first: the prefill writes B, then the other
+    ctx = zmq.Context()
+    inbox = {r: ctx.socket(zmq.PULL) for r in ranks}
+    in_port = {r: inbox[r].bind_to_random_port("tcp://127.0.0.1") for r in ranks}
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{mgr.rank_port}")
+    for i, (r, peer) in enumerate(ranks.items()):
+        reg = {"ip": "127.0.0.1", "port": in_port[r], "session": peer.segment, "engine_rank": i,
+               "kv_ptrs": [peer.addr + b * PAGES * item for b in range(len(bufs))],
+               "kv_item_lens": [item] * len(bufs), "aux_ptrs": [], "aux_item_lens": [], "attn_tp_size": 2,
+               "page_size": PAGE}  # fmt: skip
+        push.send_multipart([b"KVPOOL_REG", msgpack.packb(reg)])
+    t0 = time.monotonic()
+    while any(mgr.peers.get(p.segment) is None for p in ranks.values()) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    src_pages = {1: [3, 4, 5, 9], 2: [10, 11, 12]}
+    dst_pages = {1: [30, 31, 32, 40], 2: [50, 51, 52]}
+    senders = {}
+    for room, dst in dst_pages.items():
+        senders[room] = get_kv_class(backend, T.SENDER)(
+            mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=room
+        )
+        for r in of_room[room]:
+            body = {"room": room, "ip": "127.0.0.1", "port": in_port[r], "session": ranks[r].segment,
+                    "dummy": False, "kv": np.asarray(dst, np.int32).tobytes(), "aux": None, "need": 2,
+                    "prefix": 0}  # fmt: skip
+            push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
+    t0 = time.monotonic()
+    while any(s.poll() != KVPoll.WaitingForInput for s in senders.values()) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    for peer in ranks.values():  # connected before A stops (a stopped peer's connect fails, not times out)
+        mgr.engine.batch_transfer_sync(peer.segment, [bufs[0].data_ptr()], [peer.addr], [item], OpCode.WRITE)
+    raised: dict[int, str] = {}
+    real_batch = mgr.engine.batch_transfer_sync
+
+    def spy(session, srcs, *rest):
+        try:
+            return real_batch(session, srcs, *rest)
+        except Exception as exc:
+            raised[len(raised) + 1] = type(exc).__name__
+            raise
+
+    mgr.engine.batch_transfer_sync = spy
+    got: dict[str, list] = {r: [] for r in ranks}
+
+    def collect(wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for r, sock in inbox.items():
+                while sock.poll(0):
+                    m = sock.recv_multipart()
+                    if m[0] == b"ABORT_ACK":
+                        got[r].append([int(m[1]), "ack", int(m[3])])
+                    else:
+                        got[r].append([int(m[0]), int(m[1]), m[3].decode()])
+            time.sleep(0.01)
+
+    def abort(room: int) -> None:
+        for gen, r in enumerate(ranks, start=7):  # B: generation 7, A1: 8, A2: 9
+            if r not in of_room[room]:
+                continue
+            push.send_multipart([b"ABORT", str(room).encode(), b"127.0.0.1", str(in_port[r]).encode(),
+                                 str(gen).encode()])  # fmt: skip
+
+    for r in ("A1", "A2"):
+        os.kill(ranks[r].pid, signal.SIGSTOP)
+    try:
+        # Room 1: both ranks abort it while its chunk is written.
+        senders[1].init(len(src_pages[1]), 0)
+        senders[1].send(np.asarray(src_pages[1], np.int32))
+        t0 = time.monotonic()
+        while not mgr._in_flight.get(1) and time.monotonic() - t0 < 10:
+            time.sleep(0.001)
+        abort(1)
+        while mgr._in_flight.get(1) and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        collect(1.0)
+        # Room 2: the prefill fails it (its WRITE to A times out); both ranks abort it then.
+        senders[2].init(len(src_pages[2]), 0)
+        senders[2].send(np.asarray(src_pages[2], np.int32))
+        t0 = time.monotonic()
+        while not all(any(m[0] == 2 for m in got[r]) for r in of_room[2]) and time.monotonic() - t0 < 30:
+            collect(0.05)
+        abort(2)
+        collect(1.5)
+    finally:
+        for r in ("A1", "A2"):
+            os.kill(ranks[r].pid, signal.SIGCONT)
+    collect(1.5)  # A1 and A2 resumed: still no ack to them
+    want = digests(bufs, src_pages[1], item)
+    b_bytes = all(
+        ranks["B"].checksum((b * PAGES + d) * item, item) == want[b][i]
+        for b in range(len(bufs))
+        for i, d in enumerate(dst_pages[1])
+    )
+    out(event="ranks", got=got, b_bytes=b_bytes, raised=raised)
+    for peer in ranks.values():
+        peer.close()
+    push.close(0)
+    for sock in inbox.values():
+        sock.close(0)
+    server.close()
+
+
 def pp_consensus() -> None:
     """KvpoolKVManager.check_status_pp_consensus as SGLang's sender polls it with pipeline
     parallelism (``CommonKVSender.poll_pp_consensus``, on stage 0): SGLang's real
@@ -630,5 +759,7 @@ if __name__ == "__main__":
         pp_consensus()
     elif role == "prefill-late":
         prefill_late(port, scenario)
+    elif role == "prefill-ranks":
+        prefill_ranks(port)
     else:
         decode(port, scenario, bad=role == "decode-badaddr")

@@ -714,3 +714,30 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     # Room 3's copies ended past the decode's release timeout: one error names it (none room 2).
     late = [e for e in got["errors"] if "deferred decode KV release timeout" in e]
     assert len(late) == 1 and "room 3 " in late[0] and "another request" in late[0], got["errors"]
+
+
+def test_a_rooms_decode_ranks_that_no_timed_out_write_reaches_are_acked(
+    roles: list[Role], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A room written to two decode ranks (MLA, decode attention TP 2 over prefill TP 1): B's
+    WRITE completes, then the other rank's times out (stopped, TCP: it may still apply the frames
+    it received, so its abort is never acked and it keeps its pages until SGLang's release
+    timeout). B's abort is acked: when both ranks aborted room 1 while its chunk was written
+    (A1 stopped), once the chunk ended; when both aborted room 2 after the prefill failed it (A2
+    stopped; SGLang's decode aborts a room it sees fail), at once. Until 2026-11-27 the prefill
+    acked neither rank of room 1 (B waited out the timeout, its bytes landed) and both of room 2
+    (A2's pages could get the late WRITE after the decode gave them to another request)."""
+    monkeypatch.setenv("KVPOOL_PROTOCOL", "tcp")
+    monkeypatch.setenv("KVPOOL_TIMEOUT_S", "1")
+    monkeypatch.setenv("KVPOOL_CONNECT_TIMEOUT_S", "60")
+    p = Role("prefill-ranks", free_port(), "-")
+    roles.append(p)
+    got = p.wait_for("ranks", timeout=180)
+    assert got["raised"] == {"1": "TransferTimeout", "2": "TransferTimeout"}  # A1's, A2's WRITE
+    assert got["b_bytes"]  # B's pages of room 1 hold the prefill's bytes
+    b, a1, a2 = (got["got"][r] for r in ("B", "A1", "A2"))
+    assert [m for m in b if m[1] == "ack"] == [[1, "ack", 7], [2, "ack", 7]], b
+    assert [m for m in a1 + a2 if m[1] == "ack"] == [], (a1, a2)
+    for rank in (b, a2):  # the prefill failed room 2 on both its ranks, once
+        assert [m[:2] for m in rank if m[0] == 2 and m[1] != "ack"] == [[2, FAILED]], rank
+    assert [m[:2] for m in a1] == [[1, FAILED]] and not [m for m in a2 if m[0] == 1], (a1, a2)

@@ -56,7 +56,7 @@ from kvpool.connectors.sglang.bootstrap_server import SignedRegistration
 from kvpool.connectors.sglang.control_auth import ControlAuth, endpoint_id, endpoint_of
 from kvpool.connectors.sglang.peers import REG_TAG, parse_registration, registration_message
 from kvpool.connectors.sglang.plan import Chunk, TransferInfo, aux_columns, buffers, page_columns
-from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable, writing_key
+from kvpool.connectors.sglang.rooms import LateRooms, PeerTable, RoomTable, Unsettled, writing_key
 from kvpool.errors import KvpoolError, ProtocolUnavailable, TransferTimeout, late_batch
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.types import OpCode
@@ -65,6 +65,10 @@ log = logging.getLogger("kvpool.connectors.sglang")
 
 META_TAG = b"KVPOOL_META"
 _NO_CHUNK: Any = object()  # a transfer worker's queue get timed out
+_NO_ACK = (
+    "kvpool prefill: no ABORT_ACK for room %s to decode %s:%s: a WRITE to it timed out and may still "
+    "land (it keeps the room's pages until SGLang's deferred decode KV release timeout)"
+)
 
 
 def _engine(local_ip: str) -> TransferEngine:
@@ -105,6 +109,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             self.peers = PeerTable()  # session -> PeerArgs, bounded (KVPOOL_SGLANG_MAX_PEERS)
             self._room_lock = threading.Lock()
             self._late_rooms: set[int] = set()  # parked by their worker (LateRooms)
+            self._unsettled = Unsettled()  # the decode rank a timed-out WRITE of a room may still write
             self._acks_waiting: dict[int, dict[tuple[str, int], AckTarget]] = {}
             self._aborted_at: dict[int, float] = {}  # when the first of those acks was asked
             # How long an aborting decode keeps a room's pages without an ack (SGLang's decode
@@ -368,12 +373,19 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             if status is not None and status != KVPoll.Success:
                 self.record_failure(n.room, "Aborted by the decode instance")
                 self.update_status(n.room, KVPoll.Failed)
-            if target is not None and self._in_flight.get(n.room):
-                self._acks_waiting.setdefault(n.room, {})[(target.ip, target.port)] = target
-                self._aborted_at.setdefault(n.room, time.monotonic())
-                return
             late = n.room in self._late_rooms
-        if late:
+            if target is not None:
+                # A chunk being written may write any decode rank of the room; once parked, only
+                # the rank whose WRITE timed out (the others' completed or never start).
+                unsettled = self._unsettled.holds(n.room, target.ip, target.port)
+                if self._in_flight.get(n.room) and (not late or unsettled):
+                    self._acks_waiting.setdefault(n.room, {})[(target.ip, target.port)] = target
+                    self._aborted_at.setdefault(n.room, time.monotonic())
+                    return
+                if unsettled:  # a stalled decode may still apply the timed-out WRITE (TCP)
+                    log.warning(_NO_ACK, n.room, target.ip, target.port)
+                    return
+        if late and target is None:
             log.error(
                 "kvpool prefill: decode %s:%s aborted room %s without waiting for an ack while GPU "
                 "copies into its pages still run (a hung stream): it may give those pages to another "
@@ -394,6 +406,16 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             self._send_ack(
                 room, t.ip, t.port, AbortAck(room, self._prefill_unique_rank(), t.generation).to_zmq()
             )
+
+    def _ack_settled(self, room: int, targets: Any) -> None:
+        """Ack the aborting decode ranks ``targets`` of ``room`` (none of its chunks is written)
+        that no timed-out WRITE may still write; the others get none (logged): the decode keeps
+        those pages until SGLang's release timeout."""
+        with self._room_lock:
+            unsettled = [t for t in targets if self._unsettled.holds(room, t.ip, t.port)]
+        for t in unsettled:
+            log.warning(_NO_ACK, room, t.ip, t.port)
+        self._ack(room, [t for t in targets if t not in unsettled])
 
     def _send_ack(self, room: int, ip: str, port: int, frames: list[bytes]) -> None:
         try:
@@ -464,14 +486,14 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                 self.request_status[writing_key(room)] = 1
         # Ended, or failed but for a timeout (a decode gone, a refused range, a plan error): the
         # engine raises only once nothing of the batch runs, so nothing of the room can still land.
-        # A batch of which any request timed out raises TransferTimeout, whatever else failed.
-        drained, parked = True, False
+        # A batch of which any request timed out raises TransferTimeout, whatever else failed: its
+        # decode rank is Unsettled (_write_chunk), its abort unacked; the room's others are acked.
+        parked = False
         try:
             self._write_chunk(chunk)
         except TransferTimeout as exc:
             bid = late_batch(exc)
             if bid is None:  # a stalled decode may still apply WRITEs it received (TCP)
-                drained = False
                 raise
             # GPU copies outlived the timeout (a hung stream): they may still read the prefill's
             # pages and write the decode's. The room stays in flight, unconcluded (neither side
@@ -480,11 +502,18 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             log.warning("kvpool prefill: room %s waits for GPU copies past the timeout: %s", room, exc)
             with self._room_lock:
                 self._late_rooms.add(room)
+                waiting = self._acks_waiting.get(room, {})
+                settled = [k for k, t in waiting.items() if not self._unsettled.holds(room, t.ip, t.port)]
+                acks = [waiting.pop(k) for k in settled]
+                if not waiting:  # no abort left that waits for the late copies
+                    self._acks_waiting.pop(room, None)
+                    self._aborted_at.pop(room, None)
             late.park(room, bid, f"kvpool: {exc}")
             parked = True
+            self._ack(room, acks)  # the decode ranks no late copy writes
         finally:
             if not parked:
-                self._write_ended(room, drained=drained)
+                self._write_ended(room)
 
     def _late_ended(self, room: int, reason: str) -> None:
         """The GPU copies of parked ``room`` ended (its worker thread): the room fails (the decode
@@ -494,6 +523,7 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
         finally:
             with self._room_lock:
                 self._late_rooms.discard(room)
+                self._unsettled.settled(room)
                 aborted = self._aborted_at.get(room)
             waited = time.monotonic() - aborted if aborted is not None else 0.0
             if waited > self._release_timeout_s:
@@ -508,13 +538,13 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                     waited,
                     self._release_timeout_s,
                 )
-            self._write_ended(room, drained=True)
+            self._write_ended(room)
 
-    def _write_ended(self, room: int, *, drained: bool) -> None:
+    def _write_ended(self, room: int) -> None:
         """A chunk of ``room`` is no longer written; the abort acks that waited for the room's
-        last one are sent when nothing of it can still land (``drained``): the chunk ended, or
-        failed but for a timeout. A WRITE that timed out may still be applied by a stalled decode
-        that received it: no ack then (the decode releases its pages after SGLang's timeout)."""
+        last one are sent (:meth:`_ack_settled`), but to a decode rank that a timed-out WRITE of
+        the room may still write (a stalled decode applying WRITEs it received): that one gets no
+        ack (it releases its pages after SGLang's timeout)."""
         with self._room_lock:
             left = self._in_flight.pop(room) - 1
             if left:
@@ -525,8 +555,8 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
                     self.request_status.pop(writing_key(room), None)
                 waiting = self._acks_waiting.pop(room, None)
                 self._aborted_at.pop(room, None)
-        if waiting and drained:
-            self._ack(room, waiting.values())
+        if waiting:
+            self._ack_settled(room, list(waiting.values()))
 
     def _write_chunk(self, chunk: Chunk) -> None:
         room = chunk.room
@@ -573,7 +603,12 @@ class KvpoolKVManager(SignedRegistration, CommonKVManager):
             if chunk.is_last and chunk.aux_index is not None and info.dst_aux_index is not None:
                 aux_columns(self.kv_args, peer, chunk.aux_index, info.dst_aux_index, cols)
             if cols[0]:
-                self._run(peer.session, cols)
+                try:
+                    self._run(peer.session, cols)
+                except TransferTimeout:
+                    with self._room_lock:  # before the room is acked or parked (_send_chunk)
+                        self._unsettled.add(room, (info.endpoint, info.dst_port))
+                    raise
             targets.append((info.endpoint, info.dst_port))
         if chunk.is_last:
             if self.request_status.get(room) in (None, KVPoll.Failed):

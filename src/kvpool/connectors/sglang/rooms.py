@@ -239,3 +239,50 @@ class LateRooms:
 
     def __len__(self) -> int:
         return len(self._parked)
+
+
+class Unsettled:
+    """A prefill manager's rooms of which a WRITE to one decode rank raised TransferTimeout: that
+    rank's control endpoint (ip, port). Its pages may still be written: a stalled decode may
+    apply WRITE frames it received (TCP), GPU copies may outlive the timeout (until their batch
+    settles, :class:`LateRooms`). Its abort is not acked meanwhile (the decode keeps the pages
+    until SGLang's release timeout); the room's other decode ranks, whose writes completed or
+    never started (a room's chunks stop at its first failure), are acked at once. The transfer
+    workers :meth:`add` (and :meth:`settled` once late copies ended), the control thread reads;
+    callers hold the manager's room lock. Bounded: the oldest entry beyond ``max_rooms``
+    (``KVPOOL_SGLANG_MAX_ROOMS``) is forgotten, logged (an abort of it would then be acked)."""
+
+    def __init__(self, max_rooms: int | None = None) -> None:
+        if max_rooms is None:
+            max_rooms = int(os.environ.get("KVPOOL_SGLANG_MAX_ROOMS", "16384"))
+        self.max_rooms = max(1, max_rooms)
+        self._rooms: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self.forgotten = 0
+        self._log = Throttle()
+
+    def add(self, room: int, endpoint: tuple[str, int]) -> None:
+        """A WRITE of ``room`` to the decode rank at ``endpoint`` timed out."""
+        self._rooms[room] = (str(endpoint[0]), int(endpoint[1]))
+        self._rooms.move_to_end(room)
+        while len(self._rooms) > self.max_rooms:
+            gone = self._rooms.popitem(last=False)[0]
+            self.forgotten += 1
+            if self._log.ready():
+                log.warning(
+                    "kvpool prefill: forgot that a WRITE of room %s timed out (%d such rooms kept, "
+                    "KVPOOL_SGLANG_MAX_ROOMS): an abort of it is acked (%d forgotten so far)",
+                    gone,
+                    self.max_rooms,
+                    self.forgotten,
+                )
+
+    def settled(self, room: int) -> None:
+        """Nothing of ``room``'s timed-out WRITE can still land (its late copies ended)."""
+        self._rooms.pop(room, None)
+
+    def holds(self, room: int, ip: str, port: int) -> bool:
+        """Whether a timed-out WRITE of ``room`` may still write the decode rank at (ip, port)."""
+        return self._rooms.get(room) == (str(ip), int(port))
+
+    def __len__(self) -> int:
+        return len(self._rooms)
