@@ -350,13 +350,15 @@ def prefill_late(port: int, scenario: str) -> None:
     acks come back here. Room 1 moves normally; then the stream stops (no event completes until
     this process lets it, once rooms 2 to 4 were looked at): room 2's and room 3's batches
     raise TransferTimeout with their copies queued, room 3 is aborted (deferred ack), room 4 (a
-    dummy destination, on room 2's worker) is sent and polled for Success meanwhile. Prints one
-    "late" event: what reached the "decode" while stopped, each status/ack afterwards with whether
-    its room's batch had settled when it came, room 1's page digests on both sides and the errors
-    the backend logged. Scenario "late-pc": SGLang's ``prefill_complete`` allocation policy (the
-    decode's BOOTSTRAP registers its endpoint, the prefill tells it WaitingForInput when its
-    prefill completed, Success only once the sender is cleared; an ABORT goes through SGLang's
-    own handling first); "notified" lists those WaitingForInput notices."""
+    dummy destination, on room 2's worker) is sent and polled for Success meanwhile; but for
+    "late-pc", room 3 has a second decode rank, B (never written: it comes second), that aborts
+    it too. Prints one "late" event: what reached the "decode" (and B) while stopped, each
+    status/ack afterwards with whether its room's batch had settled when it came, room 1's page
+    digests on both sides and the errors the backend logged. Scenario "late-pc": SGLang's
+    ``prefill_complete`` allocation policy (the decode's BOOTSTRAP registers its endpoint, the
+    prefill tells it WaitingForInput when its prefill completed, Success only once the sender is
+    cleared; an ABORT goes through SGLang's own handling first); "notified" lists those
+    WaitingForInput notices."""
     import hashlib
 
     import msgpack
@@ -410,8 +412,19 @@ def prefill_late(port: int, scenario: str) -> None:
            "kv_item_lens": [item] * len(bufs), "aux_ptrs": [], "aux_item_lens": [], "attn_tp_size": 1,
            "page_size": PAGE}  # fmt: skip
     push.send_multipart([b"KVPOOL_REG", msgpack.packb(reg)])
+    # Not under prefill_complete (one decode rank per room): room 3 has a second decode rank, B,
+    # with a control socket of its own here; it comes second, so nothing is written to it (the
+    # first rank's WRITE times out first).
+    b_inbox = ctx.socket(zmq.PULL)
+    b_port = b_inbox.bind_to_random_port("tcp://127.0.0.1")
+    if not pc:
+        push.send_multipart(
+            [b"KVPOOL_REG", msgpack.packb(dict(reg, port=b_port, session="rank-b", engine_rank=1))]
+        )
     t0 = time.monotonic()
-    while mgr.peers.get(peer.name) is None and time.monotonic() - t0 < 10:
+    while (
+        mgr.peers.get(peer.name) is None or not pc and mgr.peers.get("rank-b") is None
+    ) and time.monotonic() - t0 < 10:
         time.sleep(0.01)
     src_pages = {1: [3, 4, 5, 9], 2: [10, 11, 12], 3: [20, 21]}
     dst_pages = {1: [30, 31, 32, 40], 2: [50, 51, 52], 3: [60, 61]}
@@ -420,9 +433,13 @@ def prefill_late(port: int, scenario: str) -> None:
         senders[r] = get_kv_class(backend, T.SENDER)(
             mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=r
         )
+        need = 2 if r == 3 and not pc else 1
         body = {"room": r, "ip": "127.0.0.1", "port": in_port, "session": peer.name, "dummy": False,
-                "kv": np.asarray(dst, np.int32).tobytes(), "aux": None, "need": 1, "prefix": 0}  # fmt: skip
+                "kv": np.asarray(dst, np.int32).tobytes(), "aux": None, "need": need,
+                "prefix": 0}  # fmt: skip
         push.send_multipart([b"KVPOOL_META", msgpack.packb(body)])
+        if need == 2:
+            push.send_multipart([b"KVPOOL_META", msgpack.packb(dict(body, port=b_port, session="rank-b"))])
     # Room 4: a dummy destination (nothing to write), on room 2's worker (KVPOOL_SGLANG_WORKERS=2).
     senders[4] = get_kv_class(backend, T.SENDER)(
         mgr=mgr, bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=4
@@ -496,6 +513,8 @@ def prefill_late(port: int, scenario: str) -> None:
     while len(timed_out) < 2 and time.monotonic() - t0 < 20:
         time.sleep(0.01)
     push.send_multipart([b"ABORT", b"3", b"127.0.0.1", str(in_port).encode(), b"7"])
+    if not pc:
+        push.send_multipart([b"ABORT", b"3", b"127.0.0.1", str(b_port).encode(), b"8"])
     # Room 4 goes while room 2's copies are stopped: it must not wait behind room 2.
     senders[4].init(2, 0)
     senders[4].send(np.asarray([70, 71], np.int32))
@@ -504,6 +523,15 @@ def prefill_late(port: int, scenario: str) -> None:
         time.sleep(0.01)
     status4 = int(senders[4].poll())
     while_stopped = inbox_msgs(1500)
+
+    def b_msgs(wait_ms: int) -> list:
+        got = []
+        while b_inbox.poll(wait_ms):
+            m = b_inbox.recv_multipart()
+            got.append([int(m[1]), "ack", int(m[3])] if m[0] == b"ABORT_ACK" else [int(m[0]), int(m[1])])
+        return got
+
+    b_while_stopped = b_msgs(0)
     status2 = int(senders[2].poll())
     status3 = int(senders[3].poll())  # aborted: Failed would let SGLang free pages being read
     release.set()
@@ -512,14 +540,17 @@ def prefill_late(port: int, scenario: str) -> None:
     while len(after) < 3 and time.monotonic() - t0 < 20:
         after += inbox_msgs(200)
     after += inbox_msgs(1000)  # and any message more (a second Failed of room 2)
+    b_after = b_msgs(500)
     out(event="late", notified=notified, room1=room1, room1_bytes=ok1, timed_out=timed_out,
         while_stopped=while_stopped, status2_while_stopped=status2, status3_while_stopped=status3,
         status4_while_stopped=status4,
-        after=after, landed=release.landed(), status2=int(senders[2].poll()),
+        after=after, b_while_stopped=b_while_stopped, b_after=b_after, landed=release.landed(),
+        status2=int(senders[2].poll()),
         status3=int(senders[3].poll()), deferred=mgr.engine.batches.deferred(), errors=errors)  # fmt: skip
     peer.close()
     push.close(0)
     inbox.close(0)
+    b_inbox.close(0)
     server.close()
 
 

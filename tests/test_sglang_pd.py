@@ -683,6 +683,8 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     succeeds meanwhile: until 2026-11-27 the worker waited for room 2's copies first. Room 3's
     copies end past the decode's release timeout (0.5 s here): SGLang's decode may have reused
     its pages by then, which kvpool cannot prevent; an error names the room (none did before).
+    Room 3 has a second decode rank, never written (the first one's batch timed out first): its
+    abort is acked while the stream is stopped (until 2026-11-27 only once the copies ended).
 
     With SGLang's ``prefill_complete`` allocation policy the decode's BOOTSTRAP registered its
     endpoint and was told WaitingForInput, and SGLang's own handling of the ABORT (before the
@@ -711,6 +713,9 @@ def test_a_chunk_whose_gpu_copies_outlive_the_timeout_concludes_its_room_once_th
     assert [3, "ack", True] in after  # the ack, once room 3's copies ended
     assert all(settled for _, _, settled in after), after
     assert got["status2"] == FAILED and got["status3"] == FAILED and got["deferred"] == 0
+    if policy == "early":  # room 3's second decode rank, never written, is acked while stopped
+        # (until 2026-11-27 only once the first rank's copies ended)
+        assert got["b_while_stopped"] == [[3, "ack", 8]] and got["b_after"] == [[3, FAILED]]
     # Room 3's copies ended past the decode's release timeout: one error names it (none room 2).
     late = [e for e in got["errors"] if "deferred decode KV release timeout" in e]
     assert len(late) == 1 and "room 3 " in late[0] and "another request" in late[0], got["errors"]
