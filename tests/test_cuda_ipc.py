@@ -901,6 +901,57 @@ def test_engine_close_under_a_stopped_stream_raises_and_keeps_the_mappings(
     assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0] + 4096} 4096")  # the copy itself ran
 
 
+def test_engine_close_during_a_submit_waits_for_its_run(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TransferEngine.close while a CUDA IPC submit is between taking the peer's record and
+    queuing its run: the old close saw no run queued and tore down (the native completer shut,
+    our streams destroyed), then the submit queued its copy on the destroyed stream and failed
+    to hand the run over ("completer: closed"): the caller was told the submit failed while its
+    READ still landed, the slot stayed PENDING for good and the owner's fence pin was never
+    dropped. Now close refuses new submits, waits for those in flight and their runs, then
+    tears down."""
+    drv = load_driver()
+    eng = TransferEngine(timeout_s=5.0)
+    g = drv.alloc(1 << 20, 0)
+    eng.register_local_memory(g, 1 << 20, location="cuda:0")
+    eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # maps the peer's buffer, makes the stream
+    ipc, seg = _ipc(eng), eng.open_segment(peer.name)
+    destroyed: list[int] = []  # destroyed at the end: the old close destroyed it under the submit
+    real_destroy = ipc.driver.stream_destroy
+    monkeypatch.setattr(ipc.driver, "stream_destroy", destroyed.append)
+    entered, go = _pause_in(monkeypatch, _native, "ipc_enqueue", "submitter")
+    bid = eng.allocate_batch_id(1)
+    out: list[object] = []
+
+    def submit() -> None:
+        try:
+            eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
+            out.append(None)
+        except KvpoolError as exc:
+            out.append(exc)
+
+    sub = threading.Thread(target=submit, name="submitter", daemon=True)
+    closer = threading.Thread(target=eng.close, daemon=True)
+    sub.start()
+    try:
+        assert entered.wait(10)
+        closer.start()
+        closer.join(0.5)
+        early, destroyed_early = not closer.is_alive(), list(destroyed)
+    finally:
+        go.set()
+    sub.join(10)
+    closer.join(10)
+    assert not sub.is_alive() and not closer.is_alive()
+    assert out == [None]  # the old code: InvalidArgument, with the copy queued
+    assert not early and not destroyed_early  # close waited for the submit and its run
+    assert eng.wait_batch(bid, 5).ok and destroyed and not ipc._runs
+    assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0] + 4096} 4096")
+    for s in destroyed:
+        real_destroy(s)
+
+
 def test_failed_kernel_launches_give_their_address_tables_back(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

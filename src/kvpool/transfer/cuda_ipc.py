@@ -118,7 +118,8 @@ class CudaIpcTransport(Transport):
         self._completed = 0  # runs completed so far: the queue's position (see unbounded)
         self._cond = threading.Condition()
         self._gate = _Gate(self._cond, self._runs, registry)
-        self._closed = False
+        self._closed = False  # close() began: no new submit (_hold), the thread ends when all did
+        self._submits = 0  # submits between _hold and _let_go (close waits for them, as for runs)
         self._late = False  # close() gave up on a hung stream: the completion thread tears down
         if not _native.cuda_init(driver.path) or _native.cuda_loaded_path() != driver.path:
             raise ProtocolUnavailable(
@@ -299,16 +300,21 @@ class CudaIpcTransport(Transport):
         count or retired the record first (then the submit is refused and queues nothing)."""
         with self._cond:
             peer = self._peers.get(handle)
-            if peer is None or peer.retired:
+            if peer is None or peer.retired or self._closed:
                 raise SegmentNotFound("segment is not open on the CUDA IPC path (closed concurrently?)")
             peer.lineage.submits += 1
+            self._submits += 1
         return peer
 
     def _let_go(self, peer: _Peer) -> None:
         """A submit through ``peer`` ended (its run queued, or it failed): closes what waited for it."""
         with self._cond:
             peer.lineage.submits -= 1
+            self._submits -= 1
             ready = self._ready()
+            self._cond.notify_all()  # close waits for submits too
+        if self._closed:
+            self._completer.kick()  # a timed-out close: the completion thread looks again
         for p, pidfd in ready:
             p.close(self.driver, p.bufs, pidfd)
 
@@ -544,7 +550,7 @@ class CudaIpcTransport(Transport):
                 for peer, pidfd in ready:  # the last run to their process ended (_retire)
                     peer.close(self.driver, peer.bufs, pidfd)
             with self._cond:
-                if self._closed and not self._runs:
+                if self._closed and not self._runs and not self._submits:
                     break
         if self._late:  # set under the lock with _closed, before the runs left emptied the queue
             self._teardown()
@@ -557,15 +563,17 @@ class CudaIpcTransport(Transport):
                 pass  # finished already
 
     def close(self) -> None:
-        """Called by TransferEngine.close: waits for our queued runs while they keep completing,
-        then closes the peers' mappings, our streams and spares. A queue in which no run completed
-        for ``timeout_s`` (a hung stream): TransferTimeout, and what its runs use (mappings,
-        streams, tables, events) stays until they end; the completion thread closes it then."""
+        """Called by TransferEngine.close: refuses new submits, waits for those in flight and our
+        queued runs while they keep completing, then closes the peers' mappings, our streams and
+        spares. A queue in which no run completed for ``timeout_s`` (a hung stream):
+        TransferTimeout, and what its runs use (mappings, streams, tables, events) stays until they
+        end; the completion thread closes it then."""
         with self._cond:
-            seen, deadline = -1, 0.0
-            while self._runs:
-                if seen != self._completed:
-                    seen, deadline = self._completed, time.monotonic() + self.timeout_s
+            self._closed = True  # no new submit; those in flight queue their runs (waited for too)
+            seen, deadline = None, 0.0
+            while self._runs or self._submits:
+                if seen != (self._completed, self._submits):
+                    seen, deadline = (self._completed, self._submits), time.monotonic() + self.timeout_s
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -575,8 +583,7 @@ class CudaIpcTransport(Transport):
         for peer in peers:
             self._retire(peer)
         with self._cond:
-            self._closed = True
-            queued = len(self._runs)
+            queued = len(self._runs) + self._submits
             self._late = queued > 0
             self._cond.notify_all()
         self._completer.kick()  # the completion thread looks at _closed
