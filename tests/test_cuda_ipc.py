@@ -21,6 +21,7 @@ import pytest
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
 from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, SegmentNotFound, TransferError
+from kvpool.testing import fakecuda
 from kvpool.testing.fakecuda import SyncHold
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
 from kvpool.transfer.cuda_ipc import CudaIpcTransport
@@ -286,6 +287,40 @@ def test_unregistered_target_is_never_written(peer: Peer, fake_driver: str) -> N
         with pytest.raises((RemoteAccessError, TransferError)):
             eng.batch_transfer_sync(peer.name, [g + k * 4096 for k in range(64)],
                                     [peer.gpu[0] + k * 4096 for k in range(64)], [4096] * 64)  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["length", "offset"])
+def test_a_descriptor_past_its_allocation_is_refused_before_any_copy(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch, field: str
+) -> None:
+    """A peer's descriptor is untrusted: a GPU buffer published with a length or an offset that
+    runs past the allocation its IPC handle opens. The old code copied through the mapping plus
+    the offset unchecked: past the mapping's end (an illegal address: on a GPU a sticky error
+    that ends every later CUDA call of the process; on the fake, of our stream), or into other
+    memory of ours mapped there. Now opening the buffer checks offset + length against the
+    allocation: RemoteAccessError, nothing queued, and other buffers still copy."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        ipc = _ipc(eng)
+        real_attach = ipc.attach
+
+        def hostile(handle: int, name: str, desc: object) -> None:
+            for b in desc.cuda_ipc["bufs"]:  # type: ignore[attr-defined]
+                if b[0] == peer.gpu[0]:
+                    b[1 if field == "length" else 4] += 4096
+            real_attach(handle, name, desc)
+
+        monkeypatch.setattr(ipc, "attach", hostile)
+        launches = fakecuda.stats(fake_driver)
+        rem = peer.gpu[0] + SIZE - (4096 if field == "length" else 8192)  # to 4 KiB past the end
+        with pytest.raises(RemoteAccessError, match="allocation"):
+            eng.transfer_sync(peer.name, g, rem, 8192, OpCode.READ)
+        assert fakecuda.stats(fake_driver) == launches and not ipc._runs  # nothing copied
+        assert peer.ask(f"fill {peer.gpu[1]} 4096 5") == "ok"
+        eng.transfer_sync(peer.name, g, peer.gpu[1], 4096, OpCode.READ)  # other buffers still copy
+        assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[1]} 4096")
 
 
 def test_owner_killed_mid_batch_fails_cleanly(

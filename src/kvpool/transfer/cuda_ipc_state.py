@@ -93,7 +93,9 @@ class _Peer:
         """Base address here of a remote buffer's mapping (opened on first use, for a run on
         ``device``; ``uuids``: our devices by UUID). Called by CudaIpcTransport before it queues a run.
         A record already retired opens nothing (its mappings are being closed, and one opened
-        now would never be): SegmentNotFound, the caller opens the segment again."""
+        now would never be): SegmentNotFound, the caller opens the segment again. A GPU buffer
+        whose published offset and length run past the allocation its handle opens:
+        RemoteAccessError (copies through it would reach past the mapping)."""
         if b.mapped:
             return b.mapped
         with self.lock:
@@ -106,7 +108,15 @@ class _Peer:
                 )
             if b.gpu:
                 dev = uuids.get(b.uuid, device)
-                b.mapped = driver.ipc_open(b.handle, dev) + b.offset
+                base = driver.ipc_open(b.handle, dev)
+                size = driver.address_range(base)[1]  # the descriptor is the peer's word: check it
+                if not 0 <= b.offset <= size - b.length:
+                    driver.ipc_close(base)
+                    raise RemoteAccessError(
+                        f"the peer's GPU buffer {b.addr:#x}+{b.length} at offset {b.offset} runs past "
+                        f"its allocation ({size} bytes): refused, nothing copied"
+                    )
+                b.mapped = base + b.offset
                 driver.enable_peer(device, dev)
             else:
                 fd = os.open(f"/proc/{self.pid}/fd/{b.shm_fd}", os.O_RDWR | os.O_CLOEXEC)
