@@ -5,6 +5,7 @@ same paths on real CUDA (``pytest -m gpu``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -321,6 +322,30 @@ def test_a_descriptor_past_its_allocation_is_refused_before_any_copy(
         assert peer.ask(f"fill {peer.gpu[1]} 4096 5") == "ok"
         eng.transfer_sync(peer.name, g, peer.gpu[1], 4096, OpCode.READ)  # other buffers still copy
         assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[1]} 4096")
+
+
+def test_a_shared_host_buffer_past_its_file_is_refused_typed(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's shared host buffer published longer than the file behind it (or naming a
+    descriptor it does not hold): mapping it for a GPU copy raised mmap's ValueError (or an
+    OSError) out of the submit, untyped. Now RemoteAccessError, nothing queued."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        ipc = _ipc(eng)
+        real_attach = ipc.attach
+
+        def hostile(handle: int, name: str, desc: object) -> None:
+            bufs = [dataclasses.replace(b, length=b.length + (1 << 20)) if b.addr == peer.shm else b
+                    for b in desc.buffers]  # type: ignore[attr-defined]  # fmt: skip
+            real_attach(handle, name, dataclasses.replace(desc, buffers=bufs))  # type: ignore[type-var]
+
+        monkeypatch.setattr(ipc, "attach", hostile)
+        with pytest.raises(RemoteAccessError, match="shared"):
+            eng.transfer_sync(peer.name, g, peer.shm, 4096, OpCode.READ)
+        assert not ipc._runs
 
 
 def test_owner_killed_mid_batch_fails_cleanly(

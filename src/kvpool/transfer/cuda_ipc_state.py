@@ -119,11 +119,16 @@ class _Peer:
                 b.mapped = base + b.offset
                 driver.enable_peer(device, dev)
             else:
-                fd = os.open(f"/proc/{self.pid}/fd/{b.shm_fd}", os.O_RDWR | os.O_CLOEXEC)
-                try:
-                    m = mmap.mmap(fd, b.length)
-                finally:
-                    os.close(fd)
+                try:  # the descriptor is the peer's word: a length past its file, a bad fd
+                    fd = os.open(f"/proc/{self.pid}/fd/{b.shm_fd}", os.O_RDWR | os.O_CLOEXEC)
+                    try:
+                        m = mmap.mmap(fd, b.length)
+                    finally:
+                        os.close(fd)
+                except (OSError, ValueError, OverflowError) as exc:
+                    raise RemoteAccessError(
+                        f"cannot map the peer's shared buffer {b.addr:#x}+{b.length} ({exc})"
+                    ) from None
                 base = ctypes.addressof(ctypes.c_char.from_buffer(m))
                 driver.host_register(base, b.length)
                 b.keep, b.mapped = _Shm(m), base
