@@ -348,6 +348,25 @@ def test_a_shared_host_buffer_past_its_file_is_refused_typed(
         assert not ipc._runs
 
 
+def test_runs_from_memory_on_two_devices_each_record_their_own_event(peer: Peer, fake_driver: str) -> None:
+    """Runs alternate between local GPU memory on device 0 and on device 1 (one stream each): a
+    finished run's event went back to one pool for all devices and the next run took it whatever
+    its device, but an event records only on a stream of its own context (the driver refuses
+    with CUDA_ERROR_INVALID_HANDLE): every run on the other device failed after its copies were
+    queued. Spare events are now kept per device."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g0, g1 = drv.alloc(1 << 20, 0), drv.alloc(1 << 20, 1)
+        eng.register_local_memory(g0, 1 << 20, location="cuda:0")
+        eng.register_local_memory(g1, 1 << 20, location="cuda:1")
+        r = peer.gpu[0]
+        for k in range(4):
+            g = (g0, g1)[k % 2]
+            _fill(drv, g, 4096, 20 + k)
+            assert eng.transfer_sync(peer.name, g, r + k * 4096, 4096) == 4096
+            assert peer.ask(f"dump {r + k * 4096} 4096") == _sha(drv, g, 4096)
+
+
 def test_owner_killed_mid_batch_fails_cleanly(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,8 @@
  *    triples read from device tables;
  *  - contexts: copies, stream/event creation, pinned allocations, IPC opens and launches fail with
  *    CUDA_ERROR_INVALID_CONTEXT on a thread with no current context (cuCtxSetCurrent), as on a GPU;
+ *  - events and streams belong to the context current when they were created: recording an event
+ *    on a stream of another device fails with CUDA_ERROR_INVALID_HANDLE, as on a GPU;
  *  - stream errors: a failed operation's error is sticky on its stream and reported by
  *    cuStreamSynchronize and by cuEventSynchronize / cuEventQuery of events recorded after it;
  *    fakecuda_fail_next(rc) makes the next queued copy or launch fail with rc (tests inject faults);
@@ -139,11 +141,11 @@ static int do_gather(uintptr_t srcs, uintptr_t dsts, uintptr_t lens, unsigned n)
 }
 
 /* ------------------------------------------------------------------ streams and events */
-struct fevent { pthread_mutex_t mu; pthread_cond_t cv; int pending, error; };
+struct fevent { pthread_mutex_t mu; pthread_cond_t cv; int pending, error, device; };
 enum { OP_COPY, OP_GATHER, OP_EVENT };
 struct op { int kind; uintptr_t a, b, c; size_t n; struct fevent* ev; struct op* next; };
 struct fstream {
-  pthread_t th; pthread_mutex_t mu; pthread_cond_t cv; struct op *head, *tail; int busy, stop, error;
+  pthread_t th; pthread_mutex_t mu; pthread_cond_t cv; struct op *head, *tail; int busy, stop, error, device;
 };
 
 static void delay(void) {
@@ -425,6 +427,7 @@ CUresult cuStreamCreate(CUstream* out, unsigned flags) {
   if (!s) return E_OUT_OF_MEMORY;
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->cv, NULL);
+  s->device = cur_device();
   if (pthread_create(&s->th, NULL, worker, s)) { free(s); return E_OUT_OF_MEMORY; }
   *out = s;
   return OK;
@@ -454,10 +457,13 @@ CUresult cuEventCreate(CUevent* out, unsigned flags) {
   if (!e) return E_OUT_OF_MEMORY;
   pthread_mutex_init(&e->mu, NULL);
   pthread_cond_init(&e->cv, NULL);
+  e->device = cur_device();
   *out = e;
   return OK;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
+  /* as on a GPU: the event and the stream must be of one context (device here) */
+  if (s && e->device >= 0 && s->device >= 0 && e->device != s->device) return E_INVALID_HANDLE;
   pthread_mutex_lock(&e->mu);
   e->pending = 1;
   pthread_mutex_unlock(&e->mu);

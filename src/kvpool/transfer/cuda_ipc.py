@@ -468,7 +468,7 @@ class CudaIpcTransport(Transport):
                 func = self._kernel(dev)
                 table = self._spares.table(dev, 24 * len(lens))
                 dtab, htab, size = table
-            event = self._spares.event()
+            event = self._spares.event(dev)
             target = _native.IpcRunTarget(dev, stream, func, dtab, htab, size, _BLOCK, _MAX_GRID, event)
             first, lo, hi, rc, what = _native.ipc_enqueue(
                 self.native, batch_id, target, ops, locs, rems, lens, ridx, bases, starts

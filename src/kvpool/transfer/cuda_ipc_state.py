@@ -273,15 +273,16 @@ class _Shm:
 
 
 class _Spares:
-    """Device address tables (device table, pinned host table, bytes) per device and events of
-    finished runs, for the next runs to reuse: a run takes them, its completion (or its failure
-    to queue) gives them back; :meth:`close` frees them with the transport."""
+    """Device address tables (device table, pinned host table, bytes) and events of finished
+    runs, per device (an event records only on a stream of the context it was made in), for the
+    next runs to reuse: a run takes them, its completion (or its failure to queue) gives them
+    back; :meth:`close` frees them with the transport."""
 
     def __init__(self, driver: CudaDriver) -> None:
         self._driver = driver
         self._lock = threading.Lock()
         self._tables: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        self._events: list[int] = []
+        self._events: dict[int, list[int]] = collections.defaultdict(list)
 
     def table(self, dev: int, need: int) -> tuple[int, int, int]:
         size = 1 << max(16, (need - 1).bit_length())
@@ -297,23 +298,25 @@ class _Spares:
             self._driver.free(d)
             raise
 
-    def event(self) -> int:
+    def event(self, dev: int) -> int:
+        """A spare event of ``dev`` or a new one (made in the caller's current context: ``dev``'s)."""
         with self._lock:  # two submitters could both see the last one
-            if self._events:
-                return self._events.pop()
+            if self._events[dev]:
+                return self._events[dev].pop()
         return self._driver.event()
 
     def give_back(self, dev: int, table: tuple[int, int, int] | None, event: int | None) -> None:
         """A run's address table and event (its copies ran, or failed and were settled)."""
         with self._lock:
             if event is not None:
-                self._events.append(event)
+                self._events[dev].append(event)
             if table is not None:
                 self._tables[dev].append(table)
 
     def close(self) -> None:
-        for e in self._events:
-            self._driver.event_destroy(e)
+        for events in self._events.values():
+            for e in events:
+                self._driver.event_destroy(e)
         for tables in self._tables.values():
             for d, h, _ in tables:
                 self._driver.free(d)
