@@ -367,6 +367,40 @@ def test_runs_from_memory_on_two_devices_each_record_their_own_event(peer: Peer,
             assert peer.ask(f"dump {r + k * 4096} 4096") == _sha(drv, g, 4096)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{3: "not a handle"}, {2: None}, {1: -4096}, {0: (1 << 64) - 4096}, {4: 1 << 64}, {6: "gen"}, {}, None],
+)
+def test_a_malformed_gpu_buffer_in_a_descriptor_is_refused_typed(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch, bad: dict[int, object] | None
+) -> None:
+    """A peer's descriptor is untrusted: a GPU buffer entry of the wrong shape or types (a
+    handle or UUID that is no bytes, a negative length, a range past 2**64) made attach raise
+    TypeError, ValueError or OverflowError out of open_segment (and a handle given as a huge
+    int made it allocate that many zero bytes: bytes(n)). Now MetadataError, nothing attached."""
+    from kvpool.errors import MetadataError
+
+    with TransferEngine(timeout_s=5.0) as eng:
+        ipc = _ipc(eng)
+        real_attach = ipc.attach
+
+        def hostile(handle: int, name: str, desc: object) -> None:
+            if bad is None:  # no list at all
+                desc.cuda_ipc["bufs"] = 7  # type: ignore[attr-defined]
+                return real_attach(handle, name, desc)
+            (entry, *_) = desc.cuda_ipc["bufs"]  # type: ignore[attr-defined]
+            for k, v in bad.items():
+                entry[k] = v
+            if not bad:
+                entry.append(0)  # one field too many
+            real_attach(handle, name, desc)
+
+        monkeypatch.setattr(ipc, "attach", hostile)
+        with pytest.raises(MetadataError, match="GPU buffer"):
+            eng.open_segment(peer.name)
+        assert not ipc._peers
+
+
 def test_owner_killed_mid_batch_fails_cleanly(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

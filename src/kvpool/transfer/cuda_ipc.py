@@ -62,6 +62,7 @@ from kvpool.transfer.cuda_ipc_state import (
     _col,
     _Export,
     _Gate,
+    _gpu_bufs,
     _Lineage,
     _Peer,
     _plan,
@@ -202,12 +203,10 @@ class CudaIpcTransport(Transport):
         return self.inner.peer_pid(desc)
 
     def attach(self, handle: int, name: str, desc: SegmentDescriptor) -> None:
+        bufs = _gpu_bufs(desc.cuda_ipc)  # MetadataError for a malformed one, before anything
         self.inner.attach(handle, name, desc)  # releases the inner transport's exited peers
         self.release_exited()  # a new peer is often a dead one's successor
         self._released.discard(handle)
-        bufs = []
-        for addr, length, uuid, h, off, slot, gen in (desc.cuda_ipc or {}).get("bufs", []):
-            bufs.append(_RemoteBuf(addr, length, True, slot, gen, bytes(h), off, bytes(uuid)))
         for b in desc.buffers:
             if b.remote_accessible and b.shm_fd >= 0 and b.location.startswith("cpu"):
                 bufs.append(_RemoteBuf(b.addr, b.length, False, b.fence_slot, b.fence_gen, shm_fd=b.shm_fd))

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvpool import _native
-from kvpool.errors import AddressNotRegistered, KvpoolError, RemoteAccessError, SegmentNotFound
+from kvpool.errors import AddressNotRegistered, KvpoolError, MetadataError, RemoteAccessError, SegmentNotFound
 from kvpool.transfer.cuda_driver import CudaDriver
 from kvpool.transfer.memory import LocalRegistry, Registration
 
@@ -56,6 +56,33 @@ class _RemoteBuf:
     mapped: int = 0  # base of the mapping here (0: not opened yet)
     keep: Any = None
     handed: bool = False  # its mapping went to the next record of the same attachment (attach)
+
+
+def _gpu_buf(entry: Any) -> _RemoteBuf:
+    """A GPU buffer of a peer's descriptor, ``[addr, length, device uuid, IPC handle, offset,
+    fence slot, fence generation]``, checked (the descriptor is the peer's word): MetadataError
+    for another shape, a field of the wrong type or a range past 2**64. Called by attach."""
+    try:
+        addr, length, uuid, h, off, slot, gen = entry
+    except (TypeError, ValueError):
+        raise MetadataError(f"malformed CUDA IPC GPU buffer in a peer's descriptor: {entry!r:.200}") from None
+    ints = (addr, length, off, slot, gen)
+    if not (
+        all(type(v) is int for v in ints)
+        and isinstance(h, bytes) and len(h) == 64 and isinstance(uuid, bytes) and len(uuid) == 16
+        and 0 <= addr and 0 < length and addr + length < 1 << 64 and 0 <= off < 1 << 63
+        and -1 <= slot < 1 << 31 and 0 <= gen < 1 << 64
+    ):  # fmt: skip
+        raise MetadataError(f"malformed CUDA IPC GPU buffer in a peer's descriptor: {entry!r:.200}")
+    return _RemoteBuf(addr, length, True, slot, gen, h, off, uuid)
+
+
+def _gpu_bufs(cuda_ipc: Any) -> list[_RemoteBuf]:
+    """The GPU buffers of a descriptor's ``cuda_ipc`` field (None: none), each :func:`_gpu_buf`."""
+    entries = (cuda_ipc or {}).get("bufs", []) if isinstance(cuda_ipc or {}, dict) else None
+    if not isinstance(entries, list):
+        raise MetadataError(f"malformed CUDA IPC GPU buffer list in a peer's descriptor: {cuda_ipc!r:.200}")
+    return [_gpu_buf(e) for e in entries]
 
 
 class _Lineage:
