@@ -401,6 +401,32 @@ def test_a_malformed_gpu_buffer_in_a_descriptor_is_refused_typed(
         assert not ipc._peers
 
 
+def test_a_submit_refused_partway_is_not_submitted_again(peer: Peer, fake_driver: str) -> None:
+    """A submit whose CUDA IPC part is refused (RemoteAccessError: the owner unregistered that
+    buffer) after an earlier part of it was queued (a GPU run, a staged request): the engine
+    re-fetched the descriptor and submitted the *whole* request list again into the batch, so the
+    parts already queued ran twice and took the slots where the caller looked for its later
+    requests. A retry now happens only when the refused submit took no slot."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # caches the descriptor, maps gpu[0]
+        seg = eng.open_segment(peer.name)
+        assert peer.ask(f"unregister {peer.gpu[1]}") == "ok"  # our cached descriptor still has it
+        bid = eng.allocate_batch_id(16)
+        reqs = [
+            TransferRequest(OpCode.READ, g, seg, peer.gpu[0], 4096),  # a GPU run
+            TransferRequest(OpCode.READ, g + 4096, seg, peer.host, 4096),  # staged
+            TransferRequest(OpCode.READ, g + 8192, seg, peer.gpu[1], 4096),  # its pin fails
+        ]
+        with pytest.raises(RemoteAccessError):
+            eng.submit_transfer(bid, reqs)
+        st = eng.wait_batch(bid, 10)
+        assert eng.batches.reserve(bid, []) == 2  # the two parts queued once (was 5)
+        assert st.transferred_bytes == 8192
+
+
 def test_owner_killed_mid_batch_fails_cleanly(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

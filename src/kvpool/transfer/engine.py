@@ -350,14 +350,16 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
                 if i == n or routes[i] is not routes[start]:
                     runs.append((start, i, routes[start]))
                     start = i
+        taken = self.batches.reserve(batch_id, []) if again else 0  # the batch's slots in use
         try:
             if len(runs) > 1:
                 self._check_all(reqs)
             self._submit_run(batch_id, reqs, *runs[0], stage_wait_s)
         except RemoteAccessError:
-            # Nothing was queued. A range outside the cached descriptor: submit again only when
+            # A range outside the cached descriptor: submit again only when nothing was queued
+            # (a CUDA IPC part refused after another part of the run was queued: not twice) and
             # the owner's descriptor changed (it decides again, on the new one).
-            if not again or not self._view_changed(set(peers)):
+            if not again or self.batches.reserve(batch_id, []) != taken or not self._view_changed(set(peers)):
                 raise
             self._submit(batch_id, reqs, stage_wait_s, again=False)
             return
