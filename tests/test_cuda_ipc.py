@@ -95,6 +95,20 @@ def test_driver_ipc_handle_across_processes(fake_driver: str) -> None:
     drv.free(p)
 
 
+def test_device_uuids_are_read_whole(fake_driver: str) -> None:
+    """A device UUID is 16 raw bytes, zero bytes included: it was read through a ctypes char
+    array, which stops at the first zero byte, and padded back with zeros, so devices whose
+    UUIDs agree up to a zero byte had the same UUID (every device of the fake driver, whose UUIDs
+    differ in their last byte): a peer's GPU buffer was mapped for the wrong device."""
+    import ctypes
+
+    drv = CudaDriver(fake_driver)
+    raw = ctypes.create_string_buffer(16)
+    ctypes.CDLL(fake_driver).cuDeviceGetUuid(raw, 1)
+    assert drv.uuid(1) == raw.raw and len(drv.uuid(1)) == 16
+    assert drv.uuid(0) != drv.uuid(1)
+
+
 def test_fake_device_memory_is_not_host_memory(fake_driver: str) -> None:
     """The fake hands out device pointers the CPU cannot touch (as on a GPU): host code that
     dereferences one crashes instead of passing by accident."""

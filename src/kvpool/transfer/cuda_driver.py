@@ -180,7 +180,7 @@ class CudaDriver:
         if got is None:
             u = _Uuid()
             self._check(self.lib.cuDeviceGetUuid(byref(u), device), "cuDeviceGetUuid")
-            got = self._uuids[device] = bytes(u.bytes).ljust(16, b"\0")
+            got = self._uuids[device] = ctypes.string_at(byref(u), 16)  # raw: u.bytes stops at a 0
         return got
 
     def enable_peer(self, device: int, peer: int) -> bool:
