@@ -441,6 +441,29 @@ def test_a_submit_refused_partway_is_not_submitted_again(peer: Peer, fake_driver
         assert st.transferred_bytes == 8192
 
 
+def test_a_kernel_run_from_another_device_enables_its_peer_access(peer: Peer, fake_driver: str) -> None:
+    """A peer's GPU buffer mapped for a run from our memory on device 0 is reused by a gather
+    kernel run from our memory on device 1: peer access was enabled only for the device of the
+    run that opened the mapping, and a kernel reaching another device's memory without it is an
+    illegal address (on a GPU a sticky error that ends the context). Each run's device now gets
+    peer access to the device of every GPU buffer it uses (once per pair)."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g0, g1 = drv.alloc(1 << 20, 0), drv.alloc(1 << 20, 1)
+        eng.register_local_memory(g0, 1 << 20, location="cuda:0")
+        eng.register_local_memory(g1, 1 << 20, location="cuda:1")
+        r, n = peer.gpu[0], 8  # the peer's buffer on device 0; 8 small ranges: one kernel launch
+        rems = [r + k * 4096 for k in range(n)]
+        for g in (g0, g1):
+            _fill(drv, g, n * 4096, 30 + (g == g1))
+            assert (
+                eng.batch_transfer_sync(peer.name, [g + k * 4096 for k in range(n)], rems, [4096] * n)
+                == n * 4096
+            )
+            assert peer.ask(f"dump {r} {n * 4096}") == _sha(drv, g, n * 4096)
+        assert _ipc(eng).launches == 2
+
+
 def test_owner_killed_mid_batch_fails_cleanly(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

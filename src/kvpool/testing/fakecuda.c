@@ -9,7 +9,10 @@
  *    memory directly (instead of through a copy) crashes here as it would on a GPU
  *    (FAKECUDA_CPU_VISIBLE=1 maps it readable instead, for the fake-verbs GPUDirect tests);
  *  - IPC: a handle names the owner's pid, its memfd and size; another process opens it through
- *    pidfd_getfd (or /proc/<pid>/fd); two devices (FAKECUDA_DEVICES), peer access always allowed;
+ *    pidfd_getfd (or /proc/<pid>/fd); two devices (FAKECUDA_DEVICES), peer access always possible
+ *    but, as on a GPU, a kernel on one device reaches memory of another only once its context
+ *    enabled access to that device (cuCtxEnablePeerAccess; an IPC open with the lazy flag enables
+ *    it from the opening context); copies need none;
  *  - streams: a worker thread per stream runs copies, kernel launches and event records in order
  *    (FAKECUDA_DELAY_US delays each operation, so tests can see work in flight); the NULL stream
  *    is synchronous;
@@ -78,6 +81,7 @@ struct fctx { int device; };
 static struct fctx g_ctx[8];
 static __thread CUcontext t_ctx = NULL;
 static int g_fail_next = 0; /* fakecuda_fail_next(): the next queued copy/launch fails with it */
+static int g_peer[8][8];    /* g_peer[a][b]: device a's context may access device b's memory */
 #define NEED_CTX() do { if (!t_ctx) return E_INVALID_CONTEXT; } while (0)
 
 static int ndevices(void) {
@@ -124,13 +128,24 @@ static int do_copy(uintptr_t dst, uintptr_t src, size_t n) {
   return OK;
 }
 
-static int do_gather(uintptr_t srcs, uintptr_t dsts, uintptr_t lens, unsigned n) {
+/* Whether a kernel on `device` may touch [p, p+n): host memory, or device memory of its own
+ * device or of one its context enabled peer access to. */
+static int reachable(int device, uintptr_t p) {
+  pthread_mutex_lock(&g_mu);
+  struct mem* m = find_locked(p);
+  int d = (m && m->kind != 3) ? m->device : -1;
+  pthread_mutex_unlock(&g_mu);
+  return device < 0 || d < 0 || d == device || __atomic_load_n(&g_peer[device][d], __ATOMIC_SEQ_CST);
+}
+
+static int do_gather(int device, uintptr_t srcs, uintptr_t dsts, uintptr_t lens, unsigned n) {
   uint64_t* S = (uint64_t*)hostp(srcs, 8ull * n);
   uint64_t* D = (uint64_t*)hostp(dsts, 8ull * n);
   uint64_t* L = (uint64_t*)hostp(lens, 8ull * n);
   if (!S || !D || !L) return E_ILLEGAL_ADDRESS;
   __atomic_add_fetch(&g_launches, 1, __ATOMIC_SEQ_CST);
   for (unsigned i = 0; i < n; ++i) {
+    if (!reachable(device, D[i]) || !reachable(device, S[i])) return E_ILLEGAL_ADDRESS;
     char* d = hostp(D[i], L[i]);
     char* s = hostp(S[i], L[i]);
     if (!d || !s) return E_ILLEGAL_ADDRESS;
@@ -165,7 +180,7 @@ static void fire(struct fevent* ev, int error) {
   pthread_mutex_unlock(&ev->mu);
 }
 
-static int run_op(struct op* o, int stream_error) {
+static int run_op(struct op* o, int stream_error, int device) {
   delay();
   if (o->kind != OP_EVENT) {
     int inj = __atomic_exchange_n(&g_fail_next, 0, __ATOMIC_SEQ_CST);
@@ -173,7 +188,7 @@ static int run_op(struct op* o, int stream_error) {
   }
   switch (o->kind) {
     case OP_COPY: return do_copy(o->a, o->b, o->n);
-    case OP_GATHER: return do_gather(o->a, o->b, o->c, (unsigned)o->n);
+    case OP_GATHER: return do_gather(device, o->a, o->b, o->c, (unsigned)o->n);
     default: fire(o->ev, stream_error); return OK;
   }
 }
@@ -190,7 +205,7 @@ static void* worker(void* arg) {
     s->busy = 1;
     int err = s->error;
     pthread_mutex_unlock(&s->mu);
-    int rc = run_op(o, err);
+    int rc = run_op(o, err, s->device);
     free(o);
     pthread_mutex_lock(&s->mu);
     if (rc && !s->error) s->error = rc;  /* sticky, like a real launch failure */
@@ -203,7 +218,7 @@ static void* worker(void* arg) {
 
 static int enqueue(CUstream s, int kind, uintptr_t a, uintptr_t b, uintptr_t c, size_t n, struct fevent* ev) {
   struct op o = {kind, a, b, c, n, ev, NULL};
-  if (!s) return run_op(&o, OK);
+  if (!s) return run_op(&o, OK, t_ctx ? t_ctx->device : -1);
   struct op* p = malloc(sizeof *p);
   if (!p) return E_OUT_OF_MEMORY;
   *p = o;
@@ -247,7 +262,12 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { t_ctx = c; return OK; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = t_ctx; return OK; }
 CUresult cuCtxGetDevice(CUdevice* d) { if (!t_ctx) return E_INVALID_CONTEXT; *d = t_ctx->device; return OK; }
-CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) { (void)peer; (void)flags; return OK; }
+CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
+  (void)flags;
+  if (!t_ctx || !peer) return E_INVALID_CONTEXT;
+  __atomic_store_n(&g_peer[t_ctx->device][peer->device], 1, __ATOMIC_SEQ_CST);
+  return OK;
+}
 CUresult cuCtxSynchronize(void) { return OK; } /* streams are synchronized one by one */
 
 /* ------------------------------------------------------------------ memory */
@@ -541,7 +561,6 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle* h, CUdeviceptr p) {
 }
 
 CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle h, unsigned flags) {
-  (void)flags;
   NEED_CTX();
   struct ipc x;
   memcpy(&x, h.reserved, sizeof x);
@@ -563,6 +582,8 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle h, unsigned flag
   if (fstat(fd, &st) || (uint64_t)st.st_size < x.size) { close(fd); return E_INVALID_HANDLE; }
   CUresult rc = map_device(fd, x.size, x.device, 2, out);
   if (rc) close(fd);
+  if (!rc && (flags & 1) && x.device >= 0 && x.device < 8) /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
+    __atomic_store_n(&g_peer[t_ctx->device][x.device], 1, __ATOMIC_SEQ_CST);
   return rc;
 }
 

@@ -65,6 +65,7 @@ from kvpool.transfer.cuda_ipc_state import (
     _gpu_bufs,
     _Lineage,
     _Peer,
+    _PeerAccess,
     _plan,
     _RemoteBuf,
     _Run,
@@ -114,6 +115,7 @@ class CudaIpcTransport(Transport):
         self._streams: dict[int, int] = {}
         self._kernels: dict[int, int] = {}
         self._spares = _Spares(driver)  # address tables and events of finished runs
+        self._access = _PeerAccess(driver)  # of a run's device to a peer buffer's (kernels)
         self._uuids = {driver.uuid(d): d for d in range(driver.count)}
         self._runs: collections.deque[_Run] = collections.deque()
         self._completed = 0  # runs completed so far: the queue's position (see unbounded)
@@ -455,13 +457,15 @@ class CudaIpcTransport(Transport):
             self.driver.use(dev)  # the mappings opened below are for dev's context
             bases = np.zeros(len(peer.bufs), dtype=_U64)
             starts = np.zeros(len(peer.bufs), dtype=_U64)
+            reach = True  # the gather kernel on dev reaches every GPU buffer used
             for k in used:
                 b = peer.bufs[k]
                 bases[k] = peer.open(b, dev, self.driver, self._uuids)
                 starts[k] = b.addr
+                reach = reach and (not b.gpu or self._access.ok(dev, self._uuids.get(b.uuid, dev)))
             lens = np.ascontiguousarray(lens, dtype=_U64)
             stream = self._stream(dev)
-            kernel = not (len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all())
+            kernel = reach and not (len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all())
             func, (dtab, htab, size) = 0, (0, 0, 0)
             if kernel:
                 func = self._kernel(dev)

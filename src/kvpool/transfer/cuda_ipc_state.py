@@ -350,6 +350,22 @@ class _Spares:
                 self._driver.free_host(h)
 
 
+class _PeerAccess:
+    """Peer access of a run's device to the device of a peer's GPU buffer, enabled once per pair
+    (CudaIpcTransport._submit_gpu): a gather kernel reaches another device's memory only then
+    (copies need none); False where the devices cannot (the run goes by copies)."""
+
+    def __init__(self, driver: CudaDriver) -> None:
+        self._driver = driver
+        self._known: dict[tuple[int, int], bool] = {}
+
+    def ok(self, dev: int, other: int) -> bool:
+        got = dev == other or self._known.get((dev, other))
+        if got is None:  # enabling twice is harmless (already enabled: True)
+            got = self._known[dev, other] = self._driver.enable_peer(dev, other)
+        return bool(got)
+
+
 class _Gate:
     """Our submits against the unregister of local memory (CUDA IPC runs copy into or out of it).
 
