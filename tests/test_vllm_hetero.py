@@ -195,7 +195,7 @@ def test_a_failed_streamed_load_still_frees_the_prefills_blocks(monkeypatch: pyt
         _instance(monkeypatch, 1, "kv_consumer", None, dport) as D,
     ):
         p, d = P[0][0], D[0][0]
-        _hold(P, "r1", [1, 2])
+        _hold(P, "r1", [1, 2], streamed=True)  # (a streamed notice: a streamed hold)
         job = RecvJob(
             "d1", [5, 6], [1, 2], "127.0.0.1", pport, "r1", None, 1, transfer_id="t1", num_tokens=2 * BS
         )

@@ -500,6 +500,69 @@ def test_a_request_computed_before_the_prefill_slept_is_not_held_after_it(tiny_l
         p.close()
 
 
+def _prefill_worker(tp_size: int = 1) -> Any:
+    """A prefill worker half (no server, no KV cache: its "done" fence is driven directly) with a
+    progress table, as ``register_kv_caches`` makes it."""
+    from types import SimpleNamespace
+
+    from kvpool.connectors.vllm.common import Region, VllmConnectorConfig
+    from kvpool.connectors.vllm.pd_stream import StreamTable
+
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
+    )
+    w = pd_mod._PdWorker(VllmConnectorConfig(abort_timeout_s=30), vc, "p", SimpleNamespace(num_blocks=8))
+    w.streams = StreamTable([Region("l0", 0, 64, 64, 8)])
+    return w
+
+
+def _meta(step: int, **kw: Any) -> Any:
+    from kvpool.connectors.vllm.pd_scheduler import KvpoolConnectorMetadata
+
+    return KvpoolConnectorMetadata(engine_id="e.1", step=step, **kw)
+
+
+def _streamed(w: Any, rid: str, tid: str, blocks: list[int], step: int) -> None:
+    """Prefill worker: ``rid`` streams under ``tid`` into ``blocks`` and is computed in one step."""
+    from kvpool.connectors.vllm.pd_scheduler import StreamStep
+
+    n = 16 * len(blocks)
+    w.begin_step(_meta(step, stream={rid: StreamStep(tid, blocks, n, n, True, 0)}))
+    w.step_done()
+
+
+def _done(w: Any, rid: str, digest: str, **kw: Any) -> dict[str, Any]:
+    return w._handle({"op": "done", "id": 1, "req_ids": [rid], "digests": {rid: digest}, **kw})
+
+
+def test_a_late_empty_streamed_notice_does_not_free_a_reused_ids_new_hold() -> None:
+    """A streamed hold of ``r`` is freed (abort_timeout_s); the notice of a streamed load of it
+    that read nothing (it failed: only frees) comes late, once a client reused the id for a
+    non-streamed prefill now held for its own decode. The empty read's digest matched the empty
+    tail of the new hold's (absent) stream blocks: that notice was answered "held" and freed the
+    new hold's blocks (its decode then read freed blocks: recomputed). Refused now, frees
+    nothing; the new hold's own read is confirmed."""
+    from kvpool.connectors.vllm.pd_scheduler import NOTHING_READ, blocks_digest
+
+    w = _prefill_worker()
+    _streamed(w, "r", "t1", [4, 5], 1)
+    w.start(
+        _meta(2, send={"r": -1.0}, send_digest={"r": blocks_digest("r", [4, 5])}, send_blocks={"r": [4, 5]})
+    )
+    assert w.get_finished()[0] == {"r"}  # freed unread (abort_timeout_s)
+    hold = blocks_digest("r", [4, 5], 1)  # a cached prefix: the same blocks, numbered hold
+    w.start(_meta(3, send={"r": 30.0}, send_digest={"r": hold}, send_hold={"r": 1}))
+    late = _done(
+        w, "r", blocks_digest("r", []), gens={"r": 0}, firsts={"r": NOTHING_READ}, engines={"r": "e.1"}
+    )
+    assert late["expired"] == ["r"] and late["refused"] == ["r"]
+    assert w.get_finished()[0] is None and "r" in w._pending_send  # the new hold is not freed
+    own = _done(w, "r", hold, engines={"r": "e.1"})
+    assert own["expired"] == [] and w.get_finished()[0] == {"r"}
+
+
 def _connections_look_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode's side-channel connections are sent on without a look at whether the peer
     closed them, as when a busy decode used them less than a second ago."""

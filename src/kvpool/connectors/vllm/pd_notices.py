@@ -129,8 +129,11 @@ class DoneNotices(_Base):
                 # be those held for this request (a stale or edited progress answer, blocks
                 # reused under one generation: other bytes than this request's were read).
                 # (One that read nothing names no block: it frees them, as a notice always did.)
-                held, first = self._stream_blocks.get(r, []), n.firsts.get(r)
-                if first is None or n.digests.get(r) != blocks_digest(r, held[first:]):
+                # Only a streamed hold is checked so: a non-streamed hold of the id (a client
+                # reused it) holds no stream its read could have come from, and a late empty
+                # read of the old stream would match any list's empty tail (it freed the new hold).
+                held, first = self._stream_blocks.get(r), n.firsts.get(r)
+                if held is None or first is None or n.digests.get(r) != blocks_digest(r, held[first:]):
                     n.expired.append(r)
                     n.refused.append(r)
                     continue
