@@ -563,6 +563,64 @@ def test_a_late_empty_streamed_notice_does_not_free_a_reused_ids_new_hold() -> N
     assert own["expired"] == [] and w.get_finished()[0] == {"r"}
 
 
+def _served(w: Any) -> tuple[RpcServer, int]:
+    """The prefill worker's side channel over a real socket (its ``done`` answered at once)."""
+    port = free_port()
+    srv = RpcServer("127.0.0.1", port, w._handle, lambda: None)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, port
+
+
+def _confirmed(jobs: list[Any]) -> set[str]:
+    """A decode worker half sends the "done" notice of ``jobs`` (each read) in one RPC per peer:
+    the decode requests whose loads it reports finished and not failed (told "held")."""
+    from types import SimpleNamespace
+
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"),
+    )
+    d = pd_mod._PdWorker(VllmConnectorConfig(), vc, "d", SimpleNamespace(num_blocks=8))
+    try:
+        d._confirming.update(j.req_id for j in jobs)
+        d._notify(jobs)
+        finished, errors = d.get_finished()[1] or set(), d.take_load_errors()
+        assert finished == {j.req_id for j in jobs}
+        return {j.req_id for j in jobs if not set(j.local_block_ids) & errors}
+    finally:
+        d.close()
+
+
+def test_a_request_id_longer_than_256_characters_is_fenced_like_any_other() -> None:
+    """The prefill shortened the ids of a "done" notice to 256 characters and answered with the
+    short ones; the decode matched the answer with its own id and found nothing listed: a read of
+    a request whose id is longer (a client's X-Request-Id; params may name up to 1,024) was
+    confirmed "held" even after the prefill freed its blocks, and a held one was never freed by
+    its notice. Now each id is answered as sent."""
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob, blocks_digest
+
+    w = _prefill_worker()
+    gone, held = "g" * 300, "h" * 300
+    w.begin_step(_meta(1))
+    w.start(_meta(2, send={gone: -1.0}, send_digest={gone: blocks_digest(gone, [4, 5])}))
+    assert w.get_finished()[0] == {gone}  # freed unread (abort_timeout_s)
+    w.start(_meta(3, send={held: 30.0}, send_digest={held: blocks_digest(held, [6, 7])}))
+    srv, port = _served(w)
+    try:
+        jobs = [
+            RecvJob(f"d{i}", [1 + 2 * i, 2 + 2 * i], blocks, "127.0.0.1", port, rid, remote_engine_id="e.1",
+                    blocks_digest=blocks_digest(rid, blocks))
+            for i, (rid, blocks) in enumerate([(gone, [4, 5]), (held, [6, 7])])
+        ]  # fmt: skip
+        assert _confirmed(jobs) == {"d1"}  # the freed one's read fails (recompute)
+        assert w.get_finished()[0] == {held}  # the held one's notice freed it
+    finally:
+        srv.stop()
+
+
 def _connections_look_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode's side-channel connections are sent on without a look at whether the peer
     closed them, as when a busy decode used them less than a second ago."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.connectors.vllm.pd_load import MAX_DONE_IDS
-from kvpool.connectors.vllm.pd_scheduler import blocks_digest
+from kvpool.connectors.vllm.pd_scheduler import MAX_ID_CHARS, blocks_digest
 
 if TYPE_CHECKING:
     from kvpool.connectors.vllm.pd import _PdWorker
@@ -92,10 +92,18 @@ class DoneNotices(_Base):
         firsts = {k: f for k, f in firsts.items() if type(f) is int and f >= 0}
         notice = _Notice(conn, rid, of, rank, gens, digests, firsts, time.monotonic() + wait)
         with self._lock:
-            notice.waiting = [str(r)[:256] for r in req_ids]
+            # Each id answered as it was sent (the decode matches the answer's ids with its own: a
+            # shortened one was never matched, and its read counted as "held"); one no params
+            # can name (not text, too long) is unknown.
+            notice.waiting = [r if isinstance(r, str) else str(r)[:64] for r in req_ids]
             # named by another incarnation's params: this one will never learn it, answered now,
             # before it is settled (a request of that id held here is not the one that was read)
-            mine = [engines.get(r, self.engine_id) == self.engine_id for r in notice.waiting]
+            mine = [
+                isinstance(r, str)
+                and len(r) <= MAX_ID_CHARS
+                and engines.get(r, self.engine_id) == self.engine_id
+                for r in req_ids
+            ]
             notice.unknown = [r for r, m in zip(notice.waiting, mine, strict=True) if not m]
             notice.waiting = [r for r, m in zip(notice.waiting, mine, strict=True) if m]
             self._settle(notice, time.monotonic())

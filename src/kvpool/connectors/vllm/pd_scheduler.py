@@ -72,7 +72,11 @@ def _int(x: Any, lo: int, hi: int) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi else None
 
 
-def _text(x: Any, limit: int = 1024) -> str | None:
+#: The longest request id (and other text) a decode's ``kv_transfer_params`` may name.
+MAX_ID_CHARS = 1024
+
+
+def _text(x: Any, limit: int = MAX_ID_CHARS) -> str | None:
     return x if isinstance(x, str) and 0 < len(x) <= limit else None
 
 
