@@ -621,6 +621,39 @@ def test_a_request_id_longer_than_256_characters_is_fenced_like_any_other() -> N
         srv.stop()
 
 
+def test_two_streamed_reads_of_one_request_under_other_generations_are_not_confirmed_together() -> None:
+    """Two streamed loads of one prefill request (vLLM copies the transfer id into every child of
+    an n > 1 decode request) end in one "done" notice, one under generation 0 (its last READ may
+    have raced the preemption that freed the blocks), one under the generation after the resume,
+    into the same block ids (a prefix-cache hit). The notice carried one generation per id, the
+    last one's: both were confirmed, the stale read too. Now they conflict: neither is confirmed
+    (both recompute) and the notice frees nothing."""
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob, StreamStep, blocks_digest
+
+    w = _prefill_worker()
+    _streamed(w, "r", "t1", [4, 5], 1)
+    w.begin_step(_meta(2, stream={"r": StreamStep("t1", [], 0, 32, True, 0)}))  # preempted
+    _streamed(w, "r", "t1", [4, 5], 3)  # resumed into the same blocks
+    assert w.streams.progress(["t1"])[0]["t1"]["gen"] == 2
+    digest = blocks_digest("r", [4, 5])
+    w.start(
+        _meta(4, send={"r": 30.0}, send_digest={"r": blocks_digest("r", [4, 5])}, send_blocks={"r": [4, 5]})
+    )
+    srv, port = _served(w)
+    try:
+
+        def job(req: str, local: list[int], gen: int) -> RecvJob:
+            return RecvJob(req, local, [4, 5], "127.0.0.1", port, "r", "e.1", transfer_id="t1", num_tokens=32,
+                           gen=gen, blocks_digest=digest, stream_first=0)  # fmt: skip
+
+        assert _confirmed([job("stale", [1, 2], 0), job("fresh", [3, 6], 2)]) == set()
+        assert w.get_finished()[0] is None  # nothing freed
+        assert _confirmed([job("fresh", [3, 6], 2), job("child", [1, 2], 2)]) == {"fresh", "child"}
+        assert w.get_finished()[0] == {"r"}
+    finally:
+        srv.stop()
+
+
 def _connections_look_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode's side-channel connections are sent on without a look at whether the peer
     closed them, as when a busy decode used them less than a second ago."""

@@ -359,16 +359,21 @@ class DecodeLoads(_Base):
                 pjobs = all_jobs[k : k + MAX_DONE_IDS]
                 ids = [j.remote_request_id for j in pjobs]
                 gens = {j.remote_request_id: j.gen for j in pjobs if j.gen is not None}
-                digests: dict[str, str] = {}  # two loads naming one id with other blocks: none matches
+                # Two loads naming one id with other blocks, stream generations or incarnations
+                # (one answer per id: the last one's generation was checked for both, so a read
+                # under a generation preempted since was confirmed by a later one's): none matches.
+                digests: dict[str, str] = {}
                 firsts: dict[str, int] = {}  # streamed reads: the first prompt block the digest covers
-                named: dict[str, tuple[str, int | None]] = {}
+                named: dict[str, tuple[str | None, int | None, int | None, str | None]] = {}
                 for j in pjobs:
-                    if j.blocks_digest:
-                        r, mine = j.remote_request_id, (j.blocks_digest, j.stream_first)
-                        same = named.setdefault(r, mine) == mine and digests.get(r) != "conflict"
-                        digests[r] = j.blocks_digest if same else "conflict"
-                        if j.stream_first is not None:
-                            firsts[r] = j.stream_first
+                    r = j.remote_request_id
+                    mine = (j.blocks_digest, j.stream_first, j.gen, j.remote_engine_id)
+                    if named.setdefault(r, mine) != mine:
+                        digests[r] = "conflict"
+                    elif j.blocks_digest and digests.get(r) != "conflict":
+                        digests[r] = j.blocks_digest
+                    if j.stream_first is not None:
+                        firsts[r] = j.stream_first
                 engines = {j.remote_request_id: j.remote_engine_id for j in pjobs if j.remote_engine_id}
                 wait = min(DONE_WAIT_S, self.cfg.transfer_timeout_s / 2)
                 try:
