@@ -563,6 +563,36 @@ def test_a_late_empty_streamed_notice_does_not_free_a_reused_ids_new_hold() -> N
     assert own["expired"] == [] and w.get_finished()[0] == {"r"}
 
 
+def test_a_stale_streamed_notice_does_not_free_a_reused_ids_non_streamed_hold() -> None:
+    """A stream of ``r`` ends (aborted; or preempted: its generation moved) with a load of it
+    that read under the old generation; its "done" notice is answered "expired" and frees that
+    stream's hold, now or once it is held. Once a client reused the id for a non-streamed prefill
+    (held with a hold number), that notice -- arriving late, or early, before the new hold --
+    freed the new hold (its decode then read freed blocks and recomputed). Now it frees only a
+    streamed hold; the new hold's own read is confirmed."""
+    from kvpool.connectors.vllm.pd_scheduler import NOTHING_READ, StreamStep, blocks_digest
+
+    def stale(w: Any, rid: str) -> dict[str, Any]:
+        return _done(
+            w, rid, blocks_digest(rid, []), gens={rid: 0}, firsts={rid: NOTHING_READ}, engines={rid: "e.1"}
+        )
+
+    for early in (False, True):
+        w = _prefill_worker()
+        _streamed(w, "r", "t1", [4, 5], 1)
+        if early:  # preempted; the stale notice comes before the stream is aborted
+            w.begin_step(_meta(2, stream={"r": StreamStep("t1", [], 0, 32, True, 0)}))
+            assert stale(w, "r")["expired"] == ["r"]
+        w.begin_step(_meta(3, stream_end={"r"}))  # aborted
+        hold = blocks_digest("r", [4, 5], 1)
+        w.start(_meta(4, send={"r": 30.0}, send_digest={"r": hold}, send_hold={"r": 1}))
+        if not early:
+            assert stale(w, "r")["expired"] == ["r"]
+        assert w.get_finished()[0] is None and "r" in w._pending_send, early  # the new hold is kept
+        assert _done(w, "r", hold, engines={"r": "e.1"})["expired"] == []
+        assert w.get_finished()[0] == {"r"}
+
+
 def _served(w: Any) -> tuple[RpcServer, int]:
     """The prefill worker's side channel over a real socket (its ``done`` answered at once)."""
     port = free_port()

@@ -368,6 +368,10 @@ class _PdWorker(DecodeLoads, DoneNotices):
                         self._digests[rid] = digest
                     if rid in meta.send_blocks:
                         self._stream_blocks[rid] = meta.send_blocks[rid]
+                    else:
+                        # Marked before it was held only by a stale streamed notice (its load gave
+                        # up: it frees that stream's hold), never this one's: a reused id.
+                        self._notified.pop(rid, None)
             if gone:
                 log.warning("kvpool connector: %d request(s) computed before the KV cache was released "
                             "(sleep mode) are not held for decodes (they recompute): %s",

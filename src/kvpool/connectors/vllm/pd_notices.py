@@ -129,6 +129,9 @@ class DoneNotices(_Base):
             g = n.gens.get(r)
             if g is not None and self.streams is not None and not self.streams.gen_ok(r, g):
                 n.expired.append(r)  # preempted or aborted since that read: the bytes may be stale
+                if r in self._pending_send and r not in self._stream_blocks:
+                    continue  # a non-streamed hold of the id (reused): not that stream's to free
+                # (else its load gave up: the stream's blocks are freed, now or once held)
             elif r not in self._pending_send:
                 left.append(r)  # its metadata has not arrived (or never will: answered at the deadline)
                 continue
