@@ -259,6 +259,22 @@ def test_a_request_id_used_again_with_another_transfer_id_is_a_new_stream() -> N
     assert t.gen_ok("r", 0)  # (the new stream's: a read of it is still checked by its digest)
 
 
+def test_a_dead_streams_sweep_keeps_a_later_stream_of_its_request_id() -> None:
+    """A stream of ``r`` dies, another of ``r`` (a client's id used again) starts. Sweeping the
+    dead one (after keep_dead_s) dropped the request id's entry, the later stream's: a notice read
+    under its generation from before a preemption was then trusted (no stream known: any
+    generation passed)."""
+    t = StreamTable([Region("l0", 0, 64, 64, 8)])
+    t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5], 40, 40, True, 0)}), 60.0)
+    t.begin_step(_meta(stream_end={"r"}), 60.0)
+    t.begin_step(_meta(stream={"r": StreamStep("y", [7, 8], 40, 40, True, 0)}), 60.0)
+    t.begin_step(_meta(stream={"r": StreamStep("y", [], 0, 40, True, 0)}), 60.0)  # preempted
+    assert not t.gen_ok("r", 0)
+    t.begin_step(_meta(), 0.0)  # the dead stream "x" is dropped
+    assert t.progress(["x"])[0]["x"] == {"state": "pending"} and t.progress(["y"])[0]["y"]["gen"] == 1
+    assert not t.gen_ok("r", 0) and t.gen_ok("r", 1)
+
+
 def test_progress_questions_wait_at_the_prefill_until_news() -> None:
     t = StreamTable([Region("l0", 0, 64, 64, 8)])
     woken: list[int] = []

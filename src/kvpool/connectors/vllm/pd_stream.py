@@ -116,7 +116,8 @@ class StreamTable:
             for tid, s in list(self._by_tid.items()):
                 if s.dead_at is not None and now - s.dead_at > keep_dead_s:
                     del self._by_tid[tid]
-                    self._by_req.pop(s.req_id, None)
+                    if self._by_req.get(s.req_id) == tid:  # (not a later stream of the id)
+                        del self._by_req[s.req_id]
             wake = self._changed() if meta.stream or meta.stream_end else False
         self._wake(wake)
 
