@@ -593,6 +593,47 @@ def test_a_stale_streamed_notice_does_not_free_a_reused_ids_non_streamed_hold() 
         assert w.get_finished()[0] == {"r"}
 
 
+def test_an_earlier_streams_notices_neither_confirm_nor_free_a_later_stream_of_the_id() -> None:
+    """Streams of one request id (a client reused it) carry the scheduler's generations, so a new
+    streamed hold of the id is read and confirmed; a notice of the earlier stream -- late, after
+    the new hold, or one that gave up before it -- is answered "expired" and frees nothing,
+    whatever blocks it names. A load of the new stream that gave up before its hold (a stale
+    generation: preempted since) still frees that hold once it comes."""
+    from kvpool.connectors.vllm.pd_scheduler import NOTHING_READ, StreamStep, blocks_digest
+
+    def step(w: Any, k: int, tid: str, blocks: list[int], gen: int) -> None:
+        n = 16 * len(blocks)
+        w.begin_step(_meta(k, stream={"r": StreamStep(tid, blocks, n, n, True, 0, gen)}))
+        w.step_done()
+
+    def notice(w: Any, gen: int, blocks: list[int] | None) -> dict[str, Any]:
+        first = 0 if blocks is not None else NOTHING_READ
+        digest = blocks_digest("r", blocks or [])
+        return _done(w, "r", digest, gens={"r": gen}, firsts={"r": first}, engines={"r": "e.1"})
+
+    def hold(w: Any, k: int, number: int | None) -> None:
+        extra = {"send_hold": {"r": number}} if number else {}
+        w.start(_meta(k, send={"r": 30.0}, send_digest={"r": blocks_digest("r", [4, 5], number)},
+                      send_blocks={"r": [4, 5]}, **extra))  # fmt: skip
+
+    w = _prefill_worker()
+    step(w, 1, "t1", [4, 5], 1)
+    hold(w, 2, None)
+    assert notice(w, 1, [4, 5])["expired"] == [] and w.get_finished()[0] == {"r"}
+    step(w, 3, "t2", [4, 5], 2)  # the id streams again (a cached prefix: the same blocks)
+    assert notice(w, 1, None)["expired"] == ["r"]  # the earlier stream's, given up: not this one's
+    hold(w, 4, 1)
+    assert notice(w, 1, [4, 5])["expired"] == ["r"]  # late, naming the same blocks
+    assert w.get_finished()[0] is None and "r" in w._pending_send
+    assert notice(w, 2, [4, 5])["expired"] == [] and w.get_finished()[0] == {"r"}
+    step(w, 5, "t3", [4, 5], 3)
+    w.begin_step(_meta(6, stream={"r": StreamStep("t3", [], 0, 32, True, 0, 4)}))  # preempted
+    assert notice(w, 3, None)["expired"] == ["r"]  # its load gave up
+    step(w, 7, "t3", [4, 5], 5)  # resumed
+    hold(w, 8, 2)
+    assert w.get_finished()[0] == {"r"}  # freed as it is held: its decode gave up
+
+
 def _served(w: Any) -> tuple[RpcServer, int]:
     """The prefill worker's side channel over a real socket (its ``done`` answered at once)."""
     port = free_port()

@@ -144,6 +144,37 @@ def test_a_prefill_aborted_while_streaming_fails_the_decode_load(
     assert p.free_blocks() == p.idle_free
 
 
+def test_a_reused_request_id_streams_again_and_is_confirmed(pd: tuple[LayerInstance, LayerInstance]) -> None:
+    """A client reuses a prefill request id for another streamed request once the first stream
+    was read and freed. The new stream's read is confirmed (it was answered "expired" for an
+    hour: the streams of an id restarted at generation 0, the fence could not tell an old stream's
+    notices from the new one's; every streamed load of the id recomputed). Each stream's
+    generations are the scheduler's count now, so a notice of an earlier stream is told apart."""
+    p, d = pd
+    _chunk(p, 96)
+
+    def failures() -> dict[str, int]:
+        return dict(d.worker._worker.stats.data.get("failures") or {})
+
+    def streamed(did: str, rid: str, tid: str, prompt: list[int]) -> None:
+        d.add(did, prompt, 2, _decode_params(p, tid))
+        d.step()
+        p.add(rid, prompt, 1, {"do_remote_decode": True, "transfer_id": tid})
+        p.run_until(lambda o: rid in o and o[rid].finish_reason is not None)
+        p.step()  # the worker learns the blocks are held
+        outputs = d.run_until(
+            lambda o: did in o and (o[did].new_token_ids or o[did].finish_reason is not None)
+        )
+        assert outputs[did].new_token_ids, failures()
+        for got, w in zip(d.block_values(did, 199), expected_rows(prompt, 199), strict=True):
+            assert torch.equal(got, w)
+        p.run_until(lambda o: p.free_blocks() == p.idle_free)  # its notice freed the blocks
+
+    streamed("d1", "p1", "t1", LONG)
+    streamed("d2", "p1", "t2", LONG)  # the id held again, streamed (a cached prefix: the same blocks)
+    assert failures() == {}
+
+
 def test_a_prefill_that_never_comes_and_a_decode_abort_end_the_load(tiny_llama: Path) -> None:  # noqa: F811
     d = LayerInstance(tiny_llama, "KvpoolConnector", "kv_consumer",
                       {"side_channel_port": free_port(), "abort_timeout_s": 1.0})  # fmt: skip

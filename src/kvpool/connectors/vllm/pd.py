@@ -356,22 +356,24 @@ class _PdWorker(DecodeLoads, DoneNotices):
                         self._expired.move_to_end(rid)
                         continue
                     self._pending_send[rid] = now + ttl
-                    if rid in meta.send_hold and rid not in meta.send_blocks:
+                    streamed = rid in meta.send_blocks
+                    table = self.streams
+                    if rid in meta.send_hold and (
+                        not streamed or (table is not None and table.numbered(rid))
+                    ):
                         # The id held again (a client reused it), with a hold number in its params
                         # and digest: reads of the earlier hold's params no longer match the digest
-                        # held now (refused, freeing nothing), so "expired" is taken back for it.
-                        # A streamed hold keeps the mark: its reads are checked by stream generation
-                        # and blocks, which a new stream of the id can repeat.
+                        # held now, and streamed reads of an earlier stream of the id carry a
+                        # generation older than this stream's first (the scheduler's count): both
+                        # refused, freeing nothing, so "expired" is taken back for it.
                         self._expired.pop(rid, None)
                     digest = meta.send_digest.get(rid)
                     if digest is not None:
                         self._digests[rid] = digest
-                    if rid in meta.send_blocks:
+                    if streamed:
                         self._stream_blocks[rid] = meta.send_blocks[rid]
-                    else:
-                        # Marked before it was held only by a stale streamed notice (its load gave
-                        # up: it frees that stream's hold), never this one's: a reused id.
-                        self._notified.pop(rid, None)
+                        if table is not None and table.given_up(rid):
+                            self._notified[rid] = now  # a load of its stream gave up: freed now
             if gone:
                 log.warning("kvpool connector: %d request(s) computed before the KV cache was released "
                             "(sleep mode) are not held for decodes (they recompute): %s",

@@ -123,15 +123,19 @@ class DoneNotices(_Base):
         ``n.waiting`` (not known yet)."""
         left: list[str] = []
         for r in n.waiting:
-            if r in self._expired:
-                n.expired.append(r)
-                continue
             g = n.gens.get(r)
-            if g is not None and self.streams is not None and not self.streams.gen_ok(r, g):
-                n.expired.append(r)  # preempted or aborted since that read: the bytes may be stale
-                if r in self._pending_send and r not in self._stream_blocks:
-                    continue  # a non-streamed hold of the id (reused): not that stream's to free
-                # (else its load gave up: the stream's blocks are freed, now or once held)
+            state = self.streams.read_gen(r, g) if g is not None and self.streams is not None else "ok"
+            if r in self._expired or state != "ok":
+                n.expired.append(r)  # freed, or preempted or aborted since that read: may be stale
+                if state != "stale":
+                    continue  # freed already, or an earlier stream's of the id (reused): frees nothing
+                if r not in self._pending_send:
+                    assert self.streams is not None
+                    self.streams.give_up(r)  # a load of this stream gave up: its hold is freed once held
+                    continue
+                if r in self._expired or r not in self._stream_blocks:
+                    continue  # not that stream's hold (a non-streamed one of the id, reused)
+                # (else a load of the stream held gave up: the hold is freed)
             elif r not in self._pending_send:
                 left.append(r)  # its metadata has not arrived (or never will: answered at the deadline)
                 continue

@@ -170,6 +170,9 @@ class StreamStep:
     total: int
     restart: bool = False
     computed: int = 0
+    gen: int | None = None
+    """``restart``: the stream's generation from this step on, the scheduler's count (identical on
+    every TP rank; never repeated, so no two streams of one request id share a generation)."""
 
 
 @dataclass
@@ -268,6 +271,7 @@ class _PdScheduler:
         # Prefill: streaming requests -> [transfer id, prompt tokens, block ids so far].
         self._streams: dict[str, list[Any]] = {}
         self._stream_end: set[str] = set()
+        self._gens = 0  # streams' generations handed out (StreamStep.gen)
         self._cancel: set[str] = set()
         self._step = 0  # metadata built so far (the workers tell sends computed before a sleep)
 
@@ -410,7 +414,7 @@ class _PdScheduler:
             if st is not None:
                 st[2] = list(new.block_ids[0])
                 steps[new.req_id] = StreamStep(st[0], st[2], new.num_computed_tokens + n_sched[new.req_id],
-                                               st[1], True, new.num_computed_tokens)  # fmt: skip
+                                               st[1], True, new.num_computed_tokens, self._gen())  # fmt: skip
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._streams.get(rid)
@@ -423,13 +427,18 @@ class _PdScheduler:
             elif nb:
                 st[2] = st[2] + list(nb[0])
             done = cached.num_computed_tokens[i]
-            steps[rid] = StreamStep(st[0], st[2], done + n_sched[rid], st[1], resumed, done)
+            gen = self._gen() if resumed else None
+            steps[rid] = StreamStep(st[0], st[2], done + n_sched[rid], st[1], resumed, done, gen)
         for rid in getattr(out, "preempted_req_ids", None) or ():
             st = self._streams.get(rid)
             if st is not None and rid not in steps:  # its blocks are freed: nothing of it is final
                 st[2] = []
-                steps[rid] = StreamStep(st[0], [], 0, st[1], True, 0)
+                steps[rid] = StreamStep(st[0], [], 0, st[1], True, 0, self._gen())
         return steps
+
+    def _gen(self) -> int:
+        self._gens += 1
+        return self._gens
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

@@ -14,12 +14,14 @@ request's blocks and the token count its step computes up to (``StreamStep``); `
 a GPU once an event recorded on the compute stream has completed); ``wait_for_save`` marks every
 layer. A preempted request (its blocks freed, recomputed later) bumps the stream's generation: a
 decode that read under the old one starts over, and a ``done`` notice naming an old generation is
-answered "expired" (the load fails; vLLM recomputes). The notice also carries the
-:func:`~kvpool.connectors.vllm.pd_scheduler.blocks_digest` of the request id and the prompt's
-blocks it read (from the first one on, as the progress answers named them; a list that changed
-under one generation fails the load): confirmed only when they are the blocks vLLM holds for that
-request once it finished. An aborted request's stream is dead: the decode's load fails at its next
-question.
+answered "expired" (the load fails; vLLM recomputes). Generations are the scheduler's count
+(``StreamStep.gen``: identical on every TP rank, never repeated), so a notice of an earlier stream
+of a reused request id is told from the new stream's (:meth:`StreamTable.read_gen`). The notice
+also carries the :func:`~kvpool.connectors.vllm.pd_scheduler.blocks_digest` of the request id and
+the prompt's blocks it read (from the first one on, as the progress answers named them; a list
+that changed under one generation fails the load): confirmed only when they are the blocks vLLM
+holds for that request once it finished. An aborted request's stream is dead: the decode's load
+fails at its next question.
 
 Decode side (:func:`stream_round`, on the peer's load thread): one ``progress`` RPC per peer and
 round answers every streaming load from that peer; a load not seen by the prefill within
@@ -63,6 +65,8 @@ class _Stream:
     final: list[int]
     dead_at: float | None = None
     pending: list[tuple[Callable[[], bool], list[int], int]] = field(default_factory=list)
+    first_gen: int = 0  # its first generation: a lower one is an earlier stream's of the request id
+    given_up: bool = False  # a load of it gave up before it was held: its hold is freed at once
 
 
 class StreamTable:
@@ -98,11 +102,12 @@ class StreamTable:
                     # old stream is dead (its decode fails), never fed the new request's blocks.
                     s.dead_at = now
                 if s is None or s.dead_at is not None:
-                    s = _Stream(rid, 0, [], st.total, 0, [st.computed] * self.num_regions)
+                    gen = st.gen if st.gen is not None else 0
+                    s = _Stream(rid, gen, [], st.total, 0, [st.computed] * self.num_regions, first_gen=gen)
                     self._by_tid[st.transfer_id] = s
                     self._by_req[rid] = st.transfer_id
                 elif st.restart:  # resumed after preemption: the old blocks were freed
-                    s.gen += 1
+                    s.gen = st.gen if st.gen is not None else s.gen + 1
                     s.final = [st.computed] * self.num_regions
                     s.pending.clear()
                 s.blocks, s.target, s.total = list(st.block_ids), st.tokens, st.total
@@ -197,10 +202,41 @@ class StreamTable:
 
     def gen_ok(self, req_id: str, gen: int) -> bool:
         """Side channel, ``done``: may a read made under ``gen`` be trusted?"""
+        return self.read_gen(req_id, gen) == "ok"
+
+    def read_gen(self, req_id: str, gen: int) -> str:
+        """Side channel, ``done``: a read made under ``gen`` is "ok" (the request's stream, if
+        any, is live under it), "stale" (that stream was preempted or aborted since) or "other" (an
+        earlier stream of the request id: nothing of it is held now)."""
         with self._lock:
             tid = self._by_req.get(req_id)
             s = self._by_tid.get(tid) if tid is not None else None
-            return s is None or (s.gen == gen and s.dead_at is None)
+            if s is None or (s.gen == gen and s.dead_at is None):
+                return "ok"
+            return "other" if gen < s.first_gen else "stale"
+
+    def numbered(self, req_id: str) -> bool:
+        """Whether the request's stream has a generation of the scheduler's count (a new stream
+        started in a step of this table: a lower generation is an earlier stream's)."""
+        with self._lock:
+            tid = self._by_req.get(req_id)
+            s = self._by_tid.get(tid) if tid is not None else None
+            return s is not None and s.first_gen > 0
+
+    def give_up(self, req_id: str) -> None:
+        """Side channel, ``done``: a load of the request's stream gave up before it was held."""
+        with self._lock:
+            tid = self._by_req.get(req_id)
+            s = self._by_tid.get(tid) if tid is not None else None
+            if s is not None:
+                s.given_up = True
+
+    def given_up(self, req_id: str) -> bool:
+        """Model thread, as the request is held: whether a load of its stream gave up."""
+        with self._lock:
+            tid = self._by_req.get(req_id)
+            s = self._by_tid.get(tid) if tid is not None else None
+            return s is not None and s.given_up
 
     def progress(self, tids: list[str]) -> tuple[dict[str, Any], int]:
         """Side channel, ``progress``: per transfer id, ``pending`` (not scheduled yet), ``dead``
