@@ -145,13 +145,15 @@ def test_a_prefill_aborted_while_streaming_fails_the_decode_load(
 
 
 def test_a_reused_request_id_streams_again_and_is_confirmed(pd: tuple[LayerInstance, LayerInstance]) -> None:
-    """A client reuses a prefill request id for another streamed request once the first stream
-    was read and freed. The new stream's read is confirmed (it was answered "expired" for an
-    hour: the streams of an id restarted at generation 0, the fence could not tell an old stream's
-    notices from the new one's; every streamed load of the id recomputed). Each stream's
-    generations are the scheduler's count now, so a notice of an earlier stream is told apart."""
+    """A client reuses a prefill request id for another streamed request: once after the first
+    stream was read and freed, once after a streaming prefill of the id was aborted. Each new
+    stream's read is confirmed (both were answered "expired" for an hour: the streams of an id
+    restarted at generation 0, the fence could not tell an old stream's notices from the new
+    one's; every streamed load of the id recomputed). Each stream's generations are the
+    scheduler's count now, so a notice of an earlier stream of the id is told apart."""
     p, d = pd
     _chunk(p, 96)
+    other = [(i * 41) % 500 + 7 for i in range(200)]
 
     def failures() -> dict[str, int]:
         return dict(d.worker._worker.stats.data.get("failures") or {})
@@ -173,6 +175,16 @@ def test_a_reused_request_id_streams_again_and_is_confirmed(pd: tuple[LayerInsta
     streamed("d1", "p1", "t1", LONG)
     streamed("d2", "p1", "t2", LONG)  # the id held again, streamed (a cached prefix: the same blocks)
     assert failures() == {}
+    d.add("d3", other, 2, _decode_params(p, "t3"))
+    d.step()
+    p.add("q1", other, 1, {"do_remote_decode": True, "transfer_id": "t3"})
+    p.step()  # the first chunk: streaming
+    p.scheduler.finish_requests("q1", RequestStatus.FINISHED_ABORTED)
+    p.step()
+    d.run_until(lambda o: "d3" in o and o["d3"].finish_reason is not None, timeout=10)
+    assert failures() == {"StreamFailed": 1}
+    streamed("d4", "q1", "t4", other)  # the aborted stream's id used again
+    assert failures() == {"StreamFailed": 1}
 
 
 def test_a_prefill_that_never_comes_and_a_decode_abort_end_the_load(tiny_llama: Path) -> None:  # noqa: F811

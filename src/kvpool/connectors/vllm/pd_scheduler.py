@@ -468,11 +468,11 @@ class _PdScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             if streaming:  # a decode may be reading it: its worker fails those reads
-                self._stream_end.add(request.request_id)
+                self._end_stream(request.request_id)
             return False, None  # aborted prefill: free at once, no decode will read
         if not block_ids:
             if streaming:
-                self._stream_end.add(request.request_id)
+                self._end_stream(request.request_id)
             return False, None
         blocks = list(block_ids)
         hold = self._hold(request.request_id)
@@ -498,6 +498,13 @@ class _PdScheduler:
             tp_size=self.tp_size,
             **extra,
         )
+
+    def _end_stream(self, req_id: str) -> None:
+        """A streaming request ended unheld (aborted): its worker answers its reads "expired"; the
+        id is remembered as held, so that a new hold of it is numbered (``remote_hold``: the worker
+        takes the "expired" mark back for that one)."""
+        self._stream_end.add(req_id)
+        self._hold(req_id)
 
     def _hold(self, req_id: str) -> int | None:
         """``request_finished``: the hold number of ``req_id`` held again (a client may reuse an
