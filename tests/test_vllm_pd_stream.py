@@ -479,6 +479,27 @@ def test_a_transfer_id_taken_over_by_another_prefill_request_fails_the_load() ->
     assert len(reads) == 1  # nothing of pB's blocks was read
 
 
+def test_a_transfer_id_taken_over_by_a_later_stream_of_the_request_id_fails_the_load() -> None:
+    """A client sends a request id and transfer id again (a second stream of the id) while a
+    decode of the first stream still reads: the generation moved, so the decode started over on
+    the new stream's blocks -- the new request's KV, confirmed since streams of a reused id are.
+    The stream's first generation tells: the load fails."""
+    from kvpool.connectors.vllm.pd_stream import _advance
+    from kvpool.errors import TransferError
+
+    reads, worker, rem, ld = _stream_of_one_block()
+
+    def state(gen: int, first: int, final: list[int]) -> dict[str, Any]:
+        return {"state": "live", "req_id": "pA", "gen": gen, "total": BS, "blocks": [3], "final": final,
+                "first": first}  # fmt: skip
+
+    assert _advance(worker, rem, ld, state(1, 1, [BS, 0]), {}) == (False, 64)
+    assert _advance(worker, rem, ld, state(2, 1, [0, 0]), {}) == (False, 0)  # preempted: the same stream
+    with pytest.raises(TransferError, match="later stream of prefill request pA"):
+        _advance(worker, rem, ld, state(4, 4, [BS, BS]), {})
+    assert len(reads) == 1  # nothing of the later stream's blocks was read
+
+
 def test_a_stream_never_reads_through_a_layout_cached_from_a_predecessor() -> None:
     """The decode's cached layout of a prefill port came from an earlier incarnation; a stream
     whose params name no engine adopts the one that answers. Its region addresses may be stale:

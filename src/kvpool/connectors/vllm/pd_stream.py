@@ -261,7 +261,8 @@ class StreamTable:
                                 keep.append((ready, idx, target))
                         s.pending = keep
                     out[tid] = {"state": "live", "req_id": s.req_id, "gen": s.gen, "total": s.total,
-                                "blocks": list(s.blocks), "final": list(s.final)}  # fmt: skip
+                                "blocks": list(s.blocks), "final": list(s.final),
+                                "first": s.first_gen}  # fmt: skip
             return out, self.version
 
 
@@ -273,6 +274,8 @@ class StreamLoad:
     deadline: float
     t0: float = field(default_factory=time.perf_counter)
     gen: int | None = None
+    first: int | None = None
+    """The first generation of the stream it reads (another one: a new stream under its transfer id)."""
     read: dict[str, int] = field(default_factory=dict)  # region name -> local blocks read (in order)
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks read from, under ``gen``
     nbytes: int = 0
@@ -398,6 +401,12 @@ def _advance(
         raise TransferError(
             f"transfer {job.transfer_id} now names prefill request {req_id}, not {job.remote_request_id}"
         )
+    first = st.get("first")
+    if type(first) is int and first != (first if ld.first is None else ld.first):
+        # A new stream of the request id took the transfer id over (a client that sent both
+        # again): its blocks hold the new request's KV, and its notices would be confirmed.
+        raise TransferError(f"transfer {job.transfer_id} names a later stream of prefill request {req_id}")
+    ld.first = first if type(first) is int else ld.first
     job.remote_request_id = req_id
     job.remote_engine_id = job.remote_engine_id or engine
     if ld.gen != int(st["gen"]):  # first answer, or the prefill was preempted: read from the start
