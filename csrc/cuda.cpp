@@ -154,8 +154,17 @@ int record(int device, void* event, void* stream) {
 }
 
 int event_sync(int device, void* event) {
-  if (!use(device)) return 201;
+  if (!use(device)) return kNotWaited;
   return g.cuEventSynchronize(event);
+}
+
+bool sticky(int rc) {
+  switch (rc) {
+    case 700: case 702: case 714: case 715: case 716: case 717: case 718: case 719:
+      return true;
+    default:
+      return false;
+  }
 }
 
 }  // namespace kvpool::cuda

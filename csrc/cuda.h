@@ -36,7 +36,15 @@ int copy_async(int device, uint64_t dst, uint64_t src, size_t n, void* stream);
 int launch(int device, void* func, unsigned grid, unsigned block, void* stream, void** params);
 int record(int device, void* event, void* stream);
 // Waits for an event recorded by the Python side's driver (the same library: dlopen returns the
-// handle it loaded) with `device`'s primary context current; 0 or a CUresult (the stream's error).
+// handle it loaded) with `device`'s primary context current; 0, a CUresult (the stream's error),
+// or kNotWaited: the context could not be made current, nothing was waited for.
+constexpr int kNotWaited = -1;
 int event_sync(int device, void* event);
+// Whether a CUresult is sticky: the context is dead ("the process is left in an inconsistent
+// state and any further CUDA work will return the same error", CUDA driver API docs), so none of
+// its work runs any more. Only these end a wait for copies that may still run: 700 ILLEGAL_ADDRESS,
+// 702 LAUNCH_TIMEOUT, 714 HARDWARE_STACK_ERROR, 715 ILLEGAL_INSTRUCTION, 716 MISALIGNED_ADDRESS,
+// 717 INVALID_ADDRESS_SPACE, 718 INVALID_PC, 719 LAUNCH_FAILED.
+bool sticky(int rc);
 
 }  // namespace kvpool::cuda

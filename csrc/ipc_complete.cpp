@@ -9,6 +9,14 @@
 // (spare tables and events, mappings, counters) and completes a failed run's slots itself, with
 // the reason.
 //
+// A wait that could not be made (the device's context could not be made current, or an error
+// after which the stream may still run: any but a sticky one, cuda::sticky) is not an end: the
+// copies may still run, so the run keeps its pins and stays queued while the thread retries (a
+// backoff of 1 ms doubling to 100 ms). Past the transport's timeout it is reported timed out once
+// (rc kTimedOut: Python finishes its slots TIMEOUT, "may still land"); it completes as usual once
+// a wait succeeds. Abandoned meanwhile, the thread ends and leaves the pins held (a leaked pin
+// delays the owner's unregister; an early unpin could hand its memory over to our copies).
+//
 // Lifetimes: fences are shared with Python (shared_ptr holders), the engine is kept alive by the
 // Python object (keep_alive). If the completer is destroyed while a run is still queued (a hung
 // GPU stream at interpreter exit), the thread is detached and, should the stream ever end, touches
@@ -18,7 +26,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -47,9 +57,12 @@ struct IpcRun {
   int pidfd;                     // -1: none (the fence pin alone decides)
 };
 
+// IpcDone.rc of a run that could not be waited for within the timeout: it stays queued.
+constexpr int kTimedOut = -1;
+
 struct IpcDone {
   uint64_t seq;
-  int rc;      // cuEventSynchronize's CUresult
+  int rc;      // cuEventSynchronize's CUresult, or kTimedOut
   bool alive;  // the owner still ran when the copies had ended
 };
 
@@ -59,6 +72,7 @@ struct IpcState {
   std::deque<IpcRun> runs;  // the front stays queued while the thread waits for its event
   std::vector<IpcDone> done;
   Engine* engine = nullptr;  // null once abandoned
+  std::chrono::milliseconds timeout{30000};  // a run not waited for this long: kTimedOut
   bool stop = false, kicked = false;
 };
 
@@ -81,8 +95,25 @@ void complete_loop(const std::shared_ptr<IpcState>& s) {
     if (s->runs.empty()) return;
     const int dev = s->runs.front().dev;
     void* const event = s->runs.front().event;
+    const uint64_t seq = s->runs.front().seq;
     lk.unlock();
-    const int rc = cuda::event_sync(dev, event);  // blocks for as long as the stream runs
+    int rc = cuda::event_sync(dev, event);  // blocks for as long as the stream runs
+    const auto start = std::chrono::steady_clock::now();
+    auto pause = std::chrono::milliseconds(1);
+    bool timed_out = false;
+    while (rc != 0 && !cuda::sticky(rc)) {  // not waited: the copies may still run
+      lk.lock();
+      if (s->engine == nullptr) return;  // abandoned: the pins stay held
+      if (!timed_out && std::chrono::steady_clock::now() - start >= s->timeout) {
+        timed_out = true;
+        s->done.push_back({seq, kTimedOut, true});
+        s->done_cv.notify_all();
+      }
+      s->work.wait_for(lk, pause, [&] { return s->engine == nullptr; });
+      lk.unlock();
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
+      rc = cuda::event_sync(dev, event);
+    }
     lk.lock();
     IpcRun run = std::move(s->runs.front());
     s->runs.pop_front();
@@ -90,7 +121,7 @@ void complete_loop(const std::shared_ptr<IpcState>& s) {
       for (int slot : run.slots) run.fence->unpin(slot);
     if (s->engine == nullptr) continue;  // abandoned: nobody waits, the pidfd may be reused
     const bool alive = rc != 0 || owner_alive(run.pidfd);
-    if (rc == 0 && alive) {
+    if (rc == 0 && alive && !timed_out) {
       try {
         s->engine->finish_range(run.batch, run.first, run.lens, ST_OK);
       } catch (const std::exception&) {
@@ -104,9 +135,10 @@ void complete_loop(const std::shared_ptr<IpcState>& s) {
 
 class IpcCompleter {
  public:
-  explicit IpcCompleter(Engine& engine) : s_(std::make_shared<IpcState>()) {
+  IpcCompleter(Engine& engine, int timeout_ms) : s_(std::make_shared<IpcState>()) {
     if (!cuda::available()) throw KvError(E_INVALID, "CUDA IPC completer: the CUDA driver is not loaded");
     s_->engine = &engine;
+    s_->timeout = std::chrono::milliseconds(std::max(timeout_ms, 0));
     auto s = s_;
     thread_ = std::thread([s] { complete_loop(s); });
   }
@@ -146,7 +178,8 @@ class IpcCompleter {
     s_->work.notify_one();
   }
 
-  // The runs completed since the last call, as (seq, CUresult, owner alive), in queue order;
+  // The runs completed since the last call, as (seq, CUresult, owner alive), in queue order, and
+  // (seq, IPC_TIMED_OUT, True) for a run not waited for within the timeout (it stays queued);
   // waits up to timeout_ms (< 0: until one completes or kick) with the GIL released.
   py::list wait(int timeout_ms) {
     std::vector<IpcDone> out;
@@ -191,7 +224,8 @@ class IpcCompleter {
 void bind_ipc_complete(py::module_& m) {
   using kvpool::IpcCompleter;
   py::class_<IpcCompleter>(m, "IpcCompleter")
-      .def(py::init<kvpool::Engine&>(), py::keep_alive<1, 2>(),
+      .def(py::init<kvpool::Engine&, int>(), py::keep_alive<1, 2>(), py::arg("engine"),
+           py::arg("timeout_ms") = 30000,
            "A native completion thread for CUDA IPC runs (the CUDA driver loaded: cuda_init)")
       .def("push", &IpcCompleter::push, py::arg("seq"), py::arg("dev"), py::arg("event"), py::arg("batch"),
            py::arg("first"), py::arg("lens"), py::arg("fence"), py::arg("slots"), py::arg("pidfd"))
@@ -199,4 +233,5 @@ void bind_ipc_complete(py::module_& m) {
       .def("kick", &IpcCompleter::kick)
       .def("shutdown", &IpcCompleter::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("queued", &IpcCompleter::queued);
+  m.attr("IPC_TIMED_OUT") = kvpool::kTimedOut;
 }

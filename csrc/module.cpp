@@ -300,6 +300,7 @@ PYBIND11_MODULE(_native, m) {
       .def_static("map", [](int pid, int fd) { return std::shared_ptr<Fence>(Fence::map(pid, fd)); })
       .def("pin", &Fence::pin)
       .def("unpin", &Fence::unpin)
+      .def("pinned", &Fence::pinned, "whether a live initiator holds a pin on the slot (tests)")
       .def_property_readonly("lane", &Fence::lane);
 
   m.def("fetch_descriptor", [](const std::string& host, int port, const std::string& secret, int timeout_ms) {

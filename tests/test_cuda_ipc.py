@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 
 from kvpool import OpCode, TransferEngine, TransferRequest, TransferState, _native
-from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, SegmentNotFound, TransferError
+from kvpool.errors import (
+    InvalidArgument,
+    KvpoolError,
+    RemoteAccessError,
+    SegmentNotFound,
+    TransferError,
+    TransferTimeout,
+)
 from kvpool.testing import fakecuda
 from kvpool.testing.fakecuda import SyncHold
 from kvpool.transfer.cuda_driver import CudaDriver, CudaError, load_driver
@@ -703,6 +710,67 @@ def test_fake_event_sync_reports_a_stream_error(fake_driver: str) -> None:
     assert err.value.code == 700
     with pytest.raises(CudaError):
         drv.query(ev)
+
+
+def test_a_run_not_waited_for_keeps_its_pins_and_times_out(peer: Peer, fake_driver: str) -> None:
+    """The completion thread could not make the device's context current to wait for a run's
+    event (cuCtxSetCurrent failing on it): the copies may still run, so the owner's fence slots
+    stay pinned and the slots are neither completed nor failed; past timeout_s they time out
+    ("may still land"). Once a wait succeeds the pins go and the run is over (the old code
+    unpinned at once and failed the slots: TransferError while the copies could still land)."""
+    drv = load_driver()
+    drv.use(0)  # this thread's context is current: only new threads' (the completer's) fail
+    fakecuda.fail_context(fake_driver, 201)
+    with TransferEngine(timeout_s=1.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 8192, 11)
+        seg = eng.open_segment(peer.name)
+        bid = eng.allocate_batch_id(1)
+        t0 = time.monotonic()
+        eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, g, seg, peer.gpu[0], 8192)])
+        st = eng.get_transfer_status(bid, 0)
+        while st.state == TransferState.PENDING and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+            st = eng.get_transfer_status(bid, 0)
+        assert st.state == TransferState.TIMEOUT and "may still land" in (st.error or ""), st
+        assert time.monotonic() - t0 > 0.9  # at timeout_s, not failed at once
+        ipc = _ipc(eng)
+        run = ipc._runs[0]  # still queued: its mappings and spares stay too
+        assert run.pins and all(run.peer.fence.pinned(slot) for slot, _ in run.pins)
+        time.sleep(0.3)  # retried meanwhile, pins still held
+        assert all(run.peer.fence.pinned(slot) for slot, _ in run.pins)
+        fakecuda.fail_context(fake_driver, 0, 0)  # the context can be made current again
+        deadline = time.monotonic() + 5
+        while ipc._runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ipc._runs
+        assert not any(run.peer.fence.pinned(slot) for slot, _ in run.pins)
+        assert peer.ask(f"dump {peer.gpu[0]} 8192") == _sha(drv, g, 8192)
+        eng.free_batch_id(bid)
+        assert eng.transfer_sync(peer.name, g + 8192, peer.gpu[0] + 8192, 4096) == 4096
+
+
+def test_a_run_with_a_sticky_stream_error_fails_at_once(peer: Peer, fake_driver: str) -> None:
+    """A run's copy failing with a sticky error (700: the context is dead, none of its copies
+    runs any more): the run is over, its slots fail with the error at once and its pins go."""
+    import ctypes
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
+        ctypes.CDLL(fake_driver).fakecuda_fail_next(700)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="copy failed") as err:
+            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+        assert not isinstance(err.value, TransferTimeout) and time.monotonic() - t0 < 2
+        ipc = _ipc(eng)
+        deadline = time.monotonic() + 5
+        while ipc._runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ipc._runs
 
 
 def test_unregister_waits_for_our_reads_into_the_buffer(

@@ -29,6 +29,8 @@
  *  - fakecuda_fail_enqueue(kind, after, times, rc): after `after` more calls of a kind (0: the
  *    asynchronous copies, 1: kernel launches) queued, the next `times` return rc and queue nothing
  *    (a call failing while a run is being queued); fakecuda_enqueue_faults_left(kind);
+ *  - fakecuda_fail_context(times, rc): cuCtxSetCurrent fails with rc on threads with no current
+ *    context, the next `times` calls (< 0: until cleared);
  *  - fakecuda_hold_event_sync(after): a GPU stream that stops, as its waiter sees it: after `after`
  *    more cuEventSynchronize calls returned, later ones wait (before looking at their event) until
  *    fakecuda_hold_event_sync(-1); fakecuda_event_sync_counts() says how many wait, how many
@@ -259,7 +261,34 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
   return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
-CUresult cuCtxSetCurrent(CUcontext c) { t_ctx = c; return OK; }
+/* fakecuda_fail_context(times, rc): the next `times` (< 0: all, until called again)
+ * cuCtxSetCurrent calls of threads with no current context return rc and set nothing (a context
+ * that cannot be made current on a new thread, e.g. a native completion thread's). */
+static pthread_mutex_t g_ctx_fault_mu = PTHREAD_MUTEX_INITIALIZER;
+static long g_ctx_fault_times;
+static int g_ctx_fault_rc;
+
+void fakecuda_fail_context(long times, int rc) {
+  pthread_mutex_lock(&g_ctx_fault_mu);
+  g_ctx_fault_times = times;
+  g_ctx_fault_rc = rc;
+  pthread_mutex_unlock(&g_ctx_fault_mu);
+}
+
+CUresult cuCtxSetCurrent(CUcontext c) {
+  if (t_ctx == NULL) {
+    int rc = OK;
+    pthread_mutex_lock(&g_ctx_fault_mu);
+    if (g_ctx_fault_times != 0) {
+      rc = g_ctx_fault_rc;
+      if (g_ctx_fault_times > 0) g_ctx_fault_times--;
+    }
+    pthread_mutex_unlock(&g_ctx_fault_mu);
+    if (rc != OK) return rc;
+  }
+  t_ctx = c;
+  return OK;
+}
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = t_ctx; return OK; }
 CUresult cuCtxGetDevice(CUdevice* d) { if (!t_ctx) return E_INVALID_CONTEXT; *d = t_ctx->device; return OK; }
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {

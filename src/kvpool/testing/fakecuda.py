@@ -65,6 +65,18 @@ def enqueue_faults_left(path: str, kind: int) -> int:
     return int(lib.fakecuda_enqueue_faults_left(kind))
 
 
+_context_faults: set[str] = set()  # driver paths fail_context set a fault in (release_holds)
+
+
+def fail_context(path: str, rc: int, times: int = -1) -> None:
+    """In this process's fake driver at ``path``: the next ``times`` (< 0: all, until called
+    again) ``cuCtxSetCurrent`` calls of threads with no current context return ``rc`` (a
+    context that cannot be made current on a new thread, e.g. a native completion thread's).
+    ``times=0`` clears it; so does :func:`release_holds`."""
+    ctypes.CDLL(path).fakecuda_fail_context(ctypes.c_long(times), rc)
+    (_context_faults.add if times else _context_faults.discard)(path)
+
+
 class SyncHold:
     """A GPU stream that stops, as the CUDA IPC completion sees it (the fake driver's
     ``cuEventSynchronize`` calls wait, before looking at their event, until :meth:`set`; its copies
@@ -123,10 +135,13 @@ _holds: list[SyncHold] = []
 
 
 def release_holds() -> None:
-    """Let every stream a :class:`SyncHold` stopped go (tests' teardown: a test that failed
-    while holding must not leave the process's completion threads waiting)."""
+    """Let every stream a :class:`SyncHold` stopped go and clear :func:`fail_context` (tests'
+    teardown: a test that failed while holding must not leave the process's completion threads
+    waiting)."""
     while _holds:
         _holds.pop().set()
+    while _context_faults:
+        fail_context(next(iter(_context_faults)), 0, 0)
 
 
 class DeviceBuffer:

@@ -28,7 +28,9 @@ Completion: a native thread per transport (``_native.IpcCompleter``, csrc/ipc_co
 on the runs' events in order (``cuEventSynchronize``), unpins, asks the owner's pidfd and
 completes a successful run's slots at once, with no Python in between (a synchronous caller wakes
 straight away); a Python thread then takes each result for the bookkeeping (spares, mappings,
-counters) and completes a failed run's slots with the reason.
+counters) and completes a failed run's slots with the reason. A run it could not wait for (the
+device's context could not be made current) keeps its pins and stays queued; past ``timeout_s``
+its slots time out ("may still land").
 
 **Not verified on hardware**: CI runs this across real processes on the fake driver
 (:mod:`kvpool.testing.fakecuda`); ``pytest -m gpu`` runs it on a real GPU.
@@ -74,7 +76,7 @@ from kvpool.transfer.cuda_ipc_state import (
 from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import Requests, Transport
-from kvpool.transfer.types import SegmentDescriptor
+from kvpool.transfer.types import SegmentDescriptor, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,7 @@ class CudaIpcTransport(Transport):
                 f"CUDA IPC: the native side could not load the driver {driver.path!r} "
                 f"(it loaded {_native.cuda_loaded_path()!r} for this process)"
             )
-        self._completer = _native.IpcCompleter(native)
+        self._completer = _native.IpcCompleter(native, int(timeout_s * 1000))
         self._pushed = 0  # runs handed to the completer (their sequence numbers)
         self._thread = threading.Thread(target=self._complete_loop, name="kvpool-cuda-ipc", daemon=True)
         self._thread.start()
@@ -534,6 +536,13 @@ class CudaIpcTransport(Transport):
             for _seq, rc, alive in self._completer.wait(-1):
                 with self._cond:
                     run = self._runs[0]  # pushed in queue order, completed in queue order
+                if rc == _native.IPC_TIMED_OUT:  # not waited for: its copies may still run
+                    reason = (
+                        f"CUDA IPC: the copies' end could not be waited for within {self.timeout_s:g} s "
+                        f"(device {run.dev}'s context could not be made current?); they may still land"
+                    )
+                    self._fail(run.batch_id, run.first, run.lens, reason, TransferState.TIMEOUT)
+                    continue  # still queued, pinned and mapped until a wait tells it ended
                 error = None
                 if rc:
                     error = f"CUDA IPC copy failed: {self.driver.error(rc, 'cuEventSynchronize')}"
@@ -558,10 +567,12 @@ class CudaIpcTransport(Transport):
         if self._late:  # set under the lock with _closed, before the runs left emptied the queue
             self._teardown()
 
-    def _fail(self, batch_id: int, first: int, lens: Any, reason: str) -> None:
+    def _fail(
+        self, batch_id: int, first: int, lens: Any, reason: str, state: TransferState = TransferState.FAILED
+    ) -> None:
         for i in range(len(lens)):
             try:
-                self.batches.finish(batch_id, first + i, 0, reason)
+                self.batches.finish(batch_id, first + i, 0, reason, state)
             except KvpoolError:
                 pass  # finished already
 
