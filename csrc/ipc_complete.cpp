@@ -18,9 +18,11 @@
 // delays the owner's unregister; an early unpin could hand its memory over to our copies).
 //
 // Lifetimes: fences are shared with Python (shared_ptr holders), the engine is kept alive by the
-// Python object (keep_alive). If the completer is destroyed while a run is still queued (a hung
-// GPU stream at interpreter exit), the thread is detached and, should the stream ever end, touches
-// neither the engine nor a pidfd (which may have been closed and reused) again.
+// Python object (keep_alive). The thread completes slots and wakes waiters outside its lock (push,
+// wait and kick never queue behind them); shutdown waits until it is done with the engine. If the
+// completer is destroyed while a run is still queued (a hung GPU stream at interpreter exit), the
+// thread is detached and, should the stream ever end, touches neither the engine nor a pidfd (which
+// may have been closed and reused) again.
 #include <poll.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -68,12 +70,13 @@ struct IpcDone {
 
 struct IpcState {
   std::mutex mu;
-  std::condition_variable work, done_cv;
+  std::condition_variable work, done_cv, finished;  // finished: `finishing` went false
   std::deque<IpcRun> runs;  // the front stays queued while the thread waits for its event
   std::vector<IpcDone> done;
   Engine* engine = nullptr;  // null once abandoned
   std::chrono::milliseconds timeout{30000};  // a run not waited for this long: kTimedOut
   bool stop = false, kicked = false;
+  bool finishing = false;  // the thread uses `engine` (and a pidfd) outside the lock
 };
 
 // Whether the process behind `pidfd` still runs (a pidfd turns readable when it exits). An error
@@ -117,19 +120,32 @@ void complete_loop(const std::shared_ptr<IpcState>& s) {
     lk.lock();
     IpcRun run = std::move(s->runs.front());
     s->runs.pop_front();
+    Engine* const engine = s->engine;  // null: abandoned, nobody waits, the pidfd may be reused
+    s->finishing = engine != nullptr;
+    lk.unlock();
+    // Outside the lock (push, wait and kick take it; finish_range completes up to thousands of
+    // slots and wakes their waiter): shutdown waits for `finishing` before it returns.
     if (run.fence)
       for (int slot : run.slots) run.fence->unpin(slot);
-    if (s->engine == nullptr) continue;  // abandoned: nobody waits, the pidfd may be reused
+    if (engine == nullptr) {
+      lk.lock();
+      continue;
+    }
     const bool alive = rc != 0 || owner_alive(run.pidfd);
     if (rc == 0 && alive && !timed_out) {
       try {
-        s->engine->finish_range(run.batch, run.first, run.lens, ST_OK);
+        engine->finish_range(run.batch, run.first, run.lens, ST_OK);
       } catch (const std::exception&) {
         // the batch was freed: nobody waits for these slots any more
       }
     }
+    lk.lock();
+    s->finishing = false;
     s->done.push_back({run.seq, rc, alive});
+    lk.unlock();
+    s->finished.notify_all();
     s->done_cv.notify_all();
+    lk.lock();
   }
 }
 
@@ -150,10 +166,13 @@ class IpcCompleter {
   void shutdown() {
     bool idle;
     {
-      std::lock_guard lk(s_->mu);
+      std::unique_lock lk(s_->mu);
       idle = s_->runs.empty();
       s_->stop = true;
       if (!idle) s_->engine = nullptr;
+      // The thread may be completing a run with the engine (microseconds): once this returns,
+      // Python may destroy the engine, so it must be done with it.
+      s_->finished.wait(lk, [&] { return !s_->finishing; });
     }
     s_->work.notify_all();
     if (!thread_.joinable()) return;

@@ -1667,3 +1667,35 @@ def test_a_synchronous_transfer_to_a_peer_a_gpu_copy_reaches_whole_classifies_on
     finally:
         child.stdin.close()  # type: ignore[union-attr]
         child.wait(10)
+
+
+def test_native_completer_shutdown_returns_only_once_done_with_the_engine(fake_driver: str) -> None:
+    """The native thread completes a run's slots (finish_range) outside the completer's lock, so
+    pushes and waits never queue behind thousands of slots; shutdown racing with it returns only
+    once the thread is done with the engine (Python may destroy it then): no slot completes after
+    shutdown returned, while the detached thread goes on through the runs left."""
+    import numpy as np
+
+    drv = load_driver()
+    assert _native.cuda_init(drv.path) and _native.cuda_loaded_path() == drv.path
+    runs, per = 40, 10000
+    lens = np.full(per, 8, dtype=np.uint64)
+    with TransferEngine() as eng:
+        native = eng._native
+        stream = drv.stream(0)
+        ev = drv.event()
+        drv.record(ev, stream)
+        drv.event_sync(ev)  # every run's event has completed: the thread only finishes slots
+        for _ in range(5):
+            comp = _native.IpcCompleter(native)
+            bid = eng.allocate_batch_id(runs * per)
+            firsts = [native.reserve_slots_buf(bid, lens) for _ in range(runs)]
+            for k, first in enumerate(firsts):
+                comp.push(k + 1, 0, ev, bid, first, lens, None, [], -1)
+                if k == runs // 2:
+                    time.sleep(0.001)  # the thread is busy completing runs meanwhile
+            comp.shutdown()
+            seen = [native.status(bid, f + per - 1)[0] for f in firsts]  # each run's last slot
+            time.sleep(0.05)
+            assert [native.status(bid, f + per - 1)[0] for f in firsts] == seen
+            assert comp.queued == 0  # the detached thread went through the runs left
