@@ -83,8 +83,9 @@ def _ref() -> torch.Tensor:
 
 def _job(rid: str, local: list[int], remote: list[int], port: int, ptp: int) -> RecvJob:
     return RecvJob(
-        rid, local, remote, "127.0.0.1", port, rid, None, ptp, blocks_digest=blocks_digest(rid, remote)
-    )
+        rid, local, remote, "127.0.0.1", port, rid, f"kv_producer-{port}", ptp,
+        blocks_digest=blocks_digest(rid, remote),
+    )  # fmt: skip
 
 
 def _hold(ranks: list[tuple[_PdWorker, Any]], rid: str, remote: list[int], streamed: bool = False) -> None:
@@ -154,7 +155,7 @@ def test_a_repeated_notice_from_one_decode_rank_does_not_free_the_blocks(
             D[0][0]._notify([_job("r1", [3, 4], remote, pport, 1)])
             assert p.get_finished()[0] is None  # still held for decode rank 1
         reply = p._handle({"op": "done", "id": 1, "req_ids": ["r1"], "of": 2, "digests": {"r1": _job(
-            "r1", [], remote, pport, 1).blocks_digest}})  # fmt: skip
+            "r1", [], remote, pport, 1).blocks_digest}, "engines": {"r1": p.engine_id}})  # fmt: skip
         assert reply["expired"] == ["r1"] and p.get_finished()[0] is None  # a notice naming no rank
         D[1][0]._notify([_job("r1", [3, 4], remote, pport, 1)])
         assert p.get_finished()[0] == {"r1"}
@@ -197,8 +198,9 @@ def test_a_failed_streamed_load_still_frees_the_prefills_blocks(monkeypatch: pyt
         p, d = P[0][0], D[0][0]
         _hold(P, "r1", [1, 2], streamed=True)  # (a streamed notice: a streamed hold)
         job = RecvJob(
-            "d1", [5, 6], [1, 2], "127.0.0.1", pport, "r1", None, 1, transfer_id="t1", num_tokens=2 * BS
-        )
+            "d1", [5, 6], [1, 2], "127.0.0.1", pport, "r1", p.engine_id, 1, transfer_id="t1",
+            num_tokens=2 * BS,
+        )  # fmt: skip
         ld = StreamLoad(job, time.monotonic() + 30, gen=0)
         assert d._stream_ended(ld, "a read failed")  # the prefill is to be told
         d._notify([job])

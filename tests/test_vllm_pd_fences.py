@@ -266,10 +266,13 @@ def test_done_notices_waiting_for_unknown_requests_are_bounded(tiny_llama: Path)
     try:
         w = p.worker._worker
         ids = [f"w-{i}" for i in range(pd_load.MAX_DONE_IDS)]
+        mine = dict.fromkeys(ids, w.engine_id)  # (a notice naming no engine is answered at once)
         replies: list[Any] = []
         clients = [RpcClient(f"127.0.0.1:{port}", 10.0) for _ in range(5)]
         threads = [
-            threading.Thread(target=lambda c=c: replies.append(c.call("done", req_ids=ids, wait_s=1.0)))
+            threading.Thread(
+                target=lambda c=c: replies.append(c.call("done", req_ids=ids, engines=mine, wait_s=1.0))
+            )
             for c in clients
         ]
         t0 = time.monotonic()
@@ -692,6 +695,50 @@ def test_a_request_id_longer_than_256_characters_is_fenced_like_any_other() -> N
         srv.stop()
 
 
+def test_a_read_of_params_naming_no_engine_id_is_never_confirmed() -> None:
+    """Every kvpool prefill's params name its incarnation (``remote_engine_id``); params without it
+    (edited on the way) could be confirmed by an instance restarted on that port that never held
+    the blocks: a notice naming no engine counted as this incarnation's. Now the decode's scheduler
+    computes such a request locally (a warning, nothing read), and a prefill answers such a notice
+    "expired" at once and frees nothing; the same read naming the engine is confirmed."""
+    from types import SimpleNamespace
+
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.pd_scheduler import RecvJob, _PdScheduler, blocks_digest
+
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1)
+    )
+    sched = _PdScheduler(VllmConnectorConfig(), vc, "d")
+    params = {"do_remote_prefill": True, "remote_block_ids": [4, 5], "remote_host": "127.0.0.1",
+              "remote_port": 5555, "remote_request_id": "r"}  # fmt: skip
+    req = SimpleNamespace(request_id="d0", kv_transfer_params=dict(params), prompt_token_ids=list(range(32)))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # computed locally, never read
+    req.kv_transfer_params = {**params, "remote_engine_id": "e.1"}
+    assert sched.get_num_new_matched_tokens(req, 0) == (32, True)
+
+    w = _prefill_worker()
+    w.begin_step(_meta(1))
+    digest = blocks_digest("r", [4, 5])
+    w.start(_meta(2, send={"r": 30.0}, send_digest={"r": digest}))
+    reply = _done(w, "r", digest)  # (no "engines")
+    assert reply["expired"] == ["r"] and reply["unknown"] == ["r"]
+    assert w.get_finished()[0] is None and "r" in w._pending_send  # freed nothing
+    srv, port = _served(w)
+    try:
+
+        def job(engine: str | None) -> Any:
+            return RecvJob("d1", [1, 2], [4, 5], "127.0.0.1", port, "r", engine, blocks_digest=digest)
+
+        assert _confirmed([job(None)]) == set()  # the decode's notice without it: refused
+        assert w.get_finished()[0] is None and "r" in w._pending_send
+        assert _confirmed([job("e.1")]) == {"d1"}
+        assert w.get_finished()[0] == {"r"}
+    finally:
+        srv.stop()
+
+
 def test_two_streamed_reads_of_one_request_under_other_generations_are_not_confirmed_together() -> None:
     """Two streamed loads of one prefill request (vLLM copies the transfer id into every child of
     an n > 1 decode request) end in one "done" notice, one under generation 0 (its last READ may
@@ -886,7 +933,8 @@ def test_a_load_whose_gpu_copies_outlive_the_timeout_is_reported_only_once_they_
         return w.get_finished()[1] or set(), w.take_load_errors()
 
     def job(rid: str, local: list[int], remote: list[int], **kw: Any) -> RecvJob:
-        return RecvJob(rid, local, remote, "127.0.0.1", pport, f"p{rid}", **kw)
+        engine = None if kw.get("transfer_id") else "e1"  # (a streamed load learns it from progress)
+        return RecvJob(rid, local, remote, "127.0.0.1", pport, f"p{rid}", engine, **kw)
 
     release: Any = threading.Event()  # the stream's hold, once stopped (set: let it go)
     try:

@@ -403,6 +403,11 @@ class DecodeLoads(_Base):
                         bad[j.remote_request_id] = (
                             f"{host}:{port} is another instance now ({engine}, restarted?)"
                         )
+                    elif not j.remote_engine_id:  # (the prefill answers it "expired": never confirmed)
+                        bad[j.remote_request_id] = (
+                            f"its kv_transfer_params name no remote_engine_id: {host}:{port} cannot "
+                            "confirm it held those blocks for this read"
+                        )
         for job in jobs:
             with self._lock:
                 if job.req_id not in self._confirming:

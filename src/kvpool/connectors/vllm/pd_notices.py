@@ -67,8 +67,9 @@ class DoneNotices(_Base):
         params were edited: the decode read other blocks; missing counts as wrong) -- that notice
         frees nothing. A request not known yet (a notice can beat the metadata) is parked up to
         ``wait_s`` (capped) until it is, then answered "expired" (``unknown``): never "held"
-        unchecked. "engine_id" tells a restarted instance (that never held the blocks) from the
-        one that did."""
+        unchecked. A read whose ``engines`` entry is not this incarnation's engine id (another one's,
+        or none) is answered "expired" at once (``unknown``) and frees nothing. "engine_id" tells a
+        restarted instance (that never held the blocks) from the one that did."""
         rid = req.get("id")
         of = max(1, min(int(req.get("of") or 1), 64))  # decode ranks that each send one notice
         gens = req.get("gens") or {}  # streamed reads: the generation they were made under
@@ -96,12 +97,13 @@ class DoneNotices(_Base):
             # shortened one was never matched, and its read counted as "held"); one no params
             # can name (not text, too long) is unknown.
             notice.waiting = [r if isinstance(r, str) else str(r)[:64] for r in req_ids]
-            # named by another incarnation's params: this one will never learn it, answered now,
-            # before it is settled (a request of that id held here is not the one that was read)
+            # named by another incarnation's params, or by params naming none (edited: every
+            # kvpool prefill's params name it, a streamed read learns it from the progress
+            # answers): this one cannot know it held those bytes for that read, answered now,
+            # before it is settled (a request of that id held here may not be the one that was
+            # read: a restarted instance would confirm its predecessor's params); frees nothing
             mine = [
-                isinstance(r, str)
-                and len(r) <= MAX_ID_CHARS
-                and engines.get(r, self.engine_id) == self.engine_id
+                isinstance(r, str) and len(r) <= MAX_ID_CHARS and engines.get(r) == self.engine_id
                 for r in req_ids
             ]
             notice.unknown = [r for r, m in zip(notice.waiting, mine, strict=True) if not m]

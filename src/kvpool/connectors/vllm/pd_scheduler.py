@@ -286,6 +286,14 @@ class _PdScheduler:
                             "locally", request.request_id, params)  # fmt: skip
                 params["do_remote_prefill"] = False
                 return 0, False
+            if params.get("remote_block_ids") is not None and params.get("remote_engine_id") is None:
+                # Every kvpool prefill's params name the incarnation that holds the blocks; without
+                # it, no prefill may confirm the read (a restarted one would: it never held them).
+                log.warning("request %s: kv_transfer_params name no remote_engine_id (edited on the way?): "
+                            "the prefill cannot confirm a read of them; computing locally",
+                            request.request_id)  # fmt: skip
+                params["do_remote_prefill"] = False
+                return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
