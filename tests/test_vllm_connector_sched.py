@@ -243,6 +243,7 @@ def test_abort_during_a_load_keeps_blocks_until_the_worker_is_done(tiny_llama: P
         params = {
             "do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
             "remote_port": silent.getsockname()[1], "remote_request_id": "gone", "remote_engine_id": "x",
+            "remote_hold": 1,
         }  # fmt: skip
         d.add("d7", PROMPT, 2, params)
         d.step()

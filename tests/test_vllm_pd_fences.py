@@ -194,10 +194,11 @@ def test_hostile_peers_do_not_kill_the_load_threads(
     try:
         evil = [
             {"remote_host": "a" * 64, "remote_port": 20000},
-            {"remote_host": "127.0.0.1", "remote_port": fport, "remote_engine_id": "x"},
+            {"remote_host": "127.0.0.1", "remote_port": fport},
         ]
         for i, e in enumerate(evil):
-            params = {"do_remote_prefill": True, "remote_block_ids": [0, 1, 2], "remote_request_id": "x", **e}
+            params = {"do_remote_prefill": True, "remote_block_ids": [0, 1, 2], "remote_request_id": "x",
+                      "remote_engine_id": "x", "remote_hold": 1, **e}  # fmt: skip
             d.add(f"evil{i}", PROMPT, 2, params)
             _finished(d, f"evil{i}")
         lanes = d.worker._worker._lane_list
@@ -367,6 +368,7 @@ def test_an_abort_before_allocation_notifies_every_prefill_rank(tiny_llama: Path
         params = {
             "do_remote_prefill": True, "remote_block_ids": [0, 1, 2], "remote_request_id": "r",
             "remote_host": "127.0.0.1", "remote_port": 20000, "remote_engine_id": "e", "tp_size": 2,
+            "remote_hold": 1,
         }  # fmt: skip
         d.add("d1", PROMPT, 2, params)
         d.scheduler.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)
@@ -715,7 +717,7 @@ def test_a_read_of_params_naming_no_engine_id_is_never_confirmed() -> None:
     req = SimpleNamespace(request_id="d0", kv_transfer_params=dict(params), prompt_token_ids=list(range(32)))
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert req.kv_transfer_params["do_remote_prefill"] is False  # computed locally, never read
-    req.kv_transfer_params = {**params, "remote_engine_id": "e.1"}
+    req.kv_transfer_params = {**params, "remote_engine_id": "e.1", "remote_hold": 1}
     assert sched.get_num_new_matched_tokens(req, 0) == (32, True)
 
     w = _prefill_worker()
@@ -737,6 +739,65 @@ def test_a_read_of_params_naming_no_engine_id_is_never_confirmed() -> None:
         assert w.get_finished()[0] == {"r"}
     finally:
         srv.stop()
+
+
+def test_old_params_of_a_reused_id_never_match_a_new_hold_however_many_holds_came_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefill's scheduler numbered a hold only when it still remembered the id held before
+    (65,536 ids, an hour), its worker answered "expired" as long: past that, a client's reused id
+    got a first hold's params and digest again, so a very late read of the earlier params naming
+    the same blocks (a cached prefix) matched the new hold and was confirmed. Every hold is
+    numbered now (one count per incarnation, never repeated): the late read is refused, frees
+    nothing, and the new hold's own read is confirmed. A decode computes params naming no hold
+    number locally (they can match no hold's digest)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.pd_scheduler import _PdScheduler, remote_params
+
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1)
+    )
+    sched = _PdScheduler(VllmConnectorConfig(), vc, "p")
+
+    def hold(rid: str, blocks: list[int]) -> dict[str, Any]:
+        req = SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True},
+                              status=RequestStatus.FINISHED_STOPPED, num_computed_tokens=32)  # fmt: skip
+        delay, params = sched.request_finished(req, blocks)
+        assert delay and params is not None
+        return params
+
+    w = _prefill_worker()
+    old = hold("r", [4, 5])
+    meta = sched.build_meta()
+    w.begin_step(meta)
+    w.start(meta)
+    engines = {"r": sched.engine_id}
+    assert _done(w, "r", remote_params(old)["digest"], engines=engines)["expired"] == []
+    assert w.get_finished()[0] == {"r"}
+    for i in range((1 << 16) + 1):  # past what the scheduler remembered
+        hold(f"o{i}", [6])
+    sched.build_meta()  # (those holds: not this test's)
+    monkeypatch.setattr(pd_mod, "_EXPIRED_KEEP_S", 0.0)  # the worker forgot "r" too (an hour passed)
+    w.get_finished()
+    assert "r" not in w._expired
+    new = hold("r", [4, 5])  # a client reused the id; a cached prefix: the same blocks
+    assert new["remote_blocks_digest"] != old["remote_blocks_digest"]
+    w.start(sched.build_meta())
+    late = _done(w, "r", remote_params(old)["digest"], engines=engines)
+    assert late["expired"] == ["r"] and late["refused"] == ["r"]
+    assert w.get_finished()[0] is None and "r" in w._pending_send  # the new hold is not freed
+    assert _done(w, "r", remote_params(new)["digest"], engines=engines)["expired"] == []
+    assert w.get_finished()[0] == {"r"}
+
+    decode = _PdScheduler(VllmConnectorConfig(), vc, "d")
+    stripped = {k: v for k, v in new.items() if k != "remote_hold"}
+    for params, want in ((stripped, (0, False)), (new, (32, True))):
+        req = SimpleNamespace(request_id="d0", kv_transfer_params=dict(params), prompt_token_ids=[3] * 32)
+        assert decode.get_num_new_matched_tokens(req, 0) == want
 
 
 def test_two_streamed_reads_of_one_request_under_other_generations_are_not_confirmed_together() -> None:

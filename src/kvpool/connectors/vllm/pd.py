@@ -361,11 +361,11 @@ class _PdWorker(DecodeLoads, DoneNotices):
                     if rid in meta.send_hold and (
                         not streamed or (table is not None and table.numbered(rid))
                     ):
-                        # The id held again (a client reused it), with a hold number in its params
-                        # and digest: reads of the earlier hold's params no longer match the digest
-                        # held now, and streamed reads of an earlier stream of the id carry a
-                        # generation older than this stream's first (the scheduler's count): both
-                        # refused, freeing nothing, so "expired" is taken back for it.
+                        # Every hold has a number of its own in its params and digest: reads of
+                        # an earlier hold's params of the id (a client reused it) never match the
+                        # digest held now, and streamed reads of an earlier stream of the id carry
+                        # a generation older than this stream's first (the scheduler's count): both
+                        # refused, freeing nothing, so an "expired" mark of the id is taken back.
                         self._expired.pop(rid, None)
                     digest = meta.send_digest.get(rid)
                     if digest is not None:

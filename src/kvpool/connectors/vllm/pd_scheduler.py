@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,12 +37,6 @@ NULL_BLOCK = 0
 #: ``RecvJob.stream_first`` of a streaming load that read nothing (failed, or nothing to read): its
 #: digest names no block (``blocks_digest(id, [])``), its "done" notice only frees the blocks.
 NOTHING_READ = 1 << 31
-# A prefill remembers the request ids it held for decodes this long / this many: its worker answers
-# a late notice for one "expired" as long (pd.py), and a new hold of such an id carries a hold
-# number of its own (``remote_hold``, bound into its digest) so that its reads are told from the
-# old hold's.
-HELD_KEEP_S = 3600.0
-HELD_MAX = 1 << 16
 
 
 def blocks_digest(request_id: str, block_ids: list[int], hold: int | None = None) -> str:
@@ -53,8 +45,10 @@ def blocks_digest(request_id: str, block_ids: list[int], hold: int | None = None
     send_digest``); the decode computes it from the (request id, block ids) of the params it reads
     by and sends it in its "done" notice: the prefill confirms a read only when it matches its own
     record for that id, so params naming one request's id and another's blocks are refused.
-    ``hold``: the hold number of a request id held again (``remote_hold``), so that the params of
-    an earlier hold of the id, naming the same blocks, never match the new one's record."""
+    ``hold``: the hold's number (``remote_hold``; every hold is numbered, from one count per
+    incarnation), so that the params of another hold of the id, naming the same blocks, never
+    match this one's record, however long ago it was (nothing has to be remembered for that).
+    None: a streamed read's digest (fenced by the stream's generation instead)."""
     rid = request_id.encode("utf-8", "surrogatepass")
     person = b"kvpool-pd-blocks" if hold is None else b"kvpool-pd-hold"
     h = hashlib.blake2b(digest_size=16, person=person)
@@ -111,7 +105,7 @@ def remote_params(params: dict[str, Any]) -> dict[str, Any] | None:
         or not all(type(b) is int and 0 <= b < 1 << 31 for b in blocks)
     ):
         return None
-    hold = params.get("remote_hold")  # a request id the prefill held again
+    hold = params.get("remote_hold")  # the prefill's number of this hold (a digest without it: refused)
     out["hold"] = None if hold is None else _int(hold, 1, 1 << 62)
     if hold is not None and out["hold"] is None:
         return None
@@ -182,8 +176,8 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
     recv: dict[str, RecvJob] = field(default_factory=dict)
     send: dict[str, float] = field(default_factory=dict)  # req id -> seconds to keep its blocks
     send_digest: dict[str, str] = field(default_factory=dict)  # req id -> blocks_digest handed out
-    # req ids held again, with the hold number their params and digest carry: the worker takes
-    # back its "expired" answer for them (the old hold's reads do not match the new digest)
+    # req id -> the hold number its params and digest carry (every hold's): the worker takes back
+    # an "expired" answer for the id (another hold's reads never match this digest)
     send_hold: dict[str, int] = field(default_factory=dict)
     # streaming req id -> the prompt's blocks it holds (its streamed reads are checked against them)
     send_blocks: dict[str, list[int]] = field(default_factory=dict)
@@ -261,9 +255,8 @@ class _PdScheduler:
         self._send_digest: dict[str, str] = {}
         self._send_blocks: dict[str, list[int]] = {}
         self._send_hold: dict[str, int] = {}
-        # Request ids held for decodes -> when (bounded, oldest first); a new hold of one of them
-        # is numbered (``_holds``: this incarnation's count of such holds, never repeated).
-        self._held: OrderedDict[str, float] = OrderedDict()
+        # Holds for decodes so far: each hold's number (``remote_hold``, bound into its digest),
+        # never repeated within this incarnation (another one has another engine id).
         self._holds = 0
         # Requests whose blocks a worker may still be writing: they are never freed before the
         # worker reports them in finished_recving (abort or failure included).
@@ -286,12 +279,14 @@ class _PdScheduler:
                             "locally", request.request_id, params)  # fmt: skip
                 params["do_remote_prefill"] = False
                 return 0, False
-            if params.get("remote_block_ids") is not None and params.get("remote_engine_id") is None:
-                # Every kvpool prefill's params name the incarnation that holds the blocks; without
-                # it, no prefill may confirm the read (a restarted one would: it never held them).
-                log.warning("request %s: kv_transfer_params name no remote_engine_id (edited on the way?): "
-                            "the prefill cannot confirm a read of them; computing locally",
-                            request.request_id)  # fmt: skip
+            missing = [k for k in ("remote_engine_id", "remote_hold") if params.get(k) is None]
+            if params.get("remote_block_ids") is not None and missing:
+                # Every kvpool prefill's params name the incarnation that holds the blocks and the
+                # hold's number; without them no prefill may confirm the read (a restarted one
+                # would, never having held them; without the number it never matches the digest).
+                log.warning("request %s: kv_transfer_params name no %s (edited on the way?): the prefill "
+                            "cannot confirm a read of them; computing locally",
+                            request.request_id, " or ".join(missing))  # fmt: skip
                 params["do_remote_prefill"] = False
                 return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -483,14 +478,12 @@ class _PdScheduler:
                 self._end_stream(request.request_id)
             return False, None
         blocks = list(block_ids)
-        hold = self._hold(request.request_id)
+        self._holds += 1
+        hold = self._holds
         digest = blocks_digest(request.request_id, blocks, hold)
         self._send[request.request_id] = self.cfg.abort_timeout_s
         self._send_digest[request.request_id] = digest  # the worker confirms reads of these only
-        extra: dict[str, Any] = {}
-        if hold is not None:
-            self._send_hold[request.request_id] = hold
-            extra["remote_hold"] = hold
+        self._send_hold[request.request_id] = hold
         if stream is not None:  # and streamed reads of the prompt's blocks as vLLM holds them now
             self._send_blocks[request.request_id] = blocks[: -(-stream[1] // self.block_size)]
         return True, dict(
@@ -504,30 +497,10 @@ class _PdScheduler:
             remote_port=self.cfg.side_channel_port,
             remote_num_tokens=int(request.num_computed_tokens),
             tp_size=self.tp_size,
-            **extra,
+            remote_hold=hold,
         )
 
     def _end_stream(self, req_id: str) -> None:
-        """A streaming request ended unheld (aborted): its worker answers its reads "expired"; the
-        id is remembered as held, so that a new hold of it is numbered (``remote_hold``: the worker
-        takes the "expired" mark back for that one)."""
+        """A streaming request ended unheld (aborted): its worker answers its reads "expired" (a
+        later hold of the id is numbered, as every one is: the worker takes that mark back)."""
         self._stream_end.add(req_id)
-        self._hold(req_id)
-
-    def _hold(self, req_id: str) -> int | None:
-        """``request_finished``: the hold number of ``req_id`` held again (a client may reuse an
-        id) while its earlier hold may still be named by late reads, None for a first hold (the
-        params and digest stay those of older versions). O(1) amortized."""
-        now = time.monotonic()
-        hold = None
-        if req_id in self._held:
-            self._holds += 1
-            hold = self._holds
-        self._held[req_id] = now
-        self._held.move_to_end(req_id)
-        while self._held:
-            t = next(iter(self._held.values()))
-            if now - t <= HELD_KEEP_S and len(self._held) <= HELD_MAX:
-                break
-            self._held.popitem(last=False)
-        return hold
