@@ -97,7 +97,8 @@ def main() -> None:
                 w.start(meta)
             for w in inst[d]:  # decode ranks run in parallel processes in vLLM: the slowest counts
                 addr = ("127.0.0.1", ports[p])
-                job = RecvJob(rid, local, remote, *addr, rid, None, tp_of[p], blocks_digest=digest)
+                engine = inst[p][0].engine_id  # the params name the prefill's engine (the fence checks it)
+                job = RecvJob(rid, local, remote, *addr, rid, engine, tp_of[p], blocks_digest=digest)
                 t0 = time.perf_counter()
                 w._load(job)
                 t1 = time.perf_counter()
