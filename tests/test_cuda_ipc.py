@@ -422,12 +422,13 @@ def test_a_malformed_gpu_buffer_in_a_descriptor_is_refused_typed(
         assert not ipc._peers
 
 
-def test_a_submit_refused_partway_is_not_submitted_again(peer: Peer, fake_driver: str) -> None:
-    """A submit whose CUDA IPC part is refused (RemoteAccessError: the owner unregistered that
-    buffer) after an earlier part of it was queued (a GPU run, a staged request): the engine
-    re-fetched the descriptor and submitted the *whole* request list again into the batch, so the
-    parts already queued ran twice and took the slots where the caller looked for its later
-    requests. A retry now happens only when the refused submit took no slot."""
+def test_a_submit_refused_partway_queues_nothing(peer: Peer, fake_driver: str) -> None:
+    """A submit whose later CUDA IPC part is refused (RemoteAccessError: the owner unregistered
+    that buffer) after earlier parts (a GPU run, a staged request): the earlier parts were queued
+    and ran after submit_transfer raised (the caller, told nothing was submitted, may reuse the
+    memory they read into), and the engine's retry submitted them a second time. Every part is
+    now checked and pinned before the first is queued: the submit raises with nothing queued
+    and nothing copied."""
     drv = load_driver()
     with TransferEngine(timeout_s=5.0) as eng:
         g = drv.alloc(1 << 20, 0)
@@ -441,11 +442,17 @@ def test_a_submit_refused_partway_is_not_submitted_again(peer: Peer, fake_driver
             TransferRequest(OpCode.READ, g + 4096, seg, peer.host, 4096),  # staged
             TransferRequest(OpCode.READ, g + 8192, seg, peer.gpu[1], 4096),  # its pin fails
         ]
+        _fill(drv, g, 3 * 4096, 7)
+        before = _sha(drv, g, 3 * 4096)
+        copies = fakecuda.stats(fake_driver)[1]
         with pytest.raises(RemoteAccessError):
             eng.submit_transfer(bid, reqs)
-        st = eng.wait_batch(bid, 10)
-        assert eng.batches.reserve(bid, []) == 2  # the two parts queued once (was 5)
-        assert st.transferred_bytes == 8192
+        time.sleep(0.3)  # a queued part would have landed by now
+        assert eng.batches.reserve(bid, []) == 0  # nothing queued (was 2, and 5 before f21539a)
+        assert fakecuda.stats(fake_driver)[1] == copies and _sha(drv, g, 3 * 4096) == before
+        eng.free_batch_id(bid)  # nothing pending
+        # the owner's pins were given back: it unregisters the buffer of the first part at once
+        assert peer.ask(f"unregister {peer.gpu[0]}") == "ok"
 
 
 def test_a_kernel_run_from_another_device_enables_its_peer_access(peer: Peer, fake_driver: str) -> None:
@@ -824,6 +831,45 @@ def test_a_run_failing_midway_waits_for_its_queued_copies(
         time.sleep(0.8)
         assert fakecuda.stats(fake_driver)[1] == copies  # nothing still copying after the failure
         assert fakecuda.enqueue_faults_left(fake_driver, fakecuda.COPY) == 0
+
+
+def test_a_submit_failing_after_a_part_was_queued_names_its_batch(peer: Peer, fake_driver: str) -> None:
+    """submit_transfer whose GPU run is queued before its staged part finds no room in the
+    staging pool (a failure only queuing can find): it raised the plain InvalidArgument, the
+    caller believing nothing was submitted while the run still read into its memory. It now
+    raises SubmitIncomplete naming the batch (late_batch), whose queued slot is PENDING until
+    the run ends, so the caller can wait for it."""
+    from kvpool.errors import SubmitIncomplete, late_batch
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0, staging_pool_size=1 << 20) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
+        assert peer.ask(f"fill {peer.gpu[0]} 4096 5") == "ok"
+        ipc, pool, seg = _ipc(eng), eng.staging.pool, eng.open_segment(peer.name)
+        held = pool.try_alloc([pool.size])  # another transfer's staging: the pool is full
+        assert held is not None
+        release = SyncHold(ipc.driver)  # the GPU run stays in flight until the test lets it go
+        bid = eng.allocate_batch_id(4)
+        reqs = [
+            TransferRequest(OpCode.READ, g, seg, peer.gpu[0], 4096),  # a GPU run: queued
+            TransferRequest(OpCode.READ, g + 8192, seg, peer.host, 4096),  # staged: no room
+        ]
+        try:
+            with pytest.raises(
+                SubmitIncomplete, match=f"1 of the 2 requests were queued into batch {bid}"
+            ) as ei:
+                eng.submit_transfer(bid, reqs)
+            assert late_batch(ei.value) == bid and isinstance(ei.value.__cause__, InvalidArgument)
+            assert eng.batches.reserve(bid, []) == 1 and eng.batches.pending(bid)
+            assert not eng.batch_settled(bid)
+        finally:
+            release.set()
+        assert eng.wait_batch(bid, 10).ok and eng.batch_settled(bid)
+        assert _sha(drv, g, 4096) == peer.ask(f"dump {peer.gpu[0]} 4096")  # the run's bytes landed
+        eng.free_batch_id(bid)
+        pool.release(held[0], pool.size)
 
 
 def test_mapping_at_an_offset_is_closed_by_its_base(fake_driver: str) -> None:
@@ -1248,14 +1294,14 @@ def test_unregister_waits_for_a_submit_between_its_check_and_its_run(
         eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
         assert peer.ask(f"fill {r} {n * 4096} 13") == "ok"
         ipc, seg = _ipc(eng), eng.open_segment(peer.name)
-        real, checked, go = ipc._submit_gpu, threading.Event(), threading.Event()
+        real, checked, go = ipc._prepare_gpu, threading.Event(), threading.Event()
 
-        def between_check_and_queue(*args: object) -> None:
+        def between_check_and_queue(*args: object) -> object:
             checked.set()
             go.wait(10)
-            real(*args)
+            return real(*args)
 
-        monkeypatch.setattr(ipc, "_submit_gpu", between_check_and_queue)
+        monkeypatch.setattr(ipc, "_prepare_gpu", between_check_and_queue)
         bid = eng.allocate_batch_id(n)
         reqs = [TransferRequest(OpCode.READ, g + k * 4096, seg, r + k * 4096, 4096) for k in range(n)]
         at_return: list[tuple[int, int, int]] = []

@@ -63,11 +63,24 @@ class TransferTimeout(TransferError, TimeoutError):
     batch_id: int | None = None
 
 
+class SubmitIncomplete(TransferError):
+    """``submit_transfer`` failed after part of it was already queued (a CUDA call failing
+    while a run of GPU copies was queued, the staging pool full for a later part, a later
+    transport's run refused): the message names the failure (the original exception is its
+    ``__cause__``). The requests queued before it run on (their slots in the batch are PENDING,
+    then COMPLETED or FAILED; the refused ones took no slot or end FAILED): they may still read
+    or write the local memory until ``wait_batch`` / ``batch_settled`` says the batch
+    ``batch_id`` is no longer pending. A failure found before anything was queued raises the
+    plain error instead (nothing of the submit runs)."""
+
+    batch_id: int | None = None
+
+
 def late_batch(exc: BaseException | None) -> int | None:
-    """The ``batch_id`` of a TransferTimeout whose copies may still run (see
-    :class:`TransferTimeout`), else None: what a caller holding the memory waits on
+    """The ``batch_id`` of a TransferTimeout or SubmitIncomplete whose copies may still run
+    (see :class:`TransferTimeout`), else None: what a caller holding the memory waits on
     (``TransferEngine.batch_settled``) before handing it to anyone else."""
-    return exc.batch_id if isinstance(exc, TransferTimeout) else None
+    return exc.batch_id if isinstance(exc, (TransferTimeout, SubmitIncomplete)) else None
 
 
 class BatchInFlight(KvpoolError):
@@ -146,6 +159,7 @@ __all__ = [
     "AuthenticationError",
     "TransferError",
     "TransferTimeout",
+    "SubmitIncomplete",
     "BatchInFlight",
     "ProtocolError",
     "ProtocolUnavailable",

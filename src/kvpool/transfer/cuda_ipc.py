@@ -68,7 +68,9 @@ from kvpool.transfer.cuda_ipc_state import (
     _Lineage,
     _Peer,
     _PeerAccess,
+    _pick,
     _plan,
+    _Prepared,
     _RemoteBuf,
     _Run,
     _Spares,
@@ -392,19 +394,44 @@ class CudaIpcTransport(Transport):
             self._inner_submit(batch_id, reqs, local_gpu, stage_wait_s)
             return
         if plan.n_ipc == len(ipc):
-            self._submit_gpu(batch_id, peer, ops, locs, rems, lens, ridx, local_gpu)
+            run = self._prepare_gpu(peer, ops, locs, lens, ridx, local_gpu)
+            self._enqueue_gpu(batch_id, peer, run, ops, locs, rems, lens, ridx)
             return
+        # Mixed GPU copies and other requests: every part is checked, and every GPU part pinned,
+        # mapped and given its resources, before the first part is queued, so that a refusal
+        # (an owner that unregistered a buffer, a range past every buffer) queues nothing.
         edges = np.flatnonzero(np.diff(ipc.astype(np.int8))) + 1
         bounds = [0, *edges.tolist(), len(ipc)]
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            if ipc[a]:
-                self._submit_gpu(
-                    batch_id, peer, ops[a:b], locs[a:b], rems[a:b], lens[a:b], ridx[a:b], local_gpu[a:b]
-                )
-            else:
-                if not ipc[a:].any():
-                    self._gate.leave(gate)
-                self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b], stage_wait_s)
+        parts = list(zip(bounds, bounds[1:], strict=False))
+        if self.staging.check is not None:  # the other requests, as the inner transport will
+            rest = np.flatnonzero(~ipc)
+            self.staging.check(Requests(*(_pick(c, rest) for c in reqs)))
+        prepared: dict[int, _Prepared] = {}
+        try:
+            for a, b in parts:
+                if ipc[a]:
+                    prepared[a] = self._prepare_gpu(
+                        peer, ops[a:b], locs[a:b], lens[a:b], ridx[a:b], local_gpu[a:b]
+                    )
+        except BaseException:
+            for run in prepared.values():
+                self._release(peer, run)
+            raise
+        for a, b in parts:
+            try:
+                if ipc[a]:
+                    run = prepared.pop(a)
+                    self._enqueue_gpu(
+                        batch_id, peer, run, ops[a:b], locs[a:b], rems[a:b], lens[a:b], ridx[a:b]
+                    )
+                else:
+                    if not ipc[a:].any():
+                        self._gate.leave(gate)
+                    self._inner_submit(batch_id, reqs.part(a, b), local_gpu[a:b], stage_wait_s)
+            except BaseException:  # found only once queuing began: the engine says what was queued
+                for run in prepared.values():
+                    self._release(peer, run)
+                raise
 
     def needs_staging(self, handle: int, locs: Any, rems: Any, lens: Any) -> bool:
         """Whether some of these requests go through GPU staging (a local GPU range to a peer range
@@ -426,83 +453,103 @@ class CudaIpcTransport(Transport):
         else:
             self.inner.submit(batch_id, reqs)
 
-    def _submit_gpu(
-        self,
-        batch_id: int,
-        peer: _Peer,
-        ops: np.ndarray,
-        locs: np.ndarray,
-        rems: np.ndarray,
-        lens: np.ndarray,
-        ridx: np.ndarray,
+    def _prepare_gpu(
+        self, peer: _Peer, ops: np.ndarray, locs: np.ndarray, lens: np.ndarray, ridx: np.ndarray,
         local_gpu: np.ndarray,
-    ) -> None:
-        """One run of GPU copies: pin, map, then one native call (``_native.ipc_enqueue``) that
-        reserves the slots and queues the copies and one event; the run goes to the completer.
-        The kernel reads and writes device-accessible memory only, so a run with pageable local
-        host memory goes by one cuMemcpyAsync per request."""
+    ) -> _Prepared:  # fmt: skip
+        """Everything of one run of GPU copies that can refuse it, before anything is queued:
+        its remote ranges inside the peer's buffers, the owner alive, the owner's fence slots
+        pinned, the mappings opened, a stream, the kernel, an address table and an event.
+        Raises (nothing held) or returns what :meth:`_enqueue_gpu` queues with (or
+        :meth:`_release` gives back). The kernel reads and writes device-accessible memory
+        only, so a run with pageable local host memory goes by one cuMemcpyAsync per request."""
         if (ridx < 0).any():
             raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
         used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
         if not peer.alive():
             peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
-        pins = peer.pin(used)
-        dev, table, event = 0, None, None
+        run = _Prepared(peer.pin(used))
         try:
             first_gpu = self.registry.gpu_region(int(locs[0]), int(lens[0]))
-            dev = (
+            dev = run.dev = (
                 int(first_gpu.desc.location.partition(":")[2] or 0)
                 if first_gpu
                 else peer.device_of(used, self._uuids)
             )
             self.driver.use(dev)  # the mappings opened below are for dev's context
-            bases = np.zeros(len(peer.bufs), dtype=_U64)
-            starts = np.zeros(len(peer.bufs), dtype=_U64)
+            run.bases = np.zeros(len(peer.bufs), dtype=_U64)
+            run.starts = np.zeros(len(peer.bufs), dtype=_U64)
             reach = True  # the gather kernel on dev reaches every GPU buffer used
             for k in used:
                 b = peer.bufs[k]
-                bases[k] = peer.open(b, dev, self.driver, self._uuids)
-                starts[k] = b.addr
+                run.bases[k] = peer.open(b, dev, self.driver, self._uuids)
+                run.starts[k] = b.addr
                 reach = reach and (not b.gpu or self._access.ok(dev, self._uuids.get(b.uuid, dev)))
-            lens = np.ascontiguousarray(lens, dtype=_U64)
-            stream = self._stream(dev)
-            kernel = reach and not (len(lens) <= 4 or int(lens.min()) >= _MEMCPY_MIN or not local_gpu.all())
-            func, (dtab, htab, size) = 0, (0, 0, 0)
-            if kernel:
-                func = self._kernel(dev)
-                table = self._spares.table(dev, 24 * len(lens))
-                dtab, htab, size = table
-            event = self._spares.event(dev)
-            target = _native.IpcRunTarget(dev, stream, func, dtab, htab, size, _BLOCK, _MAX_GRID, event)
+            run.stream = self._stream(dev)
+            n, big = len(lens), int(np.min(lens)) >= _MEMCPY_MIN
+            run.kernel = reach and not (n <= 4 or big or not local_gpu.all())
+            if run.kernel:
+                run.func = self._kernel(dev)
+                run.table = self._spares.table(dev, 24 * n)
+            run.event = self._spares.event(dev)
+        except BaseException:
+            self._release(peer, run)
+            raise
+        return run
+
+    def _release(self, peer: _Peer, run: _Prepared) -> None:
+        """Give back what :meth:`_prepare_gpu` took for a run that was not queued."""
+        self._spares.give_back(run.dev, run.table, run.event)
+        peer.unpin(run.pins)
+
+    def _enqueue_gpu(
+        self, batch_id: int, peer: _Peer, run: _Prepared, ops: np.ndarray, locs: np.ndarray,
+        rems: np.ndarray, lens: np.ndarray, ridx: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Queue one prepared run: one native call (``_native.ipc_enqueue``) that reserves the
+        slots and queues the copies and one event; the run goes to the completer. A CUDA call
+        failing partway: the copies queued before it finish before the pins and mappings go."""
+        dev = run.dev
+        lens = np.ascontiguousarray(lens, dtype=_U64)
+        dtab, htab, size = run.table or (0, 0, 0)
+        try:
+            target = _native.IpcRunTarget(
+                dev, run.stream, run.func, dtab, htab, size, _BLOCK, _MAX_GRID, run.event
+            )
             first, lo, hi, rc, what = _native.ipc_enqueue(
-                self.native, batch_id, target, ops, locs, rems, lens, ridx, bases, starts
+                self.native, batch_id, target, ops, locs, rems, lens, ridx, run.bases, run.starts
             )
         except BaseException:
-            self._spares.give_back(dev, table, event)  # nothing was queued
-            peer.unpin(pins)
+            self._release(peer, run)  # nothing was queued
             raise
         if rc:
-            self._settle(stream)  # copies queued before the failure still read/write the mappings
-            self._spares.give_back(dev, table, event)  # after _settle: the table's copy has run
-            peer.unpin(pins)
             exc = self.driver.error(rc, what)
+            self._settle(run.stream)  # copies queued before the failure still read/write the mappings
+            self._release(peer, run)  # after _settle: the table's copy has run
             self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
             raise exc
-        if kernel:
+        if run.kernel:
             self.launches += 1
         else:
             self.memcpy_runs += 1
+        self._push(_Run(run.event, batch_id, first, lens, peer, run.pins, run.table, dev, lo, hi), lens)
+
+    def _push(self, run: _Run, lens: np.ndarray) -> None:
+        """Queue ``run`` for completion (the native completer completes ``lens`` of its slots on
+        success, from ``run.first``)."""
+        peer = run.peer
         with peer.lock:
             peer.inflight += 1
-        slots = [slot for slot, _ in pins]
+        slots = [slot for slot, _ in run.pins]
         with self._cond:  # queue order = completion order: appended and pushed under the lock
-            run = _Run(event, batch_id, first, lens, peer, pins, table, dev, lo, hi, self._completed)
+            run.seen = self._completed
             self._runs.append(run)
             self._pushed += 1
             self._completer.push(
-                self._pushed, dev, event, batch_id, first, lens, peer.fence, slots, peer.pidfd
-            )
+                self._pushed, run.dev, run.event, run.batch_id, run.first, lens, peer.fence, slots,
+                peer.pidfd,
+            )  # fmt: skip
 
     def _settle(self, stream: int | None) -> None:
         """Wait for what a failed run queued on ``stream`` before its pins and mappings go."""

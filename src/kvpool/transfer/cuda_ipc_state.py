@@ -235,6 +235,26 @@ class _Run:
     seen: int = 0  # runs completed when it was queued or last asked about (CudaIpcTransport.unbounded)
 
 
+@dataclass
+class _Prepared:
+    """What CudaIpcTransport._prepare_gpu took for a run before it is queued (pins first)."""
+
+    pins: list[tuple[int, int]]
+    dev: int = 0
+    bases: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_U64))
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_U64))
+    stream: int = 0
+    kernel: bool = False
+    func: int = 0
+    table: tuple[int, int, int] | None = None
+    event: int | None = None
+
+
+def _pick(c: Any, idx: np.ndarray) -> Any:
+    """The entries ``idx`` of a request column (a list or a numpy array), as a list."""
+    return c[idx].tolist() if isinstance(c, np.ndarray) else [c[i] for i in idx.tolist()]
+
+
 _NO_OPS = np.zeros(0, dtype=np.uint8)
 _PLAN_ERRORS = {
     1: "is not inside registered memory; call register_local_memory first",
@@ -352,7 +372,7 @@ class _Spares:
 
 class _PeerAccess:
     """Peer access of a run's device to the device of a peer's GPU buffer, enabled once per pair
-    (CudaIpcTransport._submit_gpu): a gather kernel reaches another device's memory only then
+    (CudaIpcTransport._prepare_gpu): a gather kernel reaches another device's memory only then
     (copies need none); False where the devices cannot (the run goes by copies)."""
 
     def __init__(self, driver: CudaDriver) -> None:

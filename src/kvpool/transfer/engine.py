@@ -25,6 +25,7 @@ from kvpool.errors import (
     InvalidArgument,
     KvpoolError,
     RemoteAccessError,
+    SubmitIncomplete,
     TransferError,
     TransferTimeout,
 )
@@ -298,7 +299,12 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         """Queue requests into the next free slots of a batch (all-or-nothing validation).
 
         Raises :class:`AddressNotRegistered`, :class:`RemoteAccessError`, :class:`SegmentNotFound`
-        or :class:`InvalidArgument` before anything is sent.
+        or :class:`InvalidArgument` before anything is sent: nothing of the submit runs. A
+        failure found only after part of it was queued (a CUDA call failing while GPU copies
+        were queued, no room in the staging pool for a later part, a later transport's run
+        refused) raises :class:`SubmitIncomplete` instead (``batch_id``: this batch; the
+        original error is its cause): the queued part runs on in the batch's slots, so wait
+        for the batch before reusing or freeing the memory it names.
         """
         n = len(requests)
         ops = [0] * n
@@ -317,7 +323,25 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
                     raise ValueError(f"request {i}: length must be positive and addresses non-negative")
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
-        self._submit(batch_id, Requests(ops, locs, peers, rems, lens))
+        taken = self.batches.reserve(batch_id, [])  # slots in use before (unknown batch: raises)
+        try:
+            self._submit(batch_id, Requests(ops, locs, peers, rems, lens))
+        except KvpoolError as exc:
+            if isinstance(exc, SubmitIncomplete):
+                raise
+            # slots the failed submit took that run or ran (a refused part's end FAILED at once)
+            live = (TransferState.PENDING, TransferState.COMPLETED)
+            now = self.batches.reserve(batch_id, [])
+            queued = sum(self.batches.status(batch_id, i).state in live for i in range(taken, now))
+            if not queued:
+                raise
+            err = SubmitIncomplete(
+                f"{exc} (raised after {queued} of the {n} requests were queued into batch {batch_id}: "
+                "they run on and may still read or write their memory until the batch is no longer "
+                "pending; wait_batch before reusing it)"
+            )
+            err.batch_id = batch_id
+            raise err from exc
 
     def _check_all(self, reqs: Requests) -> None:
         """Validate requests against our registrations and the peers' descriptors (sends nothing)."""

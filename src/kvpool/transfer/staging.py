@@ -225,6 +225,12 @@ class GpuStaging:
             return self._pool
 
     @property
+    def check(self) -> Callable[[Requests], None] | None:
+        """The engine's whole-submit validation (raises, sends nothing), or None. Called by
+        CudaIpcTransport before it queues the first part of a mixed submit."""
+        return self._check
+
+    @property
     def pool_if_made(self) -> StagingPool | None:
         """The pool, or None when nothing was staged yet."""
         return self._pool
