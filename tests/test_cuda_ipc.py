@@ -872,6 +872,49 @@ def test_a_submit_failing_after_a_part_was_queued_names_its_batch(peer: Peer, fa
         pool.release(held[0], pool.size)
 
 
+def test_a_failed_enqueue_behind_a_slow_stream_does_not_block_the_submitter(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA call failing while a run is queued, on a stream still busy with an earlier run:
+    the submitter waited for the whole stream (cuStreamSynchronize, no bound: forever behind a
+    hung run), blocking the thread that submitted (an event loop, a connector hook). It now
+    returns at once: SubmitIncomplete naming the batch, whose slots stay PENDING while the copies
+    queued before the failure may run, then end FAILED; nothing copies after that."""
+    from kvpool.errors import SubmitIncomplete, late_batch
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=1.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
+        seg, r = eng.open_segment(peer.name), peer.gpu[0]
+        monkeypatch.setenv("FAKECUDA_DELAY_US", "1500000")  # every stream operation takes 1.5 s
+        first = eng.allocate_batch_id(1)
+        eng.submit_transfer(first, [TransferRequest(OpCode.READ, g + (1 << 19), seg, r, 4096)])  # ~3 s
+        fakecuda.fail_enqueue(fake_driver, fakecuda.COPY, after=2, rc=2)  # the third copy: out of memory
+        bid = eng.allocate_batch_id(4)
+        reqs = [TransferRequest(OpCode.READ, g + k * 4096, seg, r + k * 4096, 4096) for k in range(4)]
+        t0 = time.monotonic()
+        with pytest.raises(SubmitIncomplete, match="not queued|out of memory") as ei:
+            eng.submit_transfer(bid, reqs)
+        took = time.monotonic() - t0
+        assert took < 1.0, took  # it waited for the stream (>= 6 s)
+        assert late_batch(ei.value) == bid and isinstance(ei.value.__cause__, TransferError)
+        assert eng.batches.pending(bid)  # the two copies queued before the failure may still run
+        st = eng.wait_batch(bid, 20)
+        assert st.state == TransferState.FAILED, st
+        for i in range(4):
+            si = eng.get_transfer_status(bid, i)
+            assert si.state == TransferState.FAILED and "not queued" in (si.error or ""), si
+        assert eng.wait_batch(first, 20).ok
+        copies = fakecuda.stats(fake_driver)[1]
+        time.sleep(0.5)
+        assert fakecuda.stats(fake_driver)[1] == copies  # nothing still copying
+        assert fakecuda.enqueue_faults_left(fake_driver, fakecuda.COPY) == 0
+        eng.free_batch_id(bid)
+        eng.free_batch_id(first)
+
+
 def test_mapping_at_an_offset_is_closed_by_its_base(fake_driver: str) -> None:
     """A peer registers GPU memory that starts inside its allocation: our mapping is opened at the
     allocation's base plus that offset, and closing it must name the base (the driver refused the

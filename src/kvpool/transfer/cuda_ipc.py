@@ -509,7 +509,7 @@ class CudaIpcTransport(Transport):
     ) -> None:  # fmt: skip
         """Queue one prepared run: one native call (``_native.ipc_enqueue``) that reserves the
         slots and queues the copies and one event; the run goes to the completer. A CUDA call
-        failing partway: the copies queued before it finish before the pins and mappings go."""
+        failing partway (copies queued before it may still run): see :meth:`_failed_run`."""
         dev = run.dev
         lens = np.ascontiguousarray(lens, dtype=_U64)
         dtab, htab, size = run.table or (0, 0, 0)
@@ -525,9 +525,7 @@ class CudaIpcTransport(Transport):
             raise
         if rc:
             exc = self.driver.error(rc, what)
-            self._settle(run.stream)  # copies queued before the failure still read/write the mappings
-            self._release(peer, run)  # after _settle: the table's copy has run
-            self._fail(batch_id, first, lens, f"CUDA IPC copy not queued: {exc}")
+            self._failed_run(batch_id, first, lens, lo, hi, peer, run, f"CUDA IPC copy not queued: {exc}")
             raise exc
         if run.kernel:
             self.launches += 1
@@ -550,6 +548,29 @@ class CudaIpcTransport(Transport):
                 self._pushed, run.dev, run.event, run.batch_id, run.first, lens, peer.fence, slots,
                 peer.pidfd,
             )  # fmt: skip
+
+    def _failed_run(
+        self, batch_id: int, first: int, lens: np.ndarray, lo: int, hi: int, peer: _Peer,
+        run: _Prepared, reason: str,
+    ) -> None:  # fmt: skip
+        """A CUDA call failed while a run was queued: the copies queued before it may still read
+        and write the mappings and the local memory. The run's event is recorded behind them and
+        the run goes to the completion queue like any other, its slots PENDING until the stream
+        reached the event and then FAILED with ``reason``; the pins, mappings and spares stay
+        until then. The submitter never waits for the stream (behind a hung run it would wait
+        forever). Only where the event cannot be recorded (a broken stream, whose copies end
+        with its error) is the stream waited for here."""
+        try:
+            self.driver.record(run.event, run.stream)
+        except KvpoolError:
+            self._settle(run.stream)
+            self._release(peer, run)
+            self._fail(batch_id, first, lens, reason)
+            return
+        self._push(
+            _Run(run.event, batch_id, first, lens, peer, run.pins, run.table, run.dev, lo, hi, error=reason),
+            lens[:0],  # the completer completes none of its slots: _complete_loop fails them
+        )
 
     def _settle(self, stream: int | None) -> None:
         """Wait for what a failed run queued on ``stream`` before its pins and mappings go."""
@@ -590,8 +611,10 @@ class CudaIpcTransport(Transport):
                     )
                     self._fail(run.batch_id, run.first, run.lens, reason, TransferState.TIMEOUT)
                     continue  # still queued, pinned and mapped until a wait tells it ended
-                error = None
-                if rc:
+                error = run.error
+                if error is not None:
+                    pass  # a run that failed while it was queued (_failed_run)
+                elif rc:
                     error = f"CUDA IPC copy failed: {self.driver.error(rc, 'cuEventSynchronize')}"
                 elif not alive:
                     run.peer.gone = True

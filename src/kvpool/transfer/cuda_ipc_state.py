@@ -233,6 +233,7 @@ class _Run:
     lo: int = 0  # the local address range the copies touch: [lo, hi)
     hi: int = 0
     seen: int = 0  # runs completed when it was queued or last asked about (CudaIpcTransport.unbounded)
+    error: str | None = None  # a run a CUDA call failed to queue whole: its slots fail with it
 
 
 @dataclass
