@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <string>
@@ -36,6 +37,19 @@ std::tuple<int, uint64_t, uint32_t> Registry::add(uint64_t addr, uint64_t len, b
     if (prev->first + prev->second->r.len > addr)
       throw KvError(E_REGISTRATION, "range overlaps an existing registration; unregister it first");
   }
+  // A removed range a stopped same-host peer is still copying into: its copy would land here.
+  bool busy = false;
+  retiring_.erase(std::remove_if(retiring_.begin(), retiring_.end(),
+                                 [&](const Retiring& r) {
+                                   if (!still_pinned(r)) return true;  // done: forget it
+                                   busy = busy || (r.addr < addr + len && addr < r.addr + r.len);
+                                   return false;
+                                 }),
+                  retiring_.end());
+  if (busy)
+    throw KvError(E_REGISTRATION,
+                  "a same-host peer is still inside a copy into this range (unregistered under it); it cannot be "
+                  "registered again until that peer continues or exits");
   if (remote && device < 0 && fence_ != nullptr) st->fence_slot = fence_->claim(addr, len, &st->fence_gen);
   if (++next_id_ == 0) ++next_id_;
   st->id = next_id_;
@@ -54,6 +68,11 @@ void Registry::remove(uint64_t addr) {
     st = std::move(it->second);
     regions_.erase(it);
     st->dead.store(true);
+    if (st->fence_slot >= 0 && fence_ != nullptr) {
+      // No same-host copy starts from now on; the range stays reserved while one is inside.
+      fence_->retire_begin(st->fence_slot);
+      retiring_.push_back(Retiring{addr, st->r.len, st->fence_slot, st->fence_gen + 1});
+    }
   }
   // Accesses already inside one socket syscall finish (bounded by a syscall, not by the peer);
   // every later one sees `dead` and is refused.
@@ -63,6 +82,21 @@ void Registry::remove(uint64_t addr) {
     throw KvError(E_REGISTRATION,
                   "unregistered, but a same-host peer is stopped inside a copy into this buffer; no new "
                   "copy can start: do not free or reuse the memory until that peer continues or exits");
+  if (st->fence_slot >= 0 && fence_ != nullptr) {
+    std::unique_lock lk(mu_);
+    retiring_.erase(std::remove_if(retiring_.begin(), retiring_.end(),
+                                   [&](const Retiring& r) {
+                                     return r.slot == st->fence_slot && r.gen == st->fence_gen + 1;
+                                   }),
+                    retiring_.end());
+  }
+}
+
+bool Registry::still_pinned(const Retiring& r) const {
+  if (fence_ == nullptr) return false;
+  // The slot taken again (a later registration): that is not this range's pin any more.
+  if (__atomic_load_n(&fence_->slot(r.slot)->gen, __ATOMIC_SEQ_CST) != r.gen) return false;
+  return fence_->pinned(r.slot);
 }
 
 bool Registry::contains_locked(uint64_t addr, uint64_t len, bool need_remote, bool need_writable) const {

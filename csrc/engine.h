@@ -118,6 +118,16 @@ class Registry {
   Fence* fence_ = nullptr;
   int retire_timeout_ms_ = 30000;
   uint32_t next_id_ = 0;  // under mu_; ids are never 0
+  // Under mu_: removed ranges whose fence slot was retired (generation `gen`) but may still be
+  // pinned by a same-host peer inside a copy (remove waiting, or its retire timed out). add()
+  // refuses an overlapping range while the pin is held: the peer's copy would land in it.
+  struct Retiring {
+    uint64_t addr, len;
+    int slot;
+    uint64_t gen;
+  };
+  std::vector<Retiring> retiring_;
+  bool still_pinned(const Retiring& r) const;
 };
 
 struct Slot {

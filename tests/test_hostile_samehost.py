@@ -325,3 +325,64 @@ def test_unregister_under_a_stopped_same_host_writer_raises_and_leaves_it_unpubl
                 w.kill()
                 w.wait()
         pytest.fail("in 10 tries the writer was never stopped inside a copy")
+
+
+def test_range_under_a_stopped_same_host_writer_cannot_be_registered_again() -> None:
+    """Unregister raised because a same-host peer is stopped inside a copy into the buffer: the
+    range cannot be registered again (even local-only) while that copy may still land in it, since
+    the peer's bytes, sent for the old registration, would land in the new one; once the peer
+    continues, the range registers and nothing of the old registration's writes lands any more."""
+    import os
+    import signal
+
+    from kvpool import TransferEngine
+    from kvpool.errors import RegistrationError
+
+    n = 64 << 20  # each copy takes milliseconds: a stop lands inside one (pinned) nearly always
+    with TransferEngine(protocol="auto", timeout_s=1) as eng:
+        for _ in range(10):
+            buf = bytearray(n)
+            addr = eng.register_local_memory(buf)
+            w = subprocess.Popen(
+                [sys.executable, "-c", WRITER, eng.segment_name, str(addr), str(n)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert w.stdout is not None and w.stdout.readline().strip() == "go"
+                os.kill(w.pid, signal.SIGSTOP)
+                deadline = time.monotonic() + 10
+                while not _stopped(w.pid) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                try:
+                    eng.unregister_local_memory(addr)
+                    continue  # stopped between copies: nothing to fence, try again
+                except RegistrationError:
+                    pass
+                try:
+                    eng.register_local_memory(buf, remote_accessible=False)
+                except RegistrationError as exc:
+                    assert "still inside a copy" in str(exc)
+                else:  # registered again: no peer may write into it now
+                    buf[:] = bytes(n)
+                    os.kill(w.pid, signal.SIGCONT)
+                    time.sleep(0.5)
+                    assert buf.count(0) == n, "the stopped peer's copy landed in the new registration"
+                    pytest.fail("registered again under a stopped same-host writer")
+                os.kill(w.pid, signal.SIGCONT)
+                deadline = time.monotonic() + 10
+                while True:  # its copy ends: the range is free again
+                    try:
+                        eng.register_local_memory(buf, remote_accessible=False)
+                        break
+                    except RegistrationError:
+                        assert time.monotonic() < deadline, "the range stayed reserved after the peer went on"
+                        time.sleep(0.02)
+                buf[:] = bytes(n)
+                time.sleep(0.5)
+                assert buf.count(0) == n
+                return
+            finally:
+                w.kill()
+                w.wait()
+        pytest.fail("in 10 tries the writer was never stopped inside a copy")
