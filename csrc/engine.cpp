@@ -148,7 +148,7 @@ Engine::Engine(const EngineOptions& opt) : opt_(opt) {
                  static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   if (incarnation_ == 0) incarnation_ = 1;
   signal(SIGPIPE, SIG_IGN);
-  fence_ = Fence::create();  // null without memfd: then same-host peers use TCP
+  fence_ = Fence::create(incarnation_);  // null without memfd: then same-host peers use TCP
   reg_.set_fence(fence_.get(), opt_.timeout_ms);
   server_ = std::make_unique<Server>(opt_, reg_, incarnation_);
   port_ = server_->port();

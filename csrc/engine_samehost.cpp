@@ -155,7 +155,7 @@ int Engine::peer_shm_count(uint64_t id) {
 bool Engine::set_peer_fence(uint64_t id, int pid, int fd,
                             const std::vector<std::tuple<uint64_t, uint64_t, int, uint64_t>>& regions) {
   auto p = get_peer(id);
-  std::unique_ptr<Fence> f = Fence::map(pid, fd);
+  std::unique_ptr<Fence> f = Fence::map(pid, fd, p->incarnation.load());
   std::vector<FenceRegion> fr;
   for (auto& [a, l, slot, gen] : regions) fr.push_back(FenceRegion{a, l, slot, gen});
   std::unique_lock lk(p->maps_mu);  // waits for copies in progress

@@ -38,7 +38,7 @@ void Fence::close_fd() {
   fd_ = -1;
 }
 
-std::unique_ptr<Fence> Fence::create() {
+std::unique_ptr<Fence> Fence::create(uint64_t owner) {
   int fd = memfd_create("kvpool-fence", MFD_CLOEXEC);
   if (fd < 0) return nullptr;
   size_t n = fence_bytes();
@@ -57,11 +57,12 @@ std::unique_ptr<Fence> Fence::create() {
   f->base_ = static_cast<char*>(p);
   f->size_ = n;
   f->hdr()->nslots = kFenceSlots;
+  f->hdr()->owner = owner;
   __atomic_store_n(&f->hdr()->magic, kFenceMagic, kSeq);
   return f;
 }
 
-std::unique_ptr<Fence> Fence::map(int pid, int fd) {
+std::unique_ptr<Fence> Fence::map(int pid, int fd, uint64_t owner) {
   if (pid <= 0 || fd < 0) return nullptr;
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -77,6 +78,7 @@ std::unique_ptr<Fence> Fence::map(int pid, int fd) {
   f->base_ = static_cast<char*>(p);
   f->size_ = n;
   if (__atomic_load_n(&f->hdr()->magic, kSeq) != kFenceMagic || f->hdr()->nslots != kFenceSlots) return nullptr;
+  if (owner != 0 && f->hdr()->owner != owner) return nullptr;  // another engine's table
   const int32_t me = static_cast<int32_t>(::getpid());
   for (int pass = 0; pass < 2 && f->lane_ < 0; ++pass) {
     for (int l = 0; l < kFenceLanes && f->lane_ < 0; ++l) {

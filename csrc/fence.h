@@ -35,16 +35,20 @@ struct FenceHeader {
   uint32_t magic;
   uint32_t nslots;
   int32_t lanes[kFenceLanes];  // pid of the initiator holding each lane, 0 = free
-  uint64_t pad[31];
+  uint64_t owner;  // the engine's incarnation: a stale descriptor naming a reused fd is told apart
+  uint64_t pad[30];
 };
 
 class Fence {
  public:
   ~Fence();
-  // Target side: a fresh table in a memfd (null when memfd is unavailable).
-  static std::unique_ptr<Fence> create();
-  // Initiator side: the target's table, and a lane in it (null when it cannot be mapped).
-  static std::unique_ptr<Fence> map(int pid, int fd);
+  // Target side: a fresh table in a memfd (null when memfd is unavailable), stamped with its
+  // engine's incarnation.
+  static std::unique_ptr<Fence> create(uint64_t owner);
+  // Initiator side: the target's table, and a lane in it (null when it cannot be mapped, or when
+  // `owner` is not 0 and the table is another engine's: the descriptor's engine shut down and the
+  // fd number now names a later engine's table, whose slots and generations may match).
+  static std::unique_ptr<Fence> map(int pid, int fd, uint64_t owner);
 
   int fd() const { return fd_; }
   // Target side, at shutdown: close the memfd peers open the table through (the mapping stays).

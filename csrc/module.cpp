@@ -297,7 +297,10 @@ PYBIND11_MODULE(_native, m) {
   // outside the native data path (CUDA IPC): pin every slot a copy touches before it starts,
   // unpin when it finished.
   py::class_<Fence, std::shared_ptr<Fence>>(m, "FenceMap")  // shared with IpcCompleter's runs
-      .def_static("map", [](int pid, int fd) { return std::shared_ptr<Fence>(Fence::map(pid, fd)); })
+      .def_static(
+          "map", [](int pid, int fd, uint64_t owner) { return std::shared_ptr<Fence>(Fence::map(pid, fd, owner)); },
+          py::arg("pid"), py::arg("fd"), py::arg("owner") = 0,
+          "owner: the descriptor's incarnation (0: unchecked); another engine's table maps to None")
       .def("pin", &Fence::pin)
       .def("unpin", &Fence::unpin)
       .def("pinned", &Fence::pinned, "whether a live initiator holds a pin on the slot (tests)")

@@ -386,3 +386,64 @@ def test_range_under_a_stopped_same_host_writer_cannot_be_registered_again() -> 
                 w.kill()
                 w.wait()
         pytest.fail("in 10 tries the writer was never stopped inside a copy")
+
+
+SUCCESSOR = r"""
+import json, os, sys
+from kvpool import _native
+kw = dict(host="127.0.0.1", port=0, secret="", lanes=1, slice_size=1 << 20, timeout_ms=2000,
+          connect_timeout_ms=2000, max_frame=1 << 24)
+a = _native.NativeEngine(**kw)
+old = bytearray(65536)
+addr, n = _native.buffer_address(old)
+slot, gen, _ = a.register_memory(addr, n, True, False)
+info = dict(pid=os.getpid(), port=a.port, inc=a.incarnation, fence_fd=a.fence_fd, addr=addr, n=n,
+            slot=slot, gen=gen)
+a.shutdown()  # its fence fd is closed: the next engine's table takes the number
+b = _native.NativeEngine(**kw)
+new = bytearray(65536)
+b.register_memory(*_native.buffer_address(new), True, False)
+info["new_fence_fd"] = b.fence_fd
+print(json.dumps(info), flush=True)
+for line in sys.stdin:
+    print(json.dumps({"head": bytes(old[:8]).hex()}), flush=True)
+"""
+
+
+def test_stale_descriptor_never_pins_another_engines_fence_table() -> None:
+    """A descriptor of an engine that shut down, its process still running another engine whose
+    fence table now has the same fd number (and the same first slot and generation): the
+    initiator must not take that table as the old engine's and copy into the old engine's memory,
+    which no registration holds any more."""
+    t = _Target.__new__(_Target)
+    t.proc = subprocess.Popen(
+        [sys.executable, "-c", SUCCESSOR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert t.proc.stdout is not None
+    t.info = json.loads(t.proc.stdout.readline())
+    try:
+        assert t.info["new_fence_fd"] == t.info["fence_fd"]  # the case: the number was reused
+        e = _native.NativeEngine(
+            host="127.0.0.1",
+            port=0,
+            secret="",
+            lanes=1,
+            slice_size=1 << 20,
+            timeout_ms=2000,
+            connect_timeout_ms=2000,
+            max_frame=1 << 24,
+        )
+        try:
+            src = bytearray(b"STALE!!!" * 8192)
+            local, n = _native.buffer_address(src)
+            e.register_memory(local, n, False, False)
+            i = t.info
+            h = e.add_peer("127.0.0.1", i["port"], i["inc"], i["pid"], [(i["addr"], i["n"], 0)])
+            mapped = e.set_peer_fence(h, i["pid"], i["fence_fd"], [(i["addr"], i["n"], i["slot"], i["gen"])])
+            assert e.transfer_sync(_native.OP_WRITE, local, h, i["addr"], n) != 0
+            assert t.ask("head")["head"] == bytes(8).hex(), "written into memory no engine holds"
+            assert not mapped
+        finally:
+            e.shutdown()
+    finally:
+        t.close()

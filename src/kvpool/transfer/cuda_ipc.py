@@ -219,7 +219,9 @@ class CudaIpcTransport(_Completion, Transport):
         bufs.sort(key=lambda b: b.addr)
         old = self._peers.get(handle)
         same = old is not None and old.pid == desc.pid and old.incarnation == desc.incarnation
-        fence = _native.FenceMap.map(desc.pid, desc.fence_fd) if desc.fence_fd >= 0 else None
+        fence = (
+            _native.FenceMap.map(desc.pid, desc.fence_fd, desc.incarnation) if desc.fence_fd >= 0 else None
+        )
         if same and old is not None and old.pidfd >= 0:
             pidfd = old.pidfd  # the same process: its pidfd is kept (a new one per re-attach leaked)
         else:
