@@ -223,7 +223,8 @@ class Registrations:
         into it (its fence pin not released within ``timeout_s``) raises
         :class:`RegistrationError`: the range is then unregistered and unpublished all the same
         and no new copy starts, but the caller must not free or reuse the memory until that peer
-        continues or exits. So do our own CUDA IPC copies of GPU memory still running after
+        continues or exits (registering the range again raises :class:`RegistrationError` until
+        then). So do our own CUDA IPC copies of GPU memory still running after
         ``timeout_s`` (a hung stream): free it only once they finished. GPU memory that a staged
         transfer still touches (a submit in progress, a staged request not finished) raises
         :class:`BatchInFlight` and stays registered; a staged submit starting meanwhile is refused
