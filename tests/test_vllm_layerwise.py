@@ -198,3 +198,44 @@ def test_an_unexpected_error_in_a_layer_load_fails_its_blocks(
         assert w.take_load_errors() == {3, 4}
     finally:
         b.close()
+
+
+def test_blocks_computed_on_a_failed_in_forward_load_are_not_committed(
+    tiny_llama: Path,  # noqa: F811
+    master: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step whose in-forward load failed computes its later blocks on top of whatever the
+    failed blocks held (vLLM learns of the failure only after the forward pass, then recomputes
+    them): those later blocks, saved layer by layer in the same step, must get no commit marker,
+    or every instance would load KV computed from a garbage prefix under the right keys."""
+    extra = {"master": master, "model_tag": "lw-poison", "layerwise": True, "load_async": False}
+    a = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    b = LayerInstance(tiny_llama, "KvpoolStoreConnector", "kv_both", extra)
+    try:
+        a.add("a1", PROMPT, 1, None)
+        a.run_until(lambda o: "a1" in o and o["a1"].finish_reason is not None)
+        _wait_exists(a, block_keys(a.connector._scheduler.namespace, PROMPT, BS), True)
+        w = b.worker._worker
+        # Every object b reads comes back one byte short: a failed load of both hit blocks.
+        monkeypatch.setattr(w.store, "batch_get_into", lambda keys, addrs, sizes: [n - 1 for n in sizes])
+        prompt_b = PROMPT[:64] + [(i * 11) % 500 + 3 for i in range(80)]  # 4 full blocks + 16
+        b.add("b1", prompt_b, 1, None)
+        out = b.step_until(lambda out: "b1" in out.kv_connector_metadata.loads)
+        meta = out.kv_connector_metadata
+        assert len(meta.loads["b1"]) == 2
+        later = [k for _, k in meta.layer_saves["b1"]]
+        assert later == block_keys(b.connector._scheduler.namespace, prompt_b, BS)[2:4]
+        store = b.connector._scheduler.store
+        # Both layers of the later blocks were written (the step reached its end) ...
+        layer_objs = [f"{w._key(k)}/{w.layout}/{n}" for k in later for n in LAYERS]
+        deadline = time.monotonic() + 5
+        while not all(store.batch_exists(layer_objs)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(store.batch_exists(layer_objs))
+        time.sleep(0.3)  # a commit queued at the step's end would land within this
+        assert not any(store.batch_exists(later))  # ... yet none became a hit
+        assert w.saved_blocks == 0
+    finally:
+        a.close()
+        b.close()

@@ -11,7 +11,9 @@ next one is computed:
   (once per step, after the forward pass) waits for the writes still running -- vLLM's contract:
   the KV blocks may be reused after it returns -- and queues the blocks' commit markers. A marker
   is written only for a block whose every layer was stored: a step cut short between layers, a
-  failed layer write or an open breaker leaves no marker, so a partial block is never a hit.
+  failed layer write, a failed in-forward load in the step (its later blocks were computed on
+  the failed blocks' stale bytes) or an open breaker leaves no marker, so a partial block is
+  never a hit.
 * **Loads** inside the forward pass (``load_async: false``): ``start_load_kv`` queues one batch per
   layer on the load thread; ``wait_for_layer_load(layer)`` waits for that layer's batch only, so
   layer *i+1* is read while layer *i* is computed (:class:`LayerLoads`). Asynchronous loads
@@ -157,15 +159,16 @@ class LayerSaves:
 
         self._submit(job)
 
-    def finish(self) -> None:
+    def finish(self, commit: bool = True) -> None:
         """Wait for this step's layer writes (the blocks may be reused afterwards), then queue
-        the commit markers of the blocks whose every layer was stored."""
+        the commit markers of the blocks whose every layer was stored (none when ``commit`` is
+        false: the worker found the step's KV computed on a failed load)."""
         step, self._step = self._step, None
         if step is None:
             return
         for ev in step.pending:
             ev.wait()
-        if step.layers_done != set(self._layers):
+        if not commit or step.layers_done != set(self._layers):
             return  # the forward pass did not reach every layer: nothing becomes visible
         good = [(b, k) for b, k in step.blocks if b not in step.bad]
         if good:

@@ -77,6 +77,7 @@ class _StoreWorker:
         self.layer_saves = LayerSaves(self._saves.put, self._put_layer, self._commit)
         self.layer_loads = LayerLoads(self._loads.put, self._get_layer)
         self._layer_rids = ""  # the requests of this step's layer-wise loads (for the log)
+        self._layer_load_ids: set[int] = set()  # block ids of this step's layer-wise loads
         self.saved_blocks = 0
         self.loaded_blocks = 0
         self.stats = make_stats(cfg.stats)
@@ -150,6 +151,7 @@ class _StoreWorker:
                 self._load_or_fail(blocks, None, True, rid)
         self.layer_loads.finish()  # the last step's layer loads ended: they read _layer_rids
         self._layer_rids = ", ".join(meta.loads) if self.cfg.layerwise else ""
+        self._layer_load_ids = {b for b, _ in layer_loads}
         self.layer_loads.begin(layer_loads)
         for rid, blocks in meta.saves.items():
             self._saves.put(lambda rid=rid, blocks=blocks: self._save_job(rid, blocks))
@@ -180,9 +182,18 @@ class _StoreWorker:
         self.layer_saves.layer(layer, written)
 
     def finish_step(self) -> None:
-        """``wait_for_save``: the step's layer loads and layer writes are done when it returns."""
+        """``wait_for_save``: the step's layer loads and layer writes are done when it returns.
+        A step whose in-forward load failed commits none of its layer-saved blocks: they were
+        computed attending to the failed blocks' stale bytes (vLLM learns of the failure only
+        after this pass and recomputes them; a request sharing a loaded block may too)."""
         self.layer_loads.finish()
-        self.layer_saves.finish()
+        with self._lock:
+            load_failed = not self._errors.isdisjoint(self._layer_load_ids)
+        self._layer_load_ids = set()
+        if load_failed:
+            log.warning("kvpool store: an in-forward load of %s failed: this step's blocks are not committed",
+                        self._layer_rids)  # fmt: skip
+        self.layer_saves.finish(commit=not load_failed)
 
     @staticmethod
     def _loop(q: queue.Queue[Any]) -> None:
