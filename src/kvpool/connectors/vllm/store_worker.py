@@ -187,13 +187,18 @@ class _StoreWorker:
         computed attending to the failed blocks' stale bytes (vLLM learns of the failure only
         after this pass and recomputes them; a request sharing a loaded block may too)."""
         self.layer_loads.finish()
-        with self._lock:
-            load_failed = not self._errors.isdisjoint(self._layer_load_ids)
-        self._layer_load_ids = set()
+        load_failed = self._layer_load_failed()
         if load_failed:
             log.warning("kvpool store: an in-forward load of %s failed: this step's blocks are not committed",
                         self._layer_rids)  # fmt: skip
         self.layer_saves.finish(commit=not load_failed)
+        self._layer_load_ids = set()  # (after the step's layer writes: they check it)
+
+    def _layer_load_failed(self) -> bool:
+        """Whether a block of this step's in-forward loads failed so far (its load errors are
+        taken by vLLM only after ``wait_for_save``)."""
+        with self._lock:
+            return not self._errors.isdisjoint(self._layer_load_ids)
 
     @staticmethod
     def _loop(q: queue.Queue[Any]) -> None:
@@ -309,6 +314,11 @@ class _StoreWorker:
         whose GPU reads outlived the timeout commits nothing and holds its pool space until they
         ended, :meth:`Store.batch_put_from`: vLLM reusing the blocks meanwhile is harmless.)"""
         assert self.store is not None
+        if self._layer_load_failed():
+            # This layer's KV was computed on failed blocks' stale bytes (through the layers
+            # before it): never written, or the next save of these blocks, finding the objects
+            # (ObjectExists), would commit them.
+            return {b for b, _ in blocks}
         keys, addrs, sizes, owners = self._ranges(blocks, regions)
         try:
             res = self.store.batch_put_from(keys, addrs, sizes)
