@@ -5,7 +5,7 @@ JSON line.
 
     python tests/sglang_hicache_proc.py write|read <master> <n_pages>
     python tests/sglang_hicache_proc.py pages-write|pages-read <master> <n_pages> mha|mla <layout> \
-        <tp_rank> <tp_size> [<start_layer> <pp_rank> <pp_size> <cp_rank> <cp_size>]
+        <tp_rank> <tp_size> [<start_layer> <pp_rank> <pp_size> <cp_rank> <cp_size> [<dcp_rank> <dcp_size>]]
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def storage_config(
     page_first: bool = True,
     pp: tuple[int, int] = (0, 1),
     cp: tuple[int, int] = (0, 1),
+    dcp: tuple[int, int] = (0, 1),
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
@@ -121,6 +122,9 @@ def storage_config(
         enable_storage_metrics=False,
         is_page_first_layout=page_first,
         model_name="tiny-test",
+        dcp_rank=dcp[0],
+        dcp_size=dcp[1],
+        logical_page_size=PAGE * dcp[1],
         extra_config={
             "backend_name": "kvpool",
             "module_path": "kvpool.connectors.sglang.hicache",
@@ -142,12 +146,13 @@ def pages(
     start_layer: int = 0,
     pp: tuple[int, int] = (0, 1),
     cp: tuple[int, int] = (0, 1),
+    dcp: tuple[int, int] = (0, 1),
 ) -> dict:
     """One rank of a TP group (of pipeline stage ``pp`` = (rank, size), its layers from
     ``start_layer``, MHA only; of attention context-parallel group ``cp`` = (rank, size)) writes or
     reads ``n`` pages through the v1 interface."""
     hp = mla_pool(layout) if kind == "mla" else host_pool(layout=layout, start_layer=start_layer)
-    cfg = storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page"), pp, cp)
+    cfg = storage_config(master, tp_rank, tp_size, kind == "mla", layout.startswith("page"), pp, cp, dcp)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, hp)
     backend.register_mem_pool_host(hp)
     keys = page_keys(n)
@@ -204,7 +209,9 @@ def main() -> None:
     if role.startswith("pages-"):
         kind, layout, rank, size = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
         start, pp_rank, pp_size, cp_rank, cp_size = (int(a) for a in (sys.argv[8:13] or (0, 0, 1, 0, 1)))
-        got = pages(role, master, n, kind, layout, rank, size, start, (pp_rank, pp_size), (cp_rank, cp_size))
+        dcp_rank, dcp_size = (int(a) for a in (sys.argv[13:15] or (0, 1)))
+        pp, cp, dcp = (pp_rank, pp_size), (cp_rank, cp_size), (dcp_rank, dcp_size)
+        got = pages(role, master, n, kind, layout, rank, size, start, pp, cp, dcp)
         print(json.dumps(got), flush=True)
         return
     cfg = storage_config(master)

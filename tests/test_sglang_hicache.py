@@ -106,6 +106,21 @@ def test_attention_cp_ranks_keep_their_own_slices_of_mla_pages(master: str) -> N
     _kept_apart(master, (*tp, 0, 2, 0, 0, 1, 0, 2), (*tp, 0, 2, 0, 0, 1, 1, 2), (*tp, 1, 2, 0, 0, 1, 0, 2))
 
 
+def test_decode_context_parallel_ranks_keep_their_own_slices_of_mla_pages(master: str) -> None:
+    """Under decode context parallelism each DCP rank holds its own interleaved slice of every
+    logical page's tokens: MLA pages, otherwise shared by all TP ranks, are stored per DCP rank.
+    DCP rank 1 of 2 (TP rank 1) finds none of DCP rank 0's pages (the old key named no DCP rank:
+    it read rank 0's tokens as its own); TP rank 2, DCP rank 0 of the next DCP group, reads
+    them back byte for byte."""
+    tp = ("mla", "page_first")  # then: TP rank, TP size, first layer, stage, stages, CP rank, CP size, DCP
+    _kept_apart(
+        master,
+        (*tp, 0, 4, 0, 0, 1, 0, 1, 0, 2),
+        (*tp, 1, 4, 0, 0, 1, 0, 1, 1, 2),
+        (*tp, 2, 4, 0, 0, 1, 0, 1, 0, 2),
+    )
+
+
 def test_hicache_backend_needs_a_master() -> None:
     code = (
         "from kvpool.connectors.sglang.hicache import KvpoolHiCacheStorage\n"

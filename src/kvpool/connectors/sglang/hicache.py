@@ -13,10 +13,11 @@ SGLang's page keys are SHA-256 chains over the tokens that already cover LoRA / 
 ``cache_salt`` (SGLang seeds the chain with ``storage_namespace_seed``), but not the KV layout;
 objects are stored as ``kvpool/sgl/<tag>/<model>/<layout>/<key>_<tp_rank>of<tp_size>_k`` (and
 ``_v``; ``_pp<rank>`` for a pipeline stage, ``_cp<rank>of<size>`` for an attention context-parallel
-rank), one object per page and K/V half, so ranks never collide. ``<layout>`` names the host
-pool's KV dtype, layout, page size and bytes per token, and a pipeline stage's first layer unless
-0 (set in :meth:`register_mem_pool_host`): an fp8 pool, another head split, another page layout
-or a stage holding other layers never reads these objects. Every read
+rank, ``_dcp<rank>of<size>`` for a decode context-parallel one), one object per page and K/V
+half, so ranks never collide. ``<layout>`` names the host pool's KV dtype, layout, page size
+and bytes per token, and a pipeline stage's first layer unless 0 (set in
+:meth:`register_mem_pool_host`): an fp8 pool, another head split, another page layout or a
+stage holding other layers never reads these objects. Every read
 checks each object's exact size; a shorter object is a failed page. The zero-copy v1 path moves
 bytes straight between the host pool (registered once in :meth:`register_mem_pool_host`) and the
 pool; ``batch_exists`` returns the leading run of pages whose objects all exist.
@@ -98,6 +99,9 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         cp_size = int(getattr(storage_config, "attn_cp_size", 1) or 1)
         if cp_size > 1:  # each attention-CP rank holds its own slice of every page (NSA's CP)
             rank += f"_cp{storage_config.attn_cp_rank}of{cp_size}"
+        dcp_size = int(getattr(storage_config, "dcp_size", 1) or 1)
+        if dcp_size > 1:  # each decode-CP rank holds its own interleaved tokens of every page
+            rank += f"_dcp{storage_config.dcp_rank}of{dcp_size}"
         self._base = f"kvpool/sgl/{tag}/{model}/"
         self.prefix = self._base + "nolayout/"  # until the host pool is registered
         self.suffix = f"_{rank}"
