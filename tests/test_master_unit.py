@@ -38,6 +38,13 @@ class Driver:
     def stop(self) -> None:
         self.m.stop()
 
+    def beat_storages(self) -> None:
+        """Two heartbeats of every client with a segment: each storage process ran since the
+        fences so far (Space.release frees a fence only then)."""
+        for _ in range(2):
+            for seg in list(self.m.space.segments.values()):
+                self.handle({"op": "heartbeat", "client": seg.client})
+
 
 @pytest.fixture
 def master() -> Iterator[Driver]:
@@ -215,7 +222,10 @@ def test_fenced_space_is_freed_by_the_writers_floor_or_turns_suspect(master: Dri
     assert m.space.fenced == 1
     master.handle({"op": "heartbeat", "client": "r", "floor": gen})  # still writing gen
     assert m.space.fenced == 1
-    master.handle({"op": "heartbeat", "client": "r", "floor": gen + 1})  # done with it
+    master.handle({"op": "heartbeat", "client": "r", "floor": gen + 1})  # done with it ...
+    assert m.space.fenced == 1  # ... but the segment's storage process did not run since
+    master.beat_storages()
+    master.handle({"op": "heartbeat", "client": "r", "floor": gen + 1})
     assert m.space.fenced == 0
     # A writer that dies without confirming: its space comes back after the hold, as suspect space
     # in which every object must carry a checksum.
@@ -225,6 +235,7 @@ def test_fenced_space_is_freed_by_the_writers_floor_or_turns_suspect(master: Dri
     m._remove_client("ra")
     assert m.space.fenced == 1
     m.space.fence_hold_s = 0.0
+    master.beat_storages()
     m.space.release(m._floor_of, time.monotonic())
     assert m.space.fenced == 0
     seg = m.space.segments[reps[0][0]]
@@ -245,6 +256,7 @@ def _lost_writer_space(m: Driver, writer: str, size: int, segment: str) -> tuple
     space = m.m.space
     space.quarantine_s = space.fence_hold_s = 0.0
     m.m._remove_client(writer)
+    m.beat_storages()
     space.release(m.m._floor_of, time.monotonic())
     assert space.segments[segment].suspect and space.fenced == 0
     return reps[0][0], reps[0][1]
@@ -1098,6 +1110,7 @@ def test_a_late_corrupt_report_leaves_a_new_replica_at_the_same_address(master: 
     master.handle(bad)  # the first reader's report
     obj = m.objects["k"]
     assert [r.seg.name for r in obj.replicas] == ["seg-a"] and m.stats["replicas_corrupt"] == 1
+    master.beat_storages()
     m.space.release(m._floor_of, time.monotonic() + 1)  # its range is free again
     m._replicate(obj, 1, time.monotonic())  # a hot-key copy onto seg-b, the only other segment
     (task,) = master.handle({"op": "heartbeat", "client": "b"})["tasks"]

@@ -184,6 +184,43 @@ def test_stalled_writer_past_put_timeout_cannot_hit_reused_space() -> None:
             w.close()
 
 
+def test_a_stopped_storages_late_bytes_never_reach_the_next_object_placed_there() -> None:
+    """A put into a storage process stopped past quarantine_s (not declared dead: client_ttl_s is
+    longer) times out with its value's bytes waiting in that process's socket; they land when it
+    runs again. Its space stays fenced until the storage ran since, so they never land in the next
+    object put there (same host: written straight into the stopped process's memory). The space
+    was reused once quarantine_s passed and the writer's floor did, and the next get of that
+    object returned the timed-out put's bytes under the new object's header."""
+    with (
+        MasterProcess(client_ttl_s=60, quarantine_s=1, put_timeout_s=2) as m,
+        StorageProcess(m.address, 64 << 20, heartbeat_s=0.2, transfer_timeout_s=1) as sp,
+    ):
+        a = Store.connect(master=m.address, segment_size=0, heartbeat_s=0.2, protocol="tcp",
+                          transfer_timeout_s=1, location_cache=0)  # fmt: skip
+        b = Store.connect(master=m.address, segment_size=0, heartbeat_s=0.2, transfer_timeout_s=1,
+                          location_cache=0)  # fmt: skip
+        n = 16 << 20
+        try:
+            b.put("warm-b", b"x" * 100)  # both have the segment open
+            a.put("warm-a", b"y" * 100)
+            os.kill(sp.proc.pid, signal.SIGSTOP)
+            with pytest.raises(KvpoolError):
+                a.put("k1", b"\xee" * n)  # over TCP: its value waits in the stopped process
+            time.sleep(3)  # past quarantine_s; a's floor passed its allocation
+            held = stats(m.address)["fenced"]
+            v = pattern(n, 7)
+            b.put("k2", v)  # same host: written while the storage is stopped
+            os.kill(sp.proc.pid, signal.SIGCONT)
+            time.sleep(1.0)  # the late bytes land
+            assert b.get("k2") == v
+            assert held >= 1  # the fences were held: the storage had not run since
+            wait_for(lambda: stats(m.address)["fenced"] == 0, what="the fence released once it ran")
+        finally:
+            os.kill(sp.proc.pid, signal.SIGCONT)
+            a.close()
+            b.close()
+
+
 _LOST_WRITER = """
     import json, sys
     from kvpool import Store

@@ -97,6 +97,7 @@ class ClientOps(_Base):
             return {"master": self.incarnation, "reregister": True, "tasks": []}
         now = time.monotonic()
         c.last_seen = now
+        c.beats = (c.beats[1], now)
         if req.get("floor") is not None:
             c.floor = int(req["floor"])
             if self.space.has_fences(c.id):

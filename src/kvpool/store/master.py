@@ -61,7 +61,7 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         self.changes = ChangeLog(c.change_log) if c.change_log else None  # key feed (store/changes.py)
         self._resv: dict[int, Obj] = {}  # reservations (pending, no key yet), by generation
         self._pending: OrderedDict[int, Obj] = OrderedDict()  # pending puts + reservations, oldest first
-        self.space = Space(c.alignment, c.quarantine_s, c.fence_hold_s)
+        self.space = Space(c.alignment, c.quarantine_s, c.fence_hold_s, self._drained)
         self.clients: dict[str, Client] = {}
         self._departed: dict[str, int] = {}  # floors of clients that unregistered with fences left
         self.lru = ClassLru()
@@ -221,6 +221,13 @@ class Master(ObjectOps, ClientOps, ChangeOps, Upkeep):
         if n > self.config.max_batch:
             raise _Err("TOO_LARGE", f"request carries {n} keys; the master takes at most "
                        f"{self.config.max_batch} per request (max_batch): split it")  # fmt: skip
+
+    def _drained(self, seg: Segment, t: float) -> bool:
+        """Whether segment ``seg``'s storage process ran after ``t``: a heartbeat of its came
+        after ``t`` and another one after that (so it ran a heartbeat interval past a resume),
+        its engine reading whatever waited in its sockets. Called by :meth:`Space.release`."""
+        owner = self.clients.get(seg.client)
+        return owner is not None and owner.beats[0] >= t
 
     def _floor_of(self, cid: str) -> int | None:
         c = self.clients.get(cid)

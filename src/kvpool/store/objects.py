@@ -144,6 +144,8 @@ class Client:
     segments: set[str] = field(default_factory=set)
     tasks: list[dict[str, Any]] = field(default_factory=list)
     floor: int = 0  # it may still write allocations of this generation and newer (0: not reported)
+    # master times of its last two heartbeats (the one before last: see Master._drained)
+    beats: tuple[float, float] = (0.0, 0.0)
     pending: set[Obj] = field(default_factory=set)  # its puts and reservations not yet committed
     task_ids: set[int] = field(default_factory=set)
     # replica copies it runs (replica/promote_start): change id -> (object, the replicas it fills)

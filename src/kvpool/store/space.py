@@ -8,7 +8,12 @@ until both
 * ``quarantine_s`` has passed (longer than any writer's transfer timeout, so bytes of a failed
   write still on their way have landed or been refused), and
 * the writer's client reported, in a heartbeat, a *floor* above the allocation's generation (no
-  write of that generation or older is in flight or can start there any more).
+  write of that generation or older is in flight or can start there any more), and
+* the segment's own storage process ran since (``drained``: its heartbeat before last came once
+  ``quarantine_s`` had passed). A failed write's bytes may wait in that process's socket for as
+  long as it is stopped, and land in the range whenever it runs again: a storage process stopped
+  past ``quarantine_s`` (but not declared dead: ``client_ttl_s`` longer) wrote a timed-out put's
+  value over the next object placed there, its header intact.
 
 A writer that never reports again (dead, or stopped) holds its fences for ``fence_hold_s``; then
 the range is reused but recorded as *suspect*: objects placed over it must carry a checksum, so
@@ -54,10 +59,13 @@ class Fence:
 class Space:
     """Segments and their allocators, with the pool's capacity and use kept up to date."""
 
-    def __init__(self, alignment: int, quarantine_s: float, fence_hold_s: float) -> None:
+    def __init__(self, alignment: int, quarantine_s: float, fence_hold_s: float,
+                 drained: Callable[[Segment, float], bool] | None = None) -> None:  # fmt: skip
         self.alignment = alignment
         self.quarantine_s = quarantine_s
         self.fence_hold_s = fence_hold_s
+        # drained(seg, t): bytes sent to the segment's storage before t have landed or never will
+        self.drained = drained
         self.segments: dict[str, Segment] = {}
         self.capacity = 0
         self.used = 0
@@ -221,10 +229,13 @@ class Space:
             if not fences:
                 continue
             floor = floor_of(cid)
+            drained = self.drained
             kept: list[Fence] = []
             for f in fences:
                 if now - f.since < self.quarantine_s:
                     kept.append(f)
+                elif drained is not None and not drained(f.seg, f.since + self.quarantine_s):
+                    kept.append(f)  # its storage did not run since: the write's bytes may still land
                 elif floor is not None and f.gen < floor:
                     self.free(f.seg, f.offset)
                     freed += 1
