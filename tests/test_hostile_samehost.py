@@ -3,11 +3,14 @@ native engines, process_vm_writev and the fence table (csrc/fence.h)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -278,6 +281,45 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
+@contextlib.contextmanager
+def _stopped_inside_a_copy(eng: Any, n: int) -> Iterator[tuple[bytearray, int, subprocess.Popen, Exception]]:
+    """A same-host writer process (WRITER) copying into a fresh ``n``-byte buffer of ``eng``,
+    stopped (SIGSTOP) inside a copy: (buffer, its address, the writer, the RegistrationError its
+    unregister raised). A stop between two copies fences nothing (unregister succeeds): the case is
+    set up again with a fresh buffer and writer, at most 10 times (one is nearly always enough: each
+    copy of ``n`` = 64 MiB takes milliseconds). The writer is killed on the way out."""
+    import os
+    import signal
+
+    from kvpool.errors import RegistrationError
+
+    for _ in range(10):
+        buf = bytearray(n)
+        addr = eng.register_local_memory(buf)
+        w = subprocess.Popen(
+            [sys.executable, "-c", WRITER, eng.segment_name, str(addr), str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert w.stdout is not None and w.stdout.readline().strip() == "go"
+            assert buf[:1] == b"W"
+            os.kill(w.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while not _stopped(w.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            try:
+                eng.unregister_local_memory(addr)
+                continue  # stopped between copies: nothing to fence, try again
+            except RegistrationError as exc:
+                yield buf, addr, w, exc
+                return
+        finally:
+            w.kill()
+            w.wait()
+    pytest.fail("in 10 tries the writer was never stopped inside a copy")
+
+
 def test_unregister_under_a_stopped_same_host_writer_raises_and_leaves_it_unpublished() -> None:
     """A same-host peer SIGSTOPped inside a copy into our buffer: the fence retire cannot be
     confirmed, so unregister raises RegistrationError, and the range is nonetheless unregistered
@@ -286,45 +328,22 @@ def test_unregister_under_a_stopped_same_host_writer_raises_and_leaves_it_unpubl
     import signal
 
     from kvpool import TransferEngine
-    from kvpool.errors import AddressNotRegistered, RegistrationError
+    from kvpool.errors import AddressNotRegistered
 
-    n = 64 << 20  # each copy takes milliseconds: a stop lands inside one (pinned) nearly always
-    with TransferEngine(protocol="auto", timeout_s=1) as eng:
-        # A stop between two copies fences nothing: unregister then succeeds, and the case is set
-        # up again with a fresh buffer and writer (at most 10 tries; one is nearly always enough).
-        for _ in range(10):
-            buf = bytearray(n)
-            addr = eng.register_local_memory(buf)
-            w = subprocess.Popen(
-                [sys.executable, "-c", WRITER, eng.segment_name, str(addr), str(n)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            try:
-                assert w.stdout is not None and w.stdout.readline().strip() == "go"
-                assert buf[:1] == b"W"
-                os.kill(w.pid, signal.SIGSTOP)
-                deadline = time.monotonic() + 10
-                while not _stopped(w.pid) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                try:
-                    eng.unregister_local_memory(addr)
-                    continue  # stopped between copies: nothing to fence, try again
-                except RegistrationError as exc:
-                    assert "stopped inside a copy" in str(exc)
-                assert addr not in [b.addr for b in eng.local_descriptor().buffers]
-                with pytest.raises(AddressNotRegistered):
-                    eng.unregister_local_memory(addr)  # gone everywhere, not half-registered
-                os.kill(w.pid, signal.SIGCONT)
-                time.sleep(0.5)  # the copy in flight finishes; every later one is refused
-                buf[:] = bytes(n)
-                time.sleep(0.5)
-                assert buf.count(0) == n
-                return
-            finally:
-                w.kill()
-                w.wait()
-        pytest.fail("in 10 tries the writer was never stopped inside a copy")
+    n = 64 << 20
+    with (
+        TransferEngine(protocol="auto", timeout_s=1) as eng,
+        _stopped_inside_a_copy(eng, n) as (buf, addr, w, exc),
+    ):
+        assert "stopped inside a copy" in str(exc)
+        assert addr not in [b.addr for b in eng.local_descriptor().buffers]
+        with pytest.raises(AddressNotRegistered):
+            eng.unregister_local_memory(addr)  # gone everywhere, not half-registered
+        os.kill(w.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the copy in flight finishes; every later one is refused
+        buf[:] = bytes(n)
+        time.sleep(0.5)
+        assert buf.count(0) == n
 
 
 def test_range_under_a_stopped_same_host_writer_cannot_be_registered_again() -> None:
@@ -338,54 +357,33 @@ def test_range_under_a_stopped_same_host_writer_cannot_be_registered_again() -> 
     from kvpool import TransferEngine
     from kvpool.errors import RegistrationError
 
-    n = 64 << 20  # each copy takes milliseconds: a stop lands inside one (pinned) nearly always
-    with TransferEngine(protocol="auto", timeout_s=1) as eng:
-        for _ in range(10):
-            buf = bytearray(n)
-            addr = eng.register_local_memory(buf)
-            w = subprocess.Popen(
-                [sys.executable, "-c", WRITER, eng.segment_name, str(addr), str(n)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+    n = 64 << 20
+    with (
+        TransferEngine(protocol="auto", timeout_s=1) as eng,
+        _stopped_inside_a_copy(eng, n) as (buf, _, w, _exc),
+    ):
+        try:
+            eng.register_local_memory(buf, remote_accessible=False)
+        except RegistrationError as exc:
+            assert "still inside a copy" in str(exc)
+        else:  # registered again: no peer may write into it now
+            buf[:] = bytes(n)
+            os.kill(w.pid, signal.SIGCONT)
+            time.sleep(0.5)
+            assert buf.count(0) == n, "the stopped peer's copy landed in the new registration"
+            pytest.fail("registered again under a stopped same-host writer")
+        os.kill(w.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:  # its copy ends: the range is free again
             try:
-                assert w.stdout is not None and w.stdout.readline().strip() == "go"
-                os.kill(w.pid, signal.SIGSTOP)
-                deadline = time.monotonic() + 10
-                while not _stopped(w.pid) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                try:
-                    eng.unregister_local_memory(addr)
-                    continue  # stopped between copies: nothing to fence, try again
-                except RegistrationError:
-                    pass
-                try:
-                    eng.register_local_memory(buf, remote_accessible=False)
-                except RegistrationError as exc:
-                    assert "still inside a copy" in str(exc)
-                else:  # registered again: no peer may write into it now
-                    buf[:] = bytes(n)
-                    os.kill(w.pid, signal.SIGCONT)
-                    time.sleep(0.5)
-                    assert buf.count(0) == n, "the stopped peer's copy landed in the new registration"
-                    pytest.fail("registered again under a stopped same-host writer")
-                os.kill(w.pid, signal.SIGCONT)
-                deadline = time.monotonic() + 10
-                while True:  # its copy ends: the range is free again
-                    try:
-                        eng.register_local_memory(buf, remote_accessible=False)
-                        break
-                    except RegistrationError:
-                        assert time.monotonic() < deadline, "the range stayed reserved after the peer went on"
-                        time.sleep(0.02)
-                buf[:] = bytes(n)
-                time.sleep(0.5)
-                assert buf.count(0) == n
-                return
-            finally:
-                w.kill()
-                w.wait()
-        pytest.fail("in 10 tries the writer was never stopped inside a copy")
+                eng.register_local_memory(buf, remote_accessible=False)
+                break
+            except RegistrationError:
+                assert time.monotonic() < deadline, "the range stayed reserved after the peer went on"
+                time.sleep(0.02)
+        buf[:] = bytes(n)
+        time.sleep(0.5)
+        assert buf.count(0) == n
 
 
 SUCCESSOR = r"""
