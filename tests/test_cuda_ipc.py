@@ -1064,6 +1064,21 @@ def test_letting_a_peer_go_under_a_stopped_stream_does_not_wait_nor_unmap(
         assert closed and drv.pointer_device(mapped) is None and rec.pidfd == -1  # closed after the run
 
 
+def _submitter(eng: TransferEngine, bid: int, req: TransferRequest) -> tuple[threading.Thread, list[object]]:
+    """A thread (named "submitter", not started) that submits ``req`` into batch ``bid``, and the
+    list it appends None or the KvpoolError raised to."""
+    out: list[object] = []
+
+    def submit() -> None:
+        try:
+            eng.submit_transfer(bid, [req])
+            out.append(None)
+        except KvpoolError as exc:
+            out.append(exc)
+
+    return threading.Thread(target=submit, name="submitter", daemon=True), out
+
+
 def _pause_in(
     monkeypatch: pytest.MonkeyPatch, obj: object, name: str, thread: str
 ) -> tuple[threading.Event, threading.Event]:
@@ -1111,16 +1126,7 @@ def test_letting_a_peer_go_during_a_submit_never_unmaps_under_it(
         obj = ipc.driver if call else ipc._spares
         entered, go = _pause_in(monkeypatch, obj, call or "event", "submitter")
         bid = eng.allocate_batch_id(1)
-        out: list[object] = []
-
-        def submit() -> None:
-            try:
-                eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
-                out.append(None)
-            except KvpoolError as exc:
-                out.append(exc)
-
-        sub = threading.Thread(target=submit, name="submitter", daemon=True)
+        sub, out = _submitter(eng, bid, TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096))
         sub.start()
         try:
             assert entered.wait(10)
@@ -1255,16 +1261,7 @@ def test_engine_close_during_a_submit_waits_for_its_run(
     monkeypatch.setattr(ipc.driver, "stream_destroy", destroyed.append)
     entered, go = _pause_in(monkeypatch, _native, "ipc_enqueue", "submitter")
     bid = eng.allocate_batch_id(1)
-    out: list[object] = []
-
-    def submit() -> None:
-        try:
-            eng.submit_transfer(bid, [TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096)])
-            out.append(None)
-        except KvpoolError as exc:
-            out.append(exc)
-
-    sub = threading.Thread(target=submit, name="submitter", daemon=True)
+    sub, out = _submitter(eng, bid, TransferRequest(OpCode.READ, g, seg, peer.gpu[0] + 4096, 4096))
     closer = threading.Thread(target=eng.close, daemon=True)
     sub.start()
     try:
