@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,6 +61,12 @@ def _fill(drv: CudaDriver, addr: int, n: int, seed: int) -> None:
 
 def _ipc(eng: TransferEngine) -> CudaIpcTransport:
     return next(t for t in eng._transports if isinstance(t, CudaIpcTransport))
+
+
+def _tamper(monkeypatch: pytest.MonkeyPatch, ipc: CudaIpcTransport, edit: Callable[[Any], Any]) -> None:
+    """The transport attaches every peer descriptor as ``edit`` returns it (a hostile peer's)."""
+    real = ipc.attach
+    monkeypatch.setattr(ipc, "attach", lambda handle, name, desc: real(handle, name, edit(desc)))
 
 
 # ----------------------------------------------------------------------------- the driver wrapper
@@ -326,15 +333,14 @@ def test_a_descriptor_past_its_allocation_is_refused_before_any_copy(
         g = drv.alloc(1 << 20, 0)
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
         ipc = _ipc(eng)
-        real_attach = ipc.attach
 
-        def hostile(handle: int, name: str, desc: object) -> None:
-            for b in desc.cuda_ipc["bufs"]:  # type: ignore[attr-defined]
+        def hostile(desc: Any) -> Any:
+            for b in desc.cuda_ipc["bufs"]:
                 if b[0] == peer.gpu[0]:
                     b[1 if field == "length" else 4] += 4096
-            real_attach(handle, name, desc)
+            return desc
 
-        monkeypatch.setattr(ipc, "attach", hostile)
+        _tamper(monkeypatch, ipc, hostile)
         launches = fakecuda.stats(fake_driver)
         rem = peer.gpu[0] + SIZE - (4096 if field == "length" else 8192)  # to 4 KiB past the end
         with pytest.raises(RemoteAccessError, match="allocation"):
@@ -356,14 +362,13 @@ def test_a_shared_host_buffer_past_its_file_is_refused_typed(
         g = drv.alloc(1 << 20, 0)
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
         ipc = _ipc(eng)
-        real_attach = ipc.attach
 
-        def hostile(handle: int, name: str, desc: object) -> None:
+        def hostile(desc: Any) -> Any:
             bufs = [dataclasses.replace(b, length=b.length + (1 << 20)) if b.addr == peer.shm else b
-                    for b in desc.buffers]  # type: ignore[attr-defined]  # fmt: skip
-            real_attach(handle, name, dataclasses.replace(desc, buffers=bufs))  # type: ignore[type-var]
+                    for b in desc.buffers]  # fmt: skip
+            return dataclasses.replace(desc, buffers=bufs)
 
-        monkeypatch.setattr(ipc, "attach", hostile)
+        _tamper(monkeypatch, ipc, hostile)
         with pytest.raises(RemoteAccessError, match="shared"):
             eng.transfer_sync(peer.name, g, peer.shm, 4096, OpCode.READ)
         assert not ipc._runs
@@ -403,20 +408,19 @@ def test_a_malformed_gpu_buffer_in_a_descriptor_is_refused_typed(
 
     with TransferEngine(timeout_s=5.0) as eng:
         ipc = _ipc(eng)
-        real_attach = ipc.attach
 
-        def hostile(handle: int, name: str, desc: object) -> None:
+        def hostile(desc: Any) -> Any:
             if bad is None:  # no list at all
-                desc.cuda_ipc["bufs"] = 7  # type: ignore[attr-defined]
-                return real_attach(handle, name, desc)
-            (entry, *_) = desc.cuda_ipc["bufs"]  # type: ignore[attr-defined]
+                desc.cuda_ipc["bufs"] = 7
+                return desc
+            (entry, *_) = desc.cuda_ipc["bufs"]
             for k, v in bad.items():
                 entry[k] = v
             if not bad:
                 entry.append(0)  # one field too many
-            real_attach(handle, name, desc)
+            return desc
 
-        monkeypatch.setattr(ipc, "attach", hostile)
+        _tamper(monkeypatch, ipc, hostile)
         with pytest.raises(MetadataError, match="GPU buffer"):
             eng.open_segment(peer.name)
         assert not ipc._peers

@@ -77,17 +77,23 @@ def target():
     t.close()
 
 
-def _initiator(t: _Target):
-    e = _native.NativeEngine(
+def _native_engine(timeout_ms: int = 5000) -> Any:
+    """An initiator's native engine on loopback: one lane, no secret, ``timeout_ms`` for both
+    transfers and connects."""
+    return _native.NativeEngine(
         host="127.0.0.1",
         port=0,
         secret="",
         lanes=1,
         slice_size=1 << 20,
-        timeout_ms=5000,
-        connect_timeout_ms=5000,
+        timeout_ms=timeout_ms,
+        connect_timeout_ms=timeout_ms,
         max_frame=1 << 24,
     )
+
+
+def _initiator(t: _Target):
+    e = _native_engine()
     src = bytearray(65536)
     local, n = _native.buffer_address(src)
     e.register_memory(local, n, False, False)
@@ -421,16 +427,7 @@ def test_stale_descriptor_never_pins_another_engines_fence_table() -> None:
     t.info = json.loads(t.proc.stdout.readline())
     try:
         assert t.info["new_fence_fd"] == t.info["fence_fd"]  # the case: the number was reused
-        e = _native.NativeEngine(
-            host="127.0.0.1",
-            port=0,
-            secret="",
-            lanes=1,
-            slice_size=1 << 20,
-            timeout_ms=2000,
-            connect_timeout_ms=2000,
-            max_frame=1 << 24,
-        )
+        e = _native_engine(2000)
         try:
             src = bytearray(b"STALE!!!" * 8192)
             local, n = _native.buffer_address(src)
