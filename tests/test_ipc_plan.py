@@ -123,3 +123,24 @@ def test_addresses_put_the_remote_side_by_direction() -> None:
         _native.ipc_addresses(ops, locs, rems, np.array([0, -1, 0], np.int64), bases, starts, out.ctypes.data)
     with pytest.raises(RemoteAccessError, match="mapped"):  # a buffer of the run not opened (base 0)
         _native.ipc_addresses(ops, locs, rems, ridx, np.array([900_000, 0], U64), starts, out.ctypes.data)
+
+
+def test_u64_column_converts_lists_of_ints_and_declines_the_rest() -> None:
+    """``_native.u64_column``: a list or tuple of ints in [0, 2**63) as uint64 (equal to numpy's
+    conversion); None (the caller's numpy path then names what is wrong) for a negative int, one
+    past 2**63, a float, another sequence type - and the engine's column check raises
+    InvalidArgument for those exactly as before."""
+    from kvpool.transfer.sync import _u64_columns
+
+    big = [0x7F00_0000_0000 + 32768 * i for i in range(4096)]
+    for seq in (big, tuple(big), [0, 1, 2**63 - 1], [], [True, 3]):
+        a = _native.u64_column(seq)
+        assert a is not None and a.dtype == U64
+        assert a.tolist() == [int(x) for x in seq]
+    for bad in ([1, -1], [2**63], [2**64 + 5], [1.0], [1, "2"], range(3), np.arange(3)):
+        assert _native.u64_column(bad) is None
+    cols = _u64_columns((big, big[::-1], [4096] * len(big)))
+    assert [c.tolist() for c in cols] == [big, big[::-1], [4096] * len(big)]
+    for bad_cols in (([1], [-1], [8]), ([1], [2], [0]), (["x"], [2], [8]), ([2**64], [2], [8])):
+        with pytest.raises(InvalidArgument):
+            _u64_columns(bad_cols)

@@ -304,7 +304,8 @@ def _col(c: Any) -> np.ndarray:
     """A request column as a uint64 array (free for arrays, one C-speed pass for lists)."""
     if isinstance(c, np.ndarray):
         return c.astype(_U64, copy=False)
-    return np.fromiter(c, dtype=_U64, count=len(c))
+    a = _native.u64_column(c)  # a list of ints in one native pass
+    return np.fromiter(c, dtype=_U64, count=len(c)) if a is None else a
 
 
 class _Shm:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpool import _native
 from kvpool.errors import InvalidArgument, KvpoolError, RemoteAccessError, TransferError, TransferTimeout
 from kvpool.transfer.transport import READ, WRITE, Requests, Transport
 from kvpool.transfer.types import OpCode, TransferState, TransferStatus
@@ -55,8 +56,10 @@ def _u64_columns(cols: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarra
                 if c.dtype.kind not in "iu":
                     raise TypeError(f"columns must be integers, not {c.dtype}")
                 a = c
-            else:
-                a = np.fromiter(c, dtype=np.int64, count=len(c))
+            else:  # a list of ints in one native pass; anything else (and what is wrong) by numpy
+                a = _native.u64_column(c)
+                if a is None:
+                    a = np.fromiter(c, dtype=np.int64, count=len(c))
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidArgument(f"bad transfer request: {exc}") from None
         if a.dtype != _U64 and len(a) and a.min() < 0:
@@ -125,6 +128,12 @@ class SyncTransfers:
         if length <= 0:
             raise InvalidArgument("length must be a positive integer")
         op = WRITE if opcode is OpCode.WRITE else READ if opcode is OpCode.READ else native_op(opcode)
+        reg = self._registry
+        if reg.gpu_count and reg.gpu_region(local_addr, length) is not None:
+            # GPU memory here: a batch moves it (CUDA IPC or staging); as uint64 columns, which
+            # the CUDA IPC route takes straight through (no per-request Python on the way)
+            cols = np.array([[local_addr], [remote_addr], [length]], dtype=_U64)
+            return self.batch_transfer_sync(target_name, cols[0], cols[1], cols[2], opcode)
         st = self._inline_cached(target_name, op, (local_addr,), (remote_addr,), (length,))
         if st is None:
             return self.batch_transfer_sync(target_name, [local_addr], [remote_addr], [length], opcode)
@@ -231,6 +240,7 @@ class SyncTransfers:
         if n == 0:
             return 0
         op = native_op(opcode)
+        gpu_here = False  # a few ranges given as lists, one of them in local GPU memory
         if n <= INLINE_MAX and not isinstance(lengths, np.ndarray):
             # a few ranges (e.g. a value and its header): in this thread on the cached segment
             locs, rems, lens = _int_columns((local_addrs, remote_addrs, lengths))
@@ -239,6 +249,10 @@ class SyncTransfers:
                 if st.ok:
                     return sum(lens)
                 raise _failed(st, f"{OpCode(opcode).name} of {n} ranges to {target_name}")
+            reg = self._registry
+            gpu_here = bool(reg.gpu_count) and any(
+                reg.gpu_region(a, k) is not None for a, k in zip(locs, lens, strict=True)
+            )
         if scratch is not None:
             self.register_host_scratch(*scratch)
             try:
@@ -248,7 +262,7 @@ class SyncTransfers:
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
-        if n > INLINE_MAX and "cuda" in t.locations and self._registry.gpu_count:
+        if (n > INLINE_MAX or gpu_here) and "cuda" in t.locations and self._registry.gpu_count:
             arrays = _u64_columns(arrays)  # once: needs_staging and the run below take these
         # the CUDA IPC route stages local GPU ranges to peer ranges no GPU copy reaches: rounds too
         staged = "cuda" in t.locations and self._registry.gpu_count and t.needs_staging(handle.id, *arrays)
