@@ -53,7 +53,6 @@ from kvpool.errors import (
     KvpoolError,
     ProtocolUnavailable,
     RegistrationError,
-    RemoteAccessError,
     SegmentNotFound,
 )
 from kvpool.transfer.batch import Batches
@@ -453,9 +452,13 @@ class CudaIpcTransport(_Completion, Transport):
         Raises (nothing held) or returns what :meth:`_enqueue_gpu` queues with (or
         :meth:`_release` gives back). The kernel reads and writes device-accessible memory
         only, so a run with pageable local host memory goes by one cuMemcpyAsync per request."""
-        if (ridx < 0).any():
-            raise RemoteAccessError("remote range is outside the segment's remote-accessible buffers")
-        used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
+        # every request of a GPU run lies in a peer buffer (the plan's ``ipc``; ipc_enqueue checks
+        # again: RemoteAccessError, nothing queued): ridx >= 0
+        n = len(lens)
+        if len(peer.bufs) == 1 or n == 1:
+            used = [int(ridx[0])]  # the common cases, without two numpy passes
+        else:
+            used = np.flatnonzero(np.bincount(ridx, minlength=len(peer.bufs))).tolist()
         if not peer.alive():
             peer.gone = True
             raise SegmentNotFound(f"the segment's process (pid {peer.pid}) exited; open the segment again")
@@ -477,8 +480,7 @@ class CudaIpcTransport(_Completion, Transport):
                 run.starts[k] = b.addr
                 reach = reach and (not b.gpu or self._access.ok(dev, self._uuids.get(b.uuid, dev)))
             run.stream = self._stream(dev)
-            n, big = len(lens), int(np.min(lens)) >= _MEMCPY_MIN
-            run.kernel = reach and not (n <= 4 or big or not local_gpu.all())
+            run.kernel = reach and n > 4 and int(np.min(lens)) < _MEMCPY_MIN and bool(local_gpu.all())
             if run.kernel:
                 run.func = self._kernel(dev)
                 run.table = self._spares.table(dev, 24 * n)
