@@ -37,6 +37,8 @@ run)
   export PYTHONPATH=/tmp/kv:/tmp/site
   step suite 150 python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/test_gpu_real.py
   step bench 150 python3 benchmarks/gpu_kv.py --reps 10 --json "$OUT/gpu_kv.json"
+  # the gather kernel alone next to the contiguous-copy limit (GPU time; cupy): the GPU's share
+  step kernel 60 python3 benchmarks/gpu_gather_kernel.py --json "$OUT/gather_kernel.json"
   # the software cost of a synchronous CUDA IPC call (1 and 4,096 ranges of 256 B), native since stop 39
   step overhead 60 python3 benchmarks/ipc_overhead.py --reps 1000
   # kvpool bench transfer: CUDA IPC (auto) and TCP with GPU memory on both sides next to host <->
