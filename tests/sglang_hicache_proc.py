@@ -214,6 +214,16 @@ def main() -> None:
         got = pages(role, master, n, kind, layout, rank, size, start, pp, cp, dcp)
         print(json.dumps(got), flush=True)
         return
+    if role == "prefixes":  # the key prefix for each model name given
+        prefixes = []
+        for name in sys.argv[4:]:
+            cfg = storage_config(master)
+            cfg.model_name = name
+            b = StorageBackendFactory.create_backend("dynamic", cfg, host_pool())
+            prefixes.append(b._base)
+            b.close()
+        print(json.dumps({"prefixes": prefixes}), flush=True)
+        return
     cfg = storage_config(master)
     hp = host_pool()
     backend = StorageBackendFactory.create_backend("dynamic", cfg, hp)

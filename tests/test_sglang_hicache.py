@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,32 @@ def test_hicache_pages_written_by_one_process_are_read_by_another(master: str) -
     assert r["missing"] == [False]
     assert r["other_layout_exists"] == 0  # fp16 pool vs bf16 objects: the layout is in the key
     assert r["short"] == [False, True]  # a shorter object fails its page only
+
+
+def test_two_checkpoints_at_one_path_or_name_never_share_keys(master: str, tmp_path: Path) -> None:
+    """SGLang names the model by its path (``model_path``, or ``model_path-<format tag>``): the
+    key prefix adds a fingerprint of the checkpoint's files, so other weights under the same
+    name - a redeploy into the same path, another fine-tune - are other keys, and the same
+    checkpoint copied elsewhere fingerprints the same."""
+    import shutil
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    for d, fill in ((base, b"a"), (tuned, b"b")):
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(fill * 4096)
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    names = [str(base), str(tuned), str(copy), f"{base}-page_first", "not-a-path/model"]
+    p = run("prefixes", master, 0, *names)["prefixes"]
+    assert len(p) == 5 and all("+ckpt-" in x for x in p)
+    ckpt = [x.split("+ckpt-")[1] for x in p]
+    assert ckpt[0] != ckpt[1]  # other weights: other keys
+    assert ckpt[0] == ckpt[2] == ckpt[3]  # a copy, and the name with SGLang's format tag
+    assert p[0] != p[2]  # the path itself stays in the key (as before)
+    (base / "model.safetensors").write_bytes(b"c" * 4096)  # redeployed in place: a new process sees it
+    again = run("prefixes", master, 0, str(base))["prefixes"][0]
+    assert again != p[0]
 
 
 def test_mla_pages_are_stored_once_for_all_tp_ranks(master: str) -> None:

@@ -289,6 +289,45 @@ def test_kv_cache_dtype_and_layout_are_in_the_namespace(tiny_llama: Path) -> Non
     assert layout_signature({"l0": torch.zeros(16, 2, 32, 128)}, 16) == layout_signature(base, 8)
 
 
+def test_two_checkpoints_under_one_served_name_never_share_a_namespace(
+    tiny_llama: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The same served name (an alias) for another checkpoint - weights that differ in one byte
+    - is another namespace; the same checkpoint copied to another path is the same one; with
+    ``model_tag`` the operator vouches for the weights and no fingerprint is added."""
+    import shutil
+
+    from kvpool.connectors.blockkeys import NAMESPACE_RE
+    from kvpool.connectors.vllm.common import VllmConnectorConfig
+    from kvpool.connectors.vllm.store import namespace_for
+    from tests.vllm_sched import vllm_config
+
+    tuned, copy = tmp_path / "tuned", tmp_path / "elsewhere" / "copy"
+    shutil.copytree(tiny_llama, tuned)
+    shutil.copytree(tiny_llama, copy)
+    weights = sorted(tuned.glob("*.safetensors"))
+    assert weights
+    data = bytearray(weights[-1].read_bytes())
+    data[-1] ^= 0xFF
+    weights[-1].write_bytes(bytes(data))
+
+    def ns(model: Path, cfg: VllmConnectorConfig) -> str:
+        vc = vllm_config(model, "KvpoolStoreConnector", "kv_both", {"master": "x:1"}, 8)
+        vc.model_config.served_model_name = "llama"
+        return namespace_for(cfg, vc, 0)
+
+    plain = VllmConnectorConfig(master="x:1")
+    base = ns(tiny_llama, plain)
+    assert ns(tuned, plain) != base
+    assert ns(copy, plain) == base
+    assert "+ckpt-" in base.split("/")[3]
+    assert NAMESPACE_RE.match(base + "/" + "0" * 32)["model"] == "llama"  # the router still parses it
+    tagged = VllmConnectorConfig(master="x:1", model_tag="m")
+    assert ns(tuned, tagged) == ns(tiny_llama, tagged)
+    assert "+ckpt-" not in ns(tiny_llama, tagged)
+
+
 def test_a_stored_object_of_the_wrong_size_is_a_failed_load(tiny_llama: Path, master: str) -> None:  # noqa: F811
     a = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})
     b = Instance(tiny_llama, "KvpoolStoreConnector", "kv_both", {"master": master, "model_tag": "t6"})

@@ -11,7 +11,8 @@ contributes, default 0), ``buffer_size``, ``protocol``, ``secret``, ``key_tag`` 
 
 SGLang's page keys are SHA-256 chains over the tokens that already cover LoRA / ``extra_key`` and
 ``cache_salt`` (SGLang seeds the chain with ``storage_namespace_seed``), but not the KV layout;
-objects are stored as ``kvpool/sgl/<tag>/<model>/<layout>/<key>_<tp_rank>of<tp_size>_k`` (and
+objects are stored as ``kvpool/sgl/<tag>/<model>+ckpt-<digest>/<layout>/<key>_<tp_rank>of<tp_size>_k``
+(the digest: :func:`~kvpool.connectors.checkpoint.checkpoint_tag` of the model path; and
 ``_v``; ``_pp<rank>`` for a pipeline stage, ``_cp<rank>of<size>`` for an attention context-parallel
 rank, ``_dcp<rank>of<size>`` for a decode context-parallel one), one object per page and K/V
 half, so ranks never collide. ``<layout>`` names the host pool's KV dtype, layout, page size
@@ -32,12 +33,23 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from kvpool.connectors.checkpoint import checkpoint_tag
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, ObjectExists
 from kvpool.store.client import Store
 
 log = logging.getLogger("kvpool.connectors.sglang")
 
 _STORE_KEYS = ("hostname", "segment_size", "buffer_size", "protocol", "secret", "metadata")
+
+
+def _model_path(name: str) -> str:
+    """The model path in SGLang's storage model name: ``model_path``, or ``model_path-<tag>``
+    where the host pool has a page format of its own (``storage_model_name``)."""
+    if not os.path.exists(name) and "-" in name:
+        head = name.rsplit("-", 1)[0]
+        if os.path.exists(head):
+            return head
+    return name
 
 
 def host_layout(hp: Any) -> str:
@@ -91,7 +103,10 @@ class KvpoolHiCacheStorage(HiCacheStorage):
         self.store = Store.connect(master=str(master), **opts)
         self.config = storage_config
         self.is_mla = bool(storage_config.is_mla_model)
-        model = (storage_config.model_name or "model").replace("/", "_")
+        name = storage_config.model_name or "model"
+        # the checkpoint's content (kvpool.connectors.checkpoint): a path or hub id alone lets a
+        # redeployed or re-pointed checkpoint read another one's KV
+        model = f"{name.replace('/', '_')}+ckpt-{checkpoint_tag(_model_path(name))}"
         tag = str(extra.get("key_tag") or "default")
         rank = "mla" if self.is_mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
         if getattr(storage_config, "pp_size", 1) > 1:

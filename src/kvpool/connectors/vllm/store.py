@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpool.connectors.blockkeys import block_keys, digest, encode_extra_keys
+from kvpool.connectors.checkpoint import checkpoint_tag
 from kvpool.connectors.vllm.base import KvpoolConnectorBase
 from kvpool.connectors.vllm.common import VllmConnectorConfig
 from kvpool.connectors.vllm.layerwise import LayerwiseSaveScheduler
@@ -93,7 +94,9 @@ def request_block_keys(namespace: str, request: Any, block_size: int) -> list[st
 
 def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int, pp_rank: int = 0) -> str:
     """Key namespace: model, model dtype (with the checkpoint's quantization and revision when
-    set: one served name for two of them must not share KV; and a digest of the RoPE settings
+    set, and a digest of its files' content unless ``model_tag`` is set
+    (:func:`~kvpool.connectors.checkpoint.checkpoint_tag`): one served name for two of them must
+    not share KV; and a digest of the RoPE settings
     when the model scales RoPE or the server overrides its config: K differs with them; and of the
     speculative decoding draft model, whose layers' KV is stored too), KV cache
     dtype, KV heads x head size (and the DCP size and interleave when DCP > 1), the tokens of one
@@ -102,9 +105,13 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int, pp_r
     mc = vllm_config.model_config
     model = cfg.model_tag or str(getattr(mc, "served_model_name", None) or mc.model)
     dtype = str(mc.dtype).replace("torch.", "")
+    # the checkpoint's content, unless the operator vouches for it (model_tag): a served name or
+    # path alone lets two checkpoints share KV (kvpool.connectors.checkpoint)
+    ckpt = None if cfg.model_tag else checkpoint_tag(str(mc.model), getattr(mc, "revision", None))
     for tag, value in (
         ("q", getattr(mc, "quantization", None)),
         ("rev", getattr(mc, "revision", None)),
+        ("ckpt", ckpt),
         ("rope", _rope_tag(mc)),
         ("draft", _draft_tag(vllm_config)),
     ):
