@@ -224,8 +224,9 @@ py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, p
 
 // A list or tuple of Python ints as a new uint64 array, in one pass over the items (numpy's
 // generic conversion costs ~15-25 ns an item: 0.2-0.3 ms for the three columns of 4,096 KV
-// blocks); None for anything else (another sequence type, an item that is not an int, a negative
-// one or one past 2**63): the caller then converts it the general way, which names what is wrong.
+// blocks); None for anything else (another sequence type, an item that is not exactly an int -
+// a bool, an int subclass with its own __index__ -, a negative one or one past 2**63): the caller
+// then converts it the general way, which names what is wrong.
 py::object u64_column(py::handle seq) {
   PyObject* o = seq.ptr();
   if (!PyList_Check(o) && !PyTuple_Check(o)) return py::none();
@@ -234,7 +235,7 @@ py::object u64_column(py::handle seq) {
   uint64_t* d = out.mutable_data();
   PyObject** items = PySequence_Fast_ITEMS(o);  // the GIL is held: the sequence cannot change
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!PyLong_Check(items[i])) return py::none();
+    if (!PyLong_CheckExact(items[i])) return py::none();  // bool, int subclasses: numpy's way
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
     if (overflow != 0 || v < 0) {

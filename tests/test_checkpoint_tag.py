@@ -3,69 +3,143 @@ connectors' key namespaces (two checkpoints served under one name must never sha
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
 from pathlib import Path
 
-from kvpool.connectors.checkpoint import CHUNK, SAMPLES, checkpoint_tag
+import pytest
+
+from kvpool.connectors import checkpoint
+from kvpool.connectors.checkpoint import checkpoint_tag
 
 
-def _checkpoint(root: Path, seed: int, big: int = 3 * SAMPLES * CHUNK) -> Path:
-    """A checkpoint directory: config.json, one weight file bigger than the sampled bytes (so it
-    is sampled, not read whole) and one small one, contents from ``seed``."""
-    import random
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private digest cache, and no tag remembered from another test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    checkpoint_tag.cache_clear()
 
+
+def _checkpoint(root: Path, seed: int, size: int = 3 << 20) -> Path:
     root.mkdir(parents=True)
     (root / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     rng = random.Random(seed)
-    (root / "model-00001-of-00002.safetensors").write_bytes(rng.randbytes(big))
+    (root / "model-00001-of-00002.safetensors").write_bytes(rng.randbytes(size))
     (root / "model-00002-of-00002.safetensors").write_bytes(rng.randbytes(4096))
-    (root / "README.md").write_text("not part of the fingerprint")
     return root
 
 
-def test_two_checkpoints_differ_and_a_copy_elsewhere_is_the_same(tmp_path: Path) -> None:
+def _flip(f: Path, at: int) -> None:
+    data = bytearray(f.read_bytes())
+    data[at] ^= 1
+    f.write_bytes(bytes(data))
+
+
+def test_one_changed_byte_anywhere_is_another_checkpoint_and_a_copy_is_the_same(tmp_path: Path) -> None:
+    """Every byte of the weights counts (a knowledge edit touches one matrix in the middle of a
+    shard); the path does not (the same weights elsewhere share KV)."""
     base = _checkpoint(tmp_path / "base", seed=1)
-    tuned = _checkpoint(tmp_path / "tuned", seed=2)  # same names, sizes and config: other weights
+    edited = tmp_path / "edited"
+    shutil.copytree(base, edited)
+    _flip(edited / "model-00001-of-00002.safetensors", (3 << 20) // 2 + 12345)
     copy = tmp_path / "mnt" / "other" / "path"
     shutil.copytree(base, copy)
-    (copy / "README.md").write_text("edited: not a weight file")
-    assert checkpoint_tag(str(base)) != checkpoint_tag(str(tuned))
+    tags = {checkpoint_tag(str(p)) for p in (base, edited)}
+    assert len(tags) == 2
     assert checkpoint_tag(str(copy)) == checkpoint_tag(str(base))
     assert len(checkpoint_tag(str(base))) == 16
+    config = tmp_path / "config-edited"
+    shutil.copytree(base, config)
+    (config / "config.json").write_text('{"model_type": "llama", "hidden_size": 65}')
+    assert checkpoint_tag(str(config)) != checkpoint_tag(str(base))
 
 
-def test_sampled_content_config_and_file_set_count(tmp_path: Path) -> None:
-    """A change in a sampled chunk of a big weight file, anywhere in a small one, in
-    config.json, a weight file added or renamed: another tag each."""
-    big = 3 * SAMPLES * CHUNK
-    tags = set()
-    for i, edit in enumerate(("none", "big", "small", "config", "added", "renamed")):
-        root = _checkpoint(tmp_path / f"c{i}", seed=7, big=big)
-        w1, w2 = root / "model-00001-of-00002.safetensors", root / "model-00002-of-00002.safetensors"
-        if edit == "big":  # the last sample ends at the file's end
-            data = bytearray(w1.read_bytes())
-            data[-1] ^= 0xFF
-            w1.write_bytes(bytes(data))
-        elif edit == "small":
-            data = bytearray(w2.read_bytes())
-            data[2000] ^= 1
-            w2.write_bytes(bytes(data))
-        elif edit == "config":
-            (root / "config.json").write_text('{"model_type": "llama", "hidden_size": 65}')
-        elif edit == "added":
-            (root / "extra.bin").write_bytes(b"\0" * 10)
-        elif edit == "renamed":
-            w2.rename(root / "model-00002-of-00002.renamed.safetensors")
-        tags.add(checkpoint_tag(str(root)))
-    assert len(tags) == 6
+def test_only_what_the_loader_reads_counts(tmp_path: Path) -> None:
+    """Files vLLM does not load (a README, .bin copies beside the safetensors, an ``original/``
+    folder, training checkpoints in subfolders) do not change the tag, so nodes that downloaded
+    more or less of a repository agree."""
+    base = _checkpoint(tmp_path / "base", seed=2)
+    fuller = tmp_path / "fuller"
+    shutil.copytree(base, fuller)
+    (fuller / "README.md").write_text("notes")
+    (fuller / "pytorch_model.bin").write_bytes(b"x" * 100)
+    (fuller / "original").mkdir()
+    (fuller / "original" / "consolidated.00.pth").write_bytes(b"y" * 100)
+    (fuller / "checkpoint-100").mkdir()
+    (fuller / "checkpoint-100" / "model.safetensors").write_bytes(b"z" * 100)
+    assert checkpoint_tag(str(fuller)) == checkpoint_tag(str(base))
+    bins = tmp_path / "bins"  # no safetensors: the .bin files are the weights
+    bins.mkdir()
+    (bins / "config.json").write_text("{}")
+    (bins / "pytorch_model.bin").write_bytes(b"a" * 100)
+    t1 = checkpoint_tag(str(bins))
+    checkpoint_tag.cache_clear()
+    (bins / "pytorch_model.bin").write_bytes(b"b" * 100)
+    assert checkpoint_tag(str(bins)) != t1
+    gguf = tmp_path / "model.gguf"  # a single file given as the model
+    gguf.write_bytes(b"GGUF" + b"c" * 100)
+    assert checkpoint_tag(str(gguf)) not in (t1, checkpoint_tag(str(base)))
 
 
-def test_a_single_file_and_a_name_that_is_not_local(tmp_path: Path) -> None:
-    f = tmp_path / "model.gguf"
-    f.write_bytes(b"GGUF" + bytes(range(256)) * 10)
-    g = tmp_path / "other.gguf"
-    g.write_bytes(b"GGUF" + bytes(range(256)) * 11)
-    assert checkpoint_tag(str(f)) != checkpoint_tag(str(g))
+def test_hugging_face_cache_blobs_are_named_by_their_sha256(tmp_path: Path) -> None:
+    """A snapshot's weight files are symlinks to ``blobs/<sha256 of the content>``: the blob's
+    name is the content's digest, so nothing is read (here: equal names with different bytes give
+    one tag, equal bytes under different names two)."""
+
+    def snapshot(name: str, blob: str, content: bytes) -> Path:
+        repo = tmp_path / name
+        (repo / "blobs").mkdir(parents=True)
+        (repo / "blobs" / blob).write_bytes(content)
+        snap = repo / "snapshots" / "abc"
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text("{}")
+        (snap / "model.safetensors").symlink_to(Path("..") / ".." / "blobs" / blob)
+        return snap
+
+    a = snapshot("a", "1" * 64, b"one")
+    b = snapshot("b", "1" * 64, b"two")
+    c = snapshot("c", "2" * 64, b"one")
+    assert checkpoint_tag(str(a)) == checkpoint_tag(str(b))
+    assert checkpoint_tag(str(c)) != checkpoint_tag(str(a))
+
+
+def test_digests_are_kept_per_node_until_a_file_changes(tmp_path: Path) -> None:
+    """The whole-file digest is read once and kept under the file's real path, size, mtime and
+    inode in $XDG_CACHE_HOME/kvpool/checkpoints.json: bytes changed behind an unchanged stat are
+    not read again (what a later start saves); a rewrite that moves the mtime is."""
+    base = _checkpoint(tmp_path / "base", seed=3)
+    first = checkpoint_tag(str(base))
+    assert (tmp_path / "xdg" / "kvpool" / "checkpoints.json").exists()
+    w = base / "model-00001-of-00002.safetensors"
+    st = w.stat()
+    with w.open("r+b") as fh:  # same inode, same size, mtime put back: the cache answers
+        fh.seek(100)
+        fh.write(b"\0" * 8)
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    checkpoint_tag.cache_clear()
+    assert checkpoint_tag(str(base)) == first
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    checkpoint_tag.cache_clear()
+    assert checkpoint_tag(str(base)) != first
+
+
+def test_unreadable_files_and_names_with_nothing_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _checkpoint(tmp_path / "base", seed=4)
+    readable = checkpoint_tag(str(base))
+    real = checkpoint._content
+
+    def denied(f: Path, cache: dict[str, str]) -> tuple[str, bool]:
+        if f.name.startswith("model-00002"):
+            raise PermissionError(13, "Permission denied")
+        return real(f, cache)
+
+    monkeypatch.setattr(checkpoint, "_content", denied)
+    checkpoint_tag.cache_clear()
+    assert checkpoint_tag(str(base)) != readable  # named, not read; start-up goes on
+    monkeypatch.setattr(checkpoint, "_content", real)
     # neither a path nor a cached hub snapshot: named by its name and revision
     a = checkpoint_tag("no-such-org/no-such-model-kvpool-test")
     assert a == checkpoint_tag("no-such-org/no-such-model-kvpool-test")

@@ -132,13 +132,21 @@ def test_u64_column_converts_lists_of_ints_and_declines_the_rest() -> None:
     InvalidArgument for those exactly as before."""
     from kvpool.transfer.sync import _u64_columns
 
+    class Seven(int):  # an int subclass whose __index__ numpy (and int()) would use
+        def __index__(self) -> int:
+            return 7
+
+        __int__ = __index__
+
     big = [0x7F00_0000_0000 + 32768 * i for i in range(4096)]
-    for seq in (big, tuple(big), [0, 1, 2**63 - 1], [], [True, 3]):
+    for seq in (big, tuple(big), [0, 1, 2**63 - 1], []):
         a = _native.u64_column(seq)
         assert a is not None and a.dtype == U64
         assert a.tolist() == [int(x) for x in seq]
-    for bad in ([1, -1], [2**63], [2**64 + 5], [1.0], [1, "2"], range(3), np.arange(3)):
+    odd = ([1, -1], [2**63], [2**64 + 5], [1.0], [1, "2"], range(3), np.arange(3), [True, 3], [Seven(3)])
+    for bad in odd:
         assert _native.u64_column(bad) is None
+    assert _u64_columns(([Seven(3)], [True], [8]))[0].tolist() == [7]  # numpy's reading, as before
     cols = _u64_columns((big, big[::-1], [4096] * len(big)))
     assert [c.tolist() for c in cols] == [big, big[::-1], [4096] * len(big)]
     for bad_cols in (([1], [-1], [8]), ([1], [2], [0]), (["x"], [2], [8]), ([2**64], [2], [8])):

@@ -115,7 +115,6 @@ class _Peer:
     lineage: _Lineage = field(default_factory=_Lineage)
     retired: bool = False  # let go (detach, release_exited, re-attach): maps nothing more (open)
     all_reachable: bool = False  # every remote-accessible buffer of it is one of ``bufs`` (attach)
-    _poller: Any = None  # (pidfd, select.poll registered for it): alive()
 
     def open(self, b: _RemoteBuf, device: int, driver: CudaDriver, uuids: dict[bytes, int]) -> int:
         """Base address here of a remote buffer's mapping (opened on first use, for a run on
@@ -185,14 +184,12 @@ class _Peer:
 
     def alive(self) -> bool:
         """Whether the peer's process still runs (its pidfd is not readable)."""
-        fd = self.pidfd
-        if fd < 0:
+        if self.pidfd < 0:
             return True  # no pidfd (old kernel): the fence pin decides
-        p = self._poller  # asked on every submit: one poll object per pidfd
-        if p is None or p[0] != fd:
-            p = self._poller = (fd, select.poll())  # not select(): it refuses descriptors >= 1024
-            p[1].register(fd, select.POLLIN)
-        return not p[1].poll(0)  # readable = exited (a closed fd: POLLNVAL, exited too)
+        # a poll object per call: one shared by threads raises RuntimeError when two poll at once
+        p = select.poll()  # not select(): it refuses descriptors >= 1024
+        p.register(self.pidfd, select.POLLIN)
+        return not p.poll(0)  # readable = exited
 
     def device_of(self, used: list[int], uuids: dict[bytes, int]) -> int:
         """Our device of the first GPU buffer among ``used`` (0 when none is GPU memory)."""

@@ -132,7 +132,10 @@ class SyncTransfers:
         if reg.gpu_count and reg.gpu_region(local_addr, length) is not None:
             # GPU memory here: a batch moves it (CUDA IPC or staging); as uint64 columns, which
             # the CUDA IPC route takes straight through (no per-request Python on the way)
-            cols = np.array([[local_addr], [remote_addr], [length]], dtype=_U64)
+            try:
+                cols = np.array([[local_addr], [remote_addr], [length]], dtype=_U64)
+            except OverflowError:
+                raise InvalidArgument("addresses and length must be below 2**64") from None
             return self.batch_transfer_sync(target_name, cols[0], cols[1], cols[2], opcode)
         st = self._inline_cached(target_name, op, (local_addr,), (remote_addr,), (length,))
         if st is None:
