@@ -1789,3 +1789,42 @@ def test_native_completer_shutdown_returns_only_once_done_with_the_engine(fake_d
             time.sleep(0.05)
             assert [native.status(bid, f + per - 1)[0] for f in firsts] == seen
             assert comp.queued == 0  # the detached thread went through the runs left
+
+
+def test_threads_submitting_to_one_peer_while_the_heartbeat_looks_for_exited_ones(
+    fake_driver: str, peer: Peer
+) -> None:
+    """Three threads copy to the same peer while a fourth calls ``release_exited_peers`` (a store
+    client's heartbeat): every copy lands and nothing raises (a poll object shared by the
+    threads' owner-alive checks raised RuntimeError('concurrent poll() invocation'))."""
+    drv = load_driver()
+    errors: list[BaseException] = []
+    with TransferEngine(timeout_s=10.0) as eng:
+        mine = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(mine, 1 << 20, location="cuda:0", remote_accessible=False)
+        for k in range(3):
+            _fill(drv, mine + k * 4096, 4096, seed=k + 1)
+
+        def copy(k: int) -> None:
+            try:
+                for _ in range(150):
+                    eng.transfer_sync(peer.name, mine + k * 4096, peer.gpu[0] + k * 4096, 4096)
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+        def beat() -> None:
+            try:
+                for _ in range(600):
+                    eng.release_exited_peers()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=copy, args=(k,)) for k in range(3)]
+        threads.append(threading.Thread(target=beat))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        for k in range(3):
+            assert peer.ask(f"dump {peer.gpu[0] + k * 4096} 4096") == _sha(drv, mine + k * 4096, 4096)
