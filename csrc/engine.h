@@ -12,6 +12,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <sys/socket.h>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -174,6 +175,19 @@ struct Lane {
   void close_fd() {
     std::lock_guard lk(fd_mu);
     if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+  // Closes with a reset (SO_LINGER {1, 0}) instead of a FIN: what the kernel still holds of our
+  // requests is dropped, not delivered, and the target sees the connection fail (EPOLLERR) before
+  // it reads the frames already in its socket buffer — so a request we reported failed or timed
+  // out does not land later (a target stopped or stalled while it sat there).
+  void abort_fd() {
+    std::lock_guard lk(fd_mu);
+    if (fd >= 0) {
+      linger lg{1, 0};
+      (void)::setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+      ::close(fd);
+    }
     fd = -1;
   }
   void shutdown_fd() {

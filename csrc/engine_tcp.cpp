@@ -120,7 +120,7 @@ void Engine::execute(Peer* p, Lane* lane, std::vector<Slice>& group) {
     size_t before = done;
     int32_t st = tcp_io(p, lane, group, &done);
     if (st == ST_OK) return;
-    lane->close_fd();
+    lane->abort_fd();  // what it still holds of these requests must not reach the target later
     // A pooled connection that broke before any reply may just be stale: retry once on a new one.
     if (!fresh && done == before && st == ST_PEER_CLOSED && attempt == 0) continue;
     p->stale = true;

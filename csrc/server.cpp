@@ -167,7 +167,8 @@ std::vector<std::pair<std::string, uint64_t>> Server::stats() const {
           {"idle_closed", n_idle_closed.load()},
           {"auth_refused", n_auth_refused.load()},
           {"bad_frames", n_bad_frame.load()},
-          {"fenced_accesses", n_fenced.load()}};
+          {"fenced_accesses", n_fenced.load()},
+          {"reset_dropped", n_reset_dropped.load()}};
 }
 
 }  // namespace kvpool

@@ -53,7 +53,7 @@ class Server {
 
   std::atomic<uint64_t> n_accepted{0}, n_refused_total{0}, n_refused_peer{0}, n_handshake_timeout{0},
       n_frame_timeout{0}, n_idle_closed{0}, n_auth_refused{0}, n_open{0}, n_bad_frame{0},
-      n_fenced{0};
+      n_fenced{0}, n_reset_dropped{0};
 
  private:
   uint16_t port_ = 0;

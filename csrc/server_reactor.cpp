@@ -546,7 +546,16 @@ void Reactor::run() {
         adopt_inbox(now);
       } else {
         auto it = conns.find(fd);
-        if (it != conns.end() && !progress(*it->second, now)) close_conn(fd);
+        if (it == conns.end()) continue;
+        // A connection the initiator reset (it gave up on its requests: Lane::abort_fd) is
+        // closed without reading what is still queued on it: a WRITE it reported timed out must
+        // not land after this process was stopped or stalled past that timeout.
+        if (evs[i].events & (EPOLLERR | EPOLLHUP)) {
+          srv->n_reset_dropped.fetch_add(1);
+          close_conn(fd);
+        } else if (!progress(*it->second, now)) {
+          close_conn(fd);
+        }
       }
     }
     if (now - last_scan >= kTickMs) {

@@ -158,6 +158,35 @@ def test_a_peer_stalled_before_the_handshake_fails_the_transfer_at_once_not_as_a
             p.close()
 
 
+def test_a_write_that_timed_out_on_a_stopped_peer_does_not_land_when_it_runs_again() -> None:
+    """A WRITE sent to a target that is then stopped (SIGSTOP: its kernel still takes the bytes
+    into the socket buffer) times out; when the target runs again its reactor must not apply the
+    frames still queued: the initiator resets the connection when it gives up (SO_LINGER 0) and
+    the target drops a reset connection unread. Until 2026-11-27 the target applied the old WRITE
+    on resuming — over memory the store may have handed to another object meanwhile."""
+    n = 64 << 10
+    with TransferEngine(protocol="tcp", timeout_s=1.0, connect_timeout_s=1.0) as eng:
+        src = bytearray(b"\xab" * (8 << 20))
+        saddr = eng.register_local_memory(src)
+        p = PeerProcess(8 << 20, protocol="tcp")
+        try:
+            _connect_lanes(eng, p, saddr)  # the lanes exist: a stall is not a handshake failure
+            p.fill(7)
+            before = p.checksum(0, n)
+            os.kill(p.pid, signal.SIGSTOP)
+            _wait_stopped(p.pid)
+            with pytest.raises(TransferTimeout):
+                eng.transfer_sync(p.segment, saddr, p.addr, n)
+            os.kill(p.pid, signal.SIGCONT)
+            time.sleep(0.5)  # its reactor runs again (and would read the queued frames)
+            assert p.checksum(0, n) == before, "the timed-out WRITE landed after the target resumed"
+            eng.transfer_sync(p.segment, saddr, p.addr, n)  # a new connection works
+            assert p.checksum(0, n) == xxhash.xxh3_64_hexdigest(bytes(src[:n]))
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+            p.close()
+
+
 def test_stalled_peer_times_out_and_in_flight_batch_cannot_be_freed() -> None:
     timeout_s = 1.0
     with TransferEngine(protocol="tcp", timeout_s=timeout_s, connect_timeout_s=1.0) as eng:
