@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -32,6 +33,7 @@ constexpr uint64_t kChunk = 4u << 20;    // bytes per syscall into/out of regist
 constexpr uint64_t kStage = 1u << 20;    // GPU regions: bytes per staging copy (pinned, per connection)
 constexpr int kTickMs = 100;             // deadline scan period
 constexpr int kAcceptPauseMs = 50;       // accept back-off at the fd limit
+constexpr int64_t kStallMs = 50;         // after this long since epoll_wait, ask a socket itself
 
 enum Phase { P_HELLO, P_HDR, P_PAYLOAD };
 
@@ -39,6 +41,13 @@ int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// Whether the initiator reset the connection (or it broke): it gave up on the frames still
+// queued on it, which must not be read (see Reactor::run).
+bool reset_pending(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLERR | POLLHUP)) != 0;
 }
 
 std::string peer_key(const sockaddr_storage& ss) {
@@ -394,6 +403,15 @@ void Reactor::on_header(Conn& c) {
 
 // One read step. 1: progress, 0: would block, -1: close.
 int Reactor::read_step(Conn& c, uint64_t* budget, int64_t now) {
+  // The event's flags say nothing of a reset after epoll_wait collected them. After a stall
+  // (this thread descheduled or stopped, a page fault, a slow device copy of another connection),
+  // before or after `now` (when epoll_wait returned, at most kTickMs after it was called), the
+  // initiator may have timed out and reset the connection: ask the socket before reading more.
+  const bool stalled = now - wait_started > kTickMs + kStallMs || now_ms() - now > kStallMs;
+  if (stalled && reset_pending(c.fd)) {
+    srv->n_reset_dropped.fetch_add(1);
+    return -1;
+  }
   ssize_t r;
   if (c.phase == P_PAYLOAD) {
     uint64_t left = c.h.len - c.off;
@@ -534,6 +552,7 @@ void Reactor::run() {
   std::vector<epoll_event> evs(256);
   int64_t last_scan = now_ms();
   while (!srv->stopping.load()) {
+    wait_started = now_ms();
     int n = epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), kTickMs);
     int64_t now = now_ms();
     for (int i = 0; i < n; ++i) {

@@ -21,6 +21,7 @@ struct Reactor {
   int wake = -1;
   bool listening = false;
   int64_t paused_until = 0;
+  int64_t wait_started = 0;  // when the current epoll_wait was called (read_step's stall check)
   std::unordered_map<int, std::unique_ptr<Conn>> conns;
   std::vector<char> scratch = std::vector<char>(64 * 1024);
   std::mutex inbox_mu;  // connections accepted by another loop, handed to this one

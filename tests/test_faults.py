@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -185,6 +186,120 @@ def test_a_write_that_timed_out_on_a_stopped_peer_does_not_land_when_it_runs_aga
         finally:
             os.kill(p.pid, signal.SIGCONT)
             p.close()
+
+
+class _Tracer:
+    """Holds threads of another process at a system call's entry or exit (x86-64 ptrace: what a
+    thread stalled exactly there looks like), the rest of the process running on."""
+
+    SEIZE, INTERRUPT, SYSCALL, GETREGS, DETACH = 0x4206, 0x4207, 24, 12, 17
+    EPOLL = {232, 281, 441}  # epoll_wait, epoll_pwait, epoll_pwait2
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.ct = ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.libc.ptrace.restype = ctypes.c_long
+
+    def _pt(self, req: int, tid: int, data: int = 0) -> None:
+        if self.libc.ptrace(req, tid, None, self.ct.c_void_p(data)) == -1:
+            raise OSError(self.ct.get_errno(), f"ptrace({req}, {tid})")
+
+    def _stop(self, tid: int) -> None:
+        st = self.ct.c_int()
+        self.libc.waitpid(tid, self.ct.byref(st), 0x40000000)  # __WALL
+
+    def _regs(self, tid: int) -> tuple[int, int]:
+        buf = (self.ct.c_ulong * 27)()
+        self._pt(self.GETREGS, tid, self.ct.addressof(buf))
+        return buf[15], self.ct.c_long(buf[10]).value  # orig_rax (the call), rax (-ENOSYS at entry)
+
+    def hold_at_epoll_entry(self, tid: int) -> None:
+        self._pt(self.SEIZE, tid, 1)  # PTRACE_O_TRACESYSGOOD
+        self._pt(self.INTERRUPT, tid)
+        self._stop(tid)
+        for _ in range(1000):
+            self._pt(self.SYSCALL, tid)
+            self._stop(tid)
+            call, rax = self._regs(tid)
+            if call in self.EPOLL and rax == -38:
+                return
+        raise AssertionError(f"thread {tid} never entered epoll_wait")
+
+    def run_to_exit(self, tid: int) -> None:
+        self._pt(self.SYSCALL, tid)  # the call runs (it returns at once: events are ready)
+        self._stop(tid)
+
+    def release(self, tid: int) -> None:
+        self._pt(self.DETACH, tid)
+
+
+def _reactor_threads(pid: int) -> list[int]:
+    """Threads of ``pid`` waiting in epoll_wait (the server's reactors: its other threads block
+    elsewhere)."""
+
+    def call(t: str) -> int:
+        f = open(f"/proc/{pid}/task/{t}/syscall").read().split()[0]
+        return int(f) if f.lstrip("-").isdigit() else -1
+
+    for _ in range(100):
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if call(t) in _Tracer.EPOLL]
+        if len(tids) >= 2:
+            return tids
+        time.sleep(0.05)
+    raise AssertionError("no reactor threads in epoll_wait")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="holds threads with x86-64 ptrace registers")
+def test_a_write_that_timed_out_does_not_land_when_the_reactor_stalled_after_epoll_returned() -> None:
+    """The target's reactor threads stall right after epoll_wait returned the connection as
+    readable (held there with ptrace; its other threads, the store's heartbeat among them, run on),
+    the WRITE times out and the initiator resets the connection; when the reactor goes on, the
+    flags it holds say only "readable". It must look at the socket again before reading the
+    queued frames. Until 2026-11-27 it applied the timed-out WRITE."""
+    n = 64 << 10
+    tracer = _Tracer()
+    outcomes = []
+    with TransferEngine(protocol="tcp", timeout_s=1.0, connect_timeout_s=1.0) as eng:
+        src = bytearray(b"\xcd" * (8 << 20))
+        saddr = eng.register_local_memory(src)
+        for _ in range(4):  # a try whose WRITE went out on a new connection fails its handshake
+            p = PeerProcess(8 << 20, protocol="tcp")
+            try:
+                _connect_lanes(eng, p, saddr)
+                p.fill(7)
+                before = p.checksum(0, n)
+                tids = _reactor_threads(p.pid)
+                for t in tids:
+                    tracer.hold_at_epoll_entry(t)
+                errors: list[BaseException] = []
+
+                def write(p: PeerProcess = p, errors: list[BaseException] = errors) -> None:
+                    try:
+                        eng.transfer_sync(p.segment, saddr, p.addr, n)
+                    except BaseException as exc:  # noqa: BLE001 - checked below
+                        errors.append(exc)
+
+                th = threading.Thread(target=write)
+                th.start()
+                time.sleep(0.3)  # the frames are in the target's socket buffer
+                for t in tids:
+                    tracer.run_to_exit(t)  # epoll_wait returned "readable"; held right after it
+                th.join(30)
+                time.sleep(0.2)  # the initiator's reset reached the target
+                for t in tids:
+                    tracer.release(t)
+                time.sleep(0.5)
+                timed_out = bool(errors) and isinstance(errors[0], TransferTimeout)
+                outcomes.append(timed_out)
+                if timed_out:
+                    assert p.checksum(0, n) == before, "the timed-out WRITE landed after the stall"
+                    break
+            finally:
+                p.close()
+    assert any(outcomes), f"no try timed out with its frames queued ({outcomes})"
 
 
 def test_stalled_peer_times_out_and_in_flight_batch_cannot_be_freed() -> None:
