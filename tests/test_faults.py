@@ -172,6 +172,7 @@ def test_a_write_that_timed_out_on_a_stopped_peer_does_not_land_when_it_runs_aga
         p = PeerProcess(8 << 20, protocol="tcp")
         try:
             _connect_lanes(eng, p, saddr)  # the lanes exist: a stall is not a handshake failure
+            eng.transfer_sync(p.segment, saddr, p.addr, n)  # and the one this call takes (the first idle)
             p.fill(7)
             before = p.checksum(0, n)
             os.kill(p.pid, signal.SIGSTOP)
@@ -269,6 +270,7 @@ def test_a_write_that_timed_out_does_not_land_when_the_reactor_stalled_after_epo
             p = PeerProcess(8 << 20, protocol="tcp")
             try:
                 _connect_lanes(eng, p, saddr)
+                eng.transfer_sync(p.segment, saddr, p.addr, n)  # the lane the write takes is open
                 p.fill(7)
                 before = p.checksum(0, n)
                 tids = _reactor_threads(p.pid)
