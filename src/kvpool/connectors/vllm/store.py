@@ -107,7 +107,9 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int, pp_r
     dtype = str(mc.dtype).replace("torch.", "")
     # the checkpoint's content, unless the operator vouches for it (model_tag): a served name or
     # path alone lets two checkpoints share KV (kvpool.connectors.checkpoint)
-    ckpt = None if cfg.model_tag else checkpoint_tag(str(mc.model), getattr(mc, "revision", None))
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    revision = getattr(mc, "revision", None)
+    ckpt = None if cfg.model_tag else checkpoint_tag(str(mc.model), revision, download_dir)
     for tag, value in (
         ("q", getattr(mc, "quantization", None)),
         ("rev", getattr(mc, "revision", None)),
