@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,13 @@ class LocalRegistry:
                 f"local range {addr:#x}+{length} runs past registered {regs[i].desc.location} memory"
             )
         return regs[i]
+
+    def any_gpu(self, locs: Sequence[int], lens: Sequence[int]) -> bool:
+        """Whether one of these local ranges is GPU memory (:meth:`gpu_region`: its errors too);
+        no work without GPU registrations."""
+        return bool(self.gpu_count) and any(
+            self.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)
+        )
 
     def published(self) -> list[BufferDescriptor]:
         """Descriptors of the remote-accessible registrations (what the segment descriptor lists)."""

@@ -128,8 +128,7 @@ class SyncTransfers:
         if length <= 0:
             raise InvalidArgument("length must be a positive integer")
         op = WRITE if opcode is OpCode.WRITE else READ if opcode is OpCode.READ else native_op(opcode)
-        reg = self._registry
-        if reg.gpu_count and reg.gpu_region(local_addr, length) is not None:
+        if self._registry.any_gpu((local_addr,), (length,)):
             # GPU memory here: a batch moves it (CUDA IPC or staging); as uint64 columns, which
             # the CUDA IPC route takes straight through (no per-request Python on the way)
             try:
@@ -178,8 +177,7 @@ class SyncTransfers:
         if route is None:
             return None
         hid, t = route
-        reg = self._registry
-        if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
+        if self._registry.any_gpu(locs, lens):
             return None  # GPU memory here: a batch (staged or CUDA IPC) moves it
         try:
             return t.transfer_inline(op, hid, locs, rems, lens, scratch)
@@ -208,8 +206,7 @@ class SyncTransfers:
         without the path, too many requests)."""
         if len(lens) > INLINE_MAX:
             return None
-        reg = self._registry
-        if reg.gpu_count and any(reg.gpu_region(a, n) is not None for a, n in zip(locs, lens, strict=True)):
+        if self._registry.any_gpu(locs, lens):
             return None
         t = self._routes.get(hid) or self._route(hid)
         try:
@@ -247,15 +244,12 @@ class SyncTransfers:
         if n <= INLINE_MAX and not isinstance(lengths, np.ndarray):
             # a few ranges (e.g. a value and its header): in this thread on the cached segment
             locs, rems, lens = _int_columns((local_addrs, remote_addrs, lengths))
-            st = self._inline_cached(target_name, op, locs, rems, lens, scratch)
+            gpu_here = self._registry.any_gpu(locs, lens)  # then the in-thread host path does not apply
+            st = None if gpu_here else self._inline_cached(target_name, op, locs, rems, lens, scratch)
             if st is not None:
                 if st.ok:
                     return sum(lens)
                 raise _failed(st, f"{OpCode(opcode).name} of {n} ranges to {target_name}")
-            reg = self._registry
-            gpu_here = bool(reg.gpu_count) and any(
-                reg.gpu_region(a, k) is not None for a, k in zip(locs, lens, strict=True)
-            )
         if scratch is not None:
             self.register_host_scratch(*scratch)
             try:
