@@ -112,7 +112,7 @@ def namespace_for(cfg: VllmConnectorConfig, vllm_config: Any, tp_rank: int, pp_r
     ckpt = None if cfg.model_tag else checkpoint_tag(str(mc.model), revision, download_dir)
     for tag, value in (
         ("q", getattr(mc, "quantization", None)),
-        ("rev", getattr(mc, "revision", None)),
+        ("rev", revision),
         ("ckpt", ckpt),
         ("rope", _rope_tag(mc)),
         ("draft", _draft_tag(vllm_config)),
