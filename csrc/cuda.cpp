@@ -27,6 +27,7 @@ struct Api {
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, void*) = nullptr;
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, void*) = nullptr;
   CUresult (*cuEventSynchronize)(void*) = nullptr;
+  CUresult (*cuEventQuery)(void*) = nullptr;
   CUresult (*cuEventRecord)(void*, void*) = nullptr;
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, void*) = nullptr;
   CUresult (*cuLaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
@@ -79,6 +80,7 @@ bool init(const std::string& path) {
               sym(lib, "cuMemcpyHtoDAsync_v2", &g.cuMemcpyHtoDAsync) &&
               sym(lib, "cuMemcpyDtoHAsync_v2", &g.cuMemcpyDtoHAsync) &&
               sym(lib, "cuEventSynchronize", &g.cuEventSynchronize) &&
+              sym(lib, "cuEventQuery", &g.cuEventQuery) &&
               sym(lib, "cuEventRecord", &g.cuEventRecord) && sym(lib, "cuMemcpyAsync", &g.cuMemcpyAsync) &&
               sym(lib, "cuLaunchKernel", &g.cuLaunchKernel);
     if (ok) g.path = path.empty() ? "libcuda.so.1" : path;
@@ -156,6 +158,11 @@ int record(int device, void* event, void* stream) {
 int event_sync(int device, void* event) {
   if (!use(device)) return kNotWaited;
   return g.cuEventSynchronize(event);
+}
+
+int event_query(int device, void* event) {
+  if (!use(device)) return kNotWaited;
+  return g.cuEventQuery(event);
 }
 
 bool sticky(int rc) {

@@ -40,6 +40,10 @@ int record(int device, void* event, void* stream);
 // or kNotWaited: the context could not be made current, nothing was waited for.
 constexpr int kNotWaited = -1;
 int event_sync(int device, void* event);
+// Whether an event was reached, without waiting: 0, kNotReady (its stream has not got there yet),
+// kNotWaited (no context, as for event_sync) or the stream's error.
+constexpr int kNotReady = 600;  // CUDA_ERROR_NOT_READY
+int event_query(int device, void* event);
 // Whether a CUresult is sticky: the context is dead ("the process is left in an inconsistent
 // state and any further CUDA work will return the same error", CUDA driver API docs), so none of
 // its work runs any more. Only these end a wait for copies that may still run: 700 ILLEGAL_ADDRESS,

@@ -24,6 +24,7 @@
 // thread is detached and, should the stream ever end, touches neither the engine nor a pidfd (which
 // may have been closed and reused) again.
 #include <poll.h>
+#include <sched.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -149,6 +150,48 @@ void complete_loop(const std::shared_ptr<IpcState>& s) {
   }
 }
 
+// A synchronous caller's run finished in its own thread (ipc_finish_here): the caller asks the
+// run's event (cuEventQuery, the GIL released) for up to `spin_us`, yielding the CPU after the
+// first few asks; reached, the run ends here exactly as complete_loop ends it (the pins dropped,
+// the owner's pidfd asked, a successful run's slots completed) and (CUresult, owner alive) comes
+// back. Not reached within `spin_us`, or not asked (no context; an error after which the stream
+// may still run): None, nothing changed - the caller pushes the run to the completer as usual,
+// which waits and retries (and times out) as for any run. So a short run never crosses threads:
+// no hand-off to the completion thread, no wake-up of the caller, its slots' lines stay in the
+// caller's cache.
+py::object finish_here(Engine& engine, int dev, uintptr_t event, uint64_t batch, uint32_t first,
+                       const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& lens,
+                       const std::shared_ptr<Fence>& fence, const std::vector<int>& slots, int pidfd,
+                       int spin_us) {
+  const std::vector<uint64_t> n(lens.data(), lens.data() + lens.size());
+  void* const ev = reinterpret_cast<void*>(event);
+  int rc;
+  bool alive = true;
+  {
+    py::gil_scoped_release rel;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(std::max(spin_us, 0));
+    for (int i = 0;; ++i) {
+      rc = cuda::event_query(dev, ev);
+      if (rc != cuda::kNotReady || std::chrono::steady_clock::now() >= deadline) break;
+      if (i >= 16) sched_yield();  // a long copy: the CPU for others (on the fake, its stream thread)
+    }
+    if (rc == 0 || cuda::sticky(rc)) {
+      if (fence)
+        for (int slot : slots) fence->unpin(slot);
+      alive = rc != 0 || owner_alive(pidfd);
+      if (rc == 0 && alive) {
+        try {
+          engine.finish_range(batch, first, n, ST_OK);
+        } catch (const std::exception&) {
+          // the batch was freed (as in complete_loop): nobody waits for these slots any more
+        }
+      }
+    }
+  }
+  if (rc != 0 && !cuda::sticky(rc)) return py::none();
+  return py::make_tuple(rc, alive);
+}
+
 class IpcCompleter {
  public:
   IpcCompleter(Engine& engine, int timeout_ms) : s_(std::make_shared<IpcState>()) {
@@ -252,5 +295,10 @@ void bind_ipc_complete(py::module_& m) {
       .def("kick", &IpcCompleter::kick)
       .def("shutdown", &IpcCompleter::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("queued", &IpcCompleter::queued);
+  m.def("ipc_finish_here", &kvpool::finish_here, py::arg("engine"), py::arg("dev"), py::arg("event"),
+        py::arg("batch"), py::arg("first"), py::arg("lens"), py::arg("fence"), py::arg("slots"),
+        py::arg("pidfd"), py::arg("spin_us"),
+        "Wait up to spin_us for a queued run's event in this thread and end the run here: "
+        "(CUresult, owner alive), or None (not reached: push it to the completer)");
   m.attr("IPC_TIMED_OUT") = kvpool::kTimedOut;
 }

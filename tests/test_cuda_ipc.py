@@ -784,6 +784,104 @@ def test_a_run_with_a_sticky_stream_error_fails_at_once(peer: Peer, fake_driver:
         assert not ipc._runs
 
 
+def test_a_synchronous_run_ends_in_the_callers_thread_and_an_asynchronous_one_in_the_completer(
+    peer: Peer, fake_driver: str
+) -> None:
+    """A synchronous transfer's run that ends within the spin is ended by the caller itself (no
+    hand-off to the completion threads: nothing pushed), bytes right both ways; a submit_transfer
+    (nobody waits in the submit) goes through the completer as before."""
+    import numpy as np
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 21)
+        r = peer.gpu[0]
+        ipc = _ipc(eng)
+        eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
+        here, pushed = ipc.finished_here, ipc._pushed
+        assert eng.transfer_sync(peer.name, g, r, 65536) == 65536
+        u64 = np.uint64
+        locs = np.arange(64, dtype=u64) * u64(4096) + u64(g + 65536)
+        rems = (np.arange(64, dtype=u64) * u64(7) % u64(64)) * u64(4096) + u64(r + 65536)
+        assert eng.batch_transfer_sync(peer.name, locs, rems, np.full(64, 4096, dtype=u64)) == 64 * 4096
+        assert (ipc.finished_here, ipc._pushed) == (here + 2, pushed)
+        assert peer.ask(f"dump {r} 65536") == _sha(drv, g, 65536)
+        back = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(back, 1 << 20, location="cuda:0", remote_accessible=False)
+        into, lens = locs - u64(g) + u64(back), np.full(64, 4096, dtype=u64)
+        assert eng.batch_transfer_sync(peer.name, into, rems, lens, OpCode.READ) == 64 * 4096
+        assert _sha(drv, back + 65536, 64 * 4096) == _sha(drv, g + 65536, 64 * 4096)
+        assert (ipc.finished_here, ipc._pushed) == (here + 3, pushed)
+        seg = eng.open_segment(peer.name)
+        bid = eng.allocate_batch_id(1)
+        eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, g, seg, r, 8192)])
+        assert eng.wait_batch(bid, 10).ok
+        eng.free_batch_id(bid)
+        assert (ipc.finished_here, ipc._pushed) == (here + 3, pushed + 1)
+        assert _native.IpcCompleter is not None and ipc._completer.queued == 0
+
+
+def test_a_synchronous_run_not_ended_within_the_spin_goes_to_the_completer(
+    peer: Peer, fake_driver: str
+) -> None:
+    """The caller waits for its run only a moment: a stream stopped longer (here: held for 0.2 s)
+    hands the run to the completer, pins and all, and the call returns when it ends there."""
+    drv = load_driver()
+    with TransferEngine(timeout_s=10.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 22)
+        r = peer.gpu[0]
+        ipc = _ipc(eng)
+        eng.transfer_sync(peer.name, g, r, 4096)
+        here, pushed = ipc.finished_here, ipc._pushed
+        hold = SyncHold(ipc.driver)
+        timer = threading.Timer(0.2, hold.set)
+        timer.start()
+        try:
+            t0 = time.monotonic()
+            assert eng.transfer_sync(peer.name, g, r, 65536) == 65536
+            assert time.monotonic() - t0 >= 0.15  # it waited for the stream, in the completer
+        finally:
+            timer.join()
+            hold.set()
+        assert (ipc.finished_here, ipc._pushed) == (here, pushed + 1)
+        assert peer.ask(f"dump {r} 65536") == _sha(drv, g, 65536)
+
+
+def test_a_synchronous_run_whose_owner_exited_during_the_copy_fails_in_the_callers_thread(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller ends its own run as the completer would: an owner that exited while the copy
+    ran (SIGKILLed here between the enqueue and the caller's look at the event) fails the call
+    with a typed error rather than report bytes that nobody holds."""
+    import kvpool.transfer.cuda_ipc as cuda_ipc
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        r = peer.gpu[0]
+        ipc = _ipc(eng)
+        eng.transfer_sync(peer.name, g, r, 4096)
+        real = _native.ipc_finish_here
+        seen: list[Any] = []
+
+        def kill_first(*a: Any, **kw: Any) -> Any:
+            peer.p.send_signal(signal.SIGKILL)
+            peer.p.wait(10)
+            seen.append(real(*a, **kw))
+            return seen[-1]
+
+        monkeypatch.setattr(cuda_ipc._native, "ipc_finish_here", kill_first)
+        with pytest.raises(TransferError, match="exited during the copy"):
+            eng.transfer_sync(peer.name, g, r, 4096)
+        assert seen == [(0, False)]  # ended in the caller's thread, the owner seen gone
+        assert not ipc._runs and ipc._completer.queued == 0
+
+
 def test_unregister_waits_for_our_reads_into_the_buffer(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,7 +32,8 @@
  *  - fakecuda_fail_context(times, rc): cuCtxSetCurrent fails with rc on threads with no current
  *    context, the next `times` calls (< 0: until cleared);
  *  - fakecuda_hold_event_sync(after): a GPU stream that stops, as its waiter sees it: after `after`
- *    more cuEventSynchronize calls returned, later ones wait (before looking at their event) until
+ *    more cuEventSynchronize calls returned (or cuEventQuery calls that saw their event), later
+ *    syncs wait (before looking at their event) and queries answer NOT_READY until
  *    fakecuda_hold_event_sync(-1); fakecuda_event_sync_counts() says how many wait, how many
  *    returned so far and when the first returned since the hold began (CLOCK_MONOTONIC ns;
  *    kvpool.testing.fakecuda.SyncHold wraps these).
@@ -518,12 +519,6 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
   pthread_mutex_unlock(&e->mu);
   return enqueue(s, OP_EVENT, 0, 0, 0, 0, e);
 }
-CUresult cuEventQuery(CUevent e) {
-  pthread_mutex_lock(&e->mu);
-  int p = e->pending, err = e->error;
-  pthread_mutex_unlock(&e->mu);
-  return p ? E_NOT_READY : err;
-}
 static pthread_mutex_t g_hold_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_hold_cv = PTHREAD_COND_INITIALIZER;
 static long g_hold_after = -1; /* -1: no hold; n >= 0: n more syncs return, later ones wait */
@@ -558,6 +553,27 @@ static void sync_hold(void) {
   pthread_mutex_unlock(&g_hold_mu);
 }
 
+/* An event reached is seen by cuEventQuery as by cuEventSynchronize, through the hold: while the
+ * stream is held (no syncs left to return) it is not reached yet; otherwise seeing it counts as a
+ * sync that returned. */
+CUresult cuEventQuery(CUevent e) {
+  pthread_mutex_lock(&e->mu);
+  int p = e->pending, err = e->error;
+  pthread_mutex_unlock(&e->mu);
+  if (p) return E_NOT_READY;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  pthread_mutex_lock(&g_hold_mu);
+  if (g_hold_after == 0) {
+    pthread_mutex_unlock(&g_hold_mu);
+    return E_NOT_READY;
+  }
+  if (g_hold_after > 0) g_hold_after--;
+  g_sync_returned++;
+  if (!g_first_return_ns) g_first_return_ns = (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+  pthread_mutex_unlock(&g_hold_mu);
+  return err;
+}
 CUresult cuEventSynchronize(CUevent e) {
   sync_hold();
   pthread_mutex_lock(&e->mu);

@@ -31,6 +31,9 @@ straight away); a Python thread then takes each result for the bookkeeping (spar
 counters) and completes a failed run's slots with the reason. A run it could not wait for (the
 device's context could not be made current) keeps its pins and stays queued; past ``timeout_s``
 its slots time out ("may still land").
+A synchronous caller's run (``batch_transfer_sync``: ``waited``) skips both threads when it ends
+within ``_SPIN_US``: the caller asks its event itself and ends it the same way in its own thread
+(``_native.ipc_finish_here``); a longer one is pushed to the completer as above.
 
 **Not verified on hardware**: CI runs this across real processes on the fake driver
 (:mod:`kvpool.testing.fakecuda`); ``pytest -m gpu`` runs it on a real GPU.
@@ -138,6 +141,7 @@ class CudaIpcTransport(_Completion, Transport):
         self._thread.start()
         self.launches = 0  # kernel launches and cuMemcpyAsync runs, for tests and benchmarks
         self.memcpy_runs = 0
+        self.finished_here = 0  # runs a synchronous caller ended in its own thread (_finish_here)
 
     # ------------------------------------------------------------------ owner side
     def describe(self) -> dict[str, Any]:
@@ -335,10 +339,14 @@ class CudaIpcTransport(_Completion, Transport):
         return ready
 
     # ------------------------------------------------------------------ initiator side: submit
-    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+    def submit(
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, waited: bool = False
+    ) -> None:
         """Columns may be lists or numpy arrays (``batch_transfer_sync`` passes arrays through).
         Staged requests (see :meth:`needs_staging`) wait up to ``stage_wait_s`` for the staging
-        pool (None: InvalidArgument when it is full)."""
+        pool (None: InvalidArgument when it is full). ``waited`` (a synchronous caller): a
+        submit that is one run of GPU copies waits up to ``_SPIN_US`` for it here and ends it in
+        this thread (:meth:`_finish_here`); a longer run goes to the completer as usual."""
         ops = reqs.ops
         if isinstance(ops, np.ndarray):
             ops = ops.astype(np.uint8, copy=False)
@@ -352,14 +360,14 @@ class CudaIpcTransport(_Completion, Transport):
             start = 0
             for i in range(1, len(peers) + 1):
                 if i == len(peers) or peers[i] != peers[start]:
-                    self.submit(batch_id, reqs.part(start, i), stage_wait_s)
+                    self.submit(batch_id, reqs.part(start, i), stage_wait_s)  # not waited: all in flight
                     start = i
             return
         gate = self._gate.enter(locs, lens)  # before the checks
         try:
             peer = self._hold(reqs.peers[0])
             try:
-                self._submit_one(batch_id, peer, reqs, ops, locs, rems, lens, stage_wait_s, gate)
+                self._submit_one(batch_id, peer, reqs, ops, locs, rems, lens, stage_wait_s, gate, waited)
             finally:
                 self._let_go(peer)
         finally:
@@ -368,6 +376,7 @@ class CudaIpcTransport(_Completion, Transport):
     def _submit_one(
         self, batch_id: int, peer: _Peer, reqs: Requests, ops: np.ndarray, locs: np.ndarray,
         rems: np.ndarray, lens: np.ndarray, stage_wait_s: float | None, gate: tuple[np.ndarray, np.ndarray],
+        waited: bool = False,
     ) -> None:  # fmt: skip
         """:meth:`submit` to one segment, inside the gate (left before a staged wait with no run
         after), through ``peer`` held (:meth:`_hold`)."""
@@ -384,7 +393,7 @@ class CudaIpcTransport(_Completion, Transport):
             return
         if plan.n_ipc == len(ipc):
             run = self._prepare_gpu(peer, ops, locs, lens, ridx, local_gpu)
-            self._enqueue_gpu(batch_id, peer, run, ops, locs, rems, lens, ridx)
+            self._enqueue_gpu(batch_id, peer, run, ops, locs, rems, lens, ridx, waited)
             return
         # Mixed GPU copies and other requests: every part is checked, and every GPU part pinned,
         # mapped and given its resources, before the first part is queued, so that a refusal
@@ -497,11 +506,13 @@ class CudaIpcTransport(_Completion, Transport):
 
     def _enqueue_gpu(
         self, batch_id: int, peer: _Peer, run: _Prepared, ops: np.ndarray, locs: np.ndarray,
-        rems: np.ndarray, lens: np.ndarray, ridx: np.ndarray,
+        rems: np.ndarray, lens: np.ndarray, ridx: np.ndarray, waited: bool = False,
     ) -> None:  # fmt: skip
         """Queue one prepared run: one native call (``_native.ipc_enqueue``) that reserves the
-        slots and queues the copies and one event; the run goes to the completer. A CUDA call
-        failing partway (copies queued before it may still run): see :meth:`_failed_run`."""
+        slots and queues the copies and one event; the run goes to the completer, or with
+        ``waited`` is ended here when it finishes within ``_SPIN_US`` (:meth:`_finish_here`). A
+        CUDA call failing partway (copies queued before it may still run): see
+        :meth:`_failed_run`."""
         dev = run.dev
         lens = np.ascontiguousarray(lens, dtype=_U64)
         dtab, htab, size = run.table or (0, 0, 0)
@@ -523,6 +534,8 @@ class CudaIpcTransport(_Completion, Transport):
             self.launches += 1
         else:
             self.memcpy_runs += 1
+        if waited and self._finish_here(batch_id, first, lens, peer, run):
+            return
         self._push(_Run(run.event, batch_id, first, lens, peer, run.pins, run.table, dev, lo, hi), lens)
 
     def _push(self, run: _Run, lens: np.ndarray) -> None:

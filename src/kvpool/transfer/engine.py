@@ -350,12 +350,14 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         check_requests(self._registry, descs, reqs)
 
     def _submit(
-        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, again: bool = True
-    ) -> None:
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, again: bool = True,
+        waited: bool = False,
+    ) -> None:  # fmt: skip
         """Dispatch type-checked requests: each run of requests to the transport that reaches its
         segment, through GPU staging when a local range is GPU memory the transport cannot touch.
         A run is validated by its transport; with several runs, the engine checks every request
-        first so that nothing is sent unless all are valid."""
+        first so that nothing is sent unless all are valid. ``waited``: the caller waits for the
+        batch next (see Transport.submit); passed on when the requests are one transport's run."""
         peers = reqs.peers
         n = len(peers)
         if n == 0:
@@ -378,21 +380,22 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         try:
             if len(runs) > 1:
                 self._check_all(reqs)
-            self._submit_run(batch_id, reqs, *runs[0], stage_wait_s)
+            self._submit_run(batch_id, reqs, *runs[0], stage_wait_s, waited and len(runs) == 1)
         except RemoteAccessError:
             # A range outside the cached descriptor: submit again only when nothing was queued
             # (a CUDA IPC part refused after another part of the run was queued: not twice) and
             # the owner's descriptor changed (it decides again, on the new one).
             if not again or self.batches.reserve(batch_id, []) != taken or not self._view_changed(set(peers)):
                 raise
-            self._submit(batch_id, reqs, stage_wait_s, again=False)
+            self._submit(batch_id, reqs, stage_wait_s, again=False, waited=waited)
             return
         for a, b, t in runs[1:]:
             self._submit_run(batch_id, reqs, a, b, t, stage_wait_s)
 
     def _submit_run(
-        self, batch_id: int, reqs: Requests, a: int, b: int, t: Transport, stage_wait_s: float | None
-    ) -> None:
+        self, batch_id: int, reqs: Requests, a: int, b: int, t: Transport, stage_wait_s: float | None,
+        waited: bool = False,
+    ) -> None:  # fmt: skip
         """Queue requests ``a`` to ``b`` (one transport's run) into the batch."""
         part = reqs if b - a == len(reqs.peers) else reqs.part(a, b)
         if (
@@ -402,7 +405,7 @@ class TransferEngine(Registrations, Segments, SyncTransfers):
         ):
             self._staging.submit(t, batch_id, part, wait_s=stage_wait_s)
         else:
-            t.submit(batch_id, part, stage_wait_s)  # not None: a round of batch_transfer_sync
+            t.submit(batch_id, part, stage_wait_s, waited)  # not None: a round of batch_transfer_sync
 
     def get_transfer_status(self, batch_id: int, index: int) -> TransferStatus:
         """Status of request ``index`` of a batch."""

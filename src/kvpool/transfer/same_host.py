@@ -76,7 +76,9 @@ class SameHostTransport(TcpTransport):
         st = self._pids.get(handle)
         return st is not None and st[1]
 
-    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+    def submit(
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, waited: bool = False
+    ) -> None:
         try:
             super().submit(batch_id, reqs)
         except RemoteAccessError:

@@ -380,7 +380,7 @@ class SyncTransfers:
         try:
             try:
                 # Columns straight to the transport: no per-request Python objects.
-                self._submit(bid, Requests([op] * n, locs, [hid] * n, rems, lens), stage_wait_s)
+                self._submit(bid, Requests([op] * n, locs, [hid] * n, rems, lens), stage_wait_s, waited=True)
             except Exception as exc:
                 self._settle(bid, exc)
                 raise

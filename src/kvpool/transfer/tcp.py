@@ -34,7 +34,9 @@ class TcpTransport(Transport):
 
     takes_arrays = True
 
-    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+    def submit(
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, waited: bool = False
+    ) -> None:
         ops, locs, peers, rems, lens = reqs
         if isinstance(locs, np.ndarray):
             n = len(lens)

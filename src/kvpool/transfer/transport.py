@@ -136,7 +136,9 @@ class Transport(ABC):
         return []
 
     @abstractmethod
-    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+    def submit(
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, waited: bool = False
+    ) -> None:
         """Queue requests into the next free slots of batch ``batch_id``, in order, and complete
         each slot when its bytes have moved (or failed) — from the transport's own threads, never
         by waiting in the caller.
@@ -155,6 +157,12 @@ class Transport(ABC):
         (CUDA IPC to a peer's host memory) waits up to that long for room in the staging pool
         (TransferTimeout after) instead of raising InvalidArgument at once (None). Transports
         that do not stage ignore it.
+
+        ``waited``: the caller waits for the batch right after this call (the engine's
+        synchronous transfers, one segment per batch). A transport may then finish short
+        requests in the caller's thread before it returns (CUDA IPC: a run whose copies end
+        within microseconds), never for longer than a moment: what has not ended by then is
+        completed by its own threads as usual. Others ignore it.
         """
 
     def unbounded(self, batch_id: int) -> bool:

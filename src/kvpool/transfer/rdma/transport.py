@@ -244,7 +244,9 @@ class RdmaTransport(Connections, Transport):
         self._wake.set()
 
     # ------------------------------------------------------------------ submit
-    def submit(self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None) -> None:
+    def submit(
+        self, batch_id: int, reqs: Requests, stage_wait_s: float | None = None, waited: bool = False
+    ) -> None:
         """Validate every request, take its batch slot, queue its slices for the progress thread."""
         E = self.E
         now = time.monotonic()
