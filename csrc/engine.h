@@ -306,7 +306,7 @@ class Engine {
   std::pair<int, uint64_t> status(uint64_t batch, uint32_t idx);
   int slot_error(uint64_t batch, uint32_t idx);
   std::pair<int, uint64_t> batch_status(uint64_t batch);
-  int wait(uint64_t batch, int timeout_ms);
+  std::pair<int, uint64_t> wait(uint64_t batch, int timeout_ms);  // batch_status once none is pending, or at the timeout
   // A few requests of one opcode to one peer, done in the calling thread when a lane is free
   // (one group: one frame exchange over TCP, or same-host copies) and queued otherwise; waits.
   // Returns ST_OK or the first failed request's Status.

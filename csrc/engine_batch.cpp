@@ -263,14 +263,14 @@ std::pair<int, uint64_t> Engine::batch_status(uint64_t batch) {
   return {pending ? S_PENDING : worst, bytes};
 }
 
-int Engine::wait(uint64_t batch, int timeout_ms) {
+std::pair<int, uint64_t> Engine::wait(uint64_t batch, int timeout_ms) {
   auto b = get_batch(batch);
   std::unique_lock lk(b->mu);
   auto done = [&] { return b->pending_slots.load() == 0; };
   if (timeout_ms < 0) b->cv.wait(lk, done);
   else b->cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), done);
   lk.unlock();
-  return batch_status(batch).first;
+  return batch_status(batch);
 }
 
 int Engine::transfer_sync(uint8_t op, const std::vector<uint64_t>& locals, uint64_t peer,

@@ -40,6 +40,13 @@ inline int64_t last_le(const uint64_t* starts, int64_t m, uint64_t a) {
   return static_cast<int64_t>(std::upper_bound(starts, starts + m, a) - starts) - 1;
 }
 
+// last_le, first trying `hint` (the previous request's answer: a run's ranges mostly lie in one
+// registration and one peer buffer, so the search is skipped for them). Same answer either way.
+inline int64_t last_le_from(const uint64_t* starts, int64_t m, uint64_t a, int64_t hint) {
+  if (hint >= 0 && starts[hint] <= a && (hint + 1 == m || a < starts[hint + 1])) return hint;
+  return last_le(starts, m, a);
+}
+
 // Codes of ipc_classify's first result.
 constexpr int OK = 0, NOT_REGISTERED = 1, READ_ONLY = 2, GPU_PAST_END = 3;
 constexpr uint8_t READ_OP = kvpool::OP_READ;  // kvpool.transfer.transport.READ
@@ -78,9 +85,10 @@ py::tuple ipc_classify(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, p
   int64_t bad = -1;
   bool staged = false, all_inside = true;
   int64_t n_ipc = 0;
+  int64_t i = -1, r = -1;  // the previous request's registration and peer buffer (hints)
   for (py::ssize_t k = 0; k < n; ++k) {
     const uint64_t a = locs[k], len = lens[k], end = a + len;
-    const int64_t i = last_le(rs, m, a);
+    i = last_le_from(rs, m, a, i);
     const bool in_reg = i >= 0 && a < re[i];
     const bool gpu = in_reg && rg[i];
     if (code == OK) {
@@ -93,7 +101,7 @@ py::tuple ipc_classify(py::buffer ops_b, py::buffer locs_b, py::buffer rems_b, p
       }
       if (code != OK) bad = k;
     }
-    const int64_t r = last_le(ps, p, rems[k]);
+    r = last_le_from(ps, p, rems[k], r);
     const uint64_t rend = rems[k] + len;
     const bool inside = r >= 0 && rend <= pe[r] && rend >= rems[k];
     lg[k] = gpu;

@@ -149,8 +149,8 @@ class Batches:
     def wait(self, batch_id: int, timeout_s: float | None = None) -> TransferStatus:
         """Block (GIL released) until no slot of the batch is PENDING, or ``timeout_s``."""
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
-        state = self._native.wait(batch_id, ms)
-        return TransferStatus(_STATE[state], self._native.batch_status(batch_id)[1])
+        state, nbytes = self._native.wait(batch_id, ms)  # the batch's status, one pass over its slots
+        return TransferStatus(_STATE[state], nbytes)
 
     def pending(self, batch_id: int) -> bool:
         """True while any slot of the batch is PENDING (one native call)."""

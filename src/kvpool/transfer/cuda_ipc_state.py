@@ -415,7 +415,7 @@ class _Gate:
     def enter(self, locs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Called by submit before its checks, with its local ranges; AddressNotRegistered if one
         of them is being unregistered."""
-        token = (locs, locs + lens)
+        token = (locs, lens)  # the ends only when an unregister looks (_overlaps)
         with self._cond:
             if self._closed:
                 self._prune()
@@ -450,6 +450,6 @@ class _Gate:
 
 
 def _overlaps(token: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> bool:
-    """Whether one of a submit's local ranges (starts, ends) overlaps [lo, hi)."""
-    starts, ends = token
-    return bool(np.any((starts < hi) & (ends > lo)))
+    """Whether one of a submit's local ranges (starts, lengths) overlaps [lo, hi)."""
+    starts, lens = token
+    return bool(np.any((starts < hi) & (starts + lens > lo)))

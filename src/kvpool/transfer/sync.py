@@ -259,7 +259,8 @@ class SyncTransfers:
         handle = self.open_segment(target_name)
         t = self._route(handle.id)
         arrays = (local_addrs, remote_addrs, lengths)
-        if (n > INLINE_MAX or gpu_here) and "cuda" in t.locations and self._registry.gpu_count:
+        checked = (n > INLINE_MAX or gpu_here) and "cuda" in t.locations and self._registry.gpu_count
+        if checked:
             arrays = _u64_columns(arrays)  # once: needs_staging and the run below take these
         # the CUDA IPC route stages local GPU ranges to peer ranges no GPU copy reaches: rounds too
         staged = "cuda" in t.locations and self._registry.gpu_count and t.needs_staging(handle.id, *arrays)
@@ -267,7 +268,7 @@ class SyncTransfers:
         cuda_cols = "cuda" in t.locations and all(isinstance(c, np.ndarray) for c in arrays)
         if t.takes_arrays and gpu_ok and (n > INLINE_MAX or cuda_cols):
             # columns straight through: no per-request Python objects
-            return self._run_sync(handle.id, op, *_u64_columns(arrays))  # type: ignore[arg-type]
+            return self._run_sync(handle.id, op, *(arrays if checked else _u64_columns(arrays)))  # type: ignore[arg-type]
         locs, rems, lens = _int_columns(arrays)
         st = self._inline(handle.id, op, locs, rems, lens)
         if st is not None:
