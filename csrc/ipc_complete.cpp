@@ -151,45 +151,51 @@ void complete_loop(const std::shared_ptr<IpcState>& s) {
 }
 
 // A synchronous caller's run finished in its own thread (ipc_finish_here): the caller asks the
-// run's event (cuEventQuery, the GIL released) for up to `spin_us`, yielding the CPU after the
-// first few asks; reached, the run ends here exactly as complete_loop ends it (the pins dropped,
-// the owner's pidfd asked, a successful run's slots completed) and (CUresult, owner alive) comes
-// back. Not reached within `spin_us`, or not asked (no context; an error after which the stream
-// may still run): None, nothing changed - the caller pushes the run to the completer as usual,
-// which waits and retries (and times out) as for any run. So a short run never crosses threads:
-// no hand-off to the completion thread, no wake-up of the caller, its slots' lines stay in the
-// caller's cache.
-py::object finish_here(Engine& engine, int dev, uintptr_t event, uint64_t batch, uint32_t first,
-                       const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& lens,
-                       const std::shared_ptr<Fence>& fence, const std::vector<int>& slots, int pidfd,
-                       int spin_us) {
+// run's event (cuEventQuery, the GIL released) for up to min(spin_max_us, spin_min_us + 1 us per
+// 10 KB of the run: about the copy's time at host-to-device speed), yielding the CPU after the first few
+// asks; reached, the run ends here exactly as complete_loop ends it (the pins dropped, the owner's
+// pidfd asked, a successful run's slots completed). Not reached in time, or not asked (no context;
+// an error after which the stream may still run): nothing changed - the caller pushes the run to
+// the completer as usual, which waits and retries (and times out) as for any run. The outcome goes
+// to `out` (int64[3]: ended, CUresult, owner alive) before the call returns, so the caller acts on
+// it even when a signal handler raises as the call returns (the run must then still be pushed, or
+// its failure recorded). So a short run never crosses threads: no hand-off to the completion
+// thread, no wake-up of the caller, its slots' lines stay in the caller's cache.
+void finish_here(Engine& engine, int dev, uintptr_t event, uint64_t batch, uint32_t first,
+                 const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& lens,
+                 const std::shared_ptr<Fence>& fence, const std::vector<int>& slots, int pidfd,
+                 int64_t spin_min_us, int64_t spin_max_us, py::array_t<int64_t, py::array::c_style>& out) {
+  if (out.size() < 3) throw KvError(E_INVALID, "ipc_finish_here: out needs 3 entries");
+  int64_t* const o = out.mutable_data();
+  o[0] = 0;
   const std::vector<uint64_t> n(lens.data(), lens.data() + lens.size());
+  uint64_t total = 0;
+  for (uint64_t x : n) total += x;
+  const auto budget = std::chrono::microseconds(std::min<int64_t>(
+      std::max<int64_t>(spin_max_us, 0), std::max<int64_t>(spin_min_us, 0) + static_cast<int64_t>(total / 10000)));
   void* const ev = reinterpret_cast<void*>(event);
+  py::gil_scoped_release rel;
+  const auto deadline = std::chrono::steady_clock::now() + budget;
   int rc;
-  bool alive = true;
-  {
-    py::gil_scoped_release rel;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(std::max(spin_us, 0));
-    for (int i = 0;; ++i) {
-      rc = cuda::event_query(dev, ev);
-      if (rc != cuda::kNotReady || std::chrono::steady_clock::now() >= deadline) break;
-      if (i >= 16) sched_yield();  // a long copy: the CPU for others (on the fake, its stream thread)
-    }
-    if (rc == 0 || cuda::sticky(rc)) {
-      if (fence)
-        for (int slot : slots) fence->unpin(slot);
-      alive = rc != 0 || owner_alive(pidfd);
-      if (rc == 0 && alive) {
-        try {
-          engine.finish_range(batch, first, n, ST_OK);
-        } catch (const std::exception&) {
-          // the batch was freed (as in complete_loop): nobody waits for these slots any more
-        }
-      }
+  for (int i = 0;; ++i) {
+    rc = cuda::event_query(dev, ev);
+    if (rc != cuda::kNotReady || std::chrono::steady_clock::now() >= deadline) break;
+    if (i >= 16) sched_yield();  // a longer copy: the CPU for others (on the fake, its stream thread)
+  }
+  if (rc != 0 && !cuda::sticky(rc)) return;  // not ended: the caller pushes it
+  if (fence)
+    for (int slot : slots) fence->unpin(slot);
+  const bool alive = rc != 0 || owner_alive(pidfd);
+  if (rc == 0 && alive) {
+    try {
+      engine.finish_range(batch, first, n, ST_OK);
+    } catch (const std::exception&) {
+      // the batch was freed (as in complete_loop): nobody waits for these slots any more
     }
   }
-  if (rc != 0 && !cuda::sticky(rc)) return py::none();
-  return py::make_tuple(rc, alive);
+  o[1] = rc;
+  o[2] = alive;
+  o[0] = 1;
 }
 
 class IpcCompleter {
@@ -297,8 +303,9 @@ void bind_ipc_complete(py::module_& m) {
       .def_property_readonly("queued", &IpcCompleter::queued);
   m.def("ipc_finish_here", &kvpool::finish_here, py::arg("engine"), py::arg("dev"), py::arg("event"),
         py::arg("batch"), py::arg("first"), py::arg("lens"), py::arg("fence"), py::arg("slots"),
-        py::arg("pidfd"), py::arg("spin_us"),
-        "Wait up to spin_us for a queued run's event in this thread and end the run here: "
-        "(CUresult, owner alive), or None (not reached: push it to the completer)");
+        py::arg("pidfd"), py::arg("spin_min_us"), py::arg("spin_max_us"), py::arg("out"),
+        "Wait up to min(spin_max_us, spin_min_us + 1 us per 10 KB) for a queued run's event in this "
+        "thread and end the run here; out (int64[3]) = (ended, CUresult, owner alive): not ended, "
+        "push it to the completer");
   m.attr("IPC_TIMED_OUT") = kvpool::kTimedOut;
 }

@@ -762,22 +762,40 @@ def test_a_run_not_waited_for_keeps_its_pins_and_times_out(peer: Peer, fake_driv
         assert eng.transfer_sync(peer.name, g + 8192, peer.gpu[0] + 8192, 4096) == 4096
 
 
-def test_a_run_with_a_sticky_stream_error_fails_at_once(peer: Peer, fake_driver: str) -> None:
+@pytest.mark.parametrize("waited", [True, False], ids=["sync-caller", "completer"])
+def test_a_run_with_a_sticky_stream_error_fails_at_once(
+    peer: Peer, fake_driver: str, waited: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run's copy failing with a sticky error (700: the context is dead, none of its copies
-    runs any more): the run is over, its slots fail with the error at once and its pins go."""
+    runs any more): the run is over, its slots fail with the error at once and its pins go —
+    ended by a synchronous caller itself or by the completer (submit_transfer)."""
     import ctypes
 
+    import kvpool.transfer.cuda_ipc_complete as complete
+
+    monkeypatch.setattr(complete, "_SPIN_US", (10_000_000, 10_000_000))  # the caller's path, however slow
     drv = load_driver()
     with TransferEngine(timeout_s=5.0) as eng:
         g = drv.alloc(1 << 20, 0)
         eng.register_local_memory(g, 1 << 20, location="cuda:0")
         eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)  # opens the mapping
+        ipc = _ipc(eng)
+        pushed, here = ipc._pushed, ipc.finished_here
         ctypes.CDLL(fake_driver).fakecuda_fail_next(700)
         t0 = time.monotonic()
-        with pytest.raises(TransferError, match="copy failed") as err:
-            eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
-        assert not isinstance(err.value, TransferTimeout) and time.monotonic() - t0 < 2
-        ipc = _ipc(eng)
+        if waited:
+            with pytest.raises(TransferError, match="copy failed") as err:
+                eng.transfer_sync(peer.name, g, peer.gpu[0], 4096)
+            assert not isinstance(err.value, TransferTimeout)
+        else:
+            bid = eng.allocate_batch_id(1)
+            seg = eng.open_segment(peer.name)
+            eng.submit_transfer(bid, [TransferRequest(OpCode.WRITE, g, seg, peer.gpu[0], 4096)])
+            assert eng.wait_batch(bid, 5).state == TransferState.FAILED
+            assert "copy failed" in (eng.get_transfer_status(bid, 0).error or "")
+            eng.free_batch_id(bid)
+        assert time.monotonic() - t0 < 2
+        assert (ipc._pushed, ipc.finished_here) == ((pushed, here + 1) if waited else (pushed + 1, here))
         deadline = time.monotonic() + 5
         while ipc._runs and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -785,13 +803,16 @@ def test_a_run_with_a_sticky_stream_error_fails_at_once(peer: Peer, fake_driver:
 
 
 def test_a_synchronous_run_ends_in_the_callers_thread_and_an_asynchronous_one_in_the_completer(
-    peer: Peer, fake_driver: str
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A synchronous transfer's run that ends within the spin is ended by the caller itself (no
     hand-off to the completion threads: nothing pushed), bytes right both ways; a submit_transfer
     (nobody waits in the submit) goes through the completer as before."""
     import numpy as np
 
+    import kvpool.transfer.cuda_ipc_complete as complete
+
+    monkeypatch.setattr(complete, "_SPIN_US", (10_000_000, 10_000_000))  # a loaded machine's fake may lag
     drv = load_driver()
     with TransferEngine(timeout_s=10.0) as eng:
         g = drv.alloc(1 << 20, 0)
@@ -869,17 +890,75 @@ def test_a_synchronous_run_whose_owner_exited_during_the_copy_fails_in_the_calle
         real = _native.ipc_finish_here
         seen: list[Any] = []
 
-        def kill_first(*a: Any, **kw: Any) -> Any:
+        def kill_first(*a: Any) -> None:
             peer.p.send_signal(signal.SIGKILL)
             peer.p.wait(10)
-            seen.append(real(*a, **kw))
-            return seen[-1]
+            real(*a)
+            seen.append(tuple(a[-1].tolist()))  # out: ended, CUresult, owner alive
 
         monkeypatch.setattr(cuda_ipc._native, "ipc_finish_here", kill_first)
         with pytest.raises(TransferError, match="exited during the copy"):
             eng.transfer_sync(peer.name, g, r, 4096)
-        assert seen == [(0, False)]  # ended in the caller's thread, the owner seen gone
+        assert seen == [(1, 0, 0)]  # ended in the caller's thread, the owner seen gone
         assert not ipc._runs and ipc._completer.queued == 0
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises in the tests below (as KeyboardInterrupt would)."""
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["run-in-flight", "run-ended"])
+def test_a_signal_as_the_callers_wait_returns_neither_loses_the_run_nor_its_end(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
+    """A signal handler that raises (Ctrl-C) runs as the caller's wait for its run returns. A run
+    still in flight then (its stream held) must still go to the completer: its pin is dropped when
+    it ends, so the owner can unregister the buffer; a run that ended must still have its slots
+    finished. Either way the call raises the handler's exception and the batch is freed once
+    settled."""
+    import kvpool.transfer.cuda_ipc as cuda_ipc
+    import kvpool.transfer.cuda_ipc_complete as complete
+
+    if not held:
+        monkeypatch.setattr(complete, "_SPIN_US", (10_000_000, 10_000_000))  # ends in the caller
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 23)
+        r = peer.gpu[0]
+        ipc = _ipc(eng)
+        eng.transfer_sync(peer.name, g, r, 4096)
+        real = _native.ipc_finish_here
+
+        def handler(*_: Any) -> None:
+            raise _Interrupted
+
+        def signalled(*a: Any) -> None:
+            try:
+                real(*a)
+            finally:
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled as the call returns
+
+        old = signal.signal(signal.SIGUSR1, handler)
+        monkeypatch.setattr(cuda_ipc._native, "ipc_finish_here", signalled)
+        hold = SyncHold(ipc.driver) if held else None
+        pushed, here = ipc._pushed, ipc.finished_here
+        try:
+            with pytest.raises(_Interrupted):
+                eng.transfer_sync(peer.name, g, r, 65536)
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+            if hold is not None:
+                hold.set()
+        assert (ipc._pushed, ipc.finished_here) == ((pushed + 1, here) if held else (pushed, here + 1))
+        deadline = time.monotonic() + 5
+        while (ipc._runs or eng.batches.deferred()) and time.monotonic() < deadline:
+            eng.free_batch_id(eng.allocate_batch_id(1))  # frees the interrupted call's batch once settled
+            time.sleep(0.01)
+        assert not ipc._runs and eng.batches.deferred() == 0
+        assert peer.ask(f"dump {r} 65536") == _sha(drv, g, 65536)  # the copy landed
+        assert peer.ask(f"unregister {r}") == "ok"  # no pin left behind
 
 
 def test_unregister_waits_for_our_reads_into_the_buffer(

@@ -32,7 +32,8 @@ counters) and completes a failed run's slots with the reason. A run it could not
 device's context could not be made current) keeps its pins and stays queued; past ``timeout_s``
 its slots time out ("may still land").
 A synchronous caller's run (``batch_transfer_sync``: ``waited``) skips both threads when it ends
-within ``_SPIN_US``: the caller asks its event itself and ends it the same way in its own thread
+within about its copy time at host-to-device speed (200 us + 1 us per 10 KB, at most ``_SPIN_US``):
+the caller asks its event itself and ends it the same way in its own thread
 (``_native.ipc_finish_here``); a longer one is pushed to the completer as above.
 
 **Not verified on hardware**: CI runs this across real processes on the fake driver
@@ -534,9 +535,11 @@ class CudaIpcTransport(_Completion, Transport):
             self.launches += 1
         else:
             self.memcpy_runs += 1
-        if waited and self._finish_here(batch_id, first, lens, peer, run):
-            return
-        self._push(_Run(run.event, batch_id, first, lens, peer, run.pins, run.table, dev, lo, hi), lens)
+        queued = _Run(run.event, batch_id, first, lens, peer, run.pins, run.table, dev, lo, hi)
+        if waited:
+            self._finish_here(queued, lens)  # or pushes it
+        else:
+            self._push(queued, lens)
 
     def _push(self, run: _Run, lens: np.ndarray) -> None:
         """Queue ``run`` for completion (the native completer completes ``lens`` of its slots on

@@ -8,14 +8,18 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from kvpool import _native
 from kvpool.errors import KvpoolError, TransferTimeout
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
-from kvpool.transfer.cuda_ipc_state import _Peer, _Prepared, _Run, _Spares
+from kvpool.transfer.cuda_ipc_state import _Peer, _Run, _Spares
 from kvpool.transfer.types import TransferState
 
-_SPIN_US = 1000  # how long a synchronous caller waits for its run in its own thread (_finish_here)
+# how long a synchronous caller waits for its run in its own thread (_finish_here): this (min, max)
+# in microseconds, the min plus 1 us per 10 KB of the run (about its copy time to or from host memory)
+_SPIN_US = (200, 2000)
 
 
 class _Completion:
@@ -57,31 +61,40 @@ class _Completion:
             return stuck
 
     # ------------------------------------------------------------------ completion
-    def _finish_here(self, batch_id: int, first: int, lens: Any, peer: _Peer, run: _Prepared) -> bool:
-        """A synchronous caller's run (``waited``), just queued: wait up to ``_SPIN_US`` for its
-        event in this thread and, if it was reached, end the run here as the completion would
-        (``_native.ipc_finish_here``: the pins dropped, the owner's pidfd asked, a successful
-        run's slots completed, with no thread in between; then its failure, spares and counters
-        here). Returns False when it was not reached (nothing changed: the caller pushes it).
-        The run is never in ``_runs``: the submit holds the peer (``_hold``) and the gate until it
-        returns, which keeps detach, unregister and close waiting for it as for a queued run."""
-        done = _native.ipc_finish_here(
-            self.native, run.dev, run.event, batch_id, first, lens, peer.fence,
-            [slot for slot, _ in run.pins], peer.pidfd, _SPIN_US,
-        )  # fmt: skip
-        if done is None:
-            return False
-        rc, alive = done
-        self.finished_here += 1
-        if rc:
-            why = f"CUDA IPC copy failed: {self.driver.error(rc, 'cuEventQuery')}"
-            self._fail(batch_id, first, lens, why)
-        elif not alive:
-            peer.gone = True
-            why = f"the segment's process (pid {peer.pid}) exited during the copy"
-            self._fail(batch_id, first, lens, why)
-        self._spares.give_back(run.dev, run.table, run.event)
-        return True
+    def _finish_here(self, run: _Run, lens: Any) -> None:
+        """A synchronous caller's run (``waited``), just queued: wait for its event in this thread
+        (up to ``_SPIN_US``, less for a small run) and, if it was reached, end the run here as the
+        completion would (``_native.ipc_finish_here``: the pins dropped, the owner's pidfd asked,
+        a successful run's slots completed, with no thread in between; then its failure and
+        spares here); else push it to the completer (:meth:`_push`). The native call writes its
+        outcome before it returns, and the ``finally`` acts on it, so a signal handler raising as
+        it returns (KeyboardInterrupt) neither loses a run still in flight nor a failure. The run
+        is never in ``_runs`` meanwhile: the submit holds the peer (``_hold``) and the gate until
+        it returns, which keeps detach, unregister and close waiting for it as for a queued run."""
+        out = np.zeros(3, dtype=np.int64)  # ended, CUresult, owner alive
+        try:
+            _native.ipc_finish_here(
+                self.native, run.dev, run.event, run.batch_id, run.first, lens, run.peer.fence,
+                [slot for slot, _ in run.pins], run.peer.pidfd, *_SPIN_US, out,
+            )  # fmt: skip
+        finally:
+            ended, rc, alive = out.tolist()
+            if not ended:
+                self._push(run, lens)
+            else:
+                self.finished_here += 1
+                peer = run.peer
+                if rc:
+                    why = f"CUDA IPC copy failed: {self.driver.error(rc, 'cuEventQuery')}"
+                    self._fail(run.batch_id, run.first, lens, why)
+                elif not alive:
+                    peer.gone = True
+                    why = f"the segment's process (pid {peer.pid}) exited during the copy"
+                    self._fail(run.batch_id, run.first, lens, why)
+                self._spares.give_back(run.dev, run.table, run.event)
+
+    def _push(self, run: _Run, lens: Any) -> None:
+        raise NotImplementedError
 
     def _complete_loop(self) -> None:
         """Bookkeeping of the runs the native completer finished (it already unpinned them and,
