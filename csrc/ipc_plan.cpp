@@ -163,10 +163,14 @@ struct RunTarget {
 // rc != 0 (a CUresult, `what` the call) when a copy, launch or record failed to queue after the
 // slots were reserved: the caller settles the stream and fails the slots. Raises with nothing
 // reserved or queued for bad columns, a request outside the peer's mapped buffers, a table too
-// small or a batch without room.
+// small or a batch without room. `out` (uint64[5]): queued (the slots were reserved), first, lo, hi,
+// rc — written before the call returns.
 py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, py::buffer ops_b, py::buffer locs_b,
                       py::buffer rems_b, py::buffer lens_b, py::buffer ridx_b, py::buffer bases_b,
-                      py::buffer starts_b) {
+                      py::buffer starts_b, py::array_t<uint64_t, py::array::c_style>& out) {
+  if (out.size() < 5) throw kvpool::KvError(kvpool::E_INVALID, "ipc run: out needs 5 entries");
+  uint64_t* const o = out.mutable_data();
+  o[0] = 0;
   auto lb = locs_b.request();
   const py::ssize_t n = lb.ndim == 1 ? lb.shape[0] : -1;
   auto ob = ops_b.request(), rb = rems_b.request(), nb = lens_b.request(), ib = ridx_b.request(),
@@ -201,6 +205,13 @@ py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, p
   }
   const std::vector<uint64_t> lv(lens, lens + n);
   const uint32_t first = eng.reserve_slots(batch, lv);
+  // From here on the run exists (slots reserved, then copies queued): what the caller must act on
+  // even if a signal handler raises as this returns (the tuple below is then lost).
+  o[1] = first;
+  o[2] = lo;
+  o[3] = hi;
+  o[4] = 0;
+  o[0] = 1;
   int rc = 0;
   const char* what = "";
   {
@@ -227,6 +238,7 @@ py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, p
       what = "cuEventRecord";
     }
   }
+  o[4] = static_cast<uint64_t>(rc);
   return py::make_tuple(first, lo, hi, rc, rc == 0 ? "" : what);
 }
 
@@ -273,5 +285,5 @@ void bind_ipc_plan(py::module_& m) {
            py::arg("block"), py::arg("max_grid"), py::arg("event"));
   m.def("ipc_enqueue", &ipc_enqueue,
         "Queue one CUDA IPC run (addresses, slots, copies or one gather launch, event): "
-        "(first slot, lo, hi, rc, failed call)");
+        "(first slot, lo, hi, rc, failed call); out (uint64[5]) = (slots reserved, first, lo, hi, rc)");
 }

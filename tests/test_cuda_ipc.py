@@ -961,6 +961,55 @@ def test_a_signal_as_the_callers_wait_returns_neither_loses_the_run_nor_its_end(
         assert peer.ask(f"unregister {r}") == "ok"  # no pin left behind
 
 
+def test_a_signal_as_a_run_is_queued_keeps_it_queued_and_pinned(
+    peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal handler that raises as ``ipc_enqueue`` returns (its copies queued, the stream
+    held): the run still goes to the completer with its pin held until the copies ended — it was
+    unpinned at once, so the owner could have unregistered and reused memory our copy still
+    wrote — and the call raises the handler's exception."""
+    import kvpool.transfer.cuda_ipc as cuda_ipc
+
+    drv = load_driver()
+    with TransferEngine(timeout_s=5.0) as eng:
+        g = drv.alloc(1 << 20, 0)
+        eng.register_local_memory(g, 1 << 20, location="cuda:0")
+        _fill(drv, g, 1 << 20, 24)
+        r = peer.gpu[0]
+        ipc = _ipc(eng)
+        eng.transfer_sync(peer.name, g, r, 4096)
+        rec = next(iter(ipc._peers.values()))
+        slot = next(b.slot for b in rec.bufs if b.addr <= r < b.addr + b.length)
+        real = _native.ipc_enqueue
+
+        def handler(*_: Any) -> None:
+            raise _Interrupted
+
+        def signalled(*a: Any) -> Any:
+            try:
+                return real(*a)
+            finally:
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled as the call returns
+
+        old = signal.signal(signal.SIGUSR1, handler)
+        monkeypatch.setattr(cuda_ipc._native, "ipc_enqueue", signalled)
+        hold = SyncHold(ipc.driver)
+        try:
+            with pytest.raises(_Interrupted):
+                eng.transfer_sync(peer.name, g, r, 65536)
+            assert len(ipc._runs) == 1 and rec.fence.pinned(slot)  # in flight: still pinned
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+            hold.set()
+        deadline = time.monotonic() + 5
+        while (ipc._runs or eng.batches.deferred()) and time.monotonic() < deadline:
+            eng.free_batch_id(eng.allocate_batch_id(1))
+            time.sleep(0.01)
+        assert not ipc._runs and not rec.fence.pinned(slot)
+        assert peer.ask(f"dump {r} 65536") == _sha(drv, g, 65536)
+        assert peer.ask(f"unregister {r}") == "ok"
+
+
 def test_unregister_waits_for_our_reads_into_the_buffer(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

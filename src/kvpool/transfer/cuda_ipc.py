@@ -43,7 +43,6 @@ the caller asks its event itself and ends it the same way in its own thread
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import threading
 import time
@@ -82,8 +81,6 @@ from kvpool.transfer.memory import LocalRegistry
 from kvpool.transfer.staging import GpuStaging
 from kvpool.transfer.transport import Requests, Transport
 from kvpool.transfer.types import SegmentDescriptor
-
-log = logging.getLogger(__name__)
 
 _KERNEL = "kvpool_gather"
 _BLOCK = 256
@@ -517,16 +514,36 @@ class CudaIpcTransport(_Completion, Transport):
         dev = run.dev
         lens = np.ascontiguousarray(lens, dtype=_U64)
         dtab, htab, size = run.table or (0, 0, 0)
+        out = np.zeros(5, dtype=_U64)  # written by ipc_enqueue before it returns
+        interrupted: BaseException | None = None
         try:
             target = _native.IpcRunTarget(
                 dev, run.stream, run.func, dtab, htab, size, _BLOCK, _MAX_GRID, run.event
             )
             first, lo, hi, rc, what = _native.ipc_enqueue(
-                self.native, batch_id, target, ops, locs, rems, lens, ridx, run.bases, run.starts
+                self.native, batch_id, target, ops, locs, rems, lens, ridx, run.bases, run.starts, out
             )
-        except BaseException:
-            self._release(peer, run)  # nothing was queued
-            raise
+        except BaseException as exc:
+            if not out[0]:
+                self._release(peer, run)  # nothing was queued
+                raise
+            # queued, and a signal handler raised as the call returned: the run goes on as queued
+            # (its copies may run: pins and spares stay until it ends), then the exception
+            interrupted, waited, what = exc, False, "a CUDA call"
+            first, lo, hi, rc = (int(x) for x in out[1:])
+        try:
+            self._queued(batch_id, peer, run, lens, first, lo, hi, rc, what, waited)
+        finally:
+            if interrupted is not None:
+                raise interrupted
+
+    def _queued(
+        self, batch_id: int, peer: _Peer, run: _Prepared, lens: np.ndarray, first: int, lo: int, hi: int,
+        rc: int, what: str, waited: bool,
+    ) -> None:  # fmt: skip
+        """A run :meth:`_enqueue_gpu` queued (its slots reserved): failed partway (``rc``), ended
+        here or pushed to the completer."""
+        dev = run.dev
         if rc:
             exc = self.driver.error(rc, what)
             self._failed_run(batch_id, first, lens, lo, hi, peer, run, f"CUDA IPC copy not queued: {exc}")
@@ -556,38 +573,6 @@ class CudaIpcTransport(_Completion, Transport):
                 self._pushed, run.dev, run.event, run.batch_id, run.first, lens, peer.fence, slots,
                 peer.pidfd,
             )  # fmt: skip
-
-    def _failed_run(
-        self, batch_id: int, first: int, lens: np.ndarray, lo: int, hi: int, peer: _Peer,
-        run: _Prepared, reason: str,
-    ) -> None:  # fmt: skip
-        """A CUDA call failed while a run was queued: the copies queued before it may still read
-        and write the mappings and the local memory. The run's event is recorded behind them and
-        the run goes to the completion queue like any other, its slots PENDING until the stream
-        reached the event and then FAILED with ``reason``; the pins, mappings and spares stay
-        until then. The submitter never waits for the stream (behind a hung run it would wait
-        forever). Only where the event cannot be recorded (a broken stream, whose copies end
-        with its error) is the stream waited for here."""
-        try:
-            self.driver.record(run.event, run.stream)
-        except KvpoolError:
-            self._settle(run.stream)
-            self._release(peer, run)
-            self._fail(batch_id, first, lens, reason)
-            return
-        self._push(
-            _Run(run.event, batch_id, first, lens, peer, run.pins, run.table, run.dev, lo, hi, error=reason),
-            lens[:0],  # the completer completes none of its slots: _complete_loop fails them
-        )
-
-    def _settle(self, stream: int | None) -> None:
-        """Wait for what a failed run queued on ``stream`` before its pins and mappings go."""
-        if stream is None:
-            return
-        try:
-            self.driver.stream_sync(stream)
-        except KvpoolError as exc:  # the stream's own error: its copies are over either way
-            log.warning("CUDA IPC: the stream of a failed run reported: %s", exc)
 
     def _stream(self, dev: int) -> int:
         s = self._streams.get(dev)

@@ -4,6 +4,7 @@ the transport's state lives in :mod:`kvpool.transfer.cuda_ipc`; see its module d
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any
@@ -14,12 +15,14 @@ from kvpool import _native
 from kvpool.errors import KvpoolError, TransferTimeout
 from kvpool.transfer.batch import Batches
 from kvpool.transfer.cuda_driver import CudaDriver
-from kvpool.transfer.cuda_ipc_state import _Peer, _Run, _Spares
+from kvpool.transfer.cuda_ipc_state import _Peer, _Prepared, _Run, _Spares
 from kvpool.transfer.types import TransferState
 
 # how long a synchronous caller waits for its run in its own thread (_finish_here): this (min, max)
 # in microseconds, the min plus 1 us per 10 KB of the run (about its copy time to or from host memory)
 _SPIN_US = (200, 2000)
+
+log = logging.getLogger(__name__)
 
 
 class _Completion:
@@ -95,6 +98,41 @@ class _Completion:
 
     def _push(self, run: _Run, lens: Any) -> None:
         raise NotImplementedError
+
+    def _release(self, peer: _Peer, run: _Prepared) -> None:
+        raise NotImplementedError
+
+    def _failed_run(
+        self, batch_id: int, first: int, lens: Any, lo: int, hi: int, peer: _Peer,
+        run: _Prepared, reason: str,
+    ) -> None:  # fmt: skip
+        """A CUDA call failed while a run was queued: the copies queued before it may still read
+        and write the mappings and the local memory. The run's event is recorded behind them and
+        the run goes to the completion queue like any other, its slots PENDING until the stream
+        reached the event and then FAILED with ``reason``; the pins, mappings and spares stay
+        until then. The submitter never waits for the stream (behind a hung run it would wait
+        forever). Only where the event cannot be recorded (a broken stream, whose copies end
+        with its error) is the stream waited for here."""
+        try:
+            self.driver.record(run.event, run.stream)
+        except KvpoolError:
+            self._settle(run.stream)
+            self._release(peer, run)
+            self._fail(batch_id, first, lens, reason)
+            return
+        self._push(
+            _Run(run.event, batch_id, first, lens, peer, run.pins, run.table, run.dev, lo, hi, error=reason),
+            lens[:0],  # the completer completes none of its slots: _complete_loop fails them
+        )
+
+    def _settle(self, stream: int | None) -> None:
+        """Wait for what a failed run queued on ``stream`` before its pins and mappings go."""
+        if stream is None:
+            return
+        try:
+            self.driver.stream_sync(stream)
+        except KvpoolError as exc:  # the stream's own error: its copies are over either way
+            log.warning("CUDA IPC: the stream of a failed run reported: %s", exc)
 
     def _complete_loop(self) -> None:
         """Bookkeeping of the runs the native completer finished (it already unpinned them and,
