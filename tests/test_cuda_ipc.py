@@ -5,6 +5,7 @@ same paths on real CUDA (``pytest -m gpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -907,6 +908,39 @@ class _Interrupted(BaseException):
     """What a signal handler raises in the tests below (as KeyboardInterrupt would)."""
 
 
+@contextlib.contextmanager
+def _interrupted_as_it_returns(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
+    """``_native.<name>`` sends this process SIGUSR1 as it returns, whose handler raises
+    :class:`_Interrupted` (handled as the call returns, as a Ctrl-C during a native call is);
+    the old handler is back on exit."""
+    real = getattr(_native, name)
+
+    def handler(*_: Any) -> None:
+        raise _Interrupted
+
+    def signalled(*a: Any) -> Any:
+        try:
+            return real(*a)
+        finally:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    monkeypatch.setattr(_native, name, signalled)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def _settle_interrupted(eng: TransferEngine, ipc: CudaIpcTransport) -> None:
+    """Wait until the interrupted call's runs ended and its batch (given up on) was freed."""
+    deadline = time.monotonic() + 5
+    while (ipc._runs or eng.batches.deferred()) and time.monotonic() < deadline:
+        eng.free_batch_id(eng.allocate_batch_id(1))  # frees a settled deferred batch
+        time.sleep(0.01)
+    assert not ipc._runs and eng.batches.deferred() == 0
+
+
 @pytest.mark.parametrize("held", [True, False], ids=["run-in-flight", "run-ended"])
 def test_a_signal_as_the_callers_wait_returns_neither_loses_the_run_nor_its_end(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch, held: bool
@@ -916,7 +950,6 @@ def test_a_signal_as_the_callers_wait_returns_neither_loses_the_run_nor_its_end(
     it ends, so the owner can unregister the buffer; a run that ended must still have its slots
     finished. Either way the call raises the handler's exception and the batch is freed once
     settled."""
-    import kvpool.transfer.cuda_ipc as cuda_ipc
     import kvpool.transfer.cuda_ipc_complete as complete
 
     if not held:
@@ -929,34 +962,16 @@ def test_a_signal_as_the_callers_wait_returns_neither_loses_the_run_nor_its_end(
         r = peer.gpu[0]
         ipc = _ipc(eng)
         eng.transfer_sync(peer.name, g, r, 4096)
-        real = _native.ipc_finish_here
-
-        def handler(*_: Any) -> None:
-            raise _Interrupted
-
-        def signalled(*a: Any) -> None:
-            try:
-                real(*a)
-            finally:
-                os.kill(os.getpid(), signal.SIGUSR1)  # handled as the call returns
-
-        old = signal.signal(signal.SIGUSR1, handler)
-        monkeypatch.setattr(cuda_ipc._native, "ipc_finish_here", signalled)
         hold = SyncHold(ipc.driver) if held else None
         pushed, here = ipc._pushed, ipc.finished_here
         try:
-            with pytest.raises(_Interrupted):
+            with _interrupted_as_it_returns(monkeypatch, "ipc_finish_here"), pytest.raises(_Interrupted):
                 eng.transfer_sync(peer.name, g, r, 65536)
         finally:
-            signal.signal(signal.SIGUSR1, old)
             if hold is not None:
                 hold.set()
         assert (ipc._pushed, ipc.finished_here) == ((pushed + 1, here) if held else (pushed, here + 1))
-        deadline = time.monotonic() + 5
-        while (ipc._runs or eng.batches.deferred()) and time.monotonic() < deadline:
-            eng.free_batch_id(eng.allocate_batch_id(1))  # frees the interrupted call's batch once settled
-            time.sleep(0.01)
-        assert not ipc._runs and eng.batches.deferred() == 0
+        _settle_interrupted(eng, ipc)
         assert peer.ask(f"dump {r} 65536") == _sha(drv, g, 65536)  # the copy landed
         assert peer.ask(f"unregister {r}") == "ok"  # no pin left behind
 
@@ -968,8 +983,6 @@ def test_a_signal_as_a_run_is_queued_keeps_it_queued_and_pinned(
     held): the run still goes to the completer with its pin held until the copies ended — it was
     unpinned at once, so the owner could have unregistered and reused memory our copy still
     wrote — and the call raises the handler's exception."""
-    import kvpool.transfer.cuda_ipc as cuda_ipc
-
     drv = load_driver()
     with TransferEngine(timeout_s=5.0) as eng:
         g = drv.alloc(1 << 20, 0)
@@ -980,32 +993,15 @@ def test_a_signal_as_a_run_is_queued_keeps_it_queued_and_pinned(
         eng.transfer_sync(peer.name, g, r, 4096)
         rec = next(iter(ipc._peers.values()))
         slot = next(b.slot for b in rec.bufs if b.addr <= r < b.addr + b.length)
-        real = _native.ipc_enqueue
-
-        def handler(*_: Any) -> None:
-            raise _Interrupted
-
-        def signalled(*a: Any) -> Any:
-            try:
-                return real(*a)
-            finally:
-                os.kill(os.getpid(), signal.SIGUSR1)  # handled as the call returns
-
-        old = signal.signal(signal.SIGUSR1, handler)
-        monkeypatch.setattr(cuda_ipc._native, "ipc_enqueue", signalled)
         hold = SyncHold(ipc.driver)
         try:
-            with pytest.raises(_Interrupted):
+            with _interrupted_as_it_returns(monkeypatch, "ipc_enqueue"), pytest.raises(_Interrupted):
                 eng.transfer_sync(peer.name, g, r, 65536)
             assert len(ipc._runs) == 1 and rec.fence.pinned(slot)  # in flight: still pinned
         finally:
-            signal.signal(signal.SIGUSR1, old)
             hold.set()
-        deadline = time.monotonic() + 5
-        while (ipc._runs or eng.batches.deferred()) and time.monotonic() < deadline:
-            eng.free_batch_id(eng.allocate_batch_id(1))
-            time.sleep(0.01)
-        assert not ipc._runs and not rec.fence.pinned(slot)
+        _settle_interrupted(eng, ipc)
+        assert not rec.fence.pinned(slot)
         assert peer.ask(f"dump {r} 65536") == _sha(drv, g, 65536)
         assert peer.ask(f"unregister {r}") == "ok"
 
