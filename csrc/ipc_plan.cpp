@@ -159,13 +159,14 @@ struct RunTarget {
 // One CUDA IPC run, queued in one call: the copies' addresses (fill_addresses), the batch slots
 // (reserved here, one per request), then, the GIL released, the copies on the stream — the address
 // table to the device and one kvpool_gather launch, or one cuMemcpyAsync per request — and the
-// event. Returns (first slot, lo, hi, rc, what): [lo, hi) the local addresses the copies touch;
-// rc != 0 (a CUresult, `what` the call) when a copy, launch or record failed to queue after the
-// slots were reserved: the caller settles the stream and fails the slots. Raises with nothing
-// reserved or queued for bad columns, a request outside the peer's mapped buffers, a table too
-// small or a batch without room. `out` (uint64[5]): queued (the slots were reserved), first, lo, hi,
-// rc — written before the call returns.
-py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, py::buffer ops_b, py::buffer locs_b,
+// event. Its outcome goes to `out` (uint64[5]: reserved, first slot, lo, hi, rc) as it happens, so
+// the caller acts on it even when a signal handler raises as this returns: reserved = the slots
+// were taken (from then on the run exists); [lo, hi) the local addresses the copies touch; rc != 0
+// (a CUresult) when a copy, launch or record failed to queue after the slots were reserved: the
+// caller settles the stream and fails the slots. Returns the name of that failed call ("" when
+// none). Raises with nothing reserved or queued for bad columns, a request outside the peer's
+// mapped buffers, a table too small or a batch without room.
+std::string ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, py::buffer ops_b, py::buffer locs_b,
                       py::buffer rems_b, py::buffer lens_b, py::buffer ridx_b, py::buffer bases_b,
                       py::buffer starts_b, py::array_t<uint64_t, py::array::c_style>& out) {
   if (out.size() < 5) throw kvpool::KvError(kvpool::E_INVALID, "ipc run: out needs 5 entries");
@@ -205,8 +206,7 @@ py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, p
   }
   const std::vector<uint64_t> lv(lens, lens + n);
   const uint32_t first = eng.reserve_slots(batch, lv);
-  // From here on the run exists (slots reserved, then copies queued): what the caller must act on
-  // even if a signal handler raises as this returns (the tuple below is then lost).
+  // From here on the run exists (slots reserved, then copies queued).
   o[1] = first;
   o[2] = lo;
   o[3] = hi;
@@ -239,7 +239,7 @@ py::tuple ipc_enqueue(kvpool::Engine& eng, uint64_t batch, const RunTarget& t, p
     }
   }
   o[4] = static_cast<uint64_t>(rc);
-  return py::make_tuple(first, lo, hi, rc, rc == 0 ? "" : what);
+  return rc == 0 ? "" : what;
 }
 
 // A list or tuple of Python ints as a new uint64 array, in one pass over the items (numpy's
@@ -285,5 +285,5 @@ void bind_ipc_plan(py::module_& m) {
            py::arg("block"), py::arg("max_grid"), py::arg("event"));
   m.def("ipc_enqueue", &ipc_enqueue,
         "Queue one CUDA IPC run (addresses, slots, copies or one gather launch, event): "
-        "(first slot, lo, hi, rc, failed call); out (uint64[5]) = (slots reserved, first, lo, hi, rc)");
+        "out (uint64[5]) = (slots reserved, first slot, lo, hi, rc); returns the failed call's name or \"\"");
 }

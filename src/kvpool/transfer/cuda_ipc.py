@@ -514,13 +514,13 @@ class CudaIpcTransport(_Completion, Transport):
         dev = run.dev
         lens = np.ascontiguousarray(lens, dtype=_U64)
         dtab, htab, size = run.table or (0, 0, 0)
-        out = np.zeros(5, dtype=_U64)  # written by ipc_enqueue before it returns
+        out = np.zeros(5, dtype=_U64)  # reserved, first slot, lo, hi, rc: written as it happens
         interrupted: BaseException | None = None
         try:
             target = _native.IpcRunTarget(
                 dev, run.stream, run.func, dtab, htab, size, _BLOCK, _MAX_GRID, run.event
             )
-            first, lo, hi, rc, what = _native.ipc_enqueue(
+            what = _native.ipc_enqueue(
                 self.native, batch_id, target, ops, locs, rems, lens, ridx, run.bases, run.starts, out
             )
         except BaseException as exc:
@@ -530,7 +530,7 @@ class CudaIpcTransport(_Completion, Transport):
             # queued, and a signal handler raised as the call returned: the run goes on as queued
             # (its copies may run: pins and spares stay until it ends), then the exception
             interrupted, waited, what = exc, False, "a CUDA call"
-            first, lo, hi, rc = (int(x) for x in out[1:])
+        first, lo, hi, rc = (int(x) for x in out[1:])
         try:
             self._queued(batch_id, peer, run, lens, first, lo, hi, rc, what, waited)
         finally:
