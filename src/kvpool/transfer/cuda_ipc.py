@@ -32,7 +32,7 @@ counters) and completes a failed run's slots with the reason. A run it could not
 device's context could not be made current) keeps its pins and stays queued; past ``timeout_s``
 its slots time out ("may still land").
 A synchronous caller's run (``batch_transfer_sync``: ``waited``) skips both threads when it ends
-within about its copy time at host-to-device speed (200 us + 1 us per 10 KB, at most ``_SPIN_US``):
+within about its copy time at host-to-device speed (``_SPIN_US``: 200 us + 1 us per 10 KB, at most 2 ms):
 the caller asks its event itself and ends it the same way in its own thread
 (``_native.ipc_finish_here``); a longer one is pushed to the completer as above.
 
