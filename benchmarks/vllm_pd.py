@@ -8,6 +8,10 @@ prefix-cache hits) for every setup. Setups:
 * ``kvpool-stream``: the same with ``kvpool proxy --stream-kv`` (streaming P/D: prefill and decode
   requests sent at once, the decode reads each layer's KV while the prefill computes the next; its
   transfer time is the time spent reading, not waiting for the prefill);
+* ``kvpool-paired``: one kvpool prefill + decode pair behind two proxies, one per-request and one
+  ``--stream-kv``; the prompts go through them alternately (A B B A A B B A ...), so both modes see
+  the same servers, warm-up and drift: per mode medians, and the change of each adjacent pair
+  (streaming over per-request) — the same-run comparison with the least noise on a shared VM;
 * ``kvpool-p2d1`` / ``kvpool-p1d2``: the same with a TP=2 prefill or a TP=2 decode (heterogeneous
   TP: each decode rank reads the KV heads it holds from the prefill ranks that hold them); a TP=2
   server's two ranks share its core (``VLLM_CPU_OMP_THREADS_BIND="c|c"``, docs/vllm.md: spinning
@@ -136,6 +140,20 @@ def transfer_ms(log: Path, since: int) -> tuple[list[float], float | None]:
     return ([via_stats] if via_stats is not None else []), via_stats
 
 
+def paired(per_request: list[float], streamed: list[float]) -> dict[str, Any]:
+    """The ``kvpool-paired`` figures: per mode median TTFT, and the streaming request's change
+    against the per-request one it was sent next to (pairs in send order)."""
+    pairs = [s / r - 1 for r, s in zip(per_request, streamed, strict=False)]
+    return {
+        "ttft_per_request_ms": statistics.median(per_request) * 1e3,
+        "ttft_stream_ms": statistics.median(streamed) * 1e3,
+        "change_of_medians": statistics.median(streamed) / statistics.median(per_request) - 1,
+        "pair_change_median": statistics.median(pairs),
+        "pairs_stream_faster": sum(c < 0 for c in pairs) / len(pairs),
+        "pairs": len(pairs),
+    }
+
+
 def run_setup(
     name: str,
     args: argparse.Namespace,
@@ -182,7 +200,7 @@ def run_setup(
         ]  # fmt: skip
     for s in servers:
         s.start()
-    proxy = None
+    proxy = proxy_b = None
     try:
         try:
             for s in servers:
@@ -194,6 +212,9 @@ def run_setup(
         else:
             proxy = Proxy(servers[0].url, servers[1].url, stream_kv=name == "kvpool-stream")
             url = proxy.url
+            if name == "kvpool-paired":  # the streaming twin on the same servers
+                proxy_b = Proxy(servers[0].url, servers[1].url, stream_kv=True)
+                stream(proxy_b.url, work[min(work)][1][:16], 4)  # its warm-up
         decode_log = servers[-1].log_path
         stream(url, work[min(work)][0][:16], 4)  # warm-up (also the first handshake)
         # vLLM logs connector transfer statistics every 10 s: keep each prompt length in its own
@@ -211,10 +232,13 @@ def run_setup(
         for length, ps in work.items():
             since = len(decode_log.read_text(errors="replace"))
             ttfts, tpots = [], []
+            by_mode: dict[bool, list[float]] = {False: [], True: []}
             for i, p in enumerate(ps):
-                ttft, tpot, text = stream(url, p, args.max_tokens)
+                streamed = proxy_b is not None and (i + i // 2) % 2 == 1  # A B B A A B B A ...
+                ttft, tpot, text = stream(proxy_b.url if streamed else url, p, args.max_tokens)  # type: ignore[union-attr]
                 ttfts.append(ttft)
                 tpots.append(tpot)
+                by_mode[streamed].append(ttft)
                 texts[(length, i)] = text
                 if ref is not None and ref.get((length, i)) != text:
                     mismatches += 1
@@ -227,6 +251,8 @@ def run_setup(
                 "xfer_ms": statistics.median(xfer) if xfer else None,
                 "xfer_stats_ms": via_stats,  # the mean vLLM's connector stats report
             }
+            if proxy_b is not None:
+                out["lengths"][length].update(paired(by_mode[False], by_mode[True]))
         out["mismatches"] = mismatches
         out["texts"] = texts
         pids = [pid for s in servers for pid in s.pids()]
@@ -236,8 +262,9 @@ def run_setup(
         out["idle_cores"] = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
         return out
     finally:
-        if proxy is not None:
-            proxy.close()
+        for px in (proxy, proxy_b):
+            if px is not None:
+                px.close()
         for s in servers:
             s.stop()
 
@@ -252,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "single",
             "kvpool",
             "kvpool-stream",
+            "kvpool-paired",
             "kvpool-nostats",
             "kvpool-p2d1",
             "kvpool-p1d2",
@@ -302,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {label} | {length} | {m['kv_mb']:.2f} | {x} | {xs} | {m['ttft_ms']:.1f} | "
                 f"{m['tpot_ms']:.2f} | {r['mismatches']} | {r['idle_cores']:.3f} |"
             )
+            if "pairs" in m:
+                print(
+                    f"|   {length} tokens: per-request {m['ttft_per_request_ms']:.1f} ms, streaming "
+                    f"{m['ttft_stream_ms']:.1f} ms; change of medians {m['change_of_medians']:+.1%}, "
+                    f"median pair {m['pair_change_median']:+.1%}, streaming faster in "
+                    f"{m['pairs_stream_faster']:.0%} of {m['pairs']} pairs |"
+                )
     return 0
 
 
