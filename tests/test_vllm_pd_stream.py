@@ -98,6 +98,63 @@ def test_decode_reads_each_layer_while_the_prefill_computes_the_next(
     p.run_until(lambda o: p.free_blocks() == p.idle_free)  # "done" freed the prefill's blocks
 
 
+def test_a_streamed_read_is_confirmed_before_the_prefill_request_finishes(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """Once every layer of the prompt is final, the decode's read is confirmed by the live stream
+    (its generation and blocks): the decode's first token comes while the prefill is still inside
+    the forward pass that wrote the last layer (it used to wait for the prefill request to finish
+    and be held, ~20 ms on a CPU vLLM server). The hold that follows is freed at once."""
+    p, d = pd
+    d.add("d1", PROMPT, 4, _decode_params(p, "t1"))
+    out, _ = d.step()
+    local = out.kv_connector_metadata.recv["d1"].local_block_ids
+    first: list[list[int]] = []
+
+    def after_layer(li: int) -> None:
+        if li == len(LAYERS) - 1:  # the prompt is final; the prefill request has not finished
+            outputs = d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
+            first.append(outputs["d1"].new_token_ids)
+
+    p.after_save = after_layer
+    p.add("p1", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "t1"})
+    _, outputs = p.step()
+    assert first == [[7]]  # the decode's first token before the prefill's step returned
+    assert outputs["p1"].finish_reason is not None
+    for got, w in zip(d.block_values("d1", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, w)
+    assert len(local) == 3 and d.worker._worker.loaded_blocks == 3
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)  # the hold, already notified, is freed
+
+
+def test_a_stream_read_early_then_aborted_leaves_no_notice_for_a_later_hold_of_its_id(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """A decode reads a stream and is confirmed while the prefill request still runs (here it
+    generates a second token); the prefill request is then aborted, so it is never held. Its id
+    used again for a per-request P/D must be held until that decode reads it: the early
+    confirmation, left behind, freed the new hold at once (its decode's read "expired")."""
+    p, d = pd
+    d.add("d1", PROMPT, 4, _decode_params(p, "t1"))
+    d.step()
+    p.add("p1", PROMPT, 2, {"do_remote_decode": True, "transfer_id": "t1"})
+    p.step()
+    d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)  # confirmed: p1 not finished, not held
+    p.scheduler.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+    other = [(i * 29) % 500 + 5 for i in range(80)]
+    p.add("p1", other, 1, {"do_remote_decode": True})
+    _, outputs = p.step()
+    params = outputs["p1"].kv_transfer_params
+    p.step()  # held
+    d.add("d2", other, 2, params)
+    outputs = d.run_until(lambda o: "d2" in o and (o["d2"].new_token_ids or o["d2"].finish_reason))
+    assert outputs["d2"].new_token_ids, d.worker._worker.stats.data.get("failures")
+    for got, w in zip(d.block_values("d2", 79), expected_rows(other, 79), strict=True):
+        assert torch.equal(got, w)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+
+
 def test_chunked_prefill_streams_each_chunk_and_a_local_hit_reads_only_the_tail(
     pd: tuple[LayerInstance, LayerInstance],
 ) -> None:
@@ -285,6 +342,31 @@ def test_progress_table_generations_and_readiness() -> None:
     t.begin_step(_meta(stream={"q": StreamStep("y", [1], 16, 16, True, 0)}), 60.0)
     t.forget({"q"})
     assert t.progress(["y"])[0]["y"] == {"state": "pending"}
+
+
+def test_final_blocks_only_for_a_live_stream_under_its_generation_with_the_prompt_final() -> None:
+    """What a "done" notice for a stream not held yet is checked against: the prompt's blocks
+    (not the ones past it), and only once every region is final for the whole prompt under the
+    generation the read names; a preempted or aborted stream gives nothing."""
+    t = StreamTable([Region(f"l{i}", 0, 64, 64, 8) for i in range(2)])
+    assert t.final_blocks("r", 0, 16) is None  # no stream
+    t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5, 6, 9], 40, 40, True, 0, 3)}), 60.0)
+    assert t.final_blocks("r", 3, 16) is None  # nothing final yet
+    t.layer_saved("l0")
+    assert t.final_blocks("r", 3, 16) is None  # layer 1 not final
+    gate = SimpleNamespace(done=False)
+    t.layer_saved("l1", lambda: gate.done)
+    assert t.final_blocks("r", 3, 16) is None  # its GPU write not complete
+    gate.done = True
+    assert t.final_blocks("r", 3, 16) == [4, 5, 6]  # 40 tokens in 16-token blocks: 3 of the 4
+    assert t.final_blocks("r", 2, 16) is None and t.final_blocks("q", 3, 16) is None
+    t.begin_step(_meta(stream={"r": StreamStep("x", [], 0, 40, True, 0, 4)}), 60.0)  # preempted
+    assert t.final_blocks("r", 3, 16) is None and t.final_blocks("r", 4, 16) is None
+    t.begin_step(_meta(stream={"r": StreamStep("x", [7, 8, 2], 40, 40)}), 60.0)
+    t.step_done()
+    assert t.final_blocks("r", 4, 16) == [7, 8, 2]
+    t.begin_step(_meta(stream_end={"r"}), 60.0)  # aborted
+    assert t.final_blocks("r", 4, 16) is None
 
 
 def test_a_request_id_used_again_with_another_transfer_id_is_a_new_stream() -> None:

@@ -309,6 +309,8 @@ class _PdWorker(DecodeLoads, DoneNotices):
             with self._lock:
                 for rid in meta.stream_end:  # aborted while streaming: its blocks are freed now
                     self._expired[rid] = now
+                    if rid not in self._pending_send:  # a read confirmed early has no hold to free
+                        self._notified.pop(rid, None)
             self._wake_parked_done()
 
     def layer_saved(self, layer_name: str, kv_layer: Any) -> None:

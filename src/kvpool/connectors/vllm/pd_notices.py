@@ -139,8 +139,16 @@ class DoneNotices(_Base):
                     continue  # not that stream's hold (a non-streamed one of the id, reused)
                 # (else a load of the stream held gave up: the hold is freed)
             elif r not in self._pending_send:
-                left.append(r)  # its metadata has not arrived (or never will: answered at the deadline)
-                continue
+                # Not held yet. A streamed read of a stream live under its generation, with the
+                # whole prompt final, is confirmed now when it read the blocks the stream holds
+                # (the hold, when it comes, is freed at once: ``_notified``); any other waits for
+                # its metadata (or is answered at the deadline).
+                table = self.streams if g is not None else None
+                live = table.final_blocks(r, g, self.block_size) if table is not None else None
+                first = n.firsts.get(r)
+                if live is None or first is None or n.digests.get(r) != blocks_digest(r, live[first:]):
+                    left.append(r)
+                    continue
             elif g is not None:
                 # Streamed: the prompt's blocks it read, as the progress answers named them, must
                 # be those held for this request (a stale or edited progress answer, blocks
@@ -160,7 +168,7 @@ class DoneNotices(_Base):
                     n.expired.append(r)  # other blocks than this request's were read: frees nothing
                     n.refused.append(r)
                     continue
-            if n.of > 1 and r in self._pending_send:  # freed after a notice from every decode rank
+            if n.of > 1:  # freed after a notice from every decode rank
                 if n.rank is None:
                     n.expired.append(r)  # cannot be counted: confirms and frees nothing
                     continue

@@ -215,6 +215,22 @@ class StreamTable:
                 return "ok"
             return "other" if gen < s.first_gen else "stale"
 
+    def final_blocks(self, req_id: str, gen: int, block_size: int) -> list[int] | None:
+        """Side channel, ``done``: the prompt's blocks of the request's stream when it is live
+        under ``gen`` and every region is final for the whole prompt, else None. A streamed read
+        of those blocks is then confirmed before the request finishes (its blocks are vLLM's,
+        unchanged, until a preemption, which moves the generation): the decode's first step
+        overlaps the end of the prefill's forward pass and its finishing."""
+        with self._lock:
+            tid = self._by_req.get(req_id)
+            s = self._by_tid.get(tid) if tid is not None else None
+            if s is None or s.dead_at is not None or s.gen != gen or gen < s.first_gen:
+                return None
+            _ripen(s)
+            if min(s.final, default=0) < s.total:
+                return None
+            return s.blocks[: -(-s.total // block_size)]
+
     def numbered(self, req_id: str) -> bool:
         """Whether the request's stream has a generation of the scheduler's count (a new stream
         started in a step of this table: a lower generation is an earlier stream's)."""
@@ -251,15 +267,7 @@ class StreamTable:
                 elif s.dead_at is not None:
                     out[tid] = {"state": "dead"}
                 else:
-                    if s.pending:
-                        keep = []
-                        for ready, idx, target in s.pending:
-                            if ready():
-                                for i in idx:
-                                    s.final[i] = max(s.final[i], target)
-                            else:
-                                keep.append((ready, idx, target))
-                        s.pending = keep
+                    _ripen(s)
                     out[tid] = {"state": "live", "req_id": s.req_id, "gen": s.gen, "total": s.total,
                                 "blocks": list(s.blocks), "final": list(s.final),
                                 "first": s.first_gen}  # fmt: skip
@@ -284,6 +292,19 @@ class StreamLoad:
     cancelled: bool = False
     error: KvpoolError | None = None
     """The typed error that ended it (a TransferTimeout's copies may still land: the lane parks it)."""
+
+
+def _ripen(s: _Stream) -> None:
+    """Under the table's lock: layers whose GPU writes completed since (``pending``) become final."""
+    if s.pending:
+        keep = []
+        for ready, idx, target in s.pending:
+            if ready():
+                for i in idx:
+                    s.final[i] = max(s.final[i], target)
+            else:
+                keep.append((ready, idx, target))
+        s.pending = keep
 
 
 def region_columns(
