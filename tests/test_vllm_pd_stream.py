@@ -89,7 +89,7 @@ def test_decode_reads_each_layer_while_the_prefill_computes_the_next(
     _, outputs = p.step()
     assert outputs["p1"].finish_reason is not None
     assert seen == [(True, False)]  # layer 0 arrived before layer 1 was even computed
-    p.step()  # the worker learns p1's blocks are held (the decode's "done" notice waits for that)
+    p.step()  # the worker learns p1's blocks are held (its notice was confirmed before: freed now)
     outputs = d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
     assert outputs["d1"].new_token_ids == [7]
     for got, w in zip(d.block_values("d1", 79), expected_rows(PROMPT, 79), strict=True):
@@ -130,17 +130,23 @@ def test_a_streamed_read_is_confirmed_before_the_prefill_request_finishes(
 def test_a_stream_read_early_then_aborted_leaves_no_notice_for_a_later_hold_of_its_id(
     pd: tuple[LayerInstance, LayerInstance],
 ) -> None:
-    """A decode reads a stream and is confirmed while the prefill request still runs (here it
-    generates a second token); the prefill request is then aborted, so it is never held. Its id
-    used again for a per-request P/D must be held until that decode reads it: the early
-    confirmation, left behind, freed the new hold at once (its decode's read "expired")."""
+    """A decode reads a stream and is confirmed inside the prefill's last forward pass; the
+    prefill request is aborted before that step ends, so it is never held. Its id used again for a
+    per-request P/D must be held until that decode reads it: the early confirmation, left behind,
+    freed the new hold at once (its decode's read "expired")."""
     p, d = pd
     d.add("d1", PROMPT, 4, _decode_params(p, "t1"))
     d.step()
-    p.add("p1", PROMPT, 2, {"do_remote_decode": True, "transfer_id": "t1"})
+
+    def after_layer(li: int) -> None:
+        if li == len(LAYERS) - 1:
+            d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)  # confirmed: p1 not held
+            p.scheduler.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+
+    p.after_save = after_layer
+    p.add("p1", PROMPT, 1, {"do_remote_decode": True, "transfer_id": "t1"})
     p.step()
-    d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)  # confirmed: p1 not finished, not held
-    p.scheduler.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+    p.after_save = None
     p.run_until(lambda o: p.free_blocks() == p.idle_free)
     other = [(i * 29) % 500 + 5 for i in range(80)]
     p.add("p1", other, 1, {"do_remote_decode": True})
@@ -153,6 +159,57 @@ def test_a_stream_read_early_then_aborted_leaves_no_notice_for_a_later_hold_of_i
     for got, w in zip(d.block_values("d2", 79), expected_rows(other, 79), strict=True):
         assert torch.equal(got, w)
     p.run_until(lambda o: p.free_blocks() == p.idle_free)
+
+
+def test_a_stream_that_generates_on_is_confirmed_only_once_held(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """A streaming prefill request with ``max_tokens`` 2 runs on after its prompt is final (a
+    sliding window could free prompt blocks meanwhile, within one generation): the decode's read
+    of it is confirmed only against the hold, as before the early confirmation."""
+    p, d = pd
+    d.add("d1", PROMPT, 4, _decode_params(p, "t1"))
+    d.step()
+    p.add("p1", PROMPT, 2, {"do_remote_decode": True, "transfer_id": "t1"})
+    p.step()  # the prompt is final; p1 generates on
+    local = d.scheduler.requests["d1"]
+    until = time.monotonic() + 0.5
+    while time.monotonic() < until:  # read, notice sent, parked at the prefill
+        _, outputs = d.step()
+        assert "d1" not in outputs or not outputs["d1"].new_token_ids
+        time.sleep(0.01)
+    assert local.status.name == "WAITING_FOR_REMOTE_KVS"
+    p.run_until(lambda o: "p1" in o and o["p1"].finish_reason is not None)
+    p.step()  # held: the parked notice is confirmed
+    d.run_until(lambda o: "d1" in o and o["d1"].new_token_ids)
+    for got, w in zip(d.block_values("d1", 79), expected_rows(PROMPT, 79), strict=True):
+        assert torch.equal(got, w)
+    p.run_until(lambda o: p.free_blocks() == p.idle_free)
+
+
+def test_handle_preemptions_ends_an_aborted_stream_before_the_step_writes(
+    pd: tuple[LayerInstance, LayerInstance],
+) -> None:
+    """vLLM calls ``handle_preemptions`` first in a step, before it zeroes or copies into blocks a
+    preemption or abort freed, and ``bind_connector_metadata`` only after that: the stream's end
+    (or new generation) must be applied at the first, so no notice is confirmed for a block
+    written in between; the second does not apply it again."""
+    p, d = pd
+    p.add("p1", PROMPT, 2, {"do_remote_decode": True, "transfer_id": "t1"})
+    p.step()
+    table = p.worker._worker.streams
+    assert table.progress(["t1"])[0]["t1"]["state"] == "live"
+    p.scheduler.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+    out = p.scheduler.schedule()
+    meta = out.kv_connector_metadata
+    assert meta.stream_end == {"p1"}
+    p.worker.handle_preemptions(meta)
+    assert table.progress(["t1"])[0]["t1"] == {"state": "dead"}
+    assert "p1" in p.worker._worker._expired
+    p.worker._worker._expired.pop("p1")
+    p.worker.bind_connector_metadata(meta)  # the same step's metadata: not applied twice
+    assert "p1" not in p.worker._worker._expired
+    p.worker.clear_connector_metadata()
 
 
 def test_chunked_prefill_streams_each_chunk_and_a_local_hit_reads_only_the_tail(
@@ -350,7 +407,10 @@ def test_final_blocks_only_for_a_live_stream_under_its_generation_with_the_promp
     generation the read names; a preempted or aborted stream gives nothing."""
     t = StreamTable([Region(f"l{i}", 0, 64, 64, 8) for i in range(2)])
     assert t.final_blocks("r", 0, 16) is None  # no stream
-    t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5, 6, 9], 40, 40, True, 0, 3)}), 60.0)
+    t.begin_step(_meta(stream={"q": StreamStep("y", [1, 2, 3], 40, 40, True, 0, 2)}), 60.0)
+    t.step_done()
+    assert t.final_blocks("q", 2, 16) is None  # final, but it generates on (max_tokens > 1)
+    t.begin_step(_meta(stream={"r": StreamStep("x", [4, 5, 6, 9], 40, 40, True, 0, 3, ends=True)}), 60.0)
     assert t.final_blocks("r", 3, 16) is None  # nothing final yet
     t.layer_saved("l0")
     assert t.final_blocks("r", 3, 16) is None  # layer 1 not final
@@ -360,9 +420,9 @@ def test_final_blocks_only_for_a_live_stream_under_its_generation_with_the_promp
     gate.done = True
     assert t.final_blocks("r", 3, 16) == [4, 5, 6]  # 40 tokens in 16-token blocks: 3 of the 4
     assert t.final_blocks("r", 2, 16) is None and t.final_blocks("q", 3, 16) is None
-    t.begin_step(_meta(stream={"r": StreamStep("x", [], 0, 40, True, 0, 4)}), 60.0)  # preempted
+    t.begin_step(_meta(stream={"r": StreamStep("x", [], 0, 40, True, 0, 4, ends=True)}), 60.0)  # preempted
     assert t.final_blocks("r", 3, 16) is None and t.final_blocks("r", 4, 16) is None
-    t.begin_step(_meta(stream={"r": StreamStep("x", [7, 8, 2], 40, 40)}), 60.0)
+    t.begin_step(_meta(stream={"r": StreamStep("x", [7, 8, 2], 40, 40, ends=True)}), 60.0)
     t.step_done()
     assert t.final_blocks("r", 4, 16) == [7, 8, 2]
     t.begin_step(_meta(stream_end={"r"}), 60.0)  # aborted

@@ -138,6 +138,8 @@ class Instance:
     def step(self, token: int = 7) -> tuple[Any, dict[str, Any]]:
         """One engine step: schedule, run the worker connector, 'compute' the scheduled tokens."""
         out = self.scheduler.schedule()
+        # as vLLM's model runner: handle_preemptions first (before it writes into freed blocks), then bind
+        self.worker.handle_preemptions(out.kv_connector_metadata)
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         # as vLLM's model runner (kv_connector_model_runner_mixin): loads start before the
         # forward pass only when the step has synchronous ones, else after it
@@ -161,12 +163,13 @@ class Instance:
             finished_sending=sending, finished_recving=recving, invalid_block_ids=set(errors)
         )
         ids = [w[0] for w in work]
+        reqs = self.scheduler.requests
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             # a prefill chunk that does not reach the end of the prompt samples nothing (as vLLM's runner)
-            sampled_token_ids=[
-                [token] if start + n >= self.scheduler.requests[rid].num_tokens else []
+            sampled_token_ids=[  # (none for a request aborted while its step ran)
+                [token] if start + n >= getattr(reqs.get(rid), "num_tokens", 1 << 62) else []
                 for rid, start, n in work
             ],
             kv_connector_output=kco,

@@ -87,6 +87,14 @@ class KvpoolConnector(KvpoolConnectorBase):
             self.cfg, vllm_config, str(vllm_config.kv_transfer_config.engine_id), kv_cache_config
         )
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM's model runner, first thing in every step, before it zeroes or copies into any
+        block freed by a preemption or abort: a prefill applies the step's stream changes now
+        (generations moved, streams ended), so no ``done`` notice is confirmed for a block
+        written afterwards (:meth:`bind_connector_metadata` applies them where this is not called)."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KvpoolConnectorMetadata):
+            self._worker.begin_step(kv_connector_metadata)
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """vLLM's model runner, once per step before the forward pass: a prefill learns the step's
         streaming requests (their layers become final during this forward pass)."""
@@ -155,6 +163,7 @@ class _PdWorker(DecodeLoads, DoneNotices):
         self._slept_after: int | None = None
         self._asleep = False  # between unregister_kv_caches and the next register_kv_caches
         self._last_step = 0
+        self._begun = 0  # the step whose metadata begin_step applied (handle_preemptions, else bind)
         self._stream_loads: dict[str, StreamLoad] = {}  # decode: req id -> streaming load
         self._threads: list[threading.Thread] = []
         self.loaded_blocks = 0
@@ -299,7 +308,11 @@ class _PdWorker(DecodeLoads, DoneNotices):
     def begin_step(self, meta: KvpoolConnectorMetadata) -> None:
         """Model thread, before the forward pass: this step's streaming requests (prefill), and
         the engine id of this incarnation (the scheduler's; until the first step, the configured
-        one, which matches no params: nothing was prefilled yet)."""
+        one, which matches no params: nothing was prefilled yet). Once per step: from
+        ``handle_preemptions``, or else from ``bind_connector_metadata``."""
+        if meta.step and meta.step == self._begun:
+            return
+        self._begun = meta.step
         if meta.engine_id:
             self.engine_id = meta.engine_id
         if self.streams is not None:
@@ -311,6 +324,7 @@ class _PdWorker(DecodeLoads, DoneNotices):
                     self._expired[rid] = now
                     if rid not in self._pending_send:  # a read confirmed early has no hold to free
                         self._notified.pop(rid, None)
+                        self._notice_counts.pop(rid, None)
             self._wake_parked_done()
 
     def layer_saved(self, layer_name: str, kv_layer: Any) -> None:

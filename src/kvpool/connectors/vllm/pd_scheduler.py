@@ -167,6 +167,10 @@ class StreamStep:
     gen: int | None = None
     """``restart``: the stream's generation from this step on, the scheduler's count (identical on
     every TP rank; never repeated, so no two streams of one request id share a generation)."""
+    ends: bool = False
+    """The request ends with its prompt (``max_tokens`` 1, as every P/D proxy sends): the step
+    that makes the prompt final also finishes it and hands its blocks over as a hold, so nothing
+    frees them in between (a decode's read may be confirmed before the hold arrives)."""
 
 
 @dataclass
@@ -299,7 +303,8 @@ class _PdScheduler:
         if params and params.get("do_remote_decode") and _text(params.get("transfer_id"), 256):
             # Prefill of a streaming request: its progress goes to the worker with every step.
             total = len(request.prompt_token_ids or ())
-            self._streams[request.request_id] = [params["transfer_id"], total, []]
+            ends = getattr(request, "max_tokens", None) == 1
+            self._streams[request.request_id] = [params["transfer_id"], total, [], ends]
             return
         if not params or not params.get("do_remote_prefill"):
             return
@@ -416,8 +421,9 @@ class _PdScheduler:
             st = self._streams.get(new.req_id)
             if st is not None:
                 st[2] = list(new.block_ids[0])
-                steps[new.req_id] = StreamStep(st[0], st[2], new.num_computed_tokens + n_sched[new.req_id],
-                                               st[1], True, new.num_computed_tokens, self._gen())  # fmt: skip
+                done = new.num_computed_tokens
+                steps[new.req_id] = StreamStep(st[0], st[2], done + n_sched[new.req_id], st[1], True, done,
+                                               self._gen(), st[3])  # fmt: skip
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._streams.get(rid)
@@ -431,12 +437,12 @@ class _PdScheduler:
                 st[2] = st[2] + list(nb[0])
             done = cached.num_computed_tokens[i]
             gen = self._gen() if resumed else None
-            steps[rid] = StreamStep(st[0], st[2], done + n_sched[rid], st[1], resumed, done, gen)
+            steps[rid] = StreamStep(st[0], st[2], done + n_sched[rid], st[1], resumed, done, gen, st[3])
         for rid in getattr(out, "preempted_req_ids", None) or ():
             st = self._streams.get(rid)
             if st is not None and rid not in steps:  # its blocks are freed: nothing of it is final
                 st[2] = []
-                steps[rid] = StreamStep(st[0], [], 0, st[1], True, 0, self._gen())
+                steps[rid] = StreamStep(st[0], [], 0, st[1], True, 0, self._gen(), st[3])
         return steps
 
     def _gen(self) -> int:

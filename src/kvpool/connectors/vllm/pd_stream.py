@@ -66,6 +66,7 @@ class _Stream:
     dead_at: float | None = None
     pending: list[tuple[Callable[[], bool], list[int], int]] = field(default_factory=list)
     first_gen: int = 0  # its first generation: a lower one is an earlier stream's of the request id
+    ends: bool = False  # it ends with its prompt (StreamStep.ends): reads may be confirmed before the hold
     given_up: bool = False  # a load of it gave up before it was held: its hold is freed at once
 
 
@@ -110,7 +111,7 @@ class StreamTable:
                     s.gen = st.gen if st.gen is not None else s.gen + 1
                     s.final = [st.computed] * self.num_regions
                     s.pending.clear()
-                s.blocks, s.target, s.total = list(st.block_ids), st.tokens, st.total
+                s.blocks, s.target, s.total, s.ends = list(st.block_ids), st.tokens, st.total, st.ends
                 if st.tokens > st.computed:
                     step.append(s)
             self._step = step
@@ -217,14 +218,17 @@ class StreamTable:
 
     def final_blocks(self, req_id: str, gen: int, block_size: int) -> list[int] | None:
         """Side channel, ``done``: the prompt's blocks of the request's stream when it is live
-        under ``gen`` and every region is final for the whole prompt, else None. A streamed read
-        of those blocks is then confirmed before the request finishes (its blocks are vLLM's,
-        unchanged, until a preemption, which moves the generation): the decode's first step
-        overlaps the end of the prefill's forward pass and its finishing."""
+        under ``gen``, ends with its prompt (``max_tokens`` 1) and every region is final for the
+        whole prompt, else None. A streamed read of those blocks is then confirmed before the
+        request finishes: the step that made the prompt final also finishes the request and holds
+        its blocks, and a preemption or abort before that reaches this table (``handle_preemptions``)
+        before vLLM writes into a freed block. A request that generates on (``max_tokens`` > 1)
+        may free prompt blocks while it runs (a sliding window): its reads wait for the hold. The
+        decode's first step then overlaps the end of the prefill's forward pass and its finishing."""
         with self._lock:
             tid = self._by_req.get(req_id)
             s = self._by_tid.get(tid) if tid is not None else None
-            if s is None or s.dead_at is not None or s.gen != gen or gen < s.first_gen:
+            if s is None or s.dead_at is not None or s.gen != gen or not s.ends:
                 return None
             _ripen(s)
             if min(s.final, default=0) < s.total:
