@@ -139,10 +139,11 @@ class DoneNotices(_Base):
                     continue  # not that stream's hold (a non-streamed one of the id, reused)
                 # (else a load of the stream held gave up: the hold is freed)
             elif r not in self._pending_send:
-                # Not held yet. A streamed read of a stream live under its generation, with the
-                # whole prompt final, is confirmed now when it read the blocks the stream holds
-                # (the hold, when it comes, is freed at once: ``_notified``); any other waits for
-                # its metadata (or is answered at the deadline).
+                # Not held yet. A streamed read of a stream live under its generation, whose
+                # request ends with its prompt and whose whole prompt is final
+                # (``StreamTable.final_blocks``), is confirmed now when it read the blocks the
+                # stream holds (the hold, when it comes, is freed at once: ``_notified``); any
+                # other waits for its metadata (or is answered at the deadline).
                 table = self.streams if g is not None else None
                 live = table.final_blocks(r, g, self.block_size) if table is not None else None
                 first = n.firsts.get(r)
