@@ -803,6 +803,19 @@ def test_a_run_with_a_sticky_stream_error_fails_at_once(
         assert not ipc._runs
 
 
+def _warm_gpu(eng: TransferEngine, peer: Peer, seed: int | None = None) -> tuple[int, int, CudaIpcTransport]:
+    """1 MiB of local GPU memory registered (filled with ``seed``'s pattern when given), the
+    peer's first GPU buffer and the CUDA IPC transport, its mapping opened by a 4 KiB WRITE."""
+    drv = load_driver()
+    g = drv.alloc(1 << 20, 0)
+    eng.register_local_memory(g, 1 << 20, location="cuda:0")
+    if seed is not None:
+        _fill(drv, g, 1 << 20, seed)
+    r, ipc = peer.gpu[0], _ipc(eng)
+    eng.transfer_sync(peer.name, g, r, 4096)
+    return g, r, ipc
+
+
 def test_a_synchronous_run_ends_in_the_callers_thread_and_an_asynchronous_one_in_the_completer(
     peer: Peer, fake_driver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -816,12 +829,7 @@ def test_a_synchronous_run_ends_in_the_callers_thread_and_an_asynchronous_one_in
     monkeypatch.setattr(complete, "_SPIN_US", (10_000_000, 10_000_000))  # a loaded machine's fake may lag
     drv = load_driver()
     with TransferEngine(timeout_s=10.0) as eng:
-        g = drv.alloc(1 << 20, 0)
-        eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        _fill(drv, g, 1 << 20, 21)
-        r = peer.gpu[0]
-        ipc = _ipc(eng)
-        eng.transfer_sync(peer.name, g, r, 4096)  # opens the mapping
+        g, r, ipc = _warm_gpu(eng, peer, 21)
         here, pushed = ipc.finished_here, ipc._pushed
         assert eng.transfer_sync(peer.name, g, r, 65536) == 65536
         u64 = np.uint64
@@ -852,12 +860,7 @@ def test_a_synchronous_run_not_ended_within_the_spin_goes_to_the_completer(
     hands the run to the completer, pins and all, and the call returns when it ends there."""
     drv = load_driver()
     with TransferEngine(timeout_s=10.0) as eng:
-        g = drv.alloc(1 << 20, 0)
-        eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        _fill(drv, g, 1 << 20, 22)
-        r = peer.gpu[0]
-        ipc = _ipc(eng)
-        eng.transfer_sync(peer.name, g, r, 4096)
+        g, r, ipc = _warm_gpu(eng, peer, 22)
         here, pushed = ipc.finished_here, ipc._pushed
         hold = SyncHold(ipc.driver)
         timer = threading.Timer(0.2, hold.set)
@@ -881,13 +884,8 @@ def test_a_synchronous_run_whose_owner_exited_during_the_copy_fails_in_the_calle
     with a typed error rather than report bytes that nobody holds."""
     import kvpool.transfer.cuda_ipc as cuda_ipc
 
-    drv = load_driver()
     with TransferEngine(timeout_s=5.0) as eng:
-        g = drv.alloc(1 << 20, 0)
-        eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        r = peer.gpu[0]
-        ipc = _ipc(eng)
-        eng.transfer_sync(peer.name, g, r, 4096)
+        g, r, ipc = _warm_gpu(eng, peer)
         real = _native.ipc_finish_here
         seen: list[Any] = []
 
@@ -956,12 +954,7 @@ def test_a_signal_as_the_callers_wait_returns_neither_loses_the_run_nor_its_end(
         monkeypatch.setattr(complete, "_SPIN_US", (10_000_000, 10_000_000))  # ends in the caller
     drv = load_driver()
     with TransferEngine(timeout_s=5.0) as eng:
-        g = drv.alloc(1 << 20, 0)
-        eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        _fill(drv, g, 1 << 20, 23)
-        r = peer.gpu[0]
-        ipc = _ipc(eng)
-        eng.transfer_sync(peer.name, g, r, 4096)
+        g, r, ipc = _warm_gpu(eng, peer, 23)
         hold = SyncHold(ipc.driver) if held else None
         pushed, here = ipc._pushed, ipc.finished_here
         try:
@@ -985,12 +978,7 @@ def test_a_signal_as_a_run_is_queued_keeps_it_queued_and_pinned(
     wrote — and the call raises the handler's exception."""
     drv = load_driver()
     with TransferEngine(timeout_s=5.0) as eng:
-        g = drv.alloc(1 << 20, 0)
-        eng.register_local_memory(g, 1 << 20, location="cuda:0")
-        _fill(drv, g, 1 << 20, 24)
-        r = peer.gpu[0]
-        ipc = _ipc(eng)
-        eng.transfer_sync(peer.name, g, r, 4096)
+        g, r, ipc = _warm_gpu(eng, peer, 24)
         _settle_interrupted(eng, ipc)  # on a loaded machine the warm-up's run may be the completer's still
         rec = next(iter(ipc._peers.values()))
         slot = next(b.slot for b in rec.bufs if b.addr <= r < b.addr + b.length)
