@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/test.sh")  # ne
 
 from kvpool.connectors.vllm import pd as pd_mod  # noqa: E402
 from kvpool.connectors.vllm import pd_load, pd_notices  # noqa: E402
-from tests.vllm_sched import Instance, expected_rows  # noqa: E402
+from tests.vllm_sched import Instance  # noqa: E402
 
 PROMPT = [(i * 37) % 500 + 3 for i in range(80)]  # 2.5 blocks
 
@@ -35,14 +35,6 @@ def _pd(model: Path, **decode: Any) -> tuple[Instance, Instance]:
     )
     d = Instance(model, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()}, **decode)
     return p, d
-
-
-def _kv_ok(inst: Instance, rid: str, prompt: list[int]) -> bool:
-    """Whether the request's blocks hold the KV of every prompt token but the last."""
-    n = len(prompt) - 1
-    return all(
-        torch.equal(g, w) for g, w in zip(inst.block_values(rid, n), expected_rows(prompt, n), strict=True)
-    )
 
 
 def _failures(inst: Instance) -> dict[str, int]:
@@ -77,7 +69,7 @@ def _assert_refused(d: Instance, rid: str, out: Any, failure: str, prompt: list[
     """The decode's load of ``rid`` failed once with ``failure``; if it recomputed, from the right KV."""
     assert _failures(d).get(failure) == 1, _failures(d)
     if out is not None and out.new_token_ids:  # recomputed: then from the right KV
-        assert _kv_ok(d, rid, prompt)
+        assert d.holds_prompt_kv(rid, prompt)
 
 
 def test_a_second_read_of_blocks_the_prefill_already_freed_is_not_confirmed(tiny_llama: Path) -> None:  # noqa: F811
@@ -117,11 +109,11 @@ def test_a_reused_request_id_is_read_again_and_its_old_params_stay_refused(tiny_
         out = _finished(d, "d2", other=p)
         assert sum(_failures(d).values()) == 1, _failures(d)  # refused (PrefillFreed or Unconfirmed)
         if out is not None and out.new_token_ids:
-            assert _kv_ok(d, "d2", PROMPT)
+            assert d.holds_prompt_kv("d2", PROMPT)
         assert p.free_blocks() < p.idle_free  # the new hold was not freed by the old params' notice
         d.add("d3", PROMPT, 2, copy.deepcopy(new))
         out = _finished(d, "d3", other=p)
-        assert out is not None and out.new_token_ids and _kv_ok(d, "d3", PROMPT)
+        assert out is not None and out.new_token_ids and d.holds_prompt_kv("d3", PROMPT)
         assert sum(_failures(d).values()) == 1, _failures(d)  # the new hold's read was confirmed
         p.run_until(lambda o: p.free_blocks() == p.idle_free)  # and its notice freed the blocks
     finally:
@@ -145,7 +137,7 @@ def test_remote_blocks_are_lined_up_from_the_head_of_the_prompt(tiny_llama: Path
         job = out.kv_connector_metadata.recv["d1"]
         assert job.remote_block_ids == params["remote_block_ids"][:2]
         _finished(d, "d1")
-        assert _kv_ok(d, "d1", prompt)
+        assert d.holds_prompt_kv("d1", prompt)
     finally:
         d.close()
         p.close()
@@ -206,7 +198,7 @@ def test_hostile_peers_do_not_kill_the_load_threads(
         d.add("good", PROMPT, 2, _prefill(p, "p1", PROMPT))
         out = _finished(d, "good", other=p)
         assert out is not None and out.new_token_ids and out.finish_reason != "error"
-        assert _kv_ok(d, "good", PROMPT)
+        assert d.holds_prompt_kv("good", PROMPT)
     finally:
         srv.stop()
         d.close()
@@ -314,7 +306,7 @@ def test_params_naming_one_requests_id_and_anothers_blocks_are_not_confirmed(tin
         assert "pA" in held and "pB" in held  # the forged notice freed nothing
         d.add("d2", PROMPT, 2, pa)  # A's own decode still reads A's KV
         out = _finished(d, "d2", other=p)
-        assert out.new_token_ids and _kv_ok(d, "d2", PROMPT) and _failures(d) == {"Unconfirmed": 1}
+        assert out.new_token_ids and d.holds_prompt_kv("d2", PROMPT) and _failures(d) == {"Unconfirmed": 1}
         # the prefill's digest kept with the forged blocks: refused before any read
         forged = {**copy.deepcopy(pb), "remote_block_ids": list(pa["remote_block_ids"])}
         d.add("d3", other, 2, forged)
@@ -345,7 +337,7 @@ def test_a_done_notice_before_the_prefill_knows_the_request_waits_for_it(
         assert p.worker._worker._parked_ids == 1
         p.step()
         out = _finished(d, "d1")
-        assert out.new_token_ids and _kv_ok(d, "d1", PROMPT) and not _failures(d)
+        assert out.new_token_ids and d.holds_prompt_kv("d1", PROMPT) and not _failures(d)
         # never learnt: failed at the deadline, not confirmed
         p.add("p2", PROMPT, 1, {"do_remote_decode": True})
         params = p.step()[1]["p2"].kv_transfer_params
@@ -499,7 +491,7 @@ def test_a_request_computed_before_the_prefill_slept_is_not_held_after_it(tiny_l
         prompt = [(i * 11) % 450 + 5 for i in range(90)]  # (vLLM resets its prefix cache at a sleep)
         d.add("d2", prompt, 2, _prefill(p, "p2", prompt))
         out = _finished(d, "d2", other=p)
-        assert _failures(d) == {"PrefillFreed": 1} and out.new_token_ids and _kv_ok(d, "d2", prompt)
+        assert _failures(d) == {"PrefillFreed": 1} and out.new_token_ids and d.holds_prompt_kv("d2", prompt)
     finally:
         d.close()
         p.close()
@@ -855,7 +847,7 @@ def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(
     d = Instance(tiny_llama, "KvpoolConnector", "kv_consumer", {"side_channel_port": free_port()})
     try:
         d.add("d1", PROMPT, 2, _prefill(p, "p1", PROMPT))
-        assert _finished(d, "d1", other=p).new_token_ids and _kv_ok(d, "d1", PROMPT)
+        assert _finished(d, "d1", other=p).new_token_ids and d.holds_prompt_kv("d1", PROMPT)
         old = d.worker._worker._remotes[("127.0.0.1", port)]
         p.close()
         keep = p  # its cache stays allocated: the new one lies elsewhere
@@ -863,10 +855,10 @@ def test_a_load_after_the_prefill_restarted_reads_the_new_instances_regions(
         prompt = [(i * 11) % 450 + 5 for i in range(90)]
         d.add("d2", PROMPT, 2, _prefill(p, "p2", PROMPT))
         out = _finished(d, "d2", other=p)
-        assert _failures(d) == {} and out.new_token_ids and _kv_ok(d, "d2", PROMPT)
+        assert _failures(d) == {} and out.new_token_ids and d.holds_prompt_kv("d2", PROMPT)
         d.add("d3", prompt, 2, _prefill(p, "p3", prompt))
         out = _finished(d, "d3", other=p)
-        assert _failures(d) == {} and out.new_token_ids and _kv_ok(d, "d3", prompt)
+        assert _failures(d) == {} and out.new_token_ids and d.holds_prompt_kv("d3", prompt)
         assert d.worker._worker._remotes[("127.0.0.1", port)] is not old
         del keep
     finally:
@@ -923,7 +915,7 @@ def test_a_notice_after_the_prefill_restarted_reconnects_and_is_refused(
         assert "p2" in p.worker._worker._pending_send and "p2" not in p.worker._worker._notified
         d.add("d3", PROMPT, 2, new)
         out = _finished(d, "d3", other=p)
-        assert _failures(d) == {"Unconfirmed": 1} and out.new_token_ids and _kv_ok(d, "d3", PROMPT)
+        assert _failures(d) == {"Unconfirmed": 1} and out.new_token_ids and d.holds_prompt_kv("d3", PROMPT)
     finally:
         restarted.set()
         d.close()

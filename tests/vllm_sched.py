@@ -191,6 +191,15 @@ class Instance:
             for li, name in enumerate(LAYERS):
                 self.kv[name][block_ids[b], :, off, :] = pattern(req.all_token_ids[: t + 1], li)
 
+    def holds_prompt_kv(self, rid: str, prompt: list[int]) -> bool:
+        """Whether the request's blocks hold the KV of every prompt token but the last (what a
+        decode loads; it computes the last one itself), as :meth:`_compute` writes it."""
+        n = len(prompt) - 1
+        return all(
+            torch.equal(g, w)
+            for g, w in zip(self.block_values(rid, n), expected_rows(prompt, n), strict=True)
+        )
+
     def block_values(self, rid: str, upto_tokens: int) -> list[torch.Tensor]:
         """The KV rows of the first ``upto_tokens`` tokens of a request, per layer."""
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
